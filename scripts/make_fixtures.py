@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Generate the HF-parity fixtures under tests/fixtures/ (run by hand, not in CI).
+
+Each fixture is a tiny random-weight checkpoint written by transformers'
+save_pretrained, plus the hidden states HF computes for a few samples:
+
+  tests/fixtures/NAME/config.json, model.safetensors (or shards + index)
+  tests/fixtures/NAME/data.jsonl        one {"input_ids": [...]} per line
+  tests/fixtures/NAME/expected.safetensors
+      sample{i}.hidden_states   [N+1, T, H]  HF output_hidden_states, f32
+      sample{i}.final_pre_norm  [T, H]       input of model.norm (hook)
+
+Weights are random with non-trivial norms and biases (HF's ones and zeros
+hide norm and bias bugs). Checkpoints saved in bf16/f16 are run by HF in f32
+on exactly the rounded weights. Requires: torch, transformers>=5, safetensors.
+
+    python scripts/make_fixtures.py [--out tests/fixtures]
+"""
+import argparse
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import save_file
+import transformers
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+LENGTHS = [1, 6, 19, 40]
+
+FIXTURES = {
+    # The embedded default model of `strata extract`: 8 layers so eagle3 picks distinct layers.
+    "llama-default": dict(
+        cls=(LlamaConfig, LlamaForCausalLM), dtype=torch.bfloat16, shard=None, legacy=False,
+        cfg=dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5,
+                 rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=16))),
+    # GQA 8:2, q/k/v/o and MLP biases, linear RoPE scaling, sharded weights, legacy config keys.
+    "llama-gqa-sharded": dict(
+        cls=(LlamaConfig, LlamaForCausalLM), dtype=torch.float32, shard="60KB", legacy=True,
+        cfg=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                 intermediate_size=96, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6,
+                 attention_bias=True, mlp_bias=True,
+                 rope_parameters=dict(rope_type="linear", rope_theta=500.0, factor=2.0))),
+    # Non-power-of-two sizes (hidden 96, head_dim 24) and a window shorter than the longest sample.
+    "mistral-swa": dict(
+        cls=(MistralConfig, MistralForCausalLM), dtype=torch.float32, shard=None, legacy=False,
+        cfg=dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                 intermediate_size=160, vocab_size=200, sliding_window=5, max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="default", rope_theta=1000.0))),
+    # q/k/v bias, sliding window on layers >= max_window_layers, f16 weights.
+    "qwen2-swa": dict(
+        cls=(Qwen2Config, Qwen2ForCausalLM), dtype=torch.float16, shard=None, legacy=False,
+        cfg=dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=80, vocab_size=180, use_sliding_window=True, sliding_window=6,
+                 max_window_layers=1, max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
+    # q/k RMSNorm, head_dim (32) != hidden/heads (20), tied embeddings.
+    "qwen3": dict(
+        cls=(Qwen3Config, Qwen3ForCausalLM), dtype=torch.float32, shard=None, legacy=False,
+        cfg=dict(hidden_size=80, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 intermediate_size=112, vocab_size=220, tie_word_embeddings=True, max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+}
+
+
+def randomize(model, gen):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+def to_legacy(cfg_path):
+    """Rewrite transformers-5 `rope_parameters` into the hub's older top-level keys."""
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rp = cfg.pop("rope_parameters")
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    cfg["rope_scaling"] = None if rp.get("rope_type") == "default" else rp
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def make(name, spec, out_root, seed):
+    out = os.path.join(out_root, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cfg_cls, model_cls = spec["cls"]
+    cfg = cfg_cls(**spec["cfg"])
+    cfg._attn_implementation = "eager"
+    gen = torch.Generator().manual_seed(seed)
+    model = model_cls(cfg).eval()
+    randomize(model, gen)
+    # Round to the storage dtype, save, then compute the reference in f32 on the rounded weights.
+    model = model.to(spec["dtype"])
+    kwargs = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
+    model.save_pretrained(out, **kwargs)
+    if spec["legacy"]:
+        to_legacy(os.path.join(out, "config.json"))
+    for extra in ("generation_config.json",):
+        p = os.path.join(out, extra)
+        if os.path.exists(p):
+            os.remove(p)
+    # A fresh f32 model loaded with the rounded weights: casting the model itself
+    # would also round RoPE's inv_freq buffer, which a real f32 run never does.
+    rounded = {k: v.float() for k, v in model.state_dict().items()}
+    model = model_cls(cfg).eval()
+    model.load_state_dict(rounded)
+
+    captured = {}
+    model.model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0].detach().clone()))
+    expected = {}
+    with open(os.path.join(out, "data.jsonl"), "w") as f:
+        for i, n in enumerate(LENGTHS):
+            ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+            f.write(json.dumps({"input_ids": ids.tolist()}) + "\n")
+            with torch.no_grad():
+                res = model.model(input_ids=ids[None], output_hidden_states=True)
+            hs = torch.stack([h[0] for h in res.hidden_states]).contiguous()
+            assert hs.shape == (cfg.num_hidden_layers + 1, n, cfg.hidden_size)
+            expected[f"sample{i}.hidden_states"] = hs
+            expected[f"sample{i}.final_pre_norm"] = captured["pre"][0].contiguous()
+    save_file(expected, os.path.join(out, "expected.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    size = sum(os.path.getsize(os.path.join(out, x)) for x in os.listdir(out))
+    print(f"{name}: {size / 1024:.0f} KiB")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
+    ap.add_argument("--only", nargs="*", help="fixture names to regenerate")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    for seed, (name, spec) in enumerate(FIXTURES.items()):
+        if args.only and name not in args.only:
+            continue
+        make(name, spec, args.out, 1000 + seed)
+
+
+if __name__ == "__main__":
+    main()

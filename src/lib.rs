@@ -1,0 +1,20 @@
+//! Strata: shape-verified hidden-state extraction from transformer LLMs.
+//!
+//! The data flows one way: a [`source`] of samples is packed into a
+//! [`batch::PackedBatch`], a [`model`] runs it and fills the requested
+//! [`capture`] points into typed `[L, T, H]` [`shape::CapturedStates`],
+//! which a [`sink`] writes to disk. [`extract`] composes them for the CLI.
+
+#![warn(missing_docs)]
+
+pub mod batch;
+pub mod capture;
+pub mod checkpoint;
+pub mod config;
+pub mod cpu;
+pub mod model;
+pub mod shape;
+pub mod embedded;
+pub mod extract;
+pub mod sink;
+pub mod source;

@@ -1,0 +1,319 @@
+//! Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on the CPU, over packed batches.
+//!
+//! Pre-norm residual blocks, as in the checkpoints:
+//! `x += o_proj(attn(rope(q), rope(k), v))` on `input_layernorm(x)`, then
+//! `x += down_proj(silu(gate_proj(h)) * up_proj(h))` on `post_attention_layernorm(x)`.
+//! q/k/v and gate/up are fused into one GEMM each at load time. No LM head.
+
+use super::ModelError;
+use crate::batch::PackedBatch;
+use crate::capture::{CaptureSet, Tap};
+use crate::checkpoint::Checkpoint;
+use crate::config::{LlamaConfig, RopeScaling};
+use crate::cpu::attention::{varlen_attention, AttnShape};
+use crate::cpu::ops::{rms_norm, rms_norm_heads_inplace, rope_head, swiglu};
+use crate::cpu::PackedLinear;
+use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
+use std::path::Path;
+use tracing::{debug_span, info_span};
+
+/// Self-attention weights of one layer (`self_attn.*`).
+struct SelfAttn {
+    /// `q_proj`, `k_proj`, `v_proj` stacked: `[(heads + 2·kv) · head_dim, hidden]`.
+    qkv_proj: PackedLinear,
+    o_proj: PackedLinear,
+    /// Qwen3's per-head norms.
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+}
+
+/// MLP weights of one layer (`mlp.*`).
+struct Mlp {
+    /// `gate_proj` and `up_proj` stacked: `[2 · intermediate, hidden]`.
+    gate_up_proj: PackedLinear,
+    down_proj: PackedLinear,
+}
+
+/// One decoder layer (`model.layers.{i}.*`).
+struct DecoderLayer {
+    input_layernorm: Vec<f32>,
+    self_attn: SelfAttn,
+    post_attention_layernorm: Vec<f32>,
+    mlp: Mlp,
+    sliding_window: Option<usize>,
+}
+
+/// A loaded Llama-family model whose hidden width is the dim `H`
+/// (`Hidden<N>` in a static job, `usize` when it comes from `config.json`).
+pub struct Llama<H: Dim = usize> {
+    config: LlamaConfig,
+    hidden: H,
+    dtype: DType,
+    embed_tokens: Vec<f32>,
+    layers: Vec<DecoderLayer>,
+    norm: Vec<f32>,
+    inv_freq: Vec<f32>,
+}
+
+/// Reusable activations of one forward, sized by the batch.
+struct Activations {
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+}
+
+fn inv_freq(c: &LlamaConfig) -> Vec<f32> {
+    let d = c.head_dim;
+    let base: Vec<f32> = (0..d / 2).map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / d as f32)).collect();
+    match c.rope_scaling {
+        RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } => {
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.into_iter()
+                .map(|f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+impl<H: Dim + Default> Llama<H> {
+    /// Loads `config.json` and the safetensors weights from a checkpoint directory.
+    pub fn load(dir: &Path) -> Result<Self, ModelError> {
+        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
+        let ckpt = Checkpoint::open(dir)?;
+        Self::from_checkpoint(config, &ckpt)
+    }
+
+    /// Builds the model from a parsed config and an opened checkpoint,
+    /// checking the config's hidden size against `H`.
+    pub fn from_checkpoint(config: LlamaConfig, ckpt: &Checkpoint) -> Result<Self, ModelError> {
+        let _span = info_span!("load", arch = config.arch.name(), layers = config.num_layers).entered();
+        let hidden: H = dim_from_size("config.json hidden_size", "hidden", config.hidden_size)?;
+        let c = &config;
+        let (h, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let embed_tokens = ckpt.read_f32("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let dtype = ckpt.dtype("model.embed_tokens.weight").unwrap_or(DType::F32);
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for l in 0..c.num_layers {
+            let p = format!("model.layers.{l}");
+            let w = |name: &str, shape: &[usize]| ckpt.read_f32(&format!("{p}.{name}"), shape);
+            let mut qkv = w("self_attn.q_proj.weight", &[q_out, h])?;
+            qkv.extend(w("self_attn.k_proj.weight", &[kv_out, h])?);
+            qkv.extend(w("self_attn.v_proj.weight", &[kv_out, h])?);
+            let qkv_bias = if c.qkv_bias {
+                let mut b = w("self_attn.q_proj.bias", &[q_out])?;
+                b.extend(w("self_attn.k_proj.bias", &[kv_out])?);
+                b.extend(w("self_attn.v_proj.bias", &[kv_out])?);
+                Some(b)
+            } else {
+                None
+            };
+            let o_bias = if c.o_bias { Some(w("self_attn.o_proj.bias", &[h])?) } else { None };
+            let (q_norm, k_norm) = if c.qk_norm {
+                (Some(w("self_attn.q_norm.weight", &[hd])?), Some(w("self_attn.k_norm.weight", &[hd])?))
+            } else {
+                (None, None)
+            };
+            let mut gate_up = w("mlp.gate_proj.weight", &[i, h])?;
+            gate_up.extend(w("mlp.up_proj.weight", &[i, h])?);
+            let (gate_up_bias, down_bias) = if c.mlp_bias {
+                let mut b = w("mlp.gate_proj.bias", &[i])?;
+                b.extend(w("mlp.up_proj.bias", &[i])?);
+                (Some(b), Some(w("mlp.down_proj.bias", &[h])?))
+            } else {
+                (None, None)
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: w("input_layernorm.weight", &[h])?,
+                self_attn: SelfAttn {
+                    qkv_proj: PackedLinear::new(&qkv, q_out + 2 * kv_out, h, qkv_bias),
+                    o_proj: PackedLinear::new(&w("self_attn.o_proj.weight", &[h, q_out])?, h, q_out, o_bias),
+                    q_norm,
+                    k_norm,
+                },
+                post_attention_layernorm: w("post_attention_layernorm.weight", &[h])?,
+                mlp: Mlp {
+                    gate_up_proj: PackedLinear::new(&gate_up, 2 * i, h, gate_up_bias),
+                    down_proj: PackedLinear::new(&w("mlp.down_proj.weight", &[h, i])?, h, i, down_bias),
+                },
+                sliding_window: c.sliding_windows[l],
+            });
+        }
+        let norm = ckpt.read_f32("model.norm.weight", &[h])?;
+        let inv_freq = inv_freq(c);
+        Ok(Llama { config, hidden, dtype, embed_tokens, layers, norm, inv_freq })
+    }
+}
+
+impl<H: Dim> Llama<H> {
+    /// The normalised config.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+    /// The hidden dim.
+    pub fn hidden(&self) -> H {
+        self.hidden
+    }
+    /// The dtype the checkpoint stores its weights in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Checks a batch against the model: token ids in the vocabulary, no empty
+    /// sample, no sample longer than `max_position_embeddings`.
+    pub fn check_batch(&self, batch: &PackedBatch) -> Result<(), ModelError> {
+        for s in 0..batch.num_samples() {
+            let r = batch.range(s);
+            let err = |problem: String| ModelError::Input { sample: s, problem };
+            if r.is_empty() {
+                return Err(err("empty sample (no tokens)".into()));
+            }
+            if r.len() > self.config.max_position_embeddings {
+                return Err(err(format!(
+                    "{} tokens exceed max_position_embeddings {}",
+                    r.len(),
+                    self.config.max_position_embeddings
+                )));
+            }
+            if let Some((pos, &t)) =
+                batch.token_ids()[r].iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size)
+            {
+                return Err(err(format!(
+                    "token id {t} at position {pos} is out of range (vocab_size {})",
+                    self.config.vocab_size
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the decoder over a packed batch and returns the captured states
+    /// `[L, T_total, H]`, layers in the capture set's order. Layers past the
+    /// deepest capture point are not run.
+    pub fn forward<L: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+    ) -> Result<CapturedStates<L, H>, ModelError> {
+        let c = &self.config;
+        let taps = captures.taps(c.num_layers)?;
+        self.check_batch(batch)?;
+        let _span = info_span!("forward", tokens = batch.num_tokens(), samples = batch.num_samples()).entered();
+        let (t, h) = (batch.num_tokens(), c.hidden_size);
+        let mut out = CapturedStates::<L, H>::zeros(captures.layers(), t, self.hidden);
+        let needs_post_norm = taps.contains(&Tap::PostNorm);
+        let depth = if needs_post_norm {
+            c.num_layers
+        } else {
+            taps.iter().map(|tap| if let Tap::Residual(k) = tap { *k } else { 0 }).max().unwrap_or(0)
+        };
+
+        let mut x = vec![0f32; t * h];
+        for (row, &id) in x.chunks_exact_mut(h).zip(batch.token_ids()) {
+            let id = id as usize;
+            row.copy_from_slice(&self.embed_tokens[id * h..(id + 1) * h]);
+        }
+        let (cos, sin) = self.rope_table(batch.max_len());
+        let mut act = Activations {
+            normed: vec![0f32; t * h],
+            qkv: vec![0f32; t * c.qkv_size()],
+            attn: vec![0f32; t * c.num_heads * c.head_dim],
+            gate_up: vec![0f32; t * 2 * c.intermediate_size],
+            act: vec![0f32; t * c.intermediate_size],
+        };
+        let capture = |out: &mut CapturedStates<L, H>, tap: Tap, src: &[f32]| {
+            for (slot, _) in taps.iter().enumerate().filter(|(_, &x)| x == tap) {
+                out.layer_mut(slot).copy_from_slice(src);
+            }
+        };
+        for (k, layer) in self.layers.iter().enumerate().take(depth) {
+            capture(&mut out, Tap::Residual(k), &x);
+            let _s = debug_span!("layer", k).entered();
+            self.layer_forward(layer, batch, &cos, &sin, &mut x, &mut act);
+        }
+        capture(&mut out, Tap::Residual(depth), &x);
+        if needs_post_norm {
+            rms_norm(&x, &self.norm, c.rms_norm_eps, &mut act.normed);
+            capture(&mut out, Tap::PostNorm, &act.normed);
+        }
+        Ok(out)
+    }
+
+    /// cos/sin of every position up to `len`, `[len, head_dim/2]` each.
+    fn rope_table(&self, len: usize) -> (Vec<f32>, Vec<f32>) {
+        let half = self.inv_freq.len();
+        let mut cos = vec![0f32; len * half];
+        let mut sin = vec![0f32; len * half];
+        for p in 0..len {
+            for (i, f) in self.inv_freq.iter().enumerate() {
+                let a = p as f32 * f;
+                cos[p * half + i] = a.cos();
+                sin[p * half + i] = a.sin();
+            }
+        }
+        (cos, sin)
+    }
+
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        batch: &PackedBatch,
+        cos: &[f32],
+        sin: &[f32],
+        x: &mut [f32],
+        act: &mut Activations,
+    ) {
+        let c = &self.config;
+        let t = batch.num_tokens();
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let half = hd / 2;
+
+        rms_norm(x, &layer.input_layernorm, c.rms_norm_eps, &mut act.normed);
+        layer.self_attn.qkv_proj.forward(&act.normed, t, &mut act.qkv, false);
+        // q/k norm (Qwen3) then RoPE at each token's position within its sample.
+        let stride = c.qkv_size();
+        for s in 0..batch.num_samples() {
+            let r = batch.range(s);
+            for (pos, row) in act.qkv[r.start * stride..r.end * stride].chunks_exact_mut(stride).enumerate() {
+                let (qk, _v) = row.split_at_mut((nh + nkv) * hd);
+                let (q, k) = qk.split_at_mut(nh * hd);
+                if let (Some(qn), Some(kn)) = (&layer.self_attn.q_norm, &layer.self_attn.k_norm) {
+                    rms_norm_heads_inplace(q, qn, c.rms_norm_eps);
+                    rms_norm_heads_inplace(k, kn, c.rms_norm_eps);
+                }
+                let (cs, sn) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
+                qk.chunks_exact_mut(hd).for_each(|head| rope_head(head, cs, sn));
+            }
+        }
+        let shape = AttnShape {
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+            window: layer.sliding_window,
+            scale: (hd as f32).powf(-0.5),
+        };
+        varlen_attention(&act.qkv, batch.cu_seqlens(), shape, &mut act.attn);
+        // Residual add fused into the GEMM: x += attn · o_projᵀ.
+        layer.self_attn.o_proj.forward(&act.attn, t, x, true);
+
+        rms_norm(x, &layer.post_attention_layernorm, c.rms_norm_eps, &mut act.normed);
+        layer.mlp.gate_up_proj.forward(&act.normed, t, &mut act.gate_up, false);
+        swiglu(&act.gate_up, c.intermediate_size, &mut act.act);
+        layer.mlp.down_proj.forward(&act.act, t, x, true);
+    }
+}

@@ -1,0 +1,169 @@
+//! Element types of host storage: f32, bf16, f16 (dfdx has no bf16).
+
+use half::{bf16, f16};
+
+/// A storage dtype, as written in safetensors headers and on the CLI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit IEEE float.
+    F32,
+    /// bfloat16.
+    BF16,
+    /// IEEE half.
+    F16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+
+    /// The safetensors dtype.
+    pub fn to_safetensors(self) -> safetensors::Dtype {
+        match self {
+            DType::F32 => safetensors::Dtype::F32,
+            DType::BF16 => safetensors::Dtype::BF16,
+            DType::F16 => safetensors::Dtype::F16,
+        }
+    }
+
+    /// From a safetensors dtype; `None` for dtypes Strata does not store.
+    pub fn from_safetensors(d: safetensors::Dtype) -> Option<Self> {
+        match d {
+            safetensors::Dtype::F32 => Some(DType::F32),
+            safetensors::Dtype::BF16 => Some(DType::BF16),
+            safetensors::Dtype::F16 => Some(DType::F16),
+            _ => None,
+        }
+    }
+
+    /// Converts f32 values into this dtype's little-endian bytes, appending to `out`.
+    pub fn encode_into(self, src: &[f32], out: &mut Vec<u8>) {
+        out.reserve(src.len() * self.size());
+        match self {
+            DType::F32 => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+            DType::BF16 => src
+                .iter()
+                .for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+            DType::F16 => src
+                .iter()
+                .for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+        }
+    }
+
+    /// Decodes little-endian bytes of this dtype into f32 values.
+    pub fn decode_into(self, bytes: &[u8], out: &mut [f32]) {
+        debug_assert_eq!(bytes.len(), out.len() * self.size());
+        match self {
+            DType::F32 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            DType::BF16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            DType::F16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        })
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Ok(DType::F32),
+            "bf16" | "bfloat16" => Ok(DType::BF16),
+            "f16" | "float16" | "half" => Ok(DType::F16),
+            other => Err(format!("unknown dtype {other:?} (expected f32, bf16 or f16)")),
+        }
+    }
+}
+
+/// An element type of typed host storage.
+pub trait Element: Copy + Send + Sync + Default + std::fmt::Debug + 'static {
+    /// Its dtype tag.
+    const DTYPE: DType;
+    /// Rounds an f32 into this type.
+    fn from_f32(v: f32) -> Self;
+    /// Widens to f32.
+    fn to_f32(self) -> f32;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encode_decode_round_trip() {
+        let src = [1.0f32, -2.5, 0.15625, 3.0e4];
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let mut bytes = Vec::new();
+            dt.encode_into(&src, &mut bytes);
+            assert_eq!(bytes.len(), src.len() * dt.size());
+            let mut back = [0f32; 4];
+            dt.decode_into(&bytes, &mut back);
+            for (a, b) in src.iter().zip(back) {
+                assert!((a - b).abs() <= a.abs() * 1e-2, "{dt}: {a} vs {b}");
+            }
+        }
+        assert_eq!("bfloat16".parse::<DType>().unwrap(), DType::BF16);
+        assert!("int8".parse::<DType>().is_err());
+    }
+}

@@ -1,0 +1,246 @@
+//! `[layers, tokens, hidden]` host storage, the unit every stage hands on.
+
+use super::{check_dim, DType, Dim, Element, ShapeError};
+use std::ops::Range;
+
+/// Captured residual-stream states of one sample (or one packed batch):
+/// `[L, T, H]`, row-major, `T` known only at run time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CapturedStates<L: Dim, H: Dim, E: Element = f32> {
+    layers: L,
+    tokens: usize,
+    hidden: H,
+    data: Vec<E>,
+}
+
+/// An axis of `[L, T, H]` storage, for operations that take one as a type.
+pub trait StatesAxis {
+    /// The axis name used in errors.
+    const NAME: &'static str;
+}
+
+/// The layers axis.
+pub struct LayerAxis;
+/// The tokens axis.
+pub struct TokenAxis;
+/// The hidden axis.
+pub struct HiddenAxis;
+
+impl StatesAxis for LayerAxis {
+    const NAME: &'static str = "layers";
+}
+impl StatesAxis for TokenAxis {
+    const NAME: &'static str = "tokens";
+}
+impl StatesAxis for HiddenAxis {
+    const NAME: &'static str = "hidden";
+}
+
+/// Axes along which captures may be concatenated. Only tokens: joining two
+/// samples' (or chunks') states along hidden or layers yields a buffer whose
+/// type would lie about its shape.
+#[diagnostic::on_unimplemented(
+    message = "captured states concatenate along tokens only, not along `{Self}`",
+    label = "use `TokenAxis`: layers and hidden are fixed by the capture set and the model",
+    note = "concatenating along hidden or layers is the layout bug Strata exists to reject"
+)]
+pub trait ConcatAxis: StatesAxis {}
+impl ConcatAxis for TokenAxis {}
+
+impl<L: Dim, H: Dim, E: Element> CapturedStates<L, H, E> {
+    /// Zero-filled states.
+    pub fn zeros(layers: L, tokens: usize, hidden: H) -> Self {
+        let n = layers.size() * tokens * hidden.size();
+        CapturedStates { layers, tokens, hidden, data: vec![E::default(); n] }
+    }
+
+    /// Wraps a buffer, checking its length against `[layers, tokens, hidden]`.
+    pub fn try_from_vec(data: Vec<E>, layers: L, tokens: usize, hidden: H) -> Result<Self, ShapeError> {
+        let expected = layers.size() * tokens * hidden.size();
+        if data.len() != expected {
+            return Err(ShapeError::new("captured states buffer", "elements", expected, data.len()));
+        }
+        Ok(CapturedStates { layers, tokens, hidden, data })
+    }
+
+    /// Decodes raw little-endian bytes of `dtype` with a run-time shape, checking
+    /// dtype, every axis against the type's dims, and the byte count.
+    pub fn try_from_bytes(
+        context: &str,
+        bytes: &[u8],
+        dtype: DType,
+        shape: &[usize],
+        layers: L,
+        hidden: H,
+    ) -> Result<Self, ShapeError> {
+        if shape.len() != 3 {
+            return Err(ShapeError::new(context, "rank", 3, shape.len()));
+        }
+        check_dim(context, "layers", layers, shape[0])?;
+        check_dim(context, "hidden", hidden, shape[2])?;
+        let tokens = shape[1];
+        let n = layers.size() * tokens * hidden.size();
+        if bytes.len() != n * dtype.size() {
+            return Err(ShapeError::new(context, "bytes", n * dtype.size(), bytes.len()));
+        }
+        let mut f = vec![0f32; n];
+        dtype.decode_into(bytes, &mut f);
+        let data = f.into_iter().map(E::from_f32).collect();
+        Ok(CapturedStates { layers, tokens, hidden, data })
+    }
+
+    /// The layers dim.
+    pub fn layers(&self) -> L {
+        self.layers
+    }
+    /// Number of tokens.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// The hidden dim.
+    pub fn hidden(&self) -> H {
+        self.hidden
+    }
+    /// `[L, T, H]` as run-time sizes.
+    pub fn shape(&self) -> [usize; 3] {
+        [self.layers.size(), self.tokens, self.hidden.size()]
+    }
+    /// The whole buffer, `[L, T, H]` row-major.
+    pub fn as_slice(&self) -> &[E] {
+        &self.data
+    }
+    /// The whole buffer, mutable.
+    pub fn as_mut_slice(&mut self) -> &mut [E] {
+        &mut self.data
+    }
+    /// Takes the buffer out.
+    pub fn into_vec(self) -> Vec<E> {
+        self.data
+    }
+
+    /// One captured layer, `[T, H]`.
+    pub fn layer(&self, l: usize) -> &[E] {
+        let n = self.tokens * self.hidden.size();
+        &self.data[l * n..(l + 1) * n]
+    }
+
+    /// One captured layer, mutable.
+    pub fn layer_mut(&mut self, l: usize) -> &mut [E] {
+        let n = self.tokens * self.hidden.size();
+        &mut self.data[l * n..(l + 1) * n]
+    }
+
+    /// The states of a token range (e.g. one sample of a packed batch), as a new buffer.
+    pub fn slice_tokens(&self, range: Range<usize>) -> Result<Self, ShapeError> {
+        if range.start > range.end || range.end > self.tokens {
+            return Err(ShapeError::new("slice_tokens", "tokens", self.tokens, range.end));
+        }
+        let h = self.hidden.size();
+        let t = range.len();
+        let mut data = Vec::with_capacity(self.layers.size() * t * h);
+        for l in 0..self.layers.size() {
+            data.extend_from_slice(&self.layer(l)[range.start * h..range.end * h]);
+        }
+        Ok(CapturedStates { layers: self.layers, tokens: t, hidden: self.hidden, data })
+    }
+
+    /// Concatenates parts along an axis; only [`TokenAxis`] is allowed, which
+    /// the compiler enforces. Parts share `L` and `H` by type; their run-time
+    /// sizes (for `usize` dims) are checked.
+    pub fn concat<A: ConcatAxis>(parts: &[Self]) -> Result<Self, ShapeError> {
+        let Some(first) = parts.first() else {
+            return Err(ShapeError::new("concat", A::NAME, 1, 0));
+        };
+        let (layers, hidden) = (first.layers, first.hidden);
+        for p in parts {
+            check_dim("concat", "layers", layers, p.layers.size())?;
+            check_dim("concat", "hidden", hidden, p.hidden.size())?;
+        }
+        let tokens: usize = parts.iter().map(|p| p.tokens).sum();
+        let h = hidden.size();
+        let mut data = Vec::with_capacity(layers.size() * tokens * h);
+        for l in 0..layers.size() {
+            for p in parts {
+                data.extend_from_slice(p.layer(l));
+            }
+        }
+        debug_assert_eq!(data.len(), layers.size() * tokens * h);
+        Ok(CapturedStates { layers, tokens, hidden, data })
+    }
+
+    /// Converts the element type (e.g. f32 → bf16 for storage).
+    pub fn to_element<E2: Element>(&self) -> CapturedStates<L, H, E2> {
+        CapturedStates {
+            layers: self.layers,
+            tokens: self.tokens,
+            hidden: self.hidden,
+            data: self.data.iter().map(|v| E2::from_f32(v.to_f32())).collect(),
+        }
+    }
+
+    /// Writes the states as `[T, L, H]` (the speculators layout) in `dtype`, appending to `out`.
+    pub fn encode_tlh(&self, dtype: DType, out: &mut Vec<u8>) {
+        let h = self.hidden.size();
+        let mut row = vec![0f32; h];
+        out.reserve(self.data.len() * dtype.size());
+        for t in 0..self.tokens {
+            for l in 0..self.layers.size() {
+                let src = &self.layer(l)[t * h..(t + 1) * h];
+                for (r, v) in row.iter_mut().zip(src) {
+                    *r = v.to_f32();
+                }
+                dtype.encode_into(&row, out);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shape::{Hidden, Layers};
+
+    fn seq(l: usize, t: usize, h: usize, base: f32) -> Vec<f32> {
+        (0..l * t * h).map(|i| base + i as f32).collect()
+    }
+
+    #[test]
+    fn checked_construction() {
+        let ok = CapturedStates::<Layers<2>, Hidden<3>>::try_from_vec(seq(2, 4, 3, 0.), Layers, 4, Hidden);
+        assert_eq!(ok.unwrap().shape(), [2, 4, 3]);
+        let err = CapturedStates::<Layers<2>, Hidden<3>>::try_from_vec(seq(2, 4, 2, 0.), Layers, 4, Hidden);
+        assert_eq!(err.unwrap_err().axis, "elements");
+        let bytes: Vec<u8> = seq(2, 4, 2, 0.).iter().flat_map(|v| v.to_le_bytes()).collect();
+        let err = CapturedStates::<Layers<2>, Hidden<3>>::try_from_bytes(
+            "capture \"input:1\"",
+            &bytes,
+            DType::F32,
+            &[2, 4, 2],
+            Layers,
+            Hidden,
+        )
+        .unwrap_err();
+        assert_eq!(err.to_string(), "capture \"input:1\": axis hidden: expected 3, got 2");
+    }
+
+    #[test]
+    fn slice_then_concat_is_identity() {
+        let s = CapturedStates::<usize, usize>::try_from_vec(seq(3, 7, 5, 0.), 3, 7, 5).unwrap();
+        let parts = [s.slice_tokens(0..2).unwrap(), s.slice_tokens(2..3).unwrap(), s.slice_tokens(3..7).unwrap()];
+        assert_eq!(CapturedStates::concat::<TokenAxis>(&parts).unwrap(), s);
+        assert!(s.slice_tokens(5..8).is_err());
+        let other = CapturedStates::<usize, usize>::zeros(3, 2, 4);
+        let err = CapturedStates::concat::<TokenAxis>(&[s, other]).unwrap_err();
+        assert_eq!((err.axis, err.expected, err.actual), ("hidden", 5, 4));
+    }
+
+    #[test]
+    fn tlh_encoding_transposes() {
+        let s = CapturedStates::<usize, usize>::try_from_vec(seq(2, 2, 1, 0.), 2, 2, 1).unwrap();
+        let mut out = Vec::new();
+        s.encode_tlh(DType::F32, &mut out);
+        let v: Vec<f32> = out.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        // [L=2,T=2] = [[0,1],[2,3]] -> [T,L] = [[0,2],[1,3]]
+        assert_eq!(v, vec![0., 2., 1., 3.]);
+    }
+}
