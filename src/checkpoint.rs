@@ -103,10 +103,8 @@ impl Checkpoint {
             let text = std::fs::read_to_string(&index).map_err(io(&index))?;
             let bad = |problem: String| CheckpointError::BadIndex { path: index.display().to_string(), problem };
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| bad("no `weight_map` object".into()))?;
+            let map =
+                v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("no `weight_map` object".into()))?;
             let mut files: Vec<String> = Vec::new();
             for (name, f) in map {
                 let f = f.as_str().ok_or_else(|| bad(format!("weight_map[{name:?}] is not a string")))?;

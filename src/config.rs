@@ -175,25 +175,28 @@ fn parse_rope(params: Option<&Value>, field: &'static str) -> Result<(Option<f32
     }
     let theta = num(p, "rope_theta", field)?;
     let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
-    let need = |key: &'static str| num(p, key, field)?.ok_or_else(|| invalid(field, format!("rope type {kind:?} needs `{key}`")));
-    let scaling = match kind {
-        "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear { factor: need("factor")? },
-        "llama3" => RopeScaling::Llama3 {
-            factor: need("factor")?,
-            low_freq_factor: need("low_freq_factor")?,
-            high_freq_factor: need("high_freq_factor")?,
-            original_max_position_embeddings: need("original_max_position_embeddings")?,
-        },
-        other => {
-            return Err(invalid(
-                field,
-                format!("rope type {other:?} is not supported for this architecture (supported: default, linear, llama3)"),
-            ))
-        }
+    let need = |key: &'static str| {
+        num(p, key, field)?.ok_or_else(|| invalid(field, format!("rope type {kind:?} needs `{key}`")))
     };
+    let scaling =
+        match kind {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear { factor: need("factor")? },
+            "llama3" => RopeScaling::Llama3 {
+                factor: need("factor")?,
+                low_freq_factor: need("low_freq_factor")?,
+                high_freq_factor: need("high_freq_factor")?,
+                original_max_position_embeddings: need("original_max_position_embeddings")?,
+            },
+            other => return Err(invalid(
+                field,
+                format!(
+                    "rope type {other:?} is not supported for this architecture (supported: default, linear, llama3)"
+                ),
+            )),
+        };
     if let RopeScaling::Linear { factor } | RopeScaling::Llama3 { factor, .. } = scaling {
-        if !(factor > 0.0) {
+        if factor.is_nan() || factor <= 0.0 {
             return Err(invalid(field, format!("`factor` must be positive, got {factor}")));
         }
     }
@@ -243,16 +246,17 @@ impl LlamaConfig {
                 format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
             ));
         }
-        let head_dim = match raw.head_dim {
-            Some(d) => d,
-            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => {
-                return Err(invalid(
+        let head_dim =
+            match raw.head_dim {
+                Some(d) => d,
+                None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+                None => return Err(invalid(
                     "head_dim",
-                    format!("absent, and hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"),
-                ))
-            }
-        };
+                    format!(
+                        "absent, and hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"
+                    ),
+                )),
+            };
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(invalid("head_dim", format!("must be a positive even number for RoPE, got {head_dim}")));
         }
@@ -266,7 +270,7 @@ impl LlamaConfig {
         let (theta_new, scaling_new) = parse_rope(raw.rope_parameters.as_ref(), "rope_parameters")?;
         let (theta_old, scaling_old) = parse_rope(raw.rope_scaling.as_ref(), "rope_scaling")?;
         let rope_theta = theta_new.or(raw.rope_theta.map(|t| t as f32)).or(theta_old).unwrap_or(10000.0);
-        if !(rope_theta > 0.0) {
+        if rope_theta.is_nan() || rope_theta <= 0.0 {
             return Err(invalid("rope_theta", format!("must be positive, got {rope_theta}")));
         }
         let rope_scaling = if raw.rope_parameters.is_some() { scaling_new } else { scaling_old };
@@ -317,10 +321,7 @@ impl LlamaConfig {
         }
         if let Some(types) = &raw.layer_types {
             if types.len() != n {
-                return Err(invalid(
-                    "layer_types",
-                    format!("has {} entries for {n} layers", types.len()),
-                ));
+                return Err(invalid("layer_types", format!("has {} entries for {n} layers", types.len())));
             }
             return types
                 .iter()

@@ -64,6 +64,9 @@ pub enum ExtractError {
         /// What is wrong.
         problem: String,
     },
+    /// A checkpoint without data: the embedded samples fit only the embedded model.
+    #[error("--model needs --data FILE.jsonl (the embedded demo data is made for the embedded model)")]
+    DataRequired,
     /// Refusing to mix a new run with an old one.
     #[error("output directory {0} is not empty; pass --overwrite to replace its hs_*.safetensors files")]
     OutputNotEmpty(String),
@@ -109,8 +112,8 @@ pub struct Summary {
 fn source(job: &ExtractJob) -> Result<(String, JsonlSource<Box<dyn BufRead>>), ExtractError> {
     Ok(match &job.data {
         Some(p) => {
-            let f = std::fs::File::open(p)
-                .map_err(|source| SourceError::Io { path: p.display().to_string(), source })?;
+            let f =
+                std::fs::File::open(p).map_err(|source| SourceError::Io { path: p.display().to_string(), source })?;
             let name = p.display().to_string();
             (name.clone(), JsonlSource::new(name, Box::new(std::io::BufReader::new(f))))
         }
@@ -159,6 +162,9 @@ fn prepare_out(dir: &Path, overwrite: bool) -> Result<(), ExtractError> {
 impl ExtractJob {
     /// Runs the job: validate all input, load the model, then stream batches to the sink.
     pub fn run(&self) -> Result<Summary, ExtractError> {
+        if self.model.is_some() && self.data.is_none() {
+            return Err(ExtractError::DataRequired);
+        }
         let mut summary = Summary::default();
         let t0 = Instant::now();
         let config = match &self.model {

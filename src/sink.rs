@@ -18,7 +18,8 @@ pub struct SinkError {
 /// A destination for per-sample captured states.
 pub trait Sink<L: Dim, H: Dim> {
     /// Writes one sample's token ids and `[L, T, H]` states.
-    fn write_sample(&mut self, index: usize, token_ids: &[u32], states: &CapturedStates<L, H>) -> Result<(), SinkError>;
+    fn write_sample(&mut self, index: usize, token_ids: &[u32], states: &CapturedStates<L, H>)
+        -> Result<(), SinkError>;
     /// Makes everything written durable.
     fn finish(&mut self) -> Result<(), SinkError>;
 }
@@ -47,12 +48,12 @@ impl SpeculatorsSink {
 }
 
 /// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename.
-pub fn write_atomic(path: &Path, write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>) -> Result<(), SinkError> {
+pub fn write_atomic(
+    path: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> Result<(), SinkError> {
     let err = |source| SinkError { path: path.display().to_string(), source };
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("out")
-    ));
+    let tmp = path.with_file_name(format!(".{}.tmp", path.file_name().and_then(|n| n.to_str()).unwrap_or("out")));
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         write(&mut f)?;
@@ -67,7 +68,12 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&mut std::fs::File) -> std::
 }
 
 impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
-    fn write_sample(&mut self, index: usize, token_ids: &[u32], states: &CapturedStates<L, H>) -> Result<(), SinkError> {
+    fn write_sample(
+        &mut self,
+        index: usize,
+        token_ids: &[u32],
+        states: &CapturedStates<L, H>,
+    ) -> Result<(), SinkError> {
         let [l, t, h] = states.shape();
         debug_assert_eq!(t, token_ids.len());
         self.buf.clear();

@@ -53,8 +53,8 @@ pub struct JsonlSource<R: BufRead> {
 impl JsonlSource<std::io::BufReader<std::fs::File>> {
     /// Opens a file.
     pub fn open(path: &std::path::Path) -> Result<Self, SourceError> {
-        let f = std::fs::File::open(path)
-            .map_err(|source| SourceError::Io { path: path.display().to_string(), source })?;
+        let f =
+            std::fs::File::open(path).map_err(|source| SourceError::Io { path: path.display().to_string(), source })?;
         Ok(Self::new(path.display().to_string(), std::io::BufReader::new(f)))
     }
 }

@@ -158,7 +158,9 @@ mod tests {
                     let scores: Vec<f64> = (lo..=i)
                         .map(|j| {
                             (0..hd)
-                                .map(|d| qkv[i * stride + h * hd + d] as f64 * qkv[j * stride + (nh + g) * hd + d] as f64)
+                                .map(|d| {
+                                    qkv[i * stride + h * hd + d] as f64 * qkv[j * stride + (nh + g) * hd + d] as f64
+                                })
                                 .sum::<f64>()
                                 * s.scale as f64
                         })

@@ -234,7 +234,13 @@ mod avx512 {
             bp = bp.add(NR);
         }
         let m0: __mmask16 = if cols >= 16 { 0xffff } else { (1u32 << cols) as u16 - 1 };
-        let m1: __mmask16 = if cols >= 32 { 0xffff } else if cols > 16 { (1u32 << (cols - 16)) as u16 - 1 } else { 0 };
+        let m1: __mmask16 = if cols >= 32 {
+            0xffff
+        } else if cols > 16 {
+            (1u32 << (cols - 16)) as u16 - 1
+        } else {
+            0
+        };
         let (base0, base1) = match init {
             TileInit::Bias(bias) => (_mm512_maskz_loadu_ps(m0, bias), _mm512_maskz_loadu_ps(m1, bias.add(16))),
             _ => (_mm512_setzero_ps(), _mm512_setzero_ps()),
@@ -401,8 +407,8 @@ impl PackedLinear {
                 if let (true, Some(b)) = (accumulate, &self.bias) {
                     let (j0, j1) = (p0 * NR, (p1 * NR).min(n));
                     for r in 0..rows {
-                        for j in j0..j1 {
-                            *c.add(r * n + j) += b[j];
+                        for (j, bj) in b.iter().enumerate().take(j1).skip(j0) {
+                            *c.add(r * n + j) += bj;
                         }
                     }
                 }

@@ -46,12 +46,8 @@ impl DType {
         out.reserve(src.len() * self.size());
         match self {
             DType::F32 => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-            DType::BF16 => src
-                .iter()
-                .for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
-            DType::F16 => src
-                .iter()
-                .for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+            DType::BF16 => src.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
+            DType::F16 => src.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
         }
     }
 

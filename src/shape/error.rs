@@ -18,7 +18,7 @@ pub struct ShapeError {
 impl ShapeError {
     /// A mismatch, with a hint when the numbers look like a known bug class.
     pub fn new(context: impl Into<String>, axis: &'static str, expected: usize, actual: usize) -> Self {
-        let hint = if actual != 0 && actual < expected && expected % actual == 0 && axis == "hidden" {
+        let hint = if actual != 0 && actual < expected && expected.is_multiple_of(actual) && axis == "hidden" {
             " (tensor-parallel shard?)"
         } else {
             ""
@@ -34,10 +34,7 @@ mod tests {
     #[test]
     fn message_names_axis_and_hints_at_shards() {
         let e = ShapeError::new("capture \"input:30\"", "hidden", 7168, 896);
-        assert_eq!(
-            e.to_string(),
-            "capture \"input:30\": axis hidden: expected 7168, got 896 (tensor-parallel shard?)"
-        );
+        assert_eq!(e.to_string(), "capture \"input:30\": axis hidden: expected 7168, got 896 (tensor-parallel shard?)");
         let e = ShapeError::new("t", "tokens", 10, 5);
         assert_eq!(e.to_string(), "t: axis tokens: expected 10, got 5");
     }

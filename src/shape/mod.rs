@@ -18,12 +18,7 @@ pub use error::ShapeError;
 pub use states::{CapturedStates, ConcatAxis, HiddenAxis, LayerAxis, StatesAxis, TokenAxis};
 
 /// Checks that a run-time size matches a dim, naming the axis on mismatch.
-pub fn check_dim<D: Dim>(
-    context: &str,
-    axis: &'static str,
-    dim: D,
-    actual: usize,
-) -> Result<(), ShapeError> {
+pub fn check_dim<D: Dim>(context: &str, axis: &'static str, dim: D, actual: usize) -> Result<(), ShapeError> {
     if dim.size() == actual {
         Ok(())
     } else {
@@ -32,11 +27,7 @@ pub fn check_dim<D: Dim>(
 }
 
 /// Builds a dim from a run-time size: `usize` accepts any size, a const dim only its own.
-pub fn dim_from_size<D: Dim + Default>(
-    context: &str,
-    axis: &'static str,
-    actual: usize,
-) -> Result<D, ShapeError> {
+pub fn dim_from_size<D: Dim + Default>(context: &str, axis: &'static str, actual: usize) -> Result<D, ShapeError> {
     // `usize::from_size` never fails, so on failure `D` is a const dim whose
     // `Default` value carries the expected size.
     D::from_size(actual).ok_or_else(|| ShapeError::new(context, axis, D::default().size(), actual))

@@ -1,0 +1,95 @@
+//! Helpers shared by the integration tests: fixtures and their HF references.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use strata::capture::CapturePoint;
+use strata::shape::DType;
+
+/// Absolute and relative tolerance of f32 parity with HF: `|a - b| <= TOL * max(1, |b|)`.
+pub const TOL: f32 = 1e-4;
+
+/// Every parity fixture (see scripts/make_fixtures.py).
+pub const FIXTURES: &[&str] = &["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3"];
+
+/// Path of a fixture directory.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// A decoded f32 tensor.
+pub struct Tensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// Reads every tensor of a safetensors file as f32 (I64 tensors are converted too).
+pub fn read_tensors(path: &Path) -> HashMap<String, Tensor> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(name, v)| {
+            let n: usize = v.shape().iter().product();
+            let data = match v.dtype() {
+                safetensors::Dtype::I64 => {
+                    v.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f32).collect()
+                }
+                d => {
+                    let dt = DType::from_safetensors(d).expect("float dtype");
+                    let mut out = vec![0f32; n];
+                    dt.decode_into(v.data(), &mut out);
+                    out
+                }
+            };
+            (name, Tensor { shape: v.shape().to_vec(), data })
+        })
+        .collect()
+}
+
+/// Token ids of each line of a fixture's data.jsonl.
+pub fn samples(name: &str) -> Vec<Vec<u32>> {
+    std::fs::read_to_string(fixture(name).join("data.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+        })
+        .collect()
+}
+
+/// The layer count of a fixture.
+pub fn num_layers(name: &str) -> usize {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
+    v["num_hidden_layers"].as_u64().unwrap() as usize
+}
+
+/// Every capture point of an `n`-layer model.
+pub fn all_points(n: usize) -> Vec<CapturePoint> {
+    let mut v = vec![CapturePoint::Embeddings];
+    v.extend((0..n).map(CapturePoint::LayerInput));
+    v.extend((0..n).map(CapturePoint::LayerOutput));
+    v.push(CapturePoint::FinalPreNorm);
+    v.push(CapturePoint::FinalPostNorm);
+    v
+}
+
+/// HF's `[T, H]` states of sample `i` at a capture point.
+pub fn expected(exp: &HashMap<String, Tensor>, i: usize, p: CapturePoint, n: usize) -> &[f32] {
+    match p.hf_index(n) {
+        Some(k) => {
+            let t = &exp[&format!("sample{i}.hidden_states")];
+            let per = t.shape[1] * t.shape[2];
+            &t.data[k * per..(k + 1) * per]
+        }
+        None => &exp[&format!("sample{i}.final_pre_norm")].data,
+    }
+}
+
+/// Largest `|a - b| / max(1, |b|)`.
+pub fn max_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
+}

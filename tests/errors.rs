@@ -1,0 +1,189 @@
+//! Bad input and bad checkpoints give a clear error naming the problem,
+//! never a panic, and write no output file.
+
+mod common;
+
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+struct Run {
+    ok: bool,
+    stderr: String,
+    out: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+fn extract(model: Option<&Path>, data: &str, extra: &[&str]) -> Run {
+    let tmp = tempfile::tempdir().unwrap();
+    let data_path = tmp.path().join("data.jsonl");
+    std::fs::write(&data_path, data).unwrap();
+    let out = tmp.path().join("out");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_strata"));
+    cmd.arg("extract").arg("--data").arg(&data_path).arg("--out").arg(&out).args(extra);
+    if let Some(m) = model {
+        cmd.arg("--model").arg(m);
+    }
+    let o = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    Run { ok: o.status.success(), stderr, out, _tmp: tmp }
+}
+
+fn output_files(dir: &Path) -> Vec<String> {
+    match std::fs::read_dir(dir) {
+        Err(_) => vec![],
+        Ok(rd) => rd.map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect(),
+    }
+}
+
+/// Asserts failure with a message containing every `needle`, and no output.
+fn fails_with(r: Run, needles: &[&str]) {
+    assert!(!r.ok, "expected failure");
+    for n in needles {
+        assert!(r.stderr.contains(n), "message lacks {n:?}:\n{}", r.stderr);
+    }
+    assert!(output_files(&r.out).is_empty(), "files written: {:?}", output_files(&r.out));
+}
+
+const GOOD: &str = "{\"input_ids\": [1, 2, 3]}\n";
+
+#[test]
+fn token_id_out_of_vocabulary() {
+    // The embedded model has vocab_size 256.
+    let r = extract(None, &format!("{GOOD}{{\"input_ids\": [5, 256]}}\n"), &[]);
+    fails_with(r, &["data.jsonl:2:", "input_ids[1] = 256 is out of range (vocab_size 256)"]);
+}
+
+#[test]
+fn empty_sample() {
+    fails_with(extract(None, &format!("{GOOD}{GOOD}{{\"input_ids\": []}}\n"), &[]), &["data.jsonl:3:", "empty sample"]);
+}
+
+#[test]
+fn sample_longer_than_max_position_embeddings() {
+    let ids: Vec<String> = (0..65).map(|i| (i % 300).to_string()).collect();
+    let data = format!("{GOOD}{{\"input_ids\": [{}]}}\n", ids.join(","));
+    let r = extract(Some(&fixture("llama-gqa-sharded")), &data, &[]);
+    fails_with(r, &["data.jsonl:2:", "65 tokens, more than max_position_embeddings 64"]);
+}
+
+#[test]
+fn malformed_line() {
+    fails_with(extract(None, &format!("{GOOD}{{\"input_ids\": [1, 2\n"), &[]), &["data.jsonl:2:", "malformed JSON"]);
+    fails_with(extract(None, "{\"tokens\": [1]}\n", &[]), &["data.jsonl:1:", "no `input_ids` field"]);
+    fails_with(extract(None, "{\"input_ids\": [1, 2.5]}\n", &[]), &["data.jsonl:1:", "input_ids[1] = 2.5"]);
+}
+
+#[test]
+fn bad_capture_points() {
+    fails_with(extract(None, GOOD, &["--capture", "input:8"]), &["needs layer 8", "has 8 layers"]);
+    fails_with(extract(None, GOOD, &["--capture", "layer:3"]), &["cannot parse capture point \"layer:3\""]);
+}
+
+#[test]
+fn refuses_non_empty_output_without_overwrite() {
+    let r = extract(None, GOOD, &[]);
+    assert!(r.ok, "{}", r.stderr);
+    std::fs::write(r.out.join("hs_9.safetensors"), b"stale").unwrap();
+    let again = Command::new(env!("CARGO_BIN_EXE_strata")).arg("extract").arg("--out").arg(&r.out).output().unwrap();
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("is not empty; pass --overwrite"));
+    let over = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["extract", "--overwrite", "--out"])
+        .arg(&r.out)
+        .output()
+        .unwrap();
+    assert!(over.status.success());
+    let mut files = output_files(&r.out);
+    files.sort();
+    assert_eq!(files, ["hs_0.safetensors", "hs_1.safetensors", "hs_2.safetensors", "hs_3.safetensors"]);
+}
+
+/// A copy of the qwen3 fixture whose weights or config a test then damages.
+fn damaged_copy(damage: impl FnOnce(&Path)) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("qwen3").join(f), tmp.path().join(f)).unwrap();
+    }
+    damage(tmp.path());
+    tmp
+}
+
+/// Rewrites model.safetensors through `edit(name, dtype, shape, bytes)`; `None` drops the tensor.
+fn rewrite_weights(
+    dir: &Path,
+    edit: impl Fn(&str, safetensors::Dtype, Vec<usize>, Vec<u8>) -> Option<(safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+) {
+    let path = dir.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .filter_map(|(n, v)| edit(&n, v.dtype(), v.shape().to_vec(), v.data().to_vec()).map(|(d, s, b)| (n, d, s, b)))
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = kept
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    std::fs::write(&path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+#[test]
+fn missing_tensor() {
+    let dir = damaged_copy(|d| {
+        rewrite_weights(d, |n, dt, s, b| (n != "model.layers.1.mlp.up_proj.weight").then_some((dt, s, b)))
+    });
+    let r = extract(Some(dir.path()), GOOD, &[]);
+    fails_with(r, &["tensor \"model.layers.1.mlp.up_proj.weight\" is missing"]);
+}
+
+#[test]
+fn tensor_of_wrong_shape() {
+    let dir = damaged_copy(|d| {
+        rewrite_weights(d, |n, dt, s, b| {
+            Some(if n == "model.norm.weight" { (dt, vec![s[0] / 2], b[..b.len() / 2].to_vec()) } else { (dt, s, b) })
+        })
+    });
+    fails_with(extract(Some(dir.path()), GOOD, &[]), &["tensor \"model.norm.weight\": expected shape [80], got [40]"]);
+}
+
+#[test]
+fn tensor_of_wrong_dtype() {
+    let dir = damaged_copy(|d| {
+        rewrite_weights(d, |n, dt, s, b| {
+            Some(if n == "model.norm.weight" { (safetensors::Dtype::I32, s, b) } else { (dt, s, b) })
+        })
+    });
+    fails_with(extract(Some(dir.path()), GOOD, &[]), &["tensor \"model.norm.weight\" has dtype I32"]);
+}
+
+#[test]
+fn truncated_safetensors_file() {
+    let dir = damaged_copy(|d| {
+        let p = d.join("model.safetensors");
+        let len = std::fs::metadata(&p).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(len - 100).unwrap();
+    });
+    fails_with(
+        extract(Some(dir.path()), GOOD, &[]),
+        &["model.safetensors is not a valid safetensors file", "truncated"],
+    );
+}
+
+#[test]
+fn malformed_and_unsupported_configs() {
+    let dir = damaged_copy(|d| std::fs::write(d.join("config.json"), "{\"model_type\": \"qwen3\",").unwrap());
+    fails_with(extract(Some(dir.path()), GOOD, &[]), &["malformed config.json"]);
+    let dir = damaged_copy(|d| std::fs::write(d.join("config.json"), "{\"model_type\": \"gpt_neox\"}").unwrap());
+    fails_with(extract(Some(dir.path()), GOOD, &[]), &["unsupported model_type \"gpt_neox\""]);
+    let dir = damaged_copy(|d| {
+        let c = std::fs::read_to_string(d.join("config.json")).unwrap();
+        std::fs::write(d.join("config.json"), c.replace("\"rope_type\": \"default\"", "\"rope_type\": \"dynamic\""))
+            .unwrap()
+    });
+    fails_with(extract(Some(dir.path()), GOOD, &[]), &["rope type \"dynamic\" is not supported"]);
+    let r = extract(Some(Path::new("/nonexistent/model")), GOOD, &[]);
+    fails_with(r, &["cannot read /nonexistent/model/config.json"]);
+}
