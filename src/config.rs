@@ -178,23 +178,24 @@ fn parse_rope(params: Option<&Value>, field: &'static str) -> Result<(Option<f32
     let need = |key: &'static str| {
         num(p, key, field)?.ok_or_else(|| invalid(field, format!("rope type {kind:?} needs `{key}`")))
     };
-    let scaling =
-        match kind {
-            "default" => RopeScaling::None,
-            "linear" => RopeScaling::Linear { factor: need("factor")? },
-            "llama3" => RopeScaling::Llama3 {
-                factor: need("factor")?,
-                low_freq_factor: need("low_freq_factor")?,
-                high_freq_factor: need("high_freq_factor")?,
-                original_max_position_embeddings: need("original_max_position_embeddings")?,
-            },
-            other => return Err(invalid(
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: need("factor")? },
+        "llama3" => RopeScaling::Llama3 {
+            factor: need("factor")?,
+            low_freq_factor: need("low_freq_factor")?,
+            high_freq_factor: need("high_freq_factor")?,
+            original_max_position_embeddings: need("original_max_position_embeddings")?,
+        },
+        other => {
+            return Err(invalid(
                 field,
                 format!(
                     "rope type {other:?} is not supported for this architecture (supported: default, linear, llama3)"
                 ),
-            )),
-        };
+            ))
+        }
+    };
     if let RopeScaling::Linear { factor } | RopeScaling::Llama3 { factor, .. } = scaling {
         if factor.is_nan() || factor <= 0.0 {
             return Err(invalid(field, format!("`factor` must be positive, got {factor}")));
@@ -246,17 +247,18 @@ impl LlamaConfig {
                 format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
             ));
         }
-        let head_dim =
-            match raw.head_dim {
-                Some(d) => d,
-                None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-                None => return Err(invalid(
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => {
+                return Err(invalid(
                     "head_dim",
                     format!(
                         "absent, and hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(invalid("head_dim", format!("must be a positive even number for RoPE, got {head_dim}")));
         }
