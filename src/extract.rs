@@ -165,6 +165,7 @@ impl ExtractJob {
         if self.model.is_some() && self.data.is_none() {
             return Err(ExtractError::DataRequired);
         }
+        let _span = tracing::info_span!("extract", out = %self.out.display()).entered();
         let mut summary = Summary::default();
         let t0 = Instant::now();
         let config = match &self.model {
@@ -215,8 +216,8 @@ impl ExtractJob {
             summary.forward_time += t.elapsed();
             let t = Instant::now();
             for (i, s) in pending.iter().enumerate() {
-                let one = states.slice_tokens(batch.range(i)).map_err(ModelError::from)?;
-                sink.write_sample(s.index, &s.input_ids, &one)?;
+                let one = states.view_tokens(batch.range(i)).map_err(ModelError::from)?;
+                sink.write_sample(s.index, &s.input_ids, one)?;
             }
             summary.write_time += t.elapsed();
             summary.samples += pending.len();

@@ -1,7 +1,7 @@
 //! Writers of captured states. Every file is written under a temporary name,
 //! fsynced and renamed, so a final name never holds a partial file.
 
-use crate::shape::{CapturedStates, DType, Dim};
+use crate::shape::{DType, Dim, StatesView};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -18,8 +18,7 @@ pub struct SinkError {
 /// A destination for per-sample captured states.
 pub trait Sink<L: Dim, H: Dim> {
     /// Writes one sample's token ids and `[L, T, H]` states.
-    fn write_sample(&mut self, index: usize, token_ids: &[u32], states: &CapturedStates<L, H>)
-        -> Result<(), SinkError>;
+    fn write_sample(&mut self, index: usize, token_ids: &[u32], states: StatesView<'_, L, H>) -> Result<(), SinkError>;
     /// Makes everything written durable.
     fn finish(&mut self) -> Result<(), SinkError>;
 }
@@ -68,12 +67,8 @@ pub fn write_atomic(
 }
 
 impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
-    fn write_sample(
-        &mut self,
-        index: usize,
-        token_ids: &[u32],
-        states: &CapturedStates<L, H>,
-    ) -> Result<(), SinkError> {
+    fn write_sample(&mut self, index: usize, token_ids: &[u32], states: StatesView<'_, L, H>) -> Result<(), SinkError> {
+        let _span = tracing::debug_span!("write", index).entered();
         let [l, t, h] = states.shape();
         debug_assert_eq!(t, token_ids.len());
         self.buf.clear();

@@ -15,7 +15,7 @@ pub use dfdx::shapes::{ConstDim, Dim};
 pub use dims::{Hidden, Layers};
 pub use element::{DType, Element};
 pub use error::ShapeError;
-pub use states::{CapturedStates, ConcatAxis, HiddenAxis, LayerAxis, StatesAxis, TokenAxis};
+pub use states::{CapturedStates, ConcatAxis, HiddenAxis, LayerAxis, StatesAxis, StatesView, TokenAxis};
 
 /// Checks that a run-time size matches a dim, naming the axis on mismatch.
 pub fn check_dim<D: Dim>(context: &str, axis: &'static str, dim: D, actual: usize) -> Result<(), ShapeError> {

@@ -132,16 +132,7 @@ impl<L: Dim, H: Dim, E: Element> CapturedStates<L, H, E> {
 
     /// The states of a token range (e.g. one sample of a packed batch), as a new buffer.
     pub fn slice_tokens(&self, range: Range<usize>) -> Result<Self, ShapeError> {
-        if range.start > range.end || range.end > self.tokens {
-            return Err(ShapeError::new("slice_tokens", "tokens", self.tokens, range.end));
-        }
-        let h = self.hidden.size();
-        let t = range.len();
-        let mut data = Vec::with_capacity(self.layers.size() * t * h);
-        for l in 0..self.layers.size() {
-            data.extend_from_slice(&self.layer(l)[range.start * h..range.end * h]);
-        }
-        Ok(CapturedStates { layers: self.layers, tokens: t, hidden: self.hidden, data })
+        Ok(self.view_tokens(range)?.to_owned())
     }
 
     /// Concatenates parts along an axis; only [`TokenAxis`] is allowed, which
@@ -178,21 +169,85 @@ impl<L: Dim, H: Dim, E: Element> CapturedStates<L, H, E> {
         }
     }
 
-    /// Writes the states as `[T, L, H]` (the speculators layout) in `dtype`, appending to `out`.
+    /// A borrowed view of a token range (one sample of a packed batch), without copying.
+    pub fn view_tokens(&self, range: Range<usize>) -> Result<StatesView<'_, L, H, E>, ShapeError> {
+        if range.start > range.end || range.end > self.tokens {
+            return Err(ShapeError::new("view_tokens", "tokens", self.tokens, range.end));
+        }
+        Ok(StatesView { states: self, range })
+    }
+
+    /// A view of all tokens.
+    pub fn view(&self) -> StatesView<'_, L, H, E> {
+        StatesView { states: self, range: 0..self.tokens }
+    }
+}
+
+/// A borrowed `[L, T', H]` window of [`CapturedStates`] over a token range.
+#[derive(Clone, Debug)]
+pub struct StatesView<'a, L: Dim, H: Dim, E: Element = f32> {
+    states: &'a CapturedStates<L, H, E>,
+    range: Range<usize>,
+}
+
+impl<L: Dim, H: Dim, E: Element> StatesView<'_, L, H, E> {
+    /// `[L, T', H]` as run-time sizes.
+    pub fn shape(&self) -> [usize; 3] {
+        [self.states.layers.size(), self.range.len(), self.states.hidden.size()]
+    }
+    /// The layers dim.
+    pub fn layers(&self) -> L {
+        self.states.layers
+    }
+    /// The hidden dim.
+    pub fn hidden(&self) -> H {
+        self.states.hidden
+    }
+    /// Number of tokens in the view.
+    pub fn tokens(&self) -> usize {
+        self.range.len()
+    }
+
+    /// One captured layer of the view, `[T', H]`.
+    pub fn layer(&self, l: usize) -> &[E] {
+        let h = self.states.hidden.size();
+        &self.states.layer(l)[self.range.start * h..self.range.end * h]
+    }
+
+    /// Copies the view into its own buffer.
+    pub fn to_owned(&self) -> CapturedStates<L, H, E> {
+        let mut data = Vec::with_capacity(self.shape().iter().product());
+        for l in 0..self.states.layers.size() {
+            data.extend_from_slice(self.layer(l));
+        }
+        CapturedStates { layers: self.states.layers, tokens: self.range.len(), hidden: self.states.hidden, data }
+    }
+
+    /// Writes the view as `[T, L, H]` (the speculators layout) in `dtype`, appending to `out`.
     pub fn encode_tlh(&self, dtype: DType, out: &mut Vec<u8>) {
-        let h = self.hidden.size();
-        let mut row = vec![0f32; h];
-        out.reserve(self.data.len() * dtype.size());
-        for t in 0..self.tokens {
-            for l in 0..self.layers.size() {
+        let h = self.states.hidden.size();
+        let layers = self.states.layers.size();
+        out.reserve(layers * self.range.len() * h * dtype.size());
+        let mut row = vec![0f32; if E::DTYPE == DType::F32 { 0 } else { h }];
+        for t in 0..self.range.len() {
+            for l in 0..layers {
                 let src = &self.layer(l)[t * h..(t + 1) * h];
-                for (r, v) in row.iter_mut().zip(src) {
-                    *r = v.to_f32();
+                if let Some(f) = as_f32(src) {
+                    dtype.encode_into(f, out);
+                } else {
+                    row.iter_mut().zip(src).for_each(|(r, v)| *r = v.to_f32());
+                    dtype.encode_into(&row, out);
                 }
-                dtype.encode_into(&row, out);
             }
         }
     }
+}
+
+/// The slice itself when `E` is f32 (no conversion pass needed).
+fn as_f32<E: Element>(s: &[E]) -> Option<&[f32]> {
+    (std::any::TypeId::of::<E>() == std::any::TypeId::of::<f32>())
+        // SAFETY: E is f32, checked through TypeId just above.
+        .then(|| unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) })
 }
 
 #[cfg(test)]
@@ -238,7 +293,7 @@ mod tests {
     fn tlh_encoding_transposes() {
         let s = CapturedStates::<usize, usize>::try_from_vec(seq(2, 2, 1, 0.), 2, 2, 1).unwrap();
         let mut out = Vec::new();
-        s.encode_tlh(DType::F32, &mut out);
+        s.view().encode_tlh(DType::F32, &mut out);
         let v: Vec<f32> = out.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
         // [L=2,T=2] = [[0,1],[2,3]] -> [T,L] = [[0,2],[1,3]]
         assert_eq!(v, vec![0., 2., 1., 3.]);
