@@ -1,19 +1,48 @@
-//! Packing variable-length samples into one token stream with `cu_seqlens`.
+//! Packing samples (or chunks of samples) into one token stream with `cu_seqlens`.
+//!
+//! A segment is a whole sample or one chunk of a long one (chunked prefill):
+//! `pos0` is the position of its first token within its sample, and `keep`
+//! says that later chunks follow, so its keys/values must be kept.
 
-/// Samples packed end to end: sample `i` is `token_ids[cu_seqlens[i]..cu_seqlens[i+1]]`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// Where a segment sits in its sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    /// Identifies the sample across steps (the key of its KV cache entry).
+    pub key: u64,
+    /// Position of the segment's first token within its sample.
+    pub pos0: usize,
+    /// More chunks of this sample follow in later steps.
+    pub keep: bool,
+}
+
+impl Segment {
+    /// Whether attention reads earlier positions from (or stores them into) a KV cache.
+    pub fn uses_cache(&self) -> bool {
+        self.pos0 > 0 || self.keep
+    }
+}
+
+/// Segments packed end to end: segment `i` is `token_ids[cu_seqlens[i]..cu_seqlens[i+1]]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PackedBatch {
     token_ids: Vec<u32>,
     cu_seqlens: Vec<usize>,
+    segments: Vec<Segment>,
+}
+
+impl Default for PackedBatch {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl PackedBatch {
     /// An empty batch.
     pub fn new() -> Self {
-        PackedBatch { token_ids: Vec::new(), cu_seqlens: vec![0] }
+        PackedBatch { token_ids: Vec::new(), cu_seqlens: vec![0], segments: Vec::new() }
     }
 
-    /// Packs samples in order.
+    /// Packs whole samples in order (keys 0, 1, ...).
     pub fn from_samples<'a>(samples: impl IntoIterator<Item = &'a [u32]>) -> Self {
         let mut b = PackedBatch::new();
         for s in samples {
@@ -22,35 +51,53 @@ impl PackedBatch {
         b
     }
 
-    /// Appends one sample.
+    /// Appends a whole sample.
     pub fn push(&mut self, sample: &[u32]) {
-        self.token_ids.extend_from_slice(sample);
+        let key = self.segments.len() as u64;
+        self.push_segment(sample, Segment { key, pos0: 0, keep: false });
+    }
+
+    /// Appends a segment (a whole sample or a chunk of one).
+    pub fn push_segment(&mut self, tokens: &[u32], segment: Segment) {
+        self.token_ids.extend_from_slice(tokens);
         self.cu_seqlens.push(self.token_ids.len());
+        self.segments.push(segment);
+    }
+
+    /// Empties the batch, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.token_ids.clear();
+        self.cu_seqlens.truncate(1);
+        self.segments.clear();
     }
 
     /// All tokens, packed.
     pub fn token_ids(&self) -> &[u32] {
         &self.token_ids
     }
-    /// Sample boundaries, `num_samples + 1` entries starting at 0.
+    /// Segment boundaries, `num_segments + 1` entries starting at 0.
     pub fn cu_seqlens(&self) -> &[usize] {
         &self.cu_seqlens
     }
-    /// Number of samples.
+    /// The segments.
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+    /// Number of segments.
     pub fn num_samples(&self) -> usize {
-        self.cu_seqlens.len() - 1
+        self.segments.len()
     }
     /// Total tokens.
     pub fn num_tokens(&self) -> usize {
         self.token_ids.len()
     }
-    /// Token range of sample `i`.
+    /// Rows of segment `i`.
     pub fn range(&self, i: usize) -> std::ops::Range<usize> {
         self.cu_seqlens[i]..self.cu_seqlens[i + 1]
     }
-    /// Longest sample.
-    pub fn max_len(&self) -> usize {
-        self.cu_seqlens.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+    /// One past the largest position any segment reaches.
+    pub fn max_position(&self) -> usize {
+        (0..self.segments.len()).map(|i| self.segments[i].pos0 + self.range(i).len()).max().unwrap_or(0)
     }
 }
 
@@ -59,11 +106,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ranges() {
-        let b = PackedBatch::from_samples([&[1u32, 2, 3][..], &[4], &[5, 6]]);
+    fn ranges_and_positions() {
+        let mut b = PackedBatch::from_samples([&[1u32, 2, 3][..], &[4]]);
+        b.push_segment(&[5, 6], Segment { key: 9, pos0: 10, keep: true });
         assert_eq!(b.cu_seqlens(), &[0, 3, 4, 6]);
         assert_eq!(b.range(1), 3..4);
-        assert_eq!(b.max_len(), 3);
-        assert_eq!(b.num_samples(), 3);
+        assert_eq!(b.max_position(), 12);
+        assert!(b.segments()[2].uses_cache() && !b.segments()[0].uses_cache());
+        b.clear();
+        assert_eq!(b.num_tokens(), 0);
+        assert_eq!(b.cu_seqlens(), &[0]);
     }
 }

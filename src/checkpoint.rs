@@ -13,12 +13,12 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     /// A file cannot be opened or mapped.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {cause}")]
     Io {
         /// The file.
         path: String,
         /// The OS error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// No weights file in the directory.
     #[error("no model.safetensors or model.safetensors.index.json in {0}")]
@@ -91,7 +91,7 @@ pub struct Checkpoint {
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io { path: path.display().to_string(), source }
+    move |cause| CheckpointError::Io { path: path.display().to_string(), cause }
 }
 
 impl Checkpoint {

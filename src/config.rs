@@ -12,12 +12,12 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file cannot be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {cause}")]
     Io {
         /// The file.
         path: String,
         /// The OS error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Not JSON, or a field of the wrong JSON type.
     #[error("malformed config.json: {0}")]
@@ -208,7 +208,7 @@ impl LlamaConfig {
     /// Reads and normalises `config.json` from a file.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
+            .map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })?;
         Self::from_json(&text)
     }
 

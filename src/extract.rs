@@ -1,22 +1,27 @@
-//! The extraction job behind `strata extract`: source → batches → model → per-sample sink.
+//! The extraction job behind `strata extract`: validate the input, load the
+//! model, then run the pipeline into the chosen format.
 
-use crate::batch::PackedBatch;
 use crate::capture::{CaptureError, CapturePoint, CaptureSet};
 use crate::checkpoint::Checkpoint;
 use crate::config::LlamaConfig;
 use crate::embedded;
+use crate::manifest::{Manifest, ModelInfo};
 use crate::model::{Llama, ModelError};
+use crate::pipeline::{Pipeline, PipelineError, Progress, Report};
 use crate::shape::DType;
-use crate::sink::{Sink, SinkError, SpeculatorsSink};
+use crate::sink::{OpenMode, Sink, SinkError, SpeculatorsSink, StrataSink};
 use crate::source::{JsonlSource, Sample, SourceError};
+use std::collections::HashSet;
 use std::io::BufRead;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tracing::info;
 
 /// Output formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
+    /// Sharded safetensors with `{id}.hidden_states [L, T, H]` and a manifest (docs/FORMAT.md).
+    Strata,
     /// `hs_{i}.safetensors` with `token_ids [T]` and `hidden_states [T, L, H]`.
     Speculators,
 }
@@ -36,10 +41,12 @@ pub struct ExtractJob {
     pub dtype: Option<DType>,
     /// Output format.
     pub format: Format,
-    /// Token budget of one forward step (a longer sample runs alone).
+    /// Token budget of one forward step; longer samples are chunked.
     pub max_batch_tokens: usize,
-    /// Replace earlier `hs_*.safetensors` in a non-empty output directory.
-    pub overwrite: bool,
+    /// Target shard size of the native format, bytes.
+    pub shard_size: u64,
+    /// What to do with an output directory that has content.
+    pub mode: OpenMode,
 }
 
 /// Why an extraction stopped. Nothing is written before the input is fully validated.
@@ -67,17 +74,6 @@ pub enum ExtractError {
     /// A checkpoint without data: the embedded samples fit only the embedded model.
     #[error("--model needs --data FILE.jsonl (the embedded demo data is made for the embedded model)")]
     DataRequired,
-    /// Refusing to mix a new run with an old one.
-    #[error("output directory {0} is not empty; pass --overwrite to replace its hs_*.safetensors files")]
-    OutputNotEmpty(String),
-    /// Output directory problems.
-    #[error("cannot prepare output directory {path}: {source}")]
-    OutputDir {
-        /// The directory.
-        path: String,
-        /// The OS error.
-        source: std::io::Error,
-    },
 }
 
 impl From<CaptureError> for ExtractError {
@@ -86,159 +82,166 @@ impl From<CaptureError> for ExtractError {
     }
 }
 
+impl From<PipelineError> for ExtractError {
+    fn from(e: PipelineError) -> Self {
+        match e {
+            PipelineError::Source(e) => e.into(),
+            PipelineError::Model(e) => e.into(),
+            PipelineError::Sink(e) => e.into(),
+        }
+    }
+}
+
 /// What a finished run did.
 #[derive(Clone, Debug, Default)]
 pub struct Summary {
-    /// Samples written.
-    pub samples: usize,
-    /// Tokens processed.
-    pub tokens: usize,
-    /// Forward steps.
-    pub batches: usize,
-    /// Bytes written.
-    pub bytes: u64,
+    /// The pipeline's report (samples, tokens, time per stage).
+    pub report: Report,
+    /// Samples in the input.
+    pub total_samples: usize,
+    /// Tokens in the input.
+    pub total_tokens: usize,
     /// The capture points, in output order.
     pub points: Vec<CapturePoint>,
     /// Storage dtype.
     pub dtype: Option<DType>,
+    /// Time validating the input.
+    pub validate_time: Duration,
     /// Time loading the model.
     pub load_time: Duration,
-    /// Time in the forward.
-    pub forward_time: Duration,
-    /// Time writing.
-    pub write_time: Duration,
 }
 
-fn source(job: &ExtractJob) -> Result<(String, JsonlSource<Box<dyn BufRead>>), ExtractError> {
-    Ok(match &job.data {
-        Some(p) => {
-            let f =
-                std::fs::File::open(p).map_err(|source| SourceError::Io { path: p.display().to_string(), source })?;
-            let name = p.display().to_string();
-            (name.clone(), JsonlSource::new(name, Box::new(std::io::BufReader::new(f))))
-        }
-        None => {
-            let name = "<embedded data>".to_string();
-            (name.clone(), JsonlSource::new(name, Box::new(embedded::DATA_JSONL.as_bytes())))
-        }
-    })
-}
-
-fn check_sample(config: &LlamaConfig, path: &str, s: &Sample) -> Result<(), ExtractError> {
-    let err = |problem: String| ExtractError::Input { path: path.to_string(), line: s.line, problem };
-    if s.input_ids.len() > config.max_position_embeddings {
-        return Err(err(format!(
-            "sample has {} tokens, more than max_position_embeddings {}",
-            s.input_ids.len(),
-            config.max_position_embeddings
-        )));
-    }
-    if let Some((pos, t)) = s.input_ids.iter().enumerate().find(|(_, &t)| t as usize >= config.vocab_size) {
-        return Err(err(format!("input_ids[{pos}] = {t} is out of range (vocab_size {})", config.vocab_size)));
-    }
-    Ok(())
-}
-
-fn prepare_out(dir: &Path, overwrite: bool) -> Result<(), ExtractError> {
-    let err = |source| ExtractError::OutputDir { path: dir.display().to_string(), source };
-    std::fs::create_dir_all(dir).map_err(err)?;
-    let entries: Vec<_> = std::fs::read_dir(dir).map_err(err)?.collect::<Result<_, _>>().map_err(err)?;
-    if entries.is_empty() {
-        return Ok(());
-    }
-    if !overwrite {
-        return Err(ExtractError::OutputNotEmpty(dir.display().to_string()));
-    }
-    for e in entries {
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        if name.starts_with("hs_") && name.ends_with(".safetensors") {
-            std::fs::remove_file(e.path()).map_err(err)?;
-        }
-    }
-    Ok(())
+/// Counts of a validated input.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct InputStats {
+    /// Samples.
+    pub samples: usize,
+    /// Tokens.
+    pub tokens: usize,
 }
 
 impl ExtractJob {
-    /// Runs the job: validate all input, load the model, then stream batches to the sink.
-    pub fn run(&self) -> Result<Summary, ExtractError> {
+    fn source(&self) -> Result<JsonlSource<Box<dyn BufRead>>, ExtractError> {
+        Ok(match &self.data {
+            Some(p) => {
+                let f =
+                    std::fs::File::open(p).map_err(|cause| SourceError::Io { path: p.display().to_string(), cause })?;
+                JsonlSource::new(p.display().to_string(), Box::new(std::io::BufReader::new(f)))
+            }
+            None => JsonlSource::new("<embedded data>".into(), Box::new(embedded::DATA_JSONL.as_bytes())),
+        })
+    }
+
+    fn data_name(&self) -> String {
+        self.data.as_ref().map_or("<embedded data>".into(), |p| p.display().to_string())
+    }
+
+    fn config_text(&self) -> Result<String, ExtractError> {
+        match &self.model {
+            Some(dir) => {
+                let path = dir.join("config.json");
+                std::fs::read_to_string(&path).map_err(|cause| {
+                    ModelError::Config(crate::config::ConfigError::Io { path: path.display().to_string(), cause })
+                        .into()
+                })
+            }
+            None => Ok(embedded::CONFIG_JSON.to_string()),
+        }
+    }
+
+    /// Reads the whole input once: every line parses, token ids fit the
+    /// vocabulary, lengths fit `max_position_embeddings`, ids are unique.
+    pub fn validate(&self, config: &LlamaConfig) -> Result<InputStats, ExtractError> {
+        let _s = tracing::info_span!("validate").entered();
+        let path = self.data_name();
+        let mut stats = InputStats::default();
+        let mut ids: HashSet<String> = HashSet::new();
+        for s in self.source()? {
+            let s: Sample = s?;
+            let err = |problem: String| ExtractError::Input { path: path.clone(), line: s.line, problem };
+            if s.len() > config.max_position_embeddings {
+                return Err(err(format!(
+                    "sample has {} tokens, more than max_position_embeddings {}",
+                    s.len(),
+                    config.max_position_embeddings
+                )));
+            }
+            if let Some((pos, t)) = s.input_ids.iter().enumerate().find(|(_, &t)| t as usize >= config.vocab_size) {
+                return Err(err(format!("input_ids[{pos}] = {t} is out of range (vocab_size {})", config.vocab_size)));
+            }
+            if !ids.insert(s.id.clone()) {
+                return Err(err(format!("duplicate id {:?}", s.id)));
+            }
+            stats.samples += 1;
+            stats.tokens += s.len();
+        }
+        info!(samples = stats.samples, tokens = stats.tokens, "input validated");
+        Ok(stats)
+    }
+
+    /// Runs the job, calling `progress` after every forward step with the input's totals.
+    pub fn run(&self, mut progress: impl FnMut(&Progress, &InputStats)) -> Result<Summary, ExtractError> {
+        let _span = tracing::info_span!("extract", out = %self.out.display()).entered();
         if self.model.is_some() && self.data.is_none() {
             return Err(ExtractError::DataRequired);
         }
-        let _span = tracing::info_span!("extract", out = %self.out.display()).entered();
         let mut summary = Summary::default();
-        let t0 = Instant::now();
-        let config = match &self.model {
-            Some(dir) => LlamaConfig::from_file(&dir.join("config.json")).map_err(ModelError::from)?,
-            None => LlamaConfig::from_json(embedded::CONFIG_JSON).map_err(ModelError::from)?,
-        };
+        let config_text = self.config_text()?;
+        let config = LlamaConfig::from_json(&config_text).map_err(ModelError::from)?;
         let points = CapturePoint::parse_list(&self.capture, config.num_layers)?;
         let captures = CaptureSet::<usize>::try_new(points.clone())?;
 
         // Validate every line before anything is written: a bad line fails the run with no output.
-        {
-            let _s = tracing::info_span!("validate").entered();
-            let (path, src) = source(self)?;
-            let mut n = 0;
-            for s in src {
-                check_sample(&config, &path, &s?)?;
-                n += 1;
-            }
-            info!(samples = n, "input validated");
-        }
+        let t = Instant::now();
+        let stats = self.validate(&config)?;
+        summary.validate_time = t.elapsed();
+        summary.total_samples = stats.samples;
+        summary.total_tokens = stats.tokens;
 
+        let t = Instant::now();
         let model: Llama<usize> = match &self.model {
-            Some(dir) => Llama::from_checkpoint(config, &Checkpoint::open(dir).map_err(ModelError::from)?)?,
+            Some(dir) => Llama::from_checkpoint(config.clone(), &Checkpoint::open(dir).map_err(ModelError::from)?)?,
             None => Llama::from_checkpoint(
-                config,
+                config.clone(),
                 &Checkpoint::from_static(embedded::NAME, embedded::MODEL_SAFETENSORS).map_err(ModelError::from)?,
             )?,
         };
-        summary.load_time = t0.elapsed();
+        summary.load_time = t.elapsed();
         let dtype = self.dtype.unwrap_or(model.dtype());
         summary.dtype = Some(dtype);
-        summary.points = points;
+        summary.points = points.clone();
+        let progress = |p: &Progress| progress(p, &stats);
 
-        prepare_out(&self.out, self.overwrite)?;
-        let mut sink = match self.format {
-            Format::Speculators => SpeculatorsSink::new(&self.out, dtype),
+        summary.report = match self.format {
+            Format::Strata => {
+                let path = self.model.as_ref().map_or(embedded::NAME.into(), |p| p.display().to_string());
+                let info = ModelInfo::new(&path, &config, &config_text);
+                let manifest = Manifest::new(info, &points, dtype, self.shard_size);
+                let sink = StrataSink::open(&self.out, manifest, points.len(), config.hidden_size, self.mode)?;
+                self.drive(&model, captures, sink, progress)?
+            }
+            Format::Speculators => {
+                let sink = SpeculatorsSink::open(&self.out, dtype, self.mode)?;
+                self.drive(&model, captures, sink, progress)?
+            }
         };
-        let (_, src) = source(self)?;
-        let mut pending: Vec<Sample> = Vec::new();
-        let mut pending_tokens = 0;
-        let mut flush = |pending: &mut Vec<Sample>, summary: &mut Summary| -> Result<(), ExtractError> {
-            if pending.is_empty() {
-                return Ok(());
-            }
-            let batch = PackedBatch::from_samples(pending.iter().map(|s| s.input_ids.as_slice()));
-            let t = Instant::now();
-            let states = model.forward(&batch, &captures)?;
-            summary.forward_time += t.elapsed();
-            let t = Instant::now();
-            for (i, s) in pending.iter().enumerate() {
-                let one = states.view_tokens(batch.range(i)).map_err(ModelError::from)?;
-                sink.write_sample(s.index, &s.input_ids, one)?;
-            }
-            summary.write_time += t.elapsed();
-            summary.samples += pending.len();
-            summary.tokens += batch.num_tokens();
-            summary.batches += 1;
-            info!(samples = summary.samples, tokens = summary.tokens, "batch written");
-            pending.clear();
-            Ok(())
-        };
-        for s in src {
-            let s = s?;
-            if pending_tokens + s.input_ids.len() > self.max_batch_tokens && !pending.is_empty() {
-                flush(&mut pending, &mut summary)?;
-                pending_tokens = 0;
-            }
-            pending_tokens += s.input_ids.len();
-            pending.push(s);
-        }
-        flush(&mut pending, &mut summary)?;
-        Sink::<usize, usize>::finish(&mut sink)?;
-        summary.bytes = sink.bytes_written;
         Ok(summary)
+    }
+
+    fn drive<K: Sink<usize, usize>>(
+        &self,
+        model: &Llama<usize>,
+        captures: CaptureSet<usize>,
+        sink: K,
+        progress: impl FnMut(&Progress),
+    ) -> Result<Report, ExtractError> {
+        let (report, _) = Pipeline::new(self.source()?)
+            .max_batch_tokens(self.max_batch_tokens)
+            .model(model)
+            .capture(captures)
+            .sink(sink)
+            .on_progress(progress)
+            .run()?;
+        Ok(report)
     }
 }

@@ -82,22 +82,34 @@ fn bad_capture_points() {
 }
 
 #[test]
-fn refuses_non_empty_output_without_overwrite() {
+fn refuses_non_empty_output_without_resume_or_overwrite() {
     let r = extract(None, GOOD, &[]);
     assert!(r.ok, "{}", r.stderr);
-    std::fs::write(r.out.join("hs_9.safetensors"), b"stale").unwrap();
+    std::fs::write(r.out.join("notes.txt"), b"mine").unwrap();
     let again = Command::new(env!("CARGO_BIN_EXE_strata")).arg("extract").arg("--out").arg(&r.out).output().unwrap();
     assert!(!again.status.success());
-    assert!(String::from_utf8_lossy(&again.stderr).contains("is not empty; pass --overwrite"));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("is not empty; pass --resume"));
     let over = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(["extract", "--overwrite", "--out"])
+        .args(["extract", "--overwrite", "--format", "speculators", "--out"])
         .arg(&r.out)
         .output()
         .unwrap();
-    assert!(over.status.success());
+    assert!(over.status.success(), "{}", String::from_utf8_lossy(&over.stderr));
     let mut files = output_files(&r.out);
     files.sort();
-    assert_eq!(files, ["hs_0.safetensors", "hs_1.safetensors", "hs_2.safetensors", "hs_3.safetensors"]);
+    // --overwrite removes only what a speculators run writes; other files stay.
+    assert_eq!(
+        files,
+        [
+            "hs_0.safetensors",
+            "hs_1.safetensors",
+            "hs_2.safetensors",
+            "hs_3.safetensors",
+            "manifest.json",
+            "notes.txt",
+            "shard-00000.safetensors"
+        ]
+    );
 }
 
 /// A copy of the qwen3 fixture whose weights or config a test then damages.

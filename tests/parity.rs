@@ -48,7 +48,8 @@ fn cli_matches_hf_at_every_capture_point() {
             .arg(fixture(name))
             .arg("--data")
             .arg(fixture(name).join("data.jsonl"))
-            .args(["--capture", &list.join(","), "--dtype", "f32", "--max-batch-tokens", "20", "--out"])
+            .args(["--capture", &list.join(","), "--dtype", "f32", "--max-batch-tokens", "20"])
+            .args(["--format", "speculators", "--out"])
             .arg(out.path())
             .output()
             .unwrap();
@@ -66,6 +67,38 @@ fn cli_matches_hf_at_every_capture_point() {
                 let err = max_err(&layer, expected(&exp, i, *p, n));
                 assert!(err <= TOL, "{name} sample {i} {p} via CLI: error {err:e} > {TOL:e}");
             }
+        }
+    }
+}
+
+#[test]
+fn native_format_matches_hf_at_every_capture_point() {
+    for name in FIXTURES {
+        let n = num_layers(name);
+        let points = all_points(n);
+        let list: Vec<String> = points.iter().map(|p| p.to_string()).collect();
+        let out = tempfile::tempdir().unwrap();
+        let o = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["extract", "--model"])
+            .arg(fixture(name))
+            .arg("--data")
+            .arg(fixture(name).join("data.jsonl"))
+            .args(["--capture", &list.join(","), "--dtype", "f32", "--max-batch-tokens", "7", "--out"])
+            .arg(out.path())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+        let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+        let got = read_tensors(&out.path().join("shard-00000.safetensors"));
+        for (i, ids) in samples(name).iter().enumerate() {
+            let hs = &got[&format!("{i}.hidden_states")];
+            assert_eq!(hs.shape, vec![points.len(), ids.len(), hs.shape[2]], "{name} sample {i}: [L, T, H]");
+            let per = ids.len() * hs.shape[2];
+            for (slot, p) in points.iter().enumerate() {
+                let err = max_err(&hs.data[slot * per..(slot + 1) * per], expected(&exp, i, *p, n));
+                assert!(err <= TOL, "{name} sample {i} {p} via native format: error {err:e} > {TOL:e}");
+            }
+            assert_eq!(got[&format!("{i}.loss_mask")].data, vec![1.0; ids.len()]);
         }
     }
 }

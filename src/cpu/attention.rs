@@ -1,16 +1,26 @@
-//! Causal self-attention over a packed batch of variable-length samples.
+//! Causal self-attention over a packed batch of variable-length segments.
 //!
-//! Each sample attends only within itself (`cu_seqlens`), optionally within a
-//! sliding window; no padding is computed. Work is split into tasks of
-//! (sample, kv head, query block), so K and V are packed once per GQA group.
+//! Each segment attends only within its own sample, optionally within a
+//! sliding window; no padding is computed. A segment that continues a sample
+//! (chunked prefill) reads the earlier positions' keys and values from a cache.
+//! Work is split into tasks of (segment, kv head, query block), so K and V are
+//! packed once per GQA group.
+//!
+//! Results are bitwise independent of how samples are packed and chunked:
+//! every reduction runs in an order fixed by absolute positions (the P·V sum
+//! starts at a multiple of [`KV_ALIGN`]; masked terms are exact zeros).
 
-use super::gemm::{gemm_raw, pack_b, Init, NR};
+use super::gemm::{gemm_raw, pack_b, Init, KC, NR};
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// Query rows per task.
 const QB: usize = 64;
+/// The P·V reduction starts at a multiple of this absolute position, so its
+/// GEMM k-blocks (of `KC`) fall on the same positions however the sample is chunked.
+pub const KV_ALIGN: usize = KC;
 
-/// Layout of the fused q/k/v activations: `[T, (heads + 2·kv_heads) · head_dim]`.
+/// Head layout and masking.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
     /// Query heads.
@@ -23,6 +33,29 @@ pub struct AttnShape {
     pub window: Option<usize>,
     /// Score scale, `head_dim^-0.5`.
     pub scale: f32,
+}
+
+/// Keys and values of one sample by absolute position: position `p`, kv head
+/// `g` starts at `k[p * stride + g * head_dim]` (same for `v`).
+#[derive(Clone, Copy, Debug)]
+pub struct KvRef<'a> {
+    /// Keys.
+    pub k: &'a [f32],
+    /// Values.
+    pub v: &'a [f32],
+    /// Floats between consecutive positions.
+    pub stride: usize,
+}
+
+/// One segment's queries and the keys/values it attends to.
+#[derive(Clone, Debug)]
+pub struct AttnSegment<'a> {
+    /// Query rows in the packed q/k/v and output buffers.
+    pub rows: Range<usize>,
+    /// Absolute position of the first query row within its sample.
+    pub pos0: usize,
+    /// Keys/values of positions `0..pos0 + rows.len()` of the sample.
+    pub kv: KvRef<'a>,
 }
 
 #[derive(Clone, Copy)]
@@ -46,44 +79,49 @@ struct Scratch {
     apack: Vec<f32>,
 }
 
-/// `out[T, heads·head_dim]` = softmax(q·kᵀ·scale + causal mask)·v per sample and head.
-pub fn varlen_attention(qkv: &[f32], cu_seqlens: &[usize], s: AttnShape, out: &mut [f32]) {
+/// `out[rows, heads·head_dim]` = softmax(q·kᵀ·scale + causal mask)·v for every segment.
+/// `q` holds the queries with row stride `q_stride` (head `h` at column `h·head_dim`).
+pub fn varlen_attention(q: &[f32], q_stride: usize, segments: &[AttnSegment], s: AttnShape, out: &mut [f32]) {
     let (nh, nkv, hd) = (s.heads, s.kv_heads, s.head_dim);
-    let stride = (nh + 2 * nkv) * hd;
     let ostride = nh * hd;
-    let total = *cu_seqlens.last().unwrap_or(&0);
-    assert_eq!(qkv.len(), total * stride, "attention: qkv size");
-    assert_eq!(out.len(), total * ostride, "attention: out size");
+    let rows: usize = segments.iter().map(|g| g.rows.end).max().unwrap_or(0);
+    assert!(q.len() >= rows * q_stride, "attention: q size");
+    assert!(out.len() >= rows * ostride, "attention: out size");
+    for seg in segments {
+        let kv_rows = seg.pos0 + seg.rows.len();
+        assert!(kv_rows == 0 || seg.kv.k.len() >= (kv_rows - 1) * seg.kv.stride + nkv * hd, "attention: k size");
+        assert!(kv_rows == 0 || seg.kv.v.len() >= (kv_rows - 1) * seg.kv.stride + nkv * hd, "attention: v size");
+    }
     let group = nh / nkv;
     let mut tasks = Vec::new();
-    for (si, w) in cu_seqlens.windows(2).enumerate() {
-        let len = w[1] - w[0];
+    for (si, seg) in segments.iter().enumerate() {
         for g in 0..nkv {
-            for q0 in (0..len).step_by(QB) {
-                tasks.push((si, g, q0));
+            for r0 in (0..seg.rows.len()).step_by(QB) {
+                tasks.push((si, g, r0));
             }
         }
     }
     let optr = OutPtr(out.as_mut_ptr());
-    let run = |scratch: &mut Scratch, &(si, g, q0): &(usize, usize, usize)| {
-        let base = cu_seqlens[si];
-        let len = cu_seqlens[si + 1] - base;
-        let q1 = (q0 + QB).min(len);
-        let qlen = q1 - q0;
-        let kv0 = s.window.map_or(0, |w| q0.saturating_sub(w - 1));
-        let kv_len = q1 - kv0;
-        let koff = (base + kv0) * stride + (nh + g) * hd;
-        let voff = (base + kv0) * stride + (nh + nkv + g) * hd;
-        pack_b(&qkv[koff..], kv_len, hd, stride, 1, &mut scratch.kpack);
-        pack_b(&qkv[voff..], hd, kv_len, 1, stride, &mut scratch.vpack);
+    let run = |scratch: &mut Scratch, &(si, g, r0): &(usize, usize, usize)| {
+        let seg = &segments[si];
+        let r1 = (r0 + QB).min(seg.rows.len());
+        let qlen = r1 - r0;
+        // Absolute positions of this block's queries and of the keys they may see.
+        let (qa0, qa1) = (seg.pos0 + r0, seg.pos0 + r1);
+        let lo0 = s.window.map_or(0, |w| (qa0 + 1).saturating_sub(w));
+        let kv0 = lo0 - lo0 % KV_ALIGN;
+        let kv_len = qa1 - kv0;
+        let kv = seg.kv;
+        pack_b(&kv.k[kv0 * kv.stride + g * hd..], kv_len, hd, kv.stride, 1, &mut scratch.kpack);
+        pack_b(&kv.v[kv0 * kv.stride + g * hd..], hd, kv_len, 1, kv.stride, &mut scratch.vpack);
         scratch.scores.resize(qlen * kv_len, 0.0);
         for h in g * group..(g + 1) * group {
-            let qoff = (base + q0) * stride + h * hd;
+            let qoff = (seg.rows.start + r0) * q_stride + h * hd;
             // SAFETY: scores holds qlen × kv_len floats; kpack was packed for kv_len × hd.
             unsafe {
                 gemm_raw(
-                    &qkv[qoff..],
-                    stride,
+                    &q[qoff..],
+                    q_stride,
                     qlen,
                     hd,
                     scratch.kpack.as_ptr(),
@@ -96,7 +134,7 @@ pub fn varlen_attention(qkv: &[f32], cu_seqlens: &[usize], s: AttnShape, out: &m
                 );
             }
             for (r, row) in scratch.scores.chunks_exact_mut(kv_len).enumerate() {
-                let i = q0 + r; // position of the query in its sample
+                let i = qa0 + r; // absolute position of the query
                 let lo = s.window.map_or(0, |w| (i + 1).saturating_sub(w)) - kv0;
                 let hi = i + 1 - kv0;
                 let mut max = f32::NEG_INFINITY;
@@ -114,7 +152,7 @@ pub fn varlen_attention(qkv: &[f32], cu_seqlens: &[usize], s: AttnShape, out: &m
                 row[lo..hi].iter_mut().for_each(|v| *v *= inv);
                 row[hi..].fill(0.0);
             }
-            // SAFETY: this task owns rows [base+q0, base+q1) × columns [h·hd, (h+1)·hd) of out.
+            // SAFETY: this task owns rows [start+r0, start+r1) × columns [h·hd, (h+1)·hd) of out.
             unsafe {
                 gemm_raw(
                     &scratch.scores,
@@ -124,7 +162,7 @@ pub fn varlen_attention(qkv: &[f32], cu_seqlens: &[usize], s: AttnShape, out: &m
                     scratch.vpack.as_ptr(),
                     hd,
                     0..hd.div_ceil(NR),
-                    optr.get().add((base + q0) * ostride + h * hd),
+                    optr.get().add((seg.rows.start + r0) * ostride + h * hd),
                     ostride,
                     Init::Zero,
                     &mut scratch.apack,
@@ -132,7 +170,7 @@ pub fn varlen_attention(qkv: &[f32], cu_seqlens: &[usize], s: AttnShape, out: &m
             }
         }
     };
-    if total > QB {
+    if rows > QB {
         tasks.par_iter().for_each_init(Scratch::default, run);
     } else {
         let mut scratch = Scratch::default();
@@ -189,7 +227,15 @@ mod tests {
             let stride = (4 + 4) * 24;
             let qkv: Vec<f32> = (0..205 * stride).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
             let mut out = vec![f32::NAN; 205 * 4 * 24];
-            varlen_attention(&qkv, &cu, s, &mut out);
+            let segs: Vec<AttnSegment> = cu
+                .windows(2)
+                .map(|w| AttnSegment {
+                    rows: w[0]..w[1],
+                    pos0: 0,
+                    kv: KvRef { k: &qkv[w[0] * stride + 4 * 24..], v: &qkv[w[0] * stride + 6 * 24..], stride },
+                })
+                .collect();
+            varlen_attention(&qkv, stride, &segs, s, &mut out);
             let want = reference(&qkv, &cu, s);
             for (i, (a, b)) in out.iter().zip(&want).enumerate() {
                 assert!((a - b).abs() < 1e-5, "window {window:?} at {i}: {a} vs {b}");

@@ -16,7 +16,8 @@ use rayon::prelude::*;
 pub const MR: usize = 12;
 /// Columns of the register tile (two 16-lane vectors).
 pub const NR: usize = 32;
-const KC: usize = 1024;
+/// Depth of one k-block: sums over more than `KC` terms are split at multiples of it.
+pub const KC: usize = 1024;
 const MC: usize = 8 * MR;
 
 /// How a GEMM call starts its accumulators.

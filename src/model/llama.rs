@@ -10,10 +10,11 @@ use crate::batch::PackedBatch;
 use crate::capture::{CaptureSet, Tap};
 use crate::checkpoint::Checkpoint;
 use crate::config::{LlamaConfig, RopeScaling};
-use crate::cpu::attention::{varlen_attention, AttnShape};
+use crate::cpu::attention::{varlen_attention, AttnSegment, AttnShape, KvRef};
 use crate::cpu::ops::{rms_norm, rms_norm_heads_inplace, rope_head, swiglu};
 use crate::cpu::PackedLinear;
 use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
+use std::collections::HashMap;
 use std::path::Path;
 use tracing::{debug_span, info_span};
 
@@ -175,18 +176,18 @@ impl<H: Dim> Llama<H> {
     }
 
     /// Checks a batch against the model: token ids in the vocabulary, no empty
-    /// sample, no sample longer than `max_position_embeddings`.
+    /// segment, no position past `max_position_embeddings`.
     pub fn check_batch(&self, batch: &PackedBatch) -> Result<(), ModelError> {
-        for s in 0..batch.num_samples() {
+        for (s, seg) in batch.segments().iter().enumerate() {
             let r = batch.range(s);
             let err = |problem: String| ModelError::Input { sample: s, problem };
             if r.is_empty() {
                 return Err(err("empty sample (no tokens)".into()));
             }
-            if r.len() > self.config.max_position_embeddings {
+            if seg.pos0 + r.len() > self.config.max_position_embeddings {
                 return Err(err(format!(
                     "{} tokens exceed max_position_embeddings {}",
-                    r.len(),
+                    seg.pos0 + r.len(),
                     self.config.max_position_embeddings
                 )));
             }
@@ -194,7 +195,8 @@ impl<H: Dim> Llama<H> {
                 batch.token_ids()[r].iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size)
             {
                 return Err(err(format!(
-                    "token id {t} at position {pos} is out of range (vocab_size {})",
+                    "token id {t} at position {} is out of range (vocab_size {})",
+                    seg.pos0 + pos,
                     self.config.vocab_size
                 )));
             }
@@ -202,17 +204,32 @@ impl<H: Dim> Llama<H> {
         Ok(())
     }
 
-    /// Runs the decoder over a packed batch and returns the captured states
-    /// `[L, T_total, H]`, layers in the capture set's order. Layers past the
-    /// deepest capture point are not run.
+    /// Runs the decoder over a packed batch of whole samples and returns the
+    /// captured states `[L, T_total, H]`, layers in the capture set's order.
+    /// Layers past the deepest capture point are not run.
     pub fn forward<L: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
     ) -> Result<CapturedStates<L, H>, ModelError> {
+        self.forward_step(batch, captures, &mut KvCache::default())
+    }
+
+    /// [`forward`](Self::forward) for batches that hold chunks of samples:
+    /// a segment with `pos0 > 0` attends to the keys/values its sample's
+    /// earlier chunks left in `cache`; a segment with `keep` leaves its own
+    /// there for the next chunk. The states of a token do not depend on how
+    /// its sample was chunked or packed (bitwise).
+    pub fn forward_step<L: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+        cache: &mut KvCache,
+    ) -> Result<CapturedStates<L, H>, ModelError> {
         let c = &self.config;
         let taps = captures.taps(c.num_layers)?;
         self.check_batch(batch)?;
+        cache.check(batch)?;
         let _span = info_span!("forward", tokens = batch.num_tokens(), samples = batch.num_samples()).entered();
         let (t, h) = (batch.num_tokens(), c.hidden_size);
         let mut out = CapturedStates::<L, H>::zeros(captures.layers(), t, self.hidden);
@@ -228,7 +245,7 @@ impl<H: Dim> Llama<H> {
             let id = id as usize;
             row.copy_from_slice(&self.embed_tokens[id * h..(id + 1) * h]);
         }
-        let (cos, sin) = self.rope_table(batch.max_len());
+        let (cos, sin) = self.rope_table(batch.max_position());
         let mut act = Activations {
             normed: vec![0f32; t * h],
             qkv: vec![0f32; t * c.qkv_size()],
@@ -244,8 +261,9 @@ impl<H: Dim> Llama<H> {
         for (k, layer) in self.layers.iter().enumerate().take(depth) {
             capture(&mut out, Tap::Residual(k), &x);
             let _s = debug_span!("layer", k).entered();
-            self.layer_forward(layer, batch, &cos, &sin, &mut x, &mut act);
+            self.layer_forward(k, layer, batch, &cos, &sin, &mut x, &mut act, cache);
         }
+        cache.retire(batch);
         capture(&mut out, Tap::Residual(depth), &x);
         if needs_post_norm {
             rms_norm(&x, &self.norm, c.rms_norm_eps, &mut act.normed);
@@ -269,14 +287,17 @@ impl<H: Dim> Llama<H> {
         (cos, sin)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn layer_forward(
         &self,
+        k: usize,
         layer: &DecoderLayer,
         batch: &PackedBatch,
         cos: &[f32],
         sin: &[f32],
         x: &mut [f32],
         act: &mut Activations,
+        cache: &mut KvCache,
     ) {
         let c = &self.config;
         let t = batch.num_tokens();
@@ -287,9 +308,10 @@ impl<H: Dim> Llama<H> {
         layer.self_attn.qkv_proj.forward(&act.normed, t, &mut act.qkv, false);
         // q/k norm (Qwen3) then RoPE at each token's position within its sample.
         let stride = c.qkv_size();
-        for s in 0..batch.num_samples() {
+        for (s, seg) in batch.segments().iter().enumerate() {
             let r = batch.range(s);
-            for (pos, row) in act.qkv[r.start * stride..r.end * stride].chunks_exact_mut(stride).enumerate() {
+            for (i, row) in act.qkv[r.start * stride..r.end * stride].chunks_exact_mut(stride).enumerate() {
+                let pos = seg.pos0 + i;
                 let (qk, _v) = row.split_at_mut((nh + nkv) * hd);
                 let (q, k) = qk.split_at_mut(nh * hd);
                 if let (Some(qn), Some(kn)) = (&layer.self_attn.q_norm, &layer.self_attn.k_norm) {
@@ -307,7 +329,33 @@ impl<H: Dim> Llama<H> {
             window: layer.sliding_window,
             scale: (hd as f32).powf(-0.5),
         };
-        varlen_attention(&act.qkv, batch.cu_seqlens(), shape, &mut act.attn);
+        // Chunks of longer samples add their keys/values to the cache and read
+        // all earlier positions from it; whole samples read their own rows.
+        let kv_width = nkv * hd;
+        for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
+            let entry = cache.layer_mut(seg.key, k);
+            for row in act.qkv[batch.range(s).start * stride..batch.range(s).end * stride].chunks_exact(stride) {
+                entry.k.extend_from_slice(&row[nh * hd..nh * hd + kv_width]);
+                entry.v.extend_from_slice(&row[(nh + nkv) * hd..]);
+            }
+        }
+        let segments: Vec<AttnSegment> = batch
+            .segments()
+            .iter()
+            .enumerate()
+            .map(|(s, seg)| {
+                let rows = batch.range(s);
+                let kv = if seg.uses_cache() {
+                    let e = cache.layer(seg.key, k);
+                    KvRef { k: &e.k, v: &e.v, stride: kv_width }
+                } else {
+                    let base = rows.start * stride;
+                    KvRef { k: &act.qkv[base + nh * hd..], v: &act.qkv[base + (nh + nkv) * hd..], stride }
+                };
+                AttnSegment { rows, pos0: seg.pos0, kv }
+            })
+            .collect();
+        varlen_attention(&act.qkv, stride, &segments, shape, &mut act.attn);
         // Residual add fused into the GEMM: x += attn · o_projᵀ.
         layer.self_attn.o_proj.forward(&act.attn, t, x, true);
 
@@ -315,5 +363,66 @@ impl<H: Dim> Llama<H> {
         layer.mlp.gate_up_proj.forward(&act.normed, t, &mut act.gate_up, false);
         swiglu(&act.gate_up, c.intermediate_size, &mut act.act);
         layer.mlp.down_proj.forward(&act.act, t, x, true);
+    }
+}
+
+/// Keys and values of one layer for the positions a sample has run so far.
+#[derive(Default, Debug)]
+pub struct LayerKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// Keys/values of samples being processed in chunks, kept between steps.
+/// Holds only samples whose last chunk has not run yet.
+#[derive(Default, Debug)]
+pub struct KvCache {
+    entries: HashMap<u64, (usize, Vec<LayerKv>)>,
+}
+
+impl KvCache {
+    /// Samples with cached positions.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Checks that each continuing segment finds exactly its earlier positions.
+    fn check(&mut self, batch: &PackedBatch) -> Result<(), ModelError> {
+        for (s, seg) in batch.segments().iter().enumerate() {
+            let have = self.entries.get(&seg.key).map_or(0, |e| e.0);
+            if seg.uses_cache() && have != seg.pos0 {
+                return Err(ModelError::Input {
+                    sample: s,
+                    problem: format!("chunk starts at position {} but {have} earlier positions are cached", seg.pos0),
+                });
+            }
+        }
+        for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
+            self.entries.entry(seg.key).or_default().0 = seg.pos0 + batch.range(s).len();
+        }
+        Ok(())
+    }
+
+    fn layer_mut(&mut self, key: u64, layer: usize) -> &mut LayerKv {
+        let layers = &mut self.entries.get_mut(&key).expect("checked").1;
+        if layers.len() <= layer {
+            layers.resize_with(layer + 1, LayerKv::default);
+        }
+        &mut layers[layer]
+    }
+
+    fn layer(&self, key: u64, layer: usize) -> &LayerKv {
+        &self.entries[&key].1[layer]
+    }
+
+    /// Drops the samples whose last chunk this batch ran.
+    fn retire(&mut self, batch: &PackedBatch) {
+        for seg in batch.segments().iter().filter(|g| !g.keep) {
+            self.entries.remove(&seg.key);
+        }
     }
 }

@@ -2,7 +2,7 @@
 
 pub mod llama;
 
-pub use llama::Llama;
+pub use llama::{KvCache, Llama};
 
 use crate::capture::CaptureError;
 use crate::checkpoint::CheckpointError;
@@ -32,4 +32,44 @@ pub enum ModelError {
         /// What is wrong.
         problem: String,
     },
+}
+
+use crate::batch::PackedBatch;
+use crate::capture::CaptureSet;
+use crate::shape::{CapturedStates, Dim};
+
+/// What the pipeline needs of a model: its hidden dim and a forward step that
+/// fills the requested capture points for a packed batch (with chunked prefill).
+pub trait Model {
+    /// The hidden dim: `Hidden<N>` in a static job, `usize` otherwise.
+    type Hidden: Dim;
+    /// The hidden dim's value.
+    fn hidden(&self) -> Self::Hidden;
+    /// Decoder layers (for resolving capture points).
+    fn num_layers(&self) -> usize;
+    /// Runs one step; see [`Llama::forward_step`].
+    fn forward_step<L: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+        cache: &mut KvCache,
+    ) -> Result<CapturedStates<L, Self::Hidden>, ModelError>;
+}
+
+impl<H: Dim> Model for Llama<H> {
+    type Hidden = H;
+    fn hidden(&self) -> H {
+        Llama::hidden(self)
+    }
+    fn num_layers(&self) -> usize {
+        self.config().num_layers
+    }
+    fn forward_step<L: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+        cache: &mut KvCache,
+    ) -> Result<CapturedStates<L, H>, ModelError> {
+        Llama::forward_step(self, batch, captures, cache)
+    }
 }

@@ -35,6 +35,7 @@ pub fn read_tensors(path: &Path) -> HashMap<String, Tensor> {
                 safetensors::Dtype::I64 => {
                     v.data().chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap()) as f32).collect()
                 }
+                safetensors::Dtype::U8 => v.data().iter().map(|&b| b as f32).collect(),
                 d => {
                     let dt = DType::from_safetensors(d).expect("float dtype");
                     let mut out = vec![0f32; n];
@@ -92,4 +93,25 @@ pub fn expected(exp: &HashMap<String, Tensor>, i: usize, p: CapturePoint, n: usi
 pub fn max_err(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
     a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f32::max)
+}
+
+/// Runs the `strata` binary; returns (success, stdout, stderr).
+pub fn strata(args: &[&std::ffi::OsStr]) -> (bool, String, String) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout).to_string(), String::from_utf8_lossy(&o.stderr).to_string());
+    assert!(!err.contains("panicked"), "strata panicked: {err}");
+    (o.status.success(), out, err)
+}
+
+/// Every file under `dir` (names and bytes), sorted, for whole-directory comparisons.
+pub fn dir_contents(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name().to_string_lossy().to_string(), std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    v.sort();
+    v
 }
