@@ -242,4 +242,26 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn chunks_equal_whole_bitwise_past_the_alignment_block() {
+        // Positions beyond KV_ALIGN with a window: the P·V sum starts at an aligned
+        // position, so chunk boundaries cannot change the rounding.
+        let (t, hd) = (4000usize, 8usize);
+        let s = AttnShape { heads: 2, kv_heads: 1, head_dim: hd, window: Some(1500), scale: 0.3 };
+        let stride = 4 * hd;
+        let qkv: Vec<f32> = (0..t * stride).map(|i| ((i * 7919 % 1013) as f32 / 500.0) - 1.0).collect();
+        let kv = KvRef { k: &qkv[2 * hd..], v: &qkv[3 * hd..], stride };
+        let mut whole = vec![0f32; t * 2 * hd];
+        varlen_attention(&qkv, stride, &[AttnSegment { rows: 0..t, pos0: 0, kv }], s, &mut whole);
+        let mut chunked = vec![0f32; t * 2 * hd];
+        for (a, b) in [(0, 1000), (1000, 1037), (1037, 2900), (2900, 4000)] {
+            // The chunk's queries are its own rows; K/V cover positions 0..b.
+            let mut out = vec![0f32; (b - a) * 2 * hd];
+            let seg = AttnSegment { rows: 0..b - a, pos0: a, kv };
+            varlen_attention(&qkv[a * stride..], stride, &[seg], s, &mut out);
+            chunked[a * 2 * hd..b * 2 * hd].copy_from_slice(&out);
+        }
+        assert!(whole == chunked, "chunked attention differs from whole");
+    }
 }
