@@ -43,11 +43,18 @@ impl DType {
 
     /// Converts f32 values into this dtype's little-endian bytes, appending to `out`.
     pub fn encode_into(self, src: &[f32], out: &mut Vec<u8>) {
-        out.reserve(src.len() * self.size());
+        let start = out.len();
+        out.resize(start + src.len() * self.size(), 0);
+        let dst = &mut out[start..];
+        // Fixed-size chunks so the loops vectorise.
         match self {
-            DType::F32 => src.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
-            DType::BF16 => src.iter().for_each(|v| out.extend_from_slice(&bf16::from_f32(*v).to_le_bytes())),
-            DType::F16 => src.iter().for_each(|v| out.extend_from_slice(&f16::from_f32(*v).to_le_bytes())),
+            DType::F32 => dst.chunks_exact_mut(4).zip(src).for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
+            DType::BF16 => {
+                dst.chunks_exact_mut(2).zip(src).for_each(|(d, v)| d.copy_from_slice(&bf16::from_f32(*v).to_le_bytes()))
+            }
+            DType::F16 => {
+                dst.chunks_exact_mut(2).zip(src).for_each(|(d, v)| d.copy_from_slice(&f16::from_f32(*v).to_le_bytes()))
+            }
         }
     }
 

@@ -1,0 +1,145 @@
+//! (a) End-to-end overhead: the pipeline (parse, schedule, forward, capture,
+//!     gather, convert, checksum, write, fsync) against the bare forward on the
+//!     same tokens, `small` Llama shape, 4 × 512 tokens, EAGLE-3 points, bf16.
+//! (b) Writer throughput: the native sink writing captured f32 states (as bf16
+//!     and as f32) against a plain sequential write + fsync of the same bytes
+//!     to the same disk.
+//!
+//! Runs are interleaved (A, B, A, B, ...) so machine noise hits both sides;
+//! medians and their ratio are printed.
+//!
+//!     cargo bench --bench pipeline [-- --runs N]
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+use strata::batch::PackedBatch;
+use strata::capture::{CapturePoint, CaptureSet};
+use strata::config::LlamaConfig;
+use strata::manifest::{Manifest, ModelInfo};
+use strata::model::Llama;
+use strata::pipeline::Pipeline;
+use strata::shape::DType;
+use strata::sink::{OpenMode, Sink, StrataSink, DEFAULT_SHARD_SIZE};
+use strata::source::{JsonlSource, Sample};
+use strata::synth::{write_llama, write_tokens, LlamaSpec};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn sink(
+    dir: &Path,
+    config: &LlamaConfig,
+    config_text: &str,
+    points: &[CapturePoint],
+    dtype: DType,
+) -> StrataSink<usize, usize> {
+    let manifest = Manifest::new(ModelInfo::new("bench", config, config_text), points, dtype, DEFAULT_SHARD_SIZE);
+    StrataSink::open(dir, manifest, points.len(), config.hidden_size, OpenMode::Overwrite).unwrap()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let runs: usize = args.iter().position(|a| a == "--runs").map_or(5, |i| args[i + 1].parse().unwrap());
+    if args.iter().any(|a| a == "--list") {
+        return; // `cargo test --benches` lists benches; nothing to list here
+    }
+    let dir = std::env::var("STRATA_BENCH_MODEL")
+        .map(Into::into)
+        .unwrap_or_else(|_| std::env::temp_dir().join("strata-bench-small"));
+    if !dir.join("tokens.jsonl").exists() {
+        let spec = LlamaSpec::small();
+        write_llama(&dir, &spec, DType::F32, 7).unwrap();
+        write_tokens(&dir.join("tokens.jsonl"), spec.vocab_size, &[512; 4], 11).unwrap();
+    }
+    let config_text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let config = LlamaConfig::from_json(&config_text).unwrap();
+    let model: Llama = Llama::load(&dir).unwrap();
+    let tokens_text = std::fs::read_to_string(dir.join("tokens.jsonl")).unwrap();
+    let samples: Vec<Sample> = JsonlSource::new("t".into(), tokens_text.as_bytes()).map(|s| s.unwrap()).collect();
+    let ntok: usize = samples.iter().map(|s| s.len()).sum();
+    let points = CapturePoint::eagle3(config.num_layers);
+    let set = CaptureSet::<usize>::try_new(points.clone()).unwrap();
+    let out = tempfile::tempdir_in(std::env::current_dir().unwrap().join("target")).unwrap();
+
+    // (a) pipeline vs bare forward.
+    let batch = PackedBatch::from_samples(samples.iter().map(|s| s.input_ids.as_slice()));
+    let (mut fwd, mut e2e) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let t = Instant::now();
+        std::hint::black_box(model.forward(&batch, &set).unwrap());
+        fwd.push(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        let source = JsonlSource::new("t".into(), tokens_text.as_bytes());
+        let s = sink(out.path(), &config, &config_text, &points, DType::BF16);
+        Pipeline::new(source).max_batch_tokens(ntok).model(&model).capture(set.clone()).sink(s).run().unwrap();
+        e2e.push(t.elapsed().as_secs_f64());
+    }
+    let (f, e) = (median(fwd), median(e2e));
+    println!("(a) {ntok} tokens, {} capture points, bf16, {runs} interleaved runs", points.len());
+    println!("    bare forward     {f:.3} s  ({:.0} tokens/s)", ntok as f64 / f);
+    println!("    pipeline         {e:.3} s  ({:.0} tokens/s)", ntok as f64 / e);
+    println!("    overhead         {:+.2}%", (e / f - 1.0) * 100.0);
+
+    // (b) writer vs plain sequential write of the same bytes.
+    let states = model.forward(&batch, &set).unwrap();
+    let reps = 16; // 16 × 4 samples of [4, 512, 1024]
+    for dtype in [DType::BF16, DType::F32] {
+        let (mut sink_t, mut plain_t) = (Vec::new(), Vec::new());
+        let mut bytes = 0u64;
+        let per_sample = 4 * 512 * 1024 * dtype.size();
+        // The exact hidden-state bytes the sink stores for each sample, [L, T, H].
+        let blocks: Vec<Vec<u8>> = (0..samples.len())
+            .map(|i| {
+                let v = states.view_tokens(batch.range(i)).unwrap();
+                let mut b = Vec::new();
+                (0..4).for_each(|l| dtype.encode_into(v.layer(l), &mut b));
+                assert_eq!(b.len(), per_sample);
+                b
+            })
+            .collect();
+        for run in 0..runs {
+            // Alternate which side goes first; each writes into a fresh place and
+            // its files are removed outside the timed region.
+            for side in [run % 2, 1 - run % 2] {
+                let target = out.path().join(format!("run{run}-{side}"));
+                if side == 0 {
+                    let t = Instant::now();
+                    let mut s = sink(&target, &config, &config_text, &points, dtype);
+                    for r in 0..reps {
+                        for (i, sm) in samples.iter().enumerate() {
+                            let sample = Sample { id: format!("{r}-{i}"), ..sm.clone() };
+                            s.write_sample(&sample, states.view_tokens(batch.range(i)).unwrap()).unwrap();
+                        }
+                    }
+                    Sink::<usize, usize>::finish(&mut s).unwrap();
+                    sink_t.push(t.elapsed().as_secs_f64());
+                    bytes = Sink::<usize, usize>::bytes_written(&s);
+                } else {
+                    std::fs::create_dir_all(&target).unwrap();
+                    let t = Instant::now();
+                    let path = target.join("plain.bin");
+                    let mut f = std::io::BufWriter::with_capacity(4 << 20, std::fs::File::create(&path).unwrap());
+                    for _ in 0..reps {
+                        blocks.iter().for_each(|b| f.write_all(b).unwrap());
+                    }
+                    f.into_inner().unwrap().sync_all().unwrap();
+                    plain_t.push(t.elapsed().as_secs_f64());
+                }
+                std::fs::remove_dir_all(&target).unwrap();
+            }
+        }
+        let (s, p) = (median(sink_t), median(plain_t));
+        let plain_bytes = (reps * samples.len() * per_sample) as f64;
+        println!(
+            "(b) writer, {dtype}: {} samples, {:.0} MiB, {runs} interleaved runs",
+            reps * samples.len(),
+            bytes as f64 / (1 << 20) as f64
+        );
+        println!("    strata sink      {:.0} MiB/s", bytes as f64 / s / (1 << 20) as f64);
+        println!("    plain write      {:.0} MiB/s", plain_bytes / p / (1 << 20) as f64);
+        println!("    ratio            {:.2}", (bytes as f64 / s) / (plain_bytes / p));
+    }
+}
