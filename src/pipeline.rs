@@ -1,6 +1,6 @@
 //! The generic pipeline: `Source → Schedule → Model → Capture → Gather → Sink`.
 //!
-//! ```ignore
+//! ```text
 //! Pipeline::new(source).max_batch_tokens(8192).model(&model).capture(points).sink(writer).run()?
 //! ```
 //!
