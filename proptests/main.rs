@@ -16,6 +16,47 @@ fn model() -> &'static Llama {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig::with_cases(6))]
+
+    /// On random small Llama configs (GQA ratios, widths), TP ranks give the
+    /// states of the whole model up to the order of the all-reduced sums.
+    #[test]
+    fn tp_matches_single_rank_on_random_configs(
+        kv in prop::sample::select(vec![1usize, 2, 4]),
+        group in 1usize..3,
+        head_dim in prop::sample::select(vec![4usize, 6, 8]),
+        inter_per in 1usize..5,
+        layers in 1usize..3,
+        tp in prop::sample::select(vec![2usize, 4]),
+        seed in any::<u64>(),
+    ) {
+        use strata::model::{Model, TpLlama};
+        use strata::synth::{write_llama, LlamaSpec};
+        let heads = 4 * group; // divisible by every tp tried and by every kv
+        let spec = LlamaSpec {
+            hidden_size: heads * head_dim,
+            num_layers: layers,
+            num_heads: heads,
+            num_kv_heads: kv,
+            intermediate_size: 4 * inter_per * 4,
+            vocab_size: 50,
+        };
+        prop_assume!(heads % kv == 0 && (kv % tp == 0 || tp % kv == 0));
+        let dir = tempfile::tempdir().unwrap();
+        write_llama(dir.path(), &spec, strata::shape::DType::F32, seed).unwrap();
+        let mut rng = strata::synth::Rng::new(seed ^ 1);
+        let samples: Vec<Vec<u32>> = [5usize, 17, 1].iter().map(|&n| (0..n).map(|_| rng.below(50) as u32).collect()).collect();
+        let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));
+        let set = CaptureSet::<usize>::try_new(vec![CapturePoint::LayerInput(layers - 1), CapturePoint::FinalPostNorm]).unwrap();
+        let whole = Llama::<usize>::load(dir.path()).unwrap().forward(&batch, &set).unwrap();
+        let split = TpLlama::<usize, usize>::load(dir.path(), tp).unwrap().forward_step(&batch, &set, &mut Default::default()).unwrap();
+        for (a, b) in split.as_slice().iter().zip(whole.as_slice()) {
+            prop_assert!((a - b).abs() <= 2e-5 * b.abs().max(1.0), "tp {}: {} vs {}", tp, a, b);
+        }
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     /// A sample's states do not depend on what it is packed with or where:
@@ -87,6 +128,21 @@ proptest! {
             let alone = m.forward(&PackedBatch::from_samples([s.input_ids.as_slice()]), &set).unwrap();
             prop_assert_eq!(states, alone);
         }
+    }
+
+    /// Splitting captured states over TP ranks along hidden and gathering the
+    /// rank replies back is the identity.
+    #[test]
+    fn tp_shard_then_gather_round_trip(l in 1usize..4, t in 0usize..9, per in 1usize..7, tp in 1usize..6, seed in any::<u64>()) {
+        use strata::tp::{PerRank, ShardedStates};
+        let h = per * tp;
+        let mut rng = strata::synth::Rng::new(seed);
+        let s = CapturedStates::<usize, usize>::try_from_vec((0..l * t * h).map(|_| rng.uniform()).collect(), l, t, h).unwrap();
+        let parts: Vec<_> = (0..tp).map(|r| ShardedStates::split(&s, tp, r).unwrap()).collect();
+        prop_assert!(parts.iter().all(|p| p.shape() == [l, t, per]));
+        prop_assert_eq!(ShardedStates::gather(PerRank::from_vec(parts), h, tp).unwrap(), s);
+        // A width that does not divide is an error, not a silent truncation.
+        prop_assert!(ShardedStates::<usize, usize>::split(&CapturedStates::zeros(l, t, h + 1), h + 2, 0).is_err());
     }
 
     /// The packed GEMM agrees with a naive f64 product on any shape.

@@ -188,6 +188,38 @@ impl Checkpoint {
         Ok(out)
     }
 
+    /// Reads the block `rows × cols` of a 2-D tensor (or `rows` of a 1-D one,
+    /// with `cols = 0..1`) as f32, checking the full shape first. Only the
+    /// block is decoded: a tensor-parallel rank never materialises the whole weight.
+    pub fn read_f32_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>, CheckpointError> {
+        let e = self.entries.get(name).ok_or_else(|| CheckpointError::Missing(name.to_string()))?;
+        if e.shape != shape {
+            return Err(CheckpointError::Shape {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                actual: e.shape.clone(),
+            });
+        }
+        let dtype = DType::from_safetensors(e.dtype)
+            .ok_or_else(|| CheckpointError::DType { name: name.to_string(), dtype: format!("{:?}", e.dtype) })?;
+        let width = if shape.len() == 2 { shape[1] } else { 1 };
+        assert!(rows.end <= shape[0] && cols.end <= width, "block outside tensor {name}");
+        let bytes = &self.files[e.file].1.as_slice()[e.start..e.end];
+        let es = dtype.size();
+        let mut out = vec![0f32; rows.len() * cols.len()];
+        for (r, dst) in rows.zip(out.chunks_exact_mut(cols.len().max(1))) {
+            let off = (r * width + cols.start) * es;
+            dtype.decode_into(&bytes[off..off + cols.len() * es], dst);
+        }
+        Ok(out)
+    }
+
     /// Reads an optional tensor (e.g. a bias): `Ok(None)` when absent.
     pub fn read_f32_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>, CheckpointError> {
         if self.contains(name) {

@@ -6,11 +6,12 @@ use crate::checkpoint::Checkpoint;
 use crate::config::LlamaConfig;
 use crate::embedded;
 use crate::manifest::{Manifest, ModelInfo};
-use crate::model::{Llama, ModelError};
+use crate::model::{Llama, Model, ModelError, TpLlama};
 use crate::pipeline::{Pipeline, PipelineError, Progress, Report};
 use crate::shape::DType;
 use crate::sink::{OpenMode, Sink, SinkError, SpeculatorsSink, StrataSink};
 use crate::source::{JsonlSource, Sample, SourceError};
+use crate::tp::TpPlan;
 use std::collections::HashSet;
 use std::io::BufRead;
 use std::path::PathBuf;
@@ -47,6 +48,16 @@ pub struct ExtractJob {
     pub shard_size: u64,
     /// What to do with an output directory that has content.
     pub mode: OpenMode,
+    /// Tensor-parallel ranks (threads); 1 runs the model whole.
+    pub tp: usize,
+}
+
+/// What `write` needs besides the model.
+struct Ctx<'a> {
+    config: &'a LlamaConfig,
+    config_text: &'a str,
+    points: &'a [CapturePoint],
+    captures: CaptureSet<usize>,
 }
 
 /// Why an extraction stopped. Nothing is written before the input is fully validated.
@@ -199,41 +210,63 @@ impl ExtractJob {
         summary.total_tokens = stats.tokens;
 
         let t = Instant::now();
-        let model: Llama<usize> = match &self.model {
-            Some(dir) => Llama::from_checkpoint(config.clone(), &Checkpoint::open(dir).map_err(ModelError::from)?)?,
-            None => Llama::from_checkpoint(
-                config.clone(),
-                &Checkpoint::from_static(embedded::NAME, embedded::MODEL_SAFETENSORS).map_err(ModelError::from)?,
-            )?,
+        if self.tp > 1 {
+            // Checked before any weight is read.
+            TpPlan::new(&config, self.tp).map_err(|p| ExtractError::Model(ModelError::Parallel(p)))?;
+        }
+        let model_dir = self.model.clone();
+        let open = move || match &model_dir {
+            Some(dir) => Checkpoint::open(dir),
+            None => Checkpoint::from_static(embedded::NAME, embedded::MODEL_SAFETENSORS),
         };
-        summary.load_time = t.elapsed();
-        let dtype = self.dtype.unwrap_or(model.dtype());
-        summary.dtype = Some(dtype);
-        summary.points = points.clone();
-        let progress = |p: &Progress| progress(p, &stats);
-
-        summary.report = match self.format {
-            Format::Strata => {
-                let path = self.model.as_ref().map_or(embedded::NAME.into(), |p| p.display().to_string());
-                let info = ModelInfo::new(&path, &config, &config_text);
-                let manifest = Manifest::new(info, &points, dtype, self.shard_size);
-                let sink = StrataSink::open(&self.out, manifest, points.len(), config.hidden_size, self.mode)?;
-                self.drive(&model, captures, sink, progress)?
-            }
-            Format::Speculators => {
-                let sink = SpeculatorsSink::open(&self.out, dtype, self.mode)?;
-                self.drive(&model, captures, sink, progress)?
-            }
-        };
+        let mut progress = |p: &Progress| progress(p, &stats);
+        let ctx = Ctx { config: &config, config_text: &config_text, points: &points, captures };
+        if self.tp > 1 {
+            let model = TpLlama::<usize, usize>::build(config.clone(), self.tp, open)?;
+            summary.load_time = t.elapsed();
+            let dtype = self.dtype.unwrap_or(model.dtype());
+            summary.dtype = Some(dtype);
+            summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+        } else {
+            let model = Llama::<usize>::from_checkpoint(config.clone(), &open().map_err(ModelError::from)?)?;
+            summary.load_time = t.elapsed();
+            let dtype = self.dtype.unwrap_or(model.dtype());
+            summary.dtype = Some(dtype);
+            summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+        }
+        summary.points = points;
         Ok(summary)
     }
 
-    fn drive<K: Sink<usize, usize>>(
+    fn write<M: Model<Hidden = usize>>(
         &self,
-        model: &Llama<usize>,
+        model: &M,
+        dtype: DType,
+        ctx: Ctx<'_>,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Report, ExtractError> {
+        let Ctx { config, config_text, points, captures } = ctx;
+        match self.format {
+            Format::Strata => {
+                let path = self.model.as_ref().map_or(embedded::NAME.into(), |p| p.display().to_string());
+                let info = ModelInfo::new(&path, config, config_text);
+                let manifest = Manifest::new(info, points, dtype, self.shard_size);
+                let sink = StrataSink::open(&self.out, manifest, points.len(), config.hidden_size, self.mode)?;
+                self.drive(model, captures, sink, progress)
+            }
+            Format::Speculators => {
+                let sink = SpeculatorsSink::open(&self.out, dtype, self.mode)?;
+                self.drive(model, captures, sink, progress)
+            }
+        }
+    }
+
+    fn drive<M: Model<Hidden = usize>, K: Sink<usize, usize>>(
+        &self,
+        model: &M,
         captures: CaptureSet<usize>,
         sink: K,
-        progress: impl FnMut(&Progress),
+        progress: &mut dyn FnMut(&Progress),
     ) -> Result<Report, ExtractError> {
         let (report, _) = Pipeline::new(self.source()?)
             .max_batch_tokens(self.max_batch_tokens)

@@ -26,4 +26,5 @@ pub mod sink;
 pub mod source;
 pub mod stats;
 pub mod synth;
+pub mod tp;
 pub mod verify;

@@ -11,6 +11,14 @@ use strata::pipeline::Progress;
 use strata::shape::DType;
 use strata::sink::OpenMode;
 
+/// Prints a line to stdout; a closed pipe (`strata inspect DIR | head`) is not an error.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 #[derive(Parser)]
 #[command(name = "strata", version, about = "Shape-verified hidden-state extraction from transformer LLMs")]
 struct Cli {
@@ -132,6 +140,9 @@ struct ExtractArgs {
     /// Replace the output an earlier run left in --out.
     #[arg(long)]
     overwrite: bool,
+    /// Tensor-parallel ranks: the model's heads and MLP split over N threads.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    tp: usize,
 }
 
 #[derive(clap::Args)]
@@ -229,14 +240,14 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
     let p = &r.progress;
     let secs = p.elapsed.as_secs_f64().max(1e-9);
     let points: Vec<String> = s.points.iter().map(|p| p.to_string()).collect();
-    println!("wrote {} samples ({} tokens) to {}", p.samples, p.tokens, out.display());
+    say!("wrote {} samples ({} tokens) to {}", p.samples, p.tokens, out.display());
     if p.resumed > 0 {
-        println!("  resumed     {} samples were already written", p.resumed);
+        say!("  resumed     {} samples were already written", p.resumed);
     }
-    println!("  capture     {} ({})", points.join(","), s.dtype.map_or("?".into(), |d| d.to_string()));
-    println!("  bytes       {}", r.bytes);
-    println!("  throughput  {:.0} tokens/s over {:.2}s ({} steps)", p.tokens as f64 / secs, secs, r.steps);
-    println!(
+    say!("  capture     {} ({})", points.join(","), s.dtype.map_or("?".into(), |d| d.to_string()));
+    say!("  bytes       {}", r.bytes);
+    say!("  throughput  {:.0} tokens/s over {:.2}s ({} steps)", p.tokens as f64 / secs, secs, r.steps);
+    say!(
         "  stages      validate {:.2}s, load {:.2}s, schedule {:.2}s, forward {:.2}s, gather {:.2}s, write {:.2}s",
         s.validate_time.as_secs_f64(),
         s.load_time.as_secs_f64(),
@@ -246,11 +257,14 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
         r.write_time.as_secs_f64()
     );
     if let Some(m) = peak_rss_mib() {
-        println!("  peak memory {m:.0} MiB");
+        say!("  peak memory {m:.0} MiB");
     }
 }
 
 fn extract(a: ExtractArgs) -> anyhow::Result<()> {
+    if a.tp == 0 {
+        anyhow::bail!("--tp must be at least 1");
+    }
     if a.max_batch_tokens == 0 {
         anyhow::bail!("--max-batch-tokens must be at least 1");
     }
@@ -277,6 +291,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         } else {
             OpenMode::Create
         },
+        tp: a.tp,
     };
     let model = a.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
     let mut reporter = Reporter::new();
@@ -303,7 +318,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Extract(a) => extract(a),
         Command::Inspect(a) => strata::inspect::inspect(&a.path, a.max_samples)
-            .map(|text| print!("{text}"))
+            .map(|text| say!("{}", text.trim_end()))
             .with_context(|| format!("strata inspect {}", a.path.display())),
         Command::Verify(a) => verify(a),
     };
@@ -325,7 +340,7 @@ fn verify(a: VerifyArgs) -> anyhow::Result<()> {
         .with_context(|| format!("strata verify {}", a.dir.display()))?;
     let m = strata::manifest::Manifest::read(&a.dir).map_err(anyhow::Error::msg)?;
     if problems.is_empty() {
-        println!(
+        say!(
             "ok: {} samples in {} shards match the manifest{}",
             m.samples.len(),
             m.shards.len(),
@@ -334,7 +349,7 @@ fn verify(a: VerifyArgs) -> anyhow::Result<()> {
         Ok(())
     } else {
         for p in &problems {
-            println!("problem: {p}");
+            say!("problem: {p}");
         }
         anyhow::bail!("{} problem(s) in {}", problems.len(), a.dir.display())
     }

@@ -14,8 +14,10 @@ use crate::cpu::attention::{varlen_attention, AttnSegment, AttnShape, KvRef};
 use crate::cpu::ops::{rms_norm, rms_norm_heads_inplace, rope_head, swiglu};
 use crate::cpu::PackedLinear;
 use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
+use crate::tp::{Collective, TpPlan};
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use tracing::{debug_span, info_span};
 
 /// Self-attention weights of one layer (`self_attn.*`).
@@ -23,6 +25,8 @@ struct SelfAttn {
     /// `q_proj`, `k_proj`, `v_proj` stacked: `[(heads + 2·kv) · head_dim, hidden]`.
     qkv_proj: PackedLinear,
     o_proj: PackedLinear,
+    /// o_proj's bias when added after the all-reduce (tensor parallelism).
+    o_bias: Option<Vec<f32>>,
     /// Qwen3's per-head norms.
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
@@ -33,6 +37,8 @@ struct Mlp {
     /// `gate_proj` and `up_proj` stacked: `[2 · intermediate, hidden]`.
     gate_up_proj: PackedLinear,
     down_proj: PackedLinear,
+    /// down_proj's bias when added after the all-reduce (tensor parallelism).
+    down_bias: Option<Vec<f32>>,
 }
 
 /// One decoder layer (`model.layers.{i}.*`).
@@ -54,6 +60,10 @@ pub struct Llama<H: Dim = usize> {
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
     inv_freq: Vec<f32>,
+    /// How this rank's share of heads and widths was cut.
+    plan: TpPlan,
+    /// The rank's communicator; `None` for a single rank.
+    comm: Option<Arc<dyn Collective<Buf = [f32]>>>,
 }
 
 /// Reusable activations of one forward, sized by the batch.
@@ -63,6 +73,8 @@ struct Activations {
     attn: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
+    /// A row-parallel layer's partial output, before the all-reduce.
+    partial: Vec<f32>,
 }
 
 fn inv_freq(c: &LlamaConfig) -> Vec<f32> {
@@ -102,24 +114,51 @@ impl<H: Dim + Default> Llama<H> {
     /// Builds the model from a parsed config and an opened checkpoint,
     /// checking the config's hidden size against `H`.
     pub fn from_checkpoint(config: LlamaConfig, ckpt: &Checkpoint) -> Result<Self, ModelError> {
-        let _span = info_span!("load", arch = config.arch.name(), layers = config.num_layers).entered();
+        let plan = TpPlan::new(&config, 1).map_err(ModelError::Parallel)?;
+        Self::from_checkpoint_rank(config, ckpt, plan, None)
+    }
+
+    /// Builds tensor-parallel rank `comm.rank()` of `plan.size`: it reads only
+    /// its own rows of q/k/v and gate/up and its own columns of o/down from
+    /// the mapped checkpoint. With `comm = None`, the whole model (`plan.size = 1`).
+    pub fn from_checkpoint_rank(
+        config: LlamaConfig,
+        ckpt: &Checkpoint,
+        plan: TpPlan,
+        comm: Option<Arc<dyn Collective<Buf = [f32]>>>,
+    ) -> Result<Self, ModelError> {
+        let rank = comm.as_ref().map_or(0, |c| c.rank());
+        let _span = info_span!("load", arch = config.arch.name(), layers = config.num_layers, rank).entered();
         let hidden: H = dim_from_size("config.json hidden_size", "hidden", config.hidden_size)?;
         let c = &config;
         let (h, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
+        // This rank's rows of the column-parallel weights and columns of the row-parallel ones.
+        let q_rows = rank * plan.heads * hd..(rank + 1) * plan.heads * hd;
+        let kv0 = plan.kv_head0(c, rank);
+        let kv_rows = kv0 * hd..(kv0 + plan.kv_heads) * hd;
+        let i_rows = rank * plan.intermediate..(rank + 1) * plan.intermediate;
+        let (lq, lkv) = (q_rows.len(), kv_rows.len());
         let embed_tokens = ckpt.read_f32("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let dtype = ckpt.dtype("model.embed_tokens.weight").unwrap_or(DType::F32);
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let p = format!("model.layers.{l}");
             let w = |name: &str, shape: &[usize]| ckpt.read_f32(&format!("{p}.{name}"), shape);
-            let mut qkv = w("self_attn.q_proj.weight", &[q_out, h])?;
-            qkv.extend(w("self_attn.k_proj.weight", &[kv_out, h])?);
-            qkv.extend(w("self_attn.v_proj.weight", &[kv_out, h])?);
+            let rows = |name: &str, shape: &[usize], r: &std::ops::Range<usize>| {
+                let cols = if shape.len() == 2 { 0..shape[1] } else { 0..1 };
+                ckpt.read_f32_block(&format!("{p}.{name}"), shape, r.clone(), cols)
+            };
+            let cols = |name: &str, shape: &[usize], r: &std::ops::Range<usize>| {
+                ckpt.read_f32_block(&format!("{p}.{name}"), shape, 0..shape[0], r.clone())
+            };
+            let mut qkv = rows("self_attn.q_proj.weight", &[q_out, h], &q_rows)?;
+            qkv.extend(rows("self_attn.k_proj.weight", &[kv_out, h], &kv_rows)?);
+            qkv.extend(rows("self_attn.v_proj.weight", &[kv_out, h], &kv_rows)?);
             let qkv_bias = if c.qkv_bias {
-                let mut b = w("self_attn.q_proj.bias", &[q_out])?;
-                b.extend(w("self_attn.k_proj.bias", &[kv_out])?);
-                b.extend(w("self_attn.v_proj.bias", &[kv_out])?);
+                let mut b = rows("self_attn.q_proj.bias", &[q_out], &q_rows)?;
+                b.extend(rows("self_attn.k_proj.bias", &[kv_out], &kv_rows)?);
+                b.extend(rows("self_attn.v_proj.bias", &[kv_out], &kv_rows)?);
                 Some(b)
             } else {
                 None
@@ -130,34 +169,46 @@ impl<H: Dim + Default> Llama<H> {
             } else {
                 (None, None)
             };
-            let mut gate_up = w("mlp.gate_proj.weight", &[i, h])?;
-            gate_up.extend(w("mlp.up_proj.weight", &[i, h])?);
+            let mut gate_up = rows("mlp.gate_proj.weight", &[i, h], &i_rows)?;
+            gate_up.extend(rows("mlp.up_proj.weight", &[i, h], &i_rows)?);
             let (gate_up_bias, down_bias) = if c.mlp_bias {
-                let mut b = w("mlp.gate_proj.bias", &[i])?;
-                b.extend(w("mlp.up_proj.bias", &[i])?);
+                let mut b = rows("mlp.gate_proj.bias", &[i], &i_rows)?;
+                b.extend(rows("mlp.up_proj.bias", &[i], &i_rows)?);
                 (Some(b), Some(w("mlp.down_proj.bias", &[h])?))
             } else {
                 (None, None)
             };
+            // One rank keeps its biases inside the GEMM; with several, a row-parallel
+            // bias is added once, after the all-reduce.
+            let single = plan.size == 1;
+            let o_proj = cols("self_attn.o_proj.weight", &[h, q_out], &q_rows)?;
+            let down_proj = cols("mlp.down_proj.weight", &[h, i], &i_rows)?;
             layers.push(DecoderLayer {
                 input_layernorm: w("input_layernorm.weight", &[h])?,
                 self_attn: SelfAttn {
-                    qkv_proj: PackedLinear::new(&qkv, q_out + 2 * kv_out, h, qkv_bias),
-                    o_proj: PackedLinear::new(&w("self_attn.o_proj.weight", &[h, q_out])?, h, q_out, o_bias),
+                    qkv_proj: PackedLinear::new(&qkv, lq + 2 * lkv, h, qkv_bias),
+                    o_proj: PackedLinear::new(&o_proj, h, lq, if single { o_bias.clone() } else { None }),
+                    o_bias: if single { None } else { o_bias },
                     q_norm,
                     k_norm,
                 },
                 post_attention_layernorm: w("post_attention_layernorm.weight", &[h])?,
                 mlp: Mlp {
-                    gate_up_proj: PackedLinear::new(&gate_up, 2 * i, h, gate_up_bias),
-                    down_proj: PackedLinear::new(&w("mlp.down_proj.weight", &[h, i])?, h, i, down_bias),
+                    gate_up_proj: PackedLinear::new(&gate_up, 2 * plan.intermediate, h, gate_up_bias),
+                    down_proj: PackedLinear::new(
+                        &down_proj,
+                        h,
+                        plan.intermediate,
+                        if single { down_bias.clone() } else { None },
+                    ),
+                    down_bias: if single { None } else { down_bias },
                 },
                 sliding_window: c.sliding_windows[l],
             });
         }
         let norm = ckpt.read_f32("model.norm.weight", &[h])?;
         let inv_freq = inv_freq(c);
-        Ok(Llama { config, hidden, dtype, embed_tokens, layers, norm, inv_freq })
+        Ok(Llama { config, hidden, dtype, embed_tokens, layers, norm, inv_freq, plan, comm })
     }
 }
 
@@ -226,13 +277,26 @@ impl<H: Dim> Llama<H> {
         captures: &CaptureSet<L>,
         cache: &mut KvCache,
     ) -> Result<CapturedStates<L, H>, ModelError> {
+        Ok(self.forward_rank(batch, captures, cache, true)?.expect("capturing forward returns states"))
+    }
+
+    /// The forward of one tensor-parallel rank: every rank runs it in step (the
+    /// all-reduces need all of them); only a capturing rank fills and returns
+    /// the states, the others return `None` without allocating them.
+    pub fn forward_rank<L: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+        cache: &mut KvCache,
+        capture: bool,
+    ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
         let c = &self.config;
         let taps = captures.taps(c.num_layers)?;
         self.check_batch(batch)?;
         cache.check(batch)?;
         let _span = info_span!("forward", tokens = batch.num_tokens(), samples = batch.num_samples()).entered();
         let (t, h) = (batch.num_tokens(), c.hidden_size);
-        let mut out = CapturedStates::<L, H>::zeros(captures.layers(), t, self.hidden);
+        let mut out = capture.then(|| CapturedStates::<L, H>::zeros(captures.layers(), t, self.hidden));
         let needs_post_norm = taps.contains(&Tap::PostNorm);
         let depth = if needs_post_norm {
             c.num_layers
@@ -248,12 +312,16 @@ impl<H: Dim> Llama<H> {
         let (cos, sin) = self.rope_table(batch.max_position());
         let mut act = Activations {
             normed: vec![0f32; t * h],
-            qkv: vec![0f32; t * c.qkv_size()],
-            attn: vec![0f32; t * c.num_heads * c.head_dim],
-            gate_up: vec![0f32; t * 2 * c.intermediate_size],
-            act: vec![0f32; t * c.intermediate_size],
+            qkv: vec![0f32; t * self.qkv_width()],
+            attn: vec![0f32; t * self.plan.heads * c.head_dim],
+            gate_up: vec![0f32; t * 2 * self.plan.intermediate],
+            act: vec![0f32; t * self.plan.intermediate],
+            partial: if self.comm.is_some() { vec![0f32; t * h] } else { Vec::new() },
         };
-        let capture = |out: &mut CapturedStates<L, H>, tap: Tap, src: &[f32]| {
+        // The residual stream is whole on every rank (row-parallel outputs are
+        // all-reduced), so a capture reads full `[T, H]` states, never a shard.
+        let capture = |out: &mut Option<CapturedStates<L, H>>, tap: Tap, src: &[f32]| {
+            let Some(out) = out else { return };
             for (slot, _) in taps.iter().enumerate().filter(|(_, &x)| x == tap) {
                 out.layer_mut(slot).copy_from_slice(src);
             }
@@ -265,7 +333,7 @@ impl<H: Dim> Llama<H> {
         }
         cache.retire(batch);
         capture(&mut out, Tap::Residual(depth), &x);
-        if needs_post_norm {
+        if needs_post_norm && out.is_some() {
             rms_norm(&x, &self.norm, c.rms_norm_eps, &mut act.normed);
             capture(&mut out, Tap::PostNorm, &act.normed);
         }
@@ -301,13 +369,13 @@ impl<H: Dim> Llama<H> {
     ) {
         let c = &self.config;
         let t = batch.num_tokens();
-        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let (nh, nkv, hd) = (self.plan.heads, self.plan.kv_heads, c.head_dim);
         let half = hd / 2;
 
         rms_norm(x, &layer.input_layernorm, c.rms_norm_eps, &mut act.normed);
         layer.self_attn.qkv_proj.forward(&act.normed, t, &mut act.qkv, false);
         // q/k norm (Qwen3) then RoPE at each token's position within its sample.
-        let stride = c.qkv_size();
+        let stride = self.qkv_width();
         for (s, seg) in batch.segments().iter().enumerate() {
             let r = batch.range(s);
             for (i, row) in act.qkv[r.start * stride..r.end * stride].chunks_exact_mut(stride).enumerate() {
@@ -357,12 +425,49 @@ impl<H: Dim> Llama<H> {
             .collect();
         varlen_attention(&act.qkv, stride, &segments, shape, &mut act.attn);
         // Residual add fused into the GEMM: x += attn · o_projᵀ.
-        layer.self_attn.o_proj.forward(&act.attn, t, x, true);
+        self.row_parallel(
+            &layer.self_attn.o_proj,
+            layer.self_attn.o_bias.as_deref(),
+            &act.attn,
+            t,
+            x,
+            &mut act.partial,
+        );
 
         rms_norm(x, &layer.post_attention_layernorm, c.rms_norm_eps, &mut act.normed);
         layer.mlp.gate_up_proj.forward(&act.normed, t, &mut act.gate_up, false);
-        swiglu(&act.gate_up, c.intermediate_size, &mut act.act);
-        layer.mlp.down_proj.forward(&act.act, t, x, true);
+        swiglu(&act.gate_up, self.plan.intermediate, &mut act.act);
+        self.row_parallel(&layer.mlp.down_proj, layer.mlp.down_bias.as_deref(), &act.act, t, x, &mut act.partial);
+    }
+
+    /// Width of this rank's fused q/k/v output.
+    fn qkv_width(&self) -> usize {
+        (self.plan.heads + 2 * self.plan.kv_heads) * self.config.head_dim
+    }
+
+    /// `x += input · Wᵀ (+ b)` for a row-parallel weight: one rank fuses the
+    /// residual add into the GEMM; several sum their partial products first.
+    fn row_parallel(
+        &self,
+        w: &PackedLinear,
+        bias: Option<&[f32]>,
+        input: &[f32],
+        t: usize,
+        x: &mut [f32],
+        partial: &mut [f32],
+    ) {
+        let Some(comm) = &self.comm else {
+            w.forward(input, t, x, true);
+            return;
+        };
+        w.forward(input, t, partial, false);
+        comm.all_reduce_sum(partial);
+        x.iter_mut().zip(partial.iter()).for_each(|(x, p)| *x += p);
+        if let Some(b) = bias {
+            for row in x.chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+            }
+        }
     }
 }
 

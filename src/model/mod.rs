@@ -1,8 +1,10 @@
 //! Decoder models, one file per architecture family.
 
 pub mod llama;
+pub mod tp_llama;
 
 pub use llama::{KvCache, Llama};
+pub use tp_llama::{RankWorker, TpLlama};
 
 use crate::capture::CaptureError;
 use crate::checkpoint::CheckpointError;
@@ -24,6 +26,9 @@ pub enum ModelError {
     /// A size that disagrees with the job's types.
     #[error(transparent)]
     Shape(#[from] ShapeError),
+    /// A tensor-parallel split that does not fit the model, or a rank that stopped.
+    #[error("{0}")]
+    Parallel(String),
     /// Input the model cannot take.
     #[error("sample {sample}: {problem}")]
     Input {

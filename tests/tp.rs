@@ -1,0 +1,105 @@
+//! Tensor parallelism: `--tp 1`, `--tp 2` and `--tp 4` give the same states
+//! for every fixture architecture, through the CLI and the typed API.
+
+mod common;
+
+use common::*;
+use std::process::Command;
+use strata::batch::PackedBatch;
+use strata::capture::{CapturePoint, CaptureSet};
+use strata::model::{Llama, Model, TpLlama};
+use strata::shape::Layers;
+use strata::tp::{HiddenU, ShardedStates, Tp};
+use typenum::{U2, U64};
+
+/// TP changes only the order of the all-reduced sums: `|a - b| <= TP_TOL * max(1, |b|)`.
+const TP_TOL: f32 = 2e-5;
+
+fn run(name: &str, tp: &str, budget: &str, out: &std::path::Path) {
+    let n = num_layers(name);
+    let list: Vec<String> = all_points(n).iter().map(|p| p.to_string()).collect();
+    let o = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["extract", "--model"])
+        .arg(fixture(name))
+        .arg("--data")
+        .arg(fixture(name).join("data.jsonl"))
+        .args(["--capture", &list.join(","), "--dtype", "f32", "--tp", tp, "--max-batch-tokens", budget, "--out"])
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{name} --tp {tp}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn tp_1_2_4_agree_for_every_fixture() {
+    for name in FIXTURES {
+        let tmp = tempfile::tempdir().unwrap();
+        let n = num_layers(name);
+        let points = all_points(n);
+        let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+        let mut base = None;
+        for tp in ["1", "2", "4"] {
+            let out = tmp.path().join(tp);
+            run(name, tp, "8192", &out);
+            let got = read_tensors(&out.join("shard-00000.safetensors"));
+            let mut worst = 0f32;
+            for (i, ids) in samples(name).iter().enumerate() {
+                let hs = &got[&format!("{i}.hidden_states")];
+                let per = ids.len() * hs.shape[2];
+                for (slot, p) in points.iter().enumerate() {
+                    let mine = &hs.data[slot * per..(slot + 1) * per];
+                    let err = max_err(mine, expected(&exp, i, *p, n));
+                    assert!(err <= TOL, "{name} --tp {tp} sample {i} {p}: {err:e} from HF");
+                }
+                if let Some(b) = &base {
+                    let b: &std::collections::HashMap<String, Tensor> = b;
+                    let err = max_err(&hs.data, &b[&format!("{i}.hidden_states")].data);
+                    assert!(err <= TP_TOL, "{name} --tp {tp} sample {i}: {err:e} from --tp 1");
+                    worst = worst.max(err);
+                }
+            }
+            if base.is_none() {
+                base = Some(got);
+            } else {
+                println!("{name} --tp {tp}: worst relative difference from --tp 1: {worst:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn tp_output_does_not_depend_on_the_batch_budget() {
+    let tmp = tempfile::tempdir().unwrap();
+    run("mistral-swa", "2", "8192", &tmp.path().join("a"));
+    run("mistral-swa", "2", "7", &tmp.path().join("b"));
+    assert!(dir_contents(&tmp.path().join("a")) == dir_contents(&tmp.path().join("b")));
+}
+
+#[test]
+fn typed_tp_job_gathers_rank_shards() {
+    // hidden 64 over Tp<U2>: each rank's slice is HiddenU<U32>, checked by the compiler.
+    let model = TpLlama::<HiddenU<U64>, Tp<U2>>::load(&fixture("llama-default"), Tp::default()).unwrap();
+    let set = CaptureSet::<Layers<4>>::try_new(CapturePoint::eagle3(8)).unwrap();
+    let ids = samples("llama-default");
+    let batch = PackedBatch::from_samples(ids.iter().map(|s| s.as_slice()));
+    let shards = model.forward_sharded(&batch, &set).unwrap();
+    assert_eq!(shards.len(), 2);
+    assert_eq!(shards.rank(1).shape(), [4, batch.num_tokens(), 32]);
+    let gathered = ShardedStates::gather(shards, HiddenU::default(), Tp::<U2>::default()).unwrap();
+    let captured = model.forward_step(&batch, &set, &mut Default::default()).unwrap();
+    assert_eq!(gathered, captured, "every rank holds the same residual stream");
+    let whole = Llama::<HiddenU<U64>>::load(&fixture("llama-default")).unwrap().forward(&batch, &set).unwrap();
+    let err = max_err(captured.as_slice(), whole.as_slice());
+    assert!(err <= TP_TOL, "{err:e}");
+}
+
+#[test]
+fn bad_splits_are_refused_before_loading() {
+    let o = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["extract", "--tp", "3", "--out"])
+        .arg(tempfile::tempdir().unwrap().path().join("o"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("--tp 3: num_attention_heads 4 is not divisible by 3"), "{err}");
+}
