@@ -8,29 +8,13 @@
 //! instead; scripts/bench_vs_torch.py uses that to time PyTorch on the same one.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use std::path::PathBuf;
 use strata::batch::PackedBatch;
 use strata::capture::{CapturePoint, CaptureSet};
 use strata::model::Llama;
-use strata::shape::DType;
 use strata::source::JsonlSource;
-use strata::synth::{write_llama, write_tokens, LlamaSpec};
-
-fn model_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("STRATA_BENCH_MODEL") {
-        return PathBuf::from(d);
-    }
-    let dir = std::env::temp_dir().join("strata-bench-small");
-    if !dir.join("tokens.jsonl").exists() {
-        let spec = LlamaSpec::small();
-        write_llama(&dir, &spec, DType::F32, 7).unwrap();
-        write_tokens(&dir.join("tokens.jsonl"), spec.vocab_size, &[512; 4], 11).unwrap();
-    }
-    dir
-}
 
 fn forward(c: &mut Criterion) {
-    let dir = model_dir();
+    let dir = strata::synth::bench_small_dir().unwrap();
     let model: Llama = Llama::load(&dir).unwrap();
     let samples: Vec<Vec<u32>> =
         JsonlSource::open(&dir.join("tokens.jsonl")).unwrap().map(|s| s.unwrap().input_ids).collect();

@@ -22,7 +22,6 @@ use strata::pipeline::Pipeline;
 use strata::shape::DType;
 use strata::sink::{OpenMode, Sink, StrataSink, DEFAULT_SHARD_SIZE};
 use strata::source::{JsonlSource, Sample};
-use strata::synth::{write_llama, write_tokens, LlamaSpec};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -46,14 +45,7 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         return; // `cargo test --benches` lists benches; nothing to list here
     }
-    let dir = std::env::var("STRATA_BENCH_MODEL")
-        .map(Into::into)
-        .unwrap_or_else(|_| std::env::temp_dir().join("strata-bench-small"));
-    if !dir.join("tokens.jsonl").exists() {
-        let spec = LlamaSpec::small();
-        write_llama(&dir, &spec, DType::F32, 7).unwrap();
-        write_tokens(&dir.join("tokens.jsonl"), spec.vocab_size, &[512; 4], 11).unwrap();
-    }
+    let dir = strata::synth::bench_small_dir().unwrap();
     let config_text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     let config = LlamaConfig::from_json(&config_text).unwrap();
     let model: Llama = Llama::load(&dir).unwrap();

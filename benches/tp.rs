@@ -8,9 +8,7 @@ use std::time::Instant;
 use strata::batch::PackedBatch;
 use strata::capture::{CapturePoint, CaptureSet};
 use strata::model::{Llama, Model, TpLlama};
-use strata::shape::DType;
 use strata::source::JsonlSource;
-use strata::synth::{write_llama, write_tokens, LlamaSpec};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -23,14 +21,7 @@ fn main() {
         return;
     }
     let runs: usize = args.iter().position(|a| a == "--runs").map_or(5, |i| args[i + 1].parse().unwrap());
-    let dir = std::env::var("STRATA_BENCH_MODEL")
-        .map(Into::into)
-        .unwrap_or_else(|_| std::env::temp_dir().join("strata-bench-small"));
-    if !dir.join("tokens.jsonl").exists() {
-        let spec = LlamaSpec::small();
-        write_llama(&dir, &spec, DType::F32, 7).unwrap();
-        write_tokens(&dir.join("tokens.jsonl"), spec.vocab_size, &[512; 4], 11).unwrap();
-    }
+    let dir = strata::synth::bench_small_dir().unwrap();
     let samples: Vec<Vec<u32>> =
         JsonlSource::open(&dir.join("tokens.jsonl")).unwrap().map(|s| s.unwrap().input_ids).collect();
     let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));

@@ -170,8 +170,9 @@ impl Checkpoint {
         self.entries.get(name).and_then(|e| DType::from_safetensors(e.dtype))
     }
 
-    /// Reads a tensor as f32, checking its shape.
-    pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, CheckpointError> {
+    /// A tensor's bytes and dtype, after checking that it exists with `shape`
+    /// and a dtype Strata decodes.
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&[u8], DType), CheckpointError> {
         let e = self.entries.get(name).ok_or_else(|| CheckpointError::Missing(name.to_string()))?;
         if e.shape != shape {
             return Err(CheckpointError::Shape {
@@ -182,7 +183,12 @@ impl Checkpoint {
         }
         let dtype = DType::from_safetensors(e.dtype)
             .ok_or_else(|| CheckpointError::DType { name: name.to_string(), dtype: format!("{:?}", e.dtype) })?;
-        let bytes = &self.files[e.file].1.as_slice()[e.start..e.end];
+        Ok((&self.files[e.file].1.as_slice()[e.start..e.end], dtype))
+    }
+
+    /// Reads a tensor as f32, checking its shape.
+    pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, CheckpointError> {
+        let (bytes, dtype) = self.checked(name, shape)?;
         let mut out = vec![0f32; shape.iter().product()];
         dtype.decode_into(bytes, &mut out);
         Ok(out)
@@ -198,19 +204,9 @@ impl Checkpoint {
         rows: std::ops::Range<usize>,
         cols: std::ops::Range<usize>,
     ) -> Result<Vec<f32>, CheckpointError> {
-        let e = self.entries.get(name).ok_or_else(|| CheckpointError::Missing(name.to_string()))?;
-        if e.shape != shape {
-            return Err(CheckpointError::Shape {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                actual: e.shape.clone(),
-            });
-        }
-        let dtype = DType::from_safetensors(e.dtype)
-            .ok_or_else(|| CheckpointError::DType { name: name.to_string(), dtype: format!("{:?}", e.dtype) })?;
+        let (bytes, dtype) = self.checked(name, shape)?;
         let width = if shape.len() == 2 { shape[1] } else { 1 };
         assert!(rows.end <= shape[0] && cols.end <= width, "block outside tensor {name}");
-        let bytes = &self.files[e.file].1.as_slice()[e.start..e.end];
         let es = dtype.size();
         let mut out = vec![0f32; rows.len() * cols.len()];
         for (r, dst) in rows.zip(out.chunks_exact_mut(cols.len().max(1))) {

@@ -134,3 +134,19 @@ pub fn write_tokens(path: &Path, vocab: usize, lengths: &[usize], seed: u64) -> 
     std::fs::write(path, text)?;
     Ok(samples)
 }
+
+/// The `small` bench checkpoint (random f32 weights) with 4 × 512 random
+/// tokens in `tokens.jsonl`: `$STRATA_BENCH_MODEL` if set, else written once
+/// under the temp directory.
+pub fn bench_small_dir() -> std::io::Result<std::path::PathBuf> {
+    if let Ok(d) = std::env::var("STRATA_BENCH_MODEL") {
+        return Ok(d.into());
+    }
+    let dir = std::env::temp_dir().join("strata-bench-small");
+    if !dir.join("tokens.jsonl").exists() {
+        let spec = LlamaSpec::small();
+        write_llama(&dir, &spec, DType::F32, 7)?;
+        write_tokens(&dir.join("tokens.jsonl"), spec.vocab_size, &[512; 4], 11)?;
+    }
+    Ok(dir)
+}

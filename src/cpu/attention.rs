@@ -11,6 +11,7 @@
 //! starts at a multiple of [`KV_ALIGN`]; masked terms are exact zeros).
 
 use super::gemm::{gemm_raw, pack_b, Init, KC, NR};
+use super::SharedMut;
 use rayon::prelude::*;
 use std::ops::Range;
 
@@ -58,19 +59,6 @@ pub struct AttnSegment<'a> {
     pub kv: KvRef<'a>,
 }
 
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint (rows, head columns) tiles of the output.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    // A method, so closures capture the Sync wrapper rather than the raw field.
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 #[derive(Default)]
 struct Scratch {
     kpack: Vec<f32>,
@@ -101,7 +89,7 @@ pub fn varlen_attention(q: &[f32], q_stride: usize, segments: &[AttnSegment], s:
             }
         }
     }
-    let optr = OutPtr(out.as_mut_ptr());
+    let optr = SharedMut::new(out.as_mut_ptr());
     let run = |scratch: &mut Scratch, &(si, g, r0): &(usize, usize, usize)| {
         let seg = &segments[si];
         let r1 = (r0 + QB).min(seg.rows.len());

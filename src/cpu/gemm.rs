@@ -10,6 +10,7 @@
 //! however the work is split across threads, so results do not depend on
 //! how samples were packed together.
 
+use super::SharedMut;
 use rayon::prelude::*;
 
 /// Rows of the register tile.
@@ -337,20 +338,6 @@ pub struct PackedLinear {
     bias: Option<Vec<f32>>,
 }
 
-/// Raw pointer to C shared by tasks that write disjoint tiles.
-#[derive(Clone, Copy)]
-struct SyncPtr(*mut f32);
-// SAFETY: tasks write disjoint row/column ranges of C.
-unsafe impl Send for SyncPtr {}
-unsafe impl Sync for SyncPtr {}
-
-impl SyncPtr {
-    // A method, so closures capture the Sync wrapper rather than the raw field.
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 impl PackedLinear {
     /// Packs `W` (`[out, in]`, row-major) and an optional bias `[out]`.
     pub fn new(w: &[f32], out_features: usize, in_features: usize, bias: Option<Vec<f32>>) -> Self {
@@ -385,7 +372,7 @@ impl PackedLinear {
         let col_groups = (2 * threads).div_ceil(row_blocks).clamp(1, panels.max(1));
         let per_group = panels.div_ceil(col_groups);
         let tasks = row_blocks * col_groups;
-        let yp = SyncPtr(y.as_mut_ptr());
+        let yp = SharedMut::new(y.as_mut_ptr());
         let work = |t: usize, apack: &mut Vec<f32>| {
             let (rb, cg) = (t / col_groups, t % col_groups);
             let i0 = rb * MC;
