@@ -101,6 +101,12 @@ fn inspect_speculators_dir(dir: &Path, max_samples: Option<usize>) -> Result<Str
         })
         .collect();
     files.sort();
+    if files.is_empty() {
+        return Err(DatasetError::Manifest(format!(
+            "{} holds neither manifest.json nor hs_*.safetensors: not a Strata output directory",
+            dir.display()
+        )));
+    }
     let mut out = String::new();
     let _ = writeln!(out, "dataset:     {} (speculators format: hs_{{i}}.safetensors)", dir.display());
     let _ = writeln!(out, "samples:     {}", files.len());

@@ -305,6 +305,9 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     if let Some(bar) = reporter.bar.take() {
         bar.finish_and_clear();
     }
+    if summary.total_samples == 0 {
+        eprintln!("warning: the input holds no samples; the output is empty");
+    }
     print_summary(&summary, &a.out);
     Ok(())
 }

@@ -232,6 +232,10 @@ fn inspect_describes_datasets_files_and_speculators_dirs() {
     assert!(ok && out.contains("samples:     40") && out.contains("[T, L=4, H=64]"), "{out}");
     let (ok, _, err) = strata(&[os("inspect"), tmp.path().join("nope").as_os_str()]);
     assert!(!ok && err.contains("cannot read"), "{err}");
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let (ok, _, err) = strata(&[os("inspect"), empty.as_os_str()]);
+    assert!(!ok && err.contains("not a Strata output directory"), "{err}");
 }
 
 fn peak_mib(out: &str) -> f64 {
