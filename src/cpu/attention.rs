@@ -28,8 +28,10 @@ pub struct AttnShape {
     pub heads: usize,
     /// Key/value heads.
     pub kv_heads: usize,
-    /// Per-head width.
+    /// Per-head width of queries and keys.
     pub head_dim: usize,
+    /// Per-head width of values (and of the output); MLA's differs from `head_dim`.
+    pub v_dim: usize,
     /// `Some(w)`: a query sees itself and the `w - 1` positions before it.
     pub window: Option<usize>,
     /// Score scale, `head_dim^-0.5`.
@@ -37,15 +39,17 @@ pub struct AttnShape {
 }
 
 /// Keys and values of one sample by absolute position: position `p`, kv head
-/// `g` starts at `k[p * stride + g * head_dim]` (same for `v`).
+/// `g` starts at `k[p * stride + g * head_dim]` and `v[p * v_stride + g * v_dim]`.
 #[derive(Clone, Copy, Debug)]
 pub struct KvRef<'a> {
     /// Keys.
     pub k: &'a [f32],
     /// Values.
     pub v: &'a [f32],
-    /// Floats between consecutive positions.
+    /// Floats between consecutive positions of `k`.
     pub stride: usize,
+    /// Floats between consecutive positions of `v`.
+    pub v_stride: usize,
 }
 
 /// One segment's queries and the keys/values it attends to.
@@ -67,18 +71,18 @@ struct Scratch {
     apack: Vec<f32>,
 }
 
-/// `out[rows, heads·head_dim]` = softmax(q·kᵀ·scale + causal mask)·v for every segment.
+/// `out[rows, heads·v_dim]` = softmax(q·kᵀ·scale + causal mask)·v for every segment.
 /// `q` holds the queries with row stride `q_stride` (head `h` at column `h·head_dim`).
 pub fn varlen_attention(q: &[f32], q_stride: usize, segments: &[AttnSegment], s: AttnShape, out: &mut [f32]) {
-    let (nh, nkv, hd) = (s.heads, s.kv_heads, s.head_dim);
-    let ostride = nh * hd;
+    let (nh, nkv, hd, vd) = (s.heads, s.kv_heads, s.head_dim, s.v_dim);
+    let ostride = nh * vd;
     let rows: usize = segments.iter().map(|g| g.rows.end).max().unwrap_or(0);
     assert!(q.len() >= rows * q_stride, "attention: q size");
     assert!(out.len() >= rows * ostride, "attention: out size");
     for seg in segments {
         let kv_rows = seg.pos0 + seg.rows.len();
         assert!(kv_rows == 0 || seg.kv.k.len() >= (kv_rows - 1) * seg.kv.stride + nkv * hd, "attention: k size");
-        assert!(kv_rows == 0 || seg.kv.v.len() >= (kv_rows - 1) * seg.kv.stride + nkv * hd, "attention: v size");
+        assert!(kv_rows == 0 || seg.kv.v.len() >= (kv_rows - 1) * seg.kv.v_stride + nkv * vd, "attention: v size");
     }
     let group = nh / nkv;
     let mut tasks = Vec::new();
@@ -101,7 +105,7 @@ pub fn varlen_attention(q: &[f32], q_stride: usize, segments: &[AttnSegment], s:
         let kv_len = qa1 - kv0;
         let kv = seg.kv;
         pack_b(&kv.k[kv0 * kv.stride + g * hd..], kv_len, hd, kv.stride, 1, &mut scratch.kpack);
-        pack_b(&kv.v[kv0 * kv.stride + g * hd..], hd, kv_len, 1, kv.stride, &mut scratch.vpack);
+        pack_b(&kv.v[kv0 * kv.v_stride + g * vd..], vd, kv_len, 1, kv.v_stride, &mut scratch.vpack);
         scratch.scores.resize(qlen * kv_len, 0.0);
         for h in g * group..(g + 1) * group {
             let qoff = (seg.rows.start + r0) * q_stride + h * hd;
@@ -140,7 +144,7 @@ pub fn varlen_attention(q: &[f32], q_stride: usize, segments: &[AttnSegment], s:
                 row[lo..hi].iter_mut().for_each(|v| *v *= inv);
                 row[hi..].fill(0.0);
             }
-            // SAFETY: this task owns rows [start+r0, start+r1) × columns [h·hd, (h+1)·hd) of out.
+            // SAFETY: this task owns rows [start+r0, start+r1) × columns [h·vd, (h+1)·vd) of out.
             unsafe {
                 gemm_raw(
                     &scratch.scores,
@@ -148,9 +152,9 @@ pub fn varlen_attention(q: &[f32], q_stride: usize, segments: &[AttnSegment], s:
                     qlen,
                     kv_len,
                     scratch.vpack.as_ptr(),
-                    hd,
-                    0..hd.div_ceil(NR),
-                    optr.get().add((seg.rows.start + r0) * ostride + h * hd),
+                    vd,
+                    0..vd.div_ceil(NR),
+                    optr.get().add((seg.rows.start + r0) * ostride + h * vd),
                     ostride,
                     Init::Zero,
                     &mut scratch.apack,
@@ -211,7 +215,7 @@ mod tests {
     fn matches_reference_with_gqa_window_and_ragged_lengths() {
         let cu = [0usize, 1, 70, 75, 205];
         for window in [None, Some(5), Some(100)] {
-            let s = AttnShape { heads: 4, kv_heads: 2, head_dim: 24, window, scale: 24f32.powf(-0.5) };
+            let s = AttnShape { heads: 4, kv_heads: 2, head_dim: 24, v_dim: 24, window, scale: 24f32.powf(-0.5) };
             let stride = (4 + 4) * 24;
             let qkv: Vec<f32> = (0..205 * stride).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
             let mut out = vec![f32::NAN; 205 * 4 * 24];
@@ -220,7 +224,12 @@ mod tests {
                 .map(|w| AttnSegment {
                     rows: w[0]..w[1],
                     pos0: 0,
-                    kv: KvRef { k: &qkv[w[0] * stride + 4 * 24..], v: &qkv[w[0] * stride + 6 * 24..], stride },
+                    kv: KvRef {
+                        k: &qkv[w[0] * stride + 4 * 24..],
+                        v: &qkv[w[0] * stride + 6 * 24..],
+                        stride,
+                        v_stride: stride,
+                    },
                 })
                 .collect();
             varlen_attention(&qkv, stride, &segs, s, &mut out);
@@ -236,10 +245,10 @@ mod tests {
         // Positions beyond KV_ALIGN with a window: the P·V sum starts at an aligned
         // position, so chunk boundaries cannot change the rounding.
         let (t, hd) = (4000usize, 8usize);
-        let s = AttnShape { heads: 2, kv_heads: 1, head_dim: hd, window: Some(1500), scale: 0.3 };
+        let s = AttnShape { heads: 2, kv_heads: 1, head_dim: hd, v_dim: hd, window: Some(1500), scale: 0.3 };
         let stride = 4 * hd;
         let qkv: Vec<f32> = (0..t * stride).map(|i| ((i * 7919 % 1013) as f32 / 500.0) - 1.0).collect();
-        let kv = KvRef { k: &qkv[2 * hd..], v: &qkv[3 * hd..], stride };
+        let kv = KvRef { k: &qkv[2 * hd..], v: &qkv[3 * hd..], stride, v_stride: stride };
         let mut whole = vec![0f32; t * 2 * hd];
         varlen_attention(&qkv, stride, &[AttnSegment { rows: 0..t, pos0: 0, kv }], s, &mut whole);
         let mut chunked = vec![0f32; t * 2 * hd];

@@ -394,6 +394,7 @@ impl<H: Dim> Llama<H> {
             heads: nh,
             kv_heads: nkv,
             head_dim: hd,
+            v_dim: hd,
             window: layer.sliding_window,
             scale: (hd as f32).powf(-0.5),
         };
@@ -415,10 +416,15 @@ impl<H: Dim> Llama<H> {
                 let rows = batch.range(s);
                 let kv = if seg.uses_cache() {
                     let e = cache.layer(seg.key, k);
-                    KvRef { k: &e.k, v: &e.v, stride: kv_width }
+                    KvRef { k: &e.k, v: &e.v, stride: kv_width, v_stride: kv_width }
                 } else {
                     let base = rows.start * stride;
-                    KvRef { k: &act.qkv[base + nh * hd..], v: &act.qkv[base + (nh + nkv) * hd..], stride }
+                    KvRef {
+                        k: &act.qkv[base + nh * hd..],
+                        v: &act.qkv[base + (nh + nkv) * hd..],
+                        stride,
+                        v_stride: stride,
+                    }
                 };
                 AttnSegment { rows, pos0: seg.pos0, kv }
             })
