@@ -35,7 +35,8 @@ fn sink(
     points: &[CapturePoint],
     dtype: DType,
 ) -> StrataSink<usize, usize> {
-    let manifest = Manifest::new(ModelInfo::new("bench", config, config_text), points, dtype, DEFAULT_SHARD_SIZE);
+    let manifest =
+        Manifest::new(ModelInfo::new("bench", &config.info(), config_text), points, dtype, DEFAULT_SHARD_SIZE);
     StrataSink::open(dir, manifest, points.len(), config.hidden_size, OpenMode::Overwrite).unwrap()
 }
 

@@ -22,7 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ckpt = Checkpoint::from_static(embedded::NAME, embedded::MODEL_SAFETENSORS)?;
     let model = Llama::<Hidden<64>>::from_checkpoint(config.clone(), &ckpt)?;
     let points = CapturePoint::eagle3(config.num_layers);
-    let info = ModelInfo::new(embedded::NAME, &config, embedded::CONFIG_JSON);
+    let info = ModelInfo::new(embedded::NAME, &config.info(), embedded::CONFIG_JSON);
     let manifest = Manifest::new(info, &points, DType::BF16, DEFAULT_SHARD_SIZE);
     let sink = StrataSink::<Layers<4>, Hidden<64>>::open(out.as_ref(), manifest, Layers, Hidden, OpenMode::Overwrite)?;
     let source = JsonlSource::new("demo".into(), embedded::DATA_JSONL.as_bytes());

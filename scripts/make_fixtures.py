@@ -24,8 +24,8 @@ import shutil
 import torch
 from safetensors.torch import save_file
 import transformers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 LENGTHS = [1, 6, 19, 40]
 
@@ -63,6 +63,27 @@ FIXTURES = {
         cfg=dict(hidden_size=80, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  intermediate_size=112, vocab_size=220, tie_word_embeddings=True, max_position_embeddings=512,
                  rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    # DeepSeek-V3 (MLA + MoE): q_lora, yarn with mscale, sigmoid routing with group limits and
+    # e_score_correction_bias, a shared expert, one dense first layer; no size a multiple of 128.
+    "deepseek-v3": dict(
+        cls=(DeepseekV3Config, DeepseekV3ForCausalLM), dtype=torch.float32, shard=None, legacy=False,
+        cfg=dict(hidden_size=72, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=100, moe_intermediate_size=20, n_routed_experts=8, n_shared_experts=1,
+                 num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                 norm_topk_prob=True, q_lora_rank=40, kv_lora_rank=24, qk_nope_head_dim=10, qk_rope_head_dim=6,
+                 v_head_dim=14, vocab_size=150, max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                      original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
+                                      mscale=1.0, mscale_all_dim=1.0))),
+    # DeepSeek-V3 without q_lora (as V2-Lite), plain RoPE, no top-k normalisation.
+    "deepseek-v3-nolora": dict(
+        cls=(DeepseekV3Config, DeepseekV3ForCausalLM), dtype=torch.float32, shard=None, legacy=False,
+        cfg=dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                 intermediate_size=64, moe_intermediate_size=12, n_routed_experts=6, n_shared_experts=2,
+                 num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, routed_scaling_factor=1.0,
+                 norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                 v_head_dim=8, vocab_size=120, max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
 }
 
 
@@ -77,6 +98,9 @@ def randomize(model, gen):
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
 def to_legacy(cfg_path):

@@ -23,7 +23,9 @@ pub enum ConfigError {
     #[error("malformed config.json: {0}")]
     Json(#[from] serde_json::Error),
     /// A `model_type` Strata does not run.
-    #[error("unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3)")]
+    #[error(
+        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, deepseek_v2, deepseek_v3, kimi_k2)"
+    )]
     UnsupportedModel(String),
     /// A field the architecture needs is absent.
     #[error("config.json lacks required field `{0}`")]
@@ -36,6 +38,21 @@ pub enum ConfigError {
         /// What is wrong with it.
         problem: String,
     },
+}
+
+/// What every architecture's config says about the model's outer shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArchInfo {
+    /// `model_type`.
+    pub architecture: String,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Residual width.
+    pub hidden_size: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
 }
 
 /// The decoder family, from `model_type`.
@@ -339,6 +356,17 @@ impl LlamaConfig {
             Ok((0..n).map(|i| (i >= first).then_some(w)).collect())
         } else {
             Ok(vec![Some(w); n])
+        }
+    }
+
+    /// The outer shape.
+    pub fn info(&self) -> ArchInfo {
+        ArchInfo {
+            architecture: self.arch.name().into(),
+            num_layers: self.num_layers,
+            hidden_size: self.hidden_size,
+            vocab_size: self.vocab_size,
+            max_position_embeddings: self.max_position_embeddings,
         }
     }
 

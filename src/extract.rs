@@ -3,9 +3,11 @@
 
 use crate::capture::{CaptureError, CapturePoint, CaptureSet};
 use crate::checkpoint::Checkpoint;
-use crate::config::LlamaConfig;
+use crate::config::{ArchInfo, LlamaConfig};
 use crate::embedded;
 use crate::manifest::{Manifest, ModelInfo};
+use crate::model::deepseek::DeepseekConfig;
+use crate::model::Deepseek;
 use crate::model::{Llama, Model, ModelError, TpLlama};
 use crate::pipeline::{Pipeline, PipelineError, Progress, Report};
 use crate::shape::DType;
@@ -52,9 +54,15 @@ pub struct ExtractJob {
     pub tp: usize,
 }
 
+/// The architecture family a config belongs to.
+enum Family {
+    Llama(LlamaConfig),
+    Deepseek(DeepseekConfig),
+}
+
 /// What `write` needs besides the model.
 struct Ctx<'a> {
-    config: &'a LlamaConfig,
+    config: &'a ArchInfo,
     config_text: &'a str,
     points: &'a [CapturePoint],
     captures: CaptureSet<usize>,
@@ -162,7 +170,7 @@ impl ExtractJob {
 
     /// Reads the whole input once: every line parses, token ids fit the
     /// vocabulary, lengths fit `max_position_embeddings`, ids are unique.
-    pub fn validate(&self, config: &LlamaConfig) -> Result<InputStats, ExtractError> {
+    pub fn validate(&self, config: &ArchInfo) -> Result<InputStats, ExtractError> {
         let _s = tracing::info_span!("validate").entered();
         let path = self.data_name();
         let mut stats = InputStats::default();
@@ -198,13 +206,25 @@ impl ExtractJob {
         }
         let mut summary = Summary::default();
         let config_text = self.config_text()?;
-        let config = LlamaConfig::from_json(&config_text).map_err(ModelError::from)?;
-        let points = CapturePoint::parse_list(&self.capture, config.num_layers)?;
+        let model_type = serde_json::from_str::<serde_json::Value>(&config_text)
+            .ok()
+            .and_then(|v| v.get("model_type").and_then(|m| m.as_str()).map(str::to_string))
+            .unwrap_or_default();
+        let family = if DeepseekConfig::handles(&model_type) {
+            Family::Deepseek(DeepseekConfig::from_json(&config_text).map_err(ModelError::from)?)
+        } else {
+            Family::Llama(LlamaConfig::from_json(&config_text).map_err(ModelError::from)?)
+        };
+        let info = match &family {
+            Family::Llama(c) => c.info(),
+            Family::Deepseek(c) => c.info(),
+        };
+        let points = CapturePoint::parse_list(&self.capture, info.num_layers)?;
         let captures = CaptureSet::<usize>::try_new(points.clone())?;
 
         // Validate every line before anything is written: a bad line fails the run with no output.
         let t = Instant::now();
-        let stats = self.validate(&config)?;
+        let stats = self.validate(&info)?;
         summary.validate_time = t.elapsed();
         summary.total_samples = stats.samples;
         summary.total_tokens = stats.tokens;
@@ -212,7 +232,18 @@ impl ExtractJob {
         let t = Instant::now();
         if self.tp > 1 {
             // Checked before any weight is read.
-            TpPlan::new(&config, self.tp).map_err(|p| ExtractError::Model(ModelError::Parallel(p)))?;
+            match &family {
+                Family::Llama(c) => {
+                    TpPlan::new(c, self.tp).map_err(|p| ExtractError::Model(ModelError::Parallel(p)))?;
+                }
+                Family::Deepseek(_) => {
+                    return Err(ModelError::Parallel(format!(
+                        "--tp {}: tensor parallelism for {model_type} is not implemented yet; run with --tp 1",
+                        self.tp
+                    ))
+                    .into())
+                }
+            }
         }
         let model_dir = self.model.clone();
         let open = move || match &model_dir {
@@ -220,19 +251,29 @@ impl ExtractJob {
             None => Checkpoint::from_static(embedded::NAME, embedded::MODEL_SAFETENSORS),
         };
         let mut progress = |p: &Progress| progress(p, &stats);
-        let ctx = Ctx { config: &config, config_text: &config_text, points: &points, captures };
-        if self.tp > 1 {
-            let model = TpLlama::<usize, usize>::build(config.clone(), self.tp, open)?;
-            summary.load_time = t.elapsed();
-            let dtype = self.dtype.unwrap_or(model.dtype());
-            summary.dtype = Some(dtype);
-            summary.report = self.write(&model, dtype, ctx, &mut progress)?;
-        } else {
-            let model = Llama::<usize>::from_checkpoint(config.clone(), &open().map_err(ModelError::from)?)?;
-            summary.load_time = t.elapsed();
-            let dtype = self.dtype.unwrap_or(model.dtype());
-            summary.dtype = Some(dtype);
-            summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+        let ctx = Ctx { config: &info, config_text: &config_text, points: &points, captures };
+        match family {
+            Family::Llama(config) if self.tp > 1 => {
+                let model = TpLlama::<usize, usize>::build(config, self.tp, open)?;
+                summary.load_time = t.elapsed();
+                let dtype = self.dtype.unwrap_or(model.dtype());
+                summary.dtype = Some(dtype);
+                summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+            }
+            Family::Llama(config) => {
+                let model = Llama::<usize>::from_checkpoint(config, &open().map_err(ModelError::from)?)?;
+                summary.load_time = t.elapsed();
+                let dtype = self.dtype.unwrap_or(model.dtype());
+                summary.dtype = Some(dtype);
+                summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+            }
+            Family::Deepseek(config) => {
+                let model = Deepseek::<usize>::from_checkpoint(config, &open().map_err(ModelError::from)?)?;
+                summary.load_time = t.elapsed();
+                let dtype = self.dtype.unwrap_or(model.dtype());
+                summary.dtype = Some(dtype);
+                summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+            }
         }
         summary.points = points;
         Ok(summary)

@@ -88,10 +88,10 @@ pub struct Manifest {
 
 impl ModelInfo {
     /// Describes a model from its `config.json` text and where it was loaded from.
-    pub fn new(path: &str, config: &crate::config::LlamaConfig, config_json: &str) -> Self {
+    pub fn new(path: &str, config: &crate::config::ArchInfo, config_json: &str) -> Self {
         ModelInfo {
             path: path.to_string(),
-            architecture: config.arch.name().into(),
+            architecture: config.architecture.clone(),
             config_hash: hash_hex(xxhash_rust::xxh3::xxh3_64(config_json.as_bytes())),
             num_layers: config.num_layers,
             hidden_size: config.hidden_size,

@@ -1,9 +1,13 @@
 //! Decoder models, one file per architecture family.
 
+pub mod deepseek;
+pub mod kv_cache;
 pub mod llama;
 pub mod tp_llama;
 
-pub use llama::{KvCache, Llama};
+pub use deepseek::Deepseek;
+pub use kv_cache::KvCache;
+pub use llama::Llama;
 pub use tp_llama::{RankWorker, TpLlama};
 
 use crate::capture::CaptureError;
