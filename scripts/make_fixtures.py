@@ -24,7 +24,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 import transformers
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 LENGTHS = [1, 6, 19, 40]
@@ -84,6 +84,28 @@ FIXTURES = {
                  norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
                  v_head_dim=8, vocab_size=120, max_position_embeddings=512,
                  rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # (HF runs experts with grouped_mm, which wants widths in multiples of 4 floats.)
+    # DeepSeek-V2 (as V2-Lite): no q_lora, softmax scoring, greedy top-k, two shared experts.
+    "deepseek-v2-lite": dict(
+        cls=(DeepseekV2Config, DeepseekV2ForCausalLM), dtype=torch.float32, shard=None, legacy=False,
+        cfg=dict(hidden_size=56, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+                 intermediate_size=72, moe_intermediate_size=12, n_routed_experts=6, n_shared_experts=2,
+                 num_experts_per_tok=2, topk_method="greedy", first_k_dense_replace=1, routed_scaling_factor=1.0,
+                 norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=20, qk_nope_head_dim=10, qk_rope_head_dim=6,
+                 v_head_dim=10, vocab_size=130, max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # DeepSeek-V2: q_lora, group-limited greedy routing, YaRN, routed scaling.
+    "deepseek-v2-group": dict(
+        cls=(DeepseekV2Config, DeepseekV2ForCausalLM), dtype=torch.float32, shard=None, legacy=False,
+        cfg=dict(hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=60, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+                 num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                 first_k_dense_replace=0, routed_scaling_factor=16.0, norm_topk_prob=False, q_lora_rank=20,
+                 kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=6, vocab_size=110,
+                 max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                      original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
+                                      mscale=0.707, mscale_all_dim=0.707))),
 }
 
 

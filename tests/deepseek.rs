@@ -7,7 +7,7 @@ use strata::batch::PackedBatch;
 use strata::capture::CaptureSet;
 use strata::model::{Deepseek, KvCache};
 
-const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora"];
+const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"];
 
 #[test]
 fn library_matches_hf_at_every_capture_point() {
