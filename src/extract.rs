@@ -8,7 +8,7 @@ use crate::embedded;
 use crate::manifest::{Manifest, ModelInfo};
 use crate::model::deepseek::DeepseekConfig;
 use crate::model::Deepseek;
-use crate::model::{Llama, Model, ModelError, TpLlama};
+use crate::model::{Llama, Model, ModelError, TpDeepseek, TpLlama};
 use crate::pipeline::{Pipeline, PipelineError, Progress, Report};
 use crate::shape::DType;
 use crate::sink::{OpenMode, Sink, SinkError, SpeculatorsSink, StrataSink};
@@ -236,12 +236,8 @@ impl ExtractJob {
                 Family::Llama(c) => {
                     TpPlan::new(c, self.tp).map_err(|p| ExtractError::Model(ModelError::Parallel(p)))?;
                 }
-                Family::Deepseek(_) => {
-                    return Err(ModelError::Parallel(format!(
-                        "--tp {}: tensor parallelism for {model_type} is not implemented yet; run with --tp 1",
-                        self.tp
-                    ))
-                    .into())
+                Family::Deepseek(c) => {
+                    c.check_tp(self.tp).map_err(|p| ExtractError::Model(ModelError::Parallel(p)))?;
                 }
             }
         }
@@ -262,6 +258,13 @@ impl ExtractJob {
             }
             Family::Llama(config) => {
                 let model = Llama::<usize>::from_checkpoint(config, &open().map_err(ModelError::from)?)?;
+                summary.load_time = t.elapsed();
+                let dtype = self.dtype.unwrap_or(model.dtype());
+                summary.dtype = Some(dtype);
+                summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+            }
+            Family::Deepseek(config) if self.tp > 1 => {
+                let model = TpDeepseek::<usize, usize>::build(config, self.tp, open)?;
                 summary.load_time = t.elapsed();
                 let dtype = self.dtype.unwrap_or(model.dtype());
                 summary.dtype = Some(dtype);

@@ -78,10 +78,46 @@ fn cli_matches_hf_and_does_not_depend_on_the_batch_budget() {
 }
 
 #[test]
-fn tensor_parallel_deepseek_is_refused_clearly() {
+fn tp_2_matches_tp_1_and_hf() {
+    for name in DEEPSEEK {
+        let n = num_layers(name);
+        let points = all_points(n);
+        let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+        let tmp = tempfile::tempdir().unwrap();
+        let mut base: Option<std::collections::HashMap<String, Tensor>> = None;
+        for tp in ["1", "2"] {
+            let out = tmp.path().join(tp);
+            let o = extract(name, &out, &["--tp", tp, "--max-batch-tokens", "16"]);
+            assert!(o.status.success(), "{name} --tp {tp}: {}", String::from_utf8_lossy(&o.stderr));
+            let got = read_tensors(&out.join("shard-00000.safetensors"));
+            let mut worst = 0f32;
+            for (i, ids) in samples(name).iter().enumerate() {
+                let hs = &got[&format!("{i}.hidden_states")];
+                let per = ids.len() * hs.shape[2];
+                for (slot, p) in points.iter().enumerate() {
+                    let err = max_err(&hs.data[slot * per..(slot + 1) * per], expected(&exp, i, *p, n));
+                    assert!(err <= TOL, "{name} --tp {tp} sample {i} {p}: {err:e} from HF");
+                }
+                if let Some(b) = &base {
+                    let err = max_err(&hs.data, &b[&format!("{i}.hidden_states")].data);
+                    assert!(err <= 2e-5, "{name} --tp {tp} sample {i}: {err:e} from --tp 1");
+                    worst = worst.max(err);
+                }
+            }
+            if base.is_none() {
+                base = Some(got);
+            } else {
+                println!("{name} --tp {tp}: worst relative difference from --tp 1: {worst:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_tp_splits_are_refused_before_loading() {
     let tmp = tempfile::tempdir().unwrap();
-    let o = extract("deepseek-v3", &tmp.path().join("o"), &["--tp", "2"]);
+    let o = extract("deepseek-v3", &tmp.path().join("o"), &["--tp", "3"]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("tensor parallelism for deepseek_v3 is not implemented yet"), "{err}");
+    assert!(!o.status.success() && err.contains("--tp 3: num_attention_heads 4 is not divisible by 3"), "{err}");
     assert!(!tmp.path().join("o").exists());
 }

@@ -18,9 +18,11 @@ use crate::cpu::attention::{varlen_attention, AttnSegment, AttnShape, KvRef};
 use crate::cpu::ops::{rms_norm, rope_head, swiglu};
 use crate::cpu::PackedLinear;
 use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
+use crate::tp::Collective;
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
+use std::sync::Arc;
 use tracing::{debug_span, info_span};
 
 /// How router scores are made from logits.
@@ -169,6 +171,32 @@ fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
 }
 
 impl DeepseekConfig {
+    /// Reads and normalises `config.json` from a file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })?;
+        Self::from_json(&text)
+    }
+
+    /// Checks that heads and every MLP width split over `size` ranks.
+    pub fn check_tp(&self, size: usize) -> Result<(), String> {
+        let mut widths = vec![("num_attention_heads", self.num_heads)];
+        if (0..self.num_layers).any(|l| !self.is_moe(l)) {
+            widths.push(("intermediate_size", self.intermediate_size));
+        }
+        if self.n_routed_experts > 0 {
+            widths.push(("moe_intermediate_size", self.moe_intermediate_size));
+        }
+        for (what, n) in widths {
+            if size == 0 || !n.is_multiple_of(size) {
+                return Err(format!(
+                    "--tp {size}: {what} {n} is not divisible by {size}; choose a TP size that divides it"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether `model_type` is one of this family's.
     pub fn handles(model_type: &str) -> bool {
         matches!(model_type, "deepseek_v2" | "deepseek_v3" | "kimi_k2")
@@ -383,6 +411,8 @@ struct Mla {
     kv_a_layernorm: Vec<f32>,
     kv_b_proj: PackedLinear,
     o_proj: PackedLinear,
+    /// o_proj's bias when added after the all-reduce (tensor parallelism).
+    o_bias: Option<Vec<f32>>,
 }
 
 /// A gated MLP (a dense layer, a shared expert block, or one routed expert).
@@ -424,16 +454,23 @@ pub struct Deepseek<H: Dim = usize> {
     norm: Vec<f32>,
     inv_freq: Vec<f32>,
     rope_scale: f32,
+    /// Attention heads this rank holds.
+    heads: usize,
+    /// The rank's communicator; `None` for a single rank.
+    comm: Option<Arc<dyn Collective<Buf = [f32]>>>,
 }
 
-fn gated(ckpt: &Checkpoint, p: &str, h: usize, inter: usize) -> Result<GatedMlp, ModelError> {
-    let mut gu = ckpt.read_f32(&format!("{p}.gate_proj.weight"), &[inter, h])?;
-    gu.extend(ckpt.read_f32(&format!("{p}.up_proj.weight"), &[inter, h])?);
-    let down = ckpt.read_f32(&format!("{p}.down_proj.weight"), &[h, inter])?;
+/// Rank `rank` of `size`'s slice of a gated MLP: its rows of gate/up, its columns of down.
+fn gated(ckpt: &Checkpoint, p: &str, h: usize, inter: usize, rank: usize, size: usize) -> Result<GatedMlp, ModelError> {
+    let local = inter / size;
+    let rows = rank * local..(rank + 1) * local;
+    let mut gu = ckpt.read_f32_block(&format!("{p}.gate_proj.weight"), &[inter, h], rows.clone(), 0..h)?;
+    gu.extend(ckpt.read_f32_block(&format!("{p}.up_proj.weight"), &[inter, h], rows.clone(), 0..h)?);
+    let down = ckpt.read_f32_block(&format!("{p}.down_proj.weight"), &[h, inter], 0..h, rows)?;
     Ok(GatedMlp {
-        gate_up_proj: PackedLinear::new(&gu, 2 * inter, h, None),
-        down_proj: PackedLinear::new(&down, h, inter, None),
-        inter,
+        gate_up_proj: PackedLinear::new(&gu, 2 * local, h, None),
+        down_proj: PackedLinear::new(&down, h, local, None),
+        inter: local,
     })
 }
 
@@ -459,12 +496,32 @@ impl<H: Dim + Default> Deepseek<H> {
 
     /// Builds the model from a config and an opened checkpoint.
     pub fn from_checkpoint(config: DeepseekConfig, ckpt: &Checkpoint) -> Result<Self, ModelError> {
-        let _span = info_span!("load", arch = %config.model_type, layers = config.num_layers).entered();
+        Self::from_checkpoint_rank(config, ckpt, 1, None)
+    }
+
+    /// Builds tensor-parallel rank `comm.rank()` of `size`: it holds its heads'
+    /// rows of q_b/kv_b and columns of o_proj, and its slice of every expert's,
+    /// the shared experts' and the dense MLPs' width ("TP inside each expert":
+    /// every rank routes every token, so no token is sent between ranks, and one
+    /// all-reduce per block sums the partial outputs). q_a, kv_a, the router and
+    /// the norms are replicated.
+    pub fn from_checkpoint_rank(
+        config: DeepseekConfig,
+        ckpt: &Checkpoint,
+        size: usize,
+        comm: Option<Arc<dyn Collective<Buf = [f32]>>>,
+    ) -> Result<Self, ModelError> {
+        config.check_tp(size).map_err(ModelError::Parallel)?;
+        let rank = comm.as_ref().map_or(0, |c| c.rank());
+        let _span = info_span!("load", arch = %config.model_type, layers = config.num_layers, rank).entered();
         let hidden: H = dim_from_size("config.json hidden_size", "hidden", config.hidden_size)?;
         let c = &config;
         let h = c.hidden_size;
         let (nh, qk, nope, rope, vd) =
             (c.num_heads, c.qk_head_dim(), c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim);
+        let lh = nh / size; // heads on this rank
+        let heads = rank * lh..(rank + 1) * lh;
+        let per_head = |w: usize| heads.start * w..heads.end * w;
         let embed_tokens = ckpt.read_f32("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let dtype = ckpt.dtype("model.embed_tokens.weight").unwrap_or(DType::F32);
         let bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>, ModelError> {
@@ -477,15 +534,22 @@ impl<H: Dim + Default> Deepseek<H> {
             let lin = |name: &str, out: usize, inp: usize, b: Option<Vec<f32>>| -> Result<PackedLinear, ModelError> {
                 Ok(PackedLinear::new(&w(&format!("{name}.weight"), &[out, inp])?, out, inp, b))
             };
+            // Row (output) slice of a column-parallel weight.
+            let rows =
+                |name: &str, out: usize, inp: usize, r: std::ops::Range<usize>| -> Result<PackedLinear, ModelError> {
+                    let wt = ckpt.read_f32_block(&format!("{p}.{name}.weight"), &[out, inp], r.clone(), 0..inp)?;
+                    Ok(PackedLinear::new(&wt, r.len(), inp, None))
+                };
             let (q_a_proj, q_a_layernorm, q_b_proj) = match c.q_lora_rank {
                 Some(r) => (
                     Some(lin("self_attn.q_a_proj", r, h, bias(&format!("{p}.self_attn.q_a_proj.bias"), r)?)?),
                     Some(w("self_attn.q_a_layernorm.weight", &[r])?),
-                    lin("self_attn.q_b_proj", nh * qk, r, None)?,
+                    rows("self_attn.q_b_proj", nh * qk, r, per_head(qk))?,
                 ),
-                None => (None, None, lin("self_attn.q_proj", nh * qk, h, None)?),
+                None => (None, None, rows("self_attn.q_proj", nh * qk, h, per_head(qk))?),
             };
             let kva = c.kv_lora_rank + rope;
+            let o_bias = bias(&format!("{p}.self_attn.o_proj.bias"), h)?;
             let self_attn = Mla {
                 q_a_proj,
                 q_a_layernorm,
@@ -497,13 +561,23 @@ impl<H: Dim + Default> Deepseek<H> {
                     bias(&format!("{p}.self_attn.kv_a_proj_with_mqa.bias"), kva)?,
                 )?,
                 kv_a_layernorm: w("self_attn.kv_a_layernorm.weight", &[c.kv_lora_rank])?,
-                kv_b_proj: lin("self_attn.kv_b_proj", nh * (nope + vd), c.kv_lora_rank, None)?,
-                o_proj: lin("self_attn.o_proj", h, nh * vd, bias(&format!("{p}.self_attn.o_proj.bias"), h)?)?,
+                kv_b_proj: rows("self_attn.kv_b_proj", nh * (nope + vd), c.kv_lora_rank, per_head(nope + vd))?,
+                o_proj: {
+                    let wt = ckpt.read_f32_block(
+                        &format!("{p}.self_attn.o_proj.weight"),
+                        &[h, nh * vd],
+                        0..h,
+                        per_head(vd),
+                    )?;
+                    let b = if size == 1 { o_bias.clone() } else { None };
+                    PackedLinear::new(&wt, h, lh * vd, b)
+                },
+                o_bias: if size == 1 { None } else { o_bias },
             };
             let mlp = if c.is_moe(l) {
                 let e = c.n_routed_experts;
                 let experts = (0..e)
-                    .map(|i| gated(ckpt, &format!("{p}.mlp.experts.{i}"), h, c.moe_intermediate_size))
+                    .map(|i| gated(ckpt, &format!("{p}.mlp.experts.{i}"), h, c.moe_intermediate_size, rank, size))
                     .collect::<Result<_, _>>()?;
                 let shared_experts = if c.n_shared_experts > 0 {
                     Some(gated(
@@ -511,6 +585,8 @@ impl<H: Dim + Default> Deepseek<H> {
                         &format!("{p}.mlp.shared_experts"),
                         h,
                         c.moe_intermediate_size * c.n_shared_experts,
+                        rank,
+                        size,
                     )?)
                 } else {
                     None
@@ -522,7 +598,7 @@ impl<H: Dim + Default> Deepseek<H> {
                 };
                 Ffn::Moe(Moe { gate: lin("mlp.gate", e, h, None)?, e_score_correction_bias, experts, shared_experts })
             } else {
-                Ffn::Dense(gated(ckpt, &format!("{p}.mlp"), h, c.intermediate_size)?)
+                Ffn::Dense(gated(ckpt, &format!("{p}.mlp"), h, c.intermediate_size, rank, size)?)
             };
             layers.push(DecoderLayer {
                 input_layernorm: w("input_layernorm.weight", &[h])?,
@@ -533,7 +609,7 @@ impl<H: Dim + Default> Deepseek<H> {
         }
         let norm = ckpt.read_f32("model.norm.weight", &[h])?;
         let (inv_freq, rope_scale) = config.rope_inv_freq();
-        Ok(Deepseek { config, hidden, dtype, embed_tokens, layers, norm, inv_freq, rope_scale })
+        Ok(Deepseek { config, hidden, dtype, embed_tokens, layers, norm, inv_freq, rope_scale, heads: lh, comm })
     }
 }
 
@@ -595,6 +671,18 @@ impl<H: Dim> Deepseek<H> {
         captures: &CaptureSet<L>,
         cache: &mut KvCache,
     ) -> Result<CapturedStates<L, H>, ModelError> {
+        Ok(self.forward_rank(batch, captures, cache, true)?.expect("capturing forward returns states"))
+    }
+
+    /// The forward of one tensor-parallel rank; only a capturing rank fills
+    /// and returns the states.
+    pub fn forward_rank<L: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+        cache: &mut KvCache,
+        capture: bool,
+    ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
         let c = &self.config;
         let taps = captures.taps(c.num_layers)?;
         for (s, seg) in batch.segments().iter().enumerate() {
@@ -617,7 +705,7 @@ impl<H: Dim> Deepseek<H> {
         cache.check(batch)?;
         let _span = info_span!("forward", tokens = batch.num_tokens(), samples = batch.num_samples()).entered();
         let (t, h) = (batch.num_tokens(), c.hidden_size);
-        let mut out = CapturedStates::<L, H>::zeros(captures.layers(), t, self.hidden);
+        let mut out = capture.then(|| CapturedStates::<L, H>::zeros(captures.layers(), t, self.hidden));
         let needs_post_norm = taps.contains(&Tap::PostNorm);
         let depth = if needs_post_norm {
             c.num_layers
@@ -629,7 +717,8 @@ impl<H: Dim> Deepseek<H> {
             let id = id as usize;
             row.copy_from_slice(&self.embed_tokens[id * h..(id + 1) * h]);
         }
-        let capture = |out: &mut CapturedStates<L, H>, tap: Tap, src: &[f32]| {
+        let capture = |out: &mut Option<CapturedStates<L, H>>, tap: Tap, src: &[f32]| {
+            let Some(out) = out else { return };
             for (slot, _) in taps.iter().enumerate().filter(|(_, &x)| x == tap) {
                 out.layer_mut(slot).copy_from_slice(src);
             }
@@ -656,11 +745,14 @@ impl<H: Dim> Deepseek<H> {
                 Ffn::Dense(m) => m.forward(&s.normed, t, &mut s.gu, &mut s.act, &mut s.ffn),
                 Ffn::Moe(m) => self.moe(m, t, &mut s),
             }
+            if let Some(comm) = &self.comm {
+                comm.all_reduce_sum(&mut s.ffn);
+            }
             x.iter_mut().zip(&s.ffn).for_each(|(x, f)| *x += f);
         }
         cache.retire(batch);
         capture(&mut out, Tap::Residual(depth), &x);
-        if needs_post_norm {
+        if needs_post_norm && out.is_some() {
             rms_norm(&x, &self.norm, c.rms_norm_eps, &mut s.normed);
             capture(&mut out, Tap::PostNorm, &s.normed);
         }
@@ -681,8 +773,7 @@ impl<H: Dim> Deepseek<H> {
     ) {
         let c = &self.config;
         let t = batch.num_tokens();
-        let (h, nh, nope, rope, vd) =
-            (c.hidden_size, c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim);
+        let (h, nh, nope, rope, vd) = (c.hidden_size, self.heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim);
         let (qk, kvr) = (c.qk_head_dim(), c.kv_lora_rank);
         let a = &layer.self_attn;
         s.normed.resize(t * h, 0.0);
@@ -758,7 +849,19 @@ impl<H: Dim> Deepseek<H> {
             AttnShape { heads: nh, kv_heads: nh, head_dim: qk, v_dim: vd, window: None, scale: c.softmax_scale() };
         s.attn.resize(t * nh * vd, 0.0);
         varlen_attention(&s.q, kw, &segments, shape, &mut s.attn);
-        a.o_proj.forward(&s.attn, t, x, true);
+        match &self.comm {
+            None => a.o_proj.forward(&s.attn, t, x, true),
+            Some(comm) => {
+                // Row-parallel: sum the ranks' partial products, then the bias once.
+                s.ffn.resize(t * h, 0.0);
+                a.o_proj.forward(&s.attn, t, &mut s.ffn, false);
+                comm.all_reduce_sum(&mut s.ffn);
+                x.iter_mut().zip(&s.ffn).for_each(|(x, p)| *x += p);
+                if let Some(b) = &a.o_bias {
+                    x.chunks_exact_mut(h).for_each(|row| row.iter_mut().zip(b).for_each(|(x, b)| *x += b));
+                }
+            }
+        }
     }
 
     /// Routed experts plus shared experts of `s.normed` into `s.ffn`.

@@ -3,12 +3,12 @@
 pub mod deepseek;
 pub mod kv_cache;
 pub mod llama;
-pub mod tp_llama;
+pub mod tp_model;
 
 pub use deepseek::Deepseek;
 pub use kv_cache::KvCache;
 pub use llama::Llama;
-pub use tp_llama::{RankWorker, TpLlama};
+pub use tp_model::{RankModel, RankWorker, TpDeepseek, TpLlama, TpModel};
 
 use crate::capture::CaptureError;
 use crate::checkpoint::CheckpointError;

@@ -2,7 +2,7 @@
 // stream [L, T, 7168]: only gathered states can reach a capture buffer or sink.
 use strata::batch::PackedBatch;
 use strata::capture::CaptureSet;
-use strata::model::TpLlama;
+use strata::model::TpDeepseek;
 use strata::shape::{CapturedStates, Layers};
 use strata::tp::{HiddenU, Tp};
 use typenum::{Prod, U1024, U7, U8};
@@ -11,7 +11,7 @@ type Kimi = HiddenU<Prod<U7, U1024>>;
 
 fn write(_states: CapturedStates<Layers<4>, Kimi>) {}
 
-fn job(model: &TpLlama<Kimi, Tp<U8>>, batch: &PackedBatch, captures: &CaptureSet<Layers<4>>) {
+fn job(model: &TpDeepseek<Kimi, Tp<U8>>, batch: &PackedBatch, captures: &CaptureSet<Layers<4>>) {
     let per_rank = model.forward_sharded(batch, captures).unwrap();
     write(per_rank.into_rank(0));
 }
