@@ -117,6 +117,9 @@ pub type TpDeepseek<H, TP = usize> = TpModel<Deepseek<H>, TP>;
 /// The hidden dim of one rank's slice of `M`'s states.
 pub type ShardOf<M, TP> = <<M as RankModel>::Hidden as ShardDim<TP>>::Shard;
 
+/// Every rank's `[L, T, H/TP]` slice of captured states.
+pub type RankShards<L, M, TP> = PerRank<ShardedStates<L, ShardOf<M, TP>>>;
+
 type Opener = dyn Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync;
 
 impl<M, TP> TpModel<M, TP>
@@ -177,7 +180,7 @@ where
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
-    ) -> Result<PerRank<ShardedStates<L, ShardOf<M, TP>>>, ModelError> {
+    ) -> Result<RankShards<L, M, TP>, ModelError> {
         let (batch, captures, tp) = (Arc::new(batch.clone()), captures.clone(), self.tp);
         let replies = self.exec.collective_rpc(move |w: &mut RankWorker<M>| {
             let states = w.capture(&batch, &captures)?;
