@@ -150,3 +150,116 @@ pub fn bench_small_dir() -> std::io::Result<std::path::PathBuf> {
     }
     Ok(dir)
 }
+
+/// Sizes of a synthetic DeepSeek-V3-layout (MLA + MoE) model.
+#[derive(Clone, Debug)]
+pub struct DeepseekSpec {
+    /// `model_type`: `deepseek_v3` or `kimi_k2`.
+    pub model_type: &'static str,
+    /// Residual width.
+    pub hidden_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Attention heads.
+    pub num_heads: usize,
+    /// q LoRA rank.
+    pub q_lora_rank: usize,
+    /// Latent KV width.
+    pub kv_lora_rank: usize,
+    /// q/k width without RoPE.
+    pub qk_nope_head_dim: usize,
+    /// q/k width with RoPE.
+    pub qk_rope_head_dim: usize,
+    /// Value width.
+    pub v_head_dim: usize,
+    /// Dense MLP width.
+    pub intermediate_size: usize,
+    /// Routed experts.
+    pub n_routed_experts: usize,
+    /// Shared experts.
+    pub n_shared_experts: usize,
+    /// Experts per token.
+    pub num_experts_per_tok: usize,
+    /// Expert MLP width.
+    pub moe_intermediate_size: usize,
+    /// Leading dense layers.
+    pub first_k_dense_replace: usize,
+    /// Vocabulary.
+    pub vocab_size: usize,
+}
+
+/// Writes a random-weight DeepSeek-V3-layout checkpoint (f32) into `dir`.
+pub fn write_deepseek(dir: &Path, s: &DeepseekSpec, seed: u64) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let config = serde_json::json!({
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": s.model_type,
+        "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_heads,
+        "q_lora_rank": s.q_lora_rank, "kv_lora_rank": s.kv_lora_rank,
+        "qk_nope_head_dim": s.qk_nope_head_dim, "qk_rope_head_dim": s.qk_rope_head_dim, "v_head_dim": s.v_head_dim,
+        "intermediate_size": s.intermediate_size, "moe_intermediate_size": s.moe_intermediate_size,
+        "n_routed_experts": s.n_routed_experts, "n_shared_experts": s.n_shared_experts,
+        "num_experts_per_tok": s.num_experts_per_tok, "first_k_dense_replace": s.first_k_dense_replace,
+        "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": true, "routed_scaling_factor": 2.5, "vocab_size": s.vocab_size,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "hidden_act": "silu", "rope_interleave": true,
+        "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "torch_dtype": "float32",
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap())?;
+    let mut rng = Rng::new(seed);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32, rng: &mut Rng| {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| offset + scale * rng.uniform()).collect();
+        tensors.push((name, shape, bytemuck::cast_slice(&v).to_vec()));
+    };
+    let w = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
+    let (h, nh) = (s.hidden_size, s.num_heads);
+    let qk = s.qk_nope_head_dim + s.qk_rope_head_dim;
+    add("model.embed_tokens.weight".into(), vec![s.vocab_size, h], 1.0, 0.0, &mut rng);
+    for l in 0..s.num_layers {
+        let p = format!("model.layers.{l}");
+        add(format!("{p}.input_layernorm.weight"), vec![h], 0.2, 1.0, &mut rng);
+        add(format!("{p}.post_attention_layernorm.weight"), vec![h], 0.2, 1.0, &mut rng);
+        add(format!("{p}.self_attn.q_a_proj.weight"), vec![s.q_lora_rank, h], w(h), 0.0, &mut rng);
+        add(format!("{p}.self_attn.q_a_layernorm.weight"), vec![s.q_lora_rank], 0.2, 1.0, &mut rng);
+        add(format!("{p}.self_attn.q_b_proj.weight"), vec![nh * qk, s.q_lora_rank], w(s.q_lora_rank), 0.0, &mut rng);
+        let kva = s.kv_lora_rank + s.qk_rope_head_dim;
+        add(format!("{p}.self_attn.kv_a_proj_with_mqa.weight"), vec![kva, h], w(h), 0.0, &mut rng);
+        add(format!("{p}.self_attn.kv_a_layernorm.weight"), vec![s.kv_lora_rank], 0.2, 1.0, &mut rng);
+        let kvb = nh * (s.qk_nope_head_dim + s.v_head_dim);
+        add(format!("{p}.self_attn.kv_b_proj.weight"), vec![kvb, s.kv_lora_rank], w(s.kv_lora_rank), 0.0, &mut rng);
+        add(format!("{p}.self_attn.o_proj.weight"), vec![h, nh * s.v_head_dim], w(nh * s.v_head_dim), 0.0, &mut rng);
+        let mut mlp = |prefix: String, inter: usize, rng: &mut Rng| {
+            add(format!("{prefix}.gate_proj.weight"), vec![inter, h], w(h), 0.0, rng);
+            add(format!("{prefix}.up_proj.weight"), vec![inter, h], w(h), 0.0, rng);
+            add(format!("{prefix}.down_proj.weight"), vec![h, inter], w(inter), 0.0, rng);
+        };
+        if l < s.first_k_dense_replace {
+            mlp(format!("{p}.mlp"), s.intermediate_size, &mut rng);
+        } else {
+            for e in 0..s.n_routed_experts {
+                mlp(format!("{p}.mlp.experts.{e}"), s.moe_intermediate_size, &mut rng);
+            }
+            if s.n_shared_experts > 0 {
+                mlp(format!("{p}.mlp.shared_experts"), s.moe_intermediate_size * s.n_shared_experts, &mut rng);
+            }
+            add(format!("{p}.mlp.gate.weight"), vec![s.n_routed_experts, h], w(h), 0.0, &mut rng);
+            add(format!("{p}.mlp.gate.e_score_correction_bias"), vec![s.n_routed_experts], 0.05, 0.0, &mut rng);
+        }
+    }
+    add("model.norm.weight".into(), vec![h], 0.2, 1.0, &mut rng);
+    let views = tensors
+        .iter()
+        .map(|(n, shape, b)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), b).map(|v| (n.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))
+        .map_err(|e| std::io::Error::other(e.to_string()))
+}
