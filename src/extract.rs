@@ -251,35 +251,39 @@ impl ExtractJob {
         match family {
             Family::Llama(config) if self.tp > 1 => {
                 let model = TpLlama::<usize, usize>::build(config, self.tp, open)?;
-                summary.load_time = t.elapsed();
-                let dtype = self.dtype.unwrap_or(model.dtype());
-                summary.dtype = Some(dtype);
-                summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+                self.run_model(&model, t, ctx, &mut summary, &mut progress)?;
             }
             Family::Llama(config) => {
                 let model = Llama::<usize>::from_checkpoint(config, &open().map_err(ModelError::from)?)?;
-                summary.load_time = t.elapsed();
-                let dtype = self.dtype.unwrap_or(model.dtype());
-                summary.dtype = Some(dtype);
-                summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+                self.run_model(&model, t, ctx, &mut summary, &mut progress)?;
             }
             Family::Deepseek(config) if self.tp > 1 => {
                 let model = TpDeepseek::<usize, usize>::build(config, self.tp, open)?;
-                summary.load_time = t.elapsed();
-                let dtype = self.dtype.unwrap_or(model.dtype());
-                summary.dtype = Some(dtype);
-                summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+                self.run_model(&model, t, ctx, &mut summary, &mut progress)?;
             }
             Family::Deepseek(config) => {
                 let model = Deepseek::<usize>::from_checkpoint(config, &open().map_err(ModelError::from)?)?;
-                summary.load_time = t.elapsed();
-                let dtype = self.dtype.unwrap_or(model.dtype());
-                summary.dtype = Some(dtype);
-                summary.report = self.write(&model, dtype, ctx, &mut progress)?;
+                self.run_model(&model, t, ctx, &mut summary, &mut progress)?;
             }
         }
         summary.points = points;
         Ok(summary)
+    }
+
+    /// Records the load time and dtype of a loaded model, then writes.
+    fn run_model<M: Model<Hidden = usize>>(
+        &self,
+        model: &M,
+        load_start: Instant,
+        ctx: Ctx<'_>,
+        summary: &mut Summary,
+        progress: &mut dyn FnMut(&Progress),
+    ) -> Result<(), ExtractError> {
+        summary.load_time = load_start.elapsed();
+        let dtype = self.dtype.unwrap_or(model.dtype());
+        summary.dtype = Some(dtype);
+        summary.report = self.write(model, dtype, ctx, progress)?;
+        Ok(())
     }
 
     fn write<M: Model<Hidden = usize>>(

@@ -9,6 +9,7 @@
 //! then `x += mlp(post_attention_layernorm(x))`, dense for the first
 //! `first_k_dense_replace` layers, else `shared_experts(h) + Σ_topk w_e · expert_e(h)`.
 
+use super::frame::{self, Captures};
 use super::{KvCache, ModelError};
 use crate::batch::PackedBatch;
 use crate::capture::{CaptureSet, Tap};
@@ -684,59 +685,16 @@ impl<H: Dim> Deepseek<H> {
         capture: bool,
     ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
         let c = &self.config;
-        let taps = captures.taps(c.num_layers)?;
-        for (s, seg) in batch.segments().iter().enumerate() {
-            let r = batch.range(s);
-            let err = |problem: String| ModelError::Input { sample: s, problem };
-            if r.is_empty() {
-                return Err(err("empty sample (no tokens)".into()));
-            }
-            if seg.pos0 + r.len() > c.max_position_embeddings {
-                return Err(err(format!(
-                    "{} tokens exceed max_position_embeddings {}",
-                    seg.pos0 + r.len(),
-                    c.max_position_embeddings
-                )));
-            }
-            if let Some(&t) = batch.token_ids()[r].iter().find(|&&t| t as usize >= c.vocab_size) {
-                return Err(err(format!("token id {t} is out of range (vocab_size {})", c.vocab_size)));
-            }
-        }
+        frame::check_batch(batch, c.vocab_size, c.max_position_embeddings)?;
+        let (t, h) = (batch.num_tokens(), c.hidden_size);
+        let mut caps = Captures::new(captures, c.num_layers, t, self.hidden, capture)?;
         cache.check(batch)?;
         let _span = info_span!("forward", tokens = batch.num_tokens(), samples = batch.num_samples()).entered();
-        let (t, h) = (batch.num_tokens(), c.hidden_size);
-        let mut out = capture.then(|| CapturedStates::<L, H>::zeros(captures.layers(), t, self.hidden));
-        let needs_post_norm = taps.contains(&Tap::PostNorm);
-        let depth = if needs_post_norm {
-            c.num_layers
-        } else {
-            taps.iter().map(|tap| if let Tap::Residual(k) = tap { *k } else { 0 }).max().unwrap_or(0)
-        };
-        let mut x = vec![0f32; t * h];
-        for (row, &id) in x.chunks_exact_mut(h).zip(batch.token_ids()) {
-            let id = id as usize;
-            row.copy_from_slice(&self.embed_tokens[id * h..(id + 1) * h]);
-        }
-        let capture = |out: &mut Option<CapturedStates<L, H>>, tap: Tap, src: &[f32]| {
-            let Some(out) = out else { return };
-            for (slot, _) in taps.iter().enumerate().filter(|(_, &x)| x == tap) {
-                out.layer_mut(slot).copy_from_slice(src);
-            }
-        };
-        let half = self.inv_freq.len();
-        let len = batch.max_position();
-        let mut cos = vec![0f32; len * half];
-        let mut sin = vec![0f32; len * half];
-        for p in 0..len {
-            for (i, f) in self.inv_freq.iter().enumerate() {
-                let a = p as f32 * f;
-                cos[p * half + i] = a.cos() * self.rope_scale;
-                sin[p * half + i] = a.sin() * self.rope_scale;
-            }
-        }
+        let mut x = frame::embed(batch, &self.embed_tokens, h);
+        let (cos, sin) = frame::rope_table(&self.inv_freq, batch.max_position(), self.rope_scale);
         let mut s = Scratch::default();
-        for (k, layer) in self.layers.iter().enumerate().take(depth) {
-            capture(&mut out, Tap::Residual(k), &x);
+        for (k, layer) in self.layers.iter().enumerate().take(caps.depth) {
+            caps.record(Tap::Residual(k), &x);
             let _s = debug_span!("layer", k).entered();
             self.attention(k, layer, batch, &cos, &sin, &mut x, &mut s, cache);
             rms_norm(&x, &layer.post_attention_layernorm, c.rms_norm_eps, &mut s.normed);
@@ -751,12 +709,12 @@ impl<H: Dim> Deepseek<H> {
             x.iter_mut().zip(&s.ffn).for_each(|(x, f)| *x += f);
         }
         cache.retire(batch);
-        capture(&mut out, Tap::Residual(depth), &x);
-        if needs_post_norm && out.is_some() {
+        caps.record(Tap::Residual(caps.depth), &x);
+        if caps.wants_post_norm() {
             rms_norm(&x, &self.norm, c.rms_norm_eps, &mut s.normed);
-            capture(&mut out, Tap::PostNorm, &s.normed);
+            caps.record(Tap::PostNorm, &s.normed);
         }
-        Ok(out)
+        Ok(caps.finish())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -954,6 +912,9 @@ impl<H: Dim> super::Model for Deepseek<H> {
     }
     fn num_layers(&self) -> usize {
         self.config.num_layers
+    }
+    fn dtype(&self) -> DType {
+        Deepseek::dtype(self)
     }
     fn forward_step<L: Dim>(
         &self,

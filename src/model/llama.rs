@@ -5,6 +5,7 @@
 //! `x += down_proj(silu(gate_proj(h)) * up_proj(h))` on `post_attention_layernorm(x)`.
 //! q/k/v and gate/up are fused into one GEMM each at load time. No LM head.
 
+use super::frame::{self, Captures};
 use super::{KvCache, ModelError};
 use crate::batch::PackedBatch;
 use crate::capture::{CaptureSet, Tap};
@@ -228,30 +229,7 @@ impl<H: Dim> Llama<H> {
     /// Checks a batch against the model: token ids in the vocabulary, no empty
     /// segment, no position past `max_position_embeddings`.
     pub fn check_batch(&self, batch: &PackedBatch) -> Result<(), ModelError> {
-        for (s, seg) in batch.segments().iter().enumerate() {
-            let r = batch.range(s);
-            let err = |problem: String| ModelError::Input { sample: s, problem };
-            if r.is_empty() {
-                return Err(err("empty sample (no tokens)".into()));
-            }
-            if seg.pos0 + r.len() > self.config.max_position_embeddings {
-                return Err(err(format!(
-                    "{} tokens exceed max_position_embeddings {}",
-                    seg.pos0 + r.len(),
-                    self.config.max_position_embeddings
-                )));
-            }
-            if let Some((pos, &t)) =
-                batch.token_ids()[r].iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size)
-            {
-                return Err(err(format!(
-                    "token id {t} at position {} is out of range (vocab_size {})",
-                    seg.pos0 + pos,
-                    self.config.vocab_size
-                )));
-            }
-        }
-        Ok(())
+        frame::check_batch(batch, self.config.vocab_size, self.config.max_position_embeddings)
     }
 
     /// Runs the decoder over a packed batch of whole samples and returns the
@@ -290,25 +268,13 @@ impl<H: Dim> Llama<H> {
         capture: bool,
     ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
         let c = &self.config;
-        let taps = captures.taps(c.num_layers)?;
         self.check_batch(batch)?;
+        let (t, h) = (batch.num_tokens(), c.hidden_size);
+        let mut caps = Captures::new(captures, c.num_layers, t, self.hidden, capture)?;
         cache.check(batch)?;
         let _span = info_span!("forward", tokens = batch.num_tokens(), samples = batch.num_samples()).entered();
-        let (t, h) = (batch.num_tokens(), c.hidden_size);
-        let mut out = capture.then(|| CapturedStates::<L, H>::zeros(captures.layers(), t, self.hidden));
-        let needs_post_norm = taps.contains(&Tap::PostNorm);
-        let depth = if needs_post_norm {
-            c.num_layers
-        } else {
-            taps.iter().map(|tap| if let Tap::Residual(k) = tap { *k } else { 0 }).max().unwrap_or(0)
-        };
-
-        let mut x = vec![0f32; t * h];
-        for (row, &id) in x.chunks_exact_mut(h).zip(batch.token_ids()) {
-            let id = id as usize;
-            row.copy_from_slice(&self.embed_tokens[id * h..(id + 1) * h]);
-        }
-        let (cos, sin) = self.rope_table(batch.max_position());
+        let mut x = frame::embed(batch, &self.embed_tokens, h);
+        let (cos, sin) = frame::rope_table(&self.inv_freq, batch.max_position(), 1.0);
         let mut act = Activations {
             normed: vec![0f32; t * h],
             qkv: vec![0f32; t * self.qkv_width()],
@@ -319,39 +285,18 @@ impl<H: Dim> Llama<H> {
         };
         // The residual stream is whole on every rank (row-parallel outputs are
         // all-reduced), so a capture reads full `[T, H]` states, never a shard.
-        let capture = |out: &mut Option<CapturedStates<L, H>>, tap: Tap, src: &[f32]| {
-            let Some(out) = out else { return };
-            for (slot, _) in taps.iter().enumerate().filter(|(_, &x)| x == tap) {
-                out.layer_mut(slot).copy_from_slice(src);
-            }
-        };
-        for (k, layer) in self.layers.iter().enumerate().take(depth) {
-            capture(&mut out, Tap::Residual(k), &x);
+        for (k, layer) in self.layers.iter().enumerate().take(caps.depth) {
+            caps.record(Tap::Residual(k), &x);
             let _s = debug_span!("layer", k).entered();
             self.layer_forward(k, layer, batch, &cos, &sin, &mut x, &mut act, cache);
         }
         cache.retire(batch);
-        capture(&mut out, Tap::Residual(depth), &x);
-        if needs_post_norm && out.is_some() {
+        caps.record(Tap::Residual(caps.depth), &x);
+        if caps.wants_post_norm() {
             rms_norm(&x, &self.norm, c.rms_norm_eps, &mut act.normed);
-            capture(&mut out, Tap::PostNorm, &act.normed);
+            caps.record(Tap::PostNorm, &act.normed);
         }
-        Ok(out)
-    }
-
-    /// cos/sin of every position up to `len`, `[len, head_dim/2]` each.
-    fn rope_table(&self, len: usize) -> (Vec<f32>, Vec<f32>) {
-        let half = self.inv_freq.len();
-        let mut cos = vec![0f32; len * half];
-        let mut sin = vec![0f32; len * half];
-        for p in 0..len {
-            for (i, f) in self.inv_freq.iter().enumerate() {
-                let a = p as f32 * f;
-                cos[p * half + i] = a.cos();
-                sin[p * half + i] = a.sin();
-            }
-        }
-        (cos, sin)
+        Ok(caps.finish())
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -1,6 +1,7 @@
 //! Decoder models, one file per architecture family.
 
 pub mod deepseek;
+mod frame;
 pub mod kv_cache;
 pub mod llama;
 pub mod tp_model;
@@ -56,6 +57,8 @@ pub trait Model {
     fn hidden(&self) -> Self::Hidden;
     /// Decoder layers (for resolving capture points).
     fn num_layers(&self) -> usize;
+    /// The dtype the checkpoint stores its weights in (the default output dtype).
+    fn dtype(&self) -> crate::shape::DType;
     /// Runs one step; see [`Llama::forward_step`].
     fn forward_step<L: Dim>(
         &self,
@@ -72,6 +75,9 @@ impl<H: Dim> Model for Llama<H> {
     }
     fn num_layers(&self) -> usize {
         self.config().num_layers
+    }
+    fn dtype(&self) -> crate::shape::DType {
+        Llama::dtype(self)
     }
     fn forward_step<L: Dim>(
         &self,

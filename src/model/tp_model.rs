@@ -259,6 +259,10 @@ where
         self.num_layers
     }
 
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Every rank runs the step (each keeps its own KV cache, so `_cache` is
     /// unused); rank 0 alone captures, and its states move to the caller.
     fn forward_step<L: Dim>(
