@@ -709,12 +709,7 @@ impl<H: Dim> Deepseek<H> {
             x.iter_mut().zip(&s.ffn).for_each(|(x, f)| *x += f);
         }
         cache.retire(batch);
-        caps.record(Tap::Residual(caps.depth), &x);
-        if caps.wants_post_norm() {
-            rms_norm(&x, &self.norm, c.rms_norm_eps, &mut s.normed);
-            caps.record(Tap::PostNorm, &s.normed);
-        }
-        Ok(caps.finish())
+        Ok(caps.finish(&x, &self.norm, c.rms_norm_eps, &mut s.normed))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -807,19 +802,7 @@ impl<H: Dim> Deepseek<H> {
             AttnShape { heads: nh, kv_heads: nh, head_dim: qk, v_dim: vd, window: None, scale: c.softmax_scale() };
         s.attn.resize(t * nh * vd, 0.0);
         varlen_attention(&s.q, kw, &segments, shape, &mut s.attn);
-        match &self.comm {
-            None => a.o_proj.forward(&s.attn, t, x, true),
-            Some(comm) => {
-                // Row-parallel: sum the ranks' partial products, then the bias once.
-                s.ffn.resize(t * h, 0.0);
-                a.o_proj.forward(&s.attn, t, &mut s.ffn, false);
-                comm.all_reduce_sum(&mut s.ffn);
-                x.iter_mut().zip(&s.ffn).for_each(|(x, p)| *x += p);
-                if let Some(b) = &a.o_bias {
-                    x.chunks_exact_mut(h).for_each(|row| row.iter_mut().zip(b).for_each(|(x, b)| *x += b));
-                }
-            }
-        }
+        frame::row_parallel(self.comm.as_deref(), &a.o_proj, a.o_bias.as_deref(), &s.attn, t, x, &mut s.ffn);
     }
 
     /// Routed experts plus shared experts of `s.normed` into `s.ffn`.

@@ -4,7 +4,37 @@
 use super::ModelError;
 use crate::batch::PackedBatch;
 use crate::capture::{CaptureSet, Tap};
+use crate::cpu::ops::rms_norm;
+use crate::cpu::PackedLinear;
 use crate::shape::{CapturedStates, Dim};
+use crate::tp::Collective;
+
+/// `x += input · Wᵀ (+ b)` for a row-parallel weight: one rank (`comm = None`)
+/// fuses the residual add into the GEMM; several sum their partial products
+/// (in `partial`, `[t, out]`) with an all-reduce, then add the bias once.
+pub(crate) fn row_parallel(
+    comm: Option<&dyn Collective<Buf = [f32]>>,
+    w: &PackedLinear,
+    bias: Option<&[f32]>,
+    input: &[f32],
+    t: usize,
+    x: &mut [f32],
+    partial: &mut Vec<f32>,
+) {
+    let Some(comm) = comm else {
+        w.forward(input, t, x, true);
+        return;
+    };
+    partial.resize(t * w.out_features(), 0.0);
+    w.forward(input, t, partial, false);
+    comm.all_reduce_sum(partial);
+    x.iter_mut().zip(partial.iter()).for_each(|(x, p)| *x += p);
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+        }
+    }
+}
 
 /// Checks a batch: no empty segment, no position past `max_positions`, token ids below `vocab`.
 pub(crate) fn check_batch(batch: &PackedBatch, vocab: usize, max_positions: usize) -> Result<(), ModelError> {
@@ -90,13 +120,16 @@ impl<L: Dim, H: Dim> Captures<L, H> {
         }
     }
 
-    /// Whether the final norm must be computed (a capturing rank asked for it).
-    pub fn wants_post_norm(&self) -> bool {
-        self.post_norm && self.out.is_some()
-    }
-
-    /// The filled buffer (`None` on a non-capturing rank).
-    pub fn finish(self) -> Option<CapturedStates<L, H>> {
+    /// Records the residual after the last layer run and, if asked for (on a
+    /// capturing rank), the final norm of it; returns the filled buffer
+    /// (`None` on a non-capturing rank). `scratch` is `[T, H]` working space.
+    pub fn finish(mut self, x: &[f32], norm: &[f32], eps: f32, scratch: &mut Vec<f32>) -> Option<CapturedStates<L, H>> {
+        self.record(Tap::Residual(self.depth), x);
+        if self.post_norm && self.out.is_some() {
+            scratch.resize(x.len(), 0.0);
+            rms_norm(x, norm, eps, scratch);
+            self.record(Tap::PostNorm, scratch);
+        }
         self.out
     }
 }

@@ -281,7 +281,7 @@ impl<H: Dim> Llama<H> {
             attn: vec![0f32; t * self.plan.heads * c.head_dim],
             gate_up: vec![0f32; t * 2 * self.plan.intermediate],
             act: vec![0f32; t * self.plan.intermediate],
-            partial: if self.comm.is_some() { vec![0f32; t * h] } else { Vec::new() },
+            partial: Vec::new(),
         };
         // The residual stream is whole on every rank (row-parallel outputs are
         // all-reduced), so a capture reads full `[T, H]` states, never a shard.
@@ -291,12 +291,7 @@ impl<H: Dim> Llama<H> {
             self.layer_forward(k, layer, batch, &cos, &sin, &mut x, &mut act, cache);
         }
         cache.retire(batch);
-        caps.record(Tap::Residual(caps.depth), &x);
-        if caps.wants_post_norm() {
-            rms_norm(&x, &self.norm, c.rms_norm_eps, &mut act.normed);
-            caps.record(Tap::PostNorm, &act.normed);
-        }
-        Ok(caps.finish())
+        Ok(caps.finish(&x, &self.norm, c.rms_norm_eps, &mut act.normed))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -374,8 +369,9 @@ impl<H: Dim> Llama<H> {
             })
             .collect();
         varlen_attention(&act.qkv, stride, &segments, shape, &mut act.attn);
-        // Residual add fused into the GEMM: x += attn · o_projᵀ.
-        self.row_parallel(
+        // x += attn · o_projᵀ (fused into the GEMM on one rank).
+        frame::row_parallel(
+            self.comm.as_deref(),
             &layer.self_attn.o_proj,
             layer.self_attn.o_bias.as_deref(),
             &act.attn,
@@ -387,36 +383,19 @@ impl<H: Dim> Llama<H> {
         rms_norm(x, &layer.post_attention_layernorm, c.rms_norm_eps, &mut act.normed);
         layer.mlp.gate_up_proj.forward(&act.normed, t, &mut act.gate_up, false);
         swiglu(&act.gate_up, self.plan.intermediate, &mut act.act);
-        self.row_parallel(&layer.mlp.down_proj, layer.mlp.down_bias.as_deref(), &act.act, t, x, &mut act.partial);
+        frame::row_parallel(
+            self.comm.as_deref(),
+            &layer.mlp.down_proj,
+            layer.mlp.down_bias.as_deref(),
+            &act.act,
+            t,
+            x,
+            &mut act.partial,
+        );
     }
 
     /// Width of this rank's fused q/k/v output.
     fn qkv_width(&self) -> usize {
         (self.plan.heads + 2 * self.plan.kv_heads) * self.config.head_dim
-    }
-
-    /// `x += input · Wᵀ (+ b)` for a row-parallel weight: one rank fuses the
-    /// residual add into the GEMM; several sum their partial products first.
-    fn row_parallel(
-        &self,
-        w: &PackedLinear,
-        bias: Option<&[f32]>,
-        input: &[f32],
-        t: usize,
-        x: &mut [f32],
-        partial: &mut [f32],
-    ) {
-        let Some(comm) = &self.comm else {
-            w.forward(input, t, x, true);
-            return;
-        };
-        w.forward(input, t, partial, false);
-        comm.all_reduce_sum(partial);
-        x.iter_mut().zip(partial.iter()).for_each(|(x, p)| *x += p);
-        if let Some(b) = bias {
-            for row in x.chunks_exact_mut(b.len()) {
-                row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
-            }
-        }
     }
 }
