@@ -14,9 +14,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 /// A model that runs as one rank of a tensor-parallel group.
-pub trait RankModel: Send + 'static {
-    /// The hidden dim.
-    type Hidden: Dim;
+pub trait RankModel: Model + Send + 'static {
     /// Runs a step; every rank must call it in step (the all-reduces need all
     /// of them); only a capturing rank fills and returns the states.
     fn forward_rank<L: Dim>(
@@ -26,12 +24,9 @@ pub trait RankModel: Send + 'static {
         cache: &mut KvCache,
         capture: bool,
     ) -> Result<Option<CapturedStates<L, Self::Hidden>>, ModelError>;
-    /// The checkpoint's weight dtype.
-    fn dtype(&self) -> DType;
 }
 
 impl<H: Dim> RankModel for Llama<H> {
-    type Hidden = H;
     fn forward_rank<L: Dim>(
         &self,
         batch: &PackedBatch,
@@ -41,13 +36,9 @@ impl<H: Dim> RankModel for Llama<H> {
     ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
         Llama::forward_rank(self, batch, captures, cache, capture)
     }
-    fn dtype(&self) -> DType {
-        Llama::dtype(self)
-    }
 }
 
 impl<H: Dim> RankModel for Deepseek<H> {
-    type Hidden = H;
     fn forward_rank<L: Dim>(
         &self,
         batch: &PackedBatch,
@@ -56,9 +47,6 @@ impl<H: Dim> RankModel for Deepseek<H> {
         capture: bool,
     ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
         Deepseek::forward_rank(self, batch, captures, cache, capture)
-    }
-    fn dtype(&self) -> DType {
-        Deepseek::dtype(self)
     }
 }
 
@@ -115,7 +103,7 @@ pub type TpLlama<H, TP = usize> = TpModel<Llama<H>, TP>;
 pub type TpDeepseek<H, TP = usize> = TpModel<Deepseek<H>, TP>;
 
 /// The hidden dim of one rank's slice of `M`'s states.
-pub type ShardOf<M, TP> = <<M as RankModel>::Hidden as ShardDim<TP>>::Shard;
+pub type ShardOf<M, TP> = <<M as Model>::Hidden as ShardDim<TP>>::Shard;
 
 /// Every rank's `[L, T, H/TP]` slice of captured states.
 pub type RankShards<L, M, TP> = PerRank<ShardedStates<L, ShardOf<M, TP>>>;
