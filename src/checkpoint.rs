@@ -3,6 +3,7 @@
 //! Tensors are located by name once at open time; reading one checks its
 //! shape and dtype against what the model expects and decodes it to f32.
 
+use crate::quant::{LinearWeight, QuantKind, QuantRows, WeightFormat};
 use crate::shape::DType;
 use memmap2::Mmap;
 use safetensors::SafeTensors;
@@ -53,14 +54,27 @@ pub enum CheckpointError {
         actual: Vec<usize>,
     },
     /// A tensor of a dtype Strata does not read.
-    #[error("tensor {name:?} has dtype {dtype}, expected F32, BF16 or F16")]
+    #[error("tensor {name:?} has dtype {dtype}, expected {expected}")]
     DType {
         /// Tensor name.
         name: String,
         /// Its dtype.
         dtype: String,
+        /// What it may be.
+        expected: &'static str,
+    },
+    /// A weight stored in a way the config does not declare, or quantised
+    /// tensors that do not fit together.
+    #[error("tensor {name:?}: {problem}")]
+    Quant {
+        /// Tensor name.
+        name: String,
+        /// What is wrong.
+        problem: String,
     },
 }
+
+const FLOATS: &str = "F32, BF16 or F16";
 
 enum Bytes {
     Mapped(Mmap),
@@ -88,6 +102,9 @@ struct Entry {
 pub struct Checkpoint {
     files: Vec<(String, Bytes)>,
     entries: HashMap<String, Entry>,
+    /// Prepended to every name the model asks for (`language_model.` in a
+    /// multimodal wrapper), so the decoders use the text model's own names.
+    prefix: String,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -97,6 +114,14 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
 impl Checkpoint {
     /// Opens `model.safetensors`, or the shards listed in `model.safetensors.index.json`.
     pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        Self::open_scoped(dir, "")
+    }
+
+    /// Opens the tensors named `{prefix}*` of a checkpoint (the language model
+    /// of a multimodal wrapper): names are looked up with `prefix` prepended,
+    /// and shards listed in the index that hold no such tensor (a vision
+    /// tower's) are not opened at all.
+    pub fn open_scoped(dir: &Path, prefix: &str) -> Result<Self, CheckpointError> {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
         let paths: Vec<PathBuf> = if index.exists() {
@@ -111,7 +136,7 @@ impl Checkpoint {
                 if f.contains('/') || f.contains("..") {
                     return Err(bad(format!("weight_map[{name:?}] = {f:?} points outside the directory")));
                 }
-                if !files.iter().any(|x| x == f) {
+                if name.starts_with(prefix) && !files.iter().any(|x| x == f) {
                     files.push(f.to_string());
                 }
             }
@@ -130,7 +155,9 @@ impl Checkpoint {
             let m = unsafe { Mmap::map(&f) }.map_err(io(p))?;
             files.push((p.display().to_string(), Bytes::Mapped(m)));
         }
-        Self::index(files)
+        let mut ckpt = Self::index(files)?;
+        ckpt.prefix = prefix.to_string();
+        Ok(ckpt)
     }
 
     /// A checkpoint held in memory (the embedded default model).
@@ -157,33 +184,69 @@ impl Checkpoint {
                 );
             }
         }
-        Ok(Checkpoint { files, entries })
+        Ok(Checkpoint { files, entries, prefix: String::new() })
+    }
+
+    fn entry(&self, name: &str) -> Option<&Entry> {
+        if self.prefix.is_empty() {
+            self.entries.get(name)
+        } else {
+            self.entries.get(&format!("{}{name}", self.prefix))
+        }
+    }
+
+    /// The name as stored in the files.
+    fn full(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// The prefix names are looked up under (see [`open_scoped`](Self::open_scoped)).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
     }
 
     /// Whether a tensor is present.
     pub fn contains(&self, name: &str) -> bool {
-        self.entries.contains_key(name)
+        self.entry(name).is_some()
     }
 
     /// The stored dtype of a tensor, if present and readable.
     pub fn dtype(&self, name: &str) -> Option<DType> {
-        self.entries.get(name).and_then(|e| DType::from_safetensors(e.dtype))
+        self.entry(name).and_then(|e| DType::from_safetensors(e.dtype))
     }
 
-    /// A tensor's bytes and dtype, after checking that it exists with `shape`
-    /// and a dtype Strata decodes.
-    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&[u8], DType), CheckpointError> {
-        let e = self.entries.get(name).ok_or_else(|| CheckpointError::Missing(name.to_string()))?;
+    /// Bytes of all mapped files (what the weights occupy on disk).
+    pub fn file_bytes(&self) -> u64 {
+        self.files.iter().map(|(_, b)| b.as_slice().len() as u64).sum()
+    }
+
+    /// A tensor's bytes and stored dtype, after checking that it exists with `shape`.
+    fn raw(&self, name: &str, shape: &[usize]) -> Result<(&[u8], safetensors::Dtype), CheckpointError> {
+        let e = self.entry(name).ok_or_else(|| CheckpointError::Missing(self.full(name)))?;
         if e.shape != shape {
             return Err(CheckpointError::Shape {
-                name: name.to_string(),
+                name: self.full(name),
                 expected: shape.to_vec(),
                 actual: e.shape.clone(),
             });
         }
-        let dtype = DType::from_safetensors(e.dtype)
-            .ok_or_else(|| CheckpointError::DType { name: name.to_string(), dtype: format!("{:?}", e.dtype) })?;
-        Ok((&self.files[e.file].1.as_slice()[e.start..e.end], dtype))
+        Ok((&self.files[e.file].1.as_slice()[e.start..e.end], e.dtype))
+    }
+
+    /// A tensor's bytes and dtype, after checking that it exists with `shape`
+    /// and a float dtype Strata decodes.
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&[u8], DType), CheckpointError> {
+        let (bytes, dt) = self.raw(name, shape)?;
+        let dtype = DType::from_safetensors(dt).ok_or_else(|| CheckpointError::DType {
+            name: self.full(name),
+            dtype: format!("{dt:?}"),
+            expected: if dt == safetensors::Dtype::F8_E4M3 {
+                "F32, BF16 or F16 (an F8_E4M3 tensor needs `quantization_config` with quant_method fp8 in config.json)"
+            } else {
+                FLOATS
+            },
+        })?;
+        Ok((bytes, dtype))
     }
 
     /// Reads a tensor as f32, checking its shape.
@@ -214,6 +277,160 @@ impl Checkpoint {
             dtype.decode_into(&bytes[off..off + cols.len() * es], dst);
         }
         Ok(out)
+    }
+
+    /// Reads the block `rows × cols` of the linear layer `module` (weight
+    /// `[out, inp]`), as it is stored: plain floats (decoded to f32), FP8
+    /// blocks or packed INT4 (kept as codes and scales). `format` is what the
+    /// config declares for this module; the tensors must agree with it.
+    pub fn read_linear(
+        &self,
+        module: &str,
+        [out, inp]: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        format: WeightFormat,
+    ) -> Result<LinearWeight, CheckpointError> {
+        let weight = format!("{module}.weight");
+        let packed = format!("{module}.weight_packed");
+        let fp8 = self.entry(&weight).is_some_and(|e| e.dtype == safetensors::Dtype::F8_E4M3);
+        match format {
+            WeightFormat::Int4 { group } => {
+                self.read_int4(module, [out, inp], rows, cols, group).map(LinearWeight::Quant)
+            }
+            WeightFormat::Fp8 { block } if fp8 => {
+                self.read_fp8(module, [out, inp], rows, cols, block).map(LinearWeight::Quant)
+            }
+            _ if self.contains(&packed) => Err(CheckpointError::Quant {
+                name: self.full(&packed),
+                problem: "a pack-quantized weight, but config.json's quantization_config does not select this module"
+                    .into(),
+            }),
+            _ => {
+                let (r, c) = (rows.len(), cols.len());
+                let w = self.read_f32_block(&weight, &[out, inp], rows, cols)?;
+                Ok(LinearWeight::Dense { rows: r, cols: c, w })
+            }
+        }
+    }
+
+    fn read_fp8(
+        &self,
+        module: &str,
+        [out, inp]: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        [br, bc]: [usize; 2],
+    ) -> Result<QuantRows, CheckpointError> {
+        let (w, _) = self.raw(&format!("{module}.weight"), &[out, inp])?;
+        let sname = format!("{module}.weight_scale_inv");
+        let (sr, sc) = (out.div_ceil(br), inp.div_ceil(bc));
+        let (sbytes, sdt) = self.raw(&sname, &[sr, sc])?;
+        let sdt = DType::from_safetensors(sdt).ok_or_else(|| CheckpointError::DType {
+            name: self.full(&sname),
+            dtype: format!("{sdt:?}"),
+            expected: FLOATS,
+        })?;
+        let mut s = vec![0f32; sr * sc];
+        sdt.decode_into(sbytes, &mut s);
+        let seg = QuantRows::segments(cols.start, cols.len(), bc);
+        let ns = seg.len() - 1;
+        let mut q = QuantRows {
+            kind: QuantKind::Fp8,
+            rows: rows.len(),
+            cols: cols.len(),
+            codes: Vec::with_capacity(rows.len() * cols.len()),
+            scales: Vec::with_capacity(rows.len() * ns),
+            seg,
+        };
+        for r in rows {
+            q.codes.extend_from_slice(&w[r * inp + cols.start..r * inp + cols.end]);
+            for i in 0..ns {
+                q.scales.push(s[(r / br) * sc + (cols.start + q.seg[i]) / bc]);
+            }
+        }
+        Ok(q)
+    }
+
+    fn read_int4(
+        &self,
+        module: &str,
+        [out, inp]: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        group: usize,
+    ) -> Result<QuantRows, CheckpointError> {
+        let pname = format!("{module}.weight_packed");
+        if !self.contains(&pname) {
+            let plain = if self.contains(&format!("{module}.weight")) { " (it has a plain `weight`)" } else { "" };
+            return Err(CheckpointError::Quant {
+                name: self.full(&pname),
+                problem: format!(
+                    "missing: config.json's quantization_config selects this module for INT4{plain}; \
+                     is the config from another checkpoint?"
+                ),
+            });
+        }
+        let words = inp.div_ceil(8);
+        let (packed, pdt) = self.raw(&pname, &[out, words])?;
+        if pdt != safetensors::Dtype::I32 {
+            return Err(CheckpointError::DType { name: self.full(&pname), dtype: format!("{pdt:?}"), expected: "I32" });
+        }
+        let shape_name = format!("{module}.weight_shape");
+        let (sbytes, sdt) = self.raw(&shape_name, &[2])?;
+        let stored: Vec<i64> = match sdt {
+            safetensors::Dtype::I64 => {
+                sbytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+            }
+            safetensors::Dtype::I32 => {
+                sbytes.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64).collect()
+            }
+            other => {
+                return Err(CheckpointError::DType {
+                    name: self.full(&shape_name),
+                    dtype: format!("{other:?}"),
+                    expected: "I64 or I32",
+                })
+            }
+        };
+        if stored != [out as i64, inp as i64] {
+            return Err(CheckpointError::Quant {
+                name: self.full(&shape_name),
+                problem: format!("holds {stored:?}, but the config gives this weight [{out}, {inp}]"),
+            });
+        }
+        let scale_name = format!("{module}.weight_scale");
+        let groups = inp.div_ceil(group);
+        let (scale, sdt) = self.raw(&scale_name, &[out, groups])?;
+        let sdt = DType::from_safetensors(sdt).ok_or_else(|| CheckpointError::DType {
+            name: self.full(&scale_name),
+            dtype: format!("{sdt:?}"),
+            expected: FLOATS,
+        })?;
+        let seg = QuantRows::segments(cols.start, cols.len(), group);
+        let ns = seg.len() - 1;
+        let mut q = QuantRows {
+            kind: QuantKind::Int4,
+            rows: rows.len(),
+            cols: cols.len(),
+            codes: Vec::with_capacity(rows.len() * cols.len()),
+            scales: Vec::with_capacity(rows.len() * ns),
+            seg,
+        };
+        let mut srow = vec![0f32; groups];
+        let es = sdt.size();
+        for r in rows {
+            let row = &packed[r * words * 4..(r + 1) * words * 4];
+            for c in cols.clone() {
+                let byte = row[(c / 8) * 4 + (c % 8) / 2]; // little-endian word: nibbles 2b, 2b+1 in byte b
+                q.codes.push(if c % 2 == 0 { byte & 0xf } else { byte >> 4 });
+            }
+            sdt.decode_into(&scale[r * groups * es..(r + 1) * groups * es], &mut srow);
+            for i in 0..ns {
+                q.scales.push(srow[(cols.start + q.seg[i]) / group]);
+            }
+        }
+        Ok(q)
     }
 
     /// Reads an optional tensor (e.g. a bias): `Ok(None)` when absent.

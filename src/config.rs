@@ -158,6 +158,7 @@ struct Raw {
     rope_theta: Option<f64>,
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
+    quantization_config: Option<Value>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
     hidden_act: Option<String>,
@@ -240,6 +241,17 @@ impl LlamaConfig {
             "qwen3" => Arch::Qwen3,
             _ => return Err(ConfigError::UnsupportedModel(model_type)),
         };
+        // Schemes Strata cannot read are named by the parser; the ones it can
+        // read are wired into the DeepSeek family only.
+        if let Some(q) = crate::quant::QuantConfig::from_json(raw.quantization_config.as_ref())? {
+            return Err(ConfigError::Invalid {
+                field: "quantization_config",
+                problem: format!(
+                    "{} weights are read for deepseek_v3, kimi_k2 and kimi_k25 only, not {model_type}",
+                    q.describe()
+                ),
+            });
+        }
         let hidden_size = raw.hidden_size.ok_or(ConfigError::Missing("hidden_size"))?;
         let num_layers = raw.num_hidden_layers.ok_or(ConfigError::Missing("num_hidden_layers"))?;
         let num_heads = raw.num_attention_heads.ok_or(ConfigError::Missing("num_attention_heads"))?;

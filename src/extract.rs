@@ -242,8 +242,12 @@ impl ExtractJob {
             }
         }
         let model_dir = self.model.clone();
+        let prefix = match &family {
+            Family::Deepseek(c) => c.tensor_prefix.clone(),
+            Family::Llama(_) => String::new(),
+        };
         let open = move || match &model_dir {
-            Some(dir) => Checkpoint::open(dir),
+            Some(dir) => Checkpoint::open_scoped(dir, &prefix),
             None => Checkpoint::from_static(embedded::NAME, embedded::MODEL_SAFETENSORS),
         };
         let mut progress = |p: &Progress| progress(p, &stats);

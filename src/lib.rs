@@ -20,6 +20,7 @@ pub mod inspect;
 pub mod manifest;
 pub mod model;
 pub mod pipeline;
+pub mod quant;
 pub mod schedule;
 pub mod shape;
 pub mod sink;

@@ -10,7 +10,9 @@
 //! however the work is split across threads, so results do not depend on
 //! how samples were packed together.
 
+use super::quant_panels::QuantPanels;
 use super::SharedMut;
+use crate::quant::LinearWeight;
 use rayon::prelude::*;
 
 /// Rows of the register tile.
@@ -123,6 +125,56 @@ pub(crate) unsafe fn gemm_raw(
     init: Init,
     apack: &mut Vec<f32>,
 ) {
+    gemm_tiles(a, lda, m, k, &F32Panels(b), n, panels, c, ldc, init, apack, &mut Vec::new())
+}
+
+/// Where the GEMM gets B's `[kc][NR]` tiles from.
+trait PanelSource {
+    /// Rows of A per block: each B tile is fetched (or decoded) once per block.
+    const MC: usize;
+    /// The tile of panel `pi` at depths `p0..p0+kc` (`k` in all).
+    ///
+    /// # Safety
+    /// The returned pointer is valid for `kc * NR` reads until `buf` changes.
+    unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, k: usize, buf: &mut Vec<f32>) -> *const f32;
+}
+
+/// f32 panels packed by [`pack_b`]: tiles are read in place.
+struct F32Panels(*const f32);
+
+impl PanelSource for F32Panels {
+    const MC: usize = MC;
+    unsafe fn tile(&self, pi: usize, p0: usize, _kc: usize, k: usize, _buf: &mut Vec<f32>) -> *const f32 {
+        self.0.add(pi * k * NR + p0 * NR)
+    }
+}
+
+impl PanelSource for QuantPanels {
+    // Larger blocks, so a decoded tile serves more rows.
+    const MC: usize = 4 * MC;
+    unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<f32>) -> *const f32 {
+        buf.resize(kc * NR, 0.0);
+        self.decode_tile(pi, p0, kc, buf);
+        buf.as_ptr()
+    }
+}
+
+/// The blocked GEMM loop over any panel source (see [`gemm_raw`] for the contract).
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_tiles<B: PanelSource>(
+    a: &[f32],
+    lda: usize,
+    m: usize,
+    k: usize,
+    b: &B,
+    n: usize,
+    panels: std::ops::Range<usize>,
+    c: *mut f32,
+    ldc: usize,
+    init: Init,
+    apack: &mut Vec<f32>,
+    bbuf: &mut Vec<f32>,
+) {
     let kern = kernel();
     if k == 0 {
         // Degenerate: C is just its initial value.
@@ -140,7 +192,7 @@ pub(crate) unsafe fn gemm_raw(
     }
     let mut i0 = 0;
     while i0 < m {
-        let mc = MC.min(m - i0);
+        let mc = B::MC.min(m - i0);
         let mut p0 = 0;
         while p0 < k {
             let kc = KC.min(k - p0);
@@ -149,7 +201,7 @@ pub(crate) unsafe fn gemm_raw(
             for pi in panels.clone() {
                 let j0 = pi * NR;
                 let cols = NR.min(n - j0);
-                let bp = b.add(pi * k * NR + p0 * NR);
+                let bp = b.tile(pi, p0, kc, k, bbuf);
                 let tile_init = match (first, init) {
                     (true, Init::Zero) => TileInit::Zero,
                     (true, Init::Bias(bias)) => TileInit::Bias(bias.as_ptr().add(j0)),
@@ -330,11 +382,18 @@ mod portable {
     }
 }
 
+/// A linear layer's packed weight: f32 panels, or quantised ones decoded per tile.
+enum Panels {
+    F32(Vec<f32>),
+    Quant(QuantPanels),
+}
+
 /// A linear layer `y = x · Wᵀ (+ b)` with `W: [out, in]` packed at load time.
+/// Quantised weights stay quantised and are decoded tile by tile in the GEMM.
 pub struct PackedLinear {
     out_features: usize,
     in_features: usize,
-    panels: Vec<f32>,
+    panels: Panels,
     bias: Option<Vec<f32>>,
 }
 
@@ -342,11 +401,23 @@ impl PackedLinear {
     /// Packs `W` (`[out, in]`, row-major) and an optional bias `[out]`.
     pub fn new(w: &[f32], out_features: usize, in_features: usize, bias: Option<Vec<f32>>) -> Self {
         assert_eq!(w.len(), out_features * in_features, "PackedLinear: weight size");
+        let mut panels = Vec::new();
+        pack_b(w, out_features, in_features, in_features, 1, &mut panels);
+        Self::with_panels(Panels::F32(panels), out_features, in_features, bias)
+    }
+
+    /// Packs a weight as read from a checkpoint, keeping quantised codes.
+    pub fn from_weight(w: LinearWeight, bias: Option<Vec<f32>>) -> Self {
+        match w {
+            LinearWeight::Dense { rows, cols, w } => Self::new(&w, rows, cols, bias),
+            LinearWeight::Quant(q) => Self::with_panels(Panels::Quant(QuantPanels::pack(&q)), q.rows, q.cols, bias),
+        }
+    }
+
+    fn with_panels(panels: Panels, out_features: usize, in_features: usize, bias: Option<Vec<f32>>) -> Self {
         if let Some(b) = &bias {
             assert_eq!(b.len(), out_features, "PackedLinear: bias size");
         }
-        let mut panels = Vec::new();
-        pack_b(w, out_features, in_features, in_features, 1, &mut panels);
         PackedLinear { out_features, in_features, panels, bias }
     }
 
@@ -358,25 +429,44 @@ impl PackedLinear {
     pub fn in_features(&self) -> usize {
         self.in_features
     }
+    /// Whether the weight is held quantised.
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.panels, Panels::Quant(_))
+    }
+    /// Bytes of memory the weight and bias hold.
+    pub fn resident_bytes(&self) -> usize {
+        let w = match &self.panels {
+            Panels::F32(p) => p.len() * 4,
+            Panels::Quant(q) => q.bytes(),
+        };
+        w + self.bias.as_ref().map_or(0, |b| b.len() * 4)
+    }
 
     /// `y[m, out] = x[m, in] · Wᵀ + b`, or `y += x · Wᵀ` when `accumulate`
     /// (then the bias is added too). Split over rayon by row blocks and column groups.
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], accumulate: bool) {
+        match &self.panels {
+            Panels::F32(p) => self.run(&F32Panels(p.as_ptr()), x, m, y, accumulate),
+            Panels::Quant(q) => self.run(q, x, m, y, accumulate),
+        }
+    }
+
+    fn run<B: PanelSource + Sync>(&self, b: &B, x: &[f32], m: usize, y: &mut [f32], accumulate: bool) {
         let (n, k) = (self.out_features, self.in_features);
         assert_eq!(x.len(), m * k, "PackedLinear: input size");
         assert_eq!(y.len(), m * n, "PackedLinear: output size");
         let panels = n.div_ceil(NR);
-        let row_blocks = m.div_ceil(MC).max(1);
+        let row_blocks = m.div_ceil(B::MC).max(1);
         let threads = rayon::current_num_threads();
         // Enough tasks to keep every thread busy, but panels large enough to amortise A packing.
         let col_groups = (2 * threads).div_ceil(row_blocks).clamp(1, panels.max(1));
         let per_group = panels.div_ceil(col_groups);
         let tasks = row_blocks * col_groups;
         let yp = SharedMut::new(y.as_mut_ptr());
-        let work = |t: usize, apack: &mut Vec<f32>| {
+        let work = |t: usize, (apack, bbuf): &mut (Vec<f32>, Vec<f32>)| {
             let (rb, cg) = (t / col_groups, t % col_groups);
-            let i0 = rb * MC;
-            let rows = MC.min(m - i0);
+            let i0 = rb * B::MC;
+            let rows = B::MC.min(m - i0);
             let p0 = cg * per_group;
             let p1 = (p0 + per_group).min(panels);
             if rows == 0 || p0 >= p1 {
@@ -391,7 +481,7 @@ impl PackedLinear {
             // which the asserts above put inside `y`; no other task writes them.
             unsafe {
                 let c = yp.get().add(i0 * n);
-                gemm_raw(&x[i0 * k..], k, rows, k, self.panels.as_ptr(), n, p0..p1, c, n, init, apack);
+                gemm_tiles(&x[i0 * k..], k, rows, k, b, n, p0..p1, c, n, init, apack, bbuf);
                 if let (true, Some(b)) = (accumulate, &self.bias) {
                     let (j0, j1) = (p0 * NR, (p1 * NR).min(n));
                     for r in 0..rows {
@@ -403,13 +493,16 @@ impl PackedLinear {
             }
         };
         if tasks == 1 || m * n * k < 1 << 16 {
-            let mut apack = Vec::new();
-            (0..tasks).for_each(|t| work(t, &mut apack));
+            let mut scratch = Default::default();
+            (0..tasks).for_each(|t| work(t, &mut scratch));
         } else {
-            (0..tasks).into_par_iter().for_each_init(Vec::new, |apack, t| work(t, apack));
+            (0..tasks).into_par_iter().for_each_init(Default::default, |scratch, t| work(t, scratch));
         }
     }
 }
+
+// SAFETY: the pointer is to panels owned by a `PackedLinear` that outlives the call and is only read.
+unsafe impl Sync for F32Panels {}
 
 #[cfg(test)]
 mod tests {
@@ -472,6 +565,29 @@ mod tests {
             let mut part = vec![0f32; len * n];
             lin.forward(&x[start * k..(start + len) * k], len, &mut part, false);
             assert_eq!(part, full[start * n..(start + len) * n], "rows {start}..{}", start + len);
+        }
+    }
+
+    #[test]
+    fn quantized_weights_give_the_dequantized_product_bitwise() {
+        use crate::quant::{QuantKind, QuantRows};
+        for kind in [QuantKind::Fp8, QuantKind::Int4] {
+            for &(m, n, k, c0, block) in &[(7, 70, 300, 0, 128), (500, 45, 1100, 3, 32), (1, 33, 64, 0, 32)] {
+                let seg = QuantRows::segments(c0, k, block);
+                let ns = seg.len() - 1;
+                let mask = if kind == QuantKind::Int4 { 0x0f } else { 0x77 }; // no FP8 NaN codes
+                let codes = rand(n * k, 8).iter().map(|v| ((v + 0.5) * 255.9) as u8 & mask).collect();
+                let scales = rand(n * ns, 9).iter().map(|v| v + 0.75).collect();
+                let q = QuantRows { kind, rows: n, cols: k, codes, seg, scales };
+                let dense = PackedLinear::new(&q.dequantize(), n, k, None);
+                let quant = PackedLinear::from_weight(LinearWeight::Quant(q), None);
+                assert!(quant.is_quantized() && quant.resident_bytes() < dense.resident_bytes() / 3);
+                let x = rand(m * k, 10);
+                let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
+                dense.forward(&x, m, &mut a, false);
+                quant.forward(&x, m, &mut b, false);
+                assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "{kind:?} m{m} n{n} k{k}");
+            }
         }
     }
 }

@@ -1,8 +1,9 @@
-//! CPU compute: a packed f32 GEMM and the small kernels around it.
+//! CPU compute: a packed f32 GEMM (over f32 or quantised weight panels) and the small kernels around it.
 
 pub mod attention;
 pub mod gemm;
 pub mod ops;
+pub mod quant_panels;
 
 pub use gemm::{gemm_packed, pack_b, Init, PackedLinear, MR, NR};
 

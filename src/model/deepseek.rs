@@ -13,11 +13,12 @@ use super::frame::{self, Captures};
 use super::{KvCache, ModelError};
 use crate::batch::PackedBatch;
 use crate::capture::{CaptureSet, Tap};
-use crate::checkpoint::Checkpoint;
+use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::ConfigError;
 use crate::cpu::attention::{varlen_attention, AttnSegment, AttnShape, KvRef};
 use crate::cpu::ops::{rms_norm, rope_head, swiglu};
 use crate::cpu::PackedLinear;
+use crate::quant::{LinearWeight, QuantConfig, WeightFormat};
 use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
 use crate::tp::Collective;
 use serde::Deserialize;
@@ -130,6 +131,11 @@ pub struct DeepseekConfig {
     pub n_group: usize,
     /// Groups kept per token.
     pub topk_group: usize,
+    /// `quantization_config`: FP8 blocks or packed INT4; `None` for plain weights.
+    pub quant: Option<QuantConfig>,
+    /// Prefix of the text model's tensor names: `language_model.` inside
+    /// Kimi-K2.5's multimodal wrapper, else empty.
+    pub tensor_prefix: String,
 }
 
 #[derive(Deserialize)]
@@ -165,6 +171,7 @@ struct Raw {
     topk_method: Option<String>,
     n_group: Option<usize>,
     topk_group: Option<usize>,
+    quantization_config: Option<Value>,
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
@@ -200,12 +207,34 @@ impl DeepseekConfig {
 
     /// Whether `model_type` is one of this family's.
     pub fn handles(model_type: &str) -> bool {
-        matches!(model_type, "deepseek_v2" | "deepseek_v3" | "kimi_k2")
+        matches!(model_type, "deepseek_v2" | "deepseek_v3" | "kimi_k2" | "kimi_k25")
     }
 
-    /// Parses and normalises `config.json` text.
+    /// Parses and normalises `config.json` text. Kimi-K2.5's multimodal
+    /// wrapper (`kimi_k25`) is read through its `text_config`, whose tensors
+    /// live under `language_model.`; its vision tower is not used.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let r: Raw = serde_json::from_str(text)?;
+        let v: Value = serde_json::from_str(text)?;
+        if v.get("model_type").and_then(Value::as_str) == Some("kimi_k25") {
+            let inner = v
+                .get("text_config")
+                .filter(|t| t.is_object())
+                .ok_or(ConfigError::Missing("text_config (kimi_k25 keeps the language model's config there)"))?;
+            let mut c = Self::from_value(inner.clone())?;
+            if c.model_type == "kimi_k25" {
+                return Err(invalid("text_config", "model_type is kimi_k25 again; expected kimi_k2 or deepseek_v3"));
+            }
+            if c.quant.is_none() {
+                c.quant = QuantConfig::from_json(v.get("quantization_config"))?;
+            }
+            c.tensor_prefix = "language_model.".into();
+            return Ok(c);
+        }
+        Self::from_value(v)
+    }
+
+    fn from_value(v: Value) -> Result<Self, ConfigError> {
+        let r: Raw = serde_json::from_value(v)?;
         let model_type = r.model_type.clone().ok_or(ConfigError::Missing("model_type"))?;
         if !Self::handles(&model_type) {
             return Err(ConfigError::UnsupportedModel(model_type));
@@ -301,6 +330,8 @@ impl DeepseekConfig {
             topk_method,
             n_group: r.n_group.unwrap_or(1).max(1),
             topk_group: r.topk_group.unwrap_or(1).max(1),
+            quant: QuantConfig::from_json(r.quantization_config.as_ref())?,
+            tensor_prefix: String::new(),
             model_type,
         };
         if !c.qk_rope_head_dim.is_multiple_of(2) {
@@ -461,18 +492,47 @@ pub struct Deepseek<H: Dim = usize> {
     comm: Option<Arc<dyn Collective<Buf = [f32]>>>,
 }
 
-/// Rank `rank` of `size`'s slice of a gated MLP: its rows of gate/up, its columns of down.
-fn gated(ckpt: &Checkpoint, p: &str, h: usize, inter: usize, rank: usize, size: usize) -> Result<GatedMlp, ModelError> {
-    let local = inter / size;
-    let rows = rank * local..(rank + 1) * local;
-    let mut gu = ckpt.read_f32_block(&format!("{p}.gate_proj.weight"), &[inter, h], rows.clone(), 0..h)?;
-    gu.extend(ckpt.read_f32_block(&format!("{p}.up_proj.weight"), &[inter, h], rows.clone(), 0..h)?);
-    let down = ckpt.read_f32_block(&format!("{p}.down_proj.weight"), &[h, inter], 0..h, rows)?;
-    Ok(GatedMlp {
-        gate_up_proj: PackedLinear::new(&gu, 2 * local, h, None),
-        down_proj: PackedLinear::new(&down, h, local, None),
-        inter: local,
-    })
+/// Reads the linear layers of one checkpoint as stored (plain, FP8 or INT4),
+/// in the formats the config's `quantization_config` declares.
+struct Linears<'a> {
+    ckpt: &'a Checkpoint,
+    config: &'a DeepseekConfig,
+}
+
+impl Linears<'_> {
+    /// Block `rows × cols` of `{module}.weight` (`[out, inp]`).
+    fn read(
+        &self,
+        module: &str,
+        shape: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<LinearWeight, ModelError> {
+        let c = self.config;
+        let format = c.quant.as_ref().map_or(WeightFormat::Plain, |q| {
+            q.format_for(&format!("{}{module}", c.tensor_prefix)) // configs name modules in full
+        });
+        Ok(self.ckpt.read_linear(module, shape, rows, cols, format)?)
+    }
+
+    /// The whole layer.
+    fn full(&self, module: &str, out: usize, inp: usize, bias: Option<Vec<f32>>) -> Result<PackedLinear, ModelError> {
+        Ok(PackedLinear::from_weight(self.read(module, [out, inp], 0..out, 0..inp)?, bias))
+    }
+
+    /// Rank `rank` of `size`'s slice of a gated MLP: its rows of gate/up, its columns of down.
+    fn gated(&self, p: &str, h: usize, inter: usize, rank: usize, size: usize) -> Result<GatedMlp, ModelError> {
+        let local = inter / size;
+        let rows = rank * local..(rank + 1) * local;
+        let gate = self.read(&format!("{p}.gate_proj"), [inter, h], rows.clone(), 0..h)?;
+        let up = self.read(&format!("{p}.up_proj"), [inter, h], rows.clone(), 0..h)?;
+        let down = self.read(&format!("{p}.down_proj"), [h, inter], 0..h, rows)?;
+        Ok(GatedMlp {
+            gate_up_proj: PackedLinear::from_weight(LinearWeight::stack(vec![gate, up]), None),
+            down_proj: PackedLinear::from_weight(down, None),
+            inter: local,
+        })
+    }
 }
 
 impl GatedMlp {
@@ -492,7 +552,8 @@ impl<H: Dim + Default> Deepseek<H> {
         let text = std::fs::read_to_string(dir.join("config.json"))
             .map_err(|cause| ConfigError::Io { path: dir.join("config.json").display().to_string(), cause })?;
         let config = DeepseekConfig::from_json(&text)?;
-        Self::from_checkpoint(config, &Checkpoint::open(dir)?)
+        let ckpt = Checkpoint::open_scoped(dir, &config.tensor_prefix)?;
+        Self::from_checkpoint(config, &ckpt)
     }
 
     /// Builds the model from a config and an opened checkpoint.
@@ -515,6 +576,17 @@ impl<H: Dim + Default> Deepseek<H> {
         config.check_tp(size).map_err(ModelError::Parallel)?;
         let rank = comm.as_ref().map_or(0, |c| c.rank());
         let _span = info_span!("load", arch = %config.model_type, layers = config.num_layers, rank).entered();
+        if ckpt.prefix() != config.tensor_prefix {
+            return Err(ModelError::Checkpoint(CheckpointError::Quant {
+                name: format!("{}model.embed_tokens.weight", config.tensor_prefix),
+                problem: format!(
+                    "the config's tensors are under {:?} but the checkpoint was opened under {:?}; \
+                     open it with Checkpoint::open_scoped(dir, &config.tensor_prefix)",
+                    config.tensor_prefix,
+                    ckpt.prefix()
+                ),
+            }));
+        }
         let hidden: H = dim_from_size("config.json hidden_size", "hidden", config.hidden_size)?;
         let c = &config;
         let h = c.hidden_size;
@@ -528,22 +600,24 @@ impl<H: Dim + Default> Deepseek<H> {
         let bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>, ModelError> {
             Ok(if c.attention_bias { Some(ckpt.read_f32(name, &[n])?) } else { None })
         };
+        let lin = Linears { ckpt, config: c };
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let p = format!("model.layers.{l}");
             let w = |name: &str, shape: &[usize]| ckpt.read_f32(&format!("{p}.{name}"), shape);
-            let lin = |name: &str, out: usize, inp: usize, b: Option<Vec<f32>>| -> Result<PackedLinear, ModelError> {
-                Ok(PackedLinear::new(&w(&format!("{name}.weight"), &[out, inp])?, out, inp, b))
-            };
             // Row (output) slice of a column-parallel weight.
             let rows =
                 |name: &str, out: usize, inp: usize, r: std::ops::Range<usize>| -> Result<PackedLinear, ModelError> {
-                    let wt = ckpt.read_f32_block(&format!("{p}.{name}.weight"), &[out, inp], r.clone(), 0..inp)?;
-                    Ok(PackedLinear::new(&wt, r.len(), inp, None))
+                    Ok(PackedLinear::from_weight(lin.read(&format!("{p}.{name}"), [out, inp], r, 0..inp)?, None))
                 };
             let (q_a_proj, q_a_layernorm, q_b_proj) = match c.q_lora_rank {
                 Some(r) => (
-                    Some(lin("self_attn.q_a_proj", r, h, bias(&format!("{p}.self_attn.q_a_proj.bias"), r)?)?),
+                    Some(lin.full(
+                        &format!("{p}.self_attn.q_a_proj"),
+                        r,
+                        h,
+                        bias(&format!("{p}.self_attn.q_a_proj.bias"), r)?,
+                    )?),
                     Some(w("self_attn.q_a_layernorm.weight", &[r])?),
                     rows("self_attn.q_b_proj", nh * qk, r, per_head(qk))?,
                 ),
@@ -555,8 +629,8 @@ impl<H: Dim + Default> Deepseek<H> {
                 q_a_proj,
                 q_a_layernorm,
                 q_b_proj,
-                kv_a_proj_with_mqa: lin(
-                    "self_attn.kv_a_proj_with_mqa",
+                kv_a_proj_with_mqa: lin.full(
+                    &format!("{p}.self_attn.kv_a_proj_with_mqa"),
                     kva,
                     h,
                     bias(&format!("{p}.self_attn.kv_a_proj_with_mqa.bias"), kva)?,
@@ -564,25 +638,18 @@ impl<H: Dim + Default> Deepseek<H> {
                 kv_a_layernorm: w("self_attn.kv_a_layernorm.weight", &[c.kv_lora_rank])?,
                 kv_b_proj: rows("self_attn.kv_b_proj", nh * (nope + vd), c.kv_lora_rank, per_head(nope + vd))?,
                 o_proj: {
-                    let wt = ckpt.read_f32_block(
-                        &format!("{p}.self_attn.o_proj.weight"),
-                        &[h, nh * vd],
-                        0..h,
-                        per_head(vd),
-                    )?;
-                    let b = if size == 1 { o_bias.clone() } else { None };
-                    PackedLinear::new(&wt, h, lh * vd, b)
+                    let wt = lin.read(&format!("{p}.self_attn.o_proj"), [h, nh * vd], 0..h, per_head(vd))?;
+                    PackedLinear::from_weight(wt, if size == 1 { o_bias.clone() } else { None })
                 },
                 o_bias: if size == 1 { None } else { o_bias },
             };
             let mlp = if c.is_moe(l) {
                 let e = c.n_routed_experts;
                 let experts = (0..e)
-                    .map(|i| gated(ckpt, &format!("{p}.mlp.experts.{i}"), h, c.moe_intermediate_size, rank, size))
+                    .map(|i| lin.gated(&format!("{p}.mlp.experts.{i}"), h, c.moe_intermediate_size, rank, size))
                     .collect::<Result<_, _>>()?;
                 let shared_experts = if c.n_shared_experts > 0 {
-                    Some(gated(
-                        ckpt,
+                    Some(lin.gated(
                         &format!("{p}.mlp.shared_experts"),
                         h,
                         c.moe_intermediate_size * c.n_shared_experts,
@@ -597,9 +664,14 @@ impl<H: Dim + Default> Deepseek<H> {
                 } else {
                     None
                 };
-                Ffn::Moe(Moe { gate: lin("mlp.gate", e, h, None)?, e_score_correction_bias, experts, shared_experts })
+                Ffn::Moe(Moe {
+                    gate: lin.full(&format!("{p}.mlp.gate"), e, h, None)?,
+                    e_score_correction_bias,
+                    experts,
+                    shared_experts,
+                })
             } else {
-                Ffn::Dense(gated(ckpt, &format!("{p}.mlp"), h, c.intermediate_size, rank, size)?)
+                Ffn::Dense(lin.gated(&format!("{p}.mlp"), h, c.intermediate_size, rank, size)?)
             };
             layers.push(DecoderLayer {
                 input_layernorm: w("input_layernorm.weight", &[h])?,
@@ -662,6 +734,50 @@ impl<H: Dim> Deepseek<H> {
     /// The checkpoint's weight dtype.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Every linear layer of this rank, in layer order.
+    pub fn linears(&self) -> Vec<&PackedLinear> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            let a = &l.self_attn;
+            out.extend(a.q_a_proj.iter());
+            out.extend([&a.q_b_proj, &a.kv_a_proj_with_mqa, &a.kv_b_proj, &a.o_proj]);
+            let mlps: Vec<&GatedMlp> = match &l.mlp {
+                Ffn::Dense(m) => vec![m],
+                Ffn::Moe(m) => {
+                    out.push(&m.gate);
+                    m.experts.iter().chain(m.shared_experts.iter()).collect()
+                }
+            };
+            for m in mlps {
+                out.extend([&m.gate_up_proj, &m.down_proj]);
+            }
+        }
+        out
+    }
+
+    /// Bytes of memory the weights hold (quantised ones as codes and scales).
+    pub fn resident_bytes(&self) -> usize {
+        let v = |x: &[f32]| x.len() * 4;
+        let vectors: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let (a, bias) = (&l.self_attn, |m: &Ffn| match m {
+                    Ffn::Moe(m) => m.e_score_correction_bias.as_deref().map_or(0, v),
+                    Ffn::Dense(_) => 0,
+                });
+                a.q_a_layernorm.as_deref().map_or(0, v)
+                    + v(&a.kv_a_layernorm)
+                    + a.o_bias.as_deref().map_or(0, v)
+                    + bias(&l.mlp)
+                    + v(&l.input_layernorm)
+                    + v(&l.post_attention_layernorm)
+            })
+            .sum();
+        let linears: usize = self.linears().iter().map(|l| l.resident_bytes()).sum();
+        v(&self.embed_tokens) + vectors + linears + v(&self.norm) + v(&self.inv_freq)
     }
 
     /// Runs one step (whole samples or chunks; see `Llama::forward_step`) and

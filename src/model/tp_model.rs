@@ -214,8 +214,8 @@ where
     /// expert's MLP width split; see [`Deepseek::from_checkpoint_rank`]).
     pub fn load(dir: &Path, tp: TP) -> Result<Self, ModelError> {
         let config = DeepseekConfig::from_file(&dir.join("config.json"))?;
-        let dir = dir.to_path_buf();
-        Self::build(config, tp, move || Checkpoint::open(&dir))
+        let (dir, prefix) = (dir.to_path_buf(), config.tensor_prefix.clone());
+        Self::build(config, tp, move || Checkpoint::open_scoped(&dir, &prefix))
     }
 
     /// As [`load`](Self::load), with the checkpoint opened by `open` on each rank.

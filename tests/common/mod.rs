@@ -64,7 +64,8 @@ pub fn samples(name: &str) -> Vec<Vec<u32>> {
 pub fn num_layers(name: &str) -> usize {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json")).unwrap()).unwrap();
-    v["num_hidden_layers"].as_u64().unwrap() as usize
+    let text = v.get("text_config").unwrap_or(&v); // a multimodal wrapper's language model
+    text["num_hidden_layers"].as_u64().unwrap() as usize
 }
 
 /// Every capture point of an `n`-layer model.

@@ -1,0 +1,200 @@
+//! Real DeepSeek / Kimi checkpoint formats: FP8 block weights, compressed-tensors
+//! INT4 experts and Kimi-K2.5's multimodal wrapper, against HF transformers run
+//! on the exactly dequantised weights (fixtures by scripts/make_quant_fixtures.py).
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use strata::batch::PackedBatch;
+use strata::capture::CaptureSet;
+use strata::model::{Deepseek, KvCache};
+
+const QUANT: &[&str] = &["deepseek-v3-fp8", "kimi-k2-fp8-sharded", "kimi-k2-int4", "kimi-k25-wrapper"];
+
+fn extract(model: &Path, data: &Path, n: usize, out: &Path, extra: &[&str]) -> std::process::Output {
+    let list: Vec<String> = all_points(n).iter().map(|p| p.to_string()).collect();
+    std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["extract", "--model"])
+        .arg(model)
+        .arg("--data")
+        .arg(data)
+        .args(["--capture", &list.join(","), "--dtype", "f32", "--out"])
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// Worst relative error of every sample and capture point of an output against HF.
+fn check_against_hf(name: &str, out: &Path, what: &str) -> f32 {
+    let n = num_layers(name);
+    let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+    let got = read_tensors(&out.join("shard-00000.safetensors"));
+    let mut worst = 0f32;
+    for (i, ids) in samples(name).iter().enumerate() {
+        let hs = &got[&format!("{i}.hidden_states")];
+        let per = ids.len() * hs.shape[2];
+        for (slot, p) in all_points(n).iter().enumerate() {
+            let err = max_err(&hs.data[slot * per..(slot + 1) * per], expected(&exp, i, *p, n));
+            assert!(err <= TOL, "{name} {what} sample {i} {p}: {err:e} from HF");
+            worst = worst.max(err);
+        }
+    }
+    worst
+}
+
+#[test]
+fn cli_matches_hf_at_tp_1_and_2() {
+    for name in QUANT {
+        let n = num_layers(name);
+        let tmp = tempfile::tempdir().unwrap();
+        let data = fixture(name).join("data.jsonl");
+        let mut line = format!("{name}:");
+        for (tp, budget) in [("1", "8192"), ("1", "5"), ("2", "16")] {
+            let out = tmp.path().join(format!("tp{tp}-{budget}"));
+            let o = extract(&fixture(name), &data, n, &out, &["--tp", tp, "--max-batch-tokens", budget]);
+            assert!(o.status.success(), "{name} --tp {tp}: {}", String::from_utf8_lossy(&o.stderr));
+            let worst = check_against_hf(name, &out, &format!("--tp {tp}"));
+            line += &format!(" tp{tp}/budget {budget} worst {worst:.2e};");
+        }
+        // Decoding is exact and per tile, so chunking does not change a bit.
+        assert!(
+            dir_contents(&tmp.path().join("tp1-8192")) == dir_contents(&tmp.path().join("tp1-5")),
+            "{name}: --max-batch-tokens changes the output"
+        );
+        let (a, b) = (
+            read_tensors(&tmp.path().join("tp1-8192/shard-00000.safetensors")),
+            read_tensors(&tmp.path().join("tp2-16/shard-00000.safetensors")),
+        );
+        let diff = a.iter().map(|(k, t)| max_err(&b[k].data, &t.data)).fold(0f32, f32::max);
+        assert!(diff <= 2e-5, "{name}: --tp 2 differs from --tp 1 by {diff:e}");
+        println!("{line} tp2 vs tp1 {diff:.2e}");
+    }
+}
+
+#[test]
+fn library_keeps_quantized_weights_quantized() {
+    for name in QUANT {
+        let n = num_layers(name);
+        let model: Deepseek = Deepseek::load(&fixture(name)).unwrap();
+        let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+        let samples = samples(name);
+        let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));
+        let points = all_points(n);
+        let set = CaptureSet::<usize>::try_new(points.clone()).unwrap();
+        let states = model.forward_step(&batch, &set, &mut KvCache::default()).unwrap();
+        for i in 0..samples.len() {
+            let one = states.slice_tokens(batch.range(i)).unwrap();
+            for (slot, p) in points.iter().enumerate() {
+                let err = max_err(one.layer(slot), expected(&exp, i, *p, n));
+                assert!(err <= TOL, "{name} sample {i} {p}: {err:e}");
+            }
+        }
+        // Every weight the checkpoint quantises is held as codes, and nothing else is.
+        let linears = model.linears();
+        let (quantized, total) = (linears.iter().filter(|l| l.is_quantized()).count(), linears.len());
+        let c = model.config();
+        let moe_layers = (0..c.num_layers).filter(|&l| c.is_moe(l)).count();
+        let want = if name.contains("int4") || name.contains("k25") {
+            2 * c.n_routed_experts * moe_layers // routed experts only: fused gate/up, and down
+        } else {
+            total - moe_layers // all but the routers
+        };
+        assert_eq!(quantized, want, "{name}: {quantized} of {total} linear layers held quantised");
+    }
+}
+
+/// Copies a fixture so a test can alter it.
+fn copy_fixture(name: &str, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+}
+
+/// Runs an extraction expected to fail; returns its stderr after checking nothing was written.
+fn refused(model: &Path, name: &str) -> String {
+    let out = model.parent().unwrap().join("out");
+    let o = extract(model, &fixture(name).join("data.jsonl"), num_layers(name), &out, &[]);
+    assert!(!o.status.success(), "{}: extraction should fail", model.display());
+    assert!(!out.exists(), "a refused run must not leave output");
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn the_wrappers_vision_shard_is_never_opened() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    copy_fixture("kimi-k25-wrapper", &dir);
+    // Garbage where the vision-only shard was: a loader that opened it would fail.
+    std::fs::write(dir.join("vision-00001.safetensors"), b"not a safetensors file").unwrap();
+    let out = tmp.path().join("out");
+    let n = num_layers("kimi-k25-wrapper");
+    let o = extract(&dir, &fixture("kimi-k25-wrapper").join("data.jsonl"), n, &out, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check_against_hf("kimi-k25-wrapper", &out, "with a corrupt vision shard");
+}
+
+#[test]
+fn unsupported_schemes_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (i, (name, quant, needle)) in [
+        ("kimi-k2-int4", serde_json::json!({"quant_method": "gptq", "bits": 4}), "quant_method \"gptq\""),
+        ("kimi-k2-int4", serde_json::json!({"quant_method": "bitsandbytes"}), "quant_method \"bitsandbytes\""),
+        (
+            "deepseek-v3-fp8",
+            serde_json::json!({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}),
+            "e5m2",
+        ),
+        (
+            "kimi-k2-int4",
+            serde_json::json!({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int",
+                "symmetric": true, "strategy": "channel"}}}}),
+            "8-bit int weights are not supported",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let dir = tmp.path().join(format!("{i}/m"));
+        copy_fixture(name, &dir);
+        edit_config(&dir, |v| v["quantization_config"] = quant);
+        let err = refused(&dir, name);
+        assert!(err.contains("quantization_config") && err.contains(needle), "{name}: {err}");
+    }
+}
+
+#[test]
+fn tensors_that_disagree_with_the_config_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    // FP8 tensors with no quantization_config.
+    let dir = tmp.path().join("a/m");
+    copy_fixture("deepseek-v3-fp8", &dir);
+    edit_config(&dir, |v| {
+        v.as_object_mut().unwrap().remove("quantization_config");
+    });
+    let err = refused(&dir, "deepseek-v3-fp8");
+    assert!(err.contains("F8_E4M3") && err.contains("quantization_config"), "{err}");
+    // INT4 tensors the config does not select (everything ignored).
+    let dir = tmp.path().join("b/m");
+    copy_fixture("kimi-k2-int4", &dir);
+    edit_config(&dir, |v| v["quantization_config"]["ignore"] = serde_json::json!(["re:.*"]));
+    let err = refused(&dir, "kimi-k2-int4");
+    assert!(err.contains("weight_packed") && err.contains("does not select"), "{err}");
+    // A weight_shape that does not match the config.
+    let dir = tmp.path().join("c/m");
+    copy_fixture("kimi-k2-int4", &dir);
+    edit_config(&dir, |v| v["moe_intermediate_size"] = serde_json::json!(64));
+    let err = refused(&dir, "kimi-k2-int4");
+    assert!(err.contains("weight_packed") || err.contains("weight_shape"), "{err}");
+}
