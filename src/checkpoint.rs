@@ -280,8 +280,8 @@ impl Checkpoint {
     }
 
     /// Reads the block `rows × cols` of the linear layer `module` (weight
-    /// `[out, inp]`), as it is stored: plain floats (decoded to f32), FP8
-    /// blocks or packed INT4 (kept as codes and scales). `format` is what the
+    /// `[out, inp]`), as it is stored: FP8 blocks, packed INT4 or bf16 kept
+    /// as they are (codes and scales), f32 and f16 decoded to f32. `format` is what the
     /// config declares for this module; the tensors must agree with it.
     pub fn read_linear(
         &self,
@@ -306,6 +306,24 @@ impl Checkpoint {
                 problem: "a pack-quantized weight, but config.json's quantization_config does not select this module"
                     .into(),
             }),
+            _ if self.dtype(&weight) == Some(DType::BF16) => {
+                // Kept as bf16 (scale 1): decoded per tile like the quantised weights.
+                let (bytes, _) = self.checked(&weight, &[out, inp])?;
+                let mut codes = Vec::with_capacity(rows.len() * cols.len() * 2);
+                for r in rows.clone() {
+                    codes.extend_from_slice(&bytes[(r * inp + cols.start) * 2..(r * inp + cols.end) * 2]);
+                }
+                let seg = vec![0, cols.len()];
+                let scales = vec![1.0; rows.len()];
+                Ok(LinearWeight::Quant(QuantRows {
+                    kind: QuantKind::Bf16,
+                    rows: rows.len(),
+                    cols: cols.len(),
+                    codes,
+                    seg,
+                    scales,
+                }))
+            }
             _ => {
                 let (r, c) = (rows.len(), cols.len());
                 let w = self.read_f32_block(&weight, &[out, inp], rows, cols)?;

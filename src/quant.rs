@@ -251,15 +251,27 @@ pub enum QuantKind {
     Fp8,
     /// One INT4 value `q + 8` (0..=15) per weight.
     Int4,
+    /// A plain bf16 weight (two little-endian bytes) with scale 1: kept at
+    /// its checkpoint size rather than widened to f32.
+    Bf16,
 }
 
 impl QuantKind {
-    /// The f32 value of code `c` before scaling.
-    #[inline]
-    pub fn decode(self, c: u8) -> f32 {
+    /// Bytes per weight in a [`QuantRows`].
+    pub fn code_bytes(self) -> usize {
         match self {
-            QuantKind::Fp8 => fp8_e4m3_to_f32(c),
-            QuantKind::Int4 => (c as i32 - 8) as f32,
+            QuantKind::Fp8 | QuantKind::Int4 => 1,
+            QuantKind::Bf16 => 2,
+        }
+    }
+
+    /// The f32 value of the code at the start of `c`, before scaling.
+    #[inline]
+    pub fn decode(self, c: &[u8]) -> f32 {
+        match self {
+            QuantKind::Fp8 => fp8_e4m3_to_f32(c[0]),
+            QuantKind::Int4 => (c[0] as i32 - 8) as f32,
+            QuantKind::Bf16 => f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16),
         }
     }
 }
@@ -276,7 +288,7 @@ pub struct QuantRows {
     pub rows: usize,
     /// Input columns.
     pub cols: usize,
-    /// `[rows][cols]` codes.
+    /// `[rows][cols]` codes of [`QuantKind::code_bytes`] each.
     pub codes: Vec<u8>,
     /// Segment starts along the input, then `cols`: `seg[0] = 0`, `seg[n] = cols`.
     pub seg: Vec<usize>,
@@ -305,13 +317,14 @@ impl QuantRows {
 
     /// The exact f32 weights `[rows][cols]`.
     pub fn dequantize(&self) -> Vec<f32> {
-        let ns = self.num_segments();
+        let (ns, cb) = (self.num_segments(), self.kind.code_bytes());
         let mut out = vec![0f32; self.rows * self.cols];
         for r in 0..self.rows {
             for s in 0..ns {
                 let sc = self.scales[r * ns + s];
                 for c in self.seg[s]..self.seg[s + 1] {
-                    out[r * self.cols + c] = self.kind.decode(self.codes[r * self.cols + c]) * sc;
+                    let i = r * self.cols + c;
+                    out[i] = self.kind.decode(&self.codes[i * cb..]) * sc;
                 }
             }
         }

@@ -9,6 +9,7 @@ use std::path::Path;
 use strata::batch::PackedBatch;
 use strata::capture::CaptureSet;
 use strata::model::{Deepseek, KvCache};
+use strata::quant::QuantKind;
 
 const QUANT: &[&str] = &["deepseek-v3-fp8", "kimi-k2-fp8-sharded", "kimi-k2-int4", "kimi-k25-wrapper"];
 
@@ -91,9 +92,11 @@ fn library_keeps_quantized_weights_quantized() {
                 assert!(err <= TOL, "{name} sample {i} {p}: {err:e}");
             }
         }
-        // Every weight the checkpoint quantises is held as codes, and nothing else is.
+        // Every weight the checkpoint quantises is held as its codes, and the bf16 ones as bf16.
         let linears = model.linears();
-        let (quantized, total) = (linears.iter().filter(|l| l.is_quantized()).count(), linears.len());
+        let held = |k: QuantKind| linears.iter().filter(|l| l.held_as() == Some(k)).count();
+        let (quantized, total) = (held(QuantKind::Fp8) + held(QuantKind::Int4), linears.len());
+        assert_eq!(quantized + held(QuantKind::Bf16), total, "{name}: every linear is held as stored");
         let c = model.config();
         let moe_layers = (0..c.num_layers).filter(|&l| c.is_moe(l)).count();
         let want = if name.contains("int4") || name.contains("k25") {
@@ -197,4 +200,46 @@ fn tensors_that_disagree_with_the_config_are_refused() {
     edit_config(&dir, |v| v["moe_intermediate_size"] = serde_json::json!(64));
     let err = refused(&dir, "kimi-k2-int4");
     assert!(err.contains("weight_packed") || err.contains("weight_shape"), "{err}");
+}
+
+#[test]
+fn resident_weights_stay_within_1_25x_of_the_files() {
+    use strata::synth::{write_deepseek_stored, DeepseekSpec, Storage};
+    let spec = DeepseekSpec {
+        model_type: "kimi_k2",
+        hidden_size: 256,
+        num_layers: 3,
+        num_heads: 4,
+        q_lora_rank: 128,
+        kv_lora_rank: 64,
+        qk_nope_head_dim: 32,
+        qk_rope_head_dim: 16,
+        v_head_dim: 32,
+        intermediate_size: 512,
+        n_routed_experts: 32,
+        n_shared_experts: 1,
+        num_experts_per_tok: 4,
+        moe_intermediate_size: 256,
+        first_k_dense_replace: 1,
+        vocab_size: 512,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for (storage, wrapper) in [(Storage::Int4Experts, true), (Storage::Fp8, false), (Storage::Bf16, false)] {
+        let dir = tmp.path().join(format!("{storage:?}"));
+        write_deepseek_stored(&dir, &spec, storage, wrapper, 3).unwrap();
+        let file = std::fs::metadata(dir.join("model.safetensors")).unwrap().len() as f64;
+        let model: Deepseek = Deepseek::load(&dir).unwrap();
+        let ratio = model.resident_bytes() as f64 / file;
+        println!(
+            "{storage:?}: {:.1} MB on disk, {:.1} MB resident ({ratio:.3}x)",
+            file / 1e6,
+            model.resident_bytes() as f64 / 1e6
+        );
+        assert!(ratio <= 1.25, "{storage:?}: resident {ratio:.3}x the file size");
+        // And it runs.
+        let batch = PackedBatch::from_samples([&[1u32, 2, 3, 500][..], &[7, 8]]);
+        let set = CaptureSet::<usize>::try_new(all_points(spec.num_layers)).unwrap();
+        let states = model.forward_step(&batch, &set, &mut KvCache::default()).unwrap();
+        assert!(states.as_slice().iter().all(|v| v.is_finite()), "{storage:?}: non-finite states");
+    }
 }

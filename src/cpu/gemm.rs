@@ -12,7 +12,7 @@
 
 use super::quant_panels::QuantPanels;
 use super::SharedMut;
-use crate::quant::LinearWeight;
+use crate::quant::{LinearWeight, QuantKind};
 use rayon::prelude::*;
 
 /// Rows of the register tile.
@@ -429,9 +429,16 @@ impl PackedLinear {
     pub fn in_features(&self) -> usize {
         self.in_features
     }
-    /// Whether the weight is held quantised.
+    /// Whether the weight is held as codes (FP8, INT4 or bf16) rather than f32.
     pub fn is_quantized(&self) -> bool {
         matches!(self.panels, Panels::Quant(_))
+    }
+    /// The kind of codes the weight is held as; `None` for f32.
+    pub fn held_as(&self) -> Option<QuantKind> {
+        match &self.panels {
+            Panels::F32(_) => None,
+            Panels::Quant(q) => Some(q.kind()),
+        }
     }
     /// Bytes of memory the weight and bias hold.
     pub fn resident_bytes(&self) -> usize {
@@ -570,18 +577,23 @@ mod tests {
 
     #[test]
     fn quantized_weights_give_the_dequantized_product_bitwise() {
-        use crate::quant::{QuantKind, QuantRows};
-        for kind in [QuantKind::Fp8, QuantKind::Int4] {
+        use crate::quant::QuantRows;
+        for kind in [QuantKind::Fp8, QuantKind::Int4, QuantKind::Bf16] {
             for &(m, n, k, c0, block) in &[(7, 70, 300, 0, 128), (500, 45, 1100, 3, 32), (1, 33, 64, 0, 32)] {
-                let seg = QuantRows::segments(c0, k, block);
-                let ns = seg.len() - 1;
-                let mask = if kind == QuantKind::Int4 { 0x0f } else { 0x77 }; // no FP8 NaN codes
-                let codes = rand(n * k, 8).iter().map(|v| ((v + 0.5) * 255.9) as u8 & mask).collect();
-                let scales = rand(n * ns, 9).iter().map(|v| v + 0.75).collect();
+                let (seg, codes, scales) = if kind == QuantKind::Bf16 {
+                    let codes = rand(n * k, 8).iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+                    (vec![0, k], codes, vec![1.0; n])
+                } else {
+                    let seg = QuantRows::segments(c0, k, block);
+                    let mask = if kind == QuantKind::Int4 { 0x0f } else { 0x77 }; // no FP8 NaN codes
+                    let codes = rand(n * k, 8).iter().map(|v| ((v + 0.5) * 255.9) as u8 & mask).collect();
+                    let scales = rand(n * (seg.len() - 1), 9).iter().map(|v| v + 0.75).collect();
+                    (seg, codes, scales)
+                };
                 let q = QuantRows { kind, rows: n, cols: k, codes, seg, scales };
                 let dense = PackedLinear::new(&q.dequantize(), n, k, None);
                 let quant = PackedLinear::from_weight(LinearWeight::Quant(q), None);
-                assert!(quant.is_quantized() && quant.resident_bytes() < dense.resident_bytes() / 3);
+                assert!(quant.is_quantized() && quant.resident_bytes() <= dense.resident_bytes() / 2 + 64 * n);
                 let x = rand(m * k, 10);
                 let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
                 dense.forward(&x, m, &mut a, false);

@@ -28,13 +28,10 @@ impl QuantPanels {
     pub fn pack(q: &QuantRows) -> Self {
         let (n, k, ns) = (q.rows, q.cols, q.num_segments());
         let panels = n.div_ceil(NR);
-        let row_bytes = match q.kind {
-            QuantKind::Fp8 => NR,
-            QuantKind::Int4 => NR / 2,
-        };
+        let row_bytes = row_bytes(q.kind);
         // Padding columns hold the code of 0 with scale 0.
         let zero = match q.kind {
-            QuantKind::Fp8 => 0u8,
+            QuantKind::Fp8 | QuantKind::Bf16 => 0u8,
             QuantKind::Int4 => 0x88,
         };
         let mut codes = vec![zero; panels * k * row_bytes];
@@ -42,9 +39,15 @@ impl QuantPanels {
         for j in 0..n {
             let (pi, jj) = (j / NR, j % NR);
             let panel = &mut codes[pi * k * row_bytes..(pi + 1) * k * row_bytes];
-            let src = &q.codes[j * k..(j + 1) * k];
+            let cb = q.kind.code_bytes();
+            let src = &q.codes[j * k * cb..(j + 1) * k * cb];
             match q.kind {
                 QuantKind::Fp8 => src.iter().enumerate().for_each(|(p, &c)| panel[p * NR + jj] = c),
+                QuantKind::Bf16 => {
+                    for (p, c) in src.chunks_exact(2).enumerate() {
+                        panel[p * row_bytes + 2 * jj..p * row_bytes + 2 * jj + 2].copy_from_slice(c);
+                    }
+                }
                 QuantKind::Int4 => {
                     let (b, shift) = (jj % (NR / 2), if jj < NR / 2 { 0 } else { 4 });
                     for (p, &c) in src.iter().enumerate() {
@@ -60,6 +63,11 @@ impl QuantPanels {
         QuantPanels { kind: q.kind, k, codes, seg: q.seg.clone(), scales }
     }
 
+    /// The kind of codes.
+    pub fn kind(&self) -> QuantKind {
+        self.kind
+    }
+
     /// Bytes held.
     pub fn bytes(&self) -> usize {
         self.codes.len() + self.scales.len() * 4 + self.seg.len() * std::mem::size_of::<usize>()
@@ -68,10 +76,7 @@ impl QuantPanels {
     /// Decodes rows `p0..p0+kc` of panel `pi` into `out` (`[kc][NR]`).
     pub fn decode_tile(&self, pi: usize, p0: usize, kc: usize, out: &mut [f32]) {
         let ns = self.seg.len() - 1;
-        let row_bytes = match self.kind {
-            QuantKind::Fp8 => NR,
-            QuantKind::Int4 => NR / 2,
-        };
+        let row_bytes = row_bytes(self.kind);
         let panel = &self.codes[pi * self.k * row_bytes..(pi + 1) * self.k * row_bytes];
         let decode = row_decoder(self.kind);
         // The segment holding p0, then on while segments start before p0 + kc.
@@ -91,6 +96,15 @@ impl QuantPanels {
     }
 }
 
+/// Bytes of one depth row of a panel.
+fn row_bytes(kind: QuantKind) -> usize {
+    match kind {
+        QuantKind::Fp8 => NR,
+        QuantKind::Int4 => NR / 2,
+        QuantKind::Bf16 => 2 * NR,
+    }
+}
+
 /// Decodes one panel row of codes into NR floats scaled per column.
 type RowDecoder = unsafe fn(&[u8], &[f32; NR], &mut [f32; NR]);
 
@@ -101,12 +115,14 @@ fn row_decoder(kind: QuantKind) -> RowDecoder {
             return match kind {
                 QuantKind::Fp8 => avx512::fp8_row,
                 QuantKind::Int4 => avx512::int4_row,
+                QuantKind::Bf16 => avx512::bf16_row,
             };
         }
     }
     match kind {
         QuantKind::Fp8 => portable::fp8_row,
         QuantKind::Int4 => portable::int4_row,
+        QuantKind::Bf16 => portable::bf16_row,
     }
 }
 
@@ -117,6 +133,13 @@ mod portable {
     pub(super) unsafe fn fp8_row(codes: &[u8], scale: &[f32; NR], out: &mut [f32; NR]) {
         for ((o, &c), s) in out.iter_mut().zip(codes).zip(scale) {
             *o = fp8_e4m3_to_f32(c) * s;
+        }
+    }
+
+    // Plain bf16: the scale is 1 and is not applied.
+    pub(super) unsafe fn bf16_row(codes: &[u8], _scale: &[f32; NR], out: &mut [f32; NR]) {
+        for (o, c) in out.iter_mut().zip(codes.chunks_exact(2)) {
+            *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
         }
     }
 
@@ -162,6 +185,15 @@ mod avx512 {
     }
 
     #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn bf16_row(codes: &[u8], _scale: &[f32; NR], out: &mut [f32; NR]) {
+        debug_assert_eq!(codes.len(), 2 * NR);
+        for half in 0..2 {
+            let x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(codes.as_ptr().add(32 * half) as *const __m256i));
+            _mm512_storeu_ps(out.as_mut_ptr().add(16 * half), _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn int4_row(codes: &[u8], scale: &[f32; NR], out: &mut [f32; NR]) {
         debug_assert_eq!(codes.len(), NR / 2);
         let x = _mm512_cvtepu8_epi32(_mm_loadu_si128(codes.as_ptr() as *const __m128i));
@@ -189,20 +221,22 @@ mod tests {
             x ^= x << 5;
             x
         };
-        let codes = (0..n * k)
+        let codes = (0..n * k * kind.code_bytes())
             .map(|_| match kind {
-                QuantKind::Fp8 => (next() & 0xff) as u8,
+                QuantKind::Fp8 | QuantKind::Bf16 => (next() & 0xff) as u8,
                 QuantKind::Int4 => (next() & 0xf) as u8,
             })
             .collect();
-        let scales = (0..n * ns).map(|_| (next() % 1000) as f32 / 997.0 + 0.01).collect();
+        let scales = (0..n * ns)
+            .map(|_| if kind == QuantKind::Bf16 { 1.0 } else { (next() % 1000) as f32 / 997.0 + 0.01 })
+            .collect();
         QuantRows { kind, rows: n, cols: k, codes, seg, scales }
     }
 
     /// Every decoded tile, on every path this CPU has, equals the row-major dequantisation bit for bit.
     #[test]
     fn tiles_equal_the_dequantized_matrix() {
-        for kind in [QuantKind::Fp8, QuantKind::Int4] {
+        for kind in [QuantKind::Fp8, QuantKind::Int4, QuantKind::Bf16] {
             for &(n, k, c0, block) in &[(70, 300, 0, 128), (33, 97, 100, 32), (5, 1030, 7, 128), (64, 64, 0, 32)] {
                 let q = rows(kind, n, k, c0, block);
                 let want = q.dequantize();
@@ -250,6 +284,12 @@ mod tests {
                 row_decoder(QuantKind::Int4)(&codes[..NR / 2], &scale, &mut b);
             }
             assert_eq!(a, b, "int4 base {base}");
+            let codes: Vec<u8> = (0..2 * NR as u8).map(|i| i.wrapping_mul(91).wrapping_add(base * 7)).collect();
+            unsafe {
+                portable::bf16_row(&codes, &scale, &mut a);
+                row_decoder(QuantKind::Bf16)(&codes, &scale, &mut b);
+            }
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "bf16 base {base}");
         }
     }
 }
