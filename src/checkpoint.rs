@@ -249,6 +249,12 @@ impl Checkpoint {
         Ok((bytes, dtype))
     }
 
+    /// A copy of a float tensor's bytes in its stored dtype, checking its shape.
+    pub fn read_bytes(&self, name: &str, shape: &[usize]) -> Result<(Vec<u8>, DType), CheckpointError> {
+        let (bytes, dtype) = self.checked(name, shape)?;
+        Ok((bytes.to_vec(), dtype))
+    }
+
     /// Reads a tensor as f32, checking its shape.
     pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, CheckpointError> {
         let (bytes, dtype) = self.checked(name, shape)?;

@@ -481,7 +481,7 @@ pub struct Deepseek<H: Dim = usize> {
     config: DeepseekConfig,
     hidden: H,
     dtype: DType,
-    embed_tokens: Vec<f32>,
+    embed_tokens: frame::Embedding,
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
     inv_freq: Vec<f32>,
@@ -595,8 +595,8 @@ impl<H: Dim + Default> Deepseek<H> {
         let lh = nh / size; // heads on this rank
         let heads = rank * lh..(rank + 1) * lh;
         let per_head = |w: usize| heads.start * w..heads.end * w;
-        let embed_tokens = ckpt.read_f32("model.embed_tokens.weight", &[c.vocab_size, h])?;
-        let dtype = ckpt.dtype("model.embed_tokens.weight").unwrap_or(DType::F32);
+        let embed_tokens = frame::Embedding::read(ckpt, c.vocab_size, h)?;
+        let dtype = embed_tokens.dtype();
         let bias = |name: &str, n: usize| -> Result<Option<Vec<f32>>, ModelError> {
             Ok(if c.attention_bias { Some(ckpt.read_f32(name, &[n])?) } else { None })
         };
@@ -777,7 +777,7 @@ impl<H: Dim> Deepseek<H> {
             })
             .sum();
         let linears: usize = self.linears().iter().map(|l| l.resident_bytes()).sum();
-        v(&self.embed_tokens) + vectors + linears + v(&self.norm) + v(&self.inv_freq)
+        self.embed_tokens.resident_bytes() + vectors + linears + v(&self.norm) + v(&self.inv_freq)
     }
 
     /// Runs one step (whole samples or chunks; see `Llama::forward_step`) and
@@ -806,7 +806,7 @@ impl<H: Dim> Deepseek<H> {
         let mut caps = Captures::new(captures, c.num_layers, t, self.hidden, capture)?;
         cache.check(batch)?;
         let _span = info_span!("forward", tokens = batch.num_tokens(), samples = batch.num_samples()).entered();
-        let mut x = frame::embed(batch, &self.embed_tokens, h);
+        let mut x = self.embed_tokens.embed(batch);
         let (cos, sin) = frame::rope_table(&self.inv_freq, batch.max_position(), self.rope_scale);
         let mut s = Scratch::default();
         for (k, layer) in self.layers.iter().enumerate().take(caps.depth) {

@@ -4,9 +4,10 @@
 use super::ModelError;
 use crate::batch::PackedBatch;
 use crate::capture::{CaptureSet, Tap};
+use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::cpu::ops::rms_norm;
 use crate::cpu::PackedLinear;
-use crate::shape::{CapturedStates, Dim};
+use crate::shape::{CapturedStates, DType, Dim};
 use crate::tp::Collective;
 
 /// `x += input · Wᵀ (+ b)` for a row-parallel weight: one rank (`comm = None`)
@@ -57,14 +58,41 @@ pub(crate) fn check_batch(batch: &PackedBatch, vocab: usize, max_positions: usiz
     Ok(())
 }
 
-/// The residual stream's start: each token's row of the embedding table `[vocab, h]`.
-pub(crate) fn embed(batch: &PackedBatch, table: &[f32], h: usize) -> Vec<f32> {
-    let mut x = vec![0f32; batch.num_tokens() * h];
-    for (row, &id) in x.chunks_exact_mut(h).zip(batch.token_ids()) {
-        let id = id as usize;
-        row.copy_from_slice(&table[id * h..(id + 1) * h]);
+/// The embedding table `[vocab, h]`, held in its checkpoint dtype (a row is
+/// decoded when a token looks it up), so a bf16 table is not doubled in memory.
+pub(crate) struct Embedding {
+    bytes: Vec<u8>,
+    dtype: DType,
+    h: usize,
+}
+
+impl Embedding {
+    /// Reads `model.embed_tokens.weight`.
+    pub(crate) fn read(ckpt: &Checkpoint, vocab: usize, h: usize) -> Result<Self, CheckpointError> {
+        let (bytes, dtype) = ckpt.read_bytes("model.embed_tokens.weight", &[vocab, h])?;
+        Ok(Embedding { bytes, dtype, h })
     }
-    x
+
+    /// The stored dtype.
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Bytes held.
+    pub(crate) fn resident_bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The residual stream's start: each token's row of the table.
+    pub(crate) fn embed(&self, batch: &PackedBatch) -> Vec<f32> {
+        let (h, es) = (self.h, self.dtype.size());
+        let mut x = vec![0f32; batch.num_tokens() * h];
+        for (row, &id) in x.chunks_exact_mut(h).zip(batch.token_ids()) {
+            let id = id as usize;
+            self.dtype.decode_into(&self.bytes[id * h * es..(id + 1) * h * es], row);
+        }
+        x
+    }
 }
 
 /// cos/sin (times `scale`) of every position below `len`, `[len, inv_freq.len()]` each.

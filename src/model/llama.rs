@@ -56,7 +56,7 @@ pub struct Llama<H: Dim = usize> {
     config: LlamaConfig,
     hidden: H,
     dtype: DType,
-    embed_tokens: Vec<f32>,
+    embed_tokens: frame::Embedding,
     layers: Vec<DecoderLayer>,
     norm: Vec<f32>,
     inv_freq: Vec<f32>,
@@ -139,8 +139,8 @@ impl<H: Dim + Default> Llama<H> {
         let kv_rows = kv0 * hd..(kv0 + plan.kv_heads) * hd;
         let i_rows = rank * plan.intermediate..(rank + 1) * plan.intermediate;
         let (lq, lkv) = (q_rows.len(), kv_rows.len());
-        let embed_tokens = ckpt.read_f32("model.embed_tokens.weight", &[c.vocab_size, h])?;
-        let dtype = ckpt.dtype("model.embed_tokens.weight").unwrap_or(DType::F32);
+        let embed_tokens = frame::Embedding::read(ckpt, c.vocab_size, h)?;
+        let dtype = embed_tokens.dtype();
         let mut layers = Vec::with_capacity(c.num_layers);
         for l in 0..c.num_layers {
             let p = format!("model.layers.{l}");
@@ -273,7 +273,7 @@ impl<H: Dim> Llama<H> {
         let mut caps = Captures::new(captures, c.num_layers, t, self.hidden, capture)?;
         cache.check(batch)?;
         let _span = info_span!("forward", tokens = batch.num_tokens(), samples = batch.num_samples()).entered();
-        let mut x = frame::embed(batch, &self.embed_tokens, h);
+        let mut x = self.embed_tokens.embed(batch);
         let (cos, sin) = frame::rope_table(&self.inv_freq, batch.max_position(), 1.0);
         let mut act = Activations {
             normed: vec![0f32; t * h],
