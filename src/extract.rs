@@ -128,6 +128,10 @@ pub struct Summary {
     pub validate_time: Duration,
     /// Time loading the model.
     pub load_time: Duration,
+    /// Bytes the loaded weights hold in memory (all ranks).
+    pub weight_bytes: usize,
+    /// How the checkpoint stores its weights (quantisation scheme or dtype).
+    pub weight_storage: String,
 }
 
 /// Counts of a validated input.
@@ -246,6 +250,9 @@ impl ExtractJob {
             Family::Deepseek(c) => c.tensor_prefix.clone(),
             Family::Llama(_) => String::new(),
         };
+        if let Family::Deepseek(DeepseekConfig { quant: Some(q), .. }) = &family {
+            summary.weight_storage = q.describe();
+        }
         let open = move || match &model_dir {
             Some(dir) => Checkpoint::open_scoped(dir, &prefix),
             None => Checkpoint::from_static(embedded::NAME, embedded::MODEL_SAFETENSORS),
@@ -284,6 +291,10 @@ impl ExtractJob {
         progress: &mut dyn FnMut(&Progress),
     ) -> Result<(), ExtractError> {
         summary.load_time = load_start.elapsed();
+        summary.weight_bytes = model.weight_bytes();
+        if summary.weight_storage.is_empty() {
+            summary.weight_storage = model.dtype().to_string();
+        }
         let dtype = self.dtype.unwrap_or(model.dtype());
         summary.dtype = Some(dtype);
         summary.report = self.write(model, dtype, ctx, progress)?;

@@ -246,6 +246,7 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
     }
     say!("  capture     {} ({})", points.join(","), s.dtype.map_or("?".into(), |d| d.to_string()));
     say!("  bytes       {}", r.bytes);
+    say!("  weights     {:.1} MiB in memory ({})", s.weight_bytes as f64 / (1 << 20) as f64, s.weight_storage);
     say!("  throughput  {:.0} tokens/s over {:.2}s ({} steps)", p.tokens as f64 / secs, secs, r.steps);
     say!(
         "  stages      validate {:.2}s, load {:.2}s, schedule {:.2}s, forward {:.2}s, gather {:.2}s, write {:.2}s",

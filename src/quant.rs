@@ -217,9 +217,9 @@ impl QuantConfig {
     /// A short name for logs and `inspect`.
     pub fn describe(&self) -> String {
         match &self.0 {
-            Scheme::Fp8Block { block } => format!("fp8 e4m3, {}x{} blocks", block[0], block[1]),
+            Scheme::Fp8Block { block } => format!("fp8 e4m3 in {}x{} blocks", block[0], block[1]),
             Scheme::PackInt4 { groups, .. } => {
-                format!("int4 pack-quantized, groups of {}", groups[0].group_size)
+                format!("int4 pack-quantized in groups of {}", groups[0].group_size)
             }
         }
     }

@@ -1015,6 +1015,9 @@ impl<H: Dim> super::Model for Deepseek<H> {
     fn dtype(&self) -> DType {
         Deepseek::dtype(self)
     }
+    fn weight_bytes(&self) -> usize {
+        self.resident_bytes()
+    }
     fn forward_step<L: Dim>(
         &self,
         batch: &PackedBatch,

@@ -14,6 +14,7 @@ use crate::config::{LlamaConfig, RopeScaling};
 use crate::cpu::attention::{varlen_attention, AttnSegment, AttnShape, KvRef};
 use crate::cpu::ops::{rms_norm, rms_norm_heads_inplace, rope_head, swiglu};
 use crate::cpu::PackedLinear;
+use crate::quant::{LinearWeight, WeightFormat};
 use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
 use crate::tp::{Collective, TpPlan};
 use std::path::Path;
@@ -138,7 +139,6 @@ impl<H: Dim + Default> Llama<H> {
         let kv0 = plan.kv_head0(c, rank);
         let kv_rows = kv0 * hd..(kv0 + plan.kv_heads) * hd;
         let i_rows = rank * plan.intermediate..(rank + 1) * plan.intermediate;
-        let (lq, lkv) = (q_rows.len(), kv_rows.len());
         let embed_tokens = frame::Embedding::read(ckpt, c.vocab_size, h)?;
         let dtype = embed_tokens.dtype();
         let mut layers = Vec::with_capacity(c.num_layers);
@@ -149,12 +149,15 @@ impl<H: Dim + Default> Llama<H> {
                 let cols = if shape.len() == 2 { 0..shape[1] } else { 0..1 };
                 ckpt.read_f32_block(&format!("{p}.{name}"), shape, r.clone(), cols)
             };
-            let cols = |name: &str, shape: &[usize], r: &std::ops::Range<usize>| {
-                ckpt.read_f32_block(&format!("{p}.{name}"), shape, 0..shape[0], r.clone())
+            // Weights as stored (bf16 stays bf16, decoded per tile; f32/f16 as f32).
+            let lin = |name: &str, shape: [usize; 2], r: std::ops::Range<usize>, cols: std::ops::Range<usize>| {
+                ckpt.read_linear(&format!("{p}.{name}"), shape, r, cols, WeightFormat::Plain)
             };
-            let mut qkv = rows("self_attn.q_proj.weight", &[q_out, h], &q_rows)?;
-            qkv.extend(rows("self_attn.k_proj.weight", &[kv_out, h], &kv_rows)?);
-            qkv.extend(rows("self_attn.v_proj.weight", &[kv_out, h], &kv_rows)?);
+            let qkv = LinearWeight::stack(vec![
+                lin("self_attn.q_proj", [q_out, h], q_rows.clone(), 0..h)?,
+                lin("self_attn.k_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
+                lin("self_attn.v_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
+            ]);
             let qkv_bias = if c.qkv_bias {
                 let mut b = rows("self_attn.q_proj.bias", &[q_out], &q_rows)?;
                 b.extend(rows("self_attn.k_proj.bias", &[kv_out], &kv_rows)?);
@@ -169,8 +172,10 @@ impl<H: Dim + Default> Llama<H> {
             } else {
                 (None, None)
             };
-            let mut gate_up = rows("mlp.gate_proj.weight", &[i, h], &i_rows)?;
-            gate_up.extend(rows("mlp.up_proj.weight", &[i, h], &i_rows)?);
+            let gate_up = LinearWeight::stack(vec![
+                lin("mlp.gate_proj", [i, h], i_rows.clone(), 0..h)?,
+                lin("mlp.up_proj", [i, h], i_rows.clone(), 0..h)?,
+            ]);
             let (gate_up_bias, down_bias) = if c.mlp_bias {
                 let mut b = rows("mlp.gate_proj.bias", &[i], &i_rows)?;
                 b.extend(rows("mlp.up_proj.bias", &[i], &i_rows)?);
@@ -181,26 +186,21 @@ impl<H: Dim + Default> Llama<H> {
             // One rank keeps its biases inside the GEMM; with several, a row-parallel
             // bias is added once, after the all-reduce.
             let single = plan.size == 1;
-            let o_proj = cols("self_attn.o_proj.weight", &[h, q_out], &q_rows)?;
-            let down_proj = cols("mlp.down_proj.weight", &[h, i], &i_rows)?;
+            let o_proj = lin("self_attn.o_proj", [h, q_out], 0..h, q_rows.clone())?;
+            let down_proj = lin("mlp.down_proj", [h, i], 0..h, i_rows.clone())?;
             layers.push(DecoderLayer {
                 input_layernorm: w("input_layernorm.weight", &[h])?,
                 self_attn: SelfAttn {
-                    qkv_proj: PackedLinear::new(&qkv, lq + 2 * lkv, h, qkv_bias),
-                    o_proj: PackedLinear::new(&o_proj, h, lq, if single { o_bias.clone() } else { None }),
+                    qkv_proj: PackedLinear::from_weight(qkv, qkv_bias),
+                    o_proj: PackedLinear::from_weight(o_proj, if single { o_bias.clone() } else { None }),
                     o_bias: if single { None } else { o_bias },
                     q_norm,
                     k_norm,
                 },
                 post_attention_layernorm: w("post_attention_layernorm.weight", &[h])?,
                 mlp: Mlp {
-                    gate_up_proj: PackedLinear::new(&gate_up, 2 * plan.intermediate, h, gate_up_bias),
-                    down_proj: PackedLinear::new(
-                        &down_proj,
-                        h,
-                        plan.intermediate,
-                        if single { down_bias.clone() } else { None },
-                    ),
+                    gate_up_proj: PackedLinear::from_weight(gate_up, gate_up_bias),
+                    down_proj: PackedLinear::from_weight(down_proj, if single { down_bias.clone() } else { None }),
                     down_bias: if single { None } else { down_bias },
                 },
                 sliding_window: c.sliding_windows[l],
@@ -230,6 +230,30 @@ impl<H: Dim> Llama<H> {
     /// segment, no position past `max_position_embeddings`.
     pub fn check_batch(&self, batch: &PackedBatch) -> Result<(), ModelError> {
         frame::check_batch(batch, self.config.vocab_size, self.config.max_position_embeddings)
+    }
+
+    /// Bytes of memory the weights hold (bf16 weights as bf16).
+    pub fn resident_bytes(&self) -> usize {
+        let v = |x: &[f32]| x.len() * 4;
+        let o = |x: &Option<Vec<f32>>| x.as_deref().map_or(0, v);
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let (a, m) = (&l.self_attn, &l.mlp);
+                a.qkv_proj.resident_bytes()
+                    + a.o_proj.resident_bytes()
+                    + o(&a.o_bias)
+                    + o(&a.q_norm)
+                    + o(&a.k_norm)
+                    + m.gate_up_proj.resident_bytes()
+                    + m.down_proj.resident_bytes()
+                    + o(&m.down_bias)
+                    + v(&l.input_layernorm)
+                    + v(&l.post_attention_layernorm)
+            })
+            .sum();
+        self.embed_tokens.resident_bytes() + layers + v(&self.norm) + v(&self.inv_freq)
     }
 
     /// Runs the decoder over a packed batch of whole samples and returns the

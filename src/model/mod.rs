@@ -59,6 +59,8 @@ pub trait Model {
     fn num_layers(&self) -> usize;
     /// The dtype the checkpoint stores its weights in (the default output dtype).
     fn dtype(&self) -> crate::shape::DType;
+    /// Bytes of memory the weights hold, over all ranks.
+    fn weight_bytes(&self) -> usize;
     /// Runs one step; see [`Llama::forward_step`].
     fn forward_step<L: Dim>(
         &self,
@@ -78,6 +80,9 @@ impl<H: Dim> Model for Llama<H> {
     }
     fn dtype(&self) -> crate::shape::DType {
         Llama::dtype(self)
+    }
+    fn weight_bytes(&self) -> usize {
+        self.resident_bytes()
     }
     fn forward_step<L: Dim>(
         &self,

@@ -95,6 +95,8 @@ where
     num_layers: usize,
     tp: TP,
     dtype: DType,
+    /// Weight bytes over all ranks, counted at load.
+    weight_bytes: usize,
 }
 
 /// A Llama-family model over `TP` ranks.
@@ -133,7 +135,8 @@ where
             Ok::<_, ModelError>(RankWorker { rank, model, cache: KvCache::default() })
         })?;
         let dtype = exec.rpc_unique(0, |w: &mut RankWorker<M>| w.model.dtype())?;
-        Ok(TpModel { exec, hidden, num_layers, tp, dtype })
+        let weight_bytes = exec.collective_rpc(|w: &mut RankWorker<M>| w.model.weight_bytes())?.into_vec().iter().sum();
+        Ok(TpModel { exec, hidden, num_layers, tp, dtype, weight_bytes })
     }
 
     /// The checkpoint's weight dtype.
@@ -249,6 +252,10 @@ where
 
     fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.weight_bytes
     }
 
     /// Every rank runs the step (each keeps its own KV cache, so `_cache` is
