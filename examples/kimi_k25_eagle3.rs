@@ -10,10 +10,13 @@
 //! The layout `[Layers<4>, T, HiddenU<7168>]` over `Tp<U8>` is in the types of
 //! `kimi_job`: a writer of another width, a capture list of another length, a
 //! split that does not divide 7168, or the seed's reply unwrapped twice
-//! (tests/ui/seed_bug_reply_unwrapped_twice.rs) do not compile. The real
-//! checkpoint (INT4 experts, multimodal wrapper) is the next issue's; this
-//! example runs the same generic job on a scaled-down model of the same
-//! structure (61 layers, MLA with q-LoRA, noaux_tc routing, a dense first
+//! (tests/ui/seed_bug_reply_unwrapped_twice.rs) do not compile. `kimi_job`
+//! reads the released checkpoint as it is: the `kimi_k25` multimodal wrapper
+//! (`text_config`, `language_model.*`; the vision tower is never read) with
+//! compressed-tensors INT4 routed experts, kept as INT4 in memory. This
+//! example runs the same generic job on a scaled-down checkpoint of the same
+//! structure and storage (wrapper, INT4 experts in groups of 32, bf16
+//! elsewhere; 61 layers, MLA with q-LoRA, noaux_tc routing, a dense first
 //! layer, TP 8) with random weights.
 //!
 //!     cargo run --release --example kimi_k25_eagle3 [-- OUT_DIR]
@@ -26,7 +29,7 @@ use strata::pipeline::{Pipeline, Report};
 use strata::shape::{DType, Layers};
 use strata::sink::{OpenMode, StrataSink, DEFAULT_SHARD_SIZE};
 use strata::source::JsonlSource;
-use strata::synth::{write_deepseek, write_tokens, DeepseekSpec};
+use strata::synth::{write_deepseek_stored, write_tokens, DeepseekSpec, Storage};
 use strata::tp::{HiddenU, ShardDim, Tp, TpSize};
 use typenum::{Prod, U1024, U64, U7, U8};
 
@@ -58,13 +61,13 @@ fn extraction_job<H: ShardDim<TP> + Default, TP: TpSize + Default>(
     Ok(report)
 }
 
-/// The job at Kimi-K2.5's real layout (compiled here; run it on a converted checkpoint).
+/// The job at Kimi-K2.5's real layout (compiled here; point it at the released checkpoint's directory).
 #[allow(dead_code)]
 fn kimi_job(model_dir: &Path, data: &Path, out: &Path) -> Result<Report, Box<dyn std::error::Error>> {
     extraction_job::<KimiHidden, Tp<U8>>(model_dir, data, out)
 }
 
-/// The same job on a scaled-down model of the same structure: hidden 64 over 8 ranks.
+/// The same job on a scaled-down checkpoint of the same structure and storage: hidden 64 over 8 ranks.
 fn scaled_down(out: &Path) -> Result<Report, Box<dyn std::error::Error>> {
     let dir = out.with_extension("model");
     let spec = DeepseekSpec {
@@ -85,7 +88,7 @@ fn scaled_down(out: &Path) -> Result<Report, Box<dyn std::error::Error>> {
         first_k_dense_replace: 1,
         vocab_size: 500,
     };
-    write_deepseek(&dir, &spec, 1)?;
+    write_deepseek_stored(&dir, &spec, Storage::Int4Experts, true, 1)?;
     write_tokens(&dir.join("tokens.jsonl"), spec.vocab_size, &[512, 259], 2)?;
     extraction_job::<HiddenU<U64>, Tp<U8>>(&dir, &dir.join("tokens.jsonl"), out)
 }

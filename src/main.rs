@@ -58,6 +58,12 @@ OUTPUT (--format strata, the default): OUT/shard-NNNNN.safetensors holding per s
 OUTPUT (--format speculators): OUT/hs_{i}.safetensors per sample with
   token_ids [T] i64 and hidden_states [T, L, H].
 
+MODELS: llama, mistral, qwen2, qwen3, deepseek_v2, deepseek_v3, kimi_k2, and
+Kimi-K2.5's kimi_k25 wrapper (its vision tower is not read). Weights stay in
+memory as stored, decoded per GEMM tile: f32, bf16, FP8 128x128 blocks
+(DeepSeek-V3, Kimi-K2) and compressed-tensors INT4 experts (Kimi-K2.5);
+f16 weights are widened to f32.
+
 Samples are packed into steps of --max-batch-tokens; longer samples are split
 across steps (chunked prefill). The files do not depend on that setting.
 An interrupted run (crash, kill -9) continues with --resume and ends with the
@@ -70,6 +76,10 @@ EXAMPLES:
   # A local HF checkpoint, EAGLE-3 layers, stored as bf16:
   strata extract --model ./Llama-3.1-8B --data tokens.jsonl --capture eagle3 \\
       --dtype bf16 --out ./hidden_states
+
+  # Kimi-K2.5 as released (INT4 experts), EAGLE-3 layers, 8 tensor-parallel ranks:
+  strata extract --model ./Kimi-K2.5 --data tokens.jsonl --tp 8 \
+      --capture input:2,input:30,input:58,input:60 --out ./kimi-eagle3
 
   # Continue after an interruption, then check the result:
   strata extract --model ./Llama-3.1-8B --data tokens.jsonl --out ./hidden_states --resume
