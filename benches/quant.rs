@@ -75,9 +75,11 @@ fn main() {
     // Child mode: load one checkpoint and report its memory.
     if let Some(i) = args.iter().position(|a| a == "--load-only") {
         let before = status_kib("RssAnon:");
+        let t = Instant::now();
         let model: Deepseek = Deepseek::load(Path::new(&args[i + 1])).unwrap();
+        let secs = t.elapsed().as_secs_f64();
         let after = status_kib("RssAnon:");
-        println!("{} {}", model.resident_bytes(), (after - before) * 1024);
+        println!("{} {} {secs}", model.resident_bytes(), (after - before) * 1024);
         return;
     }
     let runs: usize = args.iter().position(|a| a == "--runs").map_or(5, |i| args[i + 1].parse().unwrap());
@@ -97,8 +99,8 @@ fn main() {
 
     println!("memory (one rank, weights only; file = all .safetensors bytes):");
     println!(
-        "  {:<12} {:>10} {:>12} {:>8} {:>12} {:>8}",
-        "storage", "file MB", "resident MB", "ratio", "RssAnon MB", "ratio"
+        "  {:<12} {:>10} {:>12} {:>8} {:>12} {:>8} {:>8}",
+        "storage", "file MB", "resident MB", "ratio", "RssAnon MB", "ratio", "load s"
     );
     let exe = std::env::current_exe().unwrap();
     for (s, d) in STORAGES.iter().zip(&dirs) {
@@ -108,13 +110,14 @@ fn main() {
         let v: Vec<f64> = text.split_whitespace().map(|x| x.parse().unwrap()).collect();
         let file = dir_bytes(d) as f64;
         println!(
-            "  {:<12} {:>10.1} {:>12.1} {:>8.3} {:>12.1} {:>8.3}",
+            "  {:<12} {:>10.1} {:>12.1} {:>8.3} {:>12.1} {:>8.3} {:>8.2}",
             format!("{s:?}"),
             file / 1e6,
             v[0] / 1e6,
             v[0] / file,
             v[1] / 1e6,
-            v[1] / file
+            v[1] / file,
+            v[2]
         );
     }
 
