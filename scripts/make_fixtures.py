@@ -162,6 +162,14 @@ def make(name, spec, out_root, seed):
     model = model_cls(cfg).eval()
     model.load_state_dict(rounded)
 
+    write_expected(model, cfg, out, gen)
+    size = sum(os.path.getsize(os.path.join(out, x)) for x in os.listdir(out))
+    print(f"{name}: {size / 1024:.0f} KiB")
+
+
+def write_expected(model, cfg, out, gen, **metadata):
+    """Random samples into OUT/data.jsonl and the f32 `model`'s hidden states for them
+    into OUT/expected.safetensors (every output_hidden_states entry, plus the final norm's input)."""
     captured = {}
     model.model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0].detach().clone()))
     expected = {}
@@ -176,21 +184,24 @@ def make(name, spec, out_root, seed):
             expected[f"sample{i}.hidden_states"] = hs
             expected[f"sample{i}.final_pre_norm"] = captured["pre"][0].contiguous()
     save_file(expected, os.path.join(out, "expected.safetensors"),
-              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
-    size = sum(os.path.getsize(os.path.join(out, x)) for x in os.listdir(out))
-    print(f"{name}: {size / 1024:.0f} KiB")
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__, **metadata})
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def cli(doc, fixtures, make, seed0):
+    """`--out DIR` and `--only NAME ...`, then `make(name, spec, out, seed)` per fixture."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
     ap.add_argument("--only", nargs="*", help="fixture names to regenerate")
     args = ap.parse_args()
     torch.manual_seed(0)
-    for seed, (name, spec) in enumerate(FIXTURES.items()):
+    for seed, (name, spec) in enumerate(fixtures.items()):
         if args.only and name not in args.only:
             continue
-        make(name, spec, args.out, 1000 + seed)
+        make(name, spec, args.out, seed0 + seed)
+
+
+def main():
+    cli(__doc__, FIXTURES, make, 1000)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Requires: torch, transformers>=5, safetensors, compressed-tensors.
 
     python scripts/make_quant_fixtures.py [--out tests/fixtures] [--only NAME ...]
 """
-import argparse
 import json
 import os
 import re
@@ -33,14 +32,13 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
-import transformers
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 import compressed_tensors
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 sys.path.insert(0, os.path.dirname(__file__))
-from make_fixtures import LENGTHS, randomize  # noqa: E402
+from make_fixtures import cli, randomize, write_expected  # noqa: E402
 
 FP8_MAX = 448.0
 BLOCK = 128
@@ -242,36 +240,13 @@ def make(name, spec, out_root, seed):
         else:
             continue  # lm_head is not part of the hidden states
         assert torch.equal(got, v), f"{k} did not load exactly"
-    captured = {}
-    ref.model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0].detach().clone()))
-    expected = {}
-    with open(os.path.join(out, "data.jsonl"), "w") as f:
-        for i, n in enumerate(LENGTHS):
-            ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
-            f.write(json.dumps({"input_ids": ids.tolist()}) + "\n")
-            with torch.no_grad():
-                res = ref.model(input_ids=ids[None], output_hidden_states=True)
-            hs = torch.stack([h[0] for h in res.hidden_states]).contiguous()
-            assert hs.shape == (cfg.num_hidden_layers + 1, n, cfg.hidden_size)
-            expected[f"sample{i}.hidden_states"] = hs
-            expected[f"sample{i}.final_pre_norm"] = captured["pre"][0].contiguous()
-    save_file(expected, os.path.join(out, "expected.safetensors"),
-              metadata={"transformers": transformers.__version__, "torch": torch.__version__,
-                        "compressed_tensors": compressed_tensors.__version__})
+    write_expected(ref, cfg, out, gen, compressed_tensors=compressed_tensors.__version__)
     size = sum(os.path.getsize(os.path.join(out, x)) for x in os.listdir(out))
     print(f"{name}: {size / 1024:.0f} KiB, {len([k for k in stored if 'weight_scale' in k])} quantised weights")
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures"))
-    ap.add_argument("--only", nargs="*", help="fixture names to regenerate")
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    for seed, (name, spec) in enumerate(FIXTURES.items()):
-        if args.only and name not in args.only:
-            continue
-        make(name, spec, args.out, 2000 + seed)
+    cli(__doc__, FIXTURES, make, 2000)
 
 
 if __name__ == "__main__":

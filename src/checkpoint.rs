@@ -315,20 +315,12 @@ impl Checkpoint {
             _ if self.dtype(&weight) == Some(DType::BF16) => {
                 // Kept as bf16 (scale 1): decoded per tile like the quantised weights.
                 let (bytes, _) = self.checked(&weight, &[out, inp])?;
-                let mut codes = Vec::with_capacity(rows.len() * cols.len() * 2);
-                for r in rows.clone() {
-                    codes.extend_from_slice(&bytes[(r * inp + cols.start) * 2..(r * inp + cols.end) * 2]);
+                let mut q = QuantRows::with_capacity(QuantKind::Bf16, rows.len(), cols.len(), vec![0, cols.len()]);
+                for r in rows {
+                    q.codes.extend_from_slice(&bytes[(r * inp + cols.start) * 2..(r * inp + cols.end) * 2]);
+                    q.scales.push(1.0);
                 }
-                let seg = vec![0, cols.len()];
-                let scales = vec![1.0; rows.len()];
-                Ok(LinearWeight::Quant(QuantRows {
-                    kind: QuantKind::Bf16,
-                    rows: rows.len(),
-                    cols: cols.len(),
-                    codes,
-                    seg,
-                    scales,
-                }))
+                Ok(LinearWeight::Quant(q))
             }
             _ => {
                 let (r, c) = (rows.len(), cols.len());
@@ -359,14 +351,7 @@ impl Checkpoint {
         sdt.decode_into(sbytes, &mut s);
         let seg = QuantRows::segments(cols.start, cols.len(), bc);
         let ns = seg.len() - 1;
-        let mut q = QuantRows {
-            kind: QuantKind::Fp8,
-            rows: rows.len(),
-            cols: cols.len(),
-            codes: Vec::with_capacity(rows.len() * cols.len()),
-            scales: Vec::with_capacity(rows.len() * ns),
-            seg,
-        };
+        let mut q = QuantRows::with_capacity(QuantKind::Fp8, rows.len(), cols.len(), seg);
         for r in rows {
             q.codes.extend_from_slice(&w[r * inp + cols.start..r * inp + cols.end]);
             for i in 0..ns {
@@ -433,14 +418,7 @@ impl Checkpoint {
         })?;
         let seg = QuantRows::segments(cols.start, cols.len(), group);
         let ns = seg.len() - 1;
-        let mut q = QuantRows {
-            kind: QuantKind::Int4,
-            rows: rows.len(),
-            cols: cols.len(),
-            codes: Vec::with_capacity(rows.len() * cols.len()),
-            scales: Vec::with_capacity(rows.len() * ns),
-            seg,
-        };
+        let mut q = QuantRows::with_capacity(QuantKind::Int4, rows.len(), cols.len(), seg);
         let mut srow = vec![0f32; groups];
         let es = sdt.size();
         for r in rows {

@@ -310,6 +310,20 @@ impl QuantRows {
         seg
     }
 
+    /// An empty block of `rows × cols` weights with room for its codes and
+    /// scales, to be filled row by row.
+    pub fn with_capacity(kind: QuantKind, rows: usize, cols: usize, seg: Vec<usize>) -> Self {
+        let ns = seg.len() - 1;
+        QuantRows {
+            kind,
+            rows,
+            cols,
+            codes: Vec::with_capacity(rows * cols * kind.code_bytes()),
+            scales: Vec::with_capacity(rows * ns),
+            seg,
+        }
+    }
+
     /// Segments per row.
     pub fn num_segments(&self) -> usize {
         self.seg.len() - 1
