@@ -215,11 +215,6 @@ impl Checkpoint {
         self.entry(name).and_then(|e| DType::from_safetensors(e.dtype))
     }
 
-    /// Bytes of all mapped files (what the weights occupy on disk).
-    pub fn file_bytes(&self) -> u64 {
-        self.files.iter().map(|(_, b)| b.as_slice().len() as u64).sum()
-    }
-
     /// A tensor's bytes and stored dtype, after checking that it exists with `shape`.
     fn raw(&self, name: &str, shape: &[usize]) -> Result<(&[u8], safetensors::Dtype), CheckpointError> {
         let e = self.entry(name).ok_or_else(|| CheckpointError::Missing(self.full(name)))?;
