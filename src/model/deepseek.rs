@@ -21,6 +21,7 @@ use crate::cpu::PackedLinear;
 use crate::quant::{LinearWeight, QuantConfig, WeightFormat};
 use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
 use crate::tp::Collective;
+use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
@@ -220,7 +221,11 @@ impl DeepseekConfig {
                 .get("text_config")
                 .filter(|t| t.is_object())
                 .ok_or(ConfigError::Missing("text_config (kimi_k25 keeps the language model's config there)"))?;
-            let mut c = Self::from_value(inner.clone())?;
+            let mut inner = inner.clone();
+            if inner.get("model_type").is_none() {
+                inner["model_type"] = "kimi_k2".into(); // the text model Kimi-K2.5 wraps
+            }
+            let mut c = Self::from_value(inner)?;
             if c.model_type == "kimi_k25" {
                 return Err(invalid("text_config", "model_type is kimi_k25 again; expected kimi_k2 or deepseek_v3"));
             }
@@ -645,7 +650,10 @@ impl<H: Dim + Default> Deepseek<H> {
             };
             let mlp = if c.is_moe(l) {
                 let e = c.n_routed_experts;
+                // Experts are read and repacked in parallel: with hundreds per layer, loading
+                // (decoding INT4 nibbles, transposing into panels) is most of the time.
                 let experts = (0..e)
+                    .into_par_iter()
                     .map(|i| lin.gated(&format!("{p}.mlp.experts.{i}"), h, c.moe_intermediate_size, rank, size))
                     .collect::<Result<_, _>>()?;
                 let shared_experts = if c.n_shared_experts > 0 {
