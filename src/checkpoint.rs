@@ -353,6 +353,19 @@ impl Checkpoint {
                 q.scales.push(s[(r / br) * sc + (cols.start + q.seg[i]) / bc]);
             }
         }
+        // E4M3 has no infinities; 0x7f/0xff are NaN, which no quantiser writes.
+        if let Some(i) = q.codes.iter().position(|&c| c & 0x7f == 0x7f) {
+            return Err(CheckpointError::Quant {
+                name: self.full(&format!("{module}.weight")),
+                problem: format!("holds an FP8 NaN code at element {i} of the block read; corrupt checkpoint?"),
+            });
+        }
+        if let Some(bad) = s.iter().find(|v| !v.is_finite()) {
+            return Err(CheckpointError::Quant {
+                name: self.full(&sname),
+                problem: format!("holds a non-finite scale ({bad}); corrupt checkpoint?"),
+            });
+        }
         Ok(q)
     }
 

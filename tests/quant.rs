@@ -243,3 +243,19 @@ fn resident_weights_stay_within_1_25x_of_the_files() {
         assert!(states.as_slice().iter().all(|v| v.is_finite()), "{storage:?}: non-finite states");
     }
 }
+
+#[test]
+fn fp8_nan_codes_are_refused_as_corruption() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    copy_fixture("deepseek-v3-fp8", &dir);
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let name = "model.layers.1.mlp.experts.2.down_proj.weight";
+    let (n, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let start = 8 + n + meta.info(name).unwrap().data_offsets.0;
+    bytes[start + 5] = 0xff;
+    std::fs::write(&path, bytes).unwrap();
+    let err = refused(&dir, "deepseek-v3-fp8");
+    assert!(err.contains(name) && err.contains("NaN"), "{err}");
+}
