@@ -11,7 +11,9 @@
 //!   of 32 along the input: `W[i, j] = q · s[i, j/32]`.
 //!
 //! Weights stay in these codes in memory ([`QuantRows`], then the GEMM's
-//! panels) and are decoded one tile at a time inside the GEMM.
+//! panels) and are decoded one tile at a time inside the GEMM; plain bf16
+//! weights are kept the same way (as codes with scale 1). Any other
+//! `quantization_config` is refused with an error that names it.
 
 use crate::config::ConfigError;
 use regex::Regex;
