@@ -1,7 +1,10 @@
 //! Hugging Face safetensors checkpoints: one file or an index of shards, memory-mapped.
 //!
 //! Tensors are located by name once at open time; reading one checks its
-//! shape and dtype against what the model expects and decodes it to f32.
+//! shape and dtype against what the model expects. Norms and biases are
+//! decoded to f32; linear weights are read as stored ([`Checkpoint::read_linear`]:
+//! FP8 blocks, packed INT4 and bf16 stay codes). A multimodal wrapper's text
+//! model is opened under its prefix ([`Checkpoint::open_scoped`]).
 
 use crate::quant::{LinearWeight, QuantKind, QuantRows, WeightFormat};
 use crate::shape::DType;
