@@ -66,6 +66,9 @@ pub enum CheckpointError {
         /// What it may be.
         expected: &'static str,
     },
+    /// The checkpoint was opened for another tensor prefix than the config's.
+    #[error(transparent)]
+    Prefix(#[from] PrefixMismatch),
     /// A weight stored in a way the config does not declare, or quantised
     /// tensors that do not fit together.
     #[error("tensor {name:?}: {problem}")]
@@ -75,6 +78,16 @@ pub enum CheckpointError {
         /// What is wrong.
         problem: String,
     },
+}
+
+/// Opened under another name prefix than the config's (see [`Checkpoint::open_scoped`]).
+#[derive(Debug, thiserror::Error)]
+#[error("the config's tensors are under {expected:?} but the checkpoint was opened under {actual:?}; open it with Checkpoint::open_scoped(dir, &config.tensor_prefix)")]
+pub struct PrefixMismatch {
+    /// The config's prefix.
+    pub expected: String,
+    /// The checkpoint's.
+    pub actual: String,
 }
 
 const FLOATS: &str = "F32, BF16 or F16";

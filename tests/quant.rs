@@ -259,3 +259,16 @@ fn fp8_nan_codes_are_refused_as_corruption() {
     let err = refused(&dir, "deepseek-v3-fp8");
     assert!(err.contains(name) && err.contains("NaN"), "{err}");
 }
+
+#[test]
+fn a_wrapper_opened_without_its_prefix_is_a_clear_error() {
+    use strata::checkpoint::Checkpoint;
+    use strata::model::deepseek::DeepseekConfig;
+    let dir = fixture("kimi-k25-wrapper");
+    let config = DeepseekConfig::from_file(&dir.join("config.json")).unwrap();
+    assert_eq!((config.model_type.as_str(), config.tensor_prefix.as_str()), ("kimi_k2", "language_model."));
+    let err = Deepseek::<usize>::from_checkpoint(config.clone(), &Checkpoint::open(&dir).unwrap()).err().unwrap();
+    assert!(err.to_string().contains("open_scoped"), "{err}");
+    let ckpt = Checkpoint::open_scoped(&dir, &config.tensor_prefix).unwrap();
+    assert!(Deepseek::<usize>::from_checkpoint(config, &ckpt).is_ok());
+}

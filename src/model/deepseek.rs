@@ -13,7 +13,7 @@ use super::frame::{self, Captures};
 use super::{KvCache, ModelError};
 use crate::batch::PackedBatch;
 use crate::capture::{CaptureSet, Tap};
-use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::checkpoint::{Checkpoint, CheckpointError, PrefixMismatch};
 use crate::config::ConfigError;
 use crate::cpu::attention::{varlen_attention, AttnSegment, AttnShape, KvRef};
 use crate::cpu::ops::{rms_norm, rope_head, swiglu};
@@ -582,15 +582,8 @@ impl<H: Dim + Default> Deepseek<H> {
         let rank = comm.as_ref().map_or(0, |c| c.rank());
         let _span = info_span!("load", arch = %config.model_type, layers = config.num_layers, rank).entered();
         if ckpt.prefix() != config.tensor_prefix {
-            return Err(ModelError::Checkpoint(CheckpointError::Quant {
-                name: format!("{}model.embed_tokens.weight", config.tensor_prefix),
-                problem: format!(
-                    "the config's tensors are under {:?} but the checkpoint was opened under {:?}; \
-                     open it with Checkpoint::open_scoped(dir, &config.tensor_prefix)",
-                    config.tensor_prefix,
-                    ckpt.prefix()
-                ),
-            }));
+            let (expected, actual) = (config.tensor_prefix.clone(), ckpt.prefix().to_string());
+            return Err(CheckpointError::from(PrefixMismatch { expected, actual }).into());
         }
         let hidden: H = dim_from_size("config.json hidden_size", "hidden", config.hidden_size)?;
         let c = &config;
