@@ -8,13 +8,13 @@
 //! instead; scripts/bench_vs_torch.py uses that to time PyTorch on the same one.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use strata::batch::PackedBatch;
-use strata::capture::{CapturePoint, CaptureSet};
 use strata::model::Llama;
-use strata::source::JsonlSource;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
+use strata::pipeline::source::JsonlSource;
 
 fn forward(c: &mut Criterion) {
-    let dir = strata::synth::bench_small_dir().unwrap();
+    let dir = strata_testkit::bench_small_dir().unwrap();
     let model: Llama = Llama::load(&dir).unwrap();
     let samples: Vec<Vec<u32>> =
         JsonlSource::open(&dir.join("tokens.jsonl")).unwrap().map(|s| s.unwrap().input_ids).collect();

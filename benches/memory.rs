@@ -6,7 +6,7 @@
 
 use std::process::Command;
 use strata::shape::DType;
-use strata::synth::{write_llama, write_tokens, LlamaSpec, Rng};
+use strata_testkit::{write_llama, write_tokens, LlamaSpec, Rng};
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {

@@ -6,11 +6,11 @@
 //!     cargo bench --bench moe [-- --runs N]
 
 use std::time::Instant;
-use strata::batch::PackedBatch;
-use strata::capture::{CapturePoint, CaptureSet};
 use strata::model::{Deepseek, Model, TpDeepseek};
-use strata::source::JsonlSource;
-use strata::synth::{write_deepseek, write_tokens, DeepseekSpec};
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
+use strata::pipeline::source::JsonlSource;
+use strata_testkit::{write_deepseek, write_tokens, DeepseekSpec};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

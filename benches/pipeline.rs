@@ -13,15 +13,15 @@
 use std::io::Write;
 use std::path::Path;
 use std::time::Instant;
-use strata::batch::PackedBatch;
-use strata::capture::{CapturePoint, CaptureSet};
-use strata::config::LlamaConfig;
-use strata::manifest::{Manifest, ModelInfo};
+use strata::dataset::manifest::{Manifest, ModelInfo};
+use strata::hf::llama::LlamaConfig;
 use strata::model::Llama;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
+use strata::pipeline::source::{JsonlSource, Sample};
 use strata::pipeline::Pipeline;
 use strata::shape::DType;
 use strata::sink::{OpenMode, Sink, StrataSink, DEFAULT_SHARD_SIZE};
-use strata::source::{JsonlSource, Sample};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -46,7 +46,7 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         return; // `cargo test --benches` lists benches; nothing to list here
     }
-    let dir = strata::synth::bench_small_dir().unwrap();
+    let dir = strata_testkit::bench_small_dir().unwrap();
     let config_text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     let config = LlamaConfig::from_json(&config_text).unwrap();
     let model: Llama = Llama::load(&dir).unwrap();

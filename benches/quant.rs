@@ -16,10 +16,10 @@
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use strata::batch::PackedBatch;
-use strata::capture::{CapturePoint, CaptureSet};
 use strata::model::Deepseek;
-use strata::synth::{write_deepseek_stored, write_tokens, DeepseekSpec, Storage};
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
+use strata_testkit::{write_deepseek_stored, write_tokens, DeepseekSpec, Storage};
 
 const STORAGES: [Storage; 4] = [Storage::F32, Storage::Bf16, Storage::Fp8, Storage::Int4Experts];
 
@@ -122,8 +122,10 @@ fn main() {
     }
 
     let models: Vec<Deepseek> = dirs.iter().map(|d| Deepseek::load(d).unwrap()).collect();
-    let samples: Vec<Vec<u32>> =
-        strata::source::JsonlSource::open(&root.join("tokens.jsonl")).unwrap().map(|s| s.unwrap().input_ids).collect();
+    let samples: Vec<Vec<u32>> = strata::pipeline::source::JsonlSource::open(&root.join("tokens.jsonl"))
+        .unwrap()
+        .map(|s| s.unwrap().input_ids)
+        .collect();
     let set = CaptureSet::<usize>::try_new(CapturePoint::eagle3(spec.num_layers)).unwrap();
     for (label, batch) in [
         ("4 x 512 tokens (~256 rows per expert)", PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()))),

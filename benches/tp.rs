@@ -5,10 +5,10 @@
 //!     cargo bench --bench tp [-- --runs N]
 
 use std::time::Instant;
-use strata::batch::PackedBatch;
-use strata::capture::{CapturePoint, CaptureSet};
 use strata::model::{Llama, Model, TpLlama};
-use strata::source::JsonlSource;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
+use strata::pipeline::source::JsonlSource;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -21,7 +21,7 @@ fn main() {
         return;
     }
     let runs: usize = args.iter().position(|a| a == "--runs").map_or(5, |i| args[i + 1].parse().unwrap());
-    let dir = strata::synth::bench_small_dir().unwrap();
+    let dir = strata_testkit::bench_small_dir().unwrap();
     let samples: Vec<Vec<u32>> =
         JsonlSource::open(&dir.join("tokens.jsonl")).unwrap().map(|s| s.unwrap().input_ids).collect();
     let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));

@@ -22,15 +22,15 @@
 //!     cargo run --release --example kimi_k25_eagle3 [-- OUT_DIR]
 
 use std::path::Path;
-use strata::capture::{CapturePoint, CaptureSet};
-use strata::manifest::{Manifest, ModelInfo};
+use strata::dataset::manifest::{Manifest, ModelInfo};
 use strata::model::TpDeepseek;
+use strata::parallel::{HiddenU, ShardDim, Tp, TpSize};
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
+use strata::pipeline::source::JsonlSource;
 use strata::pipeline::{Pipeline, Report};
 use strata::shape::{DType, Layers};
 use strata::sink::{OpenMode, StrataSink, DEFAULT_SHARD_SIZE};
-use strata::source::JsonlSource;
-use strata::synth::{write_deepseek_stored, write_tokens, DeepseekSpec, Storage};
-use strata::tp::{HiddenU, ShardDim, Tp, TpSize};
+use strata_testkit::{write_deepseek_stored, write_tokens, DeepseekSpec, Storage};
 use typenum::{Prod, U1024, U64, U7, U8};
 
 /// Kimi-K2.5's hidden width, 7 · 1024 = 7168, as a type.
@@ -47,7 +47,7 @@ fn extraction_job<H: ShardDim<TP> + Default, TP: TpSize + Default>(
 ) -> Result<Report, Box<dyn std::error::Error>> {
     let model = TpDeepseek::<H, TP>::load(model_dir, TP::default())?;
     let text = std::fs::read_to_string(model_dir.join("config.json"))?;
-    let config = strata::model::deepseek::DeepseekConfig::from_json(&text)?;
+    let config = strata::hf::DeepseekConfig::from_json(&text)?;
     let points: Vec<CapturePoint> = SEED_LAYERS.iter().map(|&k| CapturePoint::LayerInput(k)).collect();
     let info = ModelInfo::new(&model_dir.display().to_string(), &config.info(), &text);
     let manifest = Manifest::new(info, &points, DType::BF16, DEFAULT_SHARD_SIZE);
@@ -112,10 +112,10 @@ mod tests {
         let report = super::scaled_down(&out).unwrap();
         // The seed's two samples (512 and 259 tokens): 2 samples, not 771 tensors.
         assert_eq!((report.progress.samples, report.progress.tokens), (2, 771));
-        let m = strata::manifest::Manifest::read(&out).unwrap();
+        let m = strata::dataset::manifest::Manifest::read(&out).unwrap();
         let points: Vec<&str> = m.capture.iter().map(|c| c.point.as_str()).collect();
         assert_eq!(points, ["input:2", "input:30", "input:58", "input:60"]);
-        assert!(strata::verify::verify(&out, None).unwrap().is_empty());
+        assert!(strata::dataset::verify::verify(&out, None).unwrap().is_empty());
         let shard = strata::dataset::MappedFile::open(&out.join(&m.shards[0].file)).unwrap();
         assert_eq!(shard.tensors["0.hidden_states"].shape, vec![4, 512, 64]);
         assert_eq!(shard.tensors["1.hidden_states"].shape, vec![4, 259, 64]);

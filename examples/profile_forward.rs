@@ -3,10 +3,10 @@
 //!     cargo run --release --example profile_forward -- DIR [RUNS]
 
 use std::time::Instant;
-use strata::batch::PackedBatch;
-use strata::capture::{CapturePoint, CaptureSet};
 use strata::model::Llama;
-use strata::source::JsonlSource;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
+use strata::pipeline::source::JsonlSource;
 
 fn main() {
     let mut args = std::env::args().skip(1);

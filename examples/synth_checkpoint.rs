@@ -4,7 +4,7 @@
 //!     cargo run --release --example synth_checkpoint -- DIR
 
 use strata::shape::DType;
-use strata::synth::{write_llama, write_tokens, LlamaSpec};
+use strata_testkit::{write_llama, write_tokens, LlamaSpec};
 
 fn main() -> std::io::Result<()> {
     let dir = std::env::args().nth(1).expect("usage: synth_checkpoint DIR");

@@ -1,31 +1,31 @@
-//! A statically typed extraction job: the embedded demo model (hidden 64),
-//! four EAGLE-3 capture points, written in the native format. The layout
-//! `[Layers<4>, T, Hidden<64>]` is in the types: a writer for another hidden
-//! size or capture count would not compile.
+//! A statically typed extraction job: the demo model (the `llama-default`
+//! fixture the CLI embeds: hidden 64), four EAGLE-3 capture points, written
+//! in the native format. The layout `[Layers<4>, T, Hidden<64>]` is in the
+//! types: a writer for another hidden size or capture count would not compile.
 //!
 //!     cargo run --release --example typed_job -- /tmp/typed-job
 
-use strata::capture::{CapturePoint, CaptureSet};
-use strata::checkpoint::Checkpoint;
-use strata::config::LlamaConfig;
-use strata::manifest::{Manifest, ModelInfo};
+use std::path::Path;
+use strata::dataset::manifest::{Manifest, ModelInfo};
+use strata::hf::{Checkpoint, LlamaConfig};
 use strata::model::Llama;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
+use strata::pipeline::source::JsonlSource;
 use strata::pipeline::Pipeline;
 use strata::shape::{DType, Hidden, Layers};
-use strata::sink::{OpenMode, StrataSink};
-use strata::source::JsonlSource;
-use strata::{embedded, sink::DEFAULT_SHARD_SIZE};
+use strata::sink::{OpenMode, StrataSink, DEFAULT_SHARD_SIZE};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = std::env::args().nth(1).unwrap_or_else(|| "/tmp/typed-job".into());
-    let config = LlamaConfig::from_json(embedded::CONFIG_JSON)?;
-    let ckpt = Checkpoint::from_static(embedded::NAME, embedded::MODEL_SAFETENSORS)?;
-    let model = Llama::<Hidden<64>>::from_checkpoint(config.clone(), &ckpt)?;
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama-default");
+    let config_json = std::fs::read_to_string(dir.join("config.json"))?;
+    let config = LlamaConfig::from_json(&config_json)?;
+    let model = Llama::<Hidden<64>>::from_checkpoint(config.clone(), &Checkpoint::open(&dir)?)?;
     let points = CapturePoint::eagle3(config.num_layers);
-    let info = ModelInfo::new(embedded::NAME, &config.info(), embedded::CONFIG_JSON);
+    let info = ModelInfo::new(&dir.display().to_string(), &config.info(), &config_json);
     let manifest = Manifest::new(info, &points, DType::BF16, DEFAULT_SHARD_SIZE);
     let sink = StrataSink::<Layers<4>, Hidden<64>>::open(out.as_ref(), manifest, Layers, Hidden, OpenMode::Overwrite)?;
-    let source = JsonlSource::new("demo".into(), embedded::DATA_JSONL.as_bytes());
+    let source = JsonlSource::open(&dir.join("data.jsonl"))?;
     let (report, _) = Pipeline::new(source)
         .max_batch_tokens(16)
         .model(&model)

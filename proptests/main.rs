@@ -4,10 +4,10 @@
 use proptest::prelude::*;
 use std::path::Path;
 use std::sync::OnceLock;
-use strata::batch::PackedBatch;
-use strata::capture::{CapturePoint, CaptureSet};
-use strata::cpu::PackedLinear;
+use strata::backend::cpu::PackedLinear;
 use strata::model::Llama;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::shape::{CapturedStates, TokenAxis};
 
 fn model() -> &'static Llama {
@@ -31,7 +31,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         use strata::model::{Model, TpLlama};
-        use strata::synth::{write_llama, LlamaSpec};
+        use strata_testkit::{write_llama, LlamaSpec};
         let heads = 4 * group; // divisible by every tp tried and by every kv
         let spec = LlamaSpec {
             hidden_size: heads * head_dim,
@@ -44,7 +44,7 @@ proptest! {
         prop_assume!(heads % kv == 0 && (kv % tp == 0 || tp % kv == 0));
         let dir = tempfile::tempdir().unwrap();
         write_llama(dir.path(), &spec, strata::shape::DType::F32, seed).unwrap();
-        let mut rng = strata::synth::Rng::new(seed ^ 1);
+        let mut rng = strata_testkit::Rng::new(seed ^ 1);
         let samples: Vec<Vec<u32>> = [5usize, 17, 1].iter().map(|&n| (0..n).map(|_| rng.below(50) as u32).collect()).collect();
         let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));
         let set = CaptureSet::<usize>::try_new(vec![CapturePoint::LayerInput(layers - 1), CapturePoint::FinalPostNorm]).unwrap();
@@ -68,7 +68,7 @@ proptest! {
     ) {
         let m = model();
         let vocab = m.config().vocab_size as u64;
-        let mut rng = strata::synth::Rng::new(seed);
+        let mut rng = strata_testkit::Rng::new(seed);
         let samples: Vec<Vec<u32>> = lens.iter().map(|&n| (0..n).map(|_| rng.below(vocab) as u32).collect()).collect();
         let set = CaptureSet::<usize>::try_new(vec![CapturePoint::LayerInput(1), CapturePoint::FinalPostNorm]).unwrap();
         let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));
@@ -87,13 +87,13 @@ proptest! {
         budget in 1usize..80,
         seed in any::<u64>(),
     ) {
-        use strata::gather::Gatherer;
-        use strata::model::KvCache;
-        use strata::schedule::Scheduler;
-        use strata::source::Sample;
+        use strata::pipeline::gather::Gatherer;
+        use strata::backend::{KvCache, KvStore};
+        use strata::pipeline::schedule::Scheduler;
+        use strata::pipeline::source::Sample;
         let m = model();
         let vocab = m.config().vocab_size as u64;
-        let mut rng = strata::synth::Rng::new(seed);
+        let mut rng = strata_testkit::Rng::new(seed);
         let samples: Vec<Sample> = lens
             .iter()
             .enumerate()
@@ -134,9 +134,9 @@ proptest! {
     /// rank replies back is the identity.
     #[test]
     fn tp_shard_then_gather_round_trip(l in 1usize..4, t in 0usize..9, per in 1usize..7, tp in 1usize..6, seed in any::<u64>()) {
-        use strata::tp::{PerRank, ShardedStates};
+        use strata::parallel::{PerRank, ShardedStates};
         let h = per * tp;
-        let mut rng = strata::synth::Rng::new(seed);
+        let mut rng = strata_testkit::Rng::new(seed);
         let s = CapturedStates::<usize, usize>::try_from_vec((0..l * t * h).map(|_| rng.uniform()).collect(), l, t, h).unwrap();
         let parts: Vec<_> = (0..tp).map(|r| ShardedStates::split(&s, tp, r).unwrap()).collect();
         prop_assert!(parts.iter().all(|p| p.shape() == [l, t, per]));
@@ -148,7 +148,7 @@ proptest! {
     /// The packed GEMM agrees with a naive f64 product on any shape.
     #[test]
     fn gemm_matches_naive(m in 1usize..150, n in 1usize..100, k in 1usize..600, seed in any::<u64>()) {
-        let mut rng = strata::synth::Rng::new(seed);
+        let mut rng = strata_testkit::Rng::new(seed);
         let x: Vec<f32> = (0..m * k).map(|_| rng.uniform()).collect();
         let w: Vec<f32> = (0..n * k).map(|_| rng.uniform()).collect();
         let mut y = vec![0f32; m * n];
@@ -169,8 +169,8 @@ proptest! {
         m in 1usize..200, n in 1usize..80, k in 1usize..1200, c0 in 0usize..300,
         int4 in any::<bool>(), block in prop::sample::select(vec![32usize, 128]), seed in any::<u64>(),
     ) {
-        use strata::quant::{LinearWeight, QuantKind, QuantRows};
-        let mut rng = strata::synth::Rng::new(seed);
+        use strata::hf::quant::{LinearWeight, QuantKind, QuantRows};
+        let mut rng = strata_testkit::Rng::new(seed);
         let kind = if int4 { QuantKind::Int4 } else { QuantKind::Fp8 };
         let seg = QuantRows::segments(c0, k, block);
         // Any INT4 value; any FP8 code but the two NaNs (0x7f, 0xff), subnormals included.

@@ -1,31 +1,30 @@
 //! Strata: shape-verified hidden-state extraction from transformer LLMs.
 //!
-//! The data flows one way: a [`source`] of samples is packed into a
-//! [`batch::PackedBatch`], a [`model`] runs it and fills the requested
-//! [`capture`] points into typed `[L, T, H]` [`shape::CapturedStates`],
-//! which a [`sink`] writes to disk. [`extract`] composes them for the CLI.
+//! The data flows one way, and the folders say so:
+//!
+//! ```text
+//! pipeline::source ─► pipeline::schedule ─► model (on a backend) ─► pipeline::capture ─► pipeline::gather ─► sink
+//! ```
+//!
+//! - [`shape`]: the vocabulary: named dims, dtypes, typed `[L, T, H]` storage, [`shape::ShapeError`];
+//! - [`pipeline`]: the stages' data (samples, packed batches, capture points)
+//!   and the [`pipeline::Pipeline`] builder that composes them;
+//! - [`hf`]: Hugging Face checkpoints: safetensors, configs, quantisation;
+//! - [`model`]: the decoders, written once over a backend; tensor parallelism from outside;
+//! - [`backend`]: where the arithmetic runs: `cpu` (fast) and `reference` (the oracle);
+//! - [`parallel`]: ranks, collectives, the typed RPC, shard arithmetic;
+//! - [`sink`]: writers of the native and speculators formats;
+//! - [`dataset`]: datasets once written: manifest, reading, verify, recompute, inspect.
+//!
+//! See docs/ARCHITECTURE.md.
 
 #![warn(missing_docs)]
 
-pub mod batch;
-pub mod capture;
-pub mod checkpoint;
-pub mod config;
-pub mod cpu;
+pub mod backend;
 pub mod dataset;
-pub mod embedded;
-pub mod extract;
-pub mod gather;
-pub mod inspect;
-pub mod manifest;
+pub mod hf;
 pub mod model;
+pub mod parallel;
 pub mod pipeline;
-pub mod quant;
-pub mod schedule;
 pub mod shape;
 pub mod sink;
-pub mod source;
-pub mod stats;
-pub mod synth;
-pub mod tp;
-pub mod verify;

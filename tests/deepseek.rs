@@ -3,9 +3,10 @@
 mod common;
 
 use common::*;
-use strata::batch::PackedBatch;
-use strata::capture::CaptureSet;
-use strata::model::{Deepseek, KvCache};
+use strata::backend::KvCache;
+use strata::model::Deepseek;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::CaptureSet;
 
 const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"];
 

@@ -5,10 +5,10 @@ mod common;
 
 use common::*;
 use std::process::Command;
-use strata::batch::PackedBatch;
-use strata::capture::{CapturePoint, CaptureSet};
-use strata::config::LlamaConfig;
+use strata::hf::llama::LlamaConfig;
 use strata::model::Llama;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::shape::{Hidden, Layers};
 
 #[test]
@@ -112,7 +112,7 @@ fn sliding_window_is_exercised_by_the_fixtures() {
         let mut config = LlamaConfig::from_file(&dir.join("config.json")).unwrap();
         assert!(config.sliding_windows.iter().any(|w| w.is_some()), "{name} has no window");
         config.sliding_windows.iter_mut().for_each(|w| *w = None);
-        let ckpt = strata::checkpoint::Checkpoint::open(&dir).unwrap();
+        let ckpt = strata::hf::checkpoint::Checkpoint::open(&dir).unwrap();
         let model: Llama = Llama::from_checkpoint(config, &ckpt).unwrap();
         let samples = samples(name);
         let last = samples.len() - 1;

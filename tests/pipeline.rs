@@ -47,7 +47,7 @@ fn output_is_identical_whatever_the_batch_budget() {
 
 /// `n` samples of random lengths in `lens` for the embedded model (vocab 256), with ids and loss masks.
 fn write_data(path: &Path, n: usize, lens: std::ops::Range<u64>, seed: u64) {
-    let mut rng = strata::synth::Rng::new(seed);
+    let mut rng = strata_testkit::Rng::new(seed);
     let mut text = String::new();
     for i in 0..n {
         let len = lens.start + rng.below(lens.end - lens.start);
@@ -88,7 +88,7 @@ fn kill_and_resume_gives_the_uninterrupted_output() {
     // Kill -9 once a few shards are durable: mid-run, most likely mid-shard.
     let start = Instant::now();
     loop {
-        let shards = strata::manifest::Manifest::read(&cut).map(|m| m.shards.len()).unwrap_or(0);
+        let shards = strata::dataset::manifest::Manifest::read(&cut).map(|m| m.shards.len()).unwrap_or(0);
         if shards >= 3 {
             break;
         }
@@ -100,7 +100,7 @@ fn kill_and_resume_gives_the_uninterrupted_output() {
     child.wait().unwrap();
 
     // Nothing partial under a final name: the manifest and every shard parse.
-    let m = strata::manifest::Manifest::read(&cut).unwrap();
+    let m = strata::dataset::manifest::Manifest::read(&cut).unwrap();
     assert!(!m.complete, "the run was not interrupted");
     for e in std::fs::read_dir(&cut).unwrap() {
         let name = e.unwrap().file_name().to_string_lossy().to_string();
@@ -140,7 +140,7 @@ fn verify_accepts_a_sound_dataset_and_reports_each_fault() {
     let tmp = tempfile::tempdir().unwrap();
     dataset(tmp.path());
     let ds = tmp.path().join("ds");
-    let m = strata::manifest::Manifest::read(&ds).unwrap();
+    let m = strata::dataset::manifest::Manifest::read(&ds).unwrap();
     assert!(m.shards.len() >= 3, "want several shards, got {}", m.shards.len());
     let (ok, text) = verify(&ds, &[]);
     assert!(ok && text.contains("ok: 40 samples"), "{text}");
@@ -177,7 +177,7 @@ fn verify_accepts_a_sound_dataset_and_reports_each_fault() {
     let d = fresh("missing");
     std::fs::remove_file(d.join(&m.shards[2].file)).unwrap();
     let mut m2 = m.clone();
-    m2.samples.push(strata::manifest::SampleInfo {
+    m2.samples.push(strata::dataset::manifest::SampleInfo {
         id: "ghost".into(),
         shard: 0,
         tokens: 3,

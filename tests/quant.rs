@@ -6,10 +6,12 @@ mod common;
 
 use common::*;
 use std::path::Path;
-use strata::batch::PackedBatch;
-use strata::capture::CaptureSet;
-use strata::model::{Deepseek, KvCache};
-use strata::quant::QuantKind;
+use strata::backend::KvCache;
+use strata::backend::LinearInfo;
+use strata::hf::quant::QuantKind;
+use strata::model::Deepseek;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::CaptureSet;
 
 const QUANT: &[&str] = &["deepseek-v3-fp8", "kimi-k2-fp8-sharded", "kimi-k2-int4", "kimi-k25-wrapper"];
 
@@ -204,7 +206,7 @@ fn tensors_that_disagree_with_the_config_are_refused() {
 
 #[test]
 fn resident_weights_stay_within_1_25x_of_the_files() {
-    use strata::synth::{write_deepseek_stored, DeepseekSpec, Storage};
+    use strata_testkit::{write_deepseek_stored, DeepseekSpec, Storage};
     let spec = DeepseekSpec {
         model_type: "kimi_k2",
         hidden_size: 256,
@@ -262,8 +264,8 @@ fn fp8_nan_codes_are_refused_as_corruption() {
 
 #[test]
 fn a_wrapper_opened_without_its_prefix_is_a_clear_error() {
-    use strata::checkpoint::Checkpoint;
-    use strata::model::deepseek::DeepseekConfig;
+    use strata::hf::checkpoint::Checkpoint;
+    use strata::hf::DeepseekConfig;
     let dir = fixture("kimi-k25-wrapper");
     let config = DeepseekConfig::from_file(&dir.join("config.json")).unwrap();
     assert_eq!((config.model_type.as_str(), config.tensor_prefix.as_str()), ("kimi_k2", "language_model."));

@@ -5,11 +5,11 @@ mod common;
 
 use common::*;
 use std::process::Command;
-use strata::batch::PackedBatch;
-use strata::capture::{CapturePoint, CaptureSet};
 use strata::model::{Llama, Model, TpLlama};
+use strata::parallel::{HiddenU, ShardedStates, Tp};
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::shape::Layers;
-use strata::tp::{HiddenU, ShardedStates, Tp};
 use typenum::{U2, U64};
 
 /// TP changes only the order of the all-reduced sums: `|a - b| <= TP_TOL * max(1, |b|)`.

@@ -1,425 +1,362 @@
-//! Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on the CPU, over packed batches.
+//! The Llama family (Llama, Mistral, Qwen2, Qwen3), over any backend.
 //!
-//! Pre-norm residual blocks, as in the checkpoints:
-//! `x += o_proj(attn(rope(q), rope(k), v))` on `input_layernorm(x)`, then
-//! `x += down_proj(silu(gate_proj(h)) * up_proj(h))` on `post_attention_layernorm(x)`.
+//! Pre-norm residual blocks, named as in the checkpoints (`model.layers.{i}.*`):
+//! `x += self_attn(input_layernorm(x))`, then `x += mlp(post_attention_layernorm(x))`.
 //! q/k/v and gate/up are fused into one GEMM each at load time. No LM head.
+//!
+//! Tensor parallelism, as in vLLM and gpt-fast, is each linear layer's kind:
+//! q/k/v and gate/up are column-parallel (split by output rows), o_proj and
+//! down_proj row-parallel (split by input columns, summed over ranks); heads
+//! and kv heads are divided across ranks (kv heads replicated when fewer).
 
-use super::frame::{self, Captures};
-use super::{KvCache, ModelError};
-use crate::batch::PackedBatch;
-use crate::capture::{CaptureSet, Tap};
-use crate::checkpoint::Checkpoint;
-use crate::config::{LlamaConfig, RopeScaling};
-use crate::cpu::attention::{varlen_attention, AttnSegment, AttnShape, KvRef};
-use crate::cpu::ops::{rms_norm, rms_norm_heads_inplace, rope_head, swiglu};
-use crate::cpu::PackedLinear;
-use crate::quant::{LinearWeight, WeightFormat};
-use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
-use crate::tp::{Collective, TpPlan};
-use std::path::Path;
-use std::sync::Arc;
-use tracing::{debug_span, info_span};
+use super::decoder::{Block, Frame, Step};
+use super::ModelError;
+use crate::backend::{AttnShape, Backend, HeadSpan, Parallel, Resident, Tensor};
+use crate::hf::checkpoint::Checkpoint;
+use crate::hf::llama::LlamaConfig;
+use crate::hf::quant::{LinearWeight, WeightFormat};
+use crate::hf::ConfigError;
+use crate::shape::Dim;
+use std::ops::Range;
 
-/// Self-attention weights of one layer (`self_attn.*`).
-struct SelfAttn {
-    /// `q_proj`, `k_proj`, `v_proj` stacked: `[(heads + 2·kv) · head_dim, hidden]`.
-    qkv_proj: PackedLinear,
-    o_proj: PackedLinear,
-    /// o_proj's bias when added after the all-reduce (tensor parallelism).
-    o_bias: Option<Vec<f32>>,
-    /// Qwen3's per-head norms.
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
+/// How a model's heads and widths split over `size` ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpPlan {
+    /// Number of ranks.
+    pub size: usize,
+    /// Query heads per rank.
+    pub heads: usize,
+    /// KV heads per rank (after replication when kv heads < ranks).
+    pub kv_heads: usize,
+    /// MLP width per rank.
+    pub intermediate: usize,
 }
 
-/// MLP weights of one layer (`mlp.*`).
-struct Mlp {
-    /// `gate_proj` and `up_proj` stacked: `[2 · intermediate, hidden]`.
-    gate_up_proj: PackedLinear,
-    down_proj: PackedLinear,
-    /// down_proj's bias when added after the all-reduce (tensor parallelism).
-    down_bias: Option<Vec<f32>>,
-}
+impl TpPlan {
+    /// Checks that `config` splits over `size` ranks, before any weight is read.
+    pub fn new(config: &LlamaConfig, size: usize) -> Result<Self, String> {
+        let c = config;
+        let bad = |what: &str, n: usize| {
+            Err(format!("--tp {size}: {what} {n} is not divisible by {size}; choose a TP size that divides it"))
+        };
+        if size == 0 {
+            return Err("--tp must be at least 1".into());
+        }
+        if !c.num_heads.is_multiple_of(size) {
+            return bad("num_attention_heads", c.num_heads);
+        }
+        if !c.intermediate_size.is_multiple_of(size) {
+            return bad("intermediate_size", c.intermediate_size);
+        }
+        let kv_heads = if c.num_kv_heads.is_multiple_of(size) {
+            c.num_kv_heads / size
+        } else if size.is_multiple_of(c.num_kv_heads) {
+            1 // each kv head replicated on size / num_kv_heads ranks
+        } else {
+            return Err(format!(
+                "--tp {size}: num_key_value_heads {} neither divides nor is divisible by {size}",
+                c.num_kv_heads
+            ));
+        };
+        Ok(TpPlan { size, heads: c.num_heads / size, kv_heads, intermediate: c.intermediate_size / size })
+    }
 
-/// One decoder layer (`model.layers.{i}.*`).
-struct DecoderLayer {
-    input_layernorm: Vec<f32>,
-    self_attn: SelfAttn,
-    post_attention_layernorm: Vec<f32>,
-    mlp: Mlp,
-    sliding_window: Option<usize>,
-}
-
-/// A loaded Llama-family model whose hidden width is the dim `H`
-/// (`Hidden<N>` in a static job, `usize` when it comes from `config.json`).
-pub struct Llama<H: Dim = usize> {
-    config: LlamaConfig,
-    hidden: H,
-    dtype: DType,
-    embed_tokens: frame::Embedding,
-    layers: Vec<DecoderLayer>,
-    norm: Vec<f32>,
-    inv_freq: Vec<f32>,
-    /// How this rank's share of heads and widths was cut.
-    plan: TpPlan,
-    /// The rank's communicator; `None` for a single rank.
-    comm: Option<Arc<dyn Collective<Buf = [f32]>>>,
-}
-
-/// Reusable activations of one forward, sized by the batch.
-struct Activations {
-    normed: Vec<f32>,
-    qkv: Vec<f32>,
-    attn: Vec<f32>,
-    gate_up: Vec<f32>,
-    act: Vec<f32>,
-    /// A row-parallel layer's partial output, before the all-reduce.
-    partial: Vec<f32>,
-}
-
-fn inv_freq(c: &LlamaConfig) -> Vec<f32> {
-    let d = c.head_dim;
-    let base: Vec<f32> = (0..d / 2).map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / d as f32)).collect();
-    match c.rope_scaling {
-        RopeScaling::None => base,
-        RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } => {
-            let low_wavelen = old / low_freq_factor;
-            let high_wavelen = old / high_freq_factor;
-            base.into_iter()
-                .map(|f| {
-                    let wavelen = 2.0 * std::f32::consts::PI / f;
-                    if wavelen < high_wavelen {
-                        f
-                    } else if wavelen > low_wavelen {
-                        f / factor
-                    } else {
-                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    }
-                })
-                .collect()
+    /// The first kv head rank `rank` holds.
+    pub fn kv_head0(&self, config: &LlamaConfig, rank: usize) -> usize {
+        if config.num_kv_heads.is_multiple_of(self.size) {
+            rank * self.kv_heads
+        } else {
+            rank * config.num_kv_heads / self.size
         }
     }
 }
 
-impl<H: Dim + Default> Llama<H> {
-    /// Loads `config.json` and the safetensors weights from a checkpoint directory.
-    pub fn load(dir: &Path) -> Result<Self, ModelError> {
-        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
-        let ckpt = Checkpoint::open(dir)?;
-        Self::from_checkpoint(config, &ckpt)
-    }
+/// Reads one layer's tensors: weights as stored (bf16 stays bf16, f32/f16 as f32).
+struct Reader<'a> {
+    ckpt: &'a Checkpoint,
+    prefix: String,
+}
 
-    /// Builds the model from a parsed config and an opened checkpoint,
-    /// checking the config's hidden size against `H`.
-    pub fn from_checkpoint(config: LlamaConfig, ckpt: &Checkpoint) -> Result<Self, ModelError> {
-        let plan = TpPlan::new(&config, 1).map_err(ModelError::Parallel)?;
-        Self::from_checkpoint_rank(config, ckpt, plan, None)
+impl Reader<'_> {
+    /// A vector `[n]`, whole.
+    fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
+        Ok(self.ckpt.read_f32(&format!("{}.{name}", self.prefix), &[n])?)
     }
+    /// Entries `r` of a vector `[n]`.
+    fn vector_rows(&self, name: &str, n: usize, r: &Range<usize>) -> Result<Vec<f32>, ModelError> {
+        Ok(self.ckpt.read_f32_block(&format!("{}.{name}", self.prefix), &[n], r.clone(), 0..1)?)
+    }
+    /// Block `rows × cols` of `{name}.weight` (`shape = [out, in]`).
+    fn linear(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) -> Result<LinearWeight, ModelError> {
+        Ok(self.ckpt.read_linear(&format!("{}.{name}", self.prefix), shape, rows, cols, WeightFormat::Plain)?)
+    }
+}
 
-    /// Builds tensor-parallel rank `comm.rank()` of `plan.size`: it reads only
-    /// its own rows of q/k/v and gate/up and its own columns of o/down from
-    /// the mapped checkpoint. With `comm = None`, the whole model (`plan.size = 1`).
-    pub fn from_checkpoint_rank(
-        config: LlamaConfig,
-        ckpt: &Checkpoint,
-        plan: TpPlan,
-        comm: Option<Arc<dyn Collective<Buf = [f32]>>>,
-    ) -> Result<Self, ModelError> {
-        let rank = comm.as_ref().map_or(0, |c| c.rank());
-        let _span = info_span!("load", arch = config.arch.name(), layers = config.num_layers, rank).entered();
-        let hidden: H = dim_from_size("config.json hidden_size", "hidden", config.hidden_size)?;
-        let c = &config;
-        let (h, hd, i) = (c.hidden_size, c.head_dim, c.intermediate_size);
+/// Self-attention (`self_attn.*`) of this rank's heads.
+pub struct Attention<B: Backend> {
+    /// `q_proj`, `k_proj`, `v_proj` stacked: `[(heads + 2·kv_heads) · head_dim, hidden]`, column-parallel.
+    qkv_proj: B::Linear,
+    /// `[hidden, heads · head_dim]`, row-parallel.
+    o_proj: B::Linear,
+    /// Qwen3's per-head norms.
+    q_norm: Option<B::Vector>,
+    k_norm: Option<B::Vector>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    window: Option<usize>,
+    eps: f32,
+}
+
+/// Buffers of the attention block.
+pub struct AttnScratch<B: Backend> {
+    /// `[T, (heads + 2·kv_heads) · head_dim]`.
+    qkv: Tensor<B>,
+    /// `[T, heads · head_dim]`.
+    out: Tensor<B>,
+}
+
+impl<B: Backend> Attention<B> {
+    fn load(b: &B, c: &LlamaConfig, r: &Reader<'_>, plan: &TpPlan, window: Option<usize>) -> Result<Self, ModelError> {
+        let (h, hd, rank) = (c.hidden_size, c.head_dim, b.rank());
         let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
-        // This rank's rows of the column-parallel weights and columns of the row-parallel ones.
+        // This rank's rows of q/k/v (its heads) and columns of o_proj.
         let q_rows = rank * plan.heads * hd..(rank + 1) * plan.heads * hd;
         let kv0 = plan.kv_head0(c, rank);
         let kv_rows = kv0 * hd..(kv0 + plan.kv_heads) * hd;
-        let i_rows = rank * plan.intermediate..(rank + 1) * plan.intermediate;
-        let embed_tokens = frame::Embedding::read(ckpt, c.vocab_size, h)?;
-        let dtype = embed_tokens.dtype();
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for l in 0..c.num_layers {
-            let p = format!("model.layers.{l}");
-            let w = |name: &str, shape: &[usize]| ckpt.read_f32(&format!("{p}.{name}"), shape);
-            let rows = |name: &str, shape: &[usize], r: &std::ops::Range<usize>| {
-                let cols = if shape.len() == 2 { 0..shape[1] } else { 0..1 };
-                ckpt.read_f32_block(&format!("{p}.{name}"), shape, r.clone(), cols)
-            };
-            // Weights as stored (bf16 stays bf16, decoded per tile; f32/f16 as f32).
-            let lin = |name: &str, shape: [usize; 2], r: std::ops::Range<usize>, cols: std::ops::Range<usize>| {
-                ckpt.read_linear(&format!("{p}.{name}"), shape, r, cols, WeightFormat::Plain)
-            };
-            let qkv = LinearWeight::stack(vec![
-                lin("self_attn.q_proj", [q_out, h], q_rows.clone(), 0..h)?,
-                lin("self_attn.k_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-                lin("self_attn.v_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-            ]);
-            let qkv_bias = if c.qkv_bias {
-                let mut b = rows("self_attn.q_proj.bias", &[q_out], &q_rows)?;
-                b.extend(rows("self_attn.k_proj.bias", &[kv_out], &kv_rows)?);
-                b.extend(rows("self_attn.v_proj.bias", &[kv_out], &kv_rows)?);
-                Some(b)
-            } else {
-                None
-            };
-            let o_bias = if c.o_bias { Some(w("self_attn.o_proj.bias", &[h])?) } else { None };
-            let (q_norm, k_norm) = if c.qk_norm {
-                (Some(w("self_attn.q_norm.weight", &[hd])?), Some(w("self_attn.k_norm.weight", &[hd])?))
-            } else {
-                (None, None)
-            };
-            let gate_up = LinearWeight::stack(vec![
-                lin("mlp.gate_proj", [i, h], i_rows.clone(), 0..h)?,
-                lin("mlp.up_proj", [i, h], i_rows.clone(), 0..h)?,
-            ]);
-            let (gate_up_bias, down_bias) = if c.mlp_bias {
-                let mut b = rows("mlp.gate_proj.bias", &[i], &i_rows)?;
-                b.extend(rows("mlp.up_proj.bias", &[i], &i_rows)?);
-                (Some(b), Some(w("mlp.down_proj.bias", &[h])?))
-            } else {
-                (None, None)
-            };
-            // One rank keeps its biases inside the GEMM; with several, a row-parallel
-            // bias is added once, after the all-reduce.
-            let single = plan.size == 1;
-            let o_proj = lin("self_attn.o_proj", [h, q_out], 0..h, q_rows.clone())?;
-            let down_proj = lin("mlp.down_proj", [h, i], 0..h, i_rows.clone())?;
-            layers.push(DecoderLayer {
-                input_layernorm: w("input_layernorm.weight", &[h])?,
-                self_attn: SelfAttn {
-                    qkv_proj: PackedLinear::from_weight(qkv, qkv_bias),
-                    o_proj: PackedLinear::from_weight(o_proj, if single { o_bias.clone() } else { None }),
-                    o_bias: if single { None } else { o_bias },
-                    q_norm,
-                    k_norm,
-                },
-                post_attention_layernorm: w("post_attention_layernorm.weight", &[h])?,
-                mlp: Mlp {
-                    gate_up_proj: PackedLinear::from_weight(gate_up, gate_up_bias),
-                    down_proj: PackedLinear::from_weight(down_proj, if single { down_bias.clone() } else { None }),
-                    down_bias: if single { None } else { down_bias },
-                },
-                sliding_window: c.sliding_windows[l],
-            });
-        }
-        let norm = ckpt.read_f32("model.norm.weight", &[h])?;
-        let inv_freq = inv_freq(c);
-        Ok(Llama { config, hidden, dtype, embed_tokens, layers, norm, inv_freq, plan, comm })
-    }
-}
-
-impl<H: Dim> Llama<H> {
-    /// The normalised config.
-    pub fn config(&self) -> &LlamaConfig {
-        &self.config
-    }
-    /// The hidden dim.
-    pub fn hidden(&self) -> H {
-        self.hidden
-    }
-    /// The dtype the checkpoint stores its weights in.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    /// Checks a batch against the model: token ids in the vocabulary, no empty
-    /// segment, no position past `max_position_embeddings`.
-    pub fn check_batch(&self, batch: &PackedBatch) -> Result<(), ModelError> {
-        frame::check_batch(batch, self.config.vocab_size, self.config.max_position_embeddings)
-    }
-
-    /// Bytes of memory the weights hold (bf16 weights as bf16).
-    pub fn resident_bytes(&self) -> usize {
-        let v = |x: &[f32]| x.len() * 4;
-        let o = |x: &Option<Vec<f32>>| x.as_deref().map_or(0, v);
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                let (a, m) = (&l.self_attn, &l.mlp);
-                a.qkv_proj.resident_bytes()
-                    + a.o_proj.resident_bytes()
-                    + o(&a.o_bias)
-                    + o(&a.q_norm)
-                    + o(&a.k_norm)
-                    + m.gate_up_proj.resident_bytes()
-                    + m.down_proj.resident_bytes()
-                    + o(&m.down_bias)
-                    + v(&l.input_layernorm)
-                    + v(&l.post_attention_layernorm)
-            })
-            .sum();
-        self.embed_tokens.resident_bytes() + layers + v(&self.norm) + v(&self.inv_freq)
-    }
-
-    /// Runs the decoder over a packed batch of whole samples and returns the
-    /// captured states `[L, T_total, H]`, layers in the capture set's order.
-    /// Layers past the deepest capture point are not run.
-    pub fn forward<L: Dim>(
-        &self,
-        batch: &PackedBatch,
-        captures: &CaptureSet<L>,
-    ) -> Result<CapturedStates<L, H>, ModelError> {
-        self.forward_step(batch, captures, &mut KvCache::default())
-    }
-
-    /// [`forward`](Self::forward) for batches that hold chunks of samples:
-    /// a segment with `pos0 > 0` attends to the keys/values its sample's
-    /// earlier chunks left in `cache`; a segment with `keep` leaves its own
-    /// there for the next chunk. The states of a token do not depend on how
-    /// its sample was chunked or packed (bitwise).
-    pub fn forward_step<L: Dim>(
-        &self,
-        batch: &PackedBatch,
-        captures: &CaptureSet<L>,
-        cache: &mut KvCache,
-    ) -> Result<CapturedStates<L, H>, ModelError> {
-        Ok(self.forward_rank(batch, captures, cache, true)?.expect("capturing forward returns states"))
-    }
-
-    /// The forward of one tensor-parallel rank: every rank runs it in step (the
-    /// all-reduces need all of them); only a capturing rank fills and returns
-    /// the states, the others return `None` without allocating them.
-    pub fn forward_rank<L: Dim>(
-        &self,
-        batch: &PackedBatch,
-        captures: &CaptureSet<L>,
-        cache: &mut KvCache,
-        capture: bool,
-    ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
-        let c = &self.config;
-        self.check_batch(batch)?;
-        let (t, h) = (batch.num_tokens(), c.hidden_size);
-        let mut caps = Captures::new(captures, c.num_layers, t, self.hidden, capture)?;
-        cache.check(batch)?;
-        let _span = info_span!("forward", tokens = batch.num_tokens(), samples = batch.num_samples()).entered();
-        let mut x = self.embed_tokens.embed(batch);
-        let (cos, sin) = frame::rope_table(&self.inv_freq, batch.max_position(), 1.0);
-        let mut act = Activations {
-            normed: vec![0f32; t * h],
-            qkv: vec![0f32; t * self.qkv_width()],
-            attn: vec![0f32; t * self.plan.heads * c.head_dim],
-            gate_up: vec![0f32; t * 2 * self.plan.intermediate],
-            act: vec![0f32; t * self.plan.intermediate],
-            partial: Vec::new(),
+        let qkv = LinearWeight::stack(vec![
+            r.linear("self_attn.q_proj", [q_out, h], q_rows.clone(), 0..h)?,
+            r.linear("self_attn.k_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
+            r.linear("self_attn.v_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
+        ]);
+        let qkv_bias = if c.qkv_bias {
+            let mut bias = r.vector_rows("self_attn.q_proj.bias", q_out, &q_rows)?;
+            bias.extend(r.vector_rows("self_attn.k_proj.bias", kv_out, &kv_rows)?);
+            bias.extend(r.vector_rows("self_attn.v_proj.bias", kv_out, &kv_rows)?);
+            Some(bias)
+        } else {
+            None
         };
-        // The residual stream is whole on every rank (row-parallel outputs are
-        // all-reduced), so a capture reads full `[T, H]` states, never a shard.
-        for (k, layer) in self.layers.iter().enumerate().take(caps.depth) {
-            caps.record(Tap::Residual(k), &x);
-            let _s = debug_span!("layer", k).entered();
-            self.layer_forward(k, layer, batch, &cos, &sin, &mut x, &mut act, cache);
-        }
-        cache.retire(batch);
-        Ok(caps.finish(&x, &self.norm, c.rms_norm_eps, &mut act.normed))
+        let o_bias = if c.o_bias { Some(r.vector("self_attn.o_proj.bias", h)?) } else { None };
+        let (q_norm, k_norm) = if c.qk_norm {
+            (
+                Some(b.vector(r.vector("self_attn.q_norm.weight", hd)?)),
+                Some(b.vector(r.vector("self_attn.k_norm.weight", hd)?)),
+            )
+        } else {
+            (None, None)
+        };
+        let o_proj = r.linear("self_attn.o_proj", [h, q_out], 0..h, q_rows)?;
+        Ok(Attention {
+            qkv_proj: b.linear(qkv, qkv_bias, Parallel::Column),
+            o_proj: b.linear(o_proj, o_bias, Parallel::Row),
+            q_norm,
+            k_norm,
+            heads: plan.heads,
+            kv_heads: plan.kv_heads,
+            head_dim: hd,
+            window,
+            eps: c.rms_norm_eps,
+        })
     }
 
+    /// `x += o_proj(attn(rope(q), rope(k), v))` with `[q | k | v] = qkv_proj(h)`.
     #[allow(clippy::too_many_arguments)]
-    fn layer_forward(
+    fn forward_add<H: Dim>(
         &self,
-        k: usize,
-        layer: &DecoderLayer,
-        batch: &PackedBatch,
-        cos: &[f32],
-        sin: &[f32],
-        x: &mut [f32],
-        act: &mut Activations,
-        cache: &mut KvCache,
+        b: &B,
+        h: &Tensor<B, H>,
+        x: &mut Tensor<B, H>,
+        step: &Step<'_, B>,
+        s: &mut AttnScratch<B>,
+        cache: &mut B::KvCache,
+        layer: usize,
     ) {
-        let c = &self.config;
-        let t = batch.num_tokens();
-        let (nh, nkv, hd) = (self.plan.heads, self.plan.kv_heads, c.head_dim);
-        let half = hd / 2;
-
-        rms_norm(x, &layer.input_layernorm, c.rms_norm_eps, &mut act.normed);
-        layer.self_attn.qkv_proj.forward(&act.normed, t, &mut act.qkv, false);
-        // q/k norm (Qwen3) then RoPE at each token's position within its sample.
-        let stride = self.qkv_width();
-        for (s, seg) in batch.segments().iter().enumerate() {
-            let r = batch.range(s);
-            for (i, row) in act.qkv[r.start * stride..r.end * stride].chunks_exact_mut(stride).enumerate() {
-                let pos = seg.pos0 + i;
-                let (qk, _v) = row.split_at_mut((nh + nkv) * hd);
-                let (q, k) = qk.split_at_mut(nh * hd);
-                if let (Some(qn), Some(kn)) = (&layer.self_attn.q_norm, &layer.self_attn.k_norm) {
-                    rms_norm_heads_inplace(q, qn, c.rms_norm_eps);
-                    rms_norm_heads_inplace(k, kn, c.rms_norm_eps);
-                }
-                let (cs, sn) = (&cos[pos * half..(pos + 1) * half], &sin[pos * half..(pos + 1) * half]);
-                qk.chunks_exact_mut(hd).for_each(|head| rope_head(head, cs, sn));
-            }
+        let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        b.linear_forward(&self.qkv_proj, h, &mut s.qkv);
+        // q/k norm (Qwen3), then RoPE at each token's position within its sample.
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            b.rms_norm_heads(&mut s.qkv, HeadSpan::heads(0, nh, hd), qn, self.eps);
+            b.rms_norm_heads(&mut s.qkv, HeadSpan::heads(nh * hd, nkv, hd), kn, self.eps);
         }
+        b.rope(&mut s.qkv, HeadSpan::heads(0, nh + nkv, hd), false, step.rope, step.batch);
         let shape = AttnShape {
             heads: nh,
             kv_heads: nkv,
             head_dim: hd,
             v_dim: hd,
-            window: layer.sliding_window,
+            window: self.window,
             scale: (hd as f32).powf(-0.5),
         };
-        // Chunks of longer samples add their keys/values to the cache and read
-        // all earlier positions from it; whole samples read their own rows.
-        let kv_width = nkv * hd;
-        for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
-            let entry = cache.layer_mut(seg.key, k);
-            for row in act.qkv[batch.range(s).start * stride..batch.range(s).end * stride].chunks_exact(stride) {
-                entry.k.extend_from_slice(&row[nh * hd..nh * hd + kv_width]);
-                entry.v.extend_from_slice(&row[(nh + nkv) * hd..]);
-            }
-        }
-        let segments: Vec<AttnSegment> = batch
-            .segments()
-            .iter()
-            .enumerate()
-            .map(|(s, seg)| {
-                let rows = batch.range(s);
-                let kv = if seg.uses_cache() {
-                    let e = cache.layer(seg.key, k);
-                    KvRef { k: &e.k, v: &e.v, stride: kv_width, v_stride: kv_width }
-                } else {
-                    let base = rows.start * stride;
-                    KvRef {
-                        k: &act.qkv[base + nh * hd..],
-                        v: &act.qkv[base + (nh + nkv) * hd..],
-                        stride,
-                        v_stride: stride,
-                    }
-                };
-                AttnSegment { rows, pos0: seg.pos0, kv }
-            })
-            .collect();
-        varlen_attention(&act.qkv, stride, &segments, shape, &mut act.attn);
-        // x += attn · o_projᵀ (fused into the GEMM on one rank).
-        frame::row_parallel(
-            self.comm.as_deref(),
-            &layer.self_attn.o_proj,
-            layer.self_attn.o_bias.as_deref(),
-            &act.attn,
-            t,
-            x,
-            &mut act.partial,
-        );
-
-        rms_norm(x, &layer.post_attention_layernorm, c.rms_norm_eps, &mut act.normed);
-        layer.mlp.gate_up_proj.forward(&act.normed, t, &mut act.gate_up, false);
-        swiglu(&act.gate_up, self.plan.intermediate, &mut act.act);
-        frame::row_parallel(
-            self.comm.as_deref(),
-            &layer.mlp.down_proj,
-            layer.mlp.down_bias.as_deref(),
-            &act.act,
-            t,
-            x,
-            &mut act.partial,
-        );
+        let (q, k, v) = (s.qkv.cols(0, nh * hd), s.qkv.cols(nh * hd, nkv * hd), s.qkv.cols((nh + nkv) * hd, nkv * hd));
+        b.attention(q, k, v, shape, step.batch, cache, layer, &mut s.out);
+        b.linear_add(&self.o_proj, &s.out, x);
     }
 
-    /// Width of this rank's fused q/k/v output.
-    fn qkv_width(&self) -> usize {
-        (self.plan.heads + 2 * self.plan.kv_heads) * self.config.head_dim
+    fn weight_bytes(&self) -> usize {
+        let norms =
+            [&self.q_norm, &self.k_norm].iter().map(|n| n.as_ref().map_or(0, |n| n.resident_bytes())).sum::<usize>();
+        self.qkv_proj.resident_bytes() + self.o_proj.resident_bytes() + norms
+    }
+}
+
+/// The MLP (`mlp.*`) of this rank's share of the intermediate width.
+pub struct Mlp<B: Backend> {
+    /// `gate_proj` and `up_proj` stacked: `[2 · intermediate, hidden]`, column-parallel.
+    gate_up_proj: B::Linear,
+    /// `[hidden, intermediate]`, row-parallel.
+    down_proj: B::Linear,
+}
+
+/// Buffers of the MLP block.
+pub struct MlpScratch<B: Backend> {
+    /// `[T, 2 · intermediate]`.
+    gate_up: Tensor<B>,
+    /// `[T, intermediate]`.
+    act: Tensor<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn load(b: &B, c: &LlamaConfig, r: &Reader<'_>, plan: &TpPlan) -> Result<Self, ModelError> {
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let rows = b.rank() * plan.intermediate..(b.rank() + 1) * plan.intermediate;
+        let gate_up = LinearWeight::stack(vec![
+            r.linear("mlp.gate_proj", [i, h], rows.clone(), 0..h)?,
+            r.linear("mlp.up_proj", [i, h], rows.clone(), 0..h)?,
+        ]);
+        let (gate_up_bias, down_bias) = if c.mlp_bias {
+            let mut bias = r.vector_rows("mlp.gate_proj.bias", i, &rows)?;
+            bias.extend(r.vector_rows("mlp.up_proj.bias", i, &rows)?);
+            (Some(bias), Some(r.vector("mlp.down_proj.bias", h)?))
+        } else {
+            (None, None)
+        };
+        let down = r.linear("mlp.down_proj", [h, i], 0..h, rows)?;
+        Ok(Mlp {
+            gate_up_proj: b.linear(gate_up, gate_up_bias, Parallel::Column),
+            down_proj: b.linear(down, down_bias, Parallel::Row),
+        })
+    }
+
+    /// `x += down_proj(silu(gate_proj(h)) · up_proj(h))`.
+    fn forward_add<H: Dim>(&self, b: &B, h: &Tensor<B, H>, x: &mut Tensor<B, H>, s: &mut MlpScratch<B>) {
+        b.linear_forward(&self.gate_up_proj, h, &mut s.gate_up);
+        b.swiglu(&s.gate_up, &mut s.act);
+        b.linear_add(&self.down_proj, &s.act, x);
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.gate_up_proj.resident_bytes() + self.down_proj.resident_bytes()
+    }
+}
+
+/// One decoder layer (`model.layers.{i}.*`).
+pub struct DecoderLayer<B: Backend> {
+    input_layernorm: B::Vector,
+    self_attn: Attention<B>,
+    post_attention_layernorm: B::Vector,
+    mlp: Mlp<B>,
+    eps: f32,
+}
+
+/// Buffers of one step, shared by every layer.
+pub struct Scratch<B: Backend, H: Dim> {
+    /// A norm of the residual stream, `[T, H]`.
+    normed: Tensor<B, H>,
+    attn: AttnScratch<B>,
+    mlp: MlpScratch<B>,
+}
+
+impl<B: Backend> Block<B> for DecoderLayer<B> {
+    type Config = LlamaConfig;
+    type Scratch<H: Dim> = Scratch<B, H>;
+
+    fn parse_config(text: &str) -> Result<LlamaConfig, ConfigError> {
+        LlamaConfig::from_json(text)
+    }
+
+    fn frame(c: &LlamaConfig) -> Frame {
+        Frame { info: c.info(), rms_norm_eps: c.rms_norm_eps, rope: c.rope(), tensor_prefix: String::new() }
+    }
+
+    fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), ModelError> {
+        TpPlan::new(c, ranks).map(|_| ()).map_err(ModelError::Parallel)
+    }
+
+    fn load(b: &B, c: &LlamaConfig, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {
+        let plan = TpPlan::new(c, b.world_size()).map_err(ModelError::Parallel)?;
+        let r = Reader { ckpt, prefix: format!("model.layers.{l}") };
+        let h = c.hidden_size;
+        Ok(DecoderLayer {
+            input_layernorm: b.vector(r.vector("input_layernorm.weight", h)?),
+            self_attn: Attention::load(b, c, &r, &plan, c.sliding_windows[l])?,
+            post_attention_layernorm: b.vector(r.vector("post_attention_layernorm.weight", h)?),
+            mlp: Mlp::load(b, c, &r, &plan)?,
+            eps: c.rms_norm_eps,
+        })
+    }
+
+    fn scratch<H: Dim>(b: &B, c: &LlamaConfig, t: usize, hidden: H) -> Scratch<B, H> {
+        // Every layer has the same widths; size the buffers once from a plan of this rank.
+        let plan = TpPlan::new(c, b.world_size()).expect("checked at load");
+        let (nh, nkv, hd) = (plan.heads, plan.kv_heads, c.head_dim);
+        Scratch {
+            normed: Tensor::zeros(b, t, hidden),
+            attn: AttnScratch { qkv: Tensor::zeros(b, t, (nh + 2 * nkv) * hd), out: Tensor::zeros(b, t, nh * hd) },
+            mlp: MlpScratch {
+                gate_up: Tensor::zeros(b, t, 2 * plan.intermediate),
+                act: Tensor::zeros(b, t, plan.intermediate),
+            },
+        }
+    }
+
+    fn forward<H: Dim>(
+        &self,
+        b: &B,
+        x: &mut Tensor<B, H>,
+        step: &Step<'_, B>,
+        s: &mut Scratch<B, H>,
+        cache: &mut B::KvCache,
+        index: usize,
+    ) {
+        // x += self_attn(input_layernorm(x))
+        b.rms_norm(x.all(), &self.input_layernorm, self.eps, &mut s.normed);
+        self.self_attn.forward_add(b, &s.normed, x, step, &mut s.attn, cache, index);
+        // x += mlp(post_attention_layernorm(x))
+        b.rms_norm(x.all(), &self.post_attention_layernorm, self.eps, &mut s.normed);
+        self.mlp.forward_add(b, &s.normed, x, &mut s.mlp);
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.input_layernorm.resident_bytes()
+            + self.self_attn.weight_bytes()
+            + self.post_attention_layernorm.resident_bytes()
+            + self.mlp.weight_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_time_splits_are_checked() {
+        let c = LlamaConfig::from_json(
+            r#"{"model_type":"qwen2","hidden_size":896,"num_hidden_layers":2,"num_attention_heads":14,
+            "num_key_value_heads":2,"intermediate_size":4864,"vocab_size":100}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            TpPlan::new(&c, 4).unwrap_err(),
+            "--tp 4: num_attention_heads 14 is not divisible by 4; choose a TP size that divides it"
+        );
+        let p = TpPlan::new(&c, 2).unwrap();
+        assert_eq!((p.heads, p.kv_heads, p.intermediate), (7, 1, 2432));
     }
 }

@@ -1,15 +1,17 @@
-//! A model run as `TP` tensor-parallel ranks (threads on the CPU), driven
-//! through the typed RPC of [`Executor`]. Every architecture that can run as
-//! one rank of a group ([`RankModel`]) gets the same driver.
+//! Tensor parallelism applied from outside the model (gpt-fast's `tp.py`):
+//! a model run as `TP` ranks, each a thread holding its backend, its weight
+//! shard and its KV cache, driven through the typed RPC of [`Executor`].
+//! Every decoder gets the same driver; how each layer splits is its own
+//! [`crate::backend::Parallel`] kind.
 
-use super::deepseek::DeepseekConfig;
-use super::{Deepseek, KvCache, Llama, Model, ModelError};
-use crate::batch::PackedBatch;
-use crate::capture::CaptureSet;
-use crate::checkpoint::{Checkpoint, CheckpointError};
-use crate::config::LlamaConfig;
+use super::decoder::{read_config_text, Block, Decoder};
+use super::{Model, ModelError};
+use crate::backend::Backend;
+use crate::hf::checkpoint::{Checkpoint, CheckpointError};
+use crate::parallel::{Executor, PerRank, RpcError, ShardDim, ShardedStates, TpSize};
+use crate::pipeline::batch::PackedBatch;
+use crate::pipeline::capture::CaptureSet;
 use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
-use crate::tp::{Collective, Executor, LocalGroup, PerRank, RpcError, ShardDim, ShardedStates, TpPlan, TpSize};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -21,32 +23,20 @@ pub trait RankModel: Model + Send + 'static {
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
-        cache: &mut KvCache,
+        cache: &mut Self::Cache,
         capture: bool,
     ) -> Result<Option<CapturedStates<L, Self::Hidden>>, ModelError>;
 }
 
-impl<H: Dim> RankModel for Llama<H> {
-    fn forward_rank<L: Dim>(
+impl<B: Backend, L: Block<B>, H: Dim> RankModel for Decoder<B, L, H> {
+    fn forward_rank<LD: Dim>(
         &self,
         batch: &PackedBatch,
-        captures: &CaptureSet<L>,
-        cache: &mut KvCache,
+        captures: &CaptureSet<LD>,
+        cache: &mut B::KvCache,
         capture: bool,
-    ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
-        Llama::forward_rank(self, batch, captures, cache, capture)
-    }
-}
-
-impl<H: Dim> RankModel for Deepseek<H> {
-    fn forward_rank<L: Dim>(
-        &self,
-        batch: &PackedBatch,
-        captures: &CaptureSet<L>,
-        cache: &mut KvCache,
-        capture: bool,
-    ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
-        Deepseek::forward_rank(self, batch, captures, cache, capture)
+    ) -> Result<Option<CapturedStates<LD, H>>, ModelError> {
+        Decoder::forward_rank(self, batch, captures, cache, capture)
     }
 }
 
@@ -54,7 +44,7 @@ impl<H: Dim> RankModel for Deepseek<H> {
 pub struct RankWorker<M: RankModel> {
     rank: usize,
     model: M,
-    cache: KvCache,
+    cache: M::Cache,
 }
 
 impl<M: RankModel> RankWorker<M> {
@@ -99,11 +89,6 @@ where
     weight_bytes: usize,
 }
 
-/// A Llama-family model over `TP` ranks.
-pub type TpLlama<H, TP = usize> = TpModel<Llama<H>, TP>;
-/// A DeepSeek V2/V3 / Kimi-K2 model over `TP` ranks.
-pub type TpDeepseek<H, TP = usize> = TpModel<Deepseek<H>, TP>;
-
 /// The hidden dim of one rank's slice of `M`'s states.
 pub type ShardOf<M, TP> = <<M as Model>::Hidden as ShardDim<TP>>::Shard;
 
@@ -112,33 +97,64 @@ pub type RankShards<L, M, TP> = PerRank<ShardedStates<L, ShardOf<M, TP>>>;
 
 type Opener = dyn Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync;
 
+impl<B, L, H, TP> TpModel<Decoder<B, L, H>, TP>
+where
+    B: Backend,
+    L: Block<B>,
+    H: ShardDim<TP> + Default,
+    TP: TpSize,
+{
+    /// Loads a checkpoint directory as `tp` ranks on the default backend.
+    pub fn load(dir: &Path, tp: TP) -> Result<Self, ModelError>
+    where
+        B: Default,
+    {
+        Self::load_on(&B::default(), dir, tp)
+    }
+
+    /// Loads a checkpoint directory as `tp` ranks of `backend`'s group. The
+    /// split is checked against the config before any weight is read; each
+    /// rank then reads only its shard from the memory-mapped files.
+    pub fn load_on(backend: &B, dir: &Path, tp: TP) -> Result<Self, ModelError> {
+        let config = L::parse_config(&read_config_text(dir)?)?;
+        let (dir, prefix) = (dir.to_path_buf(), L::frame(&config).tensor_prefix);
+        Self::build_on(backend, config, tp, move || Checkpoint::open_scoped(&dir, &prefix))
+    }
+
+    /// As [`load_on`](Self::load_on), with the checkpoint opened by `open` on each rank.
+    pub fn build_on(
+        backend: &B,
+        config: L::Config,
+        tp: TP,
+        open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
+    ) -> Result<Self, ModelError> {
+        L::check_split(&config, tp.get())?;
+        let info = L::frame(&config).info;
+        let hidden: H = dim_from_size("config.json hidden_size", "hidden", info.hidden_size)?;
+        hidden.shard(tp)?;
+        let ranks: Vec<Mutex<Option<B>>> = backend.group(tp.get())?.into_iter().map(|b| Mutex::new(Some(b))).collect();
+        let open: Arc<Opener> = Arc::new(open);
+        let exec = Executor::spawn(tp.get(), move |rank| {
+            let b = ranks[rank].lock().expect("rank backend").take().expect("each rank built once");
+            let model = Decoder::<B, L, H>::from_checkpoint_on(b, config.clone(), &open()?)?;
+            Ok::<_, ModelError>(RankWorker { rank, model, cache: Default::default() })
+        })?;
+        let dtype = exec.rpc_unique(0, |w: &mut RankWorker<Decoder<B, L, H>>| w.model.dtype())?;
+        let weight_bytes = exec
+            .collective_rpc(|w: &mut RankWorker<Decoder<B, L, H>>| w.model.resident_bytes())?
+            .into_vec()
+            .iter()
+            .sum();
+        Ok(TpModel { exec, hidden, num_layers: info.num_layers, tp, dtype, weight_bytes })
+    }
+}
+
 impl<M, TP> TpModel<M, TP>
 where
     M: RankModel,
     M::Hidden: ShardDim<TP> + Default,
     TP: TpSize,
 {
-    /// Starts `tp` ranks, rank `r` built by `build(r, its communicator)`.
-    fn spawn(
-        tp: TP,
-        hidden_size: usize,
-        num_layers: usize,
-        build: impl Fn(Arc<dyn Collective<Buf = [f32]>>) -> Result<M, ModelError> + Send + Sync + 'static,
-    ) -> Result<Self, ModelError> {
-        let hidden: M::Hidden = dim_from_size("config.json hidden_size", "hidden", hidden_size)?;
-        hidden.shard(tp)?;
-        let groups: Vec<Mutex<Option<LocalGroup>>> =
-            LocalGroup::new(tp.get()).into_iter().map(|g| Mutex::new(Some(g))).collect();
-        let exec = Executor::spawn(tp.get(), move |rank| {
-            let comm = groups[rank].lock().expect("rank group").take().expect("each rank built once");
-            let model = build(Arc::new(comm))?;
-            Ok::<_, ModelError>(RankWorker { rank, model, cache: KvCache::default() })
-        })?;
-        let dtype = exec.rpc_unique(0, |w: &mut RankWorker<M>| w.model.dtype())?;
-        let weight_bytes = exec.collective_rpc(|w: &mut RankWorker<M>| w.model.weight_bytes())?.into_vec().iter().sum();
-        Ok(TpModel { exec, hidden, num_layers, tp, dtype, weight_bytes })
-    }
-
     /// The checkpoint's weight dtype.
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -181,59 +197,6 @@ where
     }
 }
 
-impl<H, TP> TpModel<Llama<H>, TP>
-where
-    H: ShardDim<TP> + Default,
-    TP: TpSize,
-{
-    /// Loads a checkpoint directory as `tp` ranks. The split is checked
-    /// against the config before any weight is read; each rank then reads
-    /// only its shard from the memory-mapped files.
-    pub fn load(dir: &Path, tp: TP) -> Result<Self, ModelError> {
-        let config = LlamaConfig::from_file(&dir.join("config.json"))?;
-        let dir = dir.to_path_buf();
-        Self::build(config, tp, move || Checkpoint::open(&dir))
-    }
-
-    /// As [`load`](Self::load), with the checkpoint opened by `open` on each rank.
-    pub fn build(
-        config: LlamaConfig,
-        tp: TP,
-        open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
-    ) -> Result<Self, ModelError> {
-        let plan = TpPlan::new(&config, tp.get()).map_err(ModelError::Parallel)?;
-        let (h, n) = (config.hidden_size, config.num_layers);
-        let open: Arc<Opener> = Arc::new(open);
-        Self::spawn(tp, h, n, move |comm| Llama::from_checkpoint_rank(config.clone(), &open()?, plan, Some(comm)))
-    }
-}
-
-impl<H, TP> TpModel<Deepseek<H>, TP>
-where
-    H: ShardDim<TP> + Default,
-    TP: TpSize,
-{
-    /// Loads a DeepSeek checkpoint directory as `tp` ranks (heads and every
-    /// expert's MLP width split; see [`Deepseek::from_checkpoint_rank`]).
-    pub fn load(dir: &Path, tp: TP) -> Result<Self, ModelError> {
-        let config = DeepseekConfig::from_file(&dir.join("config.json"))?;
-        let (dir, prefix) = (dir.to_path_buf(), config.tensor_prefix.clone());
-        Self::build(config, tp, move || Checkpoint::open_scoped(&dir, &prefix))
-    }
-
-    /// As [`load`](Self::load), with the checkpoint opened by `open` on each rank.
-    pub fn build(
-        config: DeepseekConfig,
-        tp: TP,
-        open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
-    ) -> Result<Self, ModelError> {
-        config.check_tp(tp.get()).map_err(ModelError::Parallel)?;
-        let (h, n, size) = (config.hidden_size, config.num_layers, tp.get());
-        let open: Arc<Opener> = Arc::new(open);
-        Self::spawn(tp, h, n, move |comm| Deepseek::from_checkpoint_rank(config.clone(), &open()?, size, Some(comm)))
-    }
-}
-
 impl<M, TP> Model for TpModel<M, TP>
 where
     M: RankModel,
@@ -241,6 +204,8 @@ where
     TP: TpSize,
 {
     type Hidden = M::Hidden;
+    /// Each rank keeps its own KV cache; the caller's is unused.
+    type Cache = ();
 
     fn hidden(&self) -> M::Hidden {
         self.hidden
@@ -258,13 +223,12 @@ where
         self.weight_bytes
     }
 
-    /// Every rank runs the step (each keeps its own KV cache, so `_cache` is
-    /// unused); rank 0 alone captures, and its states move to the caller.
+    /// Every rank runs the step; rank 0 alone captures, and its states move to the caller.
     fn forward_step<L: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
-        _cache: &mut KvCache,
+        _cache: &mut (),
     ) -> Result<CapturedStates<L, M::Hidden>, ModelError> {
         let (batch, captures) = (Arc::new(batch.clone()), captures.clone());
         let reply = self.exec.rpc_unique(0, move |w: &mut RankWorker<M>| {

@@ -7,8 +7,8 @@ mod strata;
 pub use speculators::SpeculatorsSink;
 pub use strata::{StrataSink, DEFAULT_SHARD_SIZE};
 
+use crate::pipeline::source::Sample;
 use crate::shape::{Dim, ShapeError, StatesView};
-use crate::source::Sample;
 use std::io::Write;
 use std::path::Path;
 

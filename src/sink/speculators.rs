@@ -2,8 +2,8 @@
 //! `token_ids` (I64 `[T]`) and `hidden_states` (`[T, L, H]`).
 
 use super::{io_err, prepare_dir, remove_temps, sync_dir, write_atomic, OpenMode, Sink, SinkError};
+use crate::pipeline::source::Sample;
 use crate::shape::{DType, Dim, StatesView};
-use crate::source::Sample;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 

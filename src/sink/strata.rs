@@ -7,9 +7,9 @@
 //! and only then does the manifest (rewritten atomically) list its samples.
 
 use super::{io_err, prepare_dir, remove_temps, sync_dir, temp_path, write_atomic, OpenMode, Sink, SinkError};
-use crate::manifest::{hash_hex, Manifest, SampleInfo, ShardInfo, MANIFEST};
+use crate::dataset::manifest::{hash_hex, Manifest, SampleInfo, ShardInfo, MANIFEST};
+use crate::pipeline::source::Sample;
 use crate::shape::{check_dim, DType, Dim, StatesView};
-use crate::source::Sample;
 use std::collections::BTreeMap;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};

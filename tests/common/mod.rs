@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use strata::capture::CapturePoint;
+use strata::pipeline::capture::CapturePoint;
 use strata::shape::DType;
 
 /// Absolute and relative tolerance of f32 parity with HF: `|a - b| <= TOL * max(1, |b|)`.

@@ -1,10 +1,10 @@
 // A writer declared for hidden 7168 behind a model whose hidden size is 4096.
-use strata::capture::CaptureSet;
+use strata::pipeline::capture::CaptureSet;
 use strata::model::Llama;
 use strata::pipeline::Pipeline;
 use strata::shape::{Hidden, Layers};
 use strata::sink::StrataSink;
-use strata::source::JsonlSource;
+use strata::pipeline::source::JsonlSource;
 
 fn job(
     model: &Llama<Hidden<4096>>,

@@ -1,10 +1,10 @@
 // Four capture points feeding a writer declared for three layers.
-use strata::capture::CaptureSet;
+use strata::pipeline::capture::CaptureSet;
 use strata::model::Llama;
 use strata::pipeline::Pipeline;
 use strata::shape::{Hidden, Layers};
 use strata::sink::StrataSink;
-use strata::source::JsonlSource;
+use strata::pipeline::source::JsonlSource;
 
 fn job(
     model: &Llama<Hidden<4096>>,

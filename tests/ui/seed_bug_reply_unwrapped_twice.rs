@@ -3,11 +3,11 @@
 // and sliced tokens out of what it took for one layer: 771 tensors of [512]
 // instead of 4 of [512, 7168], on Kimi-K2.5 (DeepSeek-V3 layout, TP 8).
 // Here the unique reply is `CapturedStates` itself, which has no `[0]`.
-use strata::batch::PackedBatch;
-use strata::capture::CaptureSet;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::CaptureSet;
 use strata::model::{Deepseek, RankWorker, TpDeepseek};
 use strata::shape::Layers;
-use strata::tp::{HiddenU, Tp};
+use strata::parallel::{HiddenU, Tp};
 use typenum::{Prod, U1024, U7, U8};
 
 type Kimi = HiddenU<Prod<U7, U1024>>;

@@ -1,10 +1,10 @@
 // A rank's slice [L, T, 7168/8] handed on as if it were the full residual
 // stream [L, T, 7168]: only gathered states can reach a capture buffer or sink.
-use strata::batch::PackedBatch;
-use strata::capture::CaptureSet;
+use strata::pipeline::batch::PackedBatch;
+use strata::pipeline::capture::CaptureSet;
 use strata::model::TpDeepseek;
 use strata::shape::{CapturedStates, Layers};
-use strata::tp::{HiddenU, Tp};
+use strata::parallel::{HiddenU, Tp};
 use typenum::{Prod, U1024, U7, U8};
 
 type Kimi = HiddenU<Prod<U7, U1024>>;

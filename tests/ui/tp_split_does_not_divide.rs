@@ -1,7 +1,7 @@
 // Hidden 7168 over 3 tensor-parallel ranks: 7168 / 3 is not an integer, so
 // the split does not compile.
 use strata::model::TpLlama;
-use strata::tp::{HiddenU, Tp};
+use strata::parallel::{HiddenU, Tp};
 use typenum::{Prod, U1024, U3, U7};
 
 fn main() {

@@ -1,0 +1,388 @@
+//! The CPU backend: a packed f32 GEMM over f32 or quantised weight panels
+//! (AVX-512 or AVX2 micro-kernels chosen at run time, a portable fallback),
+//! rayon across rows and heads, ranks as threads joined by a [`LocalGroup`].
+//!
+//! Every reduction runs in an order fixed by the data's absolute positions,
+//! never by how samples were packed or how work was split, so outputs are
+//! bitwise independent of the batch.
+
+pub mod attention;
+pub mod gemm;
+pub mod moe;
+pub mod ops;
+pub mod panels;
+pub mod quant_panels;
+
+pub use gemm::{gemm_packed, Init, PackedLinear};
+pub use panels::{pack_b, MR, NR};
+
+use super::tensor::check_capture;
+use super::{
+    AttnShape, Backend, BackendError, Cols, GatedLinear, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router,
+    Tensor, F32,
+};
+use crate::hf::quant::{LinearWeight, QuantKind};
+use crate::hf::RopeFreqs;
+use crate::parallel::{Collective, LocalGroup};
+use crate::pipeline::batch::PackedBatch;
+use crate::shape::{CapturedStates, DType, Dim, ShapeError};
+use attention::{varlen_attention, AttnSegment, KvRef};
+use std::marker::PhantomData;
+use std::sync::Mutex;
+
+/// A raw pointer into an output buffer shared by parallel tasks that write
+/// disjoint parts of it (GEMM tiles, attention heads).
+#[derive(Clone, Copy)]
+pub(crate) struct SharedMut(*mut f32);
+
+// SAFETY: every user hands each task a disjoint region of the buffer.
+unsafe impl Send for SharedMut {}
+unsafe impl Sync for SharedMut {}
+
+impl SharedMut {
+    pub(crate) fn new(p: *mut f32) -> Self {
+        SharedMut(p)
+    }
+    // A method, so closures capture the Sync wrapper rather than the raw field.
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// The CPU backend of one rank, computing in `C` (f32).
+pub struct Cpu<C = F32> {
+    /// The rank's communicator; `None` for a model run whole.
+    comm: Option<LocalGroup>,
+    /// A row-parallel layer's partial output before the all-reduce.
+    partial: Mutex<Vec<f32>>,
+    _compute: PhantomData<C>,
+}
+
+impl Default for Cpu<F32> {
+    fn default() -> Self {
+        Cpu { comm: None, partial: Mutex::new(Vec::new()), _compute: PhantomData }
+    }
+}
+
+/// The embedding table, held in its checkpoint dtype (a row is decoded when a
+/// token looks it up), so a bf16 table is not doubled in memory.
+pub struct Embedding {
+    bytes: Vec<u8>,
+    dtype: DType,
+    h: usize,
+}
+
+impl Resident for Embedding {
+    fn resident_bytes(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// A linear layer: packed panels, and for a row-parallel layer split over
+/// ranks the bias added once after the all-reduce.
+pub struct Linear {
+    packed: PackedLinear,
+    kind: Parallel,
+    post_bias: Option<Vec<f32>>,
+}
+
+impl Resident for Linear {
+    fn resident_bytes(&self) -> usize {
+        self.packed.resident_bytes() + self.post_bias.as_ref().map_or(0, |b| b.len() * 4)
+    }
+}
+
+impl LinearInfo for Linear {
+    fn out_features(&self) -> usize {
+        self.packed.out_features()
+    }
+    fn in_features(&self) -> usize {
+        self.packed.in_features()
+    }
+    fn held_as(&self) -> Option<QuantKind> {
+        self.packed.held_as()
+    }
+}
+
+impl Linear {
+    /// The packed weight.
+    pub fn packed(&self) -> &PackedLinear {
+        &self.packed
+    }
+}
+
+/// cos/sin (times the RoPE scale) of every position of a step, `[len, half]` each.
+pub struct RopeTable {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
+}
+
+impl RopeTable {
+    fn at(&self, pos: usize) -> (&[f32], &[f32]) {
+        let h = self.half;
+        (&self.cos[pos * h..(pos + 1) * h], &self.sin[pos * h..(pos + 1) * h])
+    }
+}
+
+impl Backend for Cpu<F32> {
+    type Compute = F32;
+    type Storage = Vec<f32>;
+    type Vector = Vec<f32>;
+    type Embedding = Embedding;
+    type Linear = Linear;
+    type RopeTable = RopeTable;
+    type Routes = moe::Routes;
+    type KvCache = KvCache;
+
+    const NAME: &'static str = "cpu";
+
+    fn rank(&self) -> usize {
+        self.comm.as_ref().map_or(0, |c| c.rank())
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.as_ref().map_or(1, |c| c.world_size())
+    }
+
+    fn group(&self, n: usize) -> Result<Vec<Self>, BackendError> {
+        if n == 0 {
+            return Err(BackendError::Unsupported("--tp must be at least 1".into()));
+        }
+        Ok(LocalGroup::new(n)
+            .into_iter()
+            .map(|g| Cpu { comm: Some(g), partial: Mutex::new(Vec::new()), _compute: PhantomData })
+            .collect())
+    }
+
+    fn alloc(&self, len: usize) -> Vec<f32> {
+        vec![0f32; len]
+    }
+
+    fn realloc(&self, s: &mut Vec<f32>, len: usize) {
+        s.resize(len, 0.0);
+    }
+
+    fn upload(&self, host: &[f32]) -> Vec<f32> {
+        host.to_vec()
+    }
+
+    fn download(&self, s: &Vec<f32>, out: &mut [f32]) {
+        out.copy_from_slice(s);
+    }
+
+    fn vector(&self, v: Vec<f32>) -> Vec<f32> {
+        v
+    }
+
+    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> Embedding {
+        Embedding { bytes, dtype, h: hidden }
+    }
+
+    fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Linear {
+        // One rank keeps its bias inside the GEMM; with several, a row-parallel
+        // bias is added once, after the all-reduce.
+        let split_rows = kind == Parallel::Row && self.world_size() > 1;
+        let (inner, post_bias) = if split_rows { (None, bias) } else { (bias, None) };
+        Linear { packed: PackedLinear::from_weight(w, inner), kind, post_bias }
+    }
+
+    fn embed<H: Dim>(&self, table: &Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
+        let (h, es) = (table.h, table.dtype.size());
+        for (row, &id) in out.storage_mut().chunks_exact_mut(h).zip(batch.token_ids()) {
+            let id = id as usize;
+            table.dtype.decode_into(&table.bytes[id * h * es..(id + 1) * h * es], row);
+        }
+    }
+
+    fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
+        debug_assert_eq!(out.len(), x.rows * x.width);
+        if x.offset == 0 && x.width == x.stride {
+            ops::rms_norm(&x.storage[..x.rows * x.stride], w, eps, out.storage_mut());
+        } else {
+            let rows = x.storage.chunks_exact(x.stride).zip(out.storage_mut().chunks_exact_mut(x.width));
+            for (row, dst) in rows {
+                ops::rms_norm(&row[x.offset..x.offset + x.width], w, eps, dst);
+            }
+        }
+    }
+
+    fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
+        let stride = x.width();
+        for row in x.storage_mut().chunks_exact_mut(stride) {
+            for i in 0..heads.count {
+                let o = heads.offset + i * heads.stride;
+                ops::rms_norm_heads_inplace(&mut row[o..o + heads.width], w, eps);
+            }
+        }
+    }
+
+    fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> RopeTable {
+        let half = freqs.inv_freq.len();
+        let mut cos = vec![0f32; len * half];
+        let mut sin = vec![0f32; len * half];
+        for p in 0..len {
+            for (i, f) in freqs.inv_freq.iter().enumerate() {
+                let a = p as f32 * f;
+                cos[p * half + i] = a.cos() * freqs.scale;
+                sin[p * half + i] = a.sin() * freqs.scale;
+            }
+        }
+        RopeTable { cos, sin, half }
+    }
+
+    fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable, batch: &PackedBatch) {
+        let stride = x.width();
+        let mut tmp = vec![0f32; heads.width];
+        for (s, seg) in batch.segments().iter().enumerate() {
+            let r = batch.range(s);
+            for (i, row) in x.storage_mut()[r.start * stride..r.end * stride].chunks_exact_mut(stride).enumerate() {
+                let (cs, sn) = table.at(seg.pos0 + i);
+                for h in 0..heads.count {
+                    let o = heads.offset + h * heads.stride;
+                    let head = &mut row[o..o + heads.width];
+                    if interleave {
+                        ops::rope_interleaved(head, cs, sn, &mut tmp);
+                    } else {
+                        ops::rope_head(head, cs, sn);
+                    }
+                }
+            }
+        }
+    }
+
+    fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+        let inter = out.width();
+        ops::swiglu(gate_up.storage(), inter, out.storage_mut());
+    }
+
+    fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
+        x.storage_mut().iter_mut().zip(y.storage()).for_each(|(x, y)| *x += y);
+    }
+
+    fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
+        debug_assert_eq!((from.count, from.width), (to.count, to.width));
+        let (ss, ds) = (src.width(), dst.width());
+        for (s, d) in src.storage().chunks_exact(ss).zip(dst.storage_mut().chunks_exact_mut(ds)) {
+            for i in 0..to.count {
+                let (a, b) = (from.offset + i * from.stride, to.offset + i * to.stride);
+                d[b..b + to.width].copy_from_slice(&s[a..a + to.width]);
+            }
+        }
+    }
+
+    fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
+        l.packed.forward(x.storage(), x.rows(), out.storage_mut(), false);
+        if l.kind == Parallel::Row {
+            self.all_reduce(out);
+            if let Some(b) = &l.post_bias {
+                add_bias(out.storage_mut(), b);
+            }
+        }
+    }
+
+    fn linear_add<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
+        let (Some(comm), Parallel::Row) = (&self.comm, l.kind) else {
+            // One rank: the residual add is fused into the GEMM.
+            l.packed.forward(x.storage(), x.rows(), residual.storage_mut(), true);
+            return;
+        };
+        let mut partial = self.partial.lock().expect("partial buffer");
+        partial.resize(x.rows() * l.packed.out_features(), 0.0);
+        l.packed.forward(x.storage(), x.rows(), &mut partial, false);
+        comm.all_reduce_sum(&mut partial);
+        residual.storage_mut().iter_mut().zip(partial.iter()).for_each(|(x, p)| *x += p);
+        if let Some(b) = &l.post_bias {
+            add_bias(residual.storage_mut(), b);
+        }
+    }
+
+    fn attention(
+        &self,
+        q: Cols<'_, Self>,
+        k: Cols<'_, Self>,
+        v: Cols<'_, Self>,
+        shape: AttnShape,
+        batch: &PackedBatch,
+        cache: &mut KvCache,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    ) {
+        // Chunks of longer samples add their keys/values to the cache and read
+        // all earlier positions from it; whole samples read their own rows.
+        let (kw, vw) = (k.width, v.width);
+        for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
+            let entry = cache.layer_mut(seg.key, layer);
+            for row in batch.range(s) {
+                entry.k.extend_from_slice(&k.storage[row * k.stride + k.offset..][..kw]);
+                entry.v.extend_from_slice(&v.storage[row * v.stride + v.offset..][..vw]);
+            }
+        }
+        let segments: Vec<AttnSegment> = batch
+            .segments()
+            .iter()
+            .enumerate()
+            .map(|(s, seg)| {
+                let rows = batch.range(s);
+                let kv = if seg.uses_cache() {
+                    let e = cache.layer(seg.key, layer);
+                    KvRef { k: &e.k, v: &e.v, stride: kw, v_stride: vw }
+                } else {
+                    KvRef {
+                        k: &k.storage[rows.start * k.stride + k.offset..],
+                        v: &v.storage[rows.start * v.stride + v.offset..],
+                        stride: k.stride,
+                        v_stride: v.stride,
+                    }
+                };
+                AttnSegment { rows, pos0: seg.pos0, kv }
+            })
+            .collect();
+        varlen_attention(&q.storage[q.offset..], q.stride, &segments, shape, out.storage_mut());
+    }
+
+    fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Vec<f32>>) -> moe::Routes {
+        moe::route(logits.storage(), logits.width(), router, correction.map(|c| c.as_slice()))
+    }
+
+    fn moe_experts<H: Dim>(
+        &self,
+        experts: &[GatedLinear<Self>],
+        shared: Option<&GatedLinear<Self>>,
+        x: &Tensor<Self, H>,
+        routes: &moe::Routes,
+        out: &mut Tensor<Self, H>,
+    ) {
+        fn pair(m: &GatedLinear<Cpu>) -> (&PackedLinear, &PackedLinear) {
+            (&m.gate_up_proj.packed, &m.down_proj.packed)
+        }
+        let routed: Vec<_> = experts.iter().map(pair).collect();
+        moe::experts(&routed, shared.map(pair), x.storage(), x.width().size(), routes, out.storage_mut());
+        // Every rank ran its slice of every expert: one all-reduce for the whole block.
+        self.all_reduce(out);
+    }
+
+    fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>) {
+        if let Some(comm) = &self.comm {
+            comm.all_reduce_sum(x.storage_mut());
+        }
+    }
+
+    fn capture<L: Dim, H: Dim>(
+        &self,
+        x: &Tensor<Self, H>,
+        out: &mut CapturedStates<L, H>,
+        slot: usize,
+    ) -> Result<(), ShapeError> {
+        check_capture(x.rows(), x.width().size(), out, slot)?;
+        out.layer_mut(slot).copy_from_slice(x.storage());
+        Ok(())
+    }
+}
+
+/// Adds a per-column bias to every row.
+fn add_bias(x: &mut [f32], b: &[f32]) {
+    for row in x.chunks_exact_mut(b.len()) {
+        row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+    }
+}

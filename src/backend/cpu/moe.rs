@@ -1,0 +1,131 @@
+//! Mixture of experts on the CPU: routing each token to its experts (every
+//! scoring and grouping mode of the DeepSeek family), then running each
+//! expert over the rows routed to it.
+
+use super::gemm::PackedLinear;
+use super::ops::swiglu;
+use crate::backend::Router;
+use crate::hf::deepseek::{Scoring, TopkMethod};
+
+/// Per expert, the tokens routed to it and their weights, in token order.
+pub type Routes = Vec<Vec<(usize, f32)>>;
+
+/// Routes every token of `logits` (`[T, E]`); `correction` is noaux_tc's
+/// `e_score_correction_bias`, added to the scores for the choice only.
+pub fn route(logits: &[f32], e: usize, r: &Router, correction: Option<&[f32]>) -> Routes {
+    let per_group = e / r.n_group;
+    let mut routes: Routes = vec![Vec::new(); e];
+    let mut scores = vec![0f32; e];
+    let mut choice = vec![0f32; e];
+    let mut order: Vec<usize> = Vec::with_capacity(e);
+    for (tok, logits) in logits.chunks_exact(e).enumerate() {
+        match r.scoring {
+            Scoring::Sigmoid => scores.iter_mut().zip(logits).for_each(|(s, l)| *s = 1.0 / (1.0 + (-l).exp())),
+            Scoring::Softmax => {
+                let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let z: f32 = logits.iter().map(|l| (l - max).exp()).sum();
+                scores.iter_mut().zip(logits).for_each(|(s, l)| *s = (l - max).exp() / z);
+            }
+        }
+        choice.copy_from_slice(&scores);
+        if let Some(b) = correction {
+            choice.iter_mut().zip(b).for_each(|(c, b)| *c += b);
+        }
+        if r.topk_method != TopkMethod::Greedy && r.n_group > 1 {
+            let group_score = |g: usize| -> f32 {
+                let grp = &choice[g * per_group..(g + 1) * per_group];
+                if r.topk_method == TopkMethod::NoauxTc {
+                    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                    for &v in grp {
+                        if v > a {
+                            b = a;
+                            a = v;
+                        } else if v > b {
+                            b = v;
+                        }
+                    }
+                    a + b
+                } else {
+                    grp.iter().cloned().fold(f32::NEG_INFINITY, f32::max)
+                }
+            };
+            let mut groups: Vec<(usize, f32)> = (0..r.n_group).map(|g| (g, group_score(g))).collect();
+            groups.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            for &(g, _) in &groups[r.topk_group..] {
+                // Masked like HF: -inf for noaux_tc choice, 0 for group_limited_greedy scores.
+                let fill = if r.topk_method == TopkMethod::NoauxTc { f32::NEG_INFINITY } else { 0.0 };
+                choice[g * per_group..(g + 1) * per_group].fill(fill);
+            }
+        }
+        order.clear();
+        order.extend(0..e);
+        order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+        let picked = &order[..r.top_k];
+        let weight = |i: usize| if r.topk_method == TopkMethod::NoauxTc { scores[i] } else { choice[i] };
+        let denom = if r.norm_topk_prob { picked.iter().map(|&i| weight(i)).sum::<f32>() + 1e-20 } else { 1.0 };
+        for &i in picked {
+            routes[i].push((tok, weight(i) / denom * r.routed_scaling_factor));
+        }
+    }
+    routes
+}
+
+/// Working buffers of one MoE layer.
+#[derive(Default)]
+struct Scratch {
+    rows: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+    eout: Vec<f32>,
+}
+
+/// `out = down(silu(gate(x)) · up(x))` for `t` rows.
+pub fn gated(
+    gate_up: &PackedLinear,
+    down: &PackedLinear,
+    x: &[f32],
+    t: usize,
+    gu: &mut Vec<f32>,
+    act: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let inter = gate_up.out_features() / 2;
+    gu.resize(t * 2 * inter, 0.0);
+    act.resize(t * inter, 0.0);
+    gate_up.forward(x, t, gu, false);
+    swiglu(gu, inter, act);
+    down.forward(act, t, out, false);
+}
+
+/// `out = Σ_e Σ_(tok, w) w · expert_e(x[tok]) + shared(x)` for the `[T, h]`
+/// rows of `x`: experts in index order, each over the rows routed to it
+/// (this rank's part of every expert).
+pub fn experts(
+    experts: &[(&PackedLinear, &PackedLinear)],
+    shared: Option<(&PackedLinear, &PackedLinear)>,
+    x: &[f32],
+    h: usize,
+    routes: &Routes,
+    out: &mut [f32],
+) {
+    let t = x.len() / h;
+    let s = &mut Scratch::default();
+    out[..t * h].fill(0.0);
+    for (&(gate_up, down), tokens) in experts.iter().zip(routes).filter(|(_, r)| !r.is_empty()) {
+        let n = tokens.len();
+        s.rows.resize(n * h, 0.0);
+        for (dst, &(tok, _)) in s.rows.chunks_exact_mut(h).zip(tokens) {
+            dst.copy_from_slice(&x[tok * h..(tok + 1) * h]);
+        }
+        s.eout.resize(n * h, 0.0);
+        gated(gate_up, down, &s.rows, n, &mut s.gu, &mut s.act, &mut s.eout);
+        for (src, &(tok, w)) in s.eout.chunks_exact(h).zip(tokens) {
+            out[tok * h..(tok + 1) * h].iter_mut().zip(src).for_each(|(o, v)| *o += v * w);
+        }
+    }
+    if let Some((gate_up, down)) = shared {
+        s.eout.resize(t * h, 0.0);
+        gated(gate_up, down, x, t, &mut s.gu, &mut s.act, &mut s.eout);
+        out.iter_mut().zip(&s.eout).for_each(|(o, v)| *o += v);
+    }
+}

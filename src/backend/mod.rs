@@ -1,0 +1,343 @@
+//! Backends: where a decoder's arithmetic runs. The decoders in
+//! [`crate::model`] are written once against [`Backend`]; a backend owns its
+//! buffers ([`Tensor`], typed like host storage), its weights (linear layers
+//! in their [`Parallel`] kind, norms, the embedding table), its kernels, its
+//! KV cache and its collective. A model file never names a concrete backend.
+//!
+//! - [`cpu`]: the fast host backend (packed f32 GEMM over f32 or quantised
+//!   panels, rayon), the default;
+//! - [`reference`]: plain loops with f64 accumulation, no threads: the oracle
+//!   other backends are tested against.
+//!
+//! Anchors: candle's `BackendStorage` (one storage type per device, the same
+//! ops on each) and burn's `Backend` (associated types for every device-side
+//! thing). To add a backend, implement this trait; `tests/backends.rs` then
+//! runs every parity fixture through it (see docs/ARCHITECTURE.md).
+
+pub mod cpu;
+mod kv_cache;
+pub mod reference;
+mod tensor;
+
+pub use cpu::Cpu;
+pub use kv_cache::{KvCache, LayerKv};
+pub use reference::Reference;
+pub use tensor::{Cols, Tensor};
+
+use crate::hf::deepseek::{Scoring, TopkMethod};
+use crate::hf::quant::{LinearWeight, QuantKind};
+use crate::hf::RopeFreqs;
+use crate::pipeline::batch::PackedBatch;
+use crate::shape::{CapturedStates, DType, Dim, ShapeError};
+
+/// Why a backend cannot do what it is asked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// Input the model cannot take (a chunk that does not continue its cached positions).
+    #[error("sample {sample}: {problem}")]
+    Input {
+        /// Sample index in the batch.
+        sample: usize,
+        /// What is wrong.
+        problem: String,
+    },
+    /// Something this backend does not do (e.g. tensor parallelism on the reference backend).
+    #[error("{0}")]
+    Unsupported(String),
+    /// A size that disagrees with a buffer's type.
+    #[error(transparent)]
+    Shape(#[from] ShapeError),
+}
+
+/// The dtype a backend feeds its GEMMs and attention (the residual stream,
+/// norms, softmax and accumulations stay f32 whatever it is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Compute {
+    /// f32 inputs: the exact path.
+    F32,
+    /// bf16 inputs, f32 accumulation.
+    Bf16,
+}
+
+impl std::fmt::Display for Compute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Compute::F32 => "f32",
+            Compute::Bf16 => "bf16",
+        })
+    }
+}
+
+/// A compute dtype as a type: the parameter a backend is instantiated with
+/// (`Cpu<F32>`), so a bf16 or CUDA path is a new backend type, not a change
+/// to any model file.
+pub trait ComputeDtype: Copy + Default + Send + Sync + std::fmt::Debug + 'static {
+    /// Its run-time value.
+    const COMPUTE: Compute;
+}
+
+/// f32 compute.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct F32;
+
+impl ComputeDtype for F32 {
+    const COMPUTE: Compute = Compute::F32;
+}
+
+/// How a linear layer is split over tensor-parallel ranks (mistral.rs'
+/// `DistributedKind`): a property of the layer, so a forward never mentions ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Parallel {
+    /// Every rank holds the whole weight and computes the whole output.
+    Replicated,
+    /// Each rank holds a block of output rows; its output is its own columns.
+    Column,
+    /// Each rank holds a block of input columns; partial outputs are summed
+    /// over ranks (all-reduce, in rank order) and the bias added once.
+    Row,
+}
+
+/// Memory a weight holds.
+pub trait Resident {
+    /// Bytes held (quantised weights as codes and scales).
+    fn resident_bytes(&self) -> usize;
+}
+
+/// Host weight vectors (norms, biases) of the CPU and reference backends.
+impl Resident for Vec<f32> {
+    fn resident_bytes(&self) -> usize {
+        self.len() * 4
+    }
+}
+
+/// What a backend's linear layer tells about itself.
+pub trait LinearInfo: Resident + Send + Sync {
+    /// Output width on this rank.
+    fn out_features(&self) -> usize;
+    /// Input width on this rank.
+    fn in_features(&self) -> usize;
+    /// The codes the weight is held as (FP8, INT4, bf16); `None` for f32.
+    fn held_as(&self) -> Option<QuantKind>;
+}
+
+/// `count` heads (or column blocks) of every row: head `i` occupies columns
+/// `offset + i·stride .. + width`. A stride of 0 repeats one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadSpan {
+    /// First column of head 0.
+    pub offset: usize,
+    /// Heads.
+    pub count: usize,
+    /// Columns between consecutive heads.
+    pub stride: usize,
+    /// Columns of each head the op touches.
+    pub width: usize,
+}
+
+impl HeadSpan {
+    /// `count` contiguous heads of `width` columns from `offset`.
+    pub fn heads(offset: usize, count: usize, width: usize) -> Self {
+        HeadSpan { offset, count, stride: width, width }
+    }
+}
+
+/// Head layout and masking of causal attention.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Per-head width of queries and keys.
+    pub head_dim: usize,
+    /// Per-head width of values (and of the output); MLA's differs from `head_dim`.
+    pub v_dim: usize,
+    /// `Some(w)`: a query sees itself and the `w - 1` positions before it.
+    pub window: Option<usize>,
+    /// Score scale, `head_dim^-0.5` (times YaRN's factor).
+    pub scale: f32,
+}
+
+/// How an MoE router picks each token's experts (every mode of the DeepSeek family).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Router {
+    /// Softmax or sigmoid scores.
+    pub scoring: Scoring,
+    /// Greedy, group-limited greedy, or noaux_tc.
+    pub topk_method: TopkMethod,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Expert groups.
+    pub n_group: usize,
+    /// Groups kept per token.
+    pub topk_group: usize,
+    /// Normalise the chosen weights to sum to 1.
+    pub norm_topk_prob: bool,
+    /// Factor on every routed weight.
+    pub routed_scaling_factor: f32,
+}
+
+/// A gated MLP's weights: `down_proj(silu(gate) · up)` of `[gate | up] = gate_up_proj(x)`.
+/// Used for routed and shared experts, whose partial outputs the MoE op sums
+/// before one all-reduce.
+pub struct GatedLinear<B: Backend> {
+    /// `gate_proj` and `up_proj` stacked: `[2·inter, hidden]` (column-parallel).
+    pub gate_up_proj: B::Linear,
+    /// `down_proj`: `[hidden, inter]` (row-parallel).
+    pub down_proj: B::Linear,
+}
+
+impl<B: Backend> Resident for GatedLinear<B> {
+    fn resident_bytes(&self) -> usize {
+        self.gate_up_proj.resident_bytes() + self.down_proj.resident_bytes()
+    }
+}
+
+/// The keys and values a backend keeps between the steps of a chunked sample.
+pub trait KvStore: Default + Send {
+    /// Checks that every continuing segment of `batch` finds exactly its
+    /// earlier positions, and notes the positions this step will add.
+    fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError>;
+    /// Drops the samples whose last chunk `batch` ran.
+    fn retire(&mut self, batch: &PackedBatch);
+    /// Samples with cached positions.
+    fn len(&self) -> usize;
+    /// Whether nothing is cached.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A device a decoder runs on: its buffers, weights, kernels, KV cache and
+/// collective. One value per tensor-parallel rank.
+///
+/// Activations are `[rows, width]` [`Tensor`]s of f32 values as the model
+/// sees them (a backend may hold them otherwise); the residual stream is a
+/// `Tensor<B, H>`, typed by the model's hidden dim. Ops write into buffers
+/// the caller owns, so a forward allocates once per step, not per layer.
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// The compute dtype of GEMM and attention inputs.
+    type Compute: ComputeDtype;
+    /// Storage of one activation buffer.
+    type Storage: Send + Sync;
+    /// A weight vector (norm weight, router bias), on the device.
+    type Vector: Resident + Send + Sync;
+    /// The token embedding table.
+    type Embedding: Resident + Send + Sync;
+    /// A linear layer `y = x·Wᵀ + b`, in its [`Parallel`] kind.
+    type Linear: LinearInfo;
+    /// cos/sin of every position of one step.
+    type RopeTable;
+    /// Each token's experts and weights, for one MoE layer of one step.
+    type Routes;
+    /// Keys and values kept between steps.
+    type KvCache: KvStore;
+
+    /// The name `--backend` takes.
+    const NAME: &'static str;
+
+    /// This rank's index.
+    fn rank(&self) -> usize;
+    /// Ranks in this backend's tensor-parallel group.
+    fn world_size(&self) -> usize;
+    /// Backends for the `n` ranks of a tensor-parallel group, rank order,
+    /// joined by this backend's collective.
+    fn group(&self, n: usize) -> Result<Vec<Self>, BackendError>;
+    /// The compute dtype.
+    fn compute(&self) -> Compute {
+        <Self::Compute as ComputeDtype>::COMPUTE
+    }
+
+    // Buffers.
+
+    /// Zero-filled storage of `len` values.
+    fn alloc(&self, len: usize) -> Self::Storage;
+    /// Resizes storage to `len` values, keeping its allocation where it can;
+    /// the contents are unspecified (every op overwrites its output).
+    fn realloc(&self, s: &mut Self::Storage, len: usize);
+    /// Copies host values to a new storage.
+    fn upload(&self, host: &[f32]) -> Self::Storage;
+    /// Copies storage back to the host; `out` has exactly its length.
+    fn download(&self, s: &Self::Storage, out: &mut [f32]);
+
+    // Weights.
+
+    /// A weight vector.
+    fn vector(&self, v: Vec<f32>) -> Self::Vector;
+    /// The embedding table `[vocab, hidden]`, as stored (`dtype` little-endian bytes).
+    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> Self::Embedding;
+    /// A linear layer from this rank's block of a weight, as stored (f32,
+    /// bf16, FP8 blocks or INT4 groups), with an optional bias `[rows]` of the
+    /// whole layer (row-parallel) or of this rank's rows (column-parallel).
+    fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Self::Linear;
+
+    // Ops.
+
+    /// `out[t] = table[token t]`.
+    fn embed<H: Dim>(&self, table: &Self::Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>);
+    /// RMSNorm of each row of `x` (`w.len()` columns): `out[t] = x[t] / rms(x[t]) · w`.
+    fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Self::Vector, eps: f32, out: &mut Tensor<Self, W>);
+    /// In place: RMSNorm of each head of `heads` (Qwen3's q/k norm).
+    fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Self::Vector, eps: f32);
+    /// cos/sin (times `freqs.scale`) of positions `0..len`.
+    fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> Self::RopeTable;
+    /// In place: rotates each head of `heads` at its token's position within
+    /// its sample; pairs `(i, i + d/2)` (HF's `rotate_half`), or `(2i, 2i+1)`
+    /// written back as `[evens', odds']` with `interleave` (DeepSeek).
+    fn rope(
+        &self,
+        x: &mut Tensor<Self>,
+        heads: HeadSpan,
+        interleave: bool,
+        table: &Self::RopeTable,
+        batch: &PackedBatch,
+    );
+    /// `out = silu(gate) · up` of `gate_up = [gate | up]`.
+    fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>);
+    /// `x += y`.
+    fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>);
+    /// `dst[t][to head i] = src[t][from head i]` for every row.
+    fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan);
+    /// `out = x·Wᵀ + b`; a row-parallel layer's output is summed over ranks.
+    fn linear_forward<W: Dim, V: Dim>(&self, l: &Self::Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>);
+    /// `residual += x·Wᵀ + b` (fused into the GEMM where it can be).
+    fn linear_add<W: Dim, V: Dim>(&self, l: &Self::Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>);
+    /// Causal attention over the packed variable-length segments of `batch`:
+    /// `out = softmax(q·kᵀ·scale + mask)·v` per head. A segment that
+    /// continues a sample (chunked prefill) reads its earlier keys and values
+    /// from `cache` (layer `layer`); a segment with more chunks to come leaves
+    /// its own there.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        q: Cols<'_, Self>,
+        k: Cols<'_, Self>,
+        v: Cols<'_, Self>,
+        shape: AttnShape,
+        batch: &PackedBatch,
+        cache: &mut Self::KvCache,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    );
+    /// Each token's top-k experts and weights from the router's logits `[T, E]`
+    /// (`correction`: noaux_tc's `e_score_correction_bias`).
+    fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Self::Vector>) -> Self::Routes;
+    /// `out = Σ_k w_k · expert_k(x) + shared(x)`, summed over ranks (one all-reduce).
+    fn moe_experts<H: Dim>(
+        &self,
+        experts: &[GatedLinear<Self>],
+        shared: Option<&GatedLinear<Self>>,
+        x: &Tensor<Self, H>,
+        routes: &Self::Routes,
+        out: &mut Tensor<Self, H>,
+    );
+    /// Sums `x` over the ranks of the group, in rank order (deterministic).
+    fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>);
+    /// Copies the whole `[T, H]` buffer into slot `slot` of host `[L, T, H]` states.
+    fn capture<L: Dim, H: Dim>(
+        &self,
+        x: &Tensor<Self, H>,
+        out: &mut CapturedStates<L, H>,
+        slot: usize,
+    ) -> Result<(), ShapeError>;
+}

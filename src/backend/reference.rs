@@ -1,0 +1,407 @@
+//! The reference backend: every op as a plain loop over its definition,
+//! accumulating in f64, on one thread, for one rank. It is the in-repo oracle
+//! (in the spirit of llama2.c): slow, short, and obviously what it says.
+//! Weights are widened to f32 at load (quantised ones dequantised exactly);
+//! activations are f32 buffers, each value rounded once from its f64 sum.
+
+use super::tensor::check_capture;
+use super::{
+    AttnShape, Backend, BackendError, Cols, GatedLinear, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router,
+    Tensor, F32,
+};
+use crate::hf::deepseek::{Scoring, TopkMethod};
+use crate::hf::quant::{LinearWeight, QuantKind};
+use crate::hf::RopeFreqs;
+use crate::pipeline::batch::PackedBatch;
+use crate::shape::{CapturedStates, DType, Dim, ShapeError};
+
+/// The reference backend (one rank).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Reference;
+
+/// The embedding table, decoded to f32 `[vocab, hidden]`.
+pub struct Embedding {
+    table: Vec<f32>,
+    h: usize,
+}
+
+impl Resident for Embedding {
+    fn resident_bytes(&self) -> usize {
+        self.table.len() * 4
+    }
+}
+
+/// A linear layer as a dense f32 `[out, in]` matrix and its bias.
+pub struct Linear {
+    w: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    out: usize,
+    inp: usize,
+}
+
+impl Resident for Linear {
+    fn resident_bytes(&self) -> usize {
+        (self.w.len() + self.bias.as_ref().map_or(0, Vec::len)) * 4
+    }
+}
+
+impl LinearInfo for Linear {
+    fn out_features(&self) -> usize {
+        self.out
+    }
+    fn in_features(&self) -> usize {
+        self.inp
+    }
+    fn held_as(&self) -> Option<QuantKind> {
+        None
+    }
+}
+
+impl Linear {
+    /// `y = W·x + b` of one row, in f64.
+    fn apply(&self, x: &[f64]) -> Vec<f64> {
+        (0..self.out)
+            .map(|j| {
+                let w = &self.w[j * self.inp..(j + 1) * self.inp];
+                let dot: f64 = w.iter().zip(x).map(|(w, x)| *w as f64 * x).sum();
+                dot + self.bias.as_ref().map_or(0.0, |b| b[j] as f64)
+            })
+            .collect()
+    }
+
+    /// `y = W·x + b` for every row of `x`.
+    fn rows<'a>(&'a self, x: &'a [f32]) -> impl Iterator<Item = Vec<f64>> + 'a {
+        x.chunks_exact(self.inp).map(|r| self.apply(&widen(r)))
+    }
+}
+
+/// cos/sin (times the RoPE scale) of every position, `[len][half]`, in f64.
+pub struct RopeTable {
+    cos: Vec<f64>,
+    sin: Vec<f64>,
+    half: usize,
+}
+
+fn widen(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// `x / rms(x) · w`, in f64.
+fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ss + eps as f64).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(w) {
+        *o = (w as f64 * (v as f64 * inv)) as f32;
+    }
+}
+
+/// A gated MLP of one row: `down(silu(gate) · up)`, in f64 throughout.
+fn gated_row(m: &GatedLinear<Reference>, x: &[f64]) -> Vec<f64> {
+    let gu = m.gate_up_proj.apply(x);
+    let inter = gu.len() / 2;
+    let act: Vec<f64> = (0..inter).map(|i| silu(gu[i]) * gu[inter + i]).collect();
+    m.down_proj.apply(&act)
+}
+
+impl Backend for Reference {
+    type Compute = F32;
+    type Storage = Vec<f32>;
+    type Vector = Vec<f32>;
+    type Embedding = Embedding;
+    type Linear = Linear;
+    type RopeTable = RopeTable;
+    /// Per token, its experts and weights.
+    type Routes = Vec<Vec<(usize, f64)>>;
+    type KvCache = KvCache;
+
+    const NAME: &'static str = "reference";
+
+    fn rank(&self) -> usize {
+        0
+    }
+
+    fn world_size(&self) -> usize {
+        1
+    }
+
+    fn group(&self, n: usize) -> Result<Vec<Self>, BackendError> {
+        match n {
+            1 => Ok(vec![Reference]),
+            _ => Err(BackendError::Unsupported(format!(
+                "the reference backend runs one rank; use --tp 1 with --backend reference (got --tp {n})"
+            ))),
+        }
+    }
+
+    fn alloc(&self, len: usize) -> Vec<f32> {
+        vec![0f32; len]
+    }
+
+    fn realloc(&self, s: &mut Vec<f32>, len: usize) {
+        s.resize(len, 0.0);
+    }
+
+    fn upload(&self, host: &[f32]) -> Vec<f32> {
+        host.to_vec()
+    }
+
+    fn download(&self, s: &Vec<f32>, out: &mut [f32]) {
+        out.copy_from_slice(s);
+    }
+
+    fn vector(&self, v: Vec<f32>) -> Vec<f32> {
+        v
+    }
+
+    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> Embedding {
+        let mut table = vec![0f32; bytes.len() / dtype.size()];
+        dtype.decode_into(&bytes, &mut table);
+        Embedding { table, h: hidden }
+    }
+
+    fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, _kind: Parallel) -> Linear {
+        let (out, inp) = (w.rows(), w.cols());
+        let w = match w {
+            LinearWeight::Dense { w, .. } => w,
+            LinearWeight::Quant(q) => q.dequantize(),
+        };
+        Linear { w, bias, out, inp }
+    }
+
+    fn embed<H: Dim>(&self, table: &Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
+        let h = table.h;
+        for (row, &id) in out.storage_mut().chunks_exact_mut(h).zip(batch.token_ids()) {
+            row.copy_from_slice(&table.table[id as usize * h..(id as usize + 1) * h]);
+        }
+    }
+
+    fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
+        for (row, dst) in x.storage.chunks_exact(x.stride).zip(out.storage_mut().chunks_exact_mut(x.width)) {
+            rms_norm_row(&row[x.offset..x.offset + x.width], w, eps, dst);
+        }
+    }
+
+    fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
+        let stride = x.width();
+        for row in x.storage_mut().chunks_exact_mut(stride) {
+            for i in 0..heads.count {
+                let o = heads.offset + i * heads.stride;
+                let head = row[o..o + heads.width].to_vec();
+                rms_norm_row(&head, w, eps, &mut row[o..o + heads.width]);
+            }
+        }
+    }
+
+    fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> RopeTable {
+        let half = freqs.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(len * half), Vec::with_capacity(len * half));
+        for p in 0..len {
+            for &f in &freqs.inv_freq {
+                // The angle as HF forms it (an f32 product), its cos/sin in f64.
+                let a = (p as f32 * f) as f64;
+                cos.push(a.cos() * freqs.scale as f64);
+                sin.push(a.sin() * freqs.scale as f64);
+            }
+        }
+        RopeTable { cos, sin, half }
+    }
+
+    fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable, batch: &PackedBatch) {
+        let (stride, half) = (x.width(), table.half);
+        for (s, seg) in batch.segments().iter().enumerate() {
+            for (i, row) in batch.range(s).enumerate() {
+                let pos = seg.pos0 + i;
+                let (cos, sin) = (&table.cos[pos * half..][..half], &table.sin[pos * half..][..half]);
+                for h in 0..heads.count {
+                    let o = row * stride + heads.offset + h * heads.stride;
+                    let head = &mut x.storage_mut()[o..o + 2 * half];
+                    // Pair i is (a, b): (i, i + half), or (2i, 2i + 1) when interleaved.
+                    let pair = |i: usize| if interleave { (2 * i, 2 * i + 1) } else { (i, i + half) };
+                    let src = widen(head);
+                    for i in 0..half {
+                        let (a, b) = (src[pair(i).0], src[pair(i).1]);
+                        // Output is [rotated a's | rotated b's] in both layouts.
+                        head[i] = (a * cos[i] - b * sin[i]) as f32;
+                        head[half + i] = (b * cos[i] + a * sin[i]) as f32;
+                    }
+                }
+            }
+        }
+    }
+
+    fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+        let inter = out.width();
+        for (gu, o) in gate_up.storage().chunks_exact(2 * inter).zip(out.storage_mut().chunks_exact_mut(inter)) {
+            for i in 0..inter {
+                o[i] = (silu(gu[i] as f64) * gu[inter + i] as f64) as f32;
+            }
+        }
+    }
+
+    fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
+        for (x, y) in x.storage_mut().iter_mut().zip(y.storage()) {
+            *x = (*x as f64 + *y as f64) as f32;
+        }
+    }
+
+    fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
+        let (ss, ds) = (src.width(), dst.width());
+        for r in 0..src.rows() {
+            for i in 0..to.count {
+                for c in 0..to.width {
+                    dst.storage_mut()[r * ds + to.offset + i * to.stride + c] =
+                        src.storage()[r * ss + from.offset + i * from.stride + c];
+                }
+            }
+        }
+    }
+
+    fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
+        for (y, dst) in l.rows(x.storage()).zip(out.storage_mut().chunks_exact_mut(l.out)) {
+            dst.iter_mut().zip(y).for_each(|(d, y)| *d = y as f32);
+        }
+    }
+
+    fn linear_add<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
+        for (y, dst) in l.rows(x.storage()).zip(residual.storage_mut().chunks_exact_mut(l.out)) {
+            dst.iter_mut().zip(y).for_each(|(d, y)| *d = (*d as f64 + y) as f32);
+        }
+    }
+
+    fn attention(
+        &self,
+        q: Cols<'_, Self>,
+        k: Cols<'_, Self>,
+        v: Cols<'_, Self>,
+        s: AttnShape,
+        batch: &PackedBatch,
+        cache: &mut KvCache,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    ) {
+        let (nh, nkv, hd, vd) = (s.heads, s.kv_heads, s.head_dim, s.v_dim);
+        let (kw, vw, ow) = (nkv * hd, nkv * vd, nh * vd);
+        for (si, seg) in batch.segments().iter().enumerate() {
+            let rows = batch.range(si);
+            // Keys and values of positions 0..pos0 + len, as rows of kw / vw values.
+            let (keys, values): (Vec<f32>, Vec<f32>) = if seg.uses_cache() {
+                let e = cache.layer_mut(seg.key, layer);
+                for r in rows.clone() {
+                    e.k.extend_from_slice(&k.storage[r * k.stride + k.offset..][..kw]);
+                    e.v.extend_from_slice(&v.storage[r * v.stride + v.offset..][..vw]);
+                }
+                (e.k.clone(), e.v.clone())
+            } else {
+                let pick = |c: &Cols<'_, Self>, w: usize| -> Vec<f32> {
+                    rows.clone().flat_map(|r| c.storage[r * c.stride + c.offset..][..w].to_vec()).collect()
+                };
+                (pick(&k, kw), pick(&v, vw))
+            };
+            for (i, row) in rows.enumerate() {
+                let p = seg.pos0 + i; // the query's position within its sample
+                let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+                for h in 0..nh {
+                    let g = h / (nh / nkv);
+                    let qh = &q.storage[row * q.stride + q.offset + h * hd..][..hd];
+                    let scores: Vec<f64> = (lo..=p)
+                        .map(|j| {
+                            let kj = &keys[j * kw + g * hd..][..hd];
+                            qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * s.scale as f64
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..vd {
+                        let o: f64 = (lo..=p).zip(&e).map(|(j, w)| w / z * values[j * vw + g * vd + d] as f64).sum();
+                        out.storage_mut()[row * ow + h * vd + d] = o as f32;
+                    }
+                }
+            }
+        }
+    }
+
+    fn moe_route(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vec<f32>>) -> Self::Routes {
+        let e = logits.width();
+        let per_group = e / r.n_group;
+        logits
+            .storage()
+            .chunks_exact(e)
+            .map(|l| {
+                let scores: Vec<f64> = match r.scoring {
+                    Scoring::Sigmoid => l.iter().map(|&x| 1.0 / (1.0 + (-(x as f64)).exp())).collect(),
+                    Scoring::Softmax => {
+                        let max = l.iter().map(|&x| x as f64).fold(f64::NEG_INFINITY, f64::max);
+                        let z: f64 = l.iter().map(|&x| (x as f64 - max).exp()).sum();
+                        l.iter().map(|&x| (x as f64 - max).exp() / z).collect()
+                    }
+                };
+                // What experts are chosen by; noaux_tc adds the correction bias.
+                let mut choice: Vec<f64> =
+                    (0..e).map(|i| scores[i] + correction.map_or(0.0, |c| c[i] as f64)).collect();
+                if r.topk_method != TopkMethod::Greedy && r.n_group > 1 {
+                    // A group's score: its best expert, or (noaux_tc) the sum of its two best.
+                    let mut groups: Vec<(usize, f64)> = (0..r.n_group)
+                        .map(|g| {
+                            let mut v = choice[g * per_group..(g + 1) * per_group].to_vec();
+                            v.sort_by(|a, b| b.total_cmp(a));
+                            (g, if r.topk_method == TopkMethod::NoauxTc { v[0] + v[1] } else { v[0] })
+                        })
+                        .collect();
+                    groups.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                    for &(g, _) in &groups[r.topk_group..] {
+                        let fill = if r.topk_method == TopkMethod::NoauxTc { f64::NEG_INFINITY } else { 0.0 };
+                        choice[g * per_group..(g + 1) * per_group].fill(fill);
+                    }
+                }
+                let mut order: Vec<usize> = (0..e).collect();
+                order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+                let picked = &order[..r.top_k];
+                let weight = |i: usize| if r.topk_method == TopkMethod::NoauxTc { scores[i] } else { choice[i] };
+                let denom = if r.norm_topk_prob { picked.iter().map(|&i| weight(i)).sum::<f64>() + 1e-20 } else { 1.0 };
+                picked.iter().map(|&i| (i, weight(i) / denom * r.routed_scaling_factor as f64)).collect()
+            })
+            .collect()
+    }
+
+    fn moe_experts<H: Dim>(
+        &self,
+        experts: &[GatedLinear<Self>],
+        shared: Option<&GatedLinear<Self>>,
+        x: &Tensor<Self, H>,
+        routes: &Self::Routes,
+        out: &mut Tensor<Self, H>,
+    ) {
+        let h = x.width().size();
+        for ((row, dst), picked) in x.storage().chunks_exact(h).zip(out.storage_mut().chunks_exact_mut(h)).zip(routes) {
+            let xr = widen(row);
+            let mut acc = vec![0f64; h];
+            for &(i, w) in picked {
+                acc.iter_mut().zip(gated_row(&experts[i], &xr)).for_each(|(a, y)| *a += w * y);
+            }
+            if let Some(sh) = shared {
+                acc.iter_mut().zip(gated_row(sh, &xr)).for_each(|(a, y)| *a += y);
+            }
+            dst.iter_mut().zip(acc).for_each(|(d, a)| *d = a as f32);
+        }
+    }
+
+    fn all_reduce<W: Dim>(&self, _x: &mut Tensor<Self, W>) {
+        // One rank: the sum over ranks is the rank's own buffer.
+    }
+
+    fn capture<L: Dim, H: Dim>(
+        &self,
+        x: &Tensor<Self, H>,
+        out: &mut CapturedStates<L, H>,
+        slot: usize,
+    ) -> Result<(), ShapeError> {
+        check_capture(x.rows(), x.width().size(), out, slot)?;
+        out.layer_mut(slot).copy_from_slice(x.storage());
+        Ok(())
+    }
+}

@@ -1,0 +1,132 @@
+//! Activation buffers on a backend's device, `[rows, W]`, typed like host storage.
+
+use super::Backend;
+use crate::shape::{check_dim, CapturedStates, Dim, ShapeError};
+
+/// An activation buffer `[rows, W]` held by backend `B`: the residual stream
+/// is a `Tensor<B, H>` (`H` the model's hidden dim), working buffers are
+/// `Tensor<B>` with a run-time width. Sizes are checked where host data
+/// enters or leaves ([`from_host`](Self::from_host), [`Backend::capture`]).
+pub struct Tensor<B: Backend, W: Dim = usize> {
+    rows: usize,
+    width: W,
+    storage: B::Storage,
+}
+
+impl<B: Backend, W: Dim> Tensor<B, W> {
+    /// A zero-filled `[rows, width]` buffer.
+    pub fn zeros(b: &B, rows: usize, width: W) -> Self {
+        Tensor { rows, width, storage: b.alloc(rows * width.size()) }
+    }
+
+    /// An empty buffer of width `width`, to be [`resize`](Self::resize)d by a step.
+    pub fn empty(b: &B, width: W) -> Self {
+        Self::zeros(b, 0, width)
+    }
+
+    /// Copies host values `[rows, width]` to the device, checking their count.
+    pub fn from_host(b: &B, data: &[f32], rows: usize, width: W) -> Result<Self, ShapeError> {
+        if data.len() != rows * width.size() {
+            return Err(ShapeError::new("tensor from host", "elements", rows * width.size(), data.len()));
+        }
+        Ok(Tensor { rows, width, storage: b.upload(data) })
+    }
+
+    /// Copies the buffer to the host, `[rows, width]` row-major.
+    pub fn to_host(&self, b: &B) -> Vec<f32> {
+        let mut out = vec![0f32; self.len()];
+        b.download(&self.storage, &mut out);
+        out
+    }
+
+    /// Makes this a `[rows, width]` buffer, reusing its allocation; contents unspecified.
+    pub fn resize(&mut self, b: &B, rows: usize, width: W) {
+        self.rows = rows;
+        self.width = width;
+        b.realloc(&mut self.storage, rows * width.size());
+    }
+
+    /// Rows (tokens).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// The width dim.
+    pub fn width(&self) -> W {
+        self.width
+    }
+    /// Values held: `rows · width`.
+    pub fn len(&self) -> usize {
+        self.rows * self.width.size()
+    }
+    /// Whether the buffer holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The backend's storage (for the backend's own kernels).
+    pub fn storage(&self) -> &B::Storage {
+        &self.storage
+    }
+    /// The backend's storage, mutable.
+    pub fn storage_mut(&mut self) -> &mut B::Storage {
+        &mut self.storage
+    }
+
+    /// Every column.
+    pub fn all(&self) -> Cols<'_, B> {
+        let w = self.width.size();
+        Cols { storage: &self.storage, rows: self.rows, stride: w, offset: 0, width: w }
+    }
+
+    /// Columns `offset .. offset + width` of every row.
+    ///
+    /// # Panics
+    /// If the block does not fit the buffer's width: a bug in the model code, not in its input.
+    pub fn cols(&self, offset: usize, width: usize) -> Cols<'_, B> {
+        let w = self.width.size();
+        assert!(offset + width <= w, "column block {offset}..{} of a width-{w} tensor", offset + width);
+        Cols { storage: &self.storage, rows: self.rows, stride: w, offset, width }
+    }
+
+    /// Checks the buffer's shape against an expected one, naming the axis.
+    pub fn check(&self, context: &str, rows: usize, width: W) -> Result<(), ShapeError> {
+        check_dim(context, "tokens", rows, self.rows)?;
+        check_dim(context, "width", width, self.width.size())
+    }
+}
+
+/// A block of columns of every row of a [`Tensor`]: row `r`, column `c` of
+/// the block is element `r · stride + offset + c` of its storage.
+pub struct Cols<'a, B: Backend> {
+    /// The tensor's storage.
+    pub storage: &'a B::Storage,
+    /// Rows.
+    pub rows: usize,
+    /// The tensor's width.
+    pub stride: usize,
+    /// First column of the block.
+    pub offset: usize,
+    /// Columns in the block.
+    pub width: usize,
+}
+
+impl<B: Backend> Clone for Cols<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for Cols<'_, B> {}
+
+/// Checks a `[rows, width]` buffer against slot `slot` of `[L, T, H]` states.
+pub(crate) fn check_capture<L: Dim, H: Dim>(
+    rows: usize,
+    width: usize,
+    out: &CapturedStates<L, H>,
+    slot: usize,
+) -> Result<(), ShapeError> {
+    check_dim("capture", "tokens", out.tokens(), rows)?;
+    check_dim("capture", "hidden", out.hidden(), width)?;
+    if slot >= out.layers().size() {
+        return Err(ShapeError::new("capture slot", "layers", out.layers().size(), slot + 1));
+    }
+    Ok(())
+}

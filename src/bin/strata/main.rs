@@ -1,0 +1,409 @@
+//! The `strata` command line: argument parsing, progress and summaries, and
+//! the jobs that compose the library (`extract`, `verify`, `inspect`).
+
+/// Prints a line to stdout; a closed pipe (`strata inspect DIR | head`) is not an error.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
+mod embedded;
+mod extract;
+mod verify;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use extract::{ExtractJob, Format, Summary};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+use strata::model::BackendKind;
+use strata::pipeline::Progress;
+use strata::shape::DType;
+use strata::sink::OpenMode;
+
+#[derive(Parser)]
+#[command(name = "strata", version, about = "Shape-verified hidden-state extraction from transformer LLMs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a model over token samples and write the hidden states of chosen capture points.
+    #[command(after_long_help = EXTRACT_HELP)]
+    Extract(ExtractArgs),
+    /// Describe an output directory or file: shapes, dtypes, capture points, token and per-layer statistics.
+    #[command(after_long_help = INSPECT_HELP)]
+    Inspect(InspectArgs),
+    /// Check every sample of a native-format output against its manifest; exit 1 on any problem.
+    #[command(after_long_help = VERIFY_HELP)]
+    Verify(VerifyArgs),
+}
+
+const EXTRACT_HELP: &str = "\
+CAPTURE POINTS (each defined against HF output_hidden_states `hs`, N layers):
+  embeddings   token embeddings                      hs[0]
+  input:K      residual stream entering layer K      hs[K]    (vLLM's aux layer K)
+  output:K     HF's entry after layer K              hs[K+1]  (SGLang/SpecForge layer K)
+  final        residual after the last layer, before the final norm
+  final-norm   after the final norm (what the LM head reads)  hs[N]
+  eagle3       input:2, input:N/2, input:N-3, final
+
+INPUT: JSON Lines, one sample per line:
+  {\"input_ids\": [128000, 9906, 1917], \"id\": \"conv-17\", \"loss_mask\": [0, 1, 1]}
+  `id` (default: the sample's 0-based index) and `loss_mask` (default: all 1) are optional.
+
+OUTPUT (--format strata, the default): OUT/shard-NNNNN.safetensors holding per sample
+  {id}.hidden_states [L, T, H], {id}.input_ids [T] i64, {id}.loss_mask [T] u8,
+  and OUT/manifest.json (capture points, dtype, checksums). See docs/FORMAT.md.
+OUTPUT (--format speculators): OUT/hs_{i}.safetensors per sample with
+  token_ids [T] i64 and hidden_states [T, L, H].
+
+MODELS: llama, mistral, qwen2, qwen3, deepseek_v2, deepseek_v3, kimi_k2, and
+Kimi-K2.5's kimi_k25 wrapper (its vision tower is not read). Weights stay in
+memory as stored, decoded per GEMM tile: f32, bf16, FP8 128x128 blocks
+(DeepSeek-V3, Kimi-K2) and compressed-tensors INT4 experts (Kimi-K2.5);
+f16 weights are widened to f32.
+
+Samples are packed into steps of --max-batch-tokens; longer samples are split
+across steps (chunked prefill). The files do not depend on that setting.
+An interrupted run (crash, kill -9) continues with --resume and ends with the
+same files as an uninterrupted one.
+
+EXAMPLES:
+  # The embedded demo model and data (no download):
+  strata extract --out /tmp/strata-demo
+
+  # A local HF checkpoint, EAGLE-3 layers, stored as bf16:
+  strata extract --model ./Llama-3.1-8B --data tokens.jsonl --capture eagle3 \\
+      --dtype bf16 --out ./hidden_states
+
+  # Kimi-K2.5 as released (INT4 experts), EAGLE-3 layers, 8 tensor-parallel ranks:
+  strata extract --model ./Kimi-K2.5 --data tokens.jsonl --tp 8 \
+      --capture input:2,input:30,input:58,input:60 --out ./kimi-eagle3
+
+  # Continue after an interruption, then check the result:
+  strata extract --model ./Llama-3.1-8B --data tokens.jsonl --out ./hidden_states --resume
+  strata verify ./hidden_states";
+
+const INSPECT_HELP: &str = "\
+EXAMPLES:
+  strata inspect ./hidden_states                    # native dataset: manifest + statistics
+  strata inspect ./hidden_states --max-samples 100  # statistics over the first 100 samples
+  strata inspect ./hidden_states/shard-00000.safetensors
+  strata inspect ./spec_out                         # a directory of hs_{i}.safetensors";
+
+const VERIFY_HELP: &str = "\
+Checks shapes, dtypes, token counts, checksums and NaN/Inf of every sample, that
+every shard is whole, and that the run finished. With --layout it also checks
+the capture points, hidden size and dtype against a JSON file, e.g.
+  {\"capture\": [\"input:2\", \"input:16\", \"input:29\", \"final\"], \"hidden_size\": 4096, \"dtype\": \"bf16\"}
+or against another dataset's manifest.json: a CI guard against layout regressions.
+
+With --recompute N it also runs N randomly chosen samples (--seed) through the
+model again and reports, per capture point, the largest absolute and relative
+difference |fresh - stored| / max(1, |stored|) from the stored states. The
+model is the one the manifest names, or --model DIR; it runs on the CPU
+backend in f32, or on the plain reference backend with --backend reference.
+The run fails (exit 1) above a tolerance made of the stored dtype's rounding
+(one unit in its last place: 2^-7 for bf16, 2^-10 for f16, 0 for f32) plus
+1e-4 for f32 compute. No other check compares the states with the model:
+use it when a draft trains badly, or after copying a dataset.
+
+EXAMPLES:
+  strata verify ./hidden_states
+  strata verify ./hidden_states --layout expected-layout.json
+  strata verify ./hidden_states --recompute 20 --seed 7
+  strata verify ./hidden_states --recompute 5 --model ./Llama-3.1-8B --backend reference";
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendArg {
+    /// The fast CPU backend (packed GEMMs, threads, tensor parallelism).
+    Cpu,
+    /// Plain loops with f64 accumulation, one thread, --tp 1: the oracle.
+    Reference,
+}
+
+impl From<BackendArg> for BackendKind {
+    fn from(b: BackendArg) -> Self {
+        match b {
+            BackendArg::Cpu => BackendKind::Cpu,
+            BackendArg::Reference => BackendKind::Reference,
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DTypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum FormatArg {
+    /// Sharded safetensors with {id}.hidden_states [L, T, H] and manifest.json.
+    Strata,
+    /// Per-sample hs_{i}.safetensors with token_ids [T] and hidden_states [T, L, H].
+    Speculators,
+}
+
+#[derive(clap::Args)]
+struct ExtractArgs {
+    /// HF checkpoint directory (config.json + *.safetensors). Default: the embedded demo model.
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// JSON Lines file, one {"input_ids": [...]} per line. Default: the embedded demo data.
+    #[arg(long, value_name = "FILE.jsonl")]
+    data: Option<PathBuf>,
+    /// Comma list of capture points (see below), in output order.
+    #[arg(long, value_name = "LIST", default_value = "eagle3")]
+    capture: String,
+    /// Output directory (created if missing; must be empty unless --resume or --overwrite).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Storage dtype of hidden states. Default: the checkpoint's dtype.
+    #[arg(long, value_enum)]
+    dtype: Option<DTypeArg>,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "strata")]
+    format: FormatArg,
+    /// Tokens per forward step; longer samples are split across steps.
+    #[arg(long, value_name = "N", default_value_t = 8192)]
+    max_batch_tokens: usize,
+    /// Target size of each shard (native format), e.g. 1GiB, 256MiB, 1000000.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
+    shard_size: u64,
+    /// Continue an interrupted run in --out: keep finished files, skip their samples.
+    #[arg(long, conflicts_with = "overwrite")]
+    resume: bool,
+    /// Replace the output an earlier run left in --out.
+    #[arg(long)]
+    overwrite: bool,
+    /// Tensor-parallel ranks: the model's heads and MLP split over N threads.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    tp: usize,
+    /// Where the model runs.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: BackendArg,
+}
+
+#[derive(clap::Args)]
+struct InspectArgs {
+    /// A native output directory, a directory of hs_{i}.safetensors, or one safetensors file.
+    path: PathBuf,
+    /// Compute statistics over at most this many samples.
+    #[arg(long, value_name = "N")]
+    max_samples: Option<usize>,
+}
+
+#[derive(clap::Args)]
+struct VerifyArgs {
+    /// A native-format output directory.
+    dir: PathBuf,
+    /// Expected layout: JSON with capture / hidden_size / dtype, or a manifest.json.
+    #[arg(long, value_name = "FILE")]
+    layout: Option<PathBuf>,
+    /// Also run N randomly chosen samples through the model again and compare.
+    #[arg(long, value_name = "N")]
+    recompute: Option<usize>,
+    /// Seed of the --recompute choice.
+    #[arg(long, value_name = "S", default_value_t = 0, requires = "recompute")]
+    seed: u64,
+    /// The model for --recompute. Default: the one the manifest names.
+    #[arg(long, value_name = "DIR", requires = "recompute")]
+    model: Option<PathBuf>,
+    /// Where --recompute runs the model.
+    #[arg(long, value_enum, default_value = "cpu", requires = "recompute")]
+    backend: BackendArg,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a size (e.g. 1GiB, 512MiB, 1000000)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        "t" | "tb" => 1_000_000_000_000,
+        "tib" => 1 << 40,
+        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
+    };
+    let v = (n * mult as f64) as u64;
+    if v == 0 {
+        return Err("size must be positive".into());
+    }
+    Ok(v)
+}
+
+/// Progress on stderr: a bar on a terminal, a log line every 10 s otherwise.
+struct Reporter {
+    bar: Option<indicatif::ProgressBar>,
+    last_line: Instant,
+    total_samples: usize,
+    total_tokens: usize,
+}
+
+impl Reporter {
+    fn new() -> Self {
+        Reporter { bar: None, last_line: Instant::now(), total_samples: 0, total_tokens: 0 }
+    }
+
+    fn update(&mut self, p: &Progress) {
+        let secs = p.elapsed.as_secs_f64().max(1e-9);
+        let tps = p.tokens as f64 / secs;
+        if std::io::stderr().is_terminal() {
+            let bar = self.bar.get_or_insert_with(|| {
+                let b = indicatif::ProgressBar::new(self.total_samples as u64);
+                b.set_style(
+                    indicatif::ProgressStyle::with_template(
+                        "{bar:40.cyan/blue} {pos}/{len} samples  {msg}  elapsed {elapsed_precise}  eta {eta}",
+                    )
+                    .expect("valid template"),
+                );
+                b
+            });
+            bar.set_position((p.resumed + p.samples) as u64);
+            bar.set_message(format!("{tps:.0} tokens/s"));
+        } else if self.last_line.elapsed() >= Duration::from_secs(10) {
+            self.last_line = Instant::now();
+            let left = self.total_tokens.saturating_sub(p.tokens) as f64 / tps.max(1e-9);
+            eprintln!(
+                "progress: {}/{} samples, {} tokens, {tps:.0} tokens/s, eta {left:.0}s",
+                p.resumed + p.samples,
+                self.total_samples,
+                p.tokens
+            );
+        }
+    }
+}
+
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = status.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+fn print_summary(s: &Summary, out: &std::path::Path) {
+    let r = &s.report;
+    let p = &r.progress;
+    let secs = p.elapsed.as_secs_f64().max(1e-9);
+    let points: Vec<String> = s.points.iter().map(|p| p.to_string()).collect();
+    say!("wrote {} samples ({} tokens) to {}", p.samples, p.tokens, out.display());
+    if p.resumed > 0 {
+        say!("  resumed     {} samples were already written", p.resumed);
+    }
+    say!("  capture     {} ({})", points.join(","), s.dtype.map_or("?".into(), |d| d.to_string()));
+    say!("  bytes       {}", r.bytes);
+    say!("  weights     {:.1} MiB in memory ({})", s.weight_bytes as f64 / (1 << 20) as f64, s.weight_storage);
+    say!("  throughput  {:.0} tokens/s over {:.2}s ({} steps)", p.tokens as f64 / secs, secs, r.steps);
+    say!(
+        "  stages      validate {:.2}s, load {:.2}s, schedule {:.2}s, forward {:.2}s, gather {:.2}s, write {:.2}s",
+        s.validate_time.as_secs_f64(),
+        s.load_time.as_secs_f64(),
+        r.schedule_time.as_secs_f64(),
+        r.forward_time.as_secs_f64(),
+        r.gather_time.as_secs_f64(),
+        r.write_time.as_secs_f64()
+    );
+    if let Some(m) = peak_rss_mib() {
+        say!("  peak memory {m:.0} MiB");
+    }
+}
+
+fn extract(a: ExtractArgs) -> anyhow::Result<()> {
+    if a.tp == 0 {
+        anyhow::bail!("--tp must be at least 1");
+    }
+    if a.max_batch_tokens == 0 {
+        anyhow::bail!("--max-batch-tokens must be at least 1");
+    }
+    let job = ExtractJob {
+        model: a.model.clone(),
+        data: a.data,
+        capture: a.capture,
+        out: a.out.clone(),
+        dtype: a.dtype.map(|d| match d {
+            DTypeArg::F32 => DType::F32,
+            DTypeArg::Bf16 => DType::BF16,
+            DTypeArg::F16 => DType::F16,
+        }),
+        format: match a.format {
+            FormatArg::Strata => Format::Strata,
+            FormatArg::Speculators => Format::Speculators,
+        },
+        max_batch_tokens: a.max_batch_tokens,
+        shard_size: a.shard_size,
+        mode: if a.resume {
+            OpenMode::Resume
+        } else if a.overwrite {
+            OpenMode::Overwrite
+        } else {
+            OpenMode::Create
+        },
+        tp: a.tp,
+        backend: a.backend.into(),
+    };
+    let model = a.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
+    let mut reporter = Reporter::new();
+    let summary = job
+        .run(|p, totals| {
+            reporter.total_samples = totals.samples;
+            reporter.total_tokens = totals.tokens;
+            reporter.update(p)
+        })
+        .with_context(|| format!("strata extract failed (model {model})"))?;
+    if let Some(bar) = reporter.bar.take() {
+        bar.finish_and_clear();
+    }
+    if summary.total_samples == 0 {
+        eprintln!("warning: the input holds no samples; the output is empty");
+    }
+    print_summary(&summary, &a.out);
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Extract(a) => extract(a),
+        Command::Inspect(a) => strata::dataset::inspect::inspect(&a.path, a.max_samples)
+            .map(|text| say!("{}", text.trim_end()))
+            .with_context(|| format!("strata inspect {}", a.path.display())),
+        Command::Verify(a) => verify(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn verify(a: VerifyArgs) -> anyhow::Result<()> {
+    let job = verify::VerifyJob {
+        dir: a.dir,
+        layout: a.layout,
+        recompute: a.recompute,
+        seed: a.seed,
+        model: a.model,
+        backend: a.backend.into(),
+    };
+    job.run()
+}

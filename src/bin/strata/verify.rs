@@ -1,0 +1,139 @@
+//! The job behind `strata verify`: every sample against the manifest, the
+//! layout against an expected one, and with `--recompute` the stored states
+//! against a fresh forward of the model.
+
+use crate::embedded;
+use anyhow::{bail, Context};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use strata::dataset::manifest::hash_hex;
+use strata::dataset::recompute::{recompute, Recompute};
+use strata::dataset::verify::{verify, Layout};
+use strata::dataset::Dataset;
+use strata::hf::Checkpoint;
+use strata::model::{AnyConfig, BackendKind, LoadOptions};
+
+/// Everything `strata verify` needs.
+pub struct VerifyJob {
+    /// The dataset directory.
+    pub dir: PathBuf,
+    /// An expected layout file.
+    pub layout: Option<PathBuf>,
+    /// Samples to run again.
+    pub recompute: Option<usize>,
+    /// Seed of their choice.
+    pub seed: u64,
+    /// The model to run them on; default: the manifest's.
+    pub model: Option<PathBuf>,
+    /// Where to run it.
+    pub backend: BackendKind,
+}
+
+impl VerifyJob {
+    /// Runs every check asked for; an error (exit 1) if any fails.
+    pub fn run(&self) -> anyhow::Result<()> {
+        let dir = &self.dir;
+        let layout = match &self.layout {
+            Some(p) => Some(Layout::read(p).map_err(anyhow::Error::msg)?),
+            None => None,
+        };
+        let problems = verify(dir, layout.as_ref()).with_context(|| format!("strata verify {}", dir.display()))?;
+        let ds = Dataset::open(dir).with_context(|| format!("strata verify {}", dir.display()))?;
+        let m = &ds.manifest;
+        if problems.is_empty() {
+            say!(
+                "ok: {} samples in {} shards match the manifest{}",
+                m.samples.len(),
+                m.shards.len(),
+                if layout.is_some() { " and the layout" } else { "" }
+            );
+        } else {
+            for p in &problems {
+                say!("problem: {p}");
+            }
+        }
+        let recomputed = match self.recompute {
+            Some(n) => Some(self.recompute(&ds, n).with_context(|| format!("strata verify --recompute {n}"))?),
+            None => None,
+        };
+        let failed_points =
+            recomputed.as_ref().map_or(0, |r| r.points.iter().filter(|p| p.max_rel > r.tolerance).count());
+        match (problems.len(), failed_points) {
+            (0, 0) => Ok(()),
+            (0, f) => bail!("{f} capture point(s) of {} differ from a fresh forward", dir.display()),
+            (p, _) => bail!("{p} problem(s) in {}", dir.display()),
+        }
+    }
+
+    /// Loads the model and compares `n` samples; prints the table.
+    fn recompute(&self, ds: &Dataset, n: usize) -> anyhow::Result<Recompute> {
+        let m = &ds.manifest;
+        // The model: --model, else the manifest's path (or the embedded demo model).
+        let source = match &self.model {
+            Some(dir) => Some(dir.clone()),
+            None if m.model.path == embedded::NAME => None,
+            None => {
+                let dir = PathBuf::from(&m.model.path);
+                if !dir.join("config.json").is_file() {
+                    bail!("the dataset's model {} has no config.json here; pass --model DIR", dir.display());
+                }
+                Some(dir)
+            }
+        };
+        let (name, config_text) = match &source {
+            Some(dir) => {
+                let path = dir.join("config.json");
+                let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+                (dir.display().to_string(), text)
+            }
+            None => (embedded::NAME.to_string(), embedded::CONFIG_JSON.to_string()),
+        };
+        let hash = hash_hex(xxhash_rust::xxh3::xxh3_64(config_text.as_bytes()));
+        if hash != m.model.config_hash {
+            eprintln!(
+                "warning: the config.json of {name} ({hash}) is not the one the dataset was written with ({}); \
+                 comparing anyway",
+                m.model.config_hash
+            );
+        }
+        let config = AnyConfig::parse(&config_text).with_context(|| format!("model {name}"))?;
+        let prefix = config.tensor_prefix().to_string();
+        let open = move || match &source {
+            Some(dir) => Checkpoint::open_scoped(dir, &prefix),
+            None => embedded::checkpoint(),
+        };
+        let opts = LoadOptions { backend: self.backend, tp: 1 };
+        let model = config.load(opts, open).with_context(|| format!("model {name}"))?;
+        let bar = std::io::stderr().is_terminal().then(|| indicatif::ProgressBar::new(n.min(m.samples.len()) as u64));
+        let report = recompute(ds, &model, model.compute(), n, self.seed, |done, _| {
+            if let Some(b) = &bar {
+                b.set_position(done as u64);
+            }
+        })?;
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
+        say!(
+            "recompute: {} of {} samples ({} tokens), seed {}, {name} on the {} backend ({} compute); tolerance {:.2e}",
+            report.samples.len(),
+            m.samples.len(),
+            report.tokens,
+            self.seed,
+            self.backend,
+            model.compute(),
+            report.tolerance
+        );
+        let width = report.points.iter().map(|p| p.point.len()).max().unwrap_or(0);
+        for p in &report.points {
+            let verdict = if p.max_rel <= report.tolerance { "ok" } else { "DIFFERS" };
+            say!(
+                "  {:width$}  max abs {:.3e}  max rel {:.3e}  {verdict}",
+                p.point,
+                p.max_abs,
+                p.max_rel,
+                width = width
+            );
+        }
+        Ok(report)
+    }
+}

@@ -1,0 +1,199 @@
+//! `strata verify --recompute N`: runs N randomly chosen samples of a dataset
+//! through the model again and compares the stored states with the fresh
+//! ones, per capture point. It is the one check of the states themselves,
+//! not just of their bytes: a dataset written from other weights, or with a
+//! value changed after the fact, fails it.
+
+use super::{Dataset, DatasetError, MappedFile};
+use crate::backend::Compute;
+use crate::model::{Model, ModelError};
+use crate::pipeline::batch::PackedBatch;
+use crate::pipeline::capture::{CapturePoint, CaptureSet};
+use crate::shape::{CapturedStates, DType};
+
+/// Why a recomputation could not run (a failed comparison is not an error: see [`Recompute::passed`]).
+#[derive(Debug, thiserror::Error)]
+pub enum RecomputeError {
+    /// The dataset cannot be read.
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    /// The model cannot run.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The model does not have the dataset's layout.
+    #[error("the model does not fit the dataset: {0}")]
+    Layout(String),
+    /// A sample that cannot be read back.
+    #[error("sample {id:?}: {problem}")]
+    Sample {
+        /// The sample's id.
+        id: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+/// The largest differences at one capture point.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PointDiff {
+    /// The point, as in the manifest.
+    pub point: String,
+    /// Largest `|fresh − stored|`.
+    pub max_abs: f32,
+    /// Largest `|fresh − stored| / max(1, |stored|)`.
+    pub max_rel: f32,
+}
+
+/// What a recomputation found.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recompute {
+    /// Ids of the samples run again, in dataset order.
+    pub samples: Vec<String>,
+    /// Their tokens.
+    pub tokens: usize,
+    /// Per capture point, in the dataset's order.
+    pub points: Vec<PointDiff>,
+    /// The largest `max_rel` accepted.
+    pub tolerance: f32,
+}
+
+impl Recompute {
+    /// Whether every point is within the tolerance.
+    pub fn passed(&self) -> bool {
+        self.points.iter().all(|p| p.max_rel <= self.tolerance)
+    }
+}
+
+/// The largest relative difference (`|a − b| / max(1, |b|)`) a sound dataset
+/// shows: one unit in the last place of the stored dtype (its rounding, with
+/// room for a value on either side of a rounding boundary), plus what the
+/// compute dtype and a different backend or TP size may change (the parity
+/// tolerance for f32 compute).
+pub fn tolerance(stored: DType, compute: Compute) -> f32 {
+    let storage = match stored {
+        DType::F32 => 0.0,
+        DType::BF16 => 2f32.powi(-7), // 8 significant bits
+        DType::F16 => 2f32.powi(-10), // 11 significant bits
+    };
+    let compute = match compute {
+        Compute::F32 => 1e-4,
+        Compute::Bf16 => 2f32.powi(-6),
+    };
+    storage + compute
+}
+
+/// `n` distinct indices below `total`, chosen by `seed`, ascending.
+pub fn choose(total: usize, n: usize, seed: u64) -> Vec<usize> {
+    let mut state = seed;
+    let mut next = || {
+        // splitmix64
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut all: Vec<usize> = (0..total).collect();
+    let n = n.min(total);
+    for i in 0..n {
+        let j = i + (next() % (total - i) as u64) as usize; // partial Fisher-Yates
+        all.swap(i, j);
+    }
+    let mut picked = all[..n].to_vec();
+    picked.sort_unstable();
+    picked
+}
+
+/// Runs `n` samples of `ds` chosen by `seed` through `model` (compute dtype
+/// `compute`) and compares them with the stored states; `progress(done, n)`
+/// after each sample.
+pub fn recompute<M: Model<Hidden = usize>>(
+    ds: &Dataset,
+    model: &M,
+    compute: Compute,
+    n: usize,
+    seed: u64,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Recompute, RecomputeError> {
+    let _s = tracing::info_span!("recompute", dir = %ds.dir.display(), n, seed).entered();
+    let m = &ds.manifest;
+    let layout = |what: String| RecomputeError::Layout(what);
+    if model.num_layers() != m.model.num_layers {
+        return Err(layout(format!("{} layers, the dataset's model {}", model.num_layers(), m.model.num_layers)));
+    }
+    if model.hidden() != m.model.hidden_size {
+        return Err(layout(format!("hidden size {}, the dataset's {}", model.hidden(), m.model.hidden_size)));
+    }
+    let points: Vec<CapturePoint> = m
+        .capture
+        .iter()
+        .map(|c| c.point.parse().map_err(|e| layout(format!("capture point {:?}: {e}", c.point))))
+        .collect::<Result<_, _>>()?;
+    let set = CaptureSet::<usize>::try_new(points).map_err(|e| layout(e.to_string()))?;
+    let dtype: DType = m.dtype.parse().map_err(|e: String| layout(e))?;
+    let (l, h) = (m.capture.len(), m.model.hidden_size);
+    let chosen = choose(m.samples.len(), n, seed);
+    let mut report = Recompute {
+        samples: Vec::with_capacity(chosen.len()),
+        tokens: 0,
+        points: m.capture.iter().map(|c| PointDiff { point: c.point.clone(), max_abs: 0.0, max_rel: 0.0 }).collect(),
+        tolerance: tolerance(dtype, compute),
+    };
+    let mut shard: Option<(usize, MappedFile)> = None;
+    for (done, &i) in chosen.iter().enumerate() {
+        let info = &m.samples[i];
+        let bad = |problem: String| RecomputeError::Sample { id: info.id.clone(), problem };
+        if shard.as_ref().is_none_or(|(s, _)| *s != info.shard) {
+            shard = Some((info.shard, ds.shard(info.shard)?));
+        }
+        let file = &shard.as_ref().expect("opened above").1;
+        let stored = ds.sample(file, &info.id, info.tokens).map_err(bad)?;
+        let ids: Vec<u32> = stored
+            .input_ids
+            .iter()
+            .map(|&t| u32::try_from(t).map_err(|_| bad(format!("input id {t} is not a token id"))))
+            .collect::<Result<_, _>>()?;
+        let want =
+            CapturedStates::<usize, usize>::try_from_bytes("stored states", stored.hidden, dtype, &stored.shape, l, h)
+                .map_err(|e| bad(e.to_string()))?;
+        let batch = PackedBatch::from_samples([ids.as_slice()]);
+        let got = model.forward_step(&batch, &set, &mut M::Cache::default())?;
+        for (slot, diff) in report.points.iter_mut().enumerate() {
+            for (&a, &b) in got.layer(slot).iter().zip(want.layer(slot)) {
+                let abs = (a - b).abs();
+                let rel = abs / b.abs().max(1.0);
+                // A NaN on either side is a failure, not a skipped value.
+                diff.max_abs = if abs.is_nan() { f32::INFINITY } else { diff.max_abs.max(abs) };
+                diff.max_rel = if rel.is_nan() { f32::INFINITY } else { diff.max_rel.max(rel) };
+            }
+        }
+        report.samples.push(info.id.clone());
+        report.tokens += ids.len();
+        progress(done + 1, chosen.len());
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choice_is_distinct_sorted_and_seeded() {
+        let a = choose(100, 10, 7);
+        assert_eq!(a.len(), 10);
+        assert!(a.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(a, choose(100, 10, 7));
+        assert_ne!(a, choose(100, 10, 8));
+        assert_eq!(choose(5, 50, 1), vec![0, 1, 2, 3, 4]);
+        assert!(choose(0, 3, 1).is_empty());
+    }
+
+    #[test]
+    fn tolerance_grows_with_storage_rounding() {
+        let f = tolerance(DType::F32, Compute::F32);
+        assert!(f == 1e-4);
+        assert!(tolerance(DType::F16, Compute::F32) > f);
+        assert!(tolerance(DType::BF16, Compute::F32) > tolerance(DType::F16, Compute::F32));
+    }
+}

@@ -1,0 +1,470 @@
+//! Hugging Face safetensors checkpoints: one file or an index of shards, memory-mapped.
+//!
+//! Tensors are located by name once at open time; reading one checks its
+//! shape and dtype against what the model expects. Norms and biases are
+//! decoded to f32; linear weights are read as stored ([`Checkpoint::read_linear`]:
+//! FP8 blocks, packed INT4 and bf16 stay codes). A multimodal wrapper's text
+//! model is opened under its prefix ([`Checkpoint::open_scoped`]).
+
+use super::quant::{LinearWeight, QuantKind, QuantRows, WeightFormat};
+use crate::shape::DType;
+use memmap2::Mmap;
+use safetensors::SafeTensors;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// Why a checkpoint's weights cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file cannot be opened or mapped.
+    #[error("cannot read {path}: {cause}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+    /// No weights file in the directory.
+    #[error("no model.safetensors or model.safetensors.index.json in {0}")]
+    NoWeights(String),
+    /// The shard index is not valid JSON of the expected form.
+    #[error("malformed {path}: {problem}")]
+    BadIndex {
+        /// The index file.
+        path: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A safetensors file whose header or length is wrong (e.g. truncated).
+    #[error("{path} is not a valid safetensors file ({problem}); truncated or corrupt download?")]
+    BadFile {
+        /// The file.
+        path: String,
+        /// The parser's complaint.
+        problem: String,
+    },
+    /// A tensor the model needs is absent.
+    #[error("tensor {0:?} is missing from the checkpoint")]
+    Missing(String),
+    /// A tensor of the wrong shape.
+    #[error("tensor {name:?}: expected shape {expected:?}, got {actual:?}")]
+    Shape {
+        /// Tensor name.
+        name: String,
+        /// Shape from the config.
+        expected: Vec<usize>,
+        /// Shape in the file.
+        actual: Vec<usize>,
+    },
+    /// A tensor of a dtype Strata does not read.
+    #[error("tensor {name:?} has dtype {dtype}, expected {expected}")]
+    DType {
+        /// Tensor name.
+        name: String,
+        /// Its dtype.
+        dtype: String,
+        /// What it may be.
+        expected: &'static str,
+    },
+    /// The checkpoint was opened for another tensor prefix than the config's.
+    #[error(transparent)]
+    Prefix(#[from] PrefixMismatch),
+    /// A weight stored in a way the config does not declare, or quantised
+    /// tensors that do not fit together.
+    #[error("tensor {name:?}: {problem}")]
+    Quant {
+        /// Tensor name.
+        name: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+/// Opened under another name prefix than the config's (see [`Checkpoint::open_scoped`]).
+#[derive(Debug, thiserror::Error)]
+#[error("the config's tensors are under {expected:?} but the checkpoint was opened under {actual:?}; open it with Checkpoint::open_scoped(dir, &config.tensor_prefix)")]
+pub struct PrefixMismatch {
+    /// The config's prefix.
+    pub expected: String,
+    /// The checkpoint's.
+    pub actual: String,
+}
+
+const FLOATS: &str = "F32, BF16 or F16";
+
+enum Bytes {
+    Mapped(Mmap),
+    Static(&'static [u8]),
+}
+
+impl Bytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Static(s) => s,
+        }
+    }
+}
+
+struct Entry {
+    file: usize,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    start: usize,
+    end: usize,
+}
+
+/// An opened checkpoint: mapped files and where each tensor lives.
+pub struct Checkpoint {
+    files: Vec<(String, Bytes)>,
+    entries: HashMap<String, Entry>,
+    /// Prepended to every name the model asks for (`language_model.` in a
+    /// multimodal wrapper), so the decoders use the text model's own names.
+    prefix: String,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |cause| CheckpointError::Io { path: path.display().to_string(), cause }
+}
+
+impl Checkpoint {
+    /// Opens `model.safetensors`, or the shards listed in `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        Self::open_scoped(dir, "")
+    }
+
+    /// Opens the tensors named `{prefix}*` of a checkpoint (the language model
+    /// of a multimodal wrapper): names are looked up with `prefix` prepended,
+    /// and shards listed in the index that hold no such tensor (a vision
+    /// tower's) are not opened at all.
+    pub fn open_scoped(dir: &Path, prefix: &str) -> Result<Self, CheckpointError> {
+        let single = dir.join("model.safetensors");
+        let index = dir.join("model.safetensors.index.json");
+        let paths: Vec<PathBuf> = if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(io(&index))?;
+            let bad = |problem: String| CheckpointError::BadIndex { path: index.display().to_string(), problem };
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+            let map =
+                v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("no `weight_map` object".into()))?;
+            let mut files: Vec<String> = Vec::new();
+            for (name, f) in map {
+                let f = f.as_str().ok_or_else(|| bad(format!("weight_map[{name:?}] is not a string")))?;
+                if f.contains('/') || f.contains("..") {
+                    return Err(bad(format!("weight_map[{name:?}] = {f:?} points outside the directory")));
+                }
+                if name.starts_with(prefix) && !files.iter().any(|x| x == f) {
+                    files.push(f.to_string());
+                }
+            }
+            files.sort();
+            files.into_iter().map(|f| dir.join(f)).collect()
+        } else if single.exists() {
+            vec![single]
+        } else {
+            return Err(CheckpointError::NoWeights(dir.display().to_string()));
+        };
+        let mut files = Vec::with_capacity(paths.len());
+        for p in &paths {
+            let f = std::fs::File::open(p).map_err(io(p))?;
+            // SAFETY: the map is read-only; a checkpoint modified while Strata
+            // reads it is outside what any loader can guard against.
+            let m = unsafe { Mmap::map(&f) }.map_err(io(p))?;
+            files.push((p.display().to_string(), Bytes::Mapped(m)));
+        }
+        let mut ckpt = Self::index(files)?;
+        ckpt.prefix = prefix.to_string();
+        Ok(ckpt)
+    }
+
+    /// A checkpoint held in memory (the embedded default model).
+    pub fn from_static(name: &str, bytes: &'static [u8]) -> Result<Self, CheckpointError> {
+        Self::index(vec![(name.to_string(), Bytes::Static(bytes))])
+    }
+
+    fn index(files: Vec<(String, Bytes)>) -> Result<Self, CheckpointError> {
+        let mut entries = HashMap::new();
+        for (i, (path, bytes)) in files.iter().enumerate() {
+            let (n, meta) = SafeTensors::read_metadata(bytes.as_slice())
+                .map_err(|e| CheckpointError::BadFile { path: path.clone(), problem: e.to_string() })?;
+            let base = 8 + n;
+            for (name, info) in meta.tensors() {
+                entries.insert(
+                    name,
+                    Entry {
+                        file: i,
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        start: base + info.data_offsets.0,
+                        end: base + info.data_offsets.1,
+                    },
+                );
+            }
+        }
+        Ok(Checkpoint { files, entries, prefix: String::new() })
+    }
+
+    fn entry(&self, name: &str) -> Option<&Entry> {
+        if self.prefix.is_empty() {
+            self.entries.get(name)
+        } else {
+            self.entries.get(&format!("{}{name}", self.prefix))
+        }
+    }
+
+    /// The name as stored in the files.
+    fn full(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// The prefix names are looked up under (see [`open_scoped`](Self::open_scoped)).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Whether a tensor is present.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entry(name).is_some()
+    }
+
+    /// The stored dtype of a tensor, if present and readable.
+    pub fn dtype(&self, name: &str) -> Option<DType> {
+        self.entry(name).and_then(|e| DType::from_safetensors(e.dtype))
+    }
+
+    /// A tensor's bytes and stored dtype, after checking that it exists with `shape`.
+    fn raw(&self, name: &str, shape: &[usize]) -> Result<(&[u8], safetensors::Dtype), CheckpointError> {
+        let e = self.entry(name).ok_or_else(|| CheckpointError::Missing(self.full(name)))?;
+        if e.shape != shape {
+            return Err(CheckpointError::Shape {
+                name: self.full(name),
+                expected: shape.to_vec(),
+                actual: e.shape.clone(),
+            });
+        }
+        Ok((&self.files[e.file].1.as_slice()[e.start..e.end], e.dtype))
+    }
+
+    /// A tensor's bytes and dtype, after checking that it exists with `shape`
+    /// and a float dtype Strata decodes.
+    fn checked(&self, name: &str, shape: &[usize]) -> Result<(&[u8], DType), CheckpointError> {
+        let (bytes, dt) = self.raw(name, shape)?;
+        let dtype = DType::from_safetensors(dt).ok_or_else(|| CheckpointError::DType {
+            name: self.full(name),
+            dtype: format!("{dt:?}"),
+            expected: if dt == safetensors::Dtype::F8_E4M3 {
+                "F32, BF16 or F16 (an F8_E4M3 tensor needs `quantization_config` with quant_method fp8 in config.json)"
+            } else {
+                FLOATS
+            },
+        })?;
+        Ok((bytes, dtype))
+    }
+
+    /// A copy of a float tensor's bytes in its stored dtype, checking its shape.
+    pub fn read_bytes(&self, name: &str, shape: &[usize]) -> Result<(Vec<u8>, DType), CheckpointError> {
+        let (bytes, dtype) = self.checked(name, shape)?;
+        Ok((bytes.to_vec(), dtype))
+    }
+
+    /// Reads a tensor as f32, checking its shape.
+    pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, CheckpointError> {
+        let (bytes, dtype) = self.checked(name, shape)?;
+        let mut out = vec![0f32; shape.iter().product()];
+        dtype.decode_into(bytes, &mut out);
+        Ok(out)
+    }
+
+    /// Reads the block `rows × cols` of a 2-D tensor (or `rows` of a 1-D one,
+    /// with `cols = 0..1`) as f32, checking the full shape first. Only the
+    /// block is decoded: a tensor-parallel rank never materialises the whole weight.
+    pub fn read_f32_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>, CheckpointError> {
+        let (bytes, dtype) = self.checked(name, shape)?;
+        let width = if shape.len() == 2 { shape[1] } else { 1 };
+        assert!(rows.end <= shape[0] && cols.end <= width, "block outside tensor {name}");
+        let es = dtype.size();
+        let mut out = vec![0f32; rows.len() * cols.len()];
+        for (r, dst) in rows.zip(out.chunks_exact_mut(cols.len().max(1))) {
+            let off = (r * width + cols.start) * es;
+            dtype.decode_into(&bytes[off..off + cols.len() * es], dst);
+        }
+        Ok(out)
+    }
+
+    /// Reads the block `rows × cols` of the linear layer `module` (weight
+    /// `[out, inp]`), as it is stored: FP8 blocks, packed INT4 or bf16 kept
+    /// as they are (codes and scales), f32 and f16 decoded to f32. `format` is what the
+    /// config declares for this module; the tensors must agree with it.
+    pub fn read_linear(
+        &self,
+        module: &str,
+        [out, inp]: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        format: WeightFormat,
+    ) -> Result<LinearWeight, CheckpointError> {
+        let weight = format!("{module}.weight");
+        let packed = format!("{module}.weight_packed");
+        let fp8 = self.entry(&weight).is_some_and(|e| e.dtype == safetensors::Dtype::F8_E4M3);
+        match format {
+            WeightFormat::Int4 { group } => {
+                self.read_int4(module, [out, inp], rows, cols, group).map(LinearWeight::Quant)
+            }
+            WeightFormat::Fp8 { block } if fp8 => {
+                self.read_fp8(module, [out, inp], rows, cols, block).map(LinearWeight::Quant)
+            }
+            _ if self.contains(&packed) => Err(CheckpointError::Quant {
+                name: self.full(&packed),
+                problem: "a pack-quantized weight, but config.json's quantization_config does not select this module"
+                    .into(),
+            }),
+            _ if self.dtype(&weight) == Some(DType::BF16) => {
+                // Kept as bf16 (scale 1): decoded per tile like the quantised weights.
+                let (bytes, _) = self.checked(&weight, &[out, inp])?;
+                let mut q = QuantRows::with_capacity(QuantKind::Bf16, rows.len(), cols.len(), vec![0, cols.len()]);
+                for r in rows {
+                    q.codes.extend_from_slice(&bytes[(r * inp + cols.start) * 2..(r * inp + cols.end) * 2]);
+                    q.scales.push(1.0);
+                }
+                Ok(LinearWeight::Quant(q))
+            }
+            _ => {
+                let (r, c) = (rows.len(), cols.len());
+                let w = self.read_f32_block(&weight, &[out, inp], rows, cols)?;
+                Ok(LinearWeight::Dense { rows: r, cols: c, w })
+            }
+        }
+    }
+
+    fn read_fp8(
+        &self,
+        module: &str,
+        [out, inp]: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        [br, bc]: [usize; 2],
+    ) -> Result<QuantRows, CheckpointError> {
+        let (w, _) = self.raw(&format!("{module}.weight"), &[out, inp])?;
+        let sname = format!("{module}.weight_scale_inv");
+        let (sr, sc) = (out.div_ceil(br), inp.div_ceil(bc));
+        let (sbytes, sdt) = self.raw(&sname, &[sr, sc])?;
+        let sdt = DType::from_safetensors(sdt).ok_or_else(|| CheckpointError::DType {
+            name: self.full(&sname),
+            dtype: format!("{sdt:?}"),
+            expected: FLOATS,
+        })?;
+        let mut s = vec![0f32; sr * sc];
+        sdt.decode_into(sbytes, &mut s);
+        let seg = QuantRows::segments(cols.start, cols.len(), bc);
+        let ns = seg.len() - 1;
+        let mut q = QuantRows::with_capacity(QuantKind::Fp8, rows.len(), cols.len(), seg);
+        for r in rows {
+            q.codes.extend_from_slice(&w[r * inp + cols.start..r * inp + cols.end]);
+            for i in 0..ns {
+                q.scales.push(s[(r / br) * sc + (cols.start + q.seg[i]) / bc]);
+            }
+        }
+        // E4M3 has no infinities; 0x7f/0xff are NaN, which no quantiser writes.
+        if let Some(i) = q.codes.iter().position(|&c| c & 0x7f == 0x7f) {
+            return Err(CheckpointError::Quant {
+                name: self.full(&format!("{module}.weight")),
+                problem: format!("holds an FP8 NaN code at element {i} of the block read; corrupt checkpoint?"),
+            });
+        }
+        if let Some(bad) = s.iter().find(|v| !v.is_finite()) {
+            return Err(CheckpointError::Quant {
+                name: self.full(&sname),
+                problem: format!("holds a non-finite scale ({bad}); corrupt checkpoint?"),
+            });
+        }
+        Ok(q)
+    }
+
+    fn read_int4(
+        &self,
+        module: &str,
+        [out, inp]: [usize; 2],
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        group: usize,
+    ) -> Result<QuantRows, CheckpointError> {
+        let pname = format!("{module}.weight_packed");
+        if !self.contains(&pname) {
+            let plain = if self.contains(&format!("{module}.weight")) { " (it has a plain `weight`)" } else { "" };
+            return Err(CheckpointError::Quant {
+                name: self.full(&pname),
+                problem: format!(
+                    "missing: config.json's quantization_config selects this module for INT4{plain}; \
+                     is the config from another checkpoint?"
+                ),
+            });
+        }
+        let words = inp.div_ceil(8);
+        let (packed, pdt) = self.raw(&pname, &[out, words])?;
+        if pdt != safetensors::Dtype::I32 {
+            return Err(CheckpointError::DType { name: self.full(&pname), dtype: format!("{pdt:?}"), expected: "I32" });
+        }
+        let shape_name = format!("{module}.weight_shape");
+        let (sbytes, sdt) = self.raw(&shape_name, &[2])?;
+        let stored: Vec<i64> = match sdt {
+            safetensors::Dtype::I64 => {
+                sbytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+            }
+            safetensors::Dtype::I32 => {
+                sbytes.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().expect("4 bytes")) as i64).collect()
+            }
+            other => {
+                return Err(CheckpointError::DType {
+                    name: self.full(&shape_name),
+                    dtype: format!("{other:?}"),
+                    expected: "I64 or I32",
+                })
+            }
+        };
+        if stored != [out as i64, inp as i64] {
+            return Err(CheckpointError::Quant {
+                name: self.full(&shape_name),
+                problem: format!("holds {stored:?}, but the config gives this weight [{out}, {inp}]"),
+            });
+        }
+        let scale_name = format!("{module}.weight_scale");
+        let groups = inp.div_ceil(group);
+        let (scale, sdt) = self.raw(&scale_name, &[out, groups])?;
+        let sdt = DType::from_safetensors(sdt).ok_or_else(|| CheckpointError::DType {
+            name: self.full(&scale_name),
+            dtype: format!("{sdt:?}"),
+            expected: FLOATS,
+        })?;
+        let seg = QuantRows::segments(cols.start, cols.len(), group);
+        let ns = seg.len() - 1;
+        let mut q = QuantRows::with_capacity(QuantKind::Int4, rows.len(), cols.len(), seg);
+        let mut srow = vec![0f32; groups];
+        let es = sdt.size();
+        for r in rows {
+            let row = &packed[r * words * 4..(r + 1) * words * 4];
+            for c in cols.clone() {
+                let byte = row[(c / 8) * 4 + (c % 8) / 2]; // little-endian word: nibbles 2b, 2b+1 in byte b
+                q.codes.push(if c % 2 == 0 { byte & 0xf } else { byte >> 4 });
+            }
+            sdt.decode_into(&scale[r * groups * es..(r + 1) * groups * es], &mut srow);
+            for i in 0..ns {
+                q.scales.push(srow[(cols.start + q.seg[i]) / group]);
+            }
+        }
+        Ok(q)
+    }
+
+    /// Reads an optional tensor (e.g. a bias): `Ok(None)` when absent.
+    pub fn read_f32_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>, CheckpointError> {
+        if self.contains(name) {
+            self.read_f32(name, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}

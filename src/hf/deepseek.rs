@@ -1,0 +1,424 @@
+//! `config.json` of DeepSeek V2/V3, Kimi-K2 and Kimi-K2.5's wrapper, normalised:
+//! multi-head latent attention sizes, the mixture of experts and its router,
+//! YaRN, and the `quantization_config` of FP8 or INT4 weights.
+
+use super::quant::QuantConfig;
+use super::{ArchInfo, ConfigError, RopeFreqs};
+use serde::Deserialize;
+use serde_json::Value;
+use std::path::Path;
+
+/// How router scores are made from logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scoring {
+    /// DeepSeek-V2.
+    Softmax,
+    /// DeepSeek-V3, Kimi-K2.
+    Sigmoid,
+}
+
+/// How the top-k experts are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopkMethod {
+    /// The k best scores.
+    Greedy,
+    /// Best `topk_group` groups by their best score, then the k best in them (V2).
+    GroupLimitedGreedy,
+    /// Scores plus `e_score_correction_bias`; groups ranked by the sum of their
+    /// two best; weights from the unbiased scores (V3).
+    NoauxTc,
+}
+
+/// RoPE of the rotary part.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DsRope {
+    /// Plain RoPE.
+    Default,
+    /// YaRN with DeepSeek's mscale.
+    Yarn {
+        /// Context extension factor.
+        factor: f32,
+        /// Pre-training context.
+        original_max_position_embeddings: f32,
+        /// Fast boundary (rotations).
+        beta_fast: f32,
+        /// Slow boundary (rotations).
+        beta_slow: f32,
+        /// cos/sin magnitude factor.
+        mscale: f32,
+        /// Softmax scale factor.
+        mscale_all_dim: f32,
+    },
+}
+
+/// A DeepSeek V2/V3 (or Kimi-K2) config, normalised.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeepseekConfig {
+    /// `model_type`.
+    pub model_type: String,
+    /// Residual width.
+    pub hidden_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Attention heads.
+    pub num_heads: usize,
+    /// Dense MLP width.
+    pub intermediate_size: usize,
+    /// Vocabulary.
+    pub vocab_size: usize,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// q LoRA rank; `None` = plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Latent KV width.
+    pub kv_lora_rank: usize,
+    /// Per-head q/k width without RoPE.
+    pub qk_nope_head_dim: usize,
+    /// Per-head q/k width with RoPE.
+    pub qk_rope_head_dim: usize,
+    /// Per-head value width.
+    pub v_head_dim: usize,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RoPE scaling.
+    pub rope: DsRope,
+    /// Rotary dims come in interleaved pairs.
+    pub rope_interleave: bool,
+    /// Bias on q_a/kv_a/o projections.
+    pub attention_bias: bool,
+    /// Routed experts; 0 = every layer dense.
+    pub n_routed_experts: usize,
+    /// Shared experts (their MLP width is `n_shared_experts · moe_intermediate_size`).
+    pub n_shared_experts: usize,
+    /// Experts per token.
+    pub num_experts_per_tok: usize,
+    /// Expert MLP width.
+    pub moe_intermediate_size: usize,
+    /// Leading dense layers.
+    pub first_k_dense_replace: usize,
+    /// MoE on every `moe_layer_freq`-th layer after them.
+    pub moe_layer_freq: usize,
+    /// Scale of routed expert weights.
+    pub routed_scaling_factor: f32,
+    /// Normalise the top-k weights to sum to 1.
+    pub norm_topk_prob: bool,
+    /// Router scoring.
+    pub scoring: Scoring,
+    /// Expert choice.
+    pub topk_method: TopkMethod,
+    /// Expert groups.
+    pub n_group: usize,
+    /// Groups kept per token.
+    pub topk_group: usize,
+    /// `quantization_config`: FP8 blocks or packed INT4; `None` for plain weights.
+    pub quant: Option<QuantConfig>,
+    /// Prefix of the text model's tensor names: `language_model.` inside
+    /// Kimi-K2.5's multimodal wrapper, else empty.
+    pub tensor_prefix: String,
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    model_type: Option<String>,
+    hidden_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    intermediate_size: Option<usize>,
+    vocab_size: Option<usize>,
+    max_position_embeddings: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    rope_interleave: Option<bool>,
+    attention_bias: Option<bool>,
+    hidden_act: Option<String>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    first_k_dense_replace: Option<usize>,
+    moe_layer_freq: Option<usize>,
+    routed_scaling_factor: Option<f64>,
+    norm_topk_prob: Option<bool>,
+    scoring_func: Option<String>,
+    topk_method: Option<String>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    quantization_config: Option<Value>,
+}
+
+fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field, problem: problem.into() }
+}
+
+impl DeepseekConfig {
+    /// Reads and normalises `config.json` from a file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })?;
+        Self::from_json(&text)
+    }
+
+    /// Checks that heads and every MLP width split over `size` ranks.
+    pub fn check_tp(&self, size: usize) -> Result<(), String> {
+        let mut widths = vec![("num_attention_heads", self.num_heads)];
+        if (0..self.num_layers).any(|l| !self.is_moe(l)) {
+            widths.push(("intermediate_size", self.intermediate_size));
+        }
+        if self.n_routed_experts > 0 {
+            widths.push(("moe_intermediate_size", self.moe_intermediate_size));
+        }
+        for (what, n) in widths {
+            if size == 0 || !n.is_multiple_of(size) {
+                return Err(format!(
+                    "--tp {size}: {what} {n} is not divisible by {size}; choose a TP size that divides it"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `model_type` is one of this family's.
+    pub fn handles(model_type: &str) -> bool {
+        matches!(model_type, "deepseek_v2" | "deepseek_v3" | "kimi_k2" | "kimi_k25")
+    }
+
+    /// Parses and normalises `config.json` text. Kimi-K2.5's multimodal
+    /// wrapper (`kimi_k25`) is read through its `text_config`, whose tensors
+    /// live under `language_model.`; its vision tower is not used.
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        let v: Value = serde_json::from_str(text)?;
+        if v.get("model_type").and_then(Value::as_str) == Some("kimi_k25") {
+            let inner = v
+                .get("text_config")
+                .filter(|t| t.is_object())
+                .ok_or(ConfigError::Missing("text_config (kimi_k25 keeps the language model's config there)"))?;
+            let mut inner = inner.clone();
+            if inner.get("model_type").is_none() {
+                inner["model_type"] = "kimi_k2".into(); // the text model Kimi-K2.5 wraps
+            }
+            let mut c = Self::from_value(inner)?;
+            if c.model_type == "kimi_k25" {
+                return Err(invalid("text_config", "model_type is kimi_k25 again; expected kimi_k2 or deepseek_v3"));
+            }
+            if c.quant.is_none() {
+                c.quant = QuantConfig::from_json(v.get("quantization_config"))?;
+            }
+            c.tensor_prefix = "language_model.".into();
+            return Ok(c);
+        }
+        Self::from_value(v)
+    }
+
+    fn from_value(v: Value) -> Result<Self, ConfigError> {
+        let r: Raw = serde_json::from_value(v)?;
+        let model_type = r.model_type.clone().ok_or(ConfigError::Missing("model_type"))?;
+        if !Self::handles(&model_type) {
+            return Err(ConfigError::UnsupportedModel(model_type));
+        }
+        let v3 = model_type != "deepseek_v2";
+        let need = |v: Option<usize>, f: &'static str| v.ok_or(ConfigError::Missing(f));
+        if let Some(act) = &r.hidden_act {
+            if act != "silu" {
+                return Err(invalid("hidden_act", format!("{act:?} is not supported (only silu)")));
+            }
+        }
+        let params = r.rope_parameters.as_ref().or(r.rope_scaling.as_ref()).filter(|v| !v.is_null());
+        let num = |k: &str| params.and_then(|p| p.get(k)).and_then(Value::as_f64).map(|v| v as f32);
+        let rope_theta = num("rope_theta").or(r.rope_theta.map(|t| t as f32)).unwrap_or(10000.0);
+        let kind = params
+            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let rope = match kind {
+            "default" => DsRope::Default,
+            "yarn" => DsRope::Yarn {
+                factor: num("factor").ok_or_else(|| invalid("rope_parameters", "yarn needs `factor`"))?,
+                original_max_position_embeddings: num("original_max_position_embeddings")
+                    .ok_or_else(|| invalid("rope_parameters", "yarn needs `original_max_position_embeddings`"))?,
+                beta_fast: num("beta_fast").unwrap_or(32.0),
+                beta_slow: num("beta_slow").unwrap_or(1.0),
+                mscale: num("mscale").unwrap_or(1.0),
+                mscale_all_dim: num("mscale_all_dim").unwrap_or(0.0),
+            },
+            other => {
+                return Err(invalid(
+                    "rope_parameters",
+                    format!("rope type {other:?} is not supported for DeepSeek (supported: default, yarn)"),
+                ))
+            }
+        };
+        let scoring = match r.scoring_func.as_deref() {
+            None => {
+                if v3 {
+                    Scoring::Sigmoid
+                } else {
+                    Scoring::Softmax
+                }
+            }
+            Some("softmax") => Scoring::Softmax,
+            Some("sigmoid") => Scoring::Sigmoid,
+            Some(o) => return Err(invalid("scoring_func", format!("{o:?} (expected softmax or sigmoid)"))),
+        };
+        let topk_method = match r.topk_method.as_deref() {
+            None => {
+                if v3 {
+                    TopkMethod::NoauxTc
+                } else {
+                    TopkMethod::Greedy
+                }
+            }
+            Some("greedy") => TopkMethod::Greedy,
+            Some("group_limited_greedy") => TopkMethod::GroupLimitedGreedy,
+            Some("noaux_tc") => TopkMethod::NoauxTc,
+            Some(o) => {
+                return Err(invalid(
+                    "topk_method",
+                    format!("{o:?} (expected greedy, group_limited_greedy or noaux_tc)"),
+                ))
+            }
+        };
+        let c = DeepseekConfig {
+            hidden_size: need(r.hidden_size, "hidden_size")?,
+            num_layers: need(r.num_hidden_layers, "num_hidden_layers")?,
+            num_heads: need(r.num_attention_heads, "num_attention_heads")?,
+            intermediate_size: need(r.intermediate_size, "intermediate_size")?,
+            vocab_size: need(r.vocab_size, "vocab_size")?,
+            max_position_embeddings: r.max_position_embeddings.unwrap_or(usize::MAX),
+            rms_norm_eps: r.rms_norm_eps.unwrap_or(1e-6) as f32,
+            q_lora_rank: r.q_lora_rank,
+            kv_lora_rank: need(r.kv_lora_rank, "kv_lora_rank")?,
+            qk_nope_head_dim: need(r.qk_nope_head_dim, "qk_nope_head_dim")?,
+            qk_rope_head_dim: need(r.qk_rope_head_dim, "qk_rope_head_dim")?,
+            v_head_dim: need(r.v_head_dim, "v_head_dim")?,
+            rope_theta,
+            rope,
+            rope_interleave: r.rope_interleave.unwrap_or(true),
+            attention_bias: r.attention_bias.unwrap_or(false),
+            n_routed_experts: r.n_routed_experts.unwrap_or(0),
+            n_shared_experts: r.n_shared_experts.unwrap_or(0),
+            num_experts_per_tok: r.num_experts_per_tok.unwrap_or(0),
+            moe_intermediate_size: r.moe_intermediate_size.unwrap_or(0),
+            first_k_dense_replace: r.first_k_dense_replace.unwrap_or(0),
+            moe_layer_freq: r.moe_layer_freq.unwrap_or(1),
+            routed_scaling_factor: r.routed_scaling_factor.unwrap_or(1.0) as f32,
+            norm_topk_prob: r.norm_topk_prob.unwrap_or(false),
+            scoring,
+            topk_method,
+            n_group: r.n_group.unwrap_or(1).max(1),
+            topk_group: r.topk_group.unwrap_or(1).max(1),
+            quant: QuantConfig::from_json(r.quantization_config.as_ref())?,
+            tensor_prefix: String::new(),
+            model_type,
+        };
+        if !c.qk_rope_head_dim.is_multiple_of(2) {
+            return Err(invalid("qk_rope_head_dim", "must be even"));
+        }
+        if c.n_routed_experts > 0 {
+            if c.num_experts_per_tok == 0 || c.num_experts_per_tok > c.n_routed_experts {
+                return Err(invalid("num_experts_per_tok", format!("must be 1..={}", c.n_routed_experts)));
+            }
+            if c.moe_intermediate_size == 0 {
+                return Err(invalid("moe_intermediate_size", "must be positive"));
+            }
+            if !c.n_routed_experts.is_multiple_of(c.n_group) || c.topk_group > c.n_group {
+                return Err(invalid(
+                    "n_group",
+                    format!("{} groups of {} experts, topk_group {}", c.n_group, c.n_routed_experts, c.topk_group),
+                ));
+            }
+            if c.topk_method == TopkMethod::NoauxTc && c.n_routed_experts / c.n_group < 2 {
+                return Err(invalid("n_group", "noaux_tc ranks groups by their two best experts: need 2 per group"));
+            }
+        }
+        Ok(c)
+    }
+
+    /// The outer shape.
+    pub fn info(&self) -> ArchInfo {
+        ArchInfo {
+            architecture: self.model_type.clone(),
+            num_layers: self.num_layers,
+            hidden_size: self.hidden_size,
+            vocab_size: self.vocab_size,
+            max_position_embeddings: self.max_position_embeddings,
+        }
+    }
+
+    /// Per-head q/k width.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// Whether layer `l` is a mixture of experts.
+    pub fn is_moe(&self, l: usize) -> bool {
+        self.n_routed_experts > 0 && l >= self.first_k_dense_replace && l.is_multiple_of(self.moe_layer_freq.max(1))
+    }
+
+    /// RoPE of the rotary dims: inverse frequencies (default or YaRN) and YaRN's cos/sin magnitude factor.
+    pub fn rope(&self) -> RopeFreqs {
+        let (inv_freq, scale) = self.rope_inv_freq();
+        RopeFreqs { inv_freq, scale }
+    }
+
+    fn rope_inv_freq(&self) -> (Vec<f32>, f32) {
+        let d = self.qk_rope_head_dim;
+        let base = self.rope_theta;
+        let pos_freqs: Vec<f32> = (0..d / 2).map(|i| base.powf((2 * i) as f32 / d as f32)).collect();
+        match self.rope {
+            DsRope::Default => (pos_freqs.iter().map(|p| 1.0 / p).collect(), 1.0),
+            DsRope::Yarn {
+                factor,
+                original_max_position_embeddings: orig,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+            } => {
+                let get_mscale = |scale: f32, m: f32| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let attention_factor = if mscale != 0.0 && mscale_all_dim != 0.0 {
+                    get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+                } else {
+                    get_mscale(factor, 1.0)
+                };
+                let dimf = d as f64;
+                let corr = |rot: f32| {
+                    dimf * ((orig as f64) / (rot as f64 * 2.0 * std::f64::consts::PI)).ln() / (2.0 * (base as f64).ln())
+                };
+                let low = corr(beta_fast).floor().max(0.0) as f32;
+                let high = (corr(beta_slow).ceil() as f32).min(d as f32 - 1.0);
+                let high = if low == high { high + 0.001 } else { high };
+                let inv = pos_freqs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| {
+                        let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                        let extrapolation = 1.0 - ramp;
+                        (1.0 / (factor * p)) * (1.0 - extrapolation) + (1.0 / p) * extrapolation
+                    })
+                    .collect();
+                (inv, attention_factor)
+            }
+        }
+    }
+
+    /// Softmax scale: `qk_head_dim^-0.5`, times YaRN's `mscale(mscale_all_dim)^2`.
+    pub fn softmax_scale(&self) -> f32 {
+        let base = (self.qk_head_dim() as f32).powf(-0.5);
+        match self.rope {
+            DsRope::Yarn { factor, mscale_all_dim, .. } if mscale_all_dim != 0.0 && factor > 1.0 => {
+                let m = 0.1 * mscale_all_dim * factor.ln() + 1.0;
+                base * m * m
+            }
+            _ => base,
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! `config.json` of Llama-family checkpoints, normalised into one struct.
+//!
+//! Reads both the hub's legacy style (top-level `rope_theta` / `rope_scaling`)
+//! and transformers 5's (`rope_parameters`), for `llama`, `mistral`, `qwen2`
+//! and `qwen3`. Every refusal is a [`ConfigError`] that names the field.
+
+use super::{ArchInfo, ConfigError, RopeFreqs};
+use serde::Deserialize;
+use serde_json::Value;
+use std::path::Path;
+
+/// The decoder family, from `model_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 1/2/3.
+    Llama,
+    /// Mistral (sliding window on every layer when set).
+    Mistral,
+    /// Qwen2 (q/k/v bias, optional sliding window on upper layers).
+    Qwen2,
+    /// Qwen3 (per-head q/k RMSNorm).
+    Qwen3,
+}
+
+impl Arch {
+    /// The `model_type` string.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// Rotary embedding frequency scaling.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    None,
+    /// Position interpolation: frequencies divided by `factor`.
+    Linear {
+        /// Divisor.
+        factor: f32,
+    },
+    /// Llama 3.x wavelength-dependent scaling.
+    Llama3 {
+        /// Divisor for low frequencies.
+        factor: f32,
+        /// Low-frequency threshold factor.
+        low_freq_factor: f32,
+        /// High-frequency threshold factor.
+        high_freq_factor: f32,
+        /// Context length the model was pre-trained with.
+        original_max_position_embeddings: f32,
+    },
+}
+
+/// A Llama-family decoder's sizes and options, normalised.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Architecture.
+    pub arch: Arch,
+    /// Residual stream width.
+    pub hidden_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (GQA).
+    pub num_kv_heads: usize,
+    /// Per-head width (may differ from `hidden_size / num_heads`).
+    pub head_dim: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f32,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RoPE scaling.
+    pub rope_scaling: RopeScaling,
+    /// Bias on q/k/v projections.
+    pub qkv_bias: bool,
+    /// Bias on the output projection.
+    pub o_bias: bool,
+    /// Bias on gate/up/down.
+    pub mlp_bias: bool,
+    /// Per-head RMSNorm on q and k (Qwen3).
+    pub qk_norm: bool,
+    /// Per layer: `Some(w)` if the layer attends to the last `w` positions only.
+    pub sliding_windows: Vec<Option<usize>>,
+    /// LM head shares the embedding matrix (irrelevant to extraction, recorded).
+    pub tie_word_embeddings: bool,
+    /// Longest sequence the model supports.
+    pub max_position_embeddings: usize,
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    model_type: Option<String>,
+    hidden_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    intermediate_size: Option<usize>,
+    vocab_size: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    quantization_config: Option<Value>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    tie_word_embeddings: Option<bool>,
+    max_position_embeddings: Option<usize>,
+}
+
+fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field, problem: problem.into() }
+}
+
+fn num(obj: &Value, key: &'static str, field: &'static str) -> Result<Option<f32>, ConfigError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(|f| Some(f as f32))
+            .ok_or_else(|| invalid(field, format!("`{key}` must be a number, got {v}"))),
+    }
+}
+
+fn parse_rope(params: Option<&Value>, field: &'static str) -> Result<(Option<f32>, RopeScaling), ConfigError> {
+    let Some(p) = params.filter(|v| !v.is_null()) else {
+        return Ok((None, RopeScaling::None));
+    };
+    if !p.is_object() {
+        return Err(invalid(field, format!("expected an object, got {p}")));
+    }
+    let theta = num(p, "rope_theta", field)?;
+    let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let need = |key: &'static str| {
+        num(p, key, field)?.ok_or_else(|| invalid(field, format!("rope type {kind:?} needs `{key}`")))
+    };
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: need("factor")? },
+        "llama3" => RopeScaling::Llama3 {
+            factor: need("factor")?,
+            low_freq_factor: need("low_freq_factor")?,
+            high_freq_factor: need("high_freq_factor")?,
+            original_max_position_embeddings: need("original_max_position_embeddings")?,
+        },
+        other => {
+            return Err(invalid(
+                field,
+                format!(
+                    "rope type {other:?} is not supported for this architecture (supported: default, linear, llama3)"
+                ),
+            ))
+        }
+    };
+    if let RopeScaling::Linear { factor } | RopeScaling::Llama3 { factor, .. } = scaling {
+        if factor.is_nan() || factor <= 0.0 {
+            return Err(invalid(field, format!("`factor` must be positive, got {factor}")));
+        }
+    }
+    Ok((theta, scaling))
+}
+
+impl LlamaConfig {
+    /// Reads and normalises `config.json` from a file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })?;
+        Self::from_json(&text)
+    }
+
+    /// Parses and normalises `config.json` text.
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        let raw: Raw = serde_json::from_str(text)?;
+        let model_type = raw.model_type.clone().ok_or(ConfigError::Missing("model_type"))?;
+        let arch = match model_type.as_str() {
+            "llama" => Arch::Llama,
+            "mistral" => Arch::Mistral,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            _ => return Err(ConfigError::UnsupportedModel(model_type)),
+        };
+        // Schemes Strata cannot read are named by the parser; the ones it can
+        // read are wired into the DeepSeek family only.
+        if let Some(q) = super::quant::QuantConfig::from_json(raw.quantization_config.as_ref())? {
+            return Err(ConfigError::Invalid {
+                field: "quantization_config",
+                problem: format!(
+                    "{} weights are read for deepseek_v3, kimi_k2 and kimi_k25 only, not {model_type}",
+                    q.describe()
+                ),
+            });
+        }
+        let hidden_size = raw.hidden_size.ok_or(ConfigError::Missing("hidden_size"))?;
+        let num_layers = raw.num_hidden_layers.ok_or(ConfigError::Missing("num_hidden_layers"))?;
+        let num_heads = raw.num_attention_heads.ok_or(ConfigError::Missing("num_attention_heads"))?;
+        let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
+        let intermediate_size = raw.intermediate_size.ok_or(ConfigError::Missing("intermediate_size"))?;
+        let vocab_size = raw.vocab_size.ok_or(ConfigError::Missing("vocab_size"))?;
+        for (field, v) in [
+            ("hidden_size", hidden_size),
+            ("num_hidden_layers", num_layers),
+            ("num_attention_heads", num_heads),
+            ("num_key_value_heads", num_kv_heads),
+            ("intermediate_size", intermediate_size),
+            ("vocab_size", vocab_size),
+        ] {
+            if v == 0 {
+                return Err(invalid(field, "must be positive"));
+            }
+        }
+        if num_heads % num_kv_heads != 0 {
+            return Err(invalid(
+                "num_key_value_heads",
+                format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
+            ));
+        }
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => {
+                return Err(invalid(
+                    "head_dim",
+                    format!(
+                        "absent, and hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"
+                    ),
+                ))
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(invalid("head_dim", format!("must be a positive even number for RoPE, got {head_dim}")));
+        }
+        if let Some(act) = &raw.hidden_act {
+            if act != "silu" && act != "swish" {
+                return Err(invalid("hidden_act", format!("{act:?} is not supported (only silu)")));
+            }
+        }
+        // transformers 5 folds theta and scaling into `rope_parameters`; the hub's
+        // older files keep `rope_theta` and `rope_scaling` at top level.
+        let (theta_new, scaling_new) = parse_rope(raw.rope_parameters.as_ref(), "rope_parameters")?;
+        let (theta_old, scaling_old) = parse_rope(raw.rope_scaling.as_ref(), "rope_scaling")?;
+        let rope_theta = theta_new.or(raw.rope_theta.map(|t| t as f32)).or(theta_old).unwrap_or(10000.0);
+        if rope_theta.is_nan() || rope_theta <= 0.0 {
+            return Err(invalid("rope_theta", format!("must be positive, got {rope_theta}")));
+        }
+        let rope_scaling = if raw.rope_parameters.is_some() { scaling_new } else { scaling_old };
+
+        let (qkv_bias, o_bias) = match arch {
+            // Qwen2 always has q/k/v bias and never an o bias, whatever the config says.
+            Arch::Qwen2 => (true, false),
+            _ => {
+                let b = raw.attention_bias.unwrap_or(false);
+                (b, b)
+            }
+        };
+        let sliding_windows = Self::windows(arch, &raw, num_layers)?;
+        Ok(LlamaConfig {
+            arch,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            intermediate_size,
+            vocab_size,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta,
+            rope_scaling,
+            qkv_bias,
+            o_bias,
+            mlp_bias: raw.mlp_bias.unwrap_or(false),
+            qk_norm: arch == Arch::Qwen3,
+            sliding_windows,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(usize::MAX),
+        })
+    }
+
+    fn windows(arch: Arch, raw: &Raw, n: usize) -> Result<Vec<Option<usize>>, ConfigError> {
+        if arch == Arch::Llama {
+            return Ok(vec![None; n]);
+        }
+        let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3);
+        // Qwen configs carry a `sliding_window` that only counts when `use_sliding_window` is set.
+        let window = if qwen && raw.use_sliding_window != Some(true) { None } else { raw.sliding_window };
+        let Some(w) = window else {
+            return Ok(vec![None; n]);
+        };
+        if w == 0 {
+            return Err(invalid("sliding_window", "must be positive"));
+        }
+        if let Some(types) = &raw.layer_types {
+            if types.len() != n {
+                return Err(invalid("layer_types", format!("has {} entries for {n} layers", types.len())));
+            }
+            return types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "full_attention" => Ok(None),
+                    "sliding_attention" => Ok(Some(w)),
+                    other => Err(invalid("layer_types", format!("unknown layer type {other:?}"))),
+                })
+                .collect();
+        }
+        if qwen {
+            let first = raw.max_window_layers.unwrap_or(0);
+            Ok((0..n).map(|i| (i >= first).then_some(w)).collect())
+        } else {
+            Ok(vec![Some(w); n])
+        }
+    }
+
+    /// RoPE over whole heads: inverse frequencies after linear or llama3 scaling.
+    pub fn rope(&self) -> RopeFreqs {
+        RopeFreqs { inv_freq: self.rope_inv_freq(), scale: 1.0 }
+    }
+
+    fn rope_inv_freq(&self) -> Vec<f32> {
+        let c = self;
+        let d = c.head_dim;
+        let base: Vec<f32> = (0..d / 2).map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / d as f32)).collect();
+        match c.rope_scaling {
+            RopeScaling::None => base,
+            RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => {
+                let low_wavelen = old / low_freq_factor;
+                let high_wavelen = old / high_freq_factor;
+                base.into_iter()
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f32::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// The outer shape.
+    pub fn info(&self) -> ArchInfo {
+        ArchInfo {
+            architecture: self.arch.name().into(),
+            num_layers: self.num_layers,
+            hidden_size: self.hidden_size,
+            vocab_size: self.vocab_size,
+            max_position_embeddings: self.max_position_embeddings,
+        }
+    }
+
+    /// Width of the fused q/k/v projection output.
+    pub fn qkv_size(&self) -> usize {
+        (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LEGACY_LLAMA3: &str = r#"{
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+        "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "max_position_embeddings": 131072, "torch_dtype": "bfloat16"
+    }"#;
+
+    #[test]
+    fn legacy_and_v5_styles_agree() {
+        let old = LlamaConfig::from_json(LEGACY_LLAMA3).unwrap();
+        assert_eq!(old.head_dim, 128);
+        assert_eq!(old.rope_theta, 500000.0);
+        assert!(matches!(old.rope_scaling, RopeScaling::Llama3 { factor: 8.0, .. }));
+        let new = LEGACY_LLAMA3
+            .replace(r#""rope_theta": 500000.0,"#, "")
+            .replace("rope_scaling", "rope_parameters")
+            .replace(r#""rope_type": "llama3""#, r#""rope_type": "llama3", "rope_theta": 500000.0"#);
+        assert_eq!(LlamaConfig::from_json(&new).unwrap(), old);
+    }
+
+    #[test]
+    fn qwen2_window_only_when_enabled() {
+        let base = r#"{"model_type":"qwen2","hidden_size":64,"num_hidden_layers":4,"num_attention_heads":4,
+            "num_key_value_heads":2,"intermediate_size":128,"vocab_size":100,"sliding_window":32,
+            "max_window_layers":2,"use_sliding_window":USE}"#;
+        let off = LlamaConfig::from_json(&base.replace("USE", "false")).unwrap();
+        assert_eq!(off.sliding_windows, vec![None; 4]);
+        assert!(off.qkv_bias && !off.o_bias);
+        let on = LlamaConfig::from_json(&base.replace("USE", "true")).unwrap();
+        assert_eq!(on.sliding_windows, vec![None, None, Some(32), Some(32)]);
+    }
+
+    #[test]
+    fn clear_errors() {
+        let e = LlamaConfig::from_json(r#"{"model_type":"gpt2"}"#).unwrap_err();
+        assert!(e.to_string().contains("unsupported model_type \"gpt2\""), "{e}");
+        let e = LlamaConfig::from_json(r#"{"model_type":"llama","hidden_size":64}"#).unwrap_err();
+        assert!(e.to_string().contains("num_hidden_layers"), "{e}");
+        let e = LlamaConfig::from_json("{not json").unwrap_err();
+        assert!(e.to_string().starts_with("malformed config.json"), "{e}");
+        let yarn = LEGACY_LLAMA3.replace(r#""rope_type": "llama3""#, r#""rope_type": "yarn""#);
+        let e = LlamaConfig::from_json(&yarn).unwrap_err();
+        assert!(e.to_string().contains("\"yarn\" is not supported"), "{e}");
+        let gqa = LEGACY_LLAMA3.replace(r#""num_key_value_heads": 8"#, r#""num_key_value_heads": 5"#);
+        assert!(LlamaConfig::from_json(&gqa).unwrap_err().to_string().contains("does not divide"));
+    }
+}

@@ -1,0 +1,312 @@
+//! The forward every decoder shares, written once over any [`Backend`]:
+//! input checks, the embedding lookup, the RoPE table of the step, the
+//! layers (each architecture's [`Block`]), filling the capture points as the
+//! residual stream passes, the final norm, and the KV cache bookkeeping of
+//! chunked prefill.
+
+use super::ModelError;
+use crate::backend::{Backend, KvStore, Tensor};
+use crate::hf::checkpoint::{Checkpoint, CheckpointError, PrefixMismatch};
+use crate::hf::{ArchInfo, ConfigError, RopeFreqs};
+use crate::pipeline::batch::PackedBatch;
+use crate::pipeline::capture::{CaptureSet, Tap};
+use crate::shape::{dim_from_size, CapturedStates, DType, Dim};
+use std::path::Path;
+use tracing::{debug_span, info_span};
+
+/// What the shared skeleton needs of an architecture's config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Frame {
+    /// Outer shape: layers, hidden, vocabulary, longest sequence.
+    pub info: ArchInfo,
+    /// Epsilon of the final norm.
+    pub rms_norm_eps: f32,
+    /// The rotary embedding's frequencies.
+    pub rope: RopeFreqs,
+    /// Prefix of the text model's tensor names (`language_model.` in a multimodal wrapper).
+    pub tensor_prefix: String,
+}
+
+/// The inputs every layer of one step shares.
+pub struct Step<'a, B: Backend> {
+    /// The packed tokens and where each segment sits in its sample.
+    pub batch: &'a PackedBatch,
+    /// cos/sin of every position the step reaches.
+    pub rope: &'a B::RopeTable,
+}
+
+/// One decoder layer of an architecture (`model.layers.{i}.*`), over backend `B`.
+/// An architecture file implements this and nothing of the skeleton.
+pub trait Block<B: Backend>: Sized + Send + Sync + 'static {
+    /// The architecture's normalised config.
+    type Config: Clone + Send + Sync + 'static;
+    /// Working buffers of one step, shared by every layer (`H`: the residual width).
+    type Scratch<H: Dim>;
+
+    /// Parses `config.json`.
+    fn parse_config(text: &str) -> Result<Self::Config, ConfigError>;
+    /// What the skeleton needs of the config.
+    fn frame(config: &Self::Config) -> Frame;
+    /// Checks that the config splits over `ranks` tensor-parallel ranks, before any weight is read.
+    fn check_split(config: &Self::Config, ranks: usize) -> Result<(), ModelError>;
+    /// Loads layer `index`: this rank's share of it (`b.rank()` of `b.world_size()`).
+    fn load(b: &B, config: &Self::Config, ckpt: &Checkpoint, index: usize) -> Result<Self, ModelError>;
+    /// Buffers for a step of `tokens` tokens.
+    fn scratch<H: Dim>(b: &B, config: &Self::Config, tokens: usize, hidden: H) -> Self::Scratch<H>;
+    /// `x ← layer(x)`, keeping keys and values of chunked samples in `cache` (as layer `index`).
+    #[allow(clippy::too_many_arguments)]
+    fn forward<H: Dim>(
+        &self,
+        b: &B,
+        x: &mut Tensor<B, H>,
+        step: &Step<'_, B>,
+        s: &mut Self::Scratch<H>,
+        cache: &mut B::KvCache,
+        index: usize,
+    );
+    /// Bytes the layer's weights hold.
+    fn weight_bytes(&self) -> usize;
+}
+
+/// A decoder-only transformer: embedding, `layers` of one architecture's
+/// [`Block`], final norm, on backend `B`, with hidden width `H`
+/// (`Hidden<N>` in a static job, `usize` when it comes from `config.json`).
+pub struct Decoder<B: Backend, L: Block<B>, H: Dim = usize> {
+    backend: B,
+    config: L::Config,
+    frame: Frame,
+    hidden: H,
+    dtype: DType,
+    embed_tokens: B::Embedding,
+    layers: Vec<L>,
+    norm: B::Vector,
+}
+
+/// Reads `DIR/config.json`.
+pub(crate) fn read_config_text(dir: &Path) -> Result<String, ConfigError> {
+    let path = dir.join("config.json");
+    std::fs::read_to_string(&path).map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })
+}
+
+impl<B: Backend, L: Block<B>, H: Dim + Default> Decoder<B, L, H> {
+    /// Loads `config.json` and the safetensors weights of a checkpoint directory.
+    pub fn load(dir: &Path) -> Result<Self, ModelError>
+    where
+        B: Default,
+    {
+        Self::load_on(B::default(), dir)
+    }
+
+    /// [`load`](Self::load) onto a given backend (one rank of a group, or a device).
+    pub fn load_on(backend: B, dir: &Path) -> Result<Self, ModelError> {
+        let config = L::parse_config(&read_config_text(dir)?)?;
+        let ckpt = Checkpoint::open_scoped(dir, &L::frame(&config).tensor_prefix)?;
+        Self::from_checkpoint_on(backend, config, &ckpt)
+    }
+
+    /// Builds the model from a parsed config and an opened checkpoint,
+    /// checking the config's hidden size against `H`.
+    pub fn from_checkpoint(config: L::Config, ckpt: &Checkpoint) -> Result<Self, ModelError>
+    where
+        B: Default,
+    {
+        Self::from_checkpoint_on(B::default(), config, ckpt)
+    }
+
+    /// [`from_checkpoint`](Self::from_checkpoint) onto a given backend: rank
+    /// `backend.rank()` of a tensor-parallel group reads only its share of
+    /// every split weight from the mapped checkpoint.
+    pub fn from_checkpoint_on(backend: B, config: L::Config, ckpt: &Checkpoint) -> Result<Self, ModelError> {
+        L::check_split(&config, backend.world_size())?;
+        let frame = L::frame(&config);
+        let info = &frame.info;
+        let _span =
+            info_span!("load", arch = %info.architecture, layers = info.num_layers, rank = backend.rank()).entered();
+        if ckpt.prefix() != frame.tensor_prefix {
+            let (expected, actual) = (frame.tensor_prefix.clone(), ckpt.prefix().to_string());
+            return Err(CheckpointError::from(PrefixMismatch { expected, actual }).into());
+        }
+        let hidden: H = dim_from_size("config.json hidden_size", "hidden", info.hidden_size)?;
+        let h = info.hidden_size;
+        let (bytes, dtype) = ckpt.read_bytes("model.embed_tokens.weight", &[info.vocab_size, h])?;
+        let embed_tokens = backend.embedding(bytes, dtype, h);
+        let layers = (0..info.num_layers).map(|l| L::load(&backend, &config, ckpt, l)).collect::<Result<_, _>>()?;
+        let norm = backend.vector(ckpt.read_f32("model.norm.weight", &[h])?);
+        Ok(Decoder { backend, config, frame, hidden, dtype, embed_tokens, layers, norm })
+    }
+}
+
+impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
+    /// The normalised config.
+    pub fn config(&self) -> &L::Config {
+        &self.config
+    }
+    /// The outer shape.
+    pub fn info(&self) -> &ArchInfo {
+        &self.frame.info
+    }
+    /// The hidden dim.
+    pub fn hidden(&self) -> H {
+        self.hidden
+    }
+    /// The dtype the checkpoint stores its weights in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// The backend this model runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+    /// The decoder layers.
+    pub fn layers(&self) -> &[L] {
+        &self.layers
+    }
+
+    /// Checks a batch against the model: no empty segment, no position past
+    /// `max_position_embeddings`, token ids in the vocabulary.
+    pub fn check_batch(&self, batch: &PackedBatch) -> Result<(), ModelError> {
+        let info = &self.frame.info;
+        for (s, seg) in batch.segments().iter().enumerate() {
+            let r = batch.range(s);
+            let err = |problem: String| ModelError::Input { sample: s, problem };
+            if r.is_empty() {
+                return Err(err("empty sample (no tokens)".into()));
+            }
+            let max = info.max_position_embeddings;
+            if seg.pos0 + r.len() > max {
+                return Err(err(format!("{} tokens exceed max_position_embeddings {max}", seg.pos0 + r.len())));
+            }
+            let vocab = info.vocab_size;
+            if let Some((pos, &t)) = batch.token_ids()[r].iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+                return Err(err(format!(
+                    "token id {t} at position {} is out of range (vocab_size {vocab})",
+                    seg.pos0 + pos
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of memory the weights hold (quantised and bf16 weights as stored).
+    pub fn resident_bytes(&self) -> usize {
+        use crate::backend::Resident;
+        let layers: usize = self.layers.iter().map(Block::weight_bytes).sum();
+        self.embed_tokens.resident_bytes() + layers + self.norm.resident_bytes() + self.frame.rope.inv_freq.len() * 4
+    }
+
+    /// Runs the decoder over a packed batch of whole samples and returns the
+    /// captured states `[L, T_total, H]`, layers in the capture set's order.
+    /// Layers past the deepest capture point are not run.
+    pub fn forward<LD: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<LD>,
+    ) -> Result<CapturedStates<LD, H>, ModelError> {
+        self.forward_step(batch, captures, &mut B::KvCache::default())
+    }
+
+    /// [`forward`](Self::forward) for batches that hold chunks of samples:
+    /// a segment with `pos0 > 0` attends to the keys/values its sample's
+    /// earlier chunks left in `cache`; a segment with `keep` leaves its own
+    /// there for the next chunk. The states of a token do not depend on how
+    /// its sample was chunked or packed (bitwise, on the CPU backend).
+    pub fn forward_step<LD: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<LD>,
+        cache: &mut B::KvCache,
+    ) -> Result<CapturedStates<LD, H>, ModelError> {
+        Ok(self.forward_rank(batch, captures, cache, true)?.expect("a capturing forward returns states"))
+    }
+
+    /// The forward of one tensor-parallel rank: every rank runs it in step
+    /// (row-parallel layers sum over all of them); only a capturing rank
+    /// fills and returns the states, the others return `None` without
+    /// allocating them. The residual stream is whole on every rank, so a
+    /// capture reads full `[T, H]` states, never a shard.
+    pub fn forward_rank<LD: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<LD>,
+        cache: &mut B::KvCache,
+        capture: bool,
+    ) -> Result<Option<CapturedStates<LD, H>>, ModelError> {
+        let (b, f) = (&self.backend, &self.frame);
+        self.check_batch(batch)?;
+        let t = batch.num_tokens();
+        let mut caps = Captures::new(captures, f.info.num_layers, t, self.hidden, capture)?;
+        cache.begin(batch)?;
+        let _span = info_span!("forward", tokens = t, samples = batch.num_samples()).entered();
+        let mut x = Tensor::zeros(b, t, self.hidden); // the residual stream [T, H]
+        b.embed(&self.embed_tokens, batch, &mut x);
+        let rope = b.rope_table(&f.rope, batch.max_position());
+        let step = Step { batch, rope: &rope };
+        let mut scratch = L::scratch(b, &self.config, t, self.hidden);
+        for (k, layer) in self.layers.iter().enumerate().take(caps.depth) {
+            caps.record(b, Tap::Residual(k), &x)?;
+            let _s = debug_span!("layer", k).entered();
+            layer.forward(b, &mut x, &step, &mut scratch, cache, k);
+        }
+        cache.retire(batch);
+        caps.finish(b, &x, &self.norm, f.rms_norm_eps)
+    }
+}
+
+/// The capture side of one forward: which taps fill which slots, how deep the
+/// forward must go, and the host `[L, T, H]` buffer (only on a capturing rank).
+struct Captures<L: Dim, H: Dim> {
+    taps: Vec<Tap>,
+    /// Layers to run: none past the deepest capture point.
+    depth: usize,
+    post_norm: bool,
+    out: Option<CapturedStates<L, H>>,
+}
+
+impl<L: Dim, H: Dim> Captures<L, H> {
+    /// Resolves the capture points against `num_layers`; allocates the buffer if `capture`.
+    fn new(
+        captures: &CaptureSet<L>,
+        num_layers: usize,
+        tokens: usize,
+        hidden: H,
+        capture: bool,
+    ) -> Result<Self, ModelError> {
+        let taps = captures.taps(num_layers)?;
+        let post_norm = taps.contains(&Tap::PostNorm);
+        let depth = if post_norm {
+            num_layers
+        } else {
+            taps.iter().map(|tap| if let Tap::Residual(k) = tap { *k } else { 0 }).max().unwrap_or(0)
+        };
+        let out = capture.then(|| CapturedStates::zeros(captures.layers(), tokens, hidden));
+        Ok(Captures { taps, depth, post_norm, out })
+    }
+
+    /// Copies the `[T, H]` states `x` into every slot that reads `tap`.
+    fn record<B: Backend>(&mut self, b: &B, tap: Tap, x: &Tensor<B, H>) -> Result<(), ModelError> {
+        let Some(out) = &mut self.out else { return Ok(()) };
+        for (slot, _) in self.taps.iter().enumerate().filter(|(_, &t)| t == tap) {
+            b.capture(x, out, slot)?;
+        }
+        Ok(())
+    }
+
+    /// Records the residual after the last layer run and, if asked for (on a
+    /// capturing rank), the final norm of it; returns the filled buffer
+    /// (`None` on a non-capturing rank).
+    fn finish<B: Backend>(
+        mut self,
+        b: &B,
+        x: &Tensor<B, H>,
+        norm: &B::Vector,
+        eps: f32,
+    ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
+        self.record(b, Tap::Residual(self.depth), x)?;
+        if self.post_norm && self.out.is_some() {
+            let mut normed = Tensor::zeros(b, x.rows(), x.width());
+            b.rms_norm(x.all(), norm, eps, &mut normed);
+            self.record(b, Tap::PostNorm, &normed)?;
+        }
+        Ok(self.out)
+    }
+}

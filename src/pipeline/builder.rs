@@ -1,0 +1,215 @@
+//! The generic pipeline builder: `Source → Schedule → Model → Capture → Gather → Sink`.
+//!
+//! ```text
+//! Pipeline::new(source).max_batch_tokens(8192).model(&model).capture(points).sink(writer).run()?
+//! ```
+//!
+//! Each call fixes one type: `model` the hidden dim `H`, `capture` the layers
+//! dim `L`, and `sink` accepts only a `Sink<L, H>`, so in a statically typed
+//! job a writer for another hidden size or capture count does not compile.
+//! With `usize` dims the same checks run once, at the sink's boundary.
+
+use super::capture::CaptureSet;
+use super::gather::Gatherer;
+use super::schedule::Scheduler;
+use super::source::{Sample, SourceError};
+use crate::model::{Model, ModelError};
+use crate::shape::{Dim, ShapeError};
+use crate::sink::{Sink, SinkError};
+use std::time::{Duration, Instant};
+use tracing::info_span;
+
+/// Why a pipeline run stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// Reading input.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// Running the model.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Writing output.
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+}
+
+impl From<ShapeError> for PipelineError {
+    fn from(e: ShapeError) -> Self {
+        PipelineError::Model(ModelError::Shape(e))
+    }
+}
+
+/// Progress after each step.
+#[derive(Clone, Debug, Default)]
+pub struct Progress {
+    /// Samples written by this run.
+    pub samples: usize,
+    /// Tokens run by this run.
+    pub tokens: usize,
+    /// Samples skipped because an earlier run wrote them.
+    pub resumed: usize,
+    /// Time since the run started.
+    pub elapsed: Duration,
+}
+
+/// What a run did, with time per stage.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Final progress.
+    pub progress: Progress,
+    /// Forward steps.
+    pub steps: usize,
+    /// Bytes written.
+    pub bytes: u64,
+    /// Reading and scheduling input.
+    pub schedule_time: Duration,
+    /// The model's forward.
+    pub forward_time: Duration,
+    /// Reassembling chunked samples.
+    pub gather_time: Duration,
+    /// Writing (including fsync).
+    pub write_time: Duration,
+}
+
+/// A pipeline being assembled; see the module docs.
+pub struct Pipeline<S> {
+    source: S,
+    budget: usize,
+}
+
+/// A pipeline with its model.
+pub struct WithModel<'m, S, M> {
+    source: S,
+    budget: usize,
+    model: &'m M,
+}
+
+/// A pipeline with its model and capture points.
+pub struct WithCapture<'m, S, M, L: Dim> {
+    source: S,
+    budget: usize,
+    model: &'m M,
+    captures: CaptureSet<L>,
+}
+
+/// A progress callback.
+type ProgressFn<'p> = Box<dyn FnMut(&Progress) + 'p>;
+
+/// A pipeline ready to run.
+pub struct Ready<'m, 'p, S, M, L: Dim, K> {
+    source: S,
+    budget: usize,
+    model: &'m M,
+    captures: CaptureSet<L>,
+    sink: K,
+    progress: Option<ProgressFn<'p>>,
+}
+
+impl<S: Iterator<Item = Result<Sample, SourceError>>> Pipeline<S> {
+    /// Starts from a source of samples, in order.
+    pub fn new(source: S) -> Self {
+        Pipeline { source, budget: 8192 }
+    }
+    /// Token budget of one forward step (default 8192); longer samples are chunked.
+    pub fn max_batch_tokens(mut self, n: usize) -> Self {
+        self.budget = n.max(1);
+        self
+    }
+    /// The model; fixes the hidden dim `H`.
+    pub fn model<M: Model>(self, model: &M) -> WithModel<'_, S, M> {
+        WithModel { source: self.source, budget: self.budget, model }
+    }
+}
+
+impl<'m, S, M: Model> WithModel<'m, S, M> {
+    /// The capture points; fixes the layers dim `L`.
+    pub fn capture<L: Dim>(self, captures: CaptureSet<L>) -> WithCapture<'m, S, M, L> {
+        WithCapture { source: self.source, budget: self.budget, model: self.model, captures }
+    }
+}
+
+impl<'m, S, M: Model, L: Dim> WithCapture<'m, S, M, L> {
+    /// The writer: must accept `[L, T, H]` states of this capture set and model.
+    pub fn sink<'p, K: Sink<L, M::Hidden>>(self, sink: K) -> Ready<'m, 'p, S, M, L, K> {
+        Ready {
+            source: self.source,
+            budget: self.budget,
+            model: self.model,
+            captures: self.captures,
+            sink,
+            progress: None,
+        }
+    }
+}
+
+impl<'p, S, M, L, K> Ready<'_, 'p, S, M, L, K>
+where
+    S: Iterator<Item = Result<Sample, SourceError>>,
+    M: Model,
+    L: Dim,
+    K: Sink<L, M::Hidden>,
+{
+    /// Calls `f` after every step.
+    pub fn on_progress(mut self, f: impl FnMut(&Progress) + 'p) -> Self {
+        self.progress = Some(Box::new(f));
+        self
+    }
+
+    /// Runs to the end of the source, then finishes the sink. Samples an
+    /// earlier run already wrote (the sink's `resume_from`) are skipped.
+    pub fn run(mut self) -> Result<(Report, K), PipelineError> {
+        let _span = info_span!("pipeline").entered();
+        self.captures.taps(self.model.num_layers()).map_err(ModelError::from)?;
+        let start = Instant::now();
+        let mut report = Report::default();
+        let resumed = self.sink.resume_from();
+        report.progress.resumed = resumed;
+        let mut source = self.source.skip(resumed);
+        let mut scheduler = Scheduler::new(self.budget);
+        let mut cache = M::Cache::default();
+        let mut gatherer = Gatherer::default();
+        loop {
+            let t = Instant::now();
+            let step = {
+                let _s = info_span!("schedule").entered();
+                scheduler.next_step(&mut source)?
+            };
+            report.schedule_time += t.elapsed();
+            let Some(step) = step else { break };
+
+            let t = Instant::now();
+            let states = self.model.forward_step(&step.batch, &self.captures, &mut cache)?;
+            report.forward_time += t.elapsed();
+
+            let t = Instant::now();
+            let mut write_time = Duration::ZERO;
+            let sink = &mut self.sink;
+            let mut written = 0;
+            {
+                let _s = info_span!("gather").entered();
+                gatherer.gather(&step, &states, |sample, view| -> Result<(), PipelineError> {
+                    let w = Instant::now();
+                    sink.write_sample(sample, view)?;
+                    write_time += w.elapsed();
+                    written += 1;
+                    Ok(())
+                })?;
+            }
+            report.gather_time += t.elapsed() - write_time;
+            report.write_time += write_time;
+            report.steps += 1;
+            report.progress.samples += written;
+            report.progress.tokens += step.batch.num_tokens();
+            report.progress.elapsed = start.elapsed();
+            if let Some(f) = self.progress.as_mut() {
+                f(&report.progress);
+            }
+        }
+        let t = Instant::now();
+        self.sink.finish()?;
+        report.write_time += t.elapsed();
+        report.bytes = self.sink.bytes_written();
+        report.progress.elapsed = start.elapsed();
+        Ok((report, self.sink))
+    }
+}

@@ -1,0 +1,24 @@
+//! The data's way through an extraction job, stage by stage:
+//!
+//! ```text
+//! source ─► schedule ─► (model) ─► capture ─► gather ─► (sink)
+//! ```
+//!
+//! - [`source`]: samples (token ids, loss mask, id) streamed from JSON Lines;
+//! - [`schedule`]: samples packed into steps of a token budget ([`batch`]),
+//!   long ones split across steps (chunked prefill);
+//! - the model ([`crate::model`]) runs a step and fills the [`capture`] points;
+//! - [`gather`]: each sample's `[L, T, H]` states cut out of the step, or
+//!   reassembled from its chunks;
+//! - the sink ([`crate::sink`]) writes them.
+//!
+//! [`builder`] composes the stages generically: [`Pipeline`].
+
+pub mod batch;
+pub mod builder;
+pub mod capture;
+pub mod gather;
+pub mod schedule;
+pub mod source;
+
+pub use builder::{Pipeline, PipelineError, Progress, Report};
