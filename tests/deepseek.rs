@@ -8,8 +8,6 @@ use strata::model::Deepseek;
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::CaptureSet;
 
-const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"];
-
 #[test]
 fn library_matches_hf_at_every_capture_point() {
     for name in DEEPSEEK {

@@ -13,8 +13,6 @@ use strata::model::Deepseek;
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::CaptureSet;
 
-const QUANT: &[&str] = &["deepseek-v3-fp8", "kimi-k2-fp8-sharded", "kimi-k2-int4", "kimi-k25-wrapper"];
-
 fn extract(model: &Path, data: &Path, n: usize, out: &Path, extra: &[&str]) -> std::process::Output {
     let list: Vec<String> = all_points(n).iter().map(|p| p.to_string()).collect();
     std::process::Command::new(env!("CARGO_BIN_EXE_strata"))

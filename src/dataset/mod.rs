@@ -85,6 +85,18 @@ impl MappedFile {
         &self.map[e.range.clone()]
     }
 
+    /// The checksum the manifest records for sample `id`: `xxh3:` of its
+    /// `input_ids`, `loss_mask` and `hidden_states` bytes as stored.
+    pub fn sample_checksum(&self, id: &str) -> Result<String, String> {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for e in ["input_ids", "loss_mask", "hidden_states"] {
+            let name = format!("{id}.{e}");
+            let entry = self.tensors.get(&name).ok_or_else(|| format!("tensor {name:?} is missing"))?;
+            h.update(self.bytes(entry));
+        }
+        Ok(manifest::hash_hex(h.digest()))
+    }
+
     /// File size.
     pub fn len(&self) -> usize {
         self.map.len()

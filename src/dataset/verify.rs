@@ -1,13 +1,11 @@
 //! `strata verify`: every sample of a native dataset against its manifest,
 //! and optionally the dataset's layout against an expected one.
 
-use super::manifest::hash_hex;
 use super::stats::Stats;
 use super::{Dataset, DatasetError, MappedFile};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::Path;
-use xxhash_rust::xxh3::Xxh3;
 
 /// The layout a dataset is expected to have (all fields optional). Read from
 /// a JSON file such as `{"capture": ["input:2", "final"], "hidden_size": 4096,
@@ -129,11 +127,7 @@ pub fn verify(dir: &Path, layout: Option<&Layout>) -> Result<Vec<String>, Datase
                     continue;
                 }
             };
-            let mut h = Xxh3::new();
-            for e in ["input_ids", "loss_mask", "hidden_states"] {
-                h.update(shard.bytes(&shard.tensors[&format!("{}.{e}", s.id)]));
-            }
-            let sum = hash_hex(h.digest());
+            let sum = shard.sample_checksum(&s.id).expect("read above");
             if sum != s.checksum {
                 problems.push(format!(
                     "sample {:?} ({}): checksum {sum}, manifest says {}",

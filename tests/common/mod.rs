@@ -9,8 +9,14 @@ use strata::shape::DType;
 /// Absolute and relative tolerance of f32 parity with HF: `|a - b| <= TOL * max(1, |b|)`.
 pub const TOL: f32 = 1e-4;
 
-/// Every parity fixture (see scripts/make_fixtures.py).
+/// Every Llama-family parity fixture (see scripts/make_fixtures.py).
 pub const FIXTURES: &[&str] = &["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3"];
+
+/// The DeepSeek-family parity fixtures with plain weights (scripts/make_fixtures.py).
+pub const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"];
+
+/// The DeepSeek-family parity fixtures with FP8 or INT4 weights (scripts/make_quant_fixtures.py).
+pub const QUANT: &[&str] = &["deepseek-v3-fp8", "kimi-k2-fp8-sharded", "kimi-k2-int4", "kimi-k25-wrapper"];
 
 /// Path of a fixture directory.
 pub fn fixture(name: &str) -> PathBuf {
