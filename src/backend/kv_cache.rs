@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 /// Keys and values of one layer for the positions a sample has run so far.
 #[derive(Default, Debug)]
-pub struct LayerKv {
+pub(crate) struct LayerKv {
     pub(crate) k: Vec<f32>,
     pub(crate) v: Vec<f32>,
 }

@@ -14,17 +14,18 @@
 //! thing). To add a backend, implement this trait; `tests/backends.rs` then
 //! runs every parity fixture through it (see docs/ARCHITECTURE.md).
 
+mod check;
 pub mod cpu;
 mod kv_cache;
 pub mod reference;
 mod tensor;
 
 pub use cpu::Cpu;
-pub use kv_cache::{KvCache, LayerKv};
+pub use kv_cache::KvCache;
 pub use reference::Reference;
 pub use tensor::{Cols, Tensor};
 
-use crate::hf::deepseek::{Scoring, TopkMethod};
+use crate::hf::moe::{Scoring, TopkMethod};
 use crate::hf::quant::{LinearWeight, QuantKind};
 use crate::hf::RopeFreqs;
 use crate::pipeline::batch::PackedBatch;
@@ -55,15 +56,12 @@ pub enum BackendError {
 pub enum Compute {
     /// f32 inputs: the exact path.
     F32,
-    /// bf16 inputs, f32 accumulation.
-    Bf16,
 }
 
 impl std::fmt::Display for Compute {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Compute::F32 => "f32",
-            Compute::Bf16 => "bf16",
         })
     }
 }
@@ -270,6 +268,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// bf16, FP8 blocks or INT4 groups), with an optional bias `[rows]` of the
     /// whole layer (row-parallel) or of this rank's rows (column-parallel).
     fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Self::Linear;
+
+    /// Builds `n` weights with `f(i)` on threads of the backend's choosing
+    /// (a layer's hundreds of experts: the CPU backend packs them in
+    /// parallel). The default builds them in order on the calling thread.
+    fn build_many<T: Send, E: Send>(
+        &self,
+        n: usize,
+        f: impl Fn(usize) -> Result<T, E> + Sync + Send,
+    ) -> Result<Vec<T>, E> {
+        (0..n).map(f).collect()
+    }
 
     // Ops.
 

@@ -1,15 +1,19 @@
 //! The reference backend: every op as a plain loop over its definition,
 //! accumulating in f64, on one thread, for one rank. It is the in-repo oracle
 //! (in the spirit of llama2.c): slow, short, and obviously what it says.
-//! Weights are widened to f32 at load (quantised ones dequantised exactly);
-//! activations are f32 buffers, each value rounded once from its f64 sum.
+//!
+//! - Weights are held as stored, like the CPU backend's; a row is decoded to
+//!   its exact f32 values (`code · scale`) each time it is used.
+//! - Every op computes in f64 and rounds its output once, to the f32 buffers
+//!   the model passes between ops (the MoE op rounds each expert's steps the
+//!   same way, and sums the experts in f64).
 
-use super::tensor::check_capture;
+use super::check;
 use super::{
     AttnShape, Backend, BackendError, Cols, GatedLinear, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router,
     Tensor, F32,
 };
-use crate::hf::deepseek::{Scoring, TopkMethod};
+use crate::hf::moe::{Scoring, TopkMethod};
 use crate::hf::quant::{LinearWeight, QuantKind};
 use crate::hf::RopeFreqs;
 use crate::pipeline::batch::PackedBatch;
@@ -19,59 +23,66 @@ use crate::shape::{CapturedStates, DType, Dim, ShapeError};
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Reference;
 
-/// The embedding table, decoded to f32 `[vocab, hidden]`.
+/// The embedding table as stored; a row is decoded when a token looks it up.
 pub struct Embedding {
-    table: Vec<f32>,
+    bytes: Vec<u8>,
+    dtype: DType,
     h: usize,
 }
 
 impl Resident for Embedding {
     fn resident_bytes(&self) -> usize {
-        self.table.len() * 4
+        self.bytes.len()
     }
 }
 
-/// A linear layer as a dense f32 `[out, in]` matrix and its bias.
+/// A linear layer: its weight as stored (f32, bf16, FP8 or INT4 codes, each
+/// row decoded exactly when it is used) and its bias.
 pub struct Linear {
-    w: Vec<f32>,
+    w: LinearWeight,
     bias: Option<Vec<f32>>,
-    out: usize,
-    inp: usize,
 }
 
 impl Resident for Linear {
     fn resident_bytes(&self) -> usize {
-        (self.w.len() + self.bias.as_ref().map_or(0, Vec::len)) * 4
+        let w = match &self.w {
+            LinearWeight::Dense { w, .. } => w.len() * 4,
+            LinearWeight::Quant(q) => q.codes.len() + q.scales.len() * 4,
+        };
+        w + self.bias.as_ref().map_or(0, Vec::len) * 4
     }
 }
 
 impl LinearInfo for Linear {
     fn out_features(&self) -> usize {
-        self.out
+        self.w.rows()
     }
     fn in_features(&self) -> usize {
-        self.inp
+        self.w.cols()
     }
     fn held_as(&self) -> Option<QuantKind> {
-        None
+        match &self.w {
+            LinearWeight::Dense { .. } => None,
+            LinearWeight::Quant(q) => Some(q.kind),
+        }
     }
 }
 
 impl Linear {
-    /// `y = W·x + b` of one row, in f64.
-    fn apply(&self, x: &[f64]) -> Vec<f64> {
-        (0..self.out)
-            .map(|j| {
-                let w = &self.w[j * self.inp..(j + 1) * self.inp];
-                let dot: f64 = w.iter().zip(x).map(|(w, x)| *w as f64 * x).sum();
-                dot + self.bias.as_ref().map_or(0.0, |b| b[j] as f64)
-            })
-            .collect()
-    }
-
-    /// `y = W·x + b` for every row of `x`.
-    fn rows<'a>(&'a self, x: &'a [f32]) -> impl Iterator<Item = Vec<f64>> + 'a {
-        x.chunks_exact(self.inp).map(|r| self.apply(&widen(r)))
+    /// `y = x·Wᵀ + b` of every row of `x` (`[T, in]`), in f64: `[T][out]`.
+    fn apply(&self, x: &[f32]) -> Vec<Vec<f64>> {
+        let (out, inp) = (self.w.rows(), self.w.cols());
+        let rows: Vec<Vec<f64>> = x.chunks_exact(inp).map(widen).collect();
+        let mut y = vec![vec![0f64; out]; rows.len()];
+        let mut w = vec![0f32; inp];
+        for j in 0..out {
+            self.w.row(j, &mut w);
+            let b = self.bias.as_ref().map_or(0.0, |b| b[j] as f64);
+            for (x, y) in rows.iter().zip(&mut y) {
+                y[j] = w.iter().zip(x).map(|(w, x)| *w as f64 * x).sum::<f64>() + b;
+            }
+        }
+        y
     }
 }
 
@@ -99,12 +110,16 @@ fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// A gated MLP of one row: `down(silu(gate) · up)`, in f64 throughout.
-fn gated_row(m: &GatedLinear<Reference>, x: &[f64]) -> Vec<f64> {
+/// A gated MLP of the rows of `x`: `down(silu(gate) · up)`, each step's
+/// output rounded to f32 as the dense path's buffers are.
+fn gated_rows(m: &GatedLinear<Reference>, x: &[f32]) -> Vec<Vec<f64>> {
     let gu = m.gate_up_proj.apply(x);
-    let inter = gu.len() / 2;
-    let act: Vec<f64> = (0..inter).map(|i| silu(gu[i]) * gu[inter + i]).collect();
-    m.down_proj.apply(&act)
+    let inter = gu.first().map_or(0, |r| r.len() / 2);
+    let act: Vec<f32> = gu
+        .iter()
+        .flat_map(|g| (0..inter).map(move |i| (silu(g[i] as f32 as f64) * (g[inter + i] as f32 as f64)) as f32))
+        .collect();
+    m.down_proj.apply(&act).into_iter().map(|r| r.into_iter().map(|v| v as f32 as f64).collect()).collect()
 }
 
 impl Backend for Reference {
@@ -158,28 +173,25 @@ impl Backend for Reference {
     }
 
     fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> Embedding {
-        let mut table = vec![0f32; bytes.len() / dtype.size()];
-        dtype.decode_into(&bytes, &mut table);
-        Embedding { table, h: hidden }
+        Embedding { bytes, dtype, h: hidden }
     }
 
     fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, _kind: Parallel) -> Linear {
-        let (out, inp) = (w.rows(), w.cols());
-        let w = match w {
-            LinearWeight::Dense { w, .. } => w,
-            LinearWeight::Quant(q) => q.dequantize(),
-        };
-        Linear { w, bias, out, inp }
+        Linear { w, bias }
     }
 
     fn embed<H: Dim>(&self, table: &Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
-        let h = table.h;
+        let (h, es) = (table.h, table.dtype.size());
+        check::shape("embed", "tokens", batch.num_tokens(), out.rows());
+        check::shape("embed", "hidden", h, out.width().size());
         for (row, &id) in out.storage_mut().chunks_exact_mut(h).zip(batch.token_ids()) {
-            row.copy_from_slice(&table.table[id as usize * h..(id as usize + 1) * h]);
+            let at = id as usize * h * es;
+            table.dtype.decode_into(&table.bytes[at..at + h * es], row);
         }
     }
 
     fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
+        check::rms_norm(&x, w.len(), (out.rows(), out.width().size()));
         for (row, dst) in x.storage.chunks_exact(x.stride).zip(out.storage_mut().chunks_exact_mut(x.width)) {
             rms_norm_row(&row[x.offset..x.offset + x.width], w, eps, dst);
         }
@@ -187,6 +199,8 @@ impl Backend for Reference {
 
     fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
         let stride = x.width();
+        check::heads("rms_norm_heads", heads, stride);
+        check::shape("rms_norm_heads", "weight", heads.width, w.len());
         for row in x.storage_mut().chunks_exact_mut(stride) {
             for i in 0..heads.count {
                 let o = heads.offset + i * heads.stride;
@@ -212,6 +226,9 @@ impl Backend for Reference {
 
     fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable, batch: &PackedBatch) {
         let (stride, half) = (x.width(), table.half);
+        check::heads("rope", heads, stride);
+        check::shape("rope", "rotated width", 2 * half, heads.width);
+        check::shape("rope", "tokens", batch.num_tokens(), x.rows());
         for (s, seg) in batch.segments().iter().enumerate() {
             for (i, row) in batch.range(s).enumerate() {
                 let pos = seg.pos0 + i;
@@ -235,6 +252,8 @@ impl Backend for Reference {
 
     fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
+        check::shape("swiglu", "width", 2 * inter, gate_up.width());
+        check::shape("swiglu", "tokens", gate_up.rows(), out.rows());
         for (gu, o) in gate_up.storage().chunks_exact(2 * inter).zip(out.storage_mut().chunks_exact_mut(inter)) {
             for i in 0..inter {
                 o[i] = (silu(gu[i] as f64) * gu[inter + i] as f64) as f32;
@@ -243,6 +262,7 @@ impl Backend for Reference {
     }
 
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
+        check::shape("add", "elements", x.len(), y.len());
         for (x, y) in x.storage_mut().iter_mut().zip(y.storage()) {
             *x = (*x as f64 + *y as f64) as f32;
         }
@@ -250,6 +270,11 @@ impl Backend for Reference {
 
     fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
         let (ss, ds) = (src.width(), dst.width());
+        check::shape("copy_heads", "heads", from.count, to.count);
+        check::shape("copy_heads", "head width", from.width, to.width);
+        check::shape("copy_heads", "tokens", src.rows(), dst.rows());
+        check::heads("copy_heads", from, ss);
+        check::heads("copy_heads", to, ds);
         for r in 0..src.rows() {
             for i in 0..to.count {
                 for c in 0..to.width {
@@ -261,13 +286,16 @@ impl Backend for Reference {
     }
 
     fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
-        for (y, dst) in l.rows(x.storage()).zip(out.storage_mut().chunks_exact_mut(l.out)) {
+        check::linear(l, (x.rows(), x.width().size()), (out.rows(), out.width().size()));
+        for (y, dst) in l.apply(x.storage()).into_iter().zip(out.storage_mut().chunks_exact_mut(l.out_features())) {
             dst.iter_mut().zip(y).for_each(|(d, y)| *d = y as f32);
         }
     }
 
     fn linear_add<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
-        for (y, dst) in l.rows(x.storage()).zip(residual.storage_mut().chunks_exact_mut(l.out)) {
+        check::linear(l, (x.rows(), x.width().size()), (residual.rows(), residual.width().size()));
+        let rows = residual.storage_mut().chunks_exact_mut(l.out_features());
+        for (y, dst) in l.apply(x.storage()).into_iter().zip(rows) {
             dst.iter_mut().zip(y).for_each(|(d, y)| *d = (*d as f64 + y) as f32);
         }
     }
@@ -283,6 +311,7 @@ impl Backend for Reference {
         layer: usize,
         out: &mut Tensor<Self>,
     ) {
+        check::attention(&q, &k, &v, s, batch, (out.rows(), out.width()));
         let (nh, nkv, hd, vd) = (s.heads, s.kv_heads, s.head_dim, s.v_dim);
         let (kw, vw, ow) = (nkv * hd, nkv * vd, nh * vd);
         for (si, seg) in batch.segments().iter().enumerate() {
@@ -327,6 +356,9 @@ impl Backend for Reference {
 
     fn moe_route(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vec<f32>>) -> Self::Routes {
         let e = logits.width();
+        if let Some(c) = correction {
+            check::shape("moe_route", "experts", e, c.len());
+        }
         let per_group = e / r.n_group;
         logits
             .storage()
@@ -376,17 +408,33 @@ impl Backend for Reference {
         routes: &Self::Routes,
         out: &mut Tensor<Self, H>,
     ) {
-        let h = x.width().size();
-        for ((row, dst), picked) in x.storage().chunks_exact(h).zip(out.storage_mut().chunks_exact_mut(h)).zip(routes) {
-            let xr = widen(row);
-            let mut acc = vec![0f64; h];
-            for &(i, w) in picked {
-                acc.iter_mut().zip(gated_row(&experts[i], &xr)).for_each(|(a, y)| *a += w * y);
+        let (t, h) = (x.rows(), x.width().size());
+        check::shape("moe_experts", "tokens", t, routes.len());
+        check::shape("moe_experts", "tokens", t, out.rows());
+        // Σ_k w_k · expert_k(x) + shared(x), summed in f64 and rounded once.
+        let mut acc = vec![vec![0f64; h]; t];
+        for (e, expert) in experts.iter().enumerate() {
+            let picked: Vec<(usize, f64)> = routes
+                .iter()
+                .enumerate()
+                .flat_map(|(tok, r)| r.iter().filter(|(i, _)| *i == e).map(move |(_, w)| (tok, *w)))
+                .collect();
+            if picked.is_empty() {
+                continue;
             }
-            if let Some(sh) = shared {
-                acc.iter_mut().zip(gated_row(sh, &xr)).for_each(|(a, y)| *a += y);
+            let rows: Vec<f32> =
+                picked.iter().flat_map(|&(tok, _)| x.storage()[tok * h..(tok + 1) * h].to_vec()).collect();
+            for (y, &(tok, w)) in gated_rows(expert, &rows).into_iter().zip(&picked) {
+                acc[tok].iter_mut().zip(y).for_each(|(a, y)| *a += w * y);
             }
-            dst.iter_mut().zip(acc).for_each(|(d, a)| *d = a as f32);
+        }
+        if let Some(sh) = shared {
+            for (a, y) in acc.iter_mut().zip(gated_rows(sh, x.storage())) {
+                a.iter_mut().zip(y).for_each(|(a, y)| *a += y);
+            }
+        }
+        for (dst, a) in out.storage_mut().chunks_exact_mut(h).zip(acc) {
+            dst.iter_mut().zip(a).for_each(|(d, a)| *d = a as f32);
         }
     }
 
@@ -400,7 +448,7 @@ impl Backend for Reference {
         out: &mut CapturedStates<L, H>,
         slot: usize,
     ) -> Result<(), ShapeError> {
-        check_capture(x.rows(), x.width().size(), out, slot)?;
+        check::capture(x.rows(), x.width().size(), out, slot)?;
         out.layer_mut(slot).copy_from_slice(x.storage());
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! Activation buffers on a backend's device, `[rows, W]`, typed like host storage.
 
 use super::Backend;
-use crate::shape::{check_dim, CapturedStates, Dim, ShapeError};
+use crate::shape::{check_dim, Dim, ShapeError};
 
 /// An activation buffer `[rows, W]` held by backend `B`: the residual stream
 /// is a `Tensor<B, H>` (`H` the model's hidden dim), working buffers are
@@ -116,17 +116,29 @@ impl<B: Backend> Clone for Cols<'_, B> {
 }
 impl<B: Backend> Copy for Cols<'_, B> {}
 
-/// Checks a `[rows, width]` buffer against slot `slot` of `[L, T, H]` states.
-pub(crate) fn check_capture<L: Dim, H: Dim>(
-    rows: usize,
-    width: usize,
-    out: &CapturedStates<L, H>,
-    slot: usize,
-) -> Result<(), ShapeError> {
-    check_dim("capture", "tokens", out.tokens(), rows)?;
-    check_dim("capture", "hidden", out.hidden(), width)?;
-    if slot >= out.layers().size() {
-        return Err(ShapeError::new("capture slot", "layers", out.layers().size(), slot + 1));
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Cpu, Reference};
+    use crate::shape::Hidden;
+
+    fn round_trip<B: Backend>(b: &B) {
+        let data: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let t = Tensor::<B, Hidden<4>>::from_host(b, &data, 3, Hidden).unwrap();
+        assert_eq!((t.rows(), t.len()), (3, 12));
+        assert_eq!(t.to_host(b), data);
+        assert!(t.check("t", 3, Hidden).is_ok());
+        let e = Tensor::<B, Hidden<4>>::from_host(b, &data[..10], 3, Hidden).err().unwrap();
+        assert_eq!(e.to_string(), "tensor from host: axis elements: expected 12, got 10");
+        let e = Tensor::<B>::from_host(b, &data, 4, 3).unwrap().check("q", 4, 6).unwrap_err();
+        assert_eq!((e.axis, e.expected, e.actual), ("width", 6, 3));
+        let c = t.cols(1, 2);
+        assert_eq!((c.rows, c.stride, c.offset, c.width), (3, 4, 1, 2));
     }
-    Ok(())
+
+    #[test]
+    fn host_copies_are_checked_on_every_backend() {
+        round_trip(&Cpu::default());
+        round_trip(&Reference);
+    }
 }

@@ -23,6 +23,9 @@ pub enum RecomputeError {
     /// The model does not have the dataset's layout.
     #[error("the model does not fit the dataset: {0}")]
     Layout(String),
+    /// Nothing to compare.
+    #[error("no samples to recompute: {0}")]
+    Empty(&'static str),
     /// A sample that cannot be read back.
     #[error("sample {id:?}: {problem}")]
     Sample {
@@ -33,7 +36,8 @@ pub enum RecomputeError {
     },
 }
 
-/// The largest differences at one capture point.
+/// The largest differences at one capture point, between the stored states
+/// and the fresh ones rounded to the stored dtype.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PointDiff {
     /// The point, as in the manifest.
@@ -42,6 +46,51 @@ pub struct PointDiff {
     pub max_abs: f32,
     /// Largest `|fresh − stored| / max(1, |stored|)`.
     pub max_rel: f32,
+    /// Largest ratio of a difference to what [`Tolerance`] allows that value; above 1 fails.
+    pub worst: f32,
+}
+
+impl PointDiff {
+    /// Whether every value is within the tolerance.
+    pub fn passed(&self) -> bool {
+        self.worst <= 1.0
+    }
+    /// Whether every fresh value, rounded to the stored dtype, is the stored one.
+    pub fn identical(&self) -> bool {
+        self.max_abs == 0.0
+    }
+}
+
+/// How far a fresh value (rounded to the stored dtype) may be from a stored
+/// one `b` in a sound dataset: `storage · |b| + compute · max(1, |b|)`.
+///
+/// - `storage`: one unit in the last place of the stored dtype, relative
+///   (2^-7 for bf16, 2^-10 for f16, 0 for f32): a fresh value a hair from a
+///   rounding boundary may round to the neighbour of the stored one.
+/// - `compute`: what the compute dtype and a different backend or TP size may
+///   change: the parity tolerance, 1e-4, for f32 compute.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tolerance {
+    /// Relative to `|b|`.
+    pub storage: f32,
+    /// Relative to `max(1, |b|)`.
+    pub compute: f32,
+}
+
+impl Tolerance {
+    /// The tolerance of states stored in `stored` and recomputed in `compute`.
+    pub fn new(stored: DType, compute: Compute) -> Self {
+        let storage = if stored == DType::F32 { 0.0 } else { stored.ulp() };
+        let compute = match compute {
+            Compute::F32 => 1e-4,
+        };
+        Tolerance { storage, compute }
+    }
+
+    /// The largest difference allowed from a stored value `b`.
+    pub fn allowed(&self, b: f32) -> f32 {
+        self.storage * b.abs() + self.compute * b.abs().max(1.0)
+    }
 }
 
 /// What a recomputation found.
@@ -53,33 +102,15 @@ pub struct Recompute {
     pub tokens: usize,
     /// Per capture point, in the dataset's order.
     pub points: Vec<PointDiff>,
-    /// The largest `max_rel` accepted.
-    pub tolerance: f32,
+    /// What a difference is measured against.
+    pub tolerance: Tolerance,
 }
 
 impl Recompute {
     /// Whether every point is within the tolerance.
     pub fn passed(&self) -> bool {
-        self.points.iter().all(|p| p.max_rel <= self.tolerance)
+        self.points.iter().all(PointDiff::passed)
     }
-}
-
-/// The largest relative difference (`|a − b| / max(1, |b|)`) a sound dataset
-/// shows: one unit in the last place of the stored dtype (its rounding, with
-/// room for a value on either side of a rounding boundary), plus what the
-/// compute dtype and a different backend or TP size may change (the parity
-/// tolerance for f32 compute).
-pub fn tolerance(stored: DType, compute: Compute) -> f32 {
-    let storage = match stored {
-        DType::F32 => 0.0,
-        DType::BF16 => 2f32.powi(-7), // 8 significant bits
-        DType::F16 => 2f32.powi(-10), // 11 significant bits
-    };
-    let compute = match compute {
-        Compute::F32 => 1e-4,
-        Compute::Bf16 => 2f32.powi(-6),
-    };
-    storage + compute
 }
 
 /// `n` distinct indices below `total`, chosen by `seed`, ascending.
@@ -132,12 +163,23 @@ pub fn recompute<M: Model<Hidden = usize>>(
     let set = CaptureSet::<usize>::try_new(points).map_err(|e| layout(e.to_string()))?;
     let dtype: DType = m.dtype.parse().map_err(|e: String| layout(e))?;
     let (l, h) = (m.capture.len(), m.model.hidden_size);
+    if n == 0 {
+        return Err(RecomputeError::Empty("asked for 0 samples"));
+    }
+    if m.samples.is_empty() {
+        return Err(RecomputeError::Empty("the dataset holds none"));
+    }
     let chosen = choose(m.samples.len(), n, seed);
+    let tolerance = Tolerance::new(dtype, compute);
     let mut report = Recompute {
         samples: Vec::with_capacity(chosen.len()),
         tokens: 0,
-        points: m.capture.iter().map(|c| PointDiff { point: c.point.clone(), max_abs: 0.0, max_rel: 0.0 }).collect(),
-        tolerance: tolerance(dtype, compute),
+        points: m
+            .capture
+            .iter()
+            .map(|c| PointDiff { point: c.point.clone(), max_abs: 0.0, max_rel: 0.0, worst: 0.0 })
+            .collect(),
+        tolerance,
     };
     let mut shard: Option<(usize, MappedFile)> = None;
     for (done, &i) in chosen.iter().enumerate() {
@@ -160,11 +202,15 @@ pub fn recompute<M: Model<Hidden = usize>>(
         let got = model.forward_step(&batch, &set, &mut M::Cache::default())?;
         for (slot, diff) in report.points.iter_mut().enumerate() {
             for (&a, &b) in got.layer(slot).iter().zip(want.layer(slot)) {
-                let abs = (a - b).abs();
+                // Compared as stored: identical bytes give exactly 0.
+                let abs = (dtype.round(a) - b).abs();
                 let rel = abs / b.abs().max(1.0);
-                // A NaN on either side is a failure, not a skipped value.
-                diff.max_abs = if abs.is_nan() { f32::INFINITY } else { diff.max_abs.max(abs) };
-                diff.max_rel = if rel.is_nan() { f32::INFINITY } else { diff.max_rel.max(rel) };
+                let ratio = abs / tolerance.allowed(b);
+                // A NaN or Inf on either side is a failure, not a skipped value.
+                let bad = !(abs.is_finite() && ratio.is_finite());
+                diff.max_abs = if bad { f32::INFINITY } else { diff.max_abs.max(abs) };
+                diff.max_rel = if bad { f32::INFINITY } else { diff.max_rel.max(rel) };
+                diff.worst = if bad { f32::INFINITY } else { diff.worst.max(ratio) };
             }
         }
         report.samples.push(info.id.clone());
@@ -190,10 +236,16 @@ mod tests {
     }
 
     #[test]
-    fn tolerance_grows_with_storage_rounding() {
-        let f = tolerance(DType::F32, Compute::F32);
-        assert!(f == 1e-4);
-        assert!(tolerance(DType::F16, Compute::F32) > f);
-        assert!(tolerance(DType::BF16, Compute::F32) > tolerance(DType::F16, Compute::F32));
+    fn tolerance_follows_the_stored_value() {
+        let f = Tolerance::new(DType::F32, Compute::F32);
+        assert_eq!(f.allowed(0.001), 1e-4);
+        assert!((f.allowed(1000.0) - 0.1).abs() < 1e-6);
+        let b = Tolerance::new(DType::BF16, Compute::F32);
+        // Small values get little beyond the compute part: a sign flip of 0.01 is seen.
+        assert!(b.allowed(0.01) < 2.0 * 0.01);
+        // One bf16 ulp of a large value is allowed; two are not.
+        let v = 300.0f32;
+        assert!(v * 2f32.powi(-7) <= b.allowed(v) && 2.0 * v * 2f32.powi(-7) > b.allowed(v));
+        assert!(Tolerance::new(DType::F16, Compute::F32).allowed(5.0) < b.allowed(5.0));
     }
 }

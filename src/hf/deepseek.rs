@@ -2,32 +2,12 @@
 //! multi-head latent attention sizes, the mixture of experts and its router,
 //! YaRN, and the `quantization_config` of FP8 or INT4 weights.
 
+use super::moe::{Scoring, TopkMethod};
 use super::quant::QuantConfig;
 use super::{ArchInfo, ConfigError, RopeFreqs};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
-
-/// How router scores are made from logits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Scoring {
-    /// DeepSeek-V2.
-    Softmax,
-    /// DeepSeek-V3, Kimi-K2.
-    Sigmoid,
-}
-
-/// How the top-k experts are chosen.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TopkMethod {
-    /// The k best scores.
-    Greedy,
-    /// Best `topk_group` groups by their best score, then the k best in them (V2).
-    GroupLimitedGreedy,
-    /// Scores plus `e_score_correction_bias`; groups ranked by the sum of their
-    /// two best; weights from the unbiased scores (V3).
-    NoauxTc,
-}
 
 /// RoPE of the rotary part.
 #[derive(Clone, Debug, PartialEq)]

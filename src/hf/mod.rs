@@ -7,6 +7,7 @@
 pub mod checkpoint;
 pub mod deepseek;
 pub mod llama;
+pub mod moe;
 pub mod quant;
 
 pub use checkpoint::{Checkpoint, CheckpointError};

@@ -333,18 +333,24 @@ impl QuantRows {
 
     /// The exact f32 weights `[rows][cols]`.
     pub fn dequantize(&self) -> Vec<f32> {
-        let (ns, cb) = (self.num_segments(), self.kind.code_bytes());
         let mut out = vec![0f32; self.rows * self.cols];
-        for r in 0..self.rows {
-            for s in 0..ns {
-                let sc = self.scales[r * ns + s];
-                for c in self.seg[s]..self.seg[s + 1] {
-                    let i = r * self.cols + c;
-                    out[i] = self.kind.decode(&self.codes[i * cb..]) * sc;
-                }
-            }
+        for (r, row) in out.chunks_exact_mut(self.cols.max(1)).enumerate().take(self.rows) {
+            self.dequantize_row(r, row);
         }
         out
+    }
+
+    /// The exact f32 weights of row `r` into `out` (`cols` values): `code · scale`.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let (ns, cb) = (self.num_segments(), self.kind.code_bytes());
+        let codes = &self.codes[r * self.cols * cb..(r + 1) * self.cols * cb];
+        for s in 0..ns {
+            let sc = self.scales[r * ns + s];
+            let (c0, c1) = (self.seg[s], self.seg[s + 1]);
+            for (o, code) in out[c0..c1].iter_mut().zip(codes[c0 * cb..c1 * cb].chunks_exact(cb)) {
+                *o = self.kind.decode(code) * sc;
+            }
+        }
     }
 }
 
@@ -378,6 +384,14 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense { cols, .. } => *cols,
             LinearWeight::Quant(q) => q.cols,
+        }
+    }
+
+    /// The exact f32 weights of output row `r` into `out` (`cols` values).
+    pub fn row(&self, r: usize, out: &mut [f32]) {
+        match self {
+            LinearWeight::Dense { cols, w, .. } => out.copy_from_slice(&w[r * cols..(r + 1) * cols]),
+            LinearWeight::Quant(q) => q.dequantize_row(r, out),
         }
     }
 

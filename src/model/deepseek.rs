@@ -16,14 +16,15 @@
 //! whole MoE block). q_a, kv_a, the router and the norms are replicated.
 
 use super::decoder::{Block, Decoder, Frame, Step};
+use super::shard::Split;
 use super::ModelError;
 use crate::backend::{AttnShape, Backend, GatedLinear, HeadSpan, LinearInfo, Parallel, Resident, Router, Tensor};
 use crate::hf::checkpoint::Checkpoint;
-use crate::hf::deepseek::{DeepseekConfig, TopkMethod};
+use crate::hf::deepseek::DeepseekConfig;
+use crate::hf::moe::TopkMethod;
 use crate::hf::quant::{LinearWeight, WeightFormat};
 use crate::hf::ConfigError;
 use crate::shape::Dim;
-use rayon::prelude::*;
 use std::ops::Range;
 
 /// Reads the tensors of one checkpoint as stored (plain, FP8 or INT4), in the
@@ -87,8 +88,7 @@ impl Reader<'_> {
     /// its rows of gate/up, its columns of down.
     fn gated<B: Backend>(&self, b: &B, p: &str, inter: usize) -> Result<GatedLinear<B>, ModelError> {
         let h = self.config.hidden_size;
-        let local = inter / b.world_size();
-        let rows = b.rank() * local..(b.rank() + 1) * local;
+        let rows = Split::even("an MLP width", inter).block(b, 1);
         let gate = self.read(&format!("{p}.gate_proj"), [inter, h], rows.clone(), 0..h)?;
         let up = self.read(&format!("{p}.up_proj"), [inter, h], rows.clone(), 0..h)?;
         let down = self.read(&format!("{p}.down_proj"), [h, inter], 0..h, rows)?;
@@ -155,8 +155,8 @@ impl<B: Backend> Mla<B> {
         let c = r.config;
         let h = c.hidden_size;
         let (nh, qk, nope, vd) = (c.num_heads, c.qk_head_dim(), c.qk_nope_head_dim, c.v_head_dim);
-        let lh = nh / b.world_size(); // heads on this rank
-        let per_head = |w: usize| b.rank() * lh * w..(b.rank() + 1) * lh * w;
+        let heads = Split::even("num_attention_heads", nh);
+        let per_head = |w: usize| heads.block(b, w); // this rank's heads, `w` rows or columns each
         let (q_a, q_b_proj) = match c.q_lora_rank {
             Some(rank) => {
                 let q_a_proj = format!("{p}.self_attn.q_a_proj");
@@ -184,7 +184,7 @@ impl<B: Backend> Mla<B> {
             )?,
             o_proj: b.linear(r.read(&o_proj, [h, nh * vd], 0..h, per_head(vd))?, o_bias, Parallel::Row),
             dims: MlaDims {
-                heads: lh,
+                heads: heads.local(b),
                 nope,
                 rope: c.qk_rope_head_dim,
                 v: vd,
@@ -311,12 +311,8 @@ impl<B: Backend> Moe<B> {
     fn load(b: &B, r: &Reader<'_>, p: &str) -> Result<Self, ModelError> {
         let c = r.config;
         let (h, e) = (c.hidden_size, c.n_routed_experts);
-        // Experts are read and repacked in parallel: with hundreds per layer, loading
-        // (decoding INT4 nibbles, transposing into panels) is most of the time.
-        let experts = (0..e)
-            .into_par_iter()
-            .map(|i| r.gated(b, &format!("{p}.mlp.experts.{i}"), c.moe_intermediate_size))
-            .collect::<Result<_, _>>()?;
+        // Hundreds of experts per layer: the backend chooses how to build them.
+        let experts = b.build_many(e, |i| r.gated(b, &format!("{p}.mlp.experts.{i}"), c.moe_intermediate_size))?;
         let shared_experts = if c.n_shared_experts > 0 {
             Some(r.gated(b, &format!("{p}.mlp.shared_experts"), c.moe_intermediate_size * c.n_shared_experts)?)
         } else {

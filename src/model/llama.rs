@@ -10,6 +10,7 @@
 //! and kv heads are divided across ranks (kv heads replicated when fewer).
 
 use super::decoder::{Block, Frame, Step};
+use super::shard::Split;
 use super::ModelError;
 use crate::backend::{AttnShape, Backend, HeadSpan, Parallel, Resident, Tensor};
 use crate::hf::checkpoint::Checkpoint;
@@ -19,56 +20,31 @@ use crate::hf::ConfigError;
 use crate::shape::Dim;
 use std::ops::Range;
 
-/// How a model's heads and widths split over `size` ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TpPlan {
-    /// Number of ranks.
-    pub size: usize,
-    /// Query heads per rank.
-    pub heads: usize,
-    /// KV heads per rank (after replication when kv heads < ranks).
-    pub kv_heads: usize,
-    /// MLP width per rank.
-    pub intermediate: usize,
+/// How a layer splits over tensor-parallel ranks: query heads, kv heads
+/// (replicated when there are fewer than ranks), the MLP width.
+struct Splits {
+    heads: Split,
+    kv_heads: Split,
+    mlp: Split,
 }
 
-impl TpPlan {
-    /// Checks that `config` splits over `size` ranks, before any weight is read.
-    pub fn new(config: &LlamaConfig, size: usize) -> Result<Self, String> {
-        let c = config;
-        let bad = |what: &str, n: usize| {
-            Err(format!("--tp {size}: {what} {n} is not divisible by {size}; choose a TP size that divides it"))
-        };
-        if size == 0 {
-            return Err("--tp must be at least 1".into());
+impl Splits {
+    fn of(c: &LlamaConfig) -> Self {
+        Splits {
+            heads: Split::even("num_attention_heads", c.num_heads),
+            kv_heads: Split::replicable("num_key_value_heads", c.num_kv_heads),
+            mlp: Split::even("intermediate_size", c.intermediate_size),
         }
-        if !c.num_heads.is_multiple_of(size) {
-            return bad("num_attention_heads", c.num_heads);
-        }
-        if !c.intermediate_size.is_multiple_of(size) {
-            return bad("intermediate_size", c.intermediate_size);
-        }
-        let kv_heads = if c.num_kv_heads.is_multiple_of(size) {
-            c.num_kv_heads / size
-        } else if size.is_multiple_of(c.num_kv_heads) {
-            1 // each kv head replicated on size / num_kv_heads ranks
-        } else {
-            return Err(format!(
-                "--tp {size}: num_key_value_heads {} neither divides nor is divisible by {size}",
-                c.num_kv_heads
-            ));
-        };
-        Ok(TpPlan { size, heads: c.num_heads / size, kv_heads, intermediate: c.intermediate_size / size })
     }
+}
 
-    /// The first kv head rank `rank` holds.
-    pub fn kv_head0(&self, config: &LlamaConfig, rank: usize) -> usize {
-        if config.num_kv_heads.is_multiple_of(self.size) {
-            rank * self.kv_heads
-        } else {
-            rank * config.num_kv_heads / self.size
-        }
+/// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
+pub fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), String> {
+    let s = Splits::of(c);
+    for split in [s.heads, s.mlp, s.kv_heads] {
+        split.per_rank(ranks)?;
     }
+    Ok(())
 }
 
 /// Reads one layer's tensors: weights as stored (bf16 stays bf16, f32/f16 as f32).
@@ -123,13 +99,11 @@ pub struct AttnScratch<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    fn load(b: &B, c: &LlamaConfig, r: &Reader<'_>, plan: &TpPlan, window: Option<usize>) -> Result<Self, ModelError> {
-        let (h, hd, rank) = (c.hidden_size, c.head_dim, b.rank());
+    fn load(b: &B, c: &LlamaConfig, r: &Reader<'_>, s: &Splits, window: Option<usize>) -> Result<Self, ModelError> {
+        let (h, hd) = (c.hidden_size, c.head_dim);
         let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
-        // This rank's rows of q/k/v (its heads) and columns of o_proj.
-        let q_rows = rank * plan.heads * hd..(rank + 1) * plan.heads * hd;
-        let kv0 = plan.kv_head0(c, rank);
-        let kv_rows = kv0 * hd..(kv0 + plan.kv_heads) * hd;
+        // This rank's heads: its rows of q/k/v and columns of o_proj.
+        let (q_rows, kv_rows) = (s.heads.block(b, hd), s.kv_heads.block(b, hd));
         let qkv = LinearWeight::stack(vec![
             r.linear("self_attn.q_proj", [q_out, h], q_rows.clone(), 0..h)?,
             r.linear("self_attn.k_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
@@ -158,8 +132,8 @@ impl<B: Backend> Attention<B> {
             o_proj: b.linear(o_proj, o_bias, Parallel::Row),
             q_norm,
             k_norm,
-            heads: plan.heads,
-            kv_heads: plan.kv_heads,
+            heads: s.heads.local(b),
+            kv_heads: s.kv_heads.local(b),
             head_dim: hd,
             window,
             eps: c.rms_norm_eps,
@@ -223,9 +197,9 @@ pub struct MlpScratch<B: Backend> {
 }
 
 impl<B: Backend> Mlp<B> {
-    fn load(b: &B, c: &LlamaConfig, r: &Reader<'_>, plan: &TpPlan) -> Result<Self, ModelError> {
+    fn load(b: &B, c: &LlamaConfig, r: &Reader<'_>, s: &Splits) -> Result<Self, ModelError> {
         let (h, i) = (c.hidden_size, c.intermediate_size);
-        let rows = b.rank() * plan.intermediate..(b.rank() + 1) * plan.intermediate;
+        let rows = s.mlp.block(b, 1); // this rank's rows of gate/up, columns of down
         let gate_up = LinearWeight::stack(vec![
             r.linear("mlp.gate_proj", [i, h], rows.clone(), 0..h)?,
             r.linear("mlp.up_proj", [i, h], rows.clone(), 0..h)?,
@@ -286,33 +260,30 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), ModelError> {
-        TpPlan::new(c, ranks).map(|_| ()).map_err(ModelError::Parallel)
+        check_split(c, ranks).map_err(ModelError::Parallel)
     }
 
     fn load(b: &B, c: &LlamaConfig, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {
-        let plan = TpPlan::new(c, b.world_size()).map_err(ModelError::Parallel)?;
+        let splits = Splits::of(c);
         let r = Reader { ckpt, prefix: format!("model.layers.{l}") };
         let h = c.hidden_size;
         Ok(DecoderLayer {
             input_layernorm: b.vector(r.vector("input_layernorm.weight", h)?),
-            self_attn: Attention::load(b, c, &r, &plan, c.sliding_windows[l])?,
+            self_attn: Attention::load(b, c, &r, &splits, c.sliding_windows[l])?,
             post_attention_layernorm: b.vector(r.vector("post_attention_layernorm.weight", h)?),
-            mlp: Mlp::load(b, c, &r, &plan)?,
+            mlp: Mlp::load(b, c, &r, &splits)?,
             eps: c.rms_norm_eps,
         })
     }
 
     fn scratch<H: Dim>(b: &B, c: &LlamaConfig, t: usize, hidden: H) -> Scratch<B, H> {
-        // Every layer has the same widths; size the buffers once from a plan of this rank.
-        let plan = TpPlan::new(c, b.world_size()).expect("checked at load");
-        let (nh, nkv, hd) = (plan.heads, plan.kv_heads, c.head_dim);
+        // Every layer has the same widths: this rank's heads and MLP width.
+        let s = Splits::of(c);
+        let (nh, nkv, hd, inter) = (s.heads.local(b), s.kv_heads.local(b), c.head_dim, s.mlp.local(b));
         Scratch {
             normed: Tensor::zeros(b, t, hidden),
             attn: AttnScratch { qkv: Tensor::zeros(b, t, (nh + 2 * nkv) * hd), out: Tensor::zeros(b, t, nh * hd) },
-            mlp: MlpScratch {
-                gate_up: Tensor::zeros(b, t, 2 * plan.intermediate),
-                act: Tensor::zeros(b, t, plan.intermediate),
-            },
+            mlp: MlpScratch { gate_up: Tensor::zeros(b, t, 2 * inter), act: Tensor::zeros(b, t, inter) },
         }
     }
 
@@ -353,10 +324,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            TpPlan::new(&c, 4).unwrap_err(),
+            check_split(&c, 4).unwrap_err(),
             "--tp 4: num_attention_heads 14 is not divisible by 4; choose a TP size that divides it"
         );
-        let p = TpPlan::new(&c, 2).unwrap();
-        assert_eq!((p.heads, p.kv_heads, p.intermediate), (7, 1, 2432));
+        let s = Splits::of(&c);
+        assert_eq!((s.heads.per_rank(2), s.kv_heads.per_rank(2), s.mlp.per_rank(2)), (Ok(7), Ok(1), Ok(2432)));
     }
 }

@@ -58,6 +58,25 @@ impl DType {
         }
     }
 
+    /// `v` rounded to this dtype (as storing it would), back as f32.
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            DType::F32 => v,
+            DType::BF16 => bf16::from_f32(v).to_f32(),
+            DType::F16 => f16::from_f32(v).to_f32(),
+        }
+    }
+
+    /// One unit in the last place, relative: the largest `ulp(v) / |v|` of a
+    /// normal value (2^-23 for f32, 2^-7 for bf16, 2^-10 for f16).
+    pub fn ulp(self) -> f32 {
+        match self {
+            DType::F32 => f32::EPSILON,
+            DType::BF16 => 2f32.powi(-7),
+            DType::F16 => 2f32.powi(-10),
+        }
+    }
+
     /// Decodes little-endian bytes of this dtype into f32 values.
     pub fn decode_into(self, bytes: &[u8], out: &mut [f32]) {
         debug_assert_eq!(bytes.len(), out.len() * self.size());

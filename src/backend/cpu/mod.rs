@@ -16,7 +16,7 @@ pub mod quant_panels;
 pub use gemm::{gemm_packed, Init, PackedLinear};
 pub use panels::{pack_b, MR, NR};
 
-use super::tensor::check_capture;
+use super::check;
 use super::{
     AttnShape, Backend, BackendError, Cols, GatedLinear, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router,
     Tensor, F32,
@@ -27,6 +27,7 @@ use crate::parallel::{Collective, LocalGroup};
 use crate::pipeline::batch::PackedBatch;
 use crate::shape::{CapturedStates, DType, Dim, ShapeError};
 use attention::{varlen_attention, AttnSegment, KvRef};
+use rayon::prelude::*;
 use std::marker::PhantomData;
 use std::sync::Mutex;
 
@@ -101,13 +102,6 @@ impl LinearInfo for Linear {
     }
     fn held_as(&self) -> Option<QuantKind> {
         self.packed.held_as()
-    }
-}
-
-impl Linear {
-    /// The packed weight.
-    pub fn packed(&self) -> &PackedLinear {
-        &self.packed
     }
 }
 
@@ -187,8 +181,20 @@ impl Backend for Cpu<F32> {
         Linear { packed: PackedLinear::from_weight(w, inner), kind, post_bias }
     }
 
+    fn build_many<T: Send, E: Send>(
+        &self,
+        n: usize,
+        f: impl Fn(usize) -> Result<T, E> + Sync + Send,
+    ) -> Result<Vec<T>, E> {
+        // Reading and repacking experts (decoding INT4 nibbles, transposing
+        // into panels) is most of a MoE model's load time.
+        (0..n).into_par_iter().map(f).collect()
+    }
+
     fn embed<H: Dim>(&self, table: &Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
         let (h, es) = (table.h, table.dtype.size());
+        check::shape("embed", "tokens", batch.num_tokens(), out.rows());
+        check::shape("embed", "hidden", h, out.width().size());
         for (row, &id) in out.storage_mut().chunks_exact_mut(h).zip(batch.token_ids()) {
             let id = id as usize;
             table.dtype.decode_into(&table.bytes[id * h * es..(id + 1) * h * es], row);
@@ -196,7 +202,7 @@ impl Backend for Cpu<F32> {
     }
 
     fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
-        debug_assert_eq!(out.len(), x.rows * x.width);
+        check::rms_norm(&x, w.len(), (out.rows(), out.width().size()));
         if x.offset == 0 && x.width == x.stride {
             ops::rms_norm(&x.storage[..x.rows * x.stride], w, eps, out.storage_mut());
         } else {
@@ -209,6 +215,8 @@ impl Backend for Cpu<F32> {
 
     fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
         let stride = x.width();
+        check::heads("rms_norm_heads", heads, stride);
+        check::shape("rms_norm_heads", "weight", heads.width, w.len());
         for row in x.storage_mut().chunks_exact_mut(stride) {
             for i in 0..heads.count {
                 let o = heads.offset + i * heads.stride;
@@ -233,11 +241,20 @@ impl Backend for Cpu<F32> {
 
     fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable, batch: &PackedBatch) {
         let stride = x.width();
+        check::heads("rope", heads, stride);
+        check::shape("rope", "rotated width", 2 * table.half, heads.width);
+        check::shape("rope", "tokens", batch.num_tokens(), x.rows());
         let mut tmp = vec![0f32; heads.width];
         for (s, seg) in batch.segments().iter().enumerate() {
             let r = batch.range(s);
             for (i, row) in x.storage_mut()[r.start * stride..r.end * stride].chunks_exact_mut(stride).enumerate() {
                 let (cs, sn) = table.at(seg.pos0 + i);
+                if heads.stride == heads.width && !interleave {
+                    // Contiguous heads (Llama's q and k): one pass over the block.
+                    let block = &mut row[heads.offset..heads.offset + heads.count * heads.width];
+                    block.chunks_exact_mut(heads.width).for_each(|head| ops::rope_head(head, cs, sn));
+                    continue;
+                }
                 for h in 0..heads.count {
                     let o = heads.offset + h * heads.stride;
                     let head = &mut row[o..o + heads.width];
@@ -253,16 +270,23 @@ impl Backend for Cpu<F32> {
 
     fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
+        check::shape("swiglu", "width", 2 * inter, gate_up.width());
+        check::shape("swiglu", "tokens", gate_up.rows(), out.rows());
         ops::swiglu(gate_up.storage(), inter, out.storage_mut());
     }
 
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
+        check::shape("add", "elements", x.len(), y.len());
         x.storage_mut().iter_mut().zip(y.storage()).for_each(|(x, y)| *x += y);
     }
 
     fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
-        debug_assert_eq!((from.count, from.width), (to.count, to.width));
         let (ss, ds) = (src.width(), dst.width());
+        check::shape("copy_heads", "heads", from.count, to.count);
+        check::shape("copy_heads", "head width", from.width, to.width);
+        check::shape("copy_heads", "tokens", src.rows(), dst.rows());
+        check::heads("copy_heads", from, ss);
+        check::heads("copy_heads", to, ds);
         for (s, d) in src.storage().chunks_exact(ss).zip(dst.storage_mut().chunks_exact_mut(ds)) {
             for i in 0..to.count {
                 let (a, b) = (from.offset + i * from.stride, to.offset + i * to.stride);
@@ -272,6 +296,7 @@ impl Backend for Cpu<F32> {
     }
 
     fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
+        check::linear(l, (x.rows(), x.width().size()), (out.rows(), out.width().size()));
         l.packed.forward(x.storage(), x.rows(), out.storage_mut(), false);
         if l.kind == Parallel::Row {
             self.all_reduce(out);
@@ -282,6 +307,7 @@ impl Backend for Cpu<F32> {
     }
 
     fn linear_add<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
+        check::linear(l, (x.rows(), x.width().size()), (residual.rows(), residual.width().size()));
         let (Some(comm), Parallel::Row) = (&self.comm, l.kind) else {
             // One rank: the residual add is fused into the GEMM.
             l.packed.forward(x.storage(), x.rows(), residual.storage_mut(), true);
@@ -308,6 +334,7 @@ impl Backend for Cpu<F32> {
         layer: usize,
         out: &mut Tensor<Self>,
     ) {
+        check::attention(&q, &k, &v, shape, batch, (out.rows(), out.width()));
         // Chunks of longer samples add their keys/values to the cache and read
         // all earlier positions from it; whole samples read their own rows.
         let (kw, vw) = (k.width, v.width);
@@ -342,6 +369,9 @@ impl Backend for Cpu<F32> {
     }
 
     fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Vec<f32>>) -> moe::Routes {
+        if let Some(c) = correction {
+            check::shape("moe_route", "experts", logits.width(), c.len());
+        }
         moe::route(logits.storage(), logits.width(), router, correction.map(|c| c.as_slice()))
     }
 
@@ -356,6 +386,8 @@ impl Backend for Cpu<F32> {
         fn pair(m: &GatedLinear<Cpu>) -> (&PackedLinear, &PackedLinear) {
             (&m.gate_up_proj.packed, &m.down_proj.packed)
         }
+        check::shape("moe_experts", "experts", experts.len(), routes.len());
+        check::shape("moe_experts", "tokens", x.rows(), out.rows());
         let routed: Vec<_> = experts.iter().map(pair).collect();
         moe::experts(&routed, shared.map(pair), x.storage(), x.width().size(), routes, out.storage_mut());
         // Every rank ran its slice of every expert: one all-reduce for the whole block.
@@ -374,7 +406,7 @@ impl Backend for Cpu<F32> {
         out: &mut CapturedStates<L, H>,
         slot: usize,
     ) -> Result<(), ShapeError> {
-        check_capture(x.rows(), x.width().size(), out, slot)?;
+        check::capture(x.rows(), x.width().size(), out, slot)?;
         out.layer_mut(slot).copy_from_slice(x.storage());
         Ok(())
     }

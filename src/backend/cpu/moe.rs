@@ -5,7 +5,7 @@
 use super::gemm::PackedLinear;
 use super::ops::swiglu;
 use crate::backend::Router;
-use crate::hf::deepseek::{Scoring, TopkMethod};
+use crate::hf::moe::{Scoring, TopkMethod};
 
 /// Per expert, the tokens routed to it and their weights, in token order.
 pub type Routes = Vec<Vec<(usize, f32)>>;

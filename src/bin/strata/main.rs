@@ -75,6 +75,11 @@ across steps (chunked prefill). The files do not depend on that setting.
 An interrupted run (crash, kill -9) continues with --resume and ends with the
 same files as an uninterrupted one.
 
+BACKENDS: --backend cpu (default) runs the fast CPU kernels, with --tp ranks as
+threads. --backend reference runs every op as a plain loop accumulating in f64,
+on one thread and one rank: much slower, and the oracle the CPU backend is
+tested against. Both agree with HF transformers to 1e-4 on every test fixture.
+
 EXAMPLES:
   # The embedded demo model and data (no download):
   strata extract --out /tmp/strata-demo
@@ -89,7 +94,10 @@ EXAMPLES:
 
   # Continue after an interruption, then check the result:
   strata extract --model ./Llama-3.1-8B --data tokens.jsonl --out ./hidden_states --resume
-  strata verify ./hidden_states";
+  strata verify ./hidden_states --recompute 20
+
+  # The same job on the plain reference backend (slow; one rank), to cross-check:
+  strata extract --model ./Llama-3.1-8B --data tokens.jsonl --backend reference --out ./ref";
 
 const INSPECT_HELP: &str = "\
 EXAMPLES:
@@ -110,10 +118,13 @@ model again and reports, per capture point, the largest absolute and relative
 difference |fresh - stored| / max(1, |stored|) from the stored states. The
 model is the one the manifest names, or --model DIR; it runs on the CPU
 backend in f32, or on the plain reference backend with --backend reference.
-The run fails (exit 1) above a tolerance made of the stored dtype's rounding
-(one unit in its last place: 2^-7 for bf16, 2^-10 for f16, 0 for f32) plus
-1e-4 for f32 compute. No other check compares the states with the model:
-use it when a draft trains badly, or after copying a dataset.
+The fresh states are rounded to the stored dtype first, so a recompute on the
+backend and --tp the dataset was written with is \"identical\". The run fails
+(exit 1) where |fresh - stored| exceeds the stored dtype's last unit
+(2^-7 |stored| for bf16, 2^-10 |stored| for f16, 0 for f32) plus what f32
+compute may change, 1e-4 max(1, |stored|). For MoE models recompute with the
+dataset's own --tp. No other check compares the states with the model: use it
+when a draft trains badly, or after copying a dataset.
 
 EXAMPLES:
   strata verify ./hidden_states
@@ -210,8 +221,8 @@ struct VerifyArgs {
     #[arg(long, value_name = "FILE")]
     layout: Option<PathBuf>,
     /// Also run N randomly chosen samples through the model again and compare.
-    #[arg(long, value_name = "N")]
-    recompute: Option<usize>,
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    recompute: Option<u64>,
     /// Seed of the --recompute choice.
     #[arg(long, value_name = "S", default_value_t = 0, requires = "recompute")]
     seed: u64,
@@ -221,6 +232,11 @@ struct VerifyArgs {
     /// Where --recompute runs the model.
     #[arg(long, value_enum, default_value = "cpu", requires = "recompute")]
     backend: BackendArg,
+    /// Tensor-parallel ranks of --recompute. For MoE models use the dataset's
+    /// own --tp: another split changes the router's last bits and can flip a
+    /// near-tie expert choice.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "recompute")]
+    tp: usize,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -400,10 +416,11 @@ fn verify(a: VerifyArgs) -> anyhow::Result<()> {
     let job = verify::VerifyJob {
         dir: a.dir,
         layout: a.layout,
-        recompute: a.recompute,
+        recompute: a.recompute.map(|n| n as usize),
         seed: a.seed,
         model: a.model,
         backend: a.backend.into(),
+        tp: a.tp,
     };
     job.run()
 }

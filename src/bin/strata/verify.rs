@@ -27,6 +27,8 @@ pub struct VerifyJob {
     pub model: Option<PathBuf>,
     /// Where to run it.
     pub backend: BackendKind,
+    /// Over how many tensor-parallel ranks.
+    pub tp: usize,
 }
 
 impl VerifyJob {
@@ -56,8 +58,7 @@ impl VerifyJob {
             Some(n) => Some(self.recompute(&ds, n).with_context(|| format!("strata verify --recompute {n}"))?),
             None => None,
         };
-        let failed_points =
-            recomputed.as_ref().map_or(0, |r| r.points.iter().filter(|p| p.max_rel > r.tolerance).count());
+        let failed_points = recomputed.as_ref().map_or(0, |r| r.points.iter().filter(|p| !p.passed()).count());
         match (problems.len(), failed_points) {
             (0, 0) => Ok(()),
             (0, f) => bail!("{f} capture point(s) of {} differ from a fresh forward", dir.display()),
@@ -102,7 +103,7 @@ impl VerifyJob {
             Some(dir) => Checkpoint::open_scoped(dir, &prefix),
             None => embedded::checkpoint(),
         };
-        let opts = LoadOptions { backend: self.backend, tp: 1 };
+        let opts = LoadOptions { backend: self.backend, tp: self.tp };
         let model = config.load(opts, open).with_context(|| format!("model {name}"))?;
         let bar = std::io::stderr().is_terminal().then(|| indicatif::ProgressBar::new(n.min(m.samples.len()) as u64));
         let report = recompute(ds, &model, model.compute(), n, self.seed, |done, _| {
@@ -113,24 +114,36 @@ impl VerifyJob {
         if let Some(b) = bar {
             b.finish_and_clear();
         }
+        let t = &report.tolerance;
         say!(
-            "recompute: {} of {} samples ({} tokens), seed {}, {name} on the {} backend ({} compute); tolerance {:.2e}",
+            "recompute: {} of {} samples ({} tokens), seed {}, {name} on the {} backend ({} compute, --tp {})",
             report.samples.len(),
             m.samples.len(),
             report.tokens,
             self.seed,
             self.backend,
             model.compute(),
-            report.tolerance
+            self.tp
+        );
+        say!(
+            "  allowed |fresh - stored| = {:.1e}*|stored| + {:.1e}*max(1, |stored|) ({} storage, fresh states rounded to it)",
+            t.storage,
+            t.compute,
+            m.dtype
         );
         let width = report.points.iter().map(|p| p.point.len()).max().unwrap_or(0);
         for p in &report.points {
-            let verdict = if p.max_rel <= report.tolerance { "ok" } else { "DIFFERS" };
+            let verdict = match (p.passed(), p.identical()) {
+                (true, true) => "identical",
+                (true, false) => "ok",
+                (false, _) => "DIFFERS",
+            };
             say!(
-                "  {:width$}  max abs {:.3e}  max rel {:.3e}  {verdict}",
+                "  {:width$}  max abs {:.3e}  max rel {:.3e}  worst {:.3} of allowed  {verdict}",
                 p.point,
                 p.max_abs,
                 p.max_rel,
+                p.worst,
                 width = width
             );
         }

@@ -1,0 +1,294 @@
+//! The registry: the one place that names every architecture family and
+//! every backend together. It parses a `config.json` of any family
+//! ([`AnyConfig`]), loads it on the backend and over the ranks asked for, and
+//! hands back one [`AnyModel`] the pipeline can run. Adding a family or a
+//! backend adds a case here; the model files do not change.
+
+use super::{deepseek, llama, Decoder, Model, ModelError, TpModel};
+use crate::backend::{Backend, Compute, Cpu, Reference};
+use crate::hf::checkpoint::{Checkpoint, CheckpointError};
+use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, LlamaConfig};
+use crate::pipeline::batch::PackedBatch;
+use crate::pipeline::capture::CaptureSet;
+use crate::shape::{CapturedStates, DType, Dim};
+use std::any::Any;
+use std::path::Path;
+
+/// A Llama-family model (Llama, Mistral, Qwen2, Qwen3) with hidden dim `H` on backend `B`.
+pub type Llama<H = usize, B = Cpu> = Decoder<B, llama::DecoderLayer<B>, H>;
+/// A DeepSeek V2/V3 / Kimi-K2 model with hidden dim `H` on backend `B`.
+pub type Deepseek<H = usize, B = Cpu> = Decoder<B, deepseek::DecoderLayer<B>, H>;
+/// A Llama-family model over `TP` ranks.
+pub type TpLlama<H, TP = usize, B = Cpu> = TpModel<Llama<H, B>, TP>;
+/// A DeepSeek V2/V3 / Kimi-K2 model over `TP` ranks.
+pub type TpDeepseek<H, TP = usize, B = Cpu> = TpModel<Deepseek<H, B>, TP>;
+
+/// Which backend `--backend` names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendKind {
+    /// [`Cpu`]: the fast host backend.
+    #[default]
+    Cpu,
+    /// [`Reference`]: plain loops in f64, one rank; the oracle.
+    Reference,
+}
+
+impl BackendKind {
+    /// The name `--backend` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => Cpu::NAME,
+            BackendKind::Reference => Reference::NAME,
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(BackendKind::Cpu),
+            "reference" => Ok(BackendKind::Reference),
+            other => Err(format!("unknown backend {other:?} (expected cpu or reference)")),
+        }
+    }
+}
+
+/// How to load a model: on which backend, over how many tensor-parallel ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// The backend.
+    pub backend: BackendKind,
+    /// Tensor-parallel ranks; 1 runs the model whole.
+    pub tp: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { backend: BackendKind::Cpu, tp: 1 }
+    }
+}
+
+/// A parsed `config.json` of any supported family, before any weight is read.
+#[derive(Clone, Debug)]
+pub enum AnyConfig {
+    /// Llama, Mistral, Qwen2, Qwen3.
+    Llama(LlamaConfig),
+    /// DeepSeek V2/V3, Kimi-K2, Kimi-K2.5.
+    Deepseek(DeepseekConfig),
+}
+
+impl AnyConfig {
+    /// Parses `config.json` text, choosing the family by `model_type`.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let model_type = serde_json::from_str::<serde_json::Value>(text)
+            .ok()
+            .and_then(|v| v.get("model_type").and_then(|m| m.as_str()).map(str::to_string))
+            .unwrap_or_default();
+        Ok(if DeepseekConfig::handles(&model_type) {
+            AnyConfig::Deepseek(DeepseekConfig::from_json(text)?)
+        } else {
+            AnyConfig::Llama(LlamaConfig::from_json(text)?)
+        })
+    }
+
+    /// Reads `DIR/config.json`.
+    pub fn read(dir: &Path) -> Result<Self, ConfigError> {
+        Self::parse(&super::decoder::read_config_text(dir)?)
+    }
+
+    /// The outer shape.
+    pub fn info(&self) -> ArchInfo {
+        match self {
+            AnyConfig::Llama(c) => c.info(),
+            AnyConfig::Deepseek(c) => c.info(),
+        }
+    }
+
+    /// Prefix of the text model's tensor names.
+    pub fn tensor_prefix(&self) -> &str {
+        match self {
+            AnyConfig::Llama(_) => "",
+            AnyConfig::Deepseek(c) => &c.tensor_prefix,
+        }
+    }
+
+    /// The quantisation scheme of the weights, if any, in words.
+    pub fn quantization(&self) -> Option<String> {
+        match self {
+            AnyConfig::Llama(_) => None, // refused at parse time
+            AnyConfig::Deepseek(c) => c.quant.as_ref().map(|q| q.describe()),
+        }
+    }
+
+    /// Checks the options against the config before any weight is read:
+    /// the split over `opts.tp` ranks, and what the backend can do.
+    pub fn check(&self, opts: LoadOptions) -> Result<(), ModelError> {
+        if opts.tp == 0 {
+            return Err(ModelError::Parallel("--tp must be at least 1".into()));
+        }
+        if opts.backend == BackendKind::Reference && opts.tp > 1 {
+            Reference.group(opts.tp)?;
+        }
+        if opts.tp > 1 {
+            match self {
+                AnyConfig::Llama(c) => llama::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
+                AnyConfig::Deepseek(c) => c.check_tp(opts.tp).map_err(ModelError::Parallel)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the weights `open` gives (called once per rank), as `opts` asks.
+    pub fn load(
+        self,
+        opts: LoadOptions,
+        open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
+    ) -> Result<AnyModel, ModelError> {
+        self.check(opts)?;
+        let info = self.info();
+        let compute = match opts.backend {
+            BackendKind::Cpu => Cpu::default().compute(),
+            BackendKind::Reference => Reference.compute(),
+        };
+        let inner: Box<dyn ErasedModel> = match (self, opts.backend, opts.tp) {
+            (AnyConfig::Llama(c), BackendKind::Cpu, 1) => Box::new(Llama::<usize>::from_checkpoint(c, &open()?)?),
+            (AnyConfig::Llama(c), BackendKind::Cpu, tp) => {
+                Box::new(TpLlama::<usize>::build_on(&Cpu::default(), c, tp, open)?)
+            }
+            (AnyConfig::Deepseek(c), BackendKind::Cpu, 1) => Box::new(Deepseek::<usize>::from_checkpoint(c, &open()?)?),
+            (AnyConfig::Deepseek(c), BackendKind::Cpu, tp) => {
+                Box::new(TpDeepseek::<usize>::build_on(&Cpu::default(), c, tp, open)?)
+            }
+            (AnyConfig::Llama(c), BackendKind::Reference, _) => {
+                Box::new(Llama::<usize, Reference>::from_checkpoint(c, &open()?)?)
+            }
+            (AnyConfig::Deepseek(c), BackendKind::Reference, _) => {
+                Box::new(Deepseek::<usize, Reference>::from_checkpoint(c, &open()?)?)
+            }
+        };
+        Ok(AnyModel { inner, info, options: opts, compute })
+    }
+}
+
+/// Loads a checkpoint directory of any supported family, on the backend and
+/// over the ranks `opts` names.
+pub fn load(dir: &Path, opts: LoadOptions) -> Result<AnyModel, ModelError> {
+    let config = AnyConfig::read(dir)?;
+    let (dir, prefix) = (dir.to_path_buf(), config.tensor_prefix().to_string());
+    config.load(opts, move || Checkpoint::open_scoped(&dir, &prefix))
+}
+
+/// A loaded model of any family, backend and TP size, with a run-time hidden dim.
+pub struct AnyModel {
+    inner: Box<dyn ErasedModel>,
+    info: ArchInfo,
+    options: LoadOptions,
+    compute: Compute,
+}
+
+impl AnyModel {
+    /// The compute dtype of its GEMMs and attention.
+    pub fn compute(&self) -> Compute {
+        self.compute
+    }
+    /// The outer shape.
+    pub fn info(&self) -> &ArchInfo {
+        &self.info
+    }
+    /// The backend and TP size it runs with.
+    pub fn options(&self) -> LoadOptions {
+        self.options
+    }
+}
+
+/// The KV cache of an [`AnyModel`]: whichever its backend keeps, made on first use.
+#[derive(Default)]
+pub struct AnyCache(Option<Box<dyn Any + Send>>);
+
+/// [`Model`] without its generic parts, so one value can hold any of them.
+trait ErasedModel: Send {
+    fn dtype(&self) -> DType;
+    fn weight_bytes(&self) -> usize;
+    fn new_cache(&self) -> Box<dyn Any + Send>;
+    fn step(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<usize>,
+        cache: &mut (dyn Any + Send),
+    ) -> Result<CapturedStates<usize, usize>, ModelError>;
+}
+
+impl<M> ErasedModel for M
+where
+    M: Model<Hidden = usize> + Send,
+    M::Cache: Send + 'static,
+{
+    fn dtype(&self) -> DType {
+        Model::dtype(self)
+    }
+    fn weight_bytes(&self) -> usize {
+        Model::weight_bytes(self)
+    }
+    fn new_cache(&self) -> Box<dyn Any + Send> {
+        Box::new(M::Cache::default())
+    }
+    fn step(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<usize>,
+        cache: &mut (dyn Any + Send),
+    ) -> Result<CapturedStates<usize, usize>, ModelError> {
+        let cache = cache.downcast_mut::<M::Cache>().expect("the cache this model made");
+        self.forward_step(batch, captures, cache)
+    }
+}
+
+impl Model for AnyModel {
+    type Hidden = usize;
+    type Cache = AnyCache;
+
+    fn hidden(&self) -> usize {
+        self.info.hidden_size
+    }
+    fn num_layers(&self) -> usize {
+        self.info.num_layers
+    }
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
+    }
+    fn forward_step<L: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+        cache: &mut AnyCache,
+    ) -> Result<CapturedStates<L, usize>, ModelError> {
+        let cache = cache.0.get_or_insert_with(|| self.inner.new_cache());
+        let set = CaptureSet::<usize>::try_new(captures.points().to_vec())?;
+        let states = self.inner.step(batch, &set, cache.as_mut())?;
+        let [_, t, h] = states.shape();
+        Ok(CapturedStates::try_from_vec(states.into_vec(), captures.layers(), t, h)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_names_round_trip() {
+        for kind in [BackendKind::Cpu, BackendKind::Reference] {
+            assert_eq!(kind.to_string().parse::<BackendKind>(), Ok(kind));
+        }
+        assert_eq!("cuda".parse::<BackendKind>().unwrap_err(), "unknown backend \"cuda\" (expected cpu or reference)");
+    }
+}
