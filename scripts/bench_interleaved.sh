@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs two builds of a criterion bench alternately (before, after, before, ...)
-# and prints each round's estimate and the medians, so that the machine's
-# drift hits both sides alike.
+# Runs two builds of a criterion bench alternately (before, after, after,
+# before, ...) and prints each round's estimate and the medians, so that the
+# machine's drift hits both sides alike.
 #
 #   git worktree add /tmp/base <commit>
 #   (cd /tmp/base && CARGO_TARGET_DIR=/tmp/base-target cargo bench --bench forward --no-run)
@@ -24,8 +24,14 @@ estimate() { # the point estimate of criterion's "time: [lo est hi]" line, in ms
 b=()
 a=()
 for i in $(seq "$rounds"); do
-  x=$(estimate "$before")
-  y=$(estimate "$after")
+  # Alternate which runs first (ABBA...), so a drift of the machine hits both sides alike.
+  if [ $((i % 2)) = 1 ]; then
+    x=$(estimate "$before")
+    y=$(estimate "$after")
+  else
+    y=$(estimate "$after")
+    x=$(estimate "$before")
+  fi
   b+=("$x")
   a+=("$y")
   echo "round $i: before ${x} ms, after ${y} ms"
