@@ -9,10 +9,6 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn os(s: &str) -> &OsStr {
-    OsStr::new(s)
-}
-
 /// `strata extract` on a fixture into `out` with extra arguments.
 fn extract_fixture(name: &str, out: &Path, extra: &[&str]) {
     let (fx, data) = (fixture(name), fixture(name).join("data.jsonl"));
@@ -126,13 +122,6 @@ fn dataset(dir: &Path) {
     write_data(&data, 40, 5..40, 9);
     let (ok, _, err) = run_embedded(&data, &dir.join("ds"), &["--shard-size", "64KiB"]);
     assert!(ok, "{err}");
-}
-
-fn verify(dir: &Path, extra: &[&str]) -> (bool, String) {
-    let mut args: Vec<&OsStr> = vec![os("verify"), dir.as_os_str()];
-    args.extend(extra.iter().map(|s| os(s)));
-    let (ok, out, err) = strata(&args);
-    (ok, out + &err)
 }
 
 #[test]

@@ -12,10 +12,6 @@ use strata::dataset::manifest::Manifest;
 use strata::dataset::MappedFile;
 use strata_testkit::{write_llama, write_tokens, LlamaSpec};
 
-fn os(s: &str) -> &OsStr {
-    OsStr::new(s)
-}
-
 fn extract(model: Option<&Path>, data: Option<&Path>, out: &Path, extra: &[&str]) {
     let mut args: Vec<&OsStr> = vec![os("extract"), os("--out"), out.as_os_str()];
     if let Some(m) = model {
@@ -27,14 +23,6 @@ fn extract(model: Option<&Path>, data: Option<&Path>, out: &Path, extra: &[&str]
     args.extend(extra.iter().map(|s| os(s)));
     let (ok, _, err) = strata(&args);
     assert!(ok, "{err}");
-}
-
-/// `strata verify DIR ARGS...`: (success, stdout + stderr).
-fn verify(dir: &Path, extra: &[&str]) -> (bool, String) {
-    let mut args: Vec<&OsStr> = vec![os("verify"), dir.as_os_str()];
-    args.extend(extra.iter().map(|s| os(s)));
-    let (ok, out, err) = strata(&args);
-    (ok, out + &err)
 }
 
 /// A small random Llama (hidden 64, 3 layers, vocab 300) with weights from `seed`:

@@ -3,7 +3,8 @@
 //! so these panic, naming the op and the axis; sizes that come from outside
 //! (host data, captures) are checked with a `ShapeError` instead.
 
-use super::{Cols, HeadSpan, LinearInfo};
+use super::{Backend, Cols, HeadSpan, LinearInfo, Tensor};
+use crate::pipeline::batch::PackedBatch;
 use crate::shape::{check_dim, CapturedStates, Dim, ShapeError};
 
 /// Panics unless `actual == expected`.
@@ -23,17 +24,71 @@ pub(crate) fn heads(op: &str, heads: HeadSpan, width: usize) {
     }
 }
 
-/// Panics unless a linear layer fits its input `[rows, in]` and output `[rows, out]`.
+/// Panics unless a linear layer fits its input `[T, in]` and output `[T, out]`.
 #[track_caller]
-pub(crate) fn linear(l: &impl LinearInfo, x: (usize, usize), out: (usize, usize)) {
-    shape("linear", "input width", l.in_features(), x.1);
-    shape("linear", "output width", l.out_features(), out.1);
-    shape("linear", "tokens", x.0, out.0);
+pub(crate) fn linear<B: Backend, W: Dim, V: Dim>(l: &impl LinearInfo, x: &Tensor<B, W>, out: &Tensor<B, V>) {
+    shape("linear", "input width", l.in_features(), x.width().size());
+    shape("linear", "output width", l.out_features(), out.width().size());
+    shape("linear", "tokens", x.rows(), out.rows());
+}
+
+/// Panics unless the embedding's output is `[T, hidden]` for the batch's tokens.
+#[track_caller]
+pub(crate) fn embed<B: Backend, H: Dim>(batch: &PackedBatch, hidden: usize, out: &Tensor<B, H>) {
+    shape("embed", "tokens", batch.num_tokens(), out.rows());
+    shape("embed", "hidden", hidden, out.width().size());
+}
+
+/// Panics unless per-head RMSNorm's heads fit the buffer and the weight is one head wide.
+#[track_caller]
+pub(crate) fn rms_norm_heads<B: Backend>(x: &Tensor<B>, span: HeadSpan, weight: usize) {
+    heads("rms_norm_heads", span, x.width());
+    shape("rms_norm_heads", "weight", span.width, weight);
+}
+
+/// Panics unless RoPE's heads fit the buffer, are as wide as the table rotates
+/// (`2 · half` columns), and the buffer holds the batch's tokens.
+#[track_caller]
+pub(crate) fn rope<B: Backend>(x: &Tensor<B>, span: HeadSpan, half: usize, batch: &PackedBatch) {
+    heads("rope", span, x.width());
+    shape("rope", "rotated width", 2 * half, span.width);
+    shape("rope", "tokens", batch.num_tokens(), x.rows());
+}
+
+/// Panics unless `gate_up` is `[T, 2·inter]` and `out` `[T, inter]`.
+#[track_caller]
+pub(crate) fn swiglu<B: Backend>(gate_up: &Tensor<B>, out: &Tensor<B>) {
+    shape("swiglu", "width", 2 * out.width(), gate_up.width());
+    shape("swiglu", "tokens", gate_up.rows(), out.rows());
+}
+
+/// Panics unless `x` and `y` hold as many values.
+#[track_caller]
+pub(crate) fn add<B: Backend, W: Dim>(x: &Tensor<B, W>, y: &Tensor<B, W>) {
+    shape("add", "elements", x.len(), y.len());
+}
+
+/// Panics unless the heads copied fit both buffers and match in count and width.
+#[track_caller]
+pub(crate) fn copy_heads<B: Backend>(src: &Tensor<B>, from: HeadSpan, dst: &Tensor<B>, to: HeadSpan) {
+    shape("copy_heads", "heads", from.count, to.count);
+    shape("copy_heads", "head width", from.width, to.width);
+    shape("copy_heads", "tokens", src.rows(), dst.rows());
+    heads("copy_heads", from, src.width());
+    heads("copy_heads", to, dst.width());
+}
+
+/// Panics unless noaux_tc's correction has one value per expert.
+#[track_caller]
+pub(crate) fn correction<B: Backend>(logits: &Tensor<B>, correction: Option<&Vec<f32>>) {
+    if let Some(c) = correction {
+        shape("moe_route", "experts", logits.width(), c.len());
+    }
 }
 
 /// Panics unless an RMSNorm's input block, weight and output agree.
 #[track_caller]
-pub(crate) fn rms_norm<B: super::Backend>(x: &Cols<'_, B>, weight: usize, out: (usize, usize)) {
+pub(crate) fn rms_norm<B: Backend>(x: &Cols<'_, B>, weight: usize, out: (usize, usize)) {
     shape("rms_norm", "weight", x.width, weight);
     shape("rms_norm", "output width", x.width, out.1);
     shape("rms_norm", "tokens", x.rows, out.0);
@@ -41,12 +96,12 @@ pub(crate) fn rms_norm<B: super::Backend>(x: &Cols<'_, B>, weight: usize, out: (
 
 /// Panics unless attention's queries, keys, values and output fit the shape and the batch.
 #[track_caller]
-pub(crate) fn attention<B: super::Backend>(
+pub(crate) fn attention<B: Backend>(
     q: &Cols<'_, B>,
     k: &Cols<'_, B>,
     v: &Cols<'_, B>,
     s: super::AttnShape,
-    batch: &crate::pipeline::batch::PackedBatch,
+    batch: &PackedBatch,
     out: (usize, usize),
 ) {
     let t = batch.num_tokens();

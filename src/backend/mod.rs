@@ -16,6 +16,7 @@
 
 mod check;
 pub mod cpu;
+pub mod host;
 mod kv_cache;
 pub mod reference;
 mod tensor;
@@ -99,13 +100,6 @@ pub enum Parallel {
 pub trait Resident {
     /// Bytes held (quantised weights as codes and scales).
     fn resident_bytes(&self) -> usize;
-}
-
-/// Host weight vectors (norms, biases) of the CPU and reference backends.
-impl Resident for Vec<f32> {
-    fn resident_bytes(&self) -> usize {
-        self.len() * 4
-    }
 }
 
 /// What a backend's linear layer tells about itself.

@@ -8,7 +8,7 @@
 //!   the model passes between ops (the MoE op rounds each expert's steps the
 //!   same way, and sums the experts in f64).
 
-use super::check;
+use super::{check, host};
 use super::{
     AttnShape, Backend, BackendError, Cols, GatedLinear, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router,
     Tensor, F32,
@@ -22,19 +22,6 @@ use crate::shape::{CapturedStates, DType, Dim, ShapeError};
 /// The reference backend (one rank).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Reference;
-
-/// The embedding table as stored; a row is decoded when a token looks it up.
-pub struct Embedding {
-    bytes: Vec<u8>,
-    dtype: DType,
-    h: usize,
-}
-
-impl Resident for Embedding {
-    fn resident_bytes(&self) -> usize {
-        self.bytes.len()
-    }
-}
 
 /// A linear layer: its weight as stored (f32, bf16, FP8 or INT4 codes, each
 /// row decoded exactly when it is used) and its bias.
@@ -126,7 +113,7 @@ impl Backend for Reference {
     type Compute = F32;
     type Storage = Vec<f32>;
     type Vector = Vec<f32>;
-    type Embedding = Embedding;
+    type Embedding = host::Embedding;
     type Linear = Linear;
     type RopeTable = RopeTable;
     /// Per token, its experts and weights.
@@ -172,22 +159,17 @@ impl Backend for Reference {
         v
     }
 
-    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> Embedding {
-        Embedding { bytes, dtype, h: hidden }
+    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> host::Embedding {
+        host::Embedding::new(bytes, dtype, hidden)
     }
 
     fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, _kind: Parallel) -> Linear {
         Linear { w, bias }
     }
 
-    fn embed<H: Dim>(&self, table: &Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
-        let (h, es) = (table.h, table.dtype.size());
-        check::shape("embed", "tokens", batch.num_tokens(), out.rows());
-        check::shape("embed", "hidden", h, out.width().size());
-        for (row, &id) in out.storage_mut().chunks_exact_mut(h).zip(batch.token_ids()) {
-            let at = id as usize * h * es;
-            table.dtype.decode_into(&table.bytes[at..at + h * es], row);
-        }
+    fn embed<H: Dim>(&self, table: &host::Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
+        check::embed(batch, table.hidden(), out);
+        table.lookup(batch.token_ids(), out.storage_mut());
     }
 
     fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
@@ -199,8 +181,7 @@ impl Backend for Reference {
 
     fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
         let stride = x.width();
-        check::heads("rms_norm_heads", heads, stride);
-        check::shape("rms_norm_heads", "weight", heads.width, w.len());
+        check::rms_norm_heads(x, heads, w.len());
         for row in x.storage_mut().chunks_exact_mut(stride) {
             for i in 0..heads.count {
                 let o = heads.offset + i * heads.stride;
@@ -226,9 +207,7 @@ impl Backend for Reference {
 
     fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable, batch: &PackedBatch) {
         let (stride, half) = (x.width(), table.half);
-        check::heads("rope", heads, stride);
-        check::shape("rope", "rotated width", 2 * half, heads.width);
-        check::shape("rope", "tokens", batch.num_tokens(), x.rows());
+        check::rope(x, heads, half, batch);
         for (s, seg) in batch.segments().iter().enumerate() {
             for (i, row) in batch.range(s).enumerate() {
                 let pos = seg.pos0 + i;
@@ -252,8 +231,7 @@ impl Backend for Reference {
 
     fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
-        check::shape("swiglu", "width", 2 * inter, gate_up.width());
-        check::shape("swiglu", "tokens", gate_up.rows(), out.rows());
+        check::swiglu(gate_up, out);
         for (gu, o) in gate_up.storage().chunks_exact(2 * inter).zip(out.storage_mut().chunks_exact_mut(inter)) {
             for i in 0..inter {
                 o[i] = (silu(gu[i] as f64) * gu[inter + i] as f64) as f32;
@@ -262,7 +240,7 @@ impl Backend for Reference {
     }
 
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
-        check::shape("add", "elements", x.len(), y.len());
+        check::add(x, y);
         for (x, y) in x.storage_mut().iter_mut().zip(y.storage()) {
             *x = (*x as f64 + *y as f64) as f32;
         }
@@ -270,11 +248,7 @@ impl Backend for Reference {
 
     fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
         let (ss, ds) = (src.width(), dst.width());
-        check::shape("copy_heads", "heads", from.count, to.count);
-        check::shape("copy_heads", "head width", from.width, to.width);
-        check::shape("copy_heads", "tokens", src.rows(), dst.rows());
-        check::heads("copy_heads", from, ss);
-        check::heads("copy_heads", to, ds);
+        check::copy_heads(src, from, dst, to);
         for r in 0..src.rows() {
             for i in 0..to.count {
                 for c in 0..to.width {
@@ -286,14 +260,14 @@ impl Backend for Reference {
     }
 
     fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
-        check::linear(l, (x.rows(), x.width().size()), (out.rows(), out.width().size()));
+        check::linear(l, x, out);
         for (y, dst) in l.apply(x.storage()).into_iter().zip(out.storage_mut().chunks_exact_mut(l.out_features())) {
             dst.iter_mut().zip(y).for_each(|(d, y)| *d = y as f32);
         }
     }
 
     fn linear_add<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
-        check::linear(l, (x.rows(), x.width().size()), (residual.rows(), residual.width().size()));
+        check::linear(l, x, residual);
         let rows = residual.storage_mut().chunks_exact_mut(l.out_features());
         for (y, dst) in l.apply(x.storage()).into_iter().zip(rows) {
             dst.iter_mut().zip(y).for_each(|(d, y)| *d = (*d as f64 + y) as f32);
@@ -356,9 +330,7 @@ impl Backend for Reference {
 
     fn moe_route(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vec<f32>>) -> Self::Routes {
         let e = logits.width();
-        if let Some(c) = correction {
-            check::shape("moe_route", "experts", e, c.len());
-        }
+        check::correction(logits, correction);
         let per_group = e / r.n_group;
         logits
             .storage()

@@ -122,3 +122,16 @@ pub fn dir_contents(dir: &Path) -> Vec<(String, Vec<u8>)> {
     v.sort();
     v
 }
+
+/// A CLI argument.
+pub fn os(s: &str) -> &std::ffi::OsStr {
+    std::ffi::OsStr::new(s)
+}
+
+/// `strata verify DIR ARGS...`: (success, stdout + stderr).
+pub fn verify(dir: &Path, extra: &[&str]) -> (bool, String) {
+    let mut args: Vec<&std::ffi::OsStr> = vec![os("verify"), dir.as_os_str()];
+    args.extend(extra.iter().map(|s| os(s)));
+    let (ok, out, err) = strata(&args);
+    (ok, out + &err)
+}

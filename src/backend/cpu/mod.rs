@@ -16,7 +16,7 @@ pub mod quant_panels;
 pub use gemm::{gemm_packed, Init, PackedLinear};
 pub use panels::{pack_b, MR, NR};
 
-use super::check;
+use super::{check, host};
 use super::{
     AttnShape, Backend, BackendError, Cols, GatedLinear, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router,
     Tensor, F32,
@@ -65,20 +65,6 @@ impl Default for Cpu<F32> {
     }
 }
 
-/// The embedding table, held in its checkpoint dtype (a row is decoded when a
-/// token looks it up), so a bf16 table is not doubled in memory.
-pub struct Embedding {
-    bytes: Vec<u8>,
-    dtype: DType,
-    h: usize,
-}
-
-impl Resident for Embedding {
-    fn resident_bytes(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
 /// A linear layer: packed panels, and for a row-parallel layer split over
 /// ranks the bias added once after the all-reduce.
 pub struct Linear {
@@ -123,7 +109,7 @@ impl Backend for Cpu<F32> {
     type Compute = F32;
     type Storage = Vec<f32>;
     type Vector = Vec<f32>;
-    type Embedding = Embedding;
+    type Embedding = host::Embedding;
     type Linear = Linear;
     type RopeTable = RopeTable;
     type Routes = moe::Routes;
@@ -169,8 +155,8 @@ impl Backend for Cpu<F32> {
         v
     }
 
-    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> Embedding {
-        Embedding { bytes, dtype, h: hidden }
+    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> host::Embedding {
+        host::Embedding::new(bytes, dtype, hidden)
     }
 
     fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Linear {
@@ -191,14 +177,9 @@ impl Backend for Cpu<F32> {
         (0..n).into_par_iter().map(f).collect()
     }
 
-    fn embed<H: Dim>(&self, table: &Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
-        let (h, es) = (table.h, table.dtype.size());
-        check::shape("embed", "tokens", batch.num_tokens(), out.rows());
-        check::shape("embed", "hidden", h, out.width().size());
-        for (row, &id) in out.storage_mut().chunks_exact_mut(h).zip(batch.token_ids()) {
-            let id = id as usize;
-            table.dtype.decode_into(&table.bytes[id * h * es..(id + 1) * h * es], row);
-        }
+    fn embed<H: Dim>(&self, table: &host::Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
+        check::embed(batch, table.hidden(), out);
+        table.lookup(batch.token_ids(), out.storage_mut());
     }
 
     fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
@@ -215,8 +196,7 @@ impl Backend for Cpu<F32> {
 
     fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
         let stride = x.width();
-        check::heads("rms_norm_heads", heads, stride);
-        check::shape("rms_norm_heads", "weight", heads.width, w.len());
+        check::rms_norm_heads(x, heads, w.len());
         for row in x.storage_mut().chunks_exact_mut(stride) {
             for i in 0..heads.count {
                 let o = heads.offset + i * heads.stride;
@@ -241,9 +221,7 @@ impl Backend for Cpu<F32> {
 
     fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable, batch: &PackedBatch) {
         let stride = x.width();
-        check::heads("rope", heads, stride);
-        check::shape("rope", "rotated width", 2 * table.half, heads.width);
-        check::shape("rope", "tokens", batch.num_tokens(), x.rows());
+        check::rope(x, heads, table.half, batch);
         let mut tmp = vec![0f32; heads.width];
         for (s, seg) in batch.segments().iter().enumerate() {
             let r = batch.range(s);
@@ -270,23 +248,18 @@ impl Backend for Cpu<F32> {
 
     fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
-        check::shape("swiglu", "width", 2 * inter, gate_up.width());
-        check::shape("swiglu", "tokens", gate_up.rows(), out.rows());
+        check::swiglu(gate_up, out);
         ops::swiglu(gate_up.storage(), inter, out.storage_mut());
     }
 
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
-        check::shape("add", "elements", x.len(), y.len());
+        check::add(x, y);
         x.storage_mut().iter_mut().zip(y.storage()).for_each(|(x, y)| *x += y);
     }
 
     fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
         let (ss, ds) = (src.width(), dst.width());
-        check::shape("copy_heads", "heads", from.count, to.count);
-        check::shape("copy_heads", "head width", from.width, to.width);
-        check::shape("copy_heads", "tokens", src.rows(), dst.rows());
-        check::heads("copy_heads", from, ss);
-        check::heads("copy_heads", to, ds);
+        check::copy_heads(src, from, dst, to);
         for (s, d) in src.storage().chunks_exact(ss).zip(dst.storage_mut().chunks_exact_mut(ds)) {
             for i in 0..to.count {
                 let (a, b) = (from.offset + i * from.stride, to.offset + i * to.stride);
@@ -296,7 +269,7 @@ impl Backend for Cpu<F32> {
     }
 
     fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
-        check::linear(l, (x.rows(), x.width().size()), (out.rows(), out.width().size()));
+        check::linear(l, x, out);
         l.packed.forward(x.storage(), x.rows(), out.storage_mut(), false);
         if l.kind == Parallel::Row {
             self.all_reduce(out);
@@ -307,7 +280,7 @@ impl Backend for Cpu<F32> {
     }
 
     fn linear_add<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
-        check::linear(l, (x.rows(), x.width().size()), (residual.rows(), residual.width().size()));
+        check::linear(l, x, residual);
         let (Some(comm), Parallel::Row) = (&self.comm, l.kind) else {
             // One rank: the residual add is fused into the GEMM.
             l.packed.forward(x.storage(), x.rows(), residual.storage_mut(), true);
@@ -369,9 +342,7 @@ impl Backend for Cpu<F32> {
     }
 
     fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Vec<f32>>) -> moe::Routes {
-        if let Some(c) = correction {
-            check::shape("moe_route", "experts", logits.width(), c.len());
-        }
+        check::correction(logits, correction);
         moe::route(logits.storage(), logits.width(), router, correction.map(|c| c.as_slice()))
     }
 
