@@ -15,6 +15,7 @@
 //! - [`parallel`]: ranks, collectives, the typed RPC, shard arithmetic;
 //! - [`sink`]: writers of the native and speculators formats;
 //! - [`dataset`]: datasets once written: manifest, reading, verify, recompute, inspect.
+//! - [`files`]: opening files without trusting them (regular files only, bounded, inside a directory).
 //!
 //! See docs/ARCHITECTURE.md.
 
@@ -22,6 +23,7 @@
 
 pub mod backend;
 pub mod dataset;
+pub mod files;
 pub mod hf;
 pub mod model;
 pub mod parallel;
