@@ -107,7 +107,7 @@ fn main() {
                             s.write_sample(&sample, states.view_tokens(batch.range(i)).unwrap()).unwrap();
                         }
                     }
-                    Sink::<usize, usize>::finish(&mut s).unwrap();
+                    Sink::<usize, usize>::finish(&mut s, Default::default()).unwrap();
                     sink_t.push(t.elapsed().as_secs_f64());
                     bytes = Sink::<usize, usize>::bytes_written(&s);
                 } else {

@@ -103,6 +103,7 @@ proptest! {
                 id: i.to_string(),
                 input_ids: (0..n).map(|_| rng.below(vocab) as u32).collect(),
                 loss_mask: None,
+                end: Default::default(),
             })
             .collect();
         let set = CaptureSet::<usize>::try_new(vec![CapturePoint::LayerInput(2), CapturePoint::FinalPreNorm]).unwrap();

@@ -43,6 +43,33 @@ pub fn open_regular(path: &Path) -> io::Result<File> {
     Ok(f)
 }
 
+/// An input stream: a regular file (its length known), or a pipe or FIFO
+/// (`-` is stdin). Devices and directories are refused: `/dev/zero` would
+/// never end and a terminal would wait for typing.
+pub fn open_stream(path: &Path) -> io::Result<(Box<dyn Read + Send>, Option<u64>)> {
+    use std::os::unix::fs::FileTypeExt;
+    let (reader, meta): (Box<dyn Read + Send>, _) = if path == Path::new("-") {
+        let meta = std::fs::metadata("/dev/stdin")?;
+        (Box::new(io::stdin()), meta)
+    } else {
+        // A FIFO's open waits for its writer, as a reader of a FIFO expects.
+        let f = File::open(path)?;
+        let meta = f.metadata()?;
+        (Box::new(f), meta)
+    };
+    let t = meta.file_type();
+    if t.is_file() {
+        Ok((reader, Some(meta.len())))
+    } else if t.is_fifo() || t.is_socket() {
+        Ok((reader, None))
+    } else {
+        Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is {}: give a file, a pipe or a FIFO", path.display(), kind(&meta)),
+        ))
+    }
+}
+
 /// Whether `path` names a regular file (following links); `Ok(false)` when absent.
 pub fn is_regular(path: &Path) -> io::Result<bool> {
     match std::fs::metadata(path) {

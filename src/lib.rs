@@ -30,3 +30,12 @@ pub mod parallel;
 pub mod pipeline;
 pub mod shape;
 pub mod sink;
+
+/// Shortens a user-supplied string (an id, a path, a JSON value) for a
+/// message: at most `max` characters, with the full length when clipped.
+pub fn clip(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        None => s.to_string(),
+        Some((end, _)) => format!("{}… ({} bytes)", &s[..end], s.len()),
+    }
+}

@@ -65,7 +65,7 @@ fn sample_longer_than_max_position_embeddings() {
     let ids: Vec<String> = (0..65).map(|i| (i % 300).to_string()).collect();
     let data = format!("{GOOD}{{\"input_ids\": [{}]}}\n", ids.join(","));
     let r = extract(Some(&fixture("llama-gqa-sharded")), &data, &[]);
-    fails_with(r, &["data.jsonl:2:", "65 tokens, more than max_position_embeddings 64"]);
+    fails_with(r, &["data.jsonl:2:", "more than 64 tokens, the limit set by max_position_embeddings 64"]);
 }
 
 #[test]
@@ -97,19 +97,21 @@ fn refuses_non_empty_output_without_resume_or_overwrite() {
     assert!(over.status.success(), "{}", String::from_utf8_lossy(&over.stderr));
     let mut files = output_files(&r.out);
     files.sort();
-    // --overwrite removes only what a speculators run writes; other files stay.
+    // --overwrite removes every trace of the old output, of either format; other files stay.
     assert_eq!(
         files,
         [
+            ".strata.lock",
             "hs_0.safetensors",
             "hs_1.safetensors",
             "hs_2.safetensors",
             "hs_3.safetensors",
             "manifest.json",
             "notes.txt",
-            "shard-00000.safetensors"
         ]
     );
+    let m = strata::dataset::manifest::Manifest::read(&r.out).unwrap();
+    assert_eq!((m.format.as_str(), m.complete, m.shards.len()), ("speculators", true, 4));
 }
 
 /// A copy of the qwen3 fixture whose weights or config a test then damages.

@@ -171,6 +171,7 @@ fn verify_accepts_a_sound_dataset_and_reports_each_fault() {
         shard: 0,
         tokens: 3,
         checksum: "xxh3:0".into(),
+        index: None,
     });
     m2.shards[0].samples += 1;
     std::fs::write(d.join("manifest.json"), serde_json::to_string(&m2).unwrap()).unwrap();

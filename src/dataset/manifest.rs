@@ -1,15 +1,27 @@
-//! `manifest.json` of the native format: what a dataset holds and how to check it.
+//! `manifest.json`: what a dataset holds, what made it, and how to check it.
 //! See docs/FORMAT.md.
+//!
+//! While a run writes, `manifest.json` holds the job and what was compacted
+//! so far, and each finished file is appended to `journal.jsonl` (one line,
+//! fsynced), so closing a file costs one line, not a rewrite of every
+//! earlier one. The finished run compacts the journal into the manifest.
+//! [`Manifest::read`] replays the journal, so readers see one manifest.
 
 use crate::pipeline::capture::CapturePoint;
+pub use crate::pipeline::source::InputPos;
 use crate::shape::DType;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// Version of the manifest and shard layout.
-pub const SCHEMA_VERSION: u32 = 1;
+/// Version of the manifest and shard layout (2: journal, run, input and
+/// weights digests, skipped samples). Version 1 is still read.
+pub const SCHEMA_VERSION: u32 = 2;
 /// The file name.
 pub const MANIFEST: &str = "manifest.json";
+/// The journal of files finished since the manifest was last written.
+pub const JOURNAL: &str = "journal.jsonl";
+/// The largest manifest or journal read (about 20 million samples).
+const MAX_MANIFEST_BYTES: u64 = 4 << 30;
 
 /// The model a dataset came from.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -20,6 +32,10 @@ pub struct ModelInfo {
     pub architecture: String,
     /// `xxh3:` hash of the `config.json` bytes.
     pub config_hash: String,
+    /// Digest of the weights: safetensors headers plus strided samples of
+    /// every tensor's bytes (see `Checkpoint::digest`); empty in schema 1.
+    #[serde(default)]
+    pub weights_digest: String,
     /// Decoder layers.
     pub num_layers: usize,
     /// Hidden width `H`.
@@ -35,15 +51,70 @@ pub struct CaptureInfo {
     pub hf_index: Option<usize>,
 }
 
+/// How the states were computed: a resume must match all of it, since each
+/// changes the last bits of the output.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunInfo {
+    /// `--backend`.
+    pub backend: String,
+    /// `--tp`.
+    pub tp: usize,
+    /// Compute dtype.
+    pub compute: String,
+    /// The GEMM kernel path (`avx512`, `avx2`, `portable`, `reference`).
+    pub kernel: String,
+}
+
+/// The input data a dataset was made from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InputInfo {
+    /// `--data` as given (`-` for stdin, `<embedded data>`).
+    pub path: String,
+    /// The whole input, once the run finished.
+    #[serde(flatten)]
+    pub whole: InputPos,
+}
+
 /// One shard file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardInfo {
-    /// File name inside the dataset directory.
+    /// Path inside the dataset directory (relative; subdirectories allowed).
     pub file: String,
     /// Samples in the shard.
     pub samples: usize,
     /// File size in bytes.
     pub bytes: u64,
+    /// The input prefix consumed once this shard's samples were written: what
+    /// a resume after this shard must find again. Absent in schema 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<InputPos>,
+}
+
+/// A sample left out because its states held NaN or Inf (`--on-nonfinite skip`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedInfo {
+    /// 0-based index in the input.
+    pub index: usize,
+    /// The sample's id.
+    pub id: String,
+    /// Tokens.
+    pub tokens: usize,
+    /// Which capture point held what.
+    pub reason: String,
+}
+
+/// One line of `journal.jsonl`: a finished file and the samples it holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalEntry {
+    /// Index of the shard in `shards` (replay is idempotent).
+    pub index: usize,
+    /// The shard.
+    pub shard: ShardInfo,
+    /// Its samples.
+    pub samples: Vec<SampleInfo>,
+    /// Samples skipped since the previous shard.
+    #[serde(default)]
+    pub skipped: Vec<SkippedInfo>,
 }
 
 /// One sample.
@@ -57,6 +128,9 @@ pub struct SampleInfo {
     pub tokens: usize,
     /// `xxh3:` hash of the sample's bytes as stored: `input_ids`, `loss_mask`, `hidden_states`.
     pub checksum: String,
+    /// 0-based index in the input (absent in schema 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
 }
 
 /// The manifest.
@@ -66,12 +140,25 @@ pub struct Manifest {
     pub schema_version: u32,
     /// Strata's version that wrote the dataset.
     pub strata_version: String,
-    /// Always `"strata"`.
+    /// `"strata"` (shards) or `"speculators"` (one `hs_{i}.safetensors` per sample).
     pub format: String,
-    /// Axis order of `hidden_states`: `"LTH"`.
+    /// Axis order of `hidden_states`: `"LTH"` (strata) or `"TLH"` (speculators).
     pub layout: String,
     /// The model.
     pub model: ModelInfo,
+    /// How the states were computed (absent in schema 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<RunInfo>,
+    /// The input, once the run finished (absent in schema 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input: Option<InputInfo>,
+    /// `--on-nonfinite`: `fail` or `skip`.
+    #[serde(default = "default_on_nonfinite")]
+    pub on_nonfinite: String,
+    /// Nonce of the run writing the directory: its temporary files carry it.
+    /// Empty once the run finished.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub nonce: String,
     /// The `L` axis, in order.
     pub capture: Vec<CaptureInfo>,
     /// Storage dtype of `hidden_states`: `f32`, `bf16` or `f16`.
@@ -84,6 +171,13 @@ pub struct Manifest {
     pub shards: Vec<ShardInfo>,
     /// Samples, in input order.
     pub samples: Vec<SampleInfo>,
+    /// Samples left out for non-finite states (`--on-nonfinite skip`).
+    #[serde(default)]
+    pub skipped: Vec<SkippedInfo>,
+}
+
+fn default_on_nonfinite() -> String {
+    "fail".into()
 }
 
 impl ModelInfo {
@@ -93,6 +187,7 @@ impl ModelInfo {
             path: path.to_string(),
             architecture: config.architecture.clone(),
             config_hash: hash_hex(xxhash_rust::xxh3::xxh3_64(config_json.as_bytes())),
+            weights_digest: String::new(),
             num_layers: config.num_layers,
             hidden_size: config.hidden_size,
         }
@@ -112,35 +207,90 @@ impl Manifest {
             format: "strata".into(),
             layout: "LTH".into(),
             model,
+            run: None,
+            input: None,
+            on_nonfinite: default_on_nonfinite(),
+            nonce: String::new(),
             capture,
             dtype: dtype.to_string(),
             shard_size,
             complete: false,
             shards: vec![],
             samples: vec![],
+            skipped: vec![],
         }
     }
 
-    /// Reads `DIR/manifest.json`.
+    /// Input samples (written or skipped) the listed shards account for: a resume skips them.
+    pub fn consumed(&self) -> usize {
+        self.shards.last().and_then(|s| s.input.as_ref()).map_or(self.samples.len(), |p| p.samples)
+    }
+
+    /// Applies one journal line; a line for a shard already listed is ignored
+    /// (the manifest was compacted after it was journaled).
+    pub fn apply(&mut self, e: JournalEntry) -> Result<(), String> {
+        match e.index.cmp(&self.shards.len()) {
+            std::cmp::Ordering::Less => Ok(()),
+            std::cmp::Ordering::Equal => {
+                self.shards.push(e.shard);
+                self.samples.extend(e.samples);
+                self.skipped.extend(e.skipped);
+                Ok(())
+            }
+            std::cmp::Ordering::Greater => {
+                Err(format!("journal entry for shard {} follows shard {}", e.index, self.shards.len()))
+            }
+        }
+    }
+
+    /// Reads `DIR/manifest.json` (schema 1 or 2) and replays `DIR/journal.jsonl`.
     pub fn read(dir: &Path) -> Result<Self, String> {
         let path = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let m: Manifest = serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
-        if m.schema_version != SCHEMA_VERSION {
+        let text = crate::files::read_text(&path, MAX_MANIFEST_BYTES)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let version = v.get("schema_version").and_then(serde_json::Value::as_u64);
+        if !matches!(version, Some(1 | 2)) {
             return Err(format!(
-                "{}: schema_version {} is not supported (this strata reads {SCHEMA_VERSION})",
+                "{}: schema_version {} is not supported (this strata reads 1 and {SCHEMA_VERSION})",
                 path.display(),
-                m.schema_version
+                v.get("schema_version").map_or("(none)".into(), |v| crate::clip(&v.to_string(), 40))
             ));
+        }
+        let mut m: Manifest = serde_json::from_value(v).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let journal = dir.join(JOURNAL);
+        if crate::files::is_regular(&journal).map_err(|e| format!("cannot read {}: {e}", journal.display()))? {
+            let text = crate::files::read_text(&journal, MAX_MANIFEST_BYTES)
+                .map_err(|e| format!("cannot read {}: {e}", journal.display()))?;
+            let mut lines = text.split_inclusive('\n').enumerate().peekable();
+            while let Some((i, line)) = lines.next() {
+                let last = lines.peek().is_none();
+                match serde_json::from_str::<JournalEntry>(line) {
+                    Ok(e) if line.ends_with('\n') => m.apply(e).map_err(|e| format!("{}: {e}", journal.display()))?,
+                    // A torn last line was never made durable: the file it names is redone.
+                    _ if last => {}
+                    Ok(_) | Err(_) => return Err(format!("{}:{}: malformed journal line", journal.display(), i + 1)),
+                }
+            }
         }
         Ok(m)
     }
 
     /// The fields that say what a run writes (everything but progress).
     pub fn same_job(&self, other: &Manifest) -> Result<(), String> {
-        let pairs: [(&str, String, String); 6] = [
+        let run = |m: &Manifest| {
+            m.run.as_ref().map_or("(not recorded)".into(), |r| {
+                format!("backend {}, --tp {}, compute {}, kernel {}", r.backend, r.tp, r.compute, r.kernel)
+            })
+        };
+        let pairs: [(&str, String, String); 10] = [
+            ("format", self.format.clone(), other.format.clone()),
             ("strata_version", self.strata_version.clone(), other.strata_version.clone()),
             ("model.config_hash", self.model.config_hash.clone(), other.model.config_hash.clone()),
+            ("model.weights_digest", self.model.weights_digest.clone(), other.model.weights_digest.clone()),
+            ("run", run(self), run(other)),
+            ("on_nonfinite", self.on_nonfinite.clone(), other.on_nonfinite.clone()),
             ("capture", format!("{:?}", self.capture), format!("{:?}", other.capture)),
             ("dtype", self.dtype.clone(), other.dtype.clone()),
             ("shard_size", self.shard_size.to_string(), other.shard_size.to_string()),
@@ -148,6 +298,7 @@ impl Manifest {
         ];
         for (field, a, b) in pairs {
             if a != b {
+                let (a, b) = (crate::clip(&a, 200), crate::clip(&b, 200));
                 return Err(format!("{field} differs: the existing run has {a}, this run {b}"));
             }
         }

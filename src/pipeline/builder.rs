@@ -12,7 +12,7 @@
 use super::capture::CaptureSet;
 use super::gather::Gatherer;
 use super::schedule::Scheduler;
-use super::source::{Sample, SourceError};
+use super::source::{Source, SourceError};
 use crate::model::{Model, ModelError};
 use crate::shape::{Dim, ShapeError};
 use crate::sink::{Sink, SinkError};
@@ -105,7 +105,7 @@ pub struct Ready<'m, 'p, S, M, L: Dim, K> {
     progress: Option<ProgressFn<'p>>,
 }
 
-impl<S: Iterator<Item = Result<Sample, SourceError>>> Pipeline<S> {
+impl<S: Source> Pipeline<S> {
     /// Starts from a source of samples, in order.
     pub fn new(source: S) -> Self {
         Pipeline { source, budget: 8192 }
@@ -144,7 +144,7 @@ impl<'m, S, M: Model, L: Dim> WithCapture<'m, S, M, L> {
 
 impl<'p, S, M, L, K> Ready<'_, 'p, S, M, L, K>
 where
-    S: Iterator<Item = Result<Sample, SourceError>>,
+    S: Source,
     M: Model,
     L: Dim,
     K: Sink<L, M::Hidden>,
@@ -156,7 +156,8 @@ where
     }
 
     /// Runs to the end of the source, then finishes the sink. Samples an
-    /// earlier run already wrote (the sink's `resume_from`) are skipped.
+    /// earlier run already wrote (the sink's `resume_from`) are read and
+    /// skipped; an input that ends before them is an error.
     pub fn run(mut self) -> Result<(Report, K), PipelineError> {
         let _span = info_span!("pipeline").entered();
         self.captures.taps(self.model.num_layers()).map_err(ModelError::from)?;
@@ -164,7 +165,14 @@ where
         let mut report = Report::default();
         let resumed = self.sink.resume_from();
         report.progress.resumed = resumed;
-        let mut source = self.source.skip(resumed);
+        let mut source = self.source;
+        for done in 0..resumed {
+            match source.next() {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(e.into()),
+                None => return Err(SourceError::Ended { samples: done, expected: resumed }.into()),
+            }
+        }
         let mut scheduler = Scheduler::new(self.budget);
         let mut cache = M::Cache::default();
         let mut gatherer = Gatherer::default();
@@ -206,7 +214,7 @@ where
             }
         }
         let t = Instant::now();
-        self.sink.finish()?;
+        self.sink.finish(source.consumed())?;
         report.write_time += t.elapsed();
         report.bytes = self.sink.bytes_written();
         report.progress.elapsed = start.elapsed();

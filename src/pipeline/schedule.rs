@@ -78,6 +78,7 @@ mod tests {
             id: index.to_string(),
             input_ids: (0..len as u32).collect(),
             loss_mask: None,
+            end: Default::default(),
         })
     }
 

@@ -16,6 +16,8 @@ pub struct Sample {
     pub input_ids: Vec<u32>,
     /// 1 where the token counts for the loss; `None` means all ones.
     pub loss_mask: Option<Vec<u8>>,
+    /// The input consumed through this sample's line.
+    pub end: InputPos,
 }
 
 impl Sample {
@@ -29,9 +31,20 @@ impl Sample {
     }
 }
 
-/// A line that is not a usable sample.
+/// A line that is not a usable sample, or an input that is not the one expected.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
+    /// The input ended before the samples an earlier run wrote.
+    #[error(
+        "the input ends after {samples} samples, but the existing output already holds {expected}: \
+         this is not the input it was made from"
+    )]
+    Ended {
+        /// Samples the input holds.
+        samples: usize,
+        /// Samples the output accounts for.
+        expected: usize,
+    },
     /// The file cannot be read.
     #[error("cannot read {path}: {cause}")]
     Io {
@@ -52,25 +65,49 @@ pub enum SourceError {
     },
 }
 
+/// A prefix of the input: its first `samples` samples, `bytes` long, with its digest.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InputPos {
+    /// Samples the prefix holds.
+    pub samples: usize,
+    /// Bytes, through the end of the last sample's line.
+    pub bytes: u64,
+    /// `xxh3:` of those bytes.
+    pub digest: String,
+}
+
 #[derive(serde::Deserialize)]
-struct Line {
-    input_ids: Option<Vec<serde_json::Value>>,
+struct Line<'a> {
+    #[serde(borrow)]
+    input_ids: Option<&'a serde_json::value::RawValue>,
     id: Option<serde_json::Value>,
-    loss_mask: Option<Vec<serde_json::Value>>,
+    #[serde(borrow)]
+    loss_mask: Option<&'a serde_json::value::RawValue>,
 }
 
 /// The longest id accepted (ids become tensor names).
 pub const MAX_ID_LEN: usize = 256;
+/// The longest line read by default; [`JsonlSource::max_line`] changes it.
+pub const DEFAULT_MAX_LINE: usize = 64 << 20;
 
 type Parsed = (Option<String>, Vec<u32>, Option<Vec<u8>>);
 
-/// Streams samples from a JSON Lines reader; memory is bounded by one line.
+/// Streams samples from a JSON Lines reader. Memory is bounded by one line
+/// (at most [`JsonlSource::max_line`] bytes) and its tokens; the bytes read
+/// are hashed as they pass, so each sample knows the input prefix it ends.
 pub struct JsonlSource<R: BufRead> {
     name: String,
     reader: R,
     line: usize,
     index: usize,
-    buf: String,
+    // One line, `max_line` bytes at most.
+    buf: Vec<u8>,
+    max_line: usize,
+    max_tokens: usize,
+    max_tokens_from: String,
+    bytes: u64,
+    hasher: xxhash_rust::xxh3::Xxh3,
+    done: bool,
 }
 
 impl JsonlSource<std::io::BufReader<std::fs::File>> {
@@ -82,55 +119,160 @@ impl JsonlSource<std::io::BufReader<std::fs::File>> {
     }
 }
 
+/// Scans a JSON array of integers without building JSON values: `limit`
+/// entries at most, each checked by `check` (`Err` names what is wrong with it).
+fn scan_array<T>(
+    raw: &str,
+    field: &str,
+    limit: usize,
+    mut check: impl FnMut(u64) -> Option<T>,
+    what: &str,
+) -> Result<Vec<T>, String> {
+    let inner = raw
+        .trim()
+        .strip_prefix('[')
+        .and_then(|r| r.strip_suffix(']'))
+        .ok_or_else(|| format!("`{field}` must be an array, got {}", crate::clip(raw.trim(), 40)))?;
+    let mut out = Vec::new();
+    if inner.trim().is_empty() {
+        return Ok(out);
+    }
+    for (pos, item) in inner.split(',').enumerate() {
+        if pos == limit {
+            return Err(format!("`{field}` has more than {limit} entries"));
+        }
+        let item = item.trim();
+        let v = item.parse::<u64>().ok().and_then(&mut check);
+        match v {
+            Some(v) => out.push(v),
+            None => return Err(format!("{field}[{pos}] = {} is not {what}", crate::clip(item, 40))),
+        }
+    }
+    Ok(out)
+}
+
 impl<R: BufRead> JsonlSource<R> {
     /// Wraps a reader; `name` appears in messages.
     pub fn new(name: String, reader: R) -> Self {
-        JsonlSource { name, reader, line: 0, index: 0, buf: String::new() }
+        JsonlSource {
+            name,
+            reader,
+            line: 0,
+            index: 0,
+            buf: Vec::new(),
+            max_line: DEFAULT_MAX_LINE,
+            max_tokens: usize::MAX,
+            max_tokens_from: String::new(),
+            bytes: 0,
+            hasher: xxhash_rust::xxh3::Xxh3::new(),
+            done: false,
+        }
     }
 
-    fn parse(&self, text: &str) -> Result<Parsed, String> {
-        let parsed: Line = serde_json::from_str(text).map_err(|e| format!("malformed JSON: {e}"))?;
-        let ids = parsed.input_ids.ok_or("no `input_ids` field")?;
+    /// The longest line accepted, in bytes: a longer one (or an endless
+    /// stream without newlines) is an error, not an ever-growing buffer.
+    pub fn max_line(mut self, bytes: usize) -> Self {
+        self.max_line = bytes.max(1);
+        self
+    }
+
+    /// The most tokens a sample may have; parsing stops at the first one
+    /// past it. `from` says where the limit comes from, for the message.
+    pub fn max_tokens(mut self, n: usize, from: String) -> Self {
+        self.max_tokens = n;
+        self.max_tokens_from = from;
+        self
+    }
+
+    /// The input consumed so far.
+    pub fn consumed(&self) -> InputPos {
+        InputPos { samples: self.index, bytes: self.bytes, digest: format!("xxh3:{:016x}", self.hasher.digest()) }
+    }
+
+    /// Reads one line into `buf` (with its newline); `Ok(false)` at the end.
+    fn read_line(&mut self) -> Result<bool, SourceError> {
+        self.buf.clear();
+        loop {
+            let avail = match self.reader.fill_buf() {
+                Ok(a) => a,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(cause) => return Err(SourceError::Io { path: self.name.clone(), cause }),
+            };
+            if avail.is_empty() {
+                return Ok(!self.buf.is_empty());
+            }
+            let (take, end) = match avail.iter().position(|&b| b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (avail.len(), false),
+            };
+            if self.buf.len() + take > self.max_line {
+                return Err(SourceError::Line {
+                    path: self.name.clone(),
+                    line: self.line,
+                    problem: format!("line is longer than {} bytes, the longest line read", self.max_line),
+                });
+            }
+            self.buf.extend_from_slice(&avail[..take]);
+            self.hasher.update(&avail[..take]);
+            self.bytes += take as u64;
+            self.reader.consume(take);
+            if end {
+                return Ok(true);
+            }
+        }
+    }
+
+    fn parse(&self, text: &[u8]) -> Result<Parsed, String> {
+        let parsed: Line = serde_json::from_slice(text).map_err(|e| format!("malformed JSON: {e}"))?;
+        let raw = parsed.input_ids.ok_or("no `input_ids` field")?.get();
+        let what = "a token id (an integer from 0 to 4294967295)";
+        let ids = scan_array(raw, "input_ids", self.max_tokens, |n| u32::try_from(n).ok(), what).map_err(|e| {
+            if e.contains("more than") {
+                format!("sample has more than {} tokens, the limit set by {}", self.max_tokens, self.max_tokens_from)
+            } else {
+                e
+            }
+        })?;
         if ids.is_empty() {
             return Err("empty sample: `input_ids` has no tokens".into());
         }
-        let ids: Vec<u32> = ids
-            .iter()
-            .enumerate()
-            .map(|(pos, v)| {
-                v.as_u64()
-                    .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| format!("input_ids[{pos}] = {v} is not a token id (a non-negative integer)"))
-            })
-            .collect::<Result<_, _>>()?;
         let id = match parsed.id {
             None | Some(serde_json::Value::Null) => None,
             Some(serde_json::Value::String(s)) => {
                 if s.is_empty() || s.len() > MAX_ID_LEN || s.chars().any(char::is_control) {
-                    return Err(format!("`id` {s:?} must be 1 to {MAX_ID_LEN} bytes without control characters"));
+                    return Err(format!(
+                        "`id` {} must be 1 to {MAX_ID_LEN} bytes without control characters",
+                        crate::clip(&format!("{s:?}"), 60)
+                    ));
                 }
                 Some(s)
             }
-            Some(other) => return Err(format!("`id` must be a string, got {other}")),
+            Some(other) => return Err(format!("`id` must be a string, got {}", crate::clip(&other.to_string(), 40))),
         };
         let mask = match parsed.loss_mask {
             None => None,
             Some(m) => {
+                let m = scan_array(m.get(), "loss_mask", ids.len() + 1, |n| (n <= 1).then_some(n as u8), "0 or 1")?;
                 if m.len() != ids.len() {
                     return Err(format!("`loss_mask` has {} entries for {} tokens", m.len(), ids.len()));
                 }
-                Some(
-                    m.iter()
-                        .enumerate()
-                        .map(|(pos, v)| match v.as_u64() {
-                            Some(b @ (0 | 1)) => Ok(b as u8),
-                            _ => Err(format!("loss_mask[{pos}] = {v} is not 0 or 1")),
-                        })
-                        .collect::<Result<_, _>>()?,
-                )
+                Some(m)
             }
         };
         Ok((id, ids, mask))
+    }
+}
+
+/// A stream of samples, in order, that knows how much input it consumed
+/// (the manifest records it, and a resume checks it).
+pub trait Source: Iterator<Item = Result<Sample, SourceError>> {
+    /// The input consumed so far.
+    fn consumed(&self) -> InputPos;
+}
+
+impl<R: BufRead> Source for JsonlSource<R> {
+    fn consumed(&self) -> InputPos {
+        JsonlSource::consumed(self)
     }
 }
 
@@ -139,30 +281,150 @@ impl<R: BufRead> Iterator for JsonlSource<R> {
 
     fn next(&mut self) -> Option<Self::Item> {
         loop {
-            self.buf.clear();
-            self.line += 1;
-            match self.reader.read_line(&mut self.buf) {
-                Ok(0) => return None,
-                Ok(_) => {}
-                Err(cause) => return Some(Err(SourceError::Io { path: self.name.clone(), cause })),
+            if self.done {
+                return None;
             }
-            let text = self.buf.trim();
+            self.line += 1;
+            match self.read_line() {
+                Ok(false) => return None,
+                Ok(true) => {}
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+            }
+            let buf = std::mem::take(&mut self.buf);
+            let text = buf.trim_ascii();
             if text.is_empty() {
+                self.buf = buf;
                 continue;
             }
-            let item = match self.parse(text) {
+            let parsed = self.parse(text);
+            self.buf = buf;
+            self.index += 1;
+            let item = match parsed {
                 Ok((id, input_ids, loss_mask)) => Ok(Sample {
-                    index: self.index,
+                    index: self.index - 1,
                     line: self.line,
-                    id: id.unwrap_or_else(|| self.index.to_string()),
+                    id: id.unwrap_or_else(|| (self.index - 1).to_string()),
                     input_ids,
                     loss_mask,
+                    end: self.consumed(),
                 }),
                 Err(problem) => Err(SourceError::Line { path: self.name.clone(), line: self.line, problem }),
             };
-            self.index += 1;
             return Some(item);
         }
+    }
+}
+
+/// What each sample must satisfy before it reaches the model.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Token ids must be below it.
+    pub vocab_size: usize,
+    /// The most tokens a sample may have.
+    pub max_tokens: usize,
+    /// Where `max_tokens` comes from, for messages (`max_position_embeddings 4096`).
+    pub max_tokens_from: String,
+}
+
+/// What a resumed run must find again at the head of its input: the samples
+/// the existing output accounts for, and the digest of the bytes they came from.
+#[derive(Clone, Debug, Default)]
+pub struct Expected {
+    /// `(id, tokens)` of input samples `0..len`, written or skipped.
+    pub samples: Vec<(String, usize)>,
+    /// The input prefix those samples end; `None` when not recorded.
+    pub prefix: Option<InputPos>,
+}
+
+/// Checks samples as they stream past, so the input is read once (a pipe
+/// works): token ids against the vocabulary, lengths, unique ids, and on a
+/// resume, that the head of the input is the one the output was made from.
+pub struct Checked<S> {
+    inner: S,
+    name: String,
+    limits: Limits,
+    // 128-bit hashes of the ids seen: 16 bytes a sample, whatever the id's length.
+    ids: std::collections::HashSet<u128>,
+    expect: Expected,
+    read: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<S: Source> Checked<S> {
+    /// Wraps `inner`; `name` (the input path) appears in messages.
+    pub fn new(inner: S, name: String, limits: Limits, expect: Expected) -> Self {
+        Checked { inner, name, limits, ids: Default::default(), expect, read: Default::default() }
+    }
+
+    /// Bytes of input read so far, updated as samples pass (for progress).
+    pub fn bytes_read(&self) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
+        self.read.clone()
+    }
+
+    fn check(&mut self, s: &Sample) -> Result<(), String> {
+        let l = &self.limits;
+        if s.len() > l.max_tokens {
+            return Err(format!(
+                "sample has {} tokens, more than {} tokens, the limit set by {}",
+                s.len(),
+                l.max_tokens,
+                l.max_tokens_from
+            ));
+        }
+        if let Some((pos, t)) = s.input_ids.iter().enumerate().find(|(_, &t)| t as usize >= l.vocab_size) {
+            return Err(format!("input_ids[{pos}] = {t} is out of range (vocab_size {})", l.vocab_size));
+        }
+        if !self.ids.insert(xxhash_rust::xxh3::xxh3_128(s.id.as_bytes())) {
+            return Err(format!("duplicate id {}", crate::clip(&format!("{:?}", s.id), 80)));
+        }
+        if let Some((id, tokens)) = self.expect.samples.get(s.index) {
+            if *id != s.id || *tokens != s.len() {
+                return Err(format!(
+                    "this is not the input the output was made from: sample {} is {} ({} tokens) here, \
+                     but {} ({tokens} tokens) in the output",
+                    s.index,
+                    crate::clip(&format!("{:?}", s.id), 60),
+                    s.len(),
+                    crate::clip(&format!("{id:?}"), 60),
+                ));
+            }
+            if s.index + 1 == self.expect.samples.len() {
+                if let Some(p) = &self.expect.prefix {
+                    if p.bytes != s.end.bytes || p.digest != s.end.digest {
+                        return Err(format!(
+                            "this is not the input the output was made from: its first {} samples are {} bytes \
+                             with digest {}, the output's came from {} bytes with digest {}",
+                            p.samples, s.end.bytes, s.end.digest, p.bytes, p.digest
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<S: Source> Iterator for Checked<S> {
+    type Item = Result<Sample, SourceError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let s = match self.inner.next()? {
+            Ok(s) => s,
+            Err(e) => return Some(Err(e)),
+        };
+        self.read.store(s.end.bytes, std::sync::atomic::Ordering::Relaxed);
+        Some(match self.check(&s) {
+            Ok(()) => Ok(s),
+            Err(problem) => Err(SourceError::Line { path: self.name.clone(), line: s.line, problem }),
+        })
+    }
+}
+
+impl<S: Source> Source for Checked<S> {
+    fn consumed(&self) -> InputPos {
+        self.inner.consumed()
     }
 }
 

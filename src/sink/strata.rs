@@ -3,12 +3,13 @@
 //!
 //! A shard is streamed to a temp file whose header region is reserved up
 //! front (safetensors allows a space-padded header), so its data never sits
-//! in memory; on close the header is filled in, the file fsynced and renamed,
-//! and only then does the manifest (rewritten atomically) list its samples.
+//! in memory; on close the header is filled in, the file fsynced, journaled
+//! and renamed ([`OutputDir::commit`]).
 
-use super::{io_err, prepare_dir, remove_temps, sync_dir, temp_path, write_atomic, OpenMode, Sink, SinkError};
-use crate::dataset::manifest::{hash_hex, Manifest, SampleInfo, ShardInfo, MANIFEST};
-use crate::pipeline::source::Sample;
+use super::output::Output;
+use super::{io_err, OpenMode, OutputDir, Sink, SinkError};
+use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo, SkippedInfo};
+use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{check_dim, DType, Dim, StatesView};
 use std::collections::BTreeMap;
 use std::io::{Seek, SeekFrom, Write};
@@ -39,9 +40,14 @@ fn entry_json(name: &str, e: &Entry) -> String {
 
 const SHARD_METADATA: &str = "\"__metadata__\":{\"format\":\"strata\",\"schema_version\":\"1\"}";
 
+/// The JSON-quoted length of a tensor name (ids may need escaping).
+fn quoted_len(name: &str) -> usize {
+    serde_json::Value::String(name.to_string()).to_string().len()
+}
+
 struct ShardWriter {
     index: usize,
-    path: PathBuf,
+    name: String,
     tmp: PathBuf,
     file: std::io::BufWriter<std::fs::File>,
     reserve: usize,
@@ -49,20 +55,20 @@ struct ShardWriter {
     data_len: u64,
     entries: BTreeMap<String, Entry>,
     samples: Vec<SampleInfo>,
+    end: InputPos,
 }
 
 impl ShardWriter {
-    fn create(dir: &Path, index: usize, reserve: usize) -> Result<Self, SinkError> {
-        let path = dir.join(StrataSink::<usize, usize>::shard_name(index));
-        let tmp = temp_path(&path);
-        // Read back when the shard is compacted on close.
-        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp);
-        let mut file = std::io::BufWriter::with_capacity(4 << 20, f.map_err(io_err(&tmp))?);
+    fn create(out: &OutputDir, index: usize, reserve: usize) -> Result<Self, SinkError> {
+        let name = StrataSink::<usize, usize>::shard_name(index);
+        // Opened read-write: read back when the shard is compacted on close.
+        let (tmp, f) = out.create_temp(&name)?;
+        let mut file = std::io::BufWriter::with_capacity(4 << 20, f);
         // Header region, filled in on close.
         file.write_all(&vec![b' '; 8 + reserve]).map_err(io_err(&tmp))?;
         Ok(ShardWriter {
             index,
-            path,
+            name,
             tmp,
             file,
             reserve,
@@ -70,6 +76,7 @@ impl ShardWriter {
             data_len: 0,
             entries: BTreeMap::new(),
             samples: Vec::new(),
+            end: InputPos::default(),
         })
     }
 
@@ -85,10 +92,10 @@ impl ShardWriter {
         self.file.write_all(bytes).map_err(io_err(&self.tmp))
     }
 
-    /// Fills in the header, fsyncs and renames. When the unused part of the
-    /// reserved header region would be more than 1/16 of the data (small
-    /// shards), the data is copied behind a tight header instead.
-    fn close(self) -> Result<(ShardInfo, Vec<SampleInfo>), SinkError> {
+    /// Fills in the header and fsyncs; returns the temporary file to commit.
+    /// When the unused part of the reserved header region would be more than
+    /// 1/16 of the data (small shards), the data is copied behind a tight header instead.
+    fn close(self, out: &OutputDir) -> Result<(PathBuf, ShardInfo, Vec<SampleInfo>, InputPos), SinkError> {
         let mut header = String::with_capacity(self.reserve);
         header.push('{');
         header.push_str(SHARD_METADATA);
@@ -97,10 +104,18 @@ impl ShardWriter {
             header.push_str(&entry_json(name, e));
         }
         header.push('}');
-        debug_assert!(header.len() <= self.reserve, "header outgrew its reserve");
+        if header.len() > self.reserve {
+            // `write_sample` bounds every entry, so this is a bug, reported rather than written.
+            return Err(SinkError::Directory(format!(
+                "shard {} header needs {} bytes, more than the {} reserved",
+                self.name,
+                header.len(),
+                self.reserve
+            )));
+        }
         let mut header = header.into_bytes();
         let tight = header.len().next_multiple_of(8);
-        let compact = (self.reserve - tight) as u64 > self.data_len / 16;
+        let compact = (self.reserve.saturating_sub(tight)) as u64 > self.data_len / 16;
         header.resize(if compact { tight } else { self.reserve }, b' ');
         let tmp = self.tmp.clone();
         let mut f = self.file.into_inner().map_err(|e| SinkError::Io {
@@ -108,53 +123,56 @@ impl ShardWriter {
             cause: std::io::Error::other(e.to_string()),
         })?;
         let reserve = self.reserve as u64;
-        let path = self.path.clone();
-        (|| -> std::io::Result<()> {
-            if compact {
-                let tight_tmp = temp_path(&path.with_extension("compact"));
-                let mut out = std::io::BufWriter::new(std::fs::File::create(&tight_tmp)?);
-                out.write_all(&(header.len() as u64).to_le_bytes())?;
-                out.write_all(&header)?;
+        let done = if compact {
+            let (tight_tmp, tight) = out.create_temp(&format!("{}.compact", self.name))?;
+            let r = (|| -> std::io::Result<()> {
+                let mut w = std::io::BufWriter::new(tight);
+                w.write_all(&(header.len() as u64).to_le_bytes())?;
+                w.write_all(&header)?;
                 f.seek(SeekFrom::Start(8 + reserve))?;
-                std::io::copy(&mut f, &mut out)?;
-                let out = out.into_inner().map_err(|e| std::io::Error::other(e.to_string()))?;
-                out.sync_all()?;
-                drop(f);
-                std::fs::remove_file(&tmp)?;
-                std::fs::rename(&tight_tmp, &path)
-            } else {
+                std::io::copy(&mut f, &mut w)?;
+                let w = w.into_inner().map_err(|e| std::io::Error::other(e.to_string()))?;
+                w.sync_all()
+            })();
+            drop(f);
+            let _ = std::fs::remove_file(&tmp);
+            if let Err(e) = r {
+                let _ = std::fs::remove_file(&tight_tmp);
+                return Err(io_err(&tight_tmp)(e));
+            }
+            tight_tmp
+        } else {
+            (|| -> std::io::Result<()> {
                 f.seek(SeekFrom::Start(0))?;
                 f.write_all(&reserve.to_le_bytes())?;
                 f.write_all(&header)?;
-                f.sync_all()?;
-                std::fs::rename(&tmp, &path)
-            }
-        })()
-        .map_err(io_err(&tmp))?;
+                f.sync_all()
+            })()
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                io_err(&tmp)(e)
+            })?;
+            tmp
+        };
         let bytes = 8 + header.len() as u64 + self.data_len;
-        let file = self.path.file_name().unwrap().to_string_lossy().to_string();
-        Ok((ShardInfo { file, samples: self.samples.len(), bytes }, self.samples))
+        let info = ShardInfo { file: self.name, samples: self.samples.len(), bytes, input: None };
+        Ok((done, info, self.samples, self.end))
     }
 }
 
 /// Writes the native sharded format with a manifest.
 pub struct StrataSink<L: Dim, H: Dim> {
-    dir: PathBuf,
+    out: Output,
     layers: L,
     hidden: H,
     dtype: DType,
-    manifest: Manifest,
+    shard_size: u64,
+    input_path: String,
     shard: Option<ShardWriter>,
     reserve: usize,
     buf: Vec<u8>,
     resumed: usize,
     bytes_written: u64,
-}
-
-fn ours(name: &str) -> bool {
-    (name.starts_with("shard-") && name.ends_with(".safetensors"))
-        || name == MANIFEST
-        || (name.starts_with('.') && name.ends_with(".tmp"))
 }
 
 impl<L: Dim, H: Dim> StrataSink<L, H> {
@@ -170,63 +188,38 @@ impl<L: Dim, H: Dim> StrataSink<L, H> {
         check_dim("manifest capture list", "layers", layers, manifest.capture.len())?;
         check_dim("manifest hidden_size", "hidden", hidden, manifest.model.hidden_size)?;
         let dtype: DType = manifest.dtype.parse().map_err(SinkError::Directory)?;
-        prepare_dir(dir, mode, ours)?;
-        let mut manifest = manifest;
-        if mode == OpenMode::Resume && dir.join(MANIFEST).exists() {
-            let old = Manifest::read(dir).map_err(SinkError::Directory)?;
-            old.same_job(&manifest).map_err(|e| {
-                SinkError::Directory(format!("cannot resume in {}: {e}; use --overwrite to start over", dir.display()))
-            })?;
-            // Shards renamed after the last manifest update are unlisted: they
-            // are written again, identically, under the same names.
-            for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
-                let name = e.map_err(io_err(dir))?.file_name().to_string_lossy().to_string();
-                if name.starts_with("shard-") && !old.shards.iter().any(|s| s.file == name) {
-                    std::fs::remove_file(dir.join(&name)).map_err(io_err(&dir.join(&name)))?;
-                }
-            }
-            manifest = Manifest { complete: false, ..old };
-        }
-        remove_temps(dir)?;
+        let shard_size = manifest.shard_size;
+        let input_path = manifest.input.as_ref().map_or_else(String::new, |i| i.path.clone());
+        let out = Output::new(dir, mode, Manifest { format: "strata".into(), layout: "LTH".into(), ..manifest })?;
         // Room for ~3 header entries per sample; at least 4 KiB, at most 1 MiB.
-        let reserve = ((manifest.shard_size / 256) as usize).clamp(4096, 1 << 20).next_multiple_of(8);
-        let resumed = manifest.samples.len();
-        let sink = StrataSink {
-            dir: dir.to_path_buf(),
+        let reserve = ((shard_size / 256) as usize).clamp(4096, 1 << 20).next_multiple_of(8);
+        let resumed = out.manifest().consumed();
+        Ok(StrataSink {
+            out,
             layers,
             hidden,
             dtype,
-            manifest,
+            shard_size,
+            input_path,
             shard: None,
             reserve,
             buf: Vec::new(),
             resumed,
             bytes_written: 0,
-        };
-        sink.write_manifest()?;
-        Ok(sink)
+        })
     }
 
     /// The manifest as written so far.
     pub fn manifest(&self) -> &Manifest {
-        &self.manifest
-    }
-
-    fn write_manifest(&self) -> Result<(), SinkError> {
-        let text = serde_json::to_string_pretty(&self.manifest).expect("manifest serialises");
-        write_atomic(&self.dir.join(MANIFEST), |f| f.write_all(text.as_bytes()))?;
-        sync_dir(&self.dir);
-        Ok(())
+        self.out.manifest()
     }
 
     fn close_shard(&mut self) -> Result<(), SinkError> {
         if let Some(shard) = self.shard.take() {
-            let (info, samples) = shard.close()?;
-            sync_dir(&self.dir);
+            let out = self.out.get()?;
+            let (tmp, info, samples, end) = shard.close(out)?;
             self.bytes_written += info.bytes;
-            self.manifest.shards.push(info);
-            self.manifest.samples.extend(samples);
-            self.write_manifest()?;
+            out.commit(&tmp, info, samples, end)?;
         }
         Ok(())
     }
@@ -247,16 +240,25 @@ impl<L: Dim, H: Dim> Sink<L, H> for StrataSink<L, H> {
             format!("{}.loss_mask", sample.id),
             format!("{}.hidden_states", sample.id),
         ];
-        // Bound on one entry: quoted name plus at most 150 bytes of dtype, shape and offsets.
-        let header_growth: usize = names.iter().map(|n| n.len() + 2 + 150).sum();
+        // Bound on one entry: the quoted (escaped) name plus at most 150 bytes
+        // of dtype, shape and offsets, and a comma.
+        let header_growth: usize = names.iter().map(|n| quoted_len(n) + 151).sum();
         if let Some(s) = &self.shard {
-            if s.data_len + sample_bytes > self.manifest.shard_size || s.header_len + header_growth > self.reserve {
+            if s.data_len + sample_bytes > self.shard_size || s.header_len + header_growth > self.reserve {
                 self.close_shard()?;
             }
         }
         if self.shard.is_none() {
-            let index = self.manifest.shards.len();
-            self.shard = Some(ShardWriter::create(&self.dir, index, self.reserve)?);
+            if 2 + SHARD_METADATA.len() + header_growth > self.reserve {
+                return Err(SinkError::Directory(format!(
+                    "sample {}: its tensor names do not fit a shard header of {} bytes",
+                    crate::clip(&sample.id, 80),
+                    self.reserve
+                )));
+            }
+            let out = self.out.get()?;
+            let index = out.manifest().shards.len();
+            self.shard = Some(ShardWriter::create(out, index, self.reserve)?);
         }
         let shard = self.shard.as_mut().expect("opened above");
         let mut hasher = Xxh3::new();
@@ -294,14 +296,21 @@ impl<L: Dim, H: Dim> Sink<L, H> for StrataSink<L, H> {
             shard: shard.index,
             tokens: t,
             checksum: hash_hex(hasher.digest()),
+            index: Some(sample.index),
         });
+        shard.end = sample.end.clone();
         Ok(())
     }
 
-    fn finish(&mut self) -> Result<(), SinkError> {
+    fn skip_sample(&mut self, sample: &Sample, reason: String) -> Result<(), SinkError> {
+        let info = SkippedInfo { index: sample.index, id: sample.id.clone(), tokens: sample.len(), reason };
+        self.out.get()?.skip(info, sample.end.clone());
+        Ok(())
+    }
+
+    fn finish(&mut self, input: InputPos) -> Result<(), SinkError> {
         self.close_shard()?;
-        self.manifest.complete = true;
-        self.write_manifest()
+        self.out.get()?.finish(InputInfo { path: self.input_path.clone(), whole: input })
     }
 
     fn resume_from(&self) -> usize {

@@ -1,20 +1,21 @@
-//! The extraction job behind `strata extract`: validate the input, load the
-//! model, then run the pipeline into the chosen format.
+//! The extraction job behind `strata extract`: load the model, open the
+//! output, then stream the input once through the checks, the model and
+//! the chosen format.
 
 use crate::embedded;
-use std::collections::HashSet;
 use std::io::BufRead;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use strata::dataset::manifest::{Manifest, ModelInfo};
-use strata::hf::{ArchInfo, Checkpoint};
+use strata::dataset::manifest::{InputInfo, Manifest, ModelInfo, RunInfo};
+use strata::hf::Checkpoint;
 use strata::model::{AnyConfig, AnyModel, BackendKind, LoadOptions, Model, ModelError};
 use strata::pipeline::capture::{CaptureError, CapturePoint, CaptureSet};
-use strata::pipeline::source::{JsonlSource, Sample, SourceError};
+use strata::pipeline::source::{Checked, Expected, InputPos, JsonlSource, Limits, SourceError};
 use strata::pipeline::{Pipeline, PipelineError, Progress, Report};
 use strata::shape::DType;
-use strata::sink::{OpenMode, Sink, SinkError, SpeculatorsSink, StrataSink};
-use tracing::info;
+use strata::sink::{FiniteCheck, OnNonFinite, OpenMode, Sink, SinkError, SpeculatorsSink, StrataSink};
 
 /// Output formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,15 +51,12 @@ pub struct ExtractJob {
     pub tp: usize,
     /// The backend the model runs on.
     pub backend: BackendKind,
+    /// What to do with a sample whose states hold NaN or Inf.
+    pub on_nonfinite: OnNonFinite,
 }
 
-/// What `write` needs besides the model.
-struct Ctx<'a> {
-    config: &'a ArchInfo,
-    config_text: &'a str,
-    points: &'a [CapturePoint],
-    captures: CaptureSet<usize>,
-}
+/// The longest `config.json` read.
+const MAX_CONFIG_BYTES: u64 = 64 << 20;
 
 /// Why an extraction stopped. Nothing is written before the input is fully validated.
 #[derive(Debug, thiserror::Error)]
@@ -72,16 +70,6 @@ pub enum ExtractError {
     /// Output.
     #[error(transparent)]
     Sink(#[from] SinkError),
-    /// A sample the model cannot take.
-    #[error("{path}:{line}: {problem}")]
-    Input {
-        /// The data file.
-        path: String,
-        /// 1-based line.
-        line: usize,
-        /// What is wrong.
-        problem: String,
-    },
     /// A checkpoint without data: the embedded samples fit only the embedded model.
     #[error("--model needs --data FILE.jsonl (the embedded demo data is made for the embedded model)")]
     DataRequired,
@@ -108,54 +96,51 @@ impl From<PipelineError> for ExtractError {
 pub struct Summary {
     /// The pipeline's report (samples, tokens, time per stage).
     pub report: Report,
-    /// Samples in the input.
-    pub total_samples: usize,
-    /// Tokens in the input.
-    pub total_tokens: usize,
     /// The capture points, in output order.
     pub points: Vec<CapturePoint>,
     /// Storage dtype.
     pub dtype: Option<DType>,
-    /// Time validating the input.
-    pub validate_time: Duration,
     /// Time loading the model.
     pub load_time: Duration,
     /// Bytes the loaded weights hold in memory (all ranks).
     pub weight_bytes: usize,
     /// How the checkpoint stores its weights (quantisation scheme or dtype).
     pub weight_storage: String,
+    /// Samples left out for non-finite states (`--on-nonfinite skip`).
+    pub skipped: usize,
 }
 
-/// Counts of a validated input.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct InputStats {
-    /// Samples.
-    pub samples: usize,
-    /// Tokens.
-    pub tokens: usize,
+/// How far through the input a run is, for progress.
+#[derive(Clone, Debug, Default)]
+pub struct InputProgress {
+    /// Bytes read.
+    pub read: u64,
+    /// The input's length, when it is a file (a pipe's is unknown).
+    pub total: Option<u64>,
 }
 
 impl ExtractJob {
-    fn source(&self) -> Result<JsonlSource<Box<dyn BufRead>>, ExtractError> {
-        Ok(match &self.data {
-            Some(p) => {
-                let f =
-                    std::fs::File::open(p).map_err(|cause| SourceError::Io { path: p.display().to_string(), cause })?;
-                JsonlSource::new(p.display().to_string(), Box::new(std::io::BufReader::new(f)))
-            }
-            None => JsonlSource::new("<embedded data>".into(), Box::new(embedded::DATA_JSONL.as_bytes())),
-        })
-    }
-
     fn data_name(&self) -> String {
         self.data.as_ref().map_or("<embedded data>".into(), |p| p.display().to_string())
+    }
+
+    /// The input, opened once: a file, a pipe or a FIFO (`-` is stdin).
+    fn open_input(&self) -> Result<(Box<dyn BufRead + Send>, Option<u64>), ExtractError> {
+        Ok(match &self.data {
+            Some(p) => {
+                let (r, len) = strata::files::open_stream(p)
+                    .map_err(|cause| SourceError::Io { path: p.display().to_string(), cause })?;
+                (Box::new(std::io::BufReader::with_capacity(1 << 20, r)), len)
+            }
+            None => (Box::new(embedded::DATA_JSONL.as_bytes()), Some(embedded::DATA_JSONL.len() as u64)),
+        })
     }
 
     fn config_text(&self) -> Result<String, ExtractError> {
         match &self.model {
             Some(dir) => {
                 let path = dir.join("config.json");
-                std::fs::read_to_string(&path).map_err(|cause| {
+                strata::files::read_text(&path, MAX_CONFIG_BYTES).map_err(|cause| {
                     ModelError::Config(strata::hf::ConfigError::Io { path: path.display().to_string(), cause }).into()
                 })
             }
@@ -163,38 +148,8 @@ impl ExtractJob {
         }
     }
 
-    /// Reads the whole input once: every line parses, token ids fit the
-    /// vocabulary, lengths fit `max_position_embeddings`, ids are unique.
-    pub fn validate(&self, config: &ArchInfo) -> Result<InputStats, ExtractError> {
-        let _s = tracing::info_span!("validate").entered();
-        let path = self.data_name();
-        let mut stats = InputStats::default();
-        let mut ids: HashSet<String> = HashSet::new();
-        for s in self.source()? {
-            let s: Sample = s?;
-            let err = |problem: String| ExtractError::Input { path: path.clone(), line: s.line, problem };
-            if s.len() > config.max_position_embeddings {
-                return Err(err(format!(
-                    "sample has {} tokens, more than max_position_embeddings {}",
-                    s.len(),
-                    config.max_position_embeddings
-                )));
-            }
-            if let Some((pos, t)) = s.input_ids.iter().enumerate().find(|(_, &t)| t as usize >= config.vocab_size) {
-                return Err(err(format!("input_ids[{pos}] = {t} is out of range (vocab_size {})", config.vocab_size)));
-            }
-            if !ids.insert(s.id.clone()) {
-                return Err(err(format!("duplicate id {:?}", s.id)));
-            }
-            stats.samples += 1;
-            stats.tokens += s.len();
-        }
-        info!(samples = stats.samples, tokens = stats.tokens, "input validated");
-        Ok(stats)
-    }
-
-    /// Runs the job, calling `progress` after every forward step with the input's totals.
-    pub fn run(&self, mut progress: impl FnMut(&Progress, &InputStats)) -> Result<Summary, ExtractError> {
+    /// Runs the job, calling `progress` after every forward step with how far through the input it is.
+    pub fn run(&self, mut progress: impl FnMut(&Progress, &InputProgress)) -> Result<Summary, ExtractError> {
         let _span = tracing::info_span!("extract", out = %self.out.display()).entered();
         if self.model.is_some() && self.data.is_none() {
             return Err(ExtractError::DataRequired);
@@ -208,13 +163,7 @@ impl ExtractJob {
         let opts = LoadOptions { backend: self.backend, tp: self.tp };
         // Checked before the input is read or any weight is touched.
         config.check(opts)?;
-
-        // Validate every line before anything is written: a bad line fails the run with no output.
-        let t = Instant::now();
-        let stats = self.validate(&info)?;
-        summary.validate_time = t.elapsed();
-        summary.total_samples = stats.samples;
-        summary.total_tokens = stats.tokens;
+        let (reader, input_len) = self.open_input()?;
 
         let t = Instant::now();
         summary.weight_storage = config.quantization().unwrap_or_default();
@@ -224,6 +173,7 @@ impl ExtractJob {
             Some(dir) => Checkpoint::open_scoped(dir, &prefix),
             None => embedded::checkpoint(),
         };
+        let weights_digest = open().map_err(ModelError::from)?.digest();
         let model = config.load(opts, open)?;
         summary.load_time = t.elapsed();
         summary.weight_bytes = model.weight_bytes();
@@ -232,50 +182,107 @@ impl ExtractJob {
         }
         let dtype = self.dtype.unwrap_or(model.dtype());
         summary.dtype = Some(dtype);
-        let ctx = Ctx { config: &info, config_text: &config_text, points: &points, captures };
-        let mut progress = |p: &Progress| progress(p, &stats);
-        summary.report = self.write(&model, dtype, ctx, &mut progress)?;
-        summary.points = points;
-        Ok(summary)
-    }
 
-    fn write(
-        &self,
-        model: &AnyModel,
-        dtype: DType,
-        ctx: Ctx<'_>,
-        progress: &mut dyn FnMut(&Progress),
-    ) -> Result<Report, ExtractError> {
-        let Ctx { config, config_text, points, captures } = ctx;
-        match self.format {
+        let path = self.model.as_ref().map_or(embedded::NAME.into(), |p| p.display().to_string());
+        let mut job = Manifest::new(ModelInfo::new(&path, &info, &config_text), &points, dtype, self.shard_size);
+        job.model.weights_digest = weights_digest;
+        let kernel = match self.backend {
+            BackendKind::Cpu => strata::backend::cpu::gemm::kernel_name(),
+            BackendKind::Reference => "reference",
+        };
+        job.run = Some(RunInfo {
+            backend: self.backend.name().into(),
+            tp: self.tp,
+            compute: model.compute().to_string(),
+            kernel: kernel.into(),
+        });
+        job.on_nonfinite = self.on_nonfinite.as_str().into();
+        job.input = Some(InputInfo { path: self.data_name(), whole: InputPos::default() });
+
+        let max = info.max_position_embeddings;
+        let from = format!("max_position_embeddings {max}"); // MERGE: default note
+                                                             // A token takes at most 11 bytes as `4294967295,` and 2 in a loss mask; allow spaces too.
+        let max_line = max.saturating_mul(32).max(1 << 20);
+        let source = JsonlSource::new(self.data_name(), reader).max_line(max_line).max_tokens(max, from.clone());
+        let limits = Limits { vocab_size: info.vocab_size, max_tokens: max, max_tokens_from: from };
+        let names: Vec<String> = points.iter().map(|p| p.to_string()).collect();
+        let input = Input { source, limits, len: input_len };
+        let mut report_progress = |p: &Progress, i: &InputProgress| progress(p, i);
+        let (report, skipped) = match self.format {
             Format::Strata => {
-                let path = self.model.as_ref().map_or(embedded::NAME.into(), |p| p.display().to_string());
-                let info = ModelInfo::new(&path, config, config_text);
-                let manifest = Manifest::new(info, points, dtype, self.shard_size);
-                let sink = StrataSink::open(&self.out, manifest, points.len(), config.hidden_size, self.mode)?;
-                self.drive(model, captures, sink, progress)
+                let sink = StrataSink::open(&self.out, job, points.len(), info.hidden_size, self.mode)?;
+                let expect = expected(sink.manifest())?;
+                let sink = FiniteCheck::new(sink, self.on_nonfinite, names, dtype);
+                self.drive(&model, captures, input, expect, sink, &mut report_progress)?
             }
             Format::Speculators => {
-                let sink = SpeculatorsSink::open(&self.out, dtype, self.mode)?;
-                self.drive(model, captures, sink, progress)
+                let sink = SpeculatorsSink::open(&self.out, job, self.mode)?;
+                let expect = expected(sink.manifest())?;
+                let sink = FiniteCheck::new(sink, self.on_nonfinite, names, dtype);
+                self.drive(&model, captures, input, expect, sink, &mut report_progress)?
             }
-        }
+        };
+        summary.report = report;
+        summary.skipped = skipped;
+        summary.points = points;
+        Ok(summary)
     }
 
     fn drive<K: Sink<usize, usize>>(
         &self,
         model: &AnyModel,
         captures: CaptureSet<usize>,
-        sink: K,
-        progress: &mut dyn FnMut(&Progress),
-    ) -> Result<Report, ExtractError> {
-        let (report, _) = Pipeline::new(self.source()?)
+        input: Input,
+        expect: Expected,
+        sink: FiniteCheck<K>,
+        progress: &mut dyn FnMut(&Progress, &InputProgress),
+    ) -> Result<(Report, usize), ExtractError> {
+        let source = Checked::new(input.source, self.data_name(), input.limits, expect);
+        let read: Arc<AtomicU64> = source.bytes_read();
+        let total = input.len;
+        let (report, sink) = Pipeline::new(source)
             .max_batch_tokens(self.max_batch_tokens)
             .model(model)
             .capture(captures)
             .sink(sink)
-            .on_progress(progress)
+            .on_progress(move |p| progress(p, &InputProgress { read: read.load(Ordering::Relaxed), total }))
             .run()?;
-        Ok(report)
+        Ok((report, sink.skipped()))
     }
+}
+
+/// The input stream with its limits.
+struct Input {
+    source: JsonlSource<Box<dyn BufRead + Send>>,
+    limits: Limits,
+    len: Option<u64>,
+}
+
+/// What the head of the input must be for the output in a resumed directory.
+fn expected(m: &Manifest) -> Result<Expected, ExtractError> {
+    let n = m.consumed();
+    let mut samples: Vec<Option<(String, usize)>> = vec![None; n];
+    let listed = m.samples.iter().enumerate().map(|(i, s)| (s.index.unwrap_or(i), &s.id, s.tokens));
+    for (index, id, tokens) in listed.chain(m.skipped.iter().map(|s| (s.index, &s.id, s.tokens))) {
+        match samples.get_mut(index) {
+            Some(slot @ None) => *slot = Some((id.clone(), tokens)),
+            _ => {
+                return Err(SinkError::Directory(format!(
+                    "the existing manifest is inconsistent: input sample {index} is listed twice or past the \
+                     {n} it accounts for; use --overwrite to start over"
+                ))
+                .into())
+            }
+        }
+    }
+    let samples = samples.into_iter().enumerate().map(|(i, s)| {
+        s.ok_or_else(|| {
+            SinkError::Directory(format!(
+                "the existing manifest is inconsistent: it accounts for {n} input samples but does not list \
+                 sample {i}; use --overwrite to start over"
+            ))
+        })
+    });
+    let samples = samples.collect::<Result<_, _>>()?;
+    Ok(Expected { samples, prefix: m.shards.last().and_then(|s| s.input.clone()) })
 }

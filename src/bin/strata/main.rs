@@ -15,7 +15,7 @@ mod verify;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use extract::{ExtractJob, Format, Summary};
+use extract::{ExtractJob, Format, InputProgress, Summary};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use strata::model::BackendKind;
 use strata::pipeline::Progress;
 use strata::shape::DType;
-use strata::sink::OpenMode;
+use strata::sink::{OnNonFinite, OpenMode};
 
 #[derive(Parser)]
 #[command(name = "strata", version, about = "Shape-verified hidden-state extraction from transformer LLMs")]
@@ -150,6 +150,14 @@ impl From<BackendArg> for BackendKind {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum NonFiniteArg {
+    /// Stop with an error naming the sample and capture point.
+    Fail,
+    /// Leave the sample out, count it, and list it in the manifest's `skipped`.
+    Skip,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum DTypeArg {
     F32,
     Bf16,
@@ -169,7 +177,8 @@ struct ExtractArgs {
     /// HF checkpoint directory (config.json + *.safetensors). Default: the embedded demo model.
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
-    /// JSON Lines file, one {"input_ids": [...]} per line. Default: the embedded demo data.
+    /// JSON Lines, one {"input_ids": [...]} per line: a file, a pipe or FIFO,
+    /// or - for stdin. Read once, checked as it streams. Default: the embedded demo data.
     #[arg(long, value_name = "FILE.jsonl")]
     data: Option<PathBuf>,
     /// Comma list of capture points (see below), in output order.
@@ -193,9 +202,12 @@ struct ExtractArgs {
     /// Continue an interrupted run in --out: keep finished files, skip their samples.
     #[arg(long, conflicts_with = "overwrite")]
     resume: bool,
-    /// Replace the output an earlier run left in --out.
+    /// Replace the output an earlier run (of either format) left in --out.
     #[arg(long)]
     overwrite: bool,
+    /// What to do with a sample whose captured states hold NaN or Inf.
+    #[arg(long, value_enum, value_name = "WHAT", default_value = "fail")]
+    on_nonfinite: NonFiniteArg,
     /// Tensor-parallel ranks: the model's heads and MLP split over N threads.
     #[arg(long, value_name = "N", default_value_t = 1)]
     tp: usize,
@@ -264,43 +276,43 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 /// Progress on stderr: a bar on a terminal, a log line every 10 s otherwise.
+/// The input is read once, as it streams, so progress is in bytes of input
+/// (a pipe's length is unknown: then samples and tokens only).
 struct Reporter {
     bar: Option<indicatif::ProgressBar>,
     last_line: Instant,
-    total_samples: usize,
-    total_tokens: usize,
 }
 
 impl Reporter {
     fn new() -> Self {
-        Reporter { bar: None, last_line: Instant::now(), total_samples: 0, total_tokens: 0 }
+        Reporter { bar: None, last_line: Instant::now() }
     }
 
-    fn update(&mut self, p: &Progress) {
+    fn update(&mut self, p: &Progress, input: &InputProgress) {
         let secs = p.elapsed.as_secs_f64().max(1e-9);
         let tps = p.tokens as f64 / secs;
+        let done = p.resumed + p.samples;
         if std::io::stderr().is_terminal() {
             let bar = self.bar.get_or_insert_with(|| {
-                let b = indicatif::ProgressBar::new(self.total_samples as u64);
-                b.set_style(
-                    indicatif::ProgressStyle::with_template(
-                        "{bar:40.cyan/blue} {pos}/{len} samples  {msg}  elapsed {elapsed_precise}  eta {eta}",
-                    )
-                    .expect("valid template"),
-                );
+                let (b, template) = match input.total {
+                    Some(n) => (
+                        indicatif::ProgressBar::new(n),
+                        "{bar:40.cyan/blue} {percent}% of input  {msg}  elapsed {elapsed_precise}  eta {eta}",
+                    ),
+                    None => (indicatif::ProgressBar::new_spinner(), "{spinner} {msg}  elapsed {elapsed_precise}"),
+                };
+                b.set_style(indicatif::ProgressStyle::with_template(template).expect("valid template"));
                 b
             });
-            bar.set_position((p.resumed + p.samples) as u64);
-            bar.set_message(format!("{tps:.0} tokens/s"));
+            bar.set_position(input.read);
+            bar.set_message(format!("{done} samples, {tps:.0} tokens/s"));
         } else if self.last_line.elapsed() >= Duration::from_secs(10) {
             self.last_line = Instant::now();
-            let left = self.total_tokens.saturating_sub(p.tokens) as f64 / tps.max(1e-9);
-            eprintln!(
-                "progress: {}/{} samples, {} tokens, {tps:.0} tokens/s, eta {left:.0}s",
-                p.resumed + p.samples,
-                self.total_samples,
-                p.tokens
-            );
+            let of = match input.total {
+                Some(n) if n > 0 => format!(" ({:.1}% of the input)", 100.0 * input.read as f64 / n as f64),
+                _ => String::new(),
+            };
+            eprintln!("progress: {done} samples{of}, {} tokens, {tps:.0} tokens/s", p.tokens);
         }
     }
 }
@@ -320,13 +332,15 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
     if p.resumed > 0 {
         say!("  resumed     {} samples were already written", p.resumed);
     }
+    if s.skipped > 0 {
+        say!("  skipped     {} samples with NaN or Inf states (listed in the manifest's `skipped`)", s.skipped);
+    }
     say!("  capture     {} ({})", points.join(","), s.dtype.map_or("?".into(), |d| d.to_string()));
     say!("  bytes       {}", r.bytes);
     say!("  weights     {:.1} MiB in memory ({})", s.weight_bytes as f64 / (1 << 20) as f64, s.weight_storage);
     say!("  throughput  {:.0} tokens/s over {:.2}s ({} steps)", p.tokens as f64 / secs, secs, r.steps);
     say!(
-        "  stages      validate {:.2}s, load {:.2}s, schedule {:.2}s, forward {:.2}s, gather {:.2}s, write {:.2}s",
-        s.validate_time.as_secs_f64(),
+        "  stages      load {:.2}s, read {:.2}s, forward {:.2}s, gather {:.2}s, write {:.2}s",
         s.load_time.as_secs_f64(),
         r.schedule_time.as_secs_f64(),
         r.forward_time.as_secs_f64(),
@@ -370,20 +384,20 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         },
         tp: a.tp,
         backend: a.backend.into(),
+        on_nonfinite: match a.on_nonfinite {
+            NonFiniteArg::Fail => OnNonFinite::Fail,
+            NonFiniteArg::Skip => OnNonFinite::Skip,
+        },
     };
     let model = a.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
     let mut reporter = Reporter::new();
     let summary = job
-        .run(|p, totals| {
-            reporter.total_samples = totals.samples;
-            reporter.total_tokens = totals.tokens;
-            reporter.update(p)
-        })
+        .run(|p, input| reporter.update(p, input))
         .with_context(|| format!("strata extract failed (model {model})"))?;
     if let Some(bar) = reporter.bar.take() {
         bar.finish_and_clear();
     }
-    if summary.total_samples == 0 {
+    if summary.report.progress.samples + summary.report.progress.resumed + summary.skipped == 0 {
         eprintln!("warning: the input holds no samples; the output is empty");
     }
     print_summary(&summary, &a.out);

@@ -1,0 +1,112 @@
+//! NaN and Inf at the file boundary: a sink wrapper that checks each
+//! sample's states as they are written, in the stored dtype (an f32 value
+//! past f16's range is Inf once stored), and fails or skips.
+
+use super::{Sink, SinkError};
+use crate::pipeline::source::{InputPos, Sample};
+use crate::shape::{DType, Dim, StatesView};
+
+/// What to do with a sample whose states hold NaN or Inf.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnNonFinite {
+    /// Stop the run, naming the sample and capture point (the default).
+    Fail,
+    /// Leave the sample out, count it, and record its id in the manifest.
+    Skip,
+}
+
+impl OnNonFinite {
+    /// The manifest's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnNonFinite::Fail => "fail",
+            OnNonFinite::Skip => "skip",
+        }
+    }
+}
+
+/// The smallest magnitude that is not finite once stored as `dtype`
+/// (round to nearest even rounds it up to Inf).
+fn overflow(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => f32::INFINITY,
+        DType::BF16 => f32::from_bits(0x7f7f_8000),
+        DType::F16 => 65520.0,
+    }
+}
+
+/// Wraps a sink with the non-finite check.
+pub struct FiniteCheck<K> {
+    inner: K,
+    policy: OnNonFinite,
+    points: Vec<String>,
+    limit: f32,
+    skipped: usize,
+}
+
+impl<K> FiniteCheck<K> {
+    /// `points` names the `L` axis for messages; `dtype` is the stored dtype.
+    pub fn new(inner: K, policy: OnNonFinite, points: Vec<String>, dtype: DType) -> Self {
+        FiniteCheck { inner, policy, points, limit: overflow(dtype), skipped: 0 }
+    }
+
+    /// Samples skipped so far.
+    pub fn skipped(&self) -> usize {
+        self.skipped
+    }
+
+    /// The wrapped sink.
+    pub fn into_inner(self) -> K {
+        self.inner
+    }
+}
+
+impl<L: Dim, H: Dim, K: Sink<L, H>> Sink<L, H> for FiniteCheck<K> {
+    fn write_sample(&mut self, sample: &Sample, states: StatesView<'_, L, H>) -> Result<(), SinkError> {
+        let limit = self.limit;
+        // False for NaN, Inf and what rounds to Inf once stored.
+        let fits = |x: &f32| x.abs() < limit;
+        // Branch-free within a chunk so it vectorises.
+        let bad = |xs: &[f32]| xs.chunks(256).any(|c| c.iter().fold(false, |a, x| a | !fits(x)));
+        for l in 0..states.shape()[0] {
+            let xs = states.layer(l);
+            if !bad(xs) {
+                continue;
+            }
+            let nan = xs.iter().filter(|x| x.is_nan()).count();
+            let inf = xs.iter().filter(|x| !x.is_nan() && !fits(x)).count();
+            let point = self.points.get(l).cloned().unwrap_or_else(|| format!("#{l}"));
+            return match self.policy {
+                OnNonFinite::Fail => {
+                    Err(SinkError::NonFinite { id: crate::clip(&sample.id, 80), line: sample.line, point, nan, inf })
+                }
+                OnNonFinite::Skip => {
+                    tracing::warn!(
+                        "sample {} (line {}) skipped: {point} holds {nan} NaN and {inf} Inf values",
+                        crate::clip(&sample.id, 80),
+                        sample.line
+                    );
+                    self.skipped += 1;
+                    self.inner.skip_sample(sample, format!("{point}: {nan} NaN, {inf} Inf"))
+                }
+            };
+        }
+        self.inner.write_sample(sample, states)
+    }
+
+    fn skip_sample(&mut self, sample: &Sample, reason: String) -> Result<(), SinkError> {
+        self.inner.skip_sample(sample, reason)
+    }
+
+    fn finish(&mut self, input: InputPos) -> Result<(), SinkError> {
+        self.inner.finish(input)
+    }
+
+    fn resume_from(&self) -> usize {
+        self.inner.resume_from()
+    }
+
+    fn bytes_written(&self) -> u64 {
+        self.inner.bytes_written()
+    }
+}

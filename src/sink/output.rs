@@ -1,0 +1,471 @@
+//! The output directory both formats write into, and the rules that keep it
+//! sound under crashes, full disks, hostile neighbours and a second run:
+//!
+//! - an advisory lock on `OUT/.strata.lock`: one run per directory;
+//! - every file is written under `.NAME.NONCE.tmp`, created exclusively
+//!   without following links, fsynced, journaled, and only then renamed to
+//!   its final name, so a final name never holds a partial file and every
+//!   final name a run creates was listed first;
+//! - `--resume` deletes only files the manifest or journal lists and
+//!   temporary files carrying the nonce the manifest records; it redoes
+//!   listed files that are missing or truncated, and never calls a
+//!   directory with a hole complete;
+//! - `--overwrite` removes the old manifest first, so nothing half-deleted
+//!   looks complete, then every file of either format.
+
+use super::{io_err, OpenMode, SinkError};
+use crate::dataset::manifest::{InputInfo, JournalEntry, Manifest, SampleInfo, ShardInfo, SkippedInfo, JOURNAL};
+use crate::dataset::manifest::{InputPos, MANIFEST};
+use crate::files;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// The lock file's name.
+pub const LOCK: &str = ".strata.lock";
+
+/// Aborts the process at a named write stage when `STRATA_FAILPOINT` says
+/// so (`STAGE` or `STAGE:N` for its N-th hit): how the tests kill a run at
+/// every stage. Costs one relaxed load when unset.
+pub(crate) fn failpoint(stage: &str) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::OnceLock;
+    static SPEC: OnceLock<Option<(String, usize)>> = OnceLock::new();
+    static HITS: AtomicUsize = AtomicUsize::new(0);
+    let spec = SPEC.get_or_init(|| {
+        let v = std::env::var("STRATA_FAILPOINT").ok()?;
+        let (name, n) = v.split_once(':').map_or((v.as_str(), "1"), |(a, b)| (a, b));
+        Some((name.to_string(), n.parse().unwrap_or(1)))
+    });
+    if let Some((name, n)) = spec {
+        if name == stage && HITS.fetch_add(1, Ordering::Relaxed) + 1 >= *n {
+            tracing::error!("STRATA_FAILPOINT: aborting at {stage}");
+            std::process::abort();
+        }
+    }
+}
+
+/// A fresh nonce: 16 hex digits from the clock, the pid and an address.
+fn new_nonce() -> String {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let local = 0u8;
+    let seed = format!("{t}:{}:{:p}", std::process::id(), &local);
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(seed.as_bytes()))
+}
+
+/// Whether `name` is a temporary file of the run with `nonce`.
+fn temp_of(name: &str, nonce: &str) -> bool {
+    !nonce.is_empty() && name.starts_with('.') && name.ends_with(&format!(".{nonce}.tmp"))
+}
+
+/// Whether `name` is a file some Strata run writes at the top of a directory
+/// (what `--overwrite` removes even when no manifest lists it).
+fn strata_named(name: &str) -> bool {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let temp = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")).and_then(|n| n.rsplit_once('.'));
+    name == MANIFEST
+        || name == JOURNAL
+        || name.strip_prefix("shard-").and_then(|n| n.strip_suffix(".safetensors")).is_some_and(digits)
+        || name.strip_prefix("hs_").and_then(|n| n.strip_suffix(".safetensors")).is_some_and(digits)
+        || temp.is_some_and(|(_, nonce)| nonce.len() == 16 && nonce.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// fsyncs a directory so renames in it are durable (a no-op where the filesystem refuses).
+pub(crate) fn sync_dir(dir: &Path) {
+    if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
+        tracing::debug!("fsync of directory {}: {e}", dir.display());
+    }
+}
+
+fn dir_err(msg: String) -> SinkError {
+    SinkError::Directory(msg)
+}
+
+/// Removes a file that must be ours; absent is fine.
+fn remove(path: &Path) -> Result<(), SinkError> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io_err(path)(e)),
+        _ => Ok(()),
+    }
+}
+
+/// An output directory, locked, with its manifest as written so far.
+pub struct OutputDir {
+    dir: PathBuf,
+    // Held for the run: the advisory lock lives as long as the descriptor.
+    _lock: File,
+    nonce: String,
+    manifest: Manifest,
+    journal: Option<File>,
+    // Samples skipped since the last journaled file, and the input position after them.
+    skipped: Vec<SkippedInfo>,
+    skipped_end: Option<InputPos>,
+}
+
+impl OutputDir {
+    /// Locks and prepares `dir` for the job `job` describes (its `shards`
+    /// and `samples` empty). With [`OpenMode::Resume`] an existing manifest
+    /// must describe the same job; its sound files are kept.
+    pub fn open(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
+        let _s = tracing::info_span!("open_output", dir = %dir.display()).entered();
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        let lock = Self::lock(dir)?;
+        let nonce = new_nonce();
+        let mut names = Vec::new();
+        for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
+            let name = e.map_err(io_err(dir))?.file_name().to_string_lossy().to_string();
+            if name != LOCK {
+                names.push(name);
+            }
+        }
+        let has_manifest = names.iter().any(|n| n == MANIFEST);
+        let mut manifest = match mode {
+            OpenMode::Create if !names.is_empty() => {
+                return Err(dir_err(format!(
+                    "output directory {} is not empty; pass --resume to continue an interrupted run \
+                     or --overwrite to replace it",
+                    dir.display()
+                )))
+            }
+            OpenMode::Create => job,
+            OpenMode::Overwrite => {
+                Self::clear(dir, &names)?;
+                job
+            }
+            OpenMode::Resume if !has_manifest => {
+                if let Some(n) = names.iter().find(|n| strata_named(n)) {
+                    return Err(dir_err(format!(
+                        "cannot resume in {}: it holds {} but no {MANIFEST} (written by another tool or an \
+                         older strata); use --overwrite to start over",
+                        dir.display(),
+                        crate::clip(n, 80)
+                    )));
+                }
+                job
+            }
+            OpenMode::Resume => Self::resume(dir, &names, job)?,
+        };
+        manifest.complete = false;
+        manifest.input = None;
+        manifest.nonce = nonce.clone();
+        let out = OutputDir {
+            dir: dir.to_path_buf(),
+            _lock: lock,
+            nonce,
+            manifest,
+            journal: None,
+            skipped: vec![],
+            skipped_end: None,
+        };
+        // The manifest, compacted with any journal, names this run's nonce
+        // before any of its temporary files exists.
+        out.write_manifest()?;
+        remove(&dir.join(JOURNAL))?;
+        sync_dir(dir);
+        Ok(out)
+    }
+
+    fn lock(dir: &Path) -> Result<File, SinkError> {
+        let path = dir.join(LOCK);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags_nofollow()
+            .open(&path)
+            .map_err(io_err(&path))?;
+        match f.try_lock() {
+            Ok(()) => Ok(f),
+            Err(std::fs::TryLockError::WouldBlock) => Err(dir_err(format!(
+                "another strata run is writing {} (it holds the lock on {}); wait for it to finish, \
+                 or choose another --out",
+                dir.display(),
+                path.display()
+            ))),
+            Err(std::fs::TryLockError::Error(e)) => Err(io_err(&path)(e)),
+        }
+    }
+
+    /// `--overwrite`: the manifest goes first, so that an interruption never
+    /// leaves old files under a manifest; then the journal, the files the
+    /// old manifest lists (inside the directory), and every Strata-named file.
+    fn clear(dir: &Path, names: &[String]) -> Result<(), SinkError> {
+        let old = names.iter().any(|n| n == MANIFEST).then(|| Manifest::read(dir).ok()).flatten();
+        remove(&dir.join(MANIFEST))?;
+        sync_dir(dir);
+        failpoint("overwrite-cleared");
+        remove(&dir.join(JOURNAL))?;
+        if let Some(old) = old {
+            for s in &old.shards {
+                if let Ok(p) = files::inside(dir, &s.file) {
+                    if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
+                        remove(&p)?;
+                    }
+                }
+            }
+        }
+        for n in names.iter().filter(|n| strata_named(n)) {
+            let p = dir.join(n);
+            if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file() || m.file_type().is_symlink()) {
+                remove(&p)?;
+            }
+        }
+        sync_dir(dir);
+        Ok(())
+    }
+
+    /// `--resume`: the old manifest (with its journal) must describe the same
+    /// job. Its temporary files go; listed files are checked in order, and
+    /// from the first missing or truncated one on, the listing is cut back
+    /// (those files are deleted and redone).
+    fn resume(dir: &Path, names: &[String], job: Manifest) -> Result<Manifest, SinkError> {
+        let refuse =
+            |e: String| dir_err(format!("cannot resume in {}: {e}; use --overwrite to start over", dir.display()));
+        let mut old = Manifest::read(dir).map_err(refuse)?;
+        old.same_job(&job).map_err(refuse)?;
+        for n in names.iter().filter(|n| temp_of(n, &old.nonce)) {
+            remove(&dir.join(n))?;
+        }
+        let mut keep = old.shards.len();
+        for (i, s) in old.shards.iter().enumerate() {
+            let p = files::inside(dir, &s.file).map_err(|e| refuse(format!("manifest lists shard {i} as {e}")))?;
+            let problem = match std::fs::symlink_metadata(&p) {
+                Err(_) => Some("is missing".to_string()),
+                Ok(m) if !m.is_file() => Some("is not a regular file".to_string()),
+                Ok(m) if m.len() != s.bytes => Some(format!("has {} bytes, the manifest says {}", m.len(), s.bytes)),
+                Ok(_) => None,
+            };
+            if let Some(problem) = problem {
+                tracing::warn!(
+                    "{} {problem}: it and the {} listed after it are written again",
+                    crate::clip(&s.file, 80),
+                    old.shards.len() - i - 1
+                );
+                keep = i;
+                break;
+            }
+        }
+        if keep < old.shards.len() {
+            for s in &old.shards[keep..] {
+                let p = files::inside(dir, &s.file).map_err(refuse)?;
+                if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
+                    remove(&p)?;
+                }
+            }
+            old.shards.truncate(keep);
+            old.samples.retain(|s| s.shard < keep);
+            let consumed = old.consumed();
+            old.skipped.retain(|s| s.index < consumed);
+        }
+        Ok(old)
+    }
+
+    /// The manifest as written so far.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Creates the temporary file that will become `name`.
+    pub fn create_temp(&self, name: &str) -> Result<(PathBuf, File), SinkError> {
+        let tmp = self.dir.join(format!(".{name}.{}.tmp", self.nonce));
+        let f = files::create_exclusive(&tmp).map_err(io_err(&tmp))?;
+        Ok((tmp, f))
+    }
+
+    fn write_manifest(&self) -> Result<(), SinkError> {
+        let text = serde_json::to_string_pretty(&self.manifest).map_err(|e| dir_err(format!("manifest: {e}")))?;
+        let (tmp, mut f) = self.create_temp(MANIFEST)?;
+        let path = self.dir.join(MANIFEST);
+        let r = (|| {
+            f.write_all(text.as_bytes())?;
+            f.sync_all()?;
+            failpoint("manifest-temp");
+            std::fs::rename(&tmp, &path)
+        })();
+        if let Err(e) = r {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io_err(&path)(e));
+        }
+        sync_dir(&self.dir);
+        Ok(())
+    }
+
+    /// Records a sample left out for non-finite states; `end` is the input position after it.
+    pub fn skip(&mut self, info: SkippedInfo, end: InputPos) {
+        self.skipped.push(info);
+        self.skipped_end = Some(end);
+    }
+
+    /// Makes the fsynced temporary file `tmp` the shard `info.file` holding
+    /// `samples`: journaled first, then renamed. `end` is the input position
+    /// after its last sample.
+    pub fn commit(
+        &mut self,
+        tmp: &Path,
+        mut info: ShardInfo,
+        samples: Vec<SampleInfo>,
+        end: InputPos,
+    ) -> Result<(), SinkError> {
+        let path = self.dir.join(&info.file);
+        if std::fs::symlink_metadata(&path).is_ok() {
+            let _ = std::fs::remove_file(tmp);
+            return Err(dir_err(format!(
+                "{} exists but no manifest lists it: it is not this run's to replace; move it away and --resume",
+                path.display()
+            )));
+        }
+        failpoint("shard-synced");
+        let end = match self.skipped_end.take() {
+            Some(s) if s.samples > end.samples => s,
+            _ => end,
+        };
+        info.input = Some(end);
+        let entry = JournalEntry {
+            index: self.manifest.shards.len(),
+            shard: info,
+            samples,
+            skipped: std::mem::take(&mut self.skipped),
+        };
+        let mut line = serde_json::to_string(&entry).map_err(|e| dir_err(format!("journal: {e}")))?;
+        line.push('\n');
+        let jpath = self.dir.join(JOURNAL);
+        if self.journal.is_none() {
+            let f = std::fs::OpenOptions::new()
+                .append(true)
+                .create(true)
+                .custom_flags_nofollow()
+                .open(&jpath)
+                .map_err(io_err(&jpath))?;
+            self.journal = Some(f);
+        }
+        let j = self.journal.as_mut().expect("opened above");
+        j.write_all(line.as_bytes()).and_then(|()| j.sync_data()).map_err(io_err(&jpath))?;
+        failpoint("journaled");
+        std::fs::rename(tmp, &path).map_err(io_err(&path))?;
+        failpoint("renamed");
+        sync_dir(&self.dir);
+        self.manifest.apply(entry).map_err(dir_err)?;
+        Ok(())
+    }
+
+    /// Marks the output complete: the journal is compacted into the manifest,
+    /// which records the whole input.
+    pub fn finish(&mut self, input: InputInfo) -> Result<(), SinkError> {
+        self.skipped_end = None;
+        self.manifest.skipped.append(&mut self.skipped);
+        self.manifest.input = Some(input);
+        self.manifest.complete = true;
+        // Nothing of this run is temporary any more.
+        self.manifest.nonce.clear();
+        self.write_manifest()?;
+        failpoint("compacted");
+        self.journal = None;
+        remove(&self.dir.join(JOURNAL))?;
+        sync_dir(&self.dir);
+        Ok(())
+    }
+
+    /// This run's nonce.
+    pub fn nonce(&self) -> &str {
+        &self.nonce
+    }
+}
+
+/// An output directory opened when first needed: a run whose input fails
+/// before its first sample is written leaves no trace. `--resume` opens at
+/// once (it must know what to skip); a plain run checks up front that the
+/// directory is empty, without writing.
+pub enum Output {
+    /// Not touched yet.
+    Pending {
+        /// The directory.
+        dir: PathBuf,
+        /// How to open it.
+        mode: OpenMode,
+        /// The job.
+        job: Box<Manifest>,
+    },
+    /// Locked and prepared.
+    Open(Box<OutputDir>),
+}
+
+impl Output {
+    /// Prepares to write `dir`; see [`OutputDir::open`].
+    pub fn new(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
+        match mode {
+            OpenMode::Resume => return Ok(Output::Open(Box::new(OutputDir::open(dir, mode, job)?))),
+            OpenMode::Create => {
+                if let Ok(rd) = std::fs::read_dir(dir) {
+                    for e in rd {
+                        if e.map_err(io_err(dir))?.file_name() != LOCK {
+                            return Err(dir_err(format!(
+                                "output directory {} is not empty; pass --resume to continue an interrupted run \
+                                 or --overwrite to replace it",
+                                dir.display()
+                            )));
+                        }
+                    }
+                } else if dir.exists() {
+                    return Err(dir_err(format!("{} is not a directory", dir.display())));
+                }
+            }
+            OpenMode::Overwrite => {}
+        }
+        Ok(Output::Pending { dir: dir.to_path_buf(), mode, job: Box::new(job) })
+    }
+
+    /// The directory, opened now if it was not yet.
+    pub fn get(&mut self) -> Result<&mut OutputDir, SinkError> {
+        if let Output::Pending { dir, mode, job } = self {
+            // The job has no samples yet: a small clone.
+            let open = OutputDir::open(dir, *mode, (**job).clone())?;
+            *self = Output::Open(Box::new(open));
+        }
+        match self {
+            Output::Open(o) => Ok(o),
+            Output::Pending { dir, .. } => Err(dir_err(format!("{} could not be opened", dir.display()))),
+        }
+    }
+
+    /// The manifest as written so far (the job's, before the directory is opened).
+    pub fn manifest(&self) -> &Manifest {
+        match self {
+            Output::Pending { job, .. } => job,
+            Output::Open(o) => o.manifest(),
+        }
+    }
+}
+
+/// `O_NOFOLLOW` on an `OpenOptions`: a link planted at a name is never followed.
+trait NoFollow {
+    fn custom_flags_nofollow(&mut self) -> &mut Self;
+}
+
+impl NoFollow for std::fs::OpenOptions {
+    fn custom_flags_nofollow(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.custom_flags(libc::O_NOFOLLOW)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(strata_named("shard-00012.safetensors") && strata_named("hs_7.safetensors"));
+        assert!(strata_named(".shard-00001.safetensors.0123456789abcdef.tmp"));
+        assert!(
+            !strata_named("shard-notes.safetensors") && !strata_named(".my.tmp") && !strata_named("hs_.safetensors")
+        );
+        assert!(temp_of(".manifest.json.00000000000000aa.tmp", "00000000000000aa"));
+        assert!(!temp_of(".manifest.json.00000000000000aa.tmp", "") && !temp_of(".x.tmp", "bb"));
+    }
+}
