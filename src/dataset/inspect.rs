@@ -1,6 +1,7 @@
 //! `strata inspect`: what an output file or directory holds.
 
 use super::stats::Stats;
+use super::verify::{clip, quote, QUOTE_MAX};
 use super::{Dataset, DatasetError, MappedFile};
 use crate::shape::DType;
 use std::fmt::Write as _;
@@ -21,11 +22,49 @@ pub fn inspect(path: &Path, max_samples: Option<usize>) -> Result<String, Datase
     }
 }
 
+/// More layers than any model captures: a header claiming more (with `T` or
+/// `H` of 0 it costs no bytes) is not given a `Stats` per layer.
+const MAX_LAYERS: usize = 1 << 16;
+
 fn token_line(out: &mut String, lens: &[usize]) {
-    let total: usize = lens.iter().sum();
+    // u128: manifest counts are untrusted; their sum must not overflow.
+    let total: u128 = lens.iter().map(|&n| n as u128).sum();
     let (min, max) = (lens.iter().min().copied().unwrap_or(0), lens.iter().max().copied().unwrap_or(0));
     let mean = if lens.is_empty() { 0.0 } else { total as f64 / lens.len() as f64 };
     let _ = writeln!(out, "tokens:      {total} total; per sample min {min}, mean {mean:.1}, max {max}");
+}
+
+/// Adds `hidden_states` bytes of shape `[L, T, H]` (`native`) or `[T, L, H]`
+/// to per-layer `stats`, growing it to `L`; says why not when it cannot.
+fn add_layers(
+    stats: &mut Vec<Stats>,
+    bytes: &[u8],
+    dt: DType,
+    shape: [usize; 3],
+    native: bool,
+    scratch: &mut Vec<f32>,
+) -> Result<(), String> {
+    let (l, h) = if native { (shape[0], shape[2]) } else { (shape[1], shape[2]) };
+    if bytes.is_empty() {
+        // A dim is 0: no rows, and a row of 0 bytes cannot be chunked.
+        return Err(format!("no values (shape {shape:?})"));
+    }
+    if l > MAX_LAYERS {
+        return Err(format!("{l} layers, more than the {MAX_LAYERS} summarised"));
+    }
+    if stats.len() < l {
+        stats.resize(l, Stats::default());
+    }
+    // Every dim is at least 1 here (the bytes are not empty), and the parser
+    // checked that they hold the whole shape, so `row` neither overflows nor is 0.
+    let row = h * dt.size();
+    for (i, r) in bytes.chunks_exact(row).enumerate() {
+        let layer = if native { i / shape[1] } else { i % l };
+        if let Some(st) = stats.get_mut(layer) {
+            st.add_bytes(r, dt, scratch);
+        }
+    }
+    Ok(())
 }
 
 fn layer_lines(out: &mut String, names: &[String], stats: &[Stats]) {
@@ -42,7 +81,10 @@ fn inspect_dataset(ds: &Dataset, max_samples: Option<usize>) -> Result<String, D
     let _ = writeln!(
         out,
         "model:       {} ({}, {} layers, hidden {})",
-        m.model.path, m.model.architecture, m.model.num_layers, m.model.hidden_size
+        clip(&m.model.path, 4 * QUOTE_MAX),
+        clip(&m.model.architecture, QUOTE_MAX),
+        m.model.num_layers,
+        m.model.hidden_size
     );
     let _ = writeln!(
         out,
@@ -52,7 +94,7 @@ fn inspect_dataset(ds: &Dataset, max_samples: Option<usize>) -> Result<String, D
     let points: Vec<String> = m
         .capture
         .iter()
-        .map(|c| format!("{} (hf {})", c.point, c.hf_index.map_or("-".into(), |i| i.to_string())))
+        .map(|c| format!("{} (hf {})", clip(&c.point, QUOTE_MAX), c.hf_index.map_or("-".into(), |i| i.to_string())))
         .collect();
     let _ = writeln!(out, "capture:     {}", points.join(", "));
     let _ = writeln!(
@@ -60,9 +102,9 @@ fn inspect_dataset(ds: &Dataset, max_samples: Option<usize>) -> Result<String, D
         "layout:      hidden_states [L={}, T, H={}] {}, input_ids [T] i64, loss_mask [T] u8",
         m.capture.len(),
         m.model.hidden_size,
-        m.dtype
+        clip(&m.dtype, QUOTE_MAX)
     );
-    let bytes: u64 = m.shards.iter().map(|s| s.bytes).sum();
+    let bytes: u128 = m.shards.iter().map(|s| s.bytes as u128).sum();
     let _ = writeln!(out, "samples:     {} in {} shards, {} bytes", m.samples.len(), m.shards.len(), bytes);
     token_line(&mut out, &m.samples.iter().map(|s| s.tokens).collect::<Vec<_>>());
     let limit = max_samples.unwrap_or(usize::MAX);
@@ -70,16 +112,20 @@ fn inspect_dataset(ds: &Dataset, max_samples: Option<usize>) -> Result<String, D
     let mut scratch = Vec::new();
     let mut open: Option<(usize, MappedFile)> = None;
     for s in m.samples.iter().take(limit) {
-        if open.as_ref().map(|(i, _)| *i) != Some(s.shard) {
-            open = Some((s.shard, ds.shard(s.shard)?));
-        }
-        let shard = &open.as_ref().expect("opened").1;
+        let shard = match open.take() {
+            Some((i, f)) if i == s.shard => open.insert((i, f)),
+            _ => {
+                let f =
+                    ds.shard(s.shard).map_err(|e| DatasetError::Manifest(format!("sample {}: {e}", quote(&s.id))))?;
+                open.insert((s.shard, f))
+            }
+        };
+        let shard = &shard.1;
         let sample = ds
             .sample(shard, &s.id, s.tokens)
             .map_err(|p| DatasetError::Manifest(format!("{}: {p}", shard.path.display())))?;
-        let per = sample.hidden.len() / sample.shape[0].max(1);
         for (l, st) in stats.iter_mut().enumerate() {
-            st.add_bytes(&sample.hidden[l * per..(l + 1) * per], sample.dtype, &mut scratch);
+            st.add_bytes(sample.layer(l), sample.dtype, &mut scratch);
         }
     }
     if m.samples.len() > limit {
@@ -127,17 +173,14 @@ fn inspect_speculators_dir(dir: &Path, max_samples: Option<usize>) -> Result<Str
         let [t, l, h] = hs.shape[..] else {
             return Err(DatasetError::BadFile {
                 path: path.display().to_string(),
-                problem: format!("hidden_states has shape {:?}, expected [T, L, H]", hs.shape),
+                problem: format!("hidden_states has shape {}, expected [T, L, H]", super::dims(&hs.shape)),
             });
         };
         shape_line.get_or_insert(format!("layout:      hidden_states [T, L={l}, H={h}] {dtype}, token_ids [T] i64"));
         lens.push(t);
         if n < max_samples.unwrap_or(usize::MAX) {
-            stats.resize(l, Stats::default());
-            let bytes = f.bytes(hs);
-            let row = h * dtype.size();
-            for (i, r) in bytes.chunks_exact(row).enumerate() {
-                stats[i % l].add_bytes(r, dtype, &mut scratch);
+            if let Err(why) = add_layers(&mut stats, f.bytes(hs), dtype, [t, l, h], false, &mut scratch) {
+                tracing::debug!(file = %path.display(), "no statistics: {why}");
             }
         }
     }
@@ -155,22 +198,23 @@ fn inspect_file(path: &Path) -> Result<String, DatasetError> {
     let _ = writeln!(out, "file:        {} ({} bytes, {} tensors)", path.display(), f.len(), f.tensors.len());
     let mut scratch = Vec::new();
     for (name, e) in &f.tensors {
-        let _ = write!(out, "  {name:<32} {:<5} {:?}", e.dtype.to_string(), e.shape);
+        let _ = write!(out, "  {:<32} {:<5} {}", clip(name, QUOTE_MAX), e.dtype.to_string(), super::dims(&e.shape));
         match DType::from_safetensors(e.dtype) {
             Some(dt) if name.ends_with("hidden_states") && e.shape.len() == 3 => {
                 // Native files are [L, T, H]; speculators files [T, L, H].
                 let native = !name.eq("hidden_states");
-                let (l, h) = if native { (e.shape[0], e.shape[2]) } else { (e.shape[1], e.shape[2]) };
+                let shape = [e.shape[0], e.shape[1], e.shape[2]];
                 let _ = writeln!(out);
-                let mut stats = vec![Stats::default(); l];
-                let bytes = f.bytes(e);
-                let row = h * dt.size();
-                for (i, r) in bytes.chunks_exact(row).enumerate() {
-                    let layer = if native { i / e.shape[1].max(1) } else { i % l };
-                    stats[layer].add_bytes(r, dt, &mut scratch);
-                }
-                for (l, s) in stats.iter().enumerate() {
-                    let _ = writeln!(out, "      layer {l:<3} {s}");
+                let mut stats = Vec::new();
+                match add_layers(&mut stats, f.bytes(e), dt, shape, native, &mut scratch) {
+                    Ok(()) => {
+                        for (l, s) in stats.iter().enumerate() {
+                            let _ = writeln!(out, "      layer {l:<3} {s}");
+                        }
+                    }
+                    Err(why) => {
+                        let _ = writeln!(out, "      ({why})");
+                    }
                 }
             }
             Some(dt) => {

@@ -9,12 +9,14 @@ pub mod recompute;
 pub mod stats;
 pub mod verify;
 
+use crate::files;
 use crate::shape::DType;
 use manifest::{Manifest, MANIFEST};
 use memmap2::Mmap;
 use safetensors::SafeTensors;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use verify::{clip, quote, scrub, QUOTE_MAX};
 
 /// Why a dataset or file cannot be read.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +42,16 @@ pub enum DatasetError {
     },
 }
 
+/// A shape as `{:?}` prints it, cut after 8 dims: a header may claim thousands.
+fn dims(shape: &[usize]) -> String {
+    const MAX: usize = 8;
+    if shape.len() <= MAX {
+        return format!("{shape:?}");
+    }
+    let head: Vec<String> = shape[..MAX].iter().map(usize::to_string).collect();
+    format!("[{}, …] ({} dims)", head.join(", "), shape.len())
+}
+
 /// A tensor's place in a mapped file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorEntry {
@@ -61,14 +73,18 @@ pub struct MappedFile {
 }
 
 impl MappedFile {
-    /// Maps and parses a file; a truncated or corrupt file is an error.
+    /// Maps and parses a file; a truncated or corrupt file is an error, and so
+    /// is anything but a regular file (a FIFO or a device is refused, not read).
     pub fn open(path: &Path) -> Result<Self, DatasetError> {
         let io = |cause| DatasetError::Io { path: path.display().to_string(), cause };
-        let f = std::fs::File::open(path).map_err(io)?;
+        let f = files::open_regular(path).map_err(io)?;
         // SAFETY: read-only map of a file this process does not modify.
         let map = unsafe { Mmap::map(&f) }.map_err(io)?;
-        let (n, meta) = SafeTensors::read_metadata(&map)
-            .map_err(|e| DatasetError::BadFile { path: path.display().to_string(), problem: e.to_string() })?;
+        // The parser's message may quote a tensor name or header value of any length.
+        let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| DatasetError::BadFile {
+            path: path.display().to_string(),
+            problem: clip(&e.to_string(), 4 * QUOTE_MAX).into_owned(),
+        })?;
         let tensors = meta
             .tensors()
             .into_iter()
@@ -91,7 +107,7 @@ impl MappedFile {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
         for e in ["input_ids", "loss_mask", "hidden_states"] {
             let name = format!("{id}.{e}");
-            let entry = self.tensors.get(&name).ok_or_else(|| format!("tensor {name:?} is missing"))?;
+            let entry = self.tensors.get(&name).ok_or_else(|| format!("tensor {} is missing", quote(&name)))?;
             h.update(self.bytes(entry));
         }
         Ok(manifest::hash_hex(h.digest()))
@@ -130,38 +146,72 @@ pub struct SampleRef<'a> {
     pub shape: [usize; 3],
 }
 
+impl SampleRef<'_> {
+    /// The `[T, H]` bytes of layer `l`; empty past the last layer or when a dim is 0.
+    pub fn layer(&self, l: usize) -> &[u8] {
+        let per = self.hidden.len() / self.shape[0].max(1);
+        let start = l.saturating_mul(per);
+        self.hidden.get(start..start.saturating_add(per)).unwrap_or(&[])
+    }
+}
+
 impl Dataset {
-    /// Opens `DIR/manifest.json`.
+    /// Opens `DIR/manifest.json`; a manifest that is not a regular file (a
+    /// FIFO, a device) is refused before anything reads it.
     pub fn open(dir: &Path) -> Result<Self, DatasetError> {
-        if !dir.join(MANIFEST).exists() {
-            return Err(DatasetError::Manifest(format!(
+        let path = dir.join(MANIFEST);
+        let none = || {
+            DatasetError::Manifest(format!(
                 "{} has no {MANIFEST}: not a native-format (--format strata) output",
                 dir.display()
-            )));
+            ))
+        };
+        match files::is_regular(&path) {
+            Ok(true) => {}
+            Ok(false) => return Err(none()),
+            // `dir` is a file, not a directory: no dataset either.
+            Err(_) if !dir.is_dir() => return Err(none()),
+            Err(cause) => return Err(DatasetError::Io { path: path.display().to_string(), cause }),
         }
-        let manifest = Manifest::read(dir).map_err(DatasetError::Manifest)?;
+        // A parse error may quote a field's value, of any length.
+        let manifest = Manifest::read(dir)
+            .map_err(|e| DatasetError::Manifest(clip(&e, path.as_os_str().len() + 4 * QUOTE_MAX).into_owned()))?;
         Ok(Dataset { dir: dir.to_path_buf(), manifest })
     }
 
-    /// Maps shard `i`.
+    /// Maps shard `i`; its file must lie inside the dataset directory (no
+    /// absolute path, no `..`, no link leading out).
     pub fn shard(&self, i: usize) -> Result<MappedFile, DatasetError> {
-        let name = &self.manifest.shards.get(i).ok_or_else(|| DatasetError::Manifest(format!("no shard {i}")))?.file;
-        MappedFile::open(&self.dir.join(name))
+        let shards = &self.manifest.shards;
+        let name = &shards
+            .get(i)
+            .ok_or_else(|| {
+                DatasetError::Manifest(format!(
+                    "{}: no shard {i} (the manifest lists {})",
+                    self.dir.join(MANIFEST).display(),
+                    shards.len()
+                ))
+            })?
+            .file;
+        let path = files::inside(&self.dir, name).map_err(|e| {
+            DatasetError::Manifest(format!("{}: shard {i}: {}", self.dir.join(MANIFEST).display(), scrub(e, name)))
+        })?;
+        MappedFile::open(&path)
     }
 
     /// Reads sample `id` from a mapped shard, checking names, dtypes and shapes.
     pub fn sample<'a>(&self, shard: &'a MappedFile, id: &str, tokens: usize) -> Result<SampleRef<'a>, String> {
         let m = &self.manifest;
-        let dtype: DType = m.dtype.parse()?;
+        let dtype: DType = m.dtype.parse().map_err(|_| format!("dtype {} is not f32, bf16 or f16", quote(&m.dtype)))?;
         let (l, h) = (m.capture.len(), m.model.hidden_size);
         let get = |suffix: &str, dt: safetensors::Dtype, shape: &[usize]| -> Result<&'a TensorEntry, String> {
             let name = format!("{id}.{suffix}");
-            let e = shard.tensors.get(&name).ok_or_else(|| format!("tensor {name:?} is missing"))?;
+            let e = shard.tensors.get(&name).ok_or_else(|| format!("tensor {} is missing", quote(&name)))?;
             if e.dtype != dt {
-                return Err(format!("tensor {name:?} has dtype {}, expected {dt}", e.dtype));
+                return Err(format!("tensor {} has dtype {}, expected {dt}", quote(&name), e.dtype));
             }
             if e.shape != shape {
-                return Err(format!("tensor {name:?} has shape {:?}, expected {shape:?}", e.shape));
+                return Err(format!("tensor {} has shape {}, expected {shape:?}", quote(&name), dims(&e.shape)));
             }
             Ok(e)
         };

@@ -43,11 +43,14 @@ impl Stats {
         }
     }
 
-    /// Adds values stored as little-endian `dtype` bytes, decoding in blocks.
+    /// Adds values stored as little-endian `dtype` bytes, decoding in blocks;
+    /// a trailing partial value is ignored.
     pub fn add_bytes(&mut self, bytes: &[u8], dtype: DType, scratch: &mut Vec<f32>) {
         const BLOCK: usize = 1 << 14;
-        for chunk in bytes.chunks(BLOCK * dtype.size()) {
-            scratch.resize(chunk.len() / dtype.size(), 0.0);
+        let size = dtype.size();
+        let bytes = &bytes[..bytes.len() - bytes.len() % size];
+        for chunk in bytes.chunks(BLOCK * size) {
+            scratch.resize(chunk.len() / size, 0.0);
             dtype.decode_into(chunk, scratch);
             self.add(scratch);
         }
@@ -97,5 +100,13 @@ mod tests {
         s.add(&[1.0, 3.0, f32::NAN, f32::INFINITY, -f32::INFINITY]);
         assert_eq!((s.count, s.nan, s.inf, s.min, s.max), (2, 1, 2, 1.0, 3.0));
         assert_eq!((s.mean(), s.std()), (2.0, 1.0));
+    }
+
+    #[test]
+    fn empty_and_partial_bytes() {
+        let mut s = Stats::default();
+        s.add_bytes(&[], DType::F32, &mut Vec::new());
+        s.add_bytes(&[0, 0, 128, 63, 7], DType::F32, &mut Vec::new());
+        assert_eq!((s.count, s.min, s.max), (1, 1.0, 1.0));
     }
 }

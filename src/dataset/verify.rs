@@ -1,11 +1,52 @@
 //! `strata verify`: every sample of a native dataset against its manifest,
 //! and optionally the dataset's layout against an expected one.
 
+use super::manifest::{Manifest, SampleInfo};
 use super::stats::Stats;
 use super::{Dataset, DatasetError, MappedFile};
+use crate::files;
 use serde_json::Value;
-use std::collections::BTreeSet;
+use std::borrow::Cow;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::Path;
+
+/// At most this many characters of a string read from a file (an id, a file
+/// name) are quoted in a message: a hostile manifest must not fill the terminal.
+pub const QUOTE_MAX: usize = 80;
+
+/// `s` as `{:?}` prints it; past [`QUOTE_MAX`] characters, cut there with
+/// `…` and the full length: `"aaaa…" (1048576 bytes)`.
+pub fn quote(s: &str) -> String {
+    match s.char_indices().nth(QUOTE_MAX) {
+        None => format!("{s:?}"),
+        Some((cut, _)) => format!("{:?} ({} bytes)", format!("{}…", &s[..cut]), s.len()),
+    }
+}
+
+/// `s` unquoted, cut to `max` characters with `…` and the full length.
+pub fn clip(s: &str, max: usize) -> Cow<'_, str> {
+    match s.char_indices().nth(max) {
+        None => Cow::Borrowed(s),
+        Some((cut, _)) => Cow::Owned(format!("{}… ({} bytes)", &s[..cut], s.len())),
+    }
+}
+
+/// A message that may hold `s` verbatim (in a path, or `{:?}`-quoted), with
+/// a long `s` replaced by its [`quote`].
+pub(super) fn scrub(msg: String, s: &str) -> String {
+    if s.chars().nth(QUOTE_MAX).is_none() {
+        return msg;
+    }
+    msg.replace(&format!("{s:?}"), &quote(s)).replace(s, &quote(s))
+}
+
+/// The largest layout file read.
+const LAYOUT_MAX: u64 = 1 << 30;
+
+/// A JSON value in a message, cut to [`QUOTE_MAX`] characters.
+fn show(v: &Value) -> String {
+    clip(&v.to_string(), QUOTE_MAX).into_owned()
+}
 
 /// The layout a dataset is expected to have (all fields optional). Read from
 /// a JSON file such as `{"capture": ["input:2", "final"], "hidden_size": 4096,
@@ -23,7 +64,8 @@ pub struct Layout {
 impl Layout {
     /// Reads a layout file.
     pub fn read(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        // Any size a manifest may have: another dataset's manifest.json is a layout too.
+        let text = files::read_text(path, LAYOUT_MAX).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let v: Value = serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
         let capture = match v.get("capture") {
             None => None,
@@ -32,16 +74,16 @@ impl Layout {
                     .iter()
                     .map(|i| match i {
                         Value::String(s) => Ok(s.clone()),
-                        Value::Object(o) => o
-                            .get("point")
-                            .and_then(Value::as_str)
-                            .map(str::to_string)
-                            .ok_or_else(|| format!("{}: capture entry {i} has no \"point\"", path.display())),
-                        other => Err(format!("{}: capture entry {other} is not a string", path.display())),
+                        Value::Object(o) => {
+                            o.get("point").and_then(Value::as_str).map(str::to_string).ok_or_else(|| {
+                                format!("{}: capture entry {} has no \"point\"", path.display(), show(i))
+                            })
+                        }
+                        other => Err(format!("{}: capture entry {} is not a string", path.display(), show(other))),
                     })
                     .collect::<Result<_, _>>()?,
             ),
-            Some(other) => return Err(format!("{}: `capture` must be an array, got {other}", path.display())),
+            Some(other) => return Err(format!("{}: `capture` must be an array, got {}", path.display(), show(other))),
         };
         let hidden_size = v
             .get("hidden_size")
@@ -49,13 +91,15 @@ impl Layout {
             .map(|h| {
                 h.as_u64()
                     .map(|h| h as usize)
-                    .ok_or_else(|| format!("{}: hidden_size {h} is not a number", path.display()))
+                    .ok_or_else(|| format!("{}: hidden_size {} is not a number", path.display(), show(h)))
             })
             .transpose()?;
         let dtype = v
             .get("dtype")
             .map(|d| {
-                d.as_str().map(str::to_string).ok_or_else(|| format!("{}: dtype {d} is not a string", path.display()))
+                d.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| format!("{}: dtype {} is not a string", path.display(), show(d)))
             })
             .transpose()?;
         if capture.is_none() && hidden_size.is_none() && dtype.is_none() {
@@ -66,90 +110,178 @@ impl Layout {
 }
 
 /// Checks every sample; returns the problems found (empty = the dataset is sound).
+///
+/// Only files inside `dir` are opened: a shard named by an absolute path, a
+/// `..` or a link that leads out is reported, not read.
 pub fn verify(dir: &Path, layout: Option<&Layout>) -> Result<Vec<String>, DatasetError> {
     let _s = tracing::info_span!("verify", dir = %dir.display()).entered();
     let ds = Dataset::open(dir)?;
     let m = &ds.manifest;
     let mut problems = Vec::new();
     if let Some(want) = layout {
-        let have: Vec<String> = m.capture.iter().map(|c| c.point.clone()).collect();
-        if let Some(c) = &want.capture {
-            if *c != have {
-                problems.push(format!("layout: capture is [{}], expected [{}]", have.join(", "), c.join(", ")));
-            }
-        }
-        if let Some(h) = want.hidden_size {
-            if h != m.model.hidden_size {
-                problems.push(format!("layout: hidden_size is {}, expected {h}", m.model.hidden_size));
-            }
-        }
-        if let Some(d) = &want.dtype {
-            if *d != m.dtype {
-                problems.push(format!("layout: dtype is {}, expected {d}", m.dtype));
-            }
-        }
+        layout_problems(m, want, &mut problems);
     }
     if !m.complete {
         problems
             .push("manifest: the run did not finish (complete = false); `strata extract --resume` continues it".into());
     }
-    let mut scratch = Vec::new();
-    for (si, shard_info) in m.shards.iter().enumerate() {
-        let path = dir.join(&shard_info.file);
-        let listed: Vec<_> = m.samples.iter().filter(|s| s.shard == si).collect();
-        if listed.len() != shard_info.samples {
-            problems.push(format!(
-                "{}: manifest lists {} samples in it but says {}",
-                shard_info.file,
-                listed.len(),
-                shard_info.samples
-            ));
+    // Samples by shard, in manifest order; one past the end is reported by `structure`.
+    let mut by_shard: Vec<Vec<&SampleInfo>> = vec![Vec::new(); m.shards.len()];
+    for s in &m.samples {
+        if let Some(v) = by_shard.get_mut(s.shard) {
+            v.push(s);
         }
-        let shard = match MappedFile::open(&path) {
-            Ok(f) => f,
+    }
+    structure(m, &by_shard, &mut problems);
+    let mut scratch = Vec::new();
+    for (si, (info, listed)) in m.shards.iter().zip(&by_shard).enumerate() {
+        let file = clip(&info.file, QUOTE_MAX);
+        let path = match files::inside(dir, &info.file) {
+            Ok(p) => p,
             Err(e) => {
-                problems.push(format!("{e} ({} samples unreadable)", listed.len()));
+                let e = scrub(e, &info.file);
+                problems.push(format!("shard {si} ({file}): {e}; not opened ({} samples unchecked)", listed.len()));
                 continue;
             }
         };
-        if shard.len() as u64 != shard_info.bytes {
-            problems.push(format!("{}: {} bytes, manifest says {}", shard_info.file, shard.len(), shard_info.bytes));
+        let shard = match MappedFile::open(&path) {
+            Ok(f) => f,
+            Err(e) => {
+                problems.push(format!("{} ({} samples unreadable)", scrub(e.to_string(), &info.file), listed.len()));
+                continue;
+            }
+        };
+        if shard.len() as u64 != info.bytes {
+            problems.push(format!("{file}: {} bytes, manifest says {}", shard.len(), info.bytes));
         }
         let mut names: BTreeSet<&str> = shard.tensors.keys().map(String::as_str).collect();
         for s in listed {
             for suffix in ["input_ids", "loss_mask", "hidden_states"] {
                 names.remove(format!("{}.{suffix}", s.id).as_str());
             }
+            let id = quote(&s.id);
             let sample = match ds.sample(&shard, &s.id, s.tokens) {
                 Ok(x) => x,
                 Err(p) => {
-                    problems.push(format!("sample {:?} ({}): {p}", s.id, shard_info.file));
+                    problems.push(format!("sample {id} ({file}): {p}"));
                     continue;
                 }
             };
-            let sum = shard.sample_checksum(&s.id).expect("read above");
-            if sum != s.checksum {
-                problems.push(format!(
-                    "sample {:?} ({}): checksum {sum}, manifest says {}",
-                    s.id, shard_info.file, s.checksum
-                ));
+            match shard.sample_checksum(&s.id) {
+                Ok(sum) if sum == s.checksum => {}
+                Ok(sum) => problems.push(format!(
+                    "sample {id} ({file}): checksum {sum}, manifest says {}",
+                    clip(&s.checksum, QUOTE_MAX)
+                )),
+                Err(p) => problems.push(format!("sample {id} ({file}): {p}")),
             }
             if sample.loss_mask.iter().any(|&b| b > 1) {
-                problems.push(format!("sample {:?}: loss_mask holds values other than 0 and 1", s.id));
+                problems.push(format!("sample {id}: loss_mask holds values other than 0 and 1"));
             }
-            let per = sample.hidden.len() / sample.shape[0].max(1);
             for (l, c) in m.capture.iter().enumerate() {
                 let mut st = Stats::default();
-                st.add_bytes(&sample.hidden[l * per..(l + 1) * per], sample.dtype, &mut scratch);
+                st.add_bytes(sample.layer(l), sample.dtype, &mut scratch);
                 if st.nan + st.inf > 0 {
-                    problems.push(format!("sample {:?} layer {}: {} NaN, {} Inf", s.id, c.point, st.nan, st.inf));
+                    let point = clip(&c.point, QUOTE_MAX);
+                    problems.push(format!("sample {id} layer {point}: {} NaN, {} Inf", st.nan, st.inf));
                 }
             }
         }
         names.remove("__metadata__");
         for n in names {
-            problems.push(format!("{}: tensor {n:?} is not in the manifest", shard_info.file));
+            problems.push(format!("{file}: tensor {} is not in the manifest", quote(n)));
         }
     }
     Ok(problems)
+}
+
+/// The manifest's layout against the expected one.
+fn layout_problems(m: &Manifest, want: &Layout, problems: &mut Vec<String>) {
+    let have: Vec<&str> = m.capture.iter().map(|c| c.point.as_str()).collect();
+    let list = |points: &[&str]| points.iter().map(|p| clip(p, QUOTE_MAX)).collect::<Vec<_>>().join(", ");
+    if let Some(c) = &want.capture {
+        if c.iter().map(String::as_str).ne(have.iter().copied()) {
+            let c: Vec<&str> = c.iter().map(String::as_str).collect();
+            problems.push(format!("layout: capture is [{}], expected [{}]", list(&have), list(&c)));
+        }
+    }
+    if let Some(h) = want.hidden_size {
+        if h != m.model.hidden_size {
+            problems.push(format!("layout: hidden_size is {}, expected {h}", m.model.hidden_size));
+        }
+    }
+    if let Some(d) = &want.dtype {
+        if *d != m.dtype {
+            problems.push(format!("layout: dtype is {}, expected {}", clip(&m.dtype, QUOTE_MAX), clip(d, QUOTE_MAX)));
+        }
+    }
+}
+
+/// What the manifest says of itself, before any shard is opened: shard
+/// indices in range, unique ids, per-shard counts that add up, no shard
+/// file listed twice.
+fn structure(m: &Manifest, by_shard: &[Vec<&SampleInfo>], problems: &mut Vec<String>) {
+    let n = m.shards.len();
+    for s in m.samples.iter().filter(|s| s.shard >= n) {
+        problems.push(format!(
+            "sample {}: shard {} is past the end of the shard list ({n} shards)",
+            quote(&s.id),
+            s.shard
+        ));
+    }
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    for s in &m.samples {
+        *seen.entry(s.id.as_str()).or_default() += 1;
+    }
+    let mut told = HashSet::new();
+    for s in &m.samples {
+        let times = seen.get(s.id.as_str()).copied().unwrap_or(0);
+        if times > 1 && told.insert(s.id.as_str()) {
+            problems.push(format!("sample id {} appears {times} times", quote(&s.id)));
+        }
+    }
+    for (info, listed) in m.shards.iter().zip(by_shard) {
+        if listed.len() != info.samples {
+            problems.push(format!(
+                "{}: manifest lists {} samples in it but says {}",
+                clip(&info.file, QUOTE_MAX),
+                listed.len(),
+                info.samples
+            ));
+        }
+    }
+    // u128: a hostile count near usize::MAX must not overflow the sum.
+    let total: u128 = m.shards.iter().map(|s| s.samples as u128).sum();
+    if total != m.samples.len() as u128 {
+        problems.push(format!(
+            "manifest: its shards say they hold {total} samples in all, but it lists {}",
+            m.samples.len()
+        ));
+    }
+    let mut by_file: HashMap<&str, usize> = HashMap::new();
+    for (si, info) in m.shards.iter().enumerate() {
+        let first = *by_file.entry(info.file.as_str()).or_insert(si);
+        if first != si {
+            problems.push(format!("shard {si} ({}): shard {first} names the same file", clip(&info.file, QUOTE_MAX)));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_strings_are_cut_on_a_char_boundary() {
+        assert_eq!(quote("a\"b"), "\"a\\\"b\"");
+        assert_eq!(clip("short", QUOTE_MAX), "short");
+        let long = "é".repeat(1000);
+        let q = quote(&long);
+        assert!(q.starts_with("\"éé") && q.ends_with("…\" (2000 bytes)"), "{q}");
+        assert_eq!(q.matches('é').count(), QUOTE_MAX);
+        assert_eq!(clip(&long, 3), "ééé… (2000 bytes)");
+        let msg = format!("path {long:?} has a `..` component, see {long}");
+        let s = scrub(msg, &long);
+        assert!(s.len() < 600 && s.matches("(2000 bytes)").count() == 2, "{s}");
+    }
 }

@@ -8,10 +8,13 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use strata::dataset::manifest::hash_hex;
 use strata::dataset::recompute::{recompute, Recompute};
-use strata::dataset::verify::{verify, Layout};
+use strata::dataset::verify::{clip, verify, Layout, QUOTE_MAX};
 use strata::dataset::Dataset;
 use strata::hf::Checkpoint;
 use strata::model::{AnyConfig, BackendKind, LoadOptions};
+
+/// The largest `config.json` read (real ones are a few KiB).
+const CONFIG_MAX: u64 = 16 << 20;
 
 /// Everything `strata verify` needs.
 pub struct VerifyJob {
@@ -76,7 +79,9 @@ impl VerifyJob {
             None => {
                 let dir = PathBuf::from(&m.model.path);
                 if !dir.join("config.json").is_file() {
-                    bail!("the dataset's model {} has no config.json here; pass --model DIR", dir.display());
+                    // The path comes from the manifest and may be of any length.
+                    let shown = clip(&m.model.path, 4 * QUOTE_MAX);
+                    bail!("the dataset's model {shown} has no config.json here; pass --model DIR");
                 }
                 Some(dir)
             }
@@ -84,7 +89,9 @@ impl VerifyJob {
         let (name, config_text) = match &source {
             Some(dir) => {
                 let path = dir.join("config.json");
-                let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+                // A regular file only: a FIFO named config.json would block the read.
+                let text = strata::files::read_text(&path, CONFIG_MAX)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
                 (dir.display().to_string(), text)
             }
             None => (embedded::NAME.to_string(), embedded::CONFIG_JSON.to_string()),
