@@ -41,27 +41,6 @@ fn output_is_identical_whatever_the_batch_budget() {
     }
 }
 
-/// `n` samples of random lengths in `lens` for the embedded model (vocab 256), with ids and loss masks.
-fn write_data(path: &Path, n: usize, lens: std::ops::Range<u64>, seed: u64) {
-    let mut rng = strata_testkit::Rng::new(seed);
-    let mut text = String::new();
-    for i in 0..n {
-        let len = lens.start + rng.below(lens.end - lens.start);
-        let ids: Vec<u64> = (0..len).map(|_| rng.below(256)).collect();
-        let mask: Vec<u64> = (0..len).map(|t| (t >= len / 3) as u64).collect();
-        text += &serde_json::json!({"id": format!("s{i:05}"), "input_ids": ids, "loss_mask": mask}).to_string();
-        text.push('\n');
-    }
-    std::fs::write(path, text).unwrap();
-}
-
-fn run_embedded(data: &Path, out: &Path, extra: &[&str]) -> (bool, String, String) {
-    let mut args: Vec<&OsStr> = vec![os("extract"), os("--data"), data.as_os_str(), os("--out"), out.as_os_str()];
-    args.extend(extra.iter().map(|s| os(s)));
-    // The embedded model needs --data only with --model; here --data replaces the demo samples.
-    strata(&args)
-}
-
 #[test]
 fn kill_and_resume_gives_the_uninterrupted_output() {
     let tmp = tempfile::tempdir().unwrap();

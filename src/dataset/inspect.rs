@@ -13,7 +13,11 @@ pub fn inspect(path: &Path, max_samples: Option<usize>) -> Result<String, Datase
     let _s = tracing::info_span!("inspect", path = %path.display()).entered();
     if path.is_dir() {
         if path.join(super::manifest::MANIFEST).exists() {
-            inspect_dataset(&Dataset::open(path)?, max_samples)
+            let ds = Dataset::open(path)?;
+            if ds.is_speculators() {
+                return inspect_speculators_dir(path, max_samples);
+            }
+            inspect_dataset(&ds, max_samples)
         } else {
             inspect_speculators_dir(path, max_samples)
         }

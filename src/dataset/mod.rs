@@ -101,13 +101,12 @@ impl MappedFile {
         &self.map[e.range.clone()]
     }
 
-    /// The checksum the manifest records for sample `id`: `xxh3:` of its
-    /// `input_ids`, `loss_mask` and `hidden_states` bytes as stored.
-    pub fn sample_checksum(&self, id: &str) -> Result<String, String> {
+    /// The checksum the manifest records for a sample: `xxh3:` of its
+    /// tensors' bytes as stored, in the order `names` gives (see [`Dataset::tensor_names`]).
+    pub fn sample_checksum(&self, names: &[String]) -> Result<String, String> {
         let mut h = xxhash_rust::xxh3::Xxh3::new();
-        for e in ["input_ids", "loss_mask", "hidden_states"] {
-            let name = format!("{id}.{e}");
-            let entry = self.tensors.get(&name).ok_or_else(|| format!("tensor {} is missing", quote(&name)))?;
+        for name in names {
+            let entry = self.tensors.get(name).ok_or_else(|| format!("tensor {} is missing", quote(name)))?;
             h.update(self.bytes(entry));
         }
         Ok(manifest::hash_hex(h.digest()))
@@ -138,8 +137,9 @@ pub struct SampleRef<'a> {
     pub input_ids: Vec<i64>,
     /// Loss mask.
     pub loss_mask: &'a [u8],
-    /// `hidden_states` bytes, `[L, T, H]` in `dtype`.
-    pub hidden: &'a [u8],
+    /// `hidden_states` bytes, `[L, T, H]` in `dtype` (a speculators file's
+    /// `[T, L, H]` is transposed into an owned copy).
+    pub hidden: std::borrow::Cow<'a, [u8]>,
     /// Storage dtype.
     pub dtype: DType,
     /// `[L, T, H]`.
@@ -162,7 +162,7 @@ impl Dataset {
         let path = dir.join(MANIFEST);
         let none = || {
             DatasetError::Manifest(format!(
-                "{} has no {MANIFEST}: not a native-format (--format strata) output",
+                "{} has no {MANIFEST}: not a Strata output (or one written before schema 2 in the speculators format)",
                 dir.display()
             ))
         };
@@ -199,8 +199,26 @@ impl Dataset {
         MappedFile::open(&path)
     }
 
+    /// Whether the dataset is in the speculators layout (one `hs_{i}` file per sample).
+    pub fn is_speculators(&self) -> bool {
+        self.manifest.format == "speculators"
+    }
+
+    /// The tensors sample `id` is stored as, in checksum order: `{id}.input_ids`,
+    /// `{id}.loss_mask`, `{id}.hidden_states`; or a speculators file's `token_ids`, `hidden_states`.
+    pub fn tensor_names(&self, id: &str) -> Vec<String> {
+        if self.is_speculators() {
+            vec!["token_ids".into(), "hidden_states".into()]
+        } else {
+            ["input_ids", "loss_mask", "hidden_states"].iter().map(|e| format!("{id}.{e}")).collect()
+        }
+    }
+
     /// Reads sample `id` from a mapped shard, checking names, dtypes and shapes.
     pub fn sample<'a>(&self, shard: &'a MappedFile, id: &str, tokens: usize) -> Result<SampleRef<'a>, String> {
+        if self.is_speculators() {
+            return self.speculators_sample(shard, tokens);
+        }
         let m = &self.manifest;
         let dtype: DType = m.dtype.parse().map_err(|_| format!("dtype {} is not f32, bf16 or f16", quote(&m.dtype)))?;
         let (l, h) = (m.capture.len(), m.model.hidden_size);
@@ -221,7 +239,43 @@ impl Dataset {
         Ok(SampleRef {
             input_ids: shard.bytes(ids).chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect(),
             loss_mask: shard.bytes(mask),
-            hidden: shard.bytes(hs),
+            hidden: shard.bytes(hs).into(),
+            dtype,
+            shape: [l, tokens, h],
+        })
+    }
+
+    /// A speculators file: `token_ids [T]`, `hidden_states [T, L, H]` (no loss mask).
+    fn speculators_sample<'a>(&self, f: &'a MappedFile, tokens: usize) -> Result<SampleRef<'a>, String> {
+        let m = &self.manifest;
+        let dtype: DType = m.dtype.parse().map_err(|_| format!("dtype {} is not f32, bf16 or f16", quote(&m.dtype)))?;
+        let (l, h) = (m.capture.len(), m.model.hidden_size);
+        let get = |name: &str, dt: safetensors::Dtype, shape: &[usize]| -> Result<&'a TensorEntry, String> {
+            let e = f.tensors.get(name).ok_or_else(|| format!("tensor {} is missing", quote(name)))?;
+            if e.dtype != dt || e.shape != shape {
+                return Err(format!(
+                    "tensor {} is {} {}, expected {dt} {shape:?}",
+                    quote(name),
+                    e.dtype,
+                    dims(&e.shape)
+                ));
+            }
+            Ok(e)
+        };
+        let ids = get("token_ids", safetensors::Dtype::I64, &[tokens])?;
+        let hs = f.bytes(get("hidden_states", dtype.to_safetensors(), &[tokens, l, h])?);
+        // [T, L, H] -> [L, T, H], row by row of H values.
+        let row = h * dtype.size();
+        let mut lth = vec![0u8; hs.len()];
+        for (i, src) in hs.chunks_exact(row.max(1)).enumerate() {
+            let (t, layer) = (i / l.max(1), i % l.max(1));
+            let at = (layer * tokens + t) * row;
+            lth[at..at + row].copy_from_slice(src);
+        }
+        Ok(SampleRef {
+            input_ids: f.bytes(ids).chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect(),
+            loss_mask: &[],
+            hidden: lth.into(),
             dtype,
             shape: [l, tokens, h],
         })

@@ -196,7 +196,7 @@ pub fn recompute<M: Model<Hidden = usize>>(
             .map(|&t| u32::try_from(t).map_err(|_| bad(format!("input id {t} is not a token id"))))
             .collect::<Result<_, _>>()?;
         let want =
-            CapturedStates::<usize, usize>::try_from_bytes("stored states", stored.hidden, dtype, &stored.shape, l, h)
+            CapturedStates::<usize, usize>::try_from_bytes("stored states", &stored.hidden, dtype, &stored.shape, l, h)
                 .map_err(|e| bad(e.to_string()))?;
         let batch = PackedBatch::from_samples([ids.as_slice()]);
         let got = model.forward_step(&batch, &set, &mut M::Cache::default())?;

@@ -156,8 +156,9 @@ pub fn verify(dir: &Path, layout: Option<&Layout>) -> Result<Vec<String>, Datase
         }
         let mut names: BTreeSet<&str> = shard.tensors.keys().map(String::as_str).collect();
         for s in listed {
-            for suffix in ["input_ids", "loss_mask", "hidden_states"] {
-                names.remove(format!("{}.{suffix}", s.id).as_str());
+            let tensors = ds.tensor_names(&s.id);
+            for n in &tensors {
+                names.remove(n.as_str());
             }
             let id = quote(&s.id);
             let sample = match ds.sample(&shard, &s.id, s.tokens) {
@@ -167,7 +168,7 @@ pub fn verify(dir: &Path, layout: Option<&Layout>) -> Result<Vec<String>, Datase
                     continue;
                 }
             };
-            match shard.sample_checksum(&s.id) {
+            match shard.sample_checksum(&tensors) {
                 Ok(sum) if sum == s.checksum => {}
                 Ok(sum) => problems.push(format!(
                     "sample {id} ({file}): checksum {sum}, manifest says {}",

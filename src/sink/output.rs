@@ -1,13 +1,14 @@
 //! The output directory both formats write into, and the rules that keep it
 //! sound under crashes, full disks, hostile neighbours and a second run:
 //!
-//! - an advisory lock on `OUT/.strata.lock`: one run per directory;
+//! - an advisory lock on `OUT/.strata.lock`: one run per directory; the lock
+//!   file records the nonce of the run that holds (or last held) it;
 //! - every file is written under `.NAME.NONCE.tmp`, created exclusively
 //!   without following links, fsynced, journaled, and only then renamed to
 //!   its final name, so a final name never holds a partial file and every
 //!   final name a run creates was listed first;
 //! - `--resume` deletes only files the manifest or journal lists and
-//!   temporary files carrying the nonce the manifest records; it redoes
+//!   temporary files carrying a nonce the manifest or lock file records; it redoes
 //!   listed files that are missing or truncated, and never calls a
 //!   directory with a hole complete;
 //! - `--overwrite` removes the old manifest first, so nothing half-deleted
@@ -18,7 +19,7 @@ use crate::dataset::manifest::{InputInfo, JournalEntry, Manifest, SampleInfo, Sh
 use crate::dataset::manifest::{InputPos, MANIFEST};
 use crate::files;
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
 /// The lock file's name.
@@ -70,6 +71,15 @@ fn strata_named(name: &str) -> bool {
         || temp.is_some_and(|(_, nonce)| nonce.len() == 16 && nonce.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
+/// The nonce `.strata.lock` records (empty when none).
+fn recorded_nonce(dir: &Path) -> String {
+    let mut s = String::new();
+    if let Ok(f) = std::fs::OpenOptions::new().read(true).custom_flags_nofollow().open(dir.join(LOCK)) {
+        let _ = f.take(64).read_to_string(&mut s);
+    }
+    s.trim().to_string()
+}
+
 /// fsyncs a directory so renames in it are durable (a no-op where the filesystem refuses).
 pub(crate) fn sync_dir(dir: &Path) {
     if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
@@ -93,7 +103,7 @@ fn remove(path: &Path) -> Result<(), SinkError> {
 pub struct OutputDir {
     dir: PathBuf,
     // Held for the run: the advisory lock lives as long as the descriptor.
-    _lock: File,
+    lock: File,
     nonce: String,
     manifest: Manifest,
     journal: Option<File>,
@@ -109,14 +119,20 @@ impl OutputDir {
     pub fn open(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
         let _s = tracing::info_span!("open_output", dir = %dir.display()).entered();
         std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-        let lock = Self::lock(dir)?;
         let nonce = new_nonce();
+        let (lock, last) = Self::lock(dir, &nonce)?;
         let mut names = Vec::new();
         for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
             let name = e.map_err(io_err(dir))?.file_name().to_string_lossy().to_string();
-            if name != LOCK {
-                names.push(name);
+            if name == LOCK {
+                continue;
             }
+            // The temporary files of the run that last held the lock are ours.
+            if temp_of(&name, &last) {
+                remove(&dir.join(&name))?;
+                continue;
+            }
+            names.push(name);
         }
         let has_manifest = names.iter().any(|n| n == MANIFEST);
         let mut manifest = match mode {
@@ -150,7 +166,7 @@ impl OutputDir {
         manifest.nonce = nonce.clone();
         let out = OutputDir {
             dir: dir.to_path_buf(),
-            _lock: lock,
+            lock,
             nonce,
             manifest,
             journal: None,
@@ -165,9 +181,11 @@ impl OutputDir {
         Ok(out)
     }
 
-    fn lock(dir: &Path) -> Result<File, SinkError> {
+    /// Locks `dir`; returns the lock and the nonce the last holder recorded,
+    /// after recording `nonce` in its place (before any temporary file exists).
+    fn lock(dir: &Path, nonce: &str) -> Result<(File, String), SinkError> {
         let path = dir.join(LOCK);
-        let f = std::fs::OpenOptions::new()
+        let mut f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
@@ -176,7 +194,17 @@ impl OutputDir {
             .open(&path)
             .map_err(io_err(&path))?;
         match f.try_lock() {
-            Ok(()) => Ok(f),
+            Ok(()) => {
+                let mut old = String::new();
+                let _ = (&f).take(64).read_to_string(&mut old);
+                let r = f.set_len(0).and_then(|()| {
+                    f.seek(std::io::SeekFrom::Start(0))?;
+                    f.write_all(nonce.as_bytes())?;
+                    f.sync_data()
+                });
+                r.map_err(io_err(&path))?;
+                Ok((f, old.trim().to_string()))
+            }
             Err(std::fs::TryLockError::WouldBlock) => Err(dir_err(format!(
                 "another strata run is writing {} (it holds the lock on {}); wait for it to finish, \
                  or choose another --out",
@@ -367,6 +395,8 @@ impl OutputDir {
         failpoint("compacted");
         self.journal = None;
         remove(&self.dir.join(JOURNAL))?;
+        // No temporary file is left to find by its nonce.
+        self.lock.set_len(0).map_err(io_err(&self.dir.join(LOCK)))?;
         sync_dir(&self.dir);
         Ok(())
     }
@@ -401,9 +431,11 @@ impl Output {
         match mode {
             OpenMode::Resume => return Ok(Output::Open(Box::new(OutputDir::open(dir, mode, job)?))),
             OpenMode::Create => {
+                let nonce = recorded_nonce(dir);
                 if let Ok(rd) = std::fs::read_dir(dir) {
                     for e in rd {
-                        if e.map_err(io_err(dir))?.file_name() != LOCK {
+                        let name = e.map_err(io_err(dir))?.file_name().to_string_lossy().to_string();
+                        if name != LOCK && !temp_of(&name, &nonce) {
                             return Err(dir_err(format!(
                                 "output directory {} is not empty; pass --resume to continue an interrupted run \
                                  or --overwrite to replace it",
