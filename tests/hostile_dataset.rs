@@ -278,7 +278,11 @@ fn zero_sized_dims_do_not_panic() {
         ],
     );
     let mapped = strata::dataset::MappedFile::open(&file).unwrap();
-    let sample = |id: &str, tokens: usize| serde_json::json!({"id": id, "shard": 0, "tokens": tokens, "checksum": mapped.sample_checksum(id).unwrap()});
+    let sample = |id: &str, tokens: usize| {
+        let names: Vec<String> =
+            ["input_ids", "loss_mask", "hidden_states"].iter().map(|e| format!("{id}.{e}")).collect();
+        serde_json::json!({"id": id, "shard": 0, "tokens": tokens, "checksum": mapped.sample_checksum(&names).unwrap()})
+    };
     let bytes = std::fs::metadata(&file).unwrap().len();
     edit(&ds, |m| {
         m["model"]["hidden_size"] = 0.into();
