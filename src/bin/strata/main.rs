@@ -57,6 +57,11 @@ CAPTURE POINTS (each defined against HF output_hidden_states `hs`, N layers):
 INPUT: JSON Lines, one sample per line:
   {\"input_ids\": [128000, 9906, 1917], \"id\": \"conv-17\", \"loss_mask\": [0, 1, 1]}
   `id` (default: the sample's 0-based index) and `loss_mask` (default: all 1) are optional.
+  --data may be a file, a pipe or FIFO, or - for stdin: it is read once, and each
+  line is checked as it streams (ids unique, token ids below vocab_size, at most
+  max_position_embeddings tokens, 2048 when config.json has none). A bad line stops
+  the run there: samples before it are written, and --resume continues once it is
+  fixed. A run whose input fails before its first sample is written leaves nothing.
 
 OUTPUT (--format strata, the default): OUT/shard-NNNNN.safetensors holding per sample
   {id}.hidden_states [L, T, H], {id}.input_ids [T] i64, {id}.loss_mask [T] u8,
@@ -72,8 +77,19 @@ f16 weights are widened to f32.
 
 Samples are packed into steps of --max-batch-tokens; longer samples are split
 across steps (chunked prefill). The files do not depend on that setting.
-An interrupted run (crash, kill -9) continues with --resume and ends with the
-same files as an uninterrupted one.
+An interrupted run (crash, kill -9, full disk) continues with --resume and ends
+with the same files as an uninterrupted one. --resume checks that it continues
+the same job: model config and weights (digest), capture points, dtype, shard
+size, backend, --tp, kernel path, and that the head of the input is the one the
+output was made from (ids, token counts and a digest of its bytes); a listed
+file that is missing or truncated is redone. It deletes only files the run
+wrote. --overwrite replaces an output of either format, old manifest first.
+One run at a time may write a directory (a lock on OUT/.strata.lock).
+
+NaN or Inf in the captured states (or values past the stored dtype's range)
+stop the run, naming the sample and capture point; --on-nonfinite skip leaves
+such samples out and lists them in the manifest's `skipped` (speculators
+files keep their input row's number, so a skipped row leaves a gap).
 
 BACKENDS: --backend cpu (default) runs the fast CPU kernels, with --tp ranks as
 threads. --backend reference runs every op as a plain loop accumulating in f64,
@@ -91,6 +107,9 @@ EXAMPLES:
   # Kimi-K2.5 as released (INT4 experts), EAGLE-3 layers, 8 tensor-parallel ranks:
   strata extract --model ./Kimi-K2.5 --data tokens.jsonl --tp 8 \
       --capture input:2,input:30,input:58,input:60 --out ./kimi-eagle3
+
+  # Tokens from another program, through a pipe:
+  tokenize.py corpus.txt | strata extract --model ./Llama-3.1-8B --data - --out ./hidden_states
 
   # Continue after an interruption, then check the result:
   strata extract --model ./Llama-3.1-8B --data tokens.jsonl --out ./hidden_states --resume
