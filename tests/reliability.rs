@@ -544,3 +544,62 @@ fn ids_that_need_escaping_fit_the_shard_header() {
     let (ok, text) = verify(&out, &[]);
     assert!(ok && text.contains("40 samples"), "{text}");
 }
+
+#[test]
+fn a_full_disk_leaves_no_partial_file_and_resumes_to_the_uninterrupted_output() {
+    let st = setup(60);
+    let whole = st.out("whole");
+    let opts = ["--shard-size", "64KiB", "--max-batch-tokens", "64"];
+    assert!(extract(&[&["--data", s(&st.data), "--out", s(&whole)][..], &opts].concat()).ok);
+    let m = Manifest::read(&whole).unwrap();
+    assert!(m.shards.len() >= 3 && m.shards.iter().all(|s| s.bytes > 40 << 10), "{:?}", m.shards);
+    // No file may grow past 40 KiB: the first shard's write fails as on a full
+    // disk (EFBIG rather than ENOSPC; SIGXFSZ ignored so the write returns the error).
+    let out = st.out("full");
+    let script = "trap '' XFSZ; ulimit -f 40; exec \"$0\" extract --data \"$1\" --out \"$2\" --shard-size 64KiB --max-batch-tokens 64";
+    let c = Command::new("bash")
+        .args(["-c", script, env!("CARGO_BIN_EXE_strata"), s(&st.data), s(&out)])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = wait(c, 120);
+    assert!(!o.ok && o.stderr.contains("cannot write") && o.stderr.contains("File too large"), "{}", o.stderr);
+    // Every final name holds a whole file: only the manifest, parsed, with nothing listed.
+    let names: Vec<String> = dir_contents(&out).into_iter().map(|(n, _)| n).collect();
+    assert!(names.iter().all(|n| !n.starts_with("shard-")), "{names:?}");
+    assert_eq!(Manifest::read(&out).unwrap().shards.len(), 0);
+    let o = extract(&[&["--data", s(&st.data), "--out", s(&out), "--resume"][..], &opts].concat());
+    assert!(o.ok, "{}", o.stderr);
+    assert!(dir_contents(&whole) == dir_contents(&out), "resumed output differs from the uninterrupted run");
+}
+
+#[test]
+fn schema_1_datasets_are_still_read_by_inspect_and_verify() {
+    let st = setup(12);
+    let out = st.out("out");
+    assert!(extract(&["--data", s(&st.data), "--out", s(&out)]).ok);
+    // The manifest as schema 1 wrote it: none of schema 2's fields.
+    let path = out.join("manifest.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let o = v.as_object_mut().unwrap();
+    o.insert("schema_version".into(), 1.into());
+    for k in ["run", "input", "on_nonfinite", "skipped", "nonce"] {
+        o.remove(k);
+    }
+    o["model"].as_object_mut().unwrap().remove("weights_digest");
+    for sh in o["shards"].as_array_mut().unwrap() {
+        sh.as_object_mut().unwrap().remove("input");
+    }
+    for sa in o["samples"].as_array_mut().unwrap() {
+        sa.as_object_mut().unwrap().remove("index");
+    }
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    let (ok, text) = verify(&out, &[]);
+    assert!(ok && text.contains("12 samples"), "{text}");
+    let (ok, text, err) = strata(&[os("inspect"), out.as_os_str()]);
+    assert!(ok && text.contains("samples:     12"), "{text}{err}");
+    // Nothing to check a resume against: refused, with the field that is missing.
+    let o = extract(&["--data", s(&st.data), "--out", s(&out), "--resume"]);
+    assert!(!o.ok && o.stderr.contains("weights_digest differs"), "{}", o.stderr);
+}

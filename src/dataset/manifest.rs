@@ -298,7 +298,8 @@ impl Manifest {
         ];
         for (field, a, b) in pairs {
             if a != b {
-                let (a, b) = (crate::clip(&a, 200), crate::clip(&b, 200));
+                let show = |v: &str| if v.is_empty() { "(not recorded)".to_string() } else { crate::clip(v, 200) };
+                let (a, b) = (show(&a), show(&b));
                 return Err(format!("{field} differs: the existing run has {a}, this run {b}"));
             }
         }
