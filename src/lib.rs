@@ -31,11 +31,23 @@ pub mod pipeline;
 pub mod shape;
 pub mod sink;
 
-/// Shortens a user-supplied string (an id, a path, a JSON value) for a
-/// message: at most `max` characters, with the full length when clipped.
-pub fn clip(s: &str, max: usize) -> String {
+/// At most this many characters of a string read from a file or the input
+/// (an id, a file name) are quoted in a message: hostile input must not fill the terminal.
+pub const QUOTE_MAX: usize = 80;
+
+/// `s` unquoted, cut to `max` characters with `…` and the full length.
+pub fn clip(s: &str, max: usize) -> std::borrow::Cow<'_, str> {
     match s.char_indices().nth(max) {
-        None => s.to_string(),
-        Some((end, _)) => format!("{}… ({} bytes)", &s[..end], s.len()),
+        None => std::borrow::Cow::Borrowed(s),
+        Some((cut, _)) => std::borrow::Cow::Owned(format!("{}… ({} bytes)", &s[..cut], s.len())),
+    }
+}
+
+/// `s` as `{:?}` prints it; past [`QUOTE_MAX`] characters, cut there with
+/// `…` and the full length: `"aaaa…" (1048576 bytes)`.
+pub fn quote(s: &str) -> String {
+    match s.char_indices().nth(QUOTE_MAX) {
+        None => format!("{s:?}"),
+        Some((cut, _)) => format!("{:?} ({} bytes)", format!("{}…", &s[..cut]), s.len()),
     }
 }

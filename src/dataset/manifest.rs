@@ -255,7 +255,7 @@ impl Manifest {
             return Err(format!(
                 "{}: schema_version {} is not supported (this strata reads 1 and {SCHEMA_VERSION})",
                 path.display(),
-                v.get("schema_version").map_or("(none)".into(), |v| crate::clip(&v.to_string(), 40))
+                v.get("schema_version").map_or("(none)".into(), |v| crate::clip(&v.to_string(), 40).into_owned())
             ));
         }
         let mut m: Manifest = serde_json::from_value(v).map_err(|e| format!("malformed {}: {e}", path.display()))?;
@@ -298,7 +298,13 @@ impl Manifest {
         ];
         for (field, a, b) in pairs {
             if a != b {
-                let show = |v: &str| if v.is_empty() { "(not recorded)".to_string() } else { crate::clip(v, 200) };
+                let show = |v: &str| {
+                    if v.is_empty() {
+                        "(not recorded)".to_string()
+                    } else {
+                        crate::clip(v, 200).into_owned()
+                    }
+                };
                 let (a, b) = (show(&a), show(&b));
                 return Err(format!("{field} differs: the existing run has {a}, this run {b}"));
             }

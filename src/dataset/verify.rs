@@ -6,30 +6,10 @@ use super::stats::Stats;
 use super::{Dataset, DatasetError, MappedFile};
 use crate::files;
 use serde_json::Value;
-use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::Path;
 
-/// At most this many characters of a string read from a file (an id, a file
-/// name) are quoted in a message: a hostile manifest must not fill the terminal.
-pub const QUOTE_MAX: usize = 80;
-
-/// `s` as `{:?}` prints it; past [`QUOTE_MAX`] characters, cut there with
-/// `…` and the full length: `"aaaa…" (1048576 bytes)`.
-pub fn quote(s: &str) -> String {
-    match s.char_indices().nth(QUOTE_MAX) {
-        None => format!("{s:?}"),
-        Some((cut, _)) => format!("{:?} ({} bytes)", format!("{}…", &s[..cut]), s.len()),
-    }
-}
-
-/// `s` unquoted, cut to `max` characters with `…` and the full length.
-pub fn clip(s: &str, max: usize) -> Cow<'_, str> {
-    match s.char_indices().nth(max) {
-        None => Cow::Borrowed(s),
-        Some((cut, _)) => Cow::Owned(format!("{}… ({} bytes)", &s[..cut], s.len())),
-    }
-}
+pub use crate::{clip, quote, QUOTE_MAX};
 
 /// A message that may hold `s` verbatim (in a path, or `{:?}`-quoted), with
 /// a long `s` replaced by its [`quote`].

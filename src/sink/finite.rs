@@ -77,9 +77,13 @@ impl<L: Dim, H: Dim, K: Sink<L, H>> Sink<L, H> for FiniteCheck<K> {
             let inf = xs.iter().filter(|x| !x.is_nan() && !fits(x)).count();
             let point = self.points.get(l).cloned().unwrap_or_else(|| format!("#{l}"));
             return match self.policy {
-                OnNonFinite::Fail => {
-                    Err(SinkError::NonFinite { id: crate::clip(&sample.id, 80), line: sample.line, point, nan, inf })
-                }
+                OnNonFinite::Fail => Err(SinkError::NonFinite {
+                    id: crate::clip(&sample.id, 80).into_owned(),
+                    line: sample.line,
+                    point,
+                    nan,
+                    inf,
+                }),
                 OnNonFinite::Skip => {
                     tracing::warn!(
                         "sample {} (line {}) skipped: {point} holds {nan} NaN and {inf} Inf values",
