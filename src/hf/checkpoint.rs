@@ -7,11 +7,13 @@
 //! model is opened under its prefix ([`Checkpoint::open_scoped`]).
 
 use super::quant::{LinearWeight, QuantKind, QuantRows, WeightFormat};
+use super::MAX_JSON_BYTES;
+use crate::files;
 use crate::shape::DType;
 use memmap2::Mmap;
 use safetensors::SafeTensors;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Why a checkpoint's weights cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +68,21 @@ pub enum CheckpointError {
         /// What it may be.
         expected: &'static str,
     },
+    /// One tensor stored in two files, with nothing to say which copy counts.
+    #[error("tensor {name:?} is stored in both {first} and {second}, and {why}")]
+    Duplicate {
+        /// Tensor name.
+        name: String,
+        /// The file it was first found in.
+        first: String,
+        /// The other file.
+        second: String,
+        /// Why neither copy can be chosen.
+        why: &'static str,
+    },
+    /// config.json's sizes disagree with the tensors the checkpoint holds.
+    #[error("config.json does not fit the checkpoint: {0}; is config.json from another checkpoint?")]
+    ConfigMismatch(String),
     /// The checkpoint was opened for another tensor prefix than the config's.
     #[error(transparent)]
     Prefix(#[from] PrefixMismatch),
@@ -140,64 +157,92 @@ impl Checkpoint {
     pub fn open_scoped(dir: &Path, prefix: &str) -> Result<Self, CheckpointError> {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
-        let paths: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(io(&index))?;
+        // Regular files only: a FIFO in a file's place is refused, never waited on.
+        let (paths, owners) = if files::is_regular(&index).map_err(io(&index))? {
+            let text = files::read_text(&index, MAX_JSON_BYTES).map_err(io(&index))?;
             let bad = |problem: String| CheckpointError::BadIndex { path: index.display().to_string(), problem };
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
             let map =
                 v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("no `weight_map` object".into()))?;
-            let mut files: Vec<String> = Vec::new();
+            let mut shards: Vec<&str> = Vec::new();
             for (name, f) in map {
                 let f = f.as_str().ok_or_else(|| bad(format!("weight_map[{name:?}] is not a string")))?;
                 if f.contains('/') || f.contains("..") {
                     return Err(bad(format!("weight_map[{name:?}] = {f:?} points outside the directory")));
                 }
-                if name.starts_with(prefix) && !files.iter().any(|x| x == f) {
-                    files.push(f.to_string());
+                if name.starts_with(prefix) && !shards.contains(&f) {
+                    shards.push(f);
                 }
             }
-            files.sort();
-            files.into_iter().map(|f| dir.join(f)).collect()
-        } else if single.exists() {
-            vec![single]
+            shards.sort_unstable();
+            // Which opened file the index says holds each tensor: it decides between copies.
+            let owners: HashMap<String, usize> = map
+                .iter()
+                .filter_map(|(name, f)| {
+                    let i = shards.binary_search(&f.as_str()?).ok()?;
+                    Some((name.clone(), i))
+                })
+                .collect();
+            (shards.into_iter().map(|f| dir.join(f)).collect(), Some(owners))
+        } else if files::is_regular(&single).map_err(io(&single))? {
+            (vec![single], None)
         } else {
             return Err(CheckpointError::NoWeights(dir.display().to_string()));
         };
-        let mut files = Vec::with_capacity(paths.len());
+        let mut mapped = Vec::with_capacity(paths.len());
         for p in &paths {
-            let f = std::fs::File::open(p).map_err(io(p))?;
+            let f = files::open_regular(p).map_err(io(p))?;
             // SAFETY: the map is read-only; a checkpoint modified while Strata
             // reads it is outside what any loader can guard against.
             let m = unsafe { Mmap::map(&f) }.map_err(io(p))?;
-            files.push((p.display().to_string(), Bytes::Mapped(m)));
+            mapped.push((p.display().to_string(), Bytes::Mapped(m)));
         }
-        let mut ckpt = Self::index(files)?;
+        let mut ckpt = Self::index(mapped, owners.as_ref())?;
         ckpt.prefix = prefix.to_string();
         Ok(ckpt)
     }
 
     /// A checkpoint held in memory (the embedded default model).
     pub fn from_static(name: &str, bytes: &'static [u8]) -> Result<Self, CheckpointError> {
-        Self::index(vec![(name.to_string(), Bytes::Static(bytes))])
+        Self::index(vec![(name.to_string(), Bytes::Static(bytes))], None)
     }
 
-    fn index(files: Vec<(String, Bytes)>) -> Result<Self, CheckpointError> {
-        let mut entries = HashMap::new();
+    /// Locates every tensor of `files`. A tensor stored in two files is
+    /// taken from the one the shard index's weight map (`owners`: tensor
+    /// name to file number) names; with no index, or one naming neither, it is an error.
+    fn index(files: Vec<(String, Bytes)>, owners: Option<&HashMap<String, usize>>) -> Result<Self, CheckpointError> {
+        let mut entries: HashMap<String, Entry> = HashMap::new();
         for (i, (path, bytes)) in files.iter().enumerate() {
             let (n, meta) = SafeTensors::read_metadata(bytes.as_slice())
                 .map_err(|e| CheckpointError::BadFile { path: path.clone(), problem: e.to_string() })?;
             let base = 8 + n;
             for (name, info) in meta.tensors() {
-                entries.insert(
-                    name,
-                    Entry {
-                        file: i,
-                        dtype: info.dtype,
-                        shape: info.shape.clone(),
-                        start: base + info.data_offsets.0,
-                        end: base + info.data_offsets.1,
-                    },
-                );
+                if let Some(old) = entries.get(&name) {
+                    match owners.and_then(|o| o.get(&name)) {
+                        Some(&owner) if owner == old.file => continue,
+                        Some(&owner) if owner == i => {}
+                        _ => {
+                            return Err(CheckpointError::Duplicate {
+                                first: files[old.file].0.clone(),
+                                second: path.clone(),
+                                name,
+                                why: if owners.is_some() {
+                                    "model.safetensors.index.json's weight_map names neither"
+                                } else {
+                                    "there is no model.safetensors.index.json to say which holds it"
+                                },
+                            })
+                        }
+                    }
+                }
+                let entry = Entry {
+                    file: i,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start: base + info.data_offsets.0,
+                    end: base + info.data_offsets.1,
+                };
+                entries.insert(name, entry);
             }
         }
         Ok(Checkpoint { files, entries, prefix: String::new() })
@@ -219,6 +264,23 @@ impl Checkpoint {
     /// The prefix names are looked up under (see [`open_scoped`](Self::open_scoped)).
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// A tensor's stored shape, if present.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.entry(name).map(|e| e.shape.as_slice())
+    }
+
+    /// Decoder layers the checkpoint holds tensors of: one past the highest
+    /// `k` of a `model.layers.{k}.*` name (under the prefix); 0 if none.
+    pub fn layer_count(&self) -> usize {
+        let head = format!("{}model.layers.", self.prefix);
+        self.entries
+            .keys()
+            .filter_map(|n| n.strip_prefix(&head)?.split('.').next()?.parse::<usize>().ok())
+            .map(|k| k.saturating_add(1))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Whether a tensor is present.

@@ -4,7 +4,7 @@
 
 use super::moe::{Scoring, TopkMethod};
 use super::quant::QuantConfig;
-use super::{ArchInfo, ConfigError, RopeFreqs};
+use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
@@ -48,6 +48,11 @@ pub struct DeepseekConfig {
     pub vocab_size: usize,
     /// Longest sequence.
     pub max_position_embeddings: usize,
+    /// config.json has no `max_position_embeddings`: the limit is HF's default.
+    pub max_position_default: bool,
+    /// Multi-token-prediction layers the checkpoint may hold after the
+    /// decoder's (`model.layers.{num_layers}` on, DeepSeek-V3's); never run.
+    pub num_nextn_predict_layers: usize,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
     /// q LoRA rank; `None` = plain `q_proj`.
@@ -108,6 +113,7 @@ struct Raw {
     intermediate_size: Option<usize>,
     vocab_size: Option<usize>,
     max_position_embeddings: Option<usize>,
+    num_nextn_predict_layers: Option<usize>,
     rms_norm_eps: Option<f64>,
     q_lora_rank: Option<usize>,
     kv_lora_rank: Option<usize>,
@@ -142,9 +148,7 @@ fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
 impl DeepseekConfig {
     /// Reads and normalises `config.json` from a file.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })?;
-        Self::from_json(&text)
+        Self::from_json(&super::read_config(path)?)
     }
 
     /// Checks that heads and every MLP width split over `size` ranks.
@@ -211,27 +215,35 @@ impl DeepseekConfig {
                 return Err(invalid("hidden_act", format!("{act:?} is not supported (only silu)")));
             }
         }
-        let params = r.rope_parameters.as_ref().or(r.rope_scaling.as_ref()).filter(|v| !v.is_null());
-        let num = |k: &str| params.and_then(|p| p.get(k)).and_then(Value::as_f64).map(|v| v as f32);
-        let rope_theta = num("rope_theta").or(r.rope_theta.map(|t| t as f32)).unwrap_or(10000.0);
+        let (params, field) = match (&r.rope_parameters, &r.rope_scaling) {
+            (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
+            (_, Some(p)) if !p.is_null() => (Some(p), "rope_scaling"),
+            _ => (None, "rope_parameters"),
+        };
+        if let Some(p) = params.filter(|p| !p.is_object()) {
+            return Err(invalid(field, format!("expected an object, got {p}")));
+        }
+        let num = |k: &str| -> Result<Option<f32>, ConfigError> {
+            match params.and_then(|p| p.get(k)) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .map(|f| Some(f as f32))
+                    .ok_or_else(|| invalid(field, format!("`{k}` must be a number, got {v}"))),
+            }
+        };
+        let rope_theta = num("rope_theta")?.or(r.rope_theta.map(|t| t as f32)).unwrap_or(10000.0);
+        positive_f32("rope_theta", "rope_theta", rope_theta)?;
         let kind = params
             .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
             .and_then(Value::as_str)
             .unwrap_or("default");
         let rope = match kind {
             "default" => DsRope::Default,
-            "yarn" => DsRope::Yarn {
-                factor: num("factor").ok_or_else(|| invalid("rope_parameters", "yarn needs `factor`"))?,
-                original_max_position_embeddings: num("original_max_position_embeddings")
-                    .ok_or_else(|| invalid("rope_parameters", "yarn needs `original_max_position_embeddings`"))?,
-                beta_fast: num("beta_fast").unwrap_or(32.0),
-                beta_slow: num("beta_slow").unwrap_or(1.0),
-                mscale: num("mscale").unwrap_or(1.0),
-                mscale_all_dim: num("mscale_all_dim").unwrap_or(0.0),
-            },
+            "yarn" => Self::yarn(field, rope_theta, &num)?,
             other => {
                 return Err(invalid(
-                    "rope_parameters",
+                    field,
                     format!("rope type {other:?} is not supported for DeepSeek (supported: default, yarn)"),
                 ))
             }
@@ -266,24 +278,48 @@ impl DeepseekConfig {
                 ))
             }
         };
+        let hidden_size = positive("hidden_size", need(r.hidden_size, "hidden_size")?)?;
+        let num_layers = bounded("num_hidden_layers", need(r.num_hidden_layers, "num_hidden_layers")?, MAX_LAYERS)?;
+        let num_heads = bounded("num_attention_heads", need(r.num_attention_heads, "num_attention_heads")?, MAX_COUNT)?;
+        let (max_position_embeddings, max_position_default) = match r.max_position_embeddings {
+            Some(n) => (positive("max_position_embeddings", n)?, false),
+            // HF's DeepseekV2Config says 2048; V3's (and the remote code Kimi-K2 ships) 4096.
+            None => (if v3 { 4096 } else { 2048 }, true),
+        };
+        let q_lora_rank = match r.q_lora_rank {
+            Some(0) => return Err(invalid("q_lora_rank", "must be positive (null means plain q_proj, no q LoRA)")),
+            rank => rank,
+        };
+        // Absent or null means no routed experts; an explicit 0 is a mistake.
+        let n_routed_experts = match r.n_routed_experts {
+            Some(0) => return Err(invalid("n_routed_experts", "must be positive (null means every layer is dense)")),
+            Some(e) => bounded("n_routed_experts", e, MAX_COUNT)?,
+            None => 0,
+        };
+        let group = |v: Option<usize>, f: &'static str| match v {
+            Some(0) => Err(invalid(f, "must be positive (null means 1)")),
+            v => Ok(v.unwrap_or(1)),
+        };
         let c = DeepseekConfig {
-            hidden_size: need(r.hidden_size, "hidden_size")?,
-            num_layers: need(r.num_hidden_layers, "num_hidden_layers")?,
-            num_heads: need(r.num_attention_heads, "num_attention_heads")?,
-            intermediate_size: need(r.intermediate_size, "intermediate_size")?,
-            vocab_size: need(r.vocab_size, "vocab_size")?,
-            max_position_embeddings: r.max_position_embeddings.unwrap_or(usize::MAX),
-            rms_norm_eps: r.rms_norm_eps.unwrap_or(1e-6) as f32,
-            q_lora_rank: r.q_lora_rank,
-            kv_lora_rank: need(r.kv_lora_rank, "kv_lora_rank")?,
-            qk_nope_head_dim: need(r.qk_nope_head_dim, "qk_nope_head_dim")?,
-            qk_rope_head_dim: need(r.qk_rope_head_dim, "qk_rope_head_dim")?,
-            v_head_dim: need(r.v_head_dim, "v_head_dim")?,
+            hidden_size,
+            num_layers,
+            num_heads,
+            intermediate_size: positive("intermediate_size", need(r.intermediate_size, "intermediate_size")?)?,
+            vocab_size: positive("vocab_size", need(r.vocab_size, "vocab_size")?)?,
+            max_position_embeddings,
+            max_position_default,
+            num_nextn_predict_layers: r.num_nextn_predict_layers.unwrap_or(0),
+            rms_norm_eps: positive_f32("rms_norm_eps", "rms_norm_eps", r.rms_norm_eps.unwrap_or(1e-6) as f32)?,
+            q_lora_rank,
+            kv_lora_rank: positive("kv_lora_rank", need(r.kv_lora_rank, "kv_lora_rank")?)?,
+            qk_nope_head_dim: bounded("qk_nope_head_dim", need(r.qk_nope_head_dim, "qk_nope_head_dim")?, MAX_COUNT)?,
+            qk_rope_head_dim: bounded("qk_rope_head_dim", need(r.qk_rope_head_dim, "qk_rope_head_dim")?, MAX_COUNT)?,
+            v_head_dim: bounded("v_head_dim", need(r.v_head_dim, "v_head_dim")?, MAX_COUNT)?,
             rope_theta,
             rope,
             rope_interleave: r.rope_interleave.unwrap_or(true),
             attention_bias: r.attention_bias.unwrap_or(false),
-            n_routed_experts: r.n_routed_experts.unwrap_or(0),
+            n_routed_experts,
             n_shared_experts: r.n_shared_experts.unwrap_or(0),
             num_experts_per_tok: r.num_experts_per_tok.unwrap_or(0),
             moe_intermediate_size: r.moe_intermediate_size.unwrap_or(0),
@@ -293,33 +329,115 @@ impl DeepseekConfig {
             norm_topk_prob: r.norm_topk_prob.unwrap_or(false),
             scoring,
             topk_method,
-            n_group: r.n_group.unwrap_or(1).max(1),
-            topk_group: r.topk_group.unwrap_or(1).max(1),
+            n_group: group(r.n_group, "n_group")?,
+            topk_group: group(r.topk_group, "topk_group")?,
             quant: QuantConfig::from_json(r.quantization_config.as_ref())?,
             tensor_prefix: String::new(),
             model_type,
         };
+        c.check_sizes()?;
+        Ok(c)
+    }
+
+    /// YaRN's parameters, refusing values that can only give NaN or infinite frequencies.
+    fn yarn(
+        field: &'static str,
+        theta: f32,
+        num: &dyn Fn(&str) -> Result<Option<f32>, ConfigError>,
+    ) -> Result<DsRope, ConfigError> {
+        let need = |k: &'static str| num(k)?.ok_or_else(|| invalid(field, format!("yarn needs `{k}`")));
+        let pos = |k: &'static str, v: f32| positive_f32(field, &format!("`{k}`"), v);
+        let non_negative = |k: &'static str, v: f32| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(v)
+            } else {
+                Err(invalid(field, format!("`{k}` must be a finite number >= 0, got {v}")))
+            }
+        };
+        // The correction range divides by ln(rope_theta).
+        if theta <= 1.0 {
+            return Err(invalid("rope_theta", format!("yarn needs rope_theta > 1, got {theta}")));
+        }
+        Ok(DsRope::Yarn {
+            factor: pos("factor", need("factor")?)?,
+            original_max_position_embeddings: pos(
+                "original_max_position_embeddings",
+                need("original_max_position_embeddings")?,
+            )?,
+            beta_fast: pos("beta_fast", num("beta_fast")?.unwrap_or(32.0))?,
+            beta_slow: pos("beta_slow", num("beta_slow")?.unwrap_or(1.0))?,
+            mscale: non_negative("mscale", num("mscale")?.unwrap_or(1.0))?,
+            mscale_all_dim: non_negative("mscale_all_dim", num("mscale_all_dim")?.unwrap_or(0.0))?,
+        })
+    }
+
+    /// Checks every size the parse took: the experts and their router, the
+    /// layer split, and that no weight's size overflows.
+    fn check_sizes(&self) -> Result<(), ConfigError> {
+        let c = self;
         if !c.qk_rope_head_dim.is_multiple_of(2) {
             return Err(invalid("qk_rope_head_dim", "must be even"));
         }
-        if c.n_routed_experts > 0 {
-            if c.num_experts_per_tok == 0 || c.num_experts_per_tok > c.n_routed_experts {
-                return Err(invalid("num_experts_per_tok", format!("must be 1..={}", c.n_routed_experts)));
-            }
-            if c.moe_intermediate_size == 0 {
-                return Err(invalid("moe_intermediate_size", "must be positive"));
-            }
-            if !c.n_routed_experts.is_multiple_of(c.n_group) || c.topk_group > c.n_group {
-                return Err(invalid(
-                    "n_group",
-                    format!("{} groups of {} experts, topk_group {}", c.n_group, c.n_routed_experts, c.topk_group),
-                ));
-            }
-            if c.topk_method == TopkMethod::NoauxTc && c.n_routed_experts / c.n_group < 2 {
-                return Err(invalid("n_group", "noaux_tc ranks groups by their two best experts: need 2 per group"));
-            }
+        if c.num_nextn_predict_layers > MAX_LAYERS {
+            return Err(invalid("num_nextn_predict_layers", "is implausibly large"));
         }
-        Ok(c)
+        if c.first_k_dense_replace > c.num_layers {
+            return Err(invalid(
+                "first_k_dense_replace",
+                format!("{} is more than num_hidden_layers {}", c.first_k_dense_replace, c.num_layers),
+            ));
+        }
+        let (h, nh, qk) = (c.hidden_size, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim);
+        elements("vocab_size", "embed_tokens", &[c.vocab_size, h])?;
+        if let Some(rank) = c.q_lora_rank {
+            elements("q_lora_rank", "q_a_proj", &[rank, h])?;
+        }
+        elements("num_attention_heads", "q_b_proj", &[nh, qk, c.q_lora_rank.unwrap_or(h)])?;
+        // Saturates: usize::MAX elements fail the check below.
+        let kva = c.kv_lora_rank.saturating_add(c.qk_rope_head_dim);
+        elements("kv_lora_rank", "kv_a_proj_with_mqa", &[kva, h])?;
+        elements("kv_lora_rank", "kv_b_proj", &[nh, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank])?;
+        elements("num_attention_heads", "o_proj", &[h, nh, c.v_head_dim])?;
+        elements("intermediate_size", "gate_up_proj", &[2, c.intermediate_size, h])?;
+        if c.n_routed_experts == 0 {
+            return Ok(());
+        }
+        let e = c.n_routed_experts;
+        if c.num_experts_per_tok == 0 || c.num_experts_per_tok > e {
+            return Err(invalid("num_experts_per_tok", format!("{} is not in 1..={e}", c.num_experts_per_tok)));
+        }
+        positive("moe_intermediate_size", c.moe_intermediate_size)?;
+        positive("moe_layer_freq", c.moe_layer_freq)?;
+        if c.n_shared_experts > MAX_COUNT {
+            return Err(invalid("n_shared_experts", "is implausibly large"));
+        }
+        positive_f32("routed_scaling_factor", "routed_scaling_factor", c.routed_scaling_factor)?;
+        elements("moe_intermediate_size", "experts' gate_up_proj", &[e, 2, c.moe_intermediate_size, h])?;
+        elements(
+            "n_shared_experts",
+            "shared_experts' gate_up_proj",
+            &[2, c.moe_intermediate_size, c.n_shared_experts, h],
+        )?;
+        if !e.is_multiple_of(c.n_group) || c.topk_group > c.n_group {
+            return Err(invalid(
+                "n_group",
+                format!("{} groups of {e} experts, topk_group {}: groups must divide the experts and topk_group must be at most n_group", c.n_group, c.topk_group),
+            ));
+        }
+        let per_group = e / c.n_group;
+        if c.topk_method != TopkMethod::Greedy && c.topk_group * per_group < c.num_experts_per_tok {
+            return Err(invalid(
+                "topk_group",
+                format!(
+                    "{} of {} groups of {per_group} experts hold fewer than num_experts_per_tok {}",
+                    c.topk_group, c.n_group, c.num_experts_per_tok
+                ),
+            ));
+        }
+        if c.topk_method == TopkMethod::NoauxTc && per_group < 2 {
+            return Err(invalid("n_group", "noaux_tc ranks groups by their two best experts: need 2 per group"));
+        }
+        Ok(())
     }
 
     /// The outer shape.
@@ -330,6 +448,7 @@ impl DeepseekConfig {
             hidden_size: self.hidden_size,
             vocab_size: self.vocab_size,
             max_position_embeddings: self.max_position_embeddings,
+            max_position_default: self.max_position_default,
         }
     }
 

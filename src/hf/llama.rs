@@ -4,7 +4,7 @@
 //! and transformers 5's (`rope_parameters`), for `llama`, `mistral`, `qwen2`
 //! and `qwen3`. Every refusal is a [`ConfigError`] that names the field.
 
-use super::{ArchInfo, ConfigError, RopeFreqs};
+use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
@@ -96,6 +96,8 @@ pub struct LlamaConfig {
     pub tie_word_embeddings: bool,
     /// Longest sequence the model supports.
     pub max_position_embeddings: usize,
+    /// config.json has no `max_position_embeddings`: the limit is HF's default.
+    pub max_position_default: bool,
 }
 
 #[derive(Deserialize)]
@@ -168,20 +170,43 @@ fn parse_rope(params: Option<&Value>, field: &'static str) -> Result<(Option<f32
             ))
         }
     };
-    if let RopeScaling::Linear { factor } | RopeScaling::Llama3 { factor, .. } = scaling {
-        if factor.is_nan() || factor <= 0.0 {
-            return Err(invalid(field, format!("`factor` must be positive, got {factor}")));
+    // Anything else turns every frequency into NaN or infinity.
+    match scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            positive_f32(field, "`factor`", factor)?;
+        }
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            positive_f32(field, "`factor`", factor)?;
+            positive_f32(field, "`low_freq_factor`", low_freq_factor)?;
+            positive_f32(field, "`high_freq_factor`", high_freq_factor)?;
+            positive_f32(field, "`original_max_position_embeddings`", original_max_position_embeddings)?;
+            // The smoothing between the two divides by their difference.
+            if high_freq_factor <= low_freq_factor {
+                return Err(invalid(
+                    field,
+                    format!("`high_freq_factor` {high_freq_factor} must exceed `low_freq_factor` {low_freq_factor}"),
+                ));
+            }
         }
     }
     Ok((theta, scaling))
 }
 
+/// `max_position_embeddings` of HF's config class for `arch`, used when
+/// config.json has none (as transformers does).
+fn default_max_positions(arch: Arch) -> usize {
+    match arch {
+        Arch::Llama => 2048,
+        Arch::Mistral => 4096 * 32,
+        Arch::Qwen2 | Arch::Qwen3 => 32768,
+    }
+}
+
 impl LlamaConfig {
     /// Reads and normalises `config.json` from a file.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })?;
-        Self::from_json(&text)
+        Self::from_json(&super::read_config(path)?)
     }
 
     /// Parses and normalises `config.json` text.
@@ -206,24 +231,14 @@ impl LlamaConfig {
                 ),
             });
         }
-        let hidden_size = raw.hidden_size.ok_or(ConfigError::Missing("hidden_size"))?;
-        let num_layers = raw.num_hidden_layers.ok_or(ConfigError::Missing("num_hidden_layers"))?;
-        let num_heads = raw.num_attention_heads.ok_or(ConfigError::Missing("num_attention_heads"))?;
-        let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
-        let intermediate_size = raw.intermediate_size.ok_or(ConfigError::Missing("intermediate_size"))?;
-        let vocab_size = raw.vocab_size.ok_or(ConfigError::Missing("vocab_size"))?;
-        for (field, v) in [
-            ("hidden_size", hidden_size),
-            ("num_hidden_layers", num_layers),
-            ("num_attention_heads", num_heads),
-            ("num_key_value_heads", num_kv_heads),
-            ("intermediate_size", intermediate_size),
-            ("vocab_size", vocab_size),
-        ] {
-            if v == 0 {
-                return Err(invalid(field, "must be positive"));
-            }
-        }
+        let need = |v: Option<usize>, f: &'static str| v.ok_or(ConfigError::Missing(f));
+        let hidden_size = positive("hidden_size", need(raw.hidden_size, "hidden_size")?)?;
+        let num_layers = bounded("num_hidden_layers", need(raw.num_hidden_layers, "num_hidden_layers")?, MAX_LAYERS)?;
+        let num_heads =
+            bounded("num_attention_heads", need(raw.num_attention_heads, "num_attention_heads")?, MAX_COUNT)?;
+        let num_kv_heads = bounded("num_key_value_heads", raw.num_key_value_heads.unwrap_or(num_heads), MAX_COUNT)?;
+        let intermediate_size = positive("intermediate_size", need(raw.intermediate_size, "intermediate_size")?)?;
+        let vocab_size = positive("vocab_size", need(raw.vocab_size, "vocab_size")?)?;
         if num_heads % num_kv_heads != 0 {
             return Err(invalid(
                 "num_key_value_heads",
@@ -245,6 +260,16 @@ impl LlamaConfig {
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(invalid("head_dim", format!("must be a positive even number for RoPE, got {head_dim}")));
         }
+        bounded("head_dim", head_dim, MAX_COUNT)?;
+        // Every weight's size, so no product of config sizes can wrap later.
+        elements("vocab_size", "embed_tokens", &[vocab_size, hidden_size])?;
+        elements("num_attention_heads", "qkv_proj", &[num_heads + 2 * num_kv_heads, head_dim, hidden_size])?;
+        elements("intermediate_size", "gate_up_proj", &[2, intermediate_size, hidden_size])?;
+        let rms_norm_eps = positive_f32("rms_norm_eps", "rms_norm_eps", raw.rms_norm_eps.unwrap_or(1e-6) as f32)?;
+        let (max_position_embeddings, max_position_default) = match raw.max_position_embeddings {
+            Some(n) => (positive("max_position_embeddings", n)?, false),
+            None => (default_max_positions(arch), true),
+        };
         if let Some(act) = &raw.hidden_act {
             if act != "silu" && act != "swish" {
                 return Err(invalid("hidden_act", format!("{act:?} is not supported (only silu)")));
@@ -255,9 +280,7 @@ impl LlamaConfig {
         let (theta_new, scaling_new) = parse_rope(raw.rope_parameters.as_ref(), "rope_parameters")?;
         let (theta_old, scaling_old) = parse_rope(raw.rope_scaling.as_ref(), "rope_scaling")?;
         let rope_theta = theta_new.or(raw.rope_theta.map(|t| t as f32)).or(theta_old).unwrap_or(10000.0);
-        if rope_theta.is_nan() || rope_theta <= 0.0 {
-            return Err(invalid("rope_theta", format!("must be positive, got {rope_theta}")));
-        }
+        positive_f32("rope_theta", "rope_theta", rope_theta)?;
         let rope_scaling = if raw.rope_parameters.is_some() { scaling_new } else { scaling_old };
 
         let (qkv_bias, o_bias) = match arch {
@@ -278,7 +301,7 @@ impl LlamaConfig {
             head_dim,
             intermediate_size,
             vocab_size,
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rms_norm_eps,
             rope_theta,
             rope_scaling,
             qkv_bias,
@@ -287,7 +310,8 @@ impl LlamaConfig {
             qk_norm: arch == Arch::Qwen3,
             sliding_windows,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(usize::MAX),
+            max_position_embeddings,
+            max_position_default,
         })
     }
 
@@ -370,6 +394,7 @@ impl LlamaConfig {
             hidden_size: self.hidden_size,
             vocab_size: self.vocab_size,
             max_position_embeddings: self.max_position_embeddings,
+            max_position_default: self.max_position_default,
         }
     }
 

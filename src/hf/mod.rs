@@ -59,6 +59,72 @@ pub struct ArchInfo {
     pub vocab_size: usize,
     /// Longest sequence.
     pub max_position_embeddings: usize,
+    /// `max_position_embeddings` is HF's default for the architecture:
+    /// config.json has no such field.
+    pub max_position_default: bool,
+}
+
+/// Largest `config.json` (or shard index) read: real ones are kilobytes to a
+/// few megabytes, and a bound keeps a hostile file from filling memory.
+pub const MAX_JSON_BYTES: u64 = 64 << 20;
+
+/// Most decoder layers a config may declare. Far above any real model, and
+/// low enough that a per-layer table built from config.json alone stays small.
+pub const MAX_LAYERS: usize = 1 << 16;
+
+/// Most routed experts, heads or per-head dims a config may declare: far
+/// above any real model (hundreds of experts, head dims of a few hundred).
+pub const MAX_COUNT: usize = 1 << 16;
+
+/// Reads a `config.json`: a regular file (a FIFO or device is refused
+/// instead of blocking) of at most [`MAX_JSON_BYTES`].
+pub fn read_config(path: &std::path::Path) -> Result<String, ConfigError> {
+    crate::files::read_text(path, MAX_JSON_BYTES)
+        .map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })
+}
+
+/// Refuses a size that is zero.
+pub(crate) fn positive(field: &'static str, v: usize) -> Result<usize, ConfigError> {
+    if v == 0 {
+        return Err(ConfigError::Invalid { field, problem: "must be positive".into() });
+    }
+    Ok(v)
+}
+
+/// Refuses a size that is zero or above `max` (absurd for any real model).
+pub(crate) fn bounded(field: &'static str, v: usize, max: usize) -> Result<usize, ConfigError> {
+    positive(field, v)?;
+    if v > max {
+        return Err(ConfigError::Invalid {
+            field,
+            problem: format!("{v} is implausibly large (Strata accepts at most {max})"),
+        });
+    }
+    Ok(v)
+}
+
+/// Refuses a float the model can only turn into NaN or infinity: non-finite
+/// (an f64 that overflowed f32 included), or not above zero.
+pub(crate) fn positive_f32(field: &'static str, what: &str, v: f32) -> Result<f32, ConfigError> {
+    if !v.is_finite() || v <= 0.0 {
+        return Err(ConfigError::Invalid {
+            field,
+            problem: format!("{what} must be a finite positive number, got {v}"),
+        });
+    }
+    Ok(v)
+}
+
+/// The elements of a weight of shape `dims`, refusing shapes whose f32 bytes
+/// overflow: sizes multiply only through here, so no product can wrap.
+pub(crate) fn elements(field: &'static str, what: &str, dims: &[usize]) -> Result<usize, ConfigError> {
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n.checked_mul(4).is_some_and(|b| b <= isize::MAX as usize))
+        .ok_or_else(|| ConfigError::Invalid {
+            field,
+            problem: format!("makes {what} {dims:?} larger than memory can address"),
+        })
 }
 
 /// The rotary embedding of one architecture: inverse frequencies of the

@@ -100,7 +100,13 @@ impl AnyConfig {
 
     /// Reads `DIR/config.json`.
     pub fn read(dir: &Path) -> Result<Self, ConfigError> {
-        Self::parse(&super::decoder::read_config_text(dir)?)
+        Self::parse(&Self::read_text(dir)?)
+    }
+
+    /// The text of `DIR/config.json`: a regular file (a FIFO or device is
+    /// refused instead of blocking) of at most [`crate::hf::MAX_JSON_BYTES`].
+    pub fn read_text(dir: &Path) -> Result<String, ConfigError> {
+        super::decoder::read_config_text(dir)
     }
 
     /// The outer shape.

@@ -25,6 +25,9 @@ pub struct Frame {
     pub rope: RopeFreqs,
     /// Prefix of the text model's tensor names (`language_model.` in a multimodal wrapper).
     pub tensor_prefix: String,
+    /// Layers the checkpoint may hold past `info.num_layers` and the model
+    /// never runs (DeepSeek-V3's multi-token-prediction module).
+    pub extra_layers: usize,
 }
 
 /// The inputs every layer of one step shares.
@@ -82,10 +85,49 @@ pub struct Decoder<B: Backend, L: Block<B>, H: Dim = usize> {
     norm: B::Vector,
 }
 
-/// Reads `DIR/config.json`.
+/// Reads `DIR/config.json` (a regular file of bounded size; a FIFO is refused).
 pub(crate) fn read_config_text(dir: &Path) -> Result<String, ConfigError> {
-    let path = dir.join("config.json");
-    std::fs::read_to_string(&path).map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })
+    crate::hf::read_config(&dir.join("config.json"))
+}
+
+/// Checks config.json's outer sizes against the tensors the checkpoint
+/// holds, before anything sized by them is allocated: a config claiming a
+/// billion layers or a huge vocabulary fails here, not in the allocator.
+fn check_fits(frame: &Frame, ckpt: &Checkpoint) -> Result<(), ModelError> {
+    let info = &frame.info;
+    let mismatch = |problem: String| ModelError::from(CheckpointError::ConfigMismatch(problem));
+    let embed = "model.embed_tokens.weight";
+    let want = [info.vocab_size, info.hidden_size];
+    match ckpt.shape(embed) {
+        Some(shape) if shape != want => {
+            return Err(mismatch(format!(
+                "vocab_size {} and hidden_size {} make {embed} {want:?}, but the checkpoint's is {shape:?}",
+                info.vocab_size, info.hidden_size
+            )))
+        }
+        Some(_) => {}
+        None => return Err(CheckpointError::Missing(format!("{}{embed}", ckpt.prefix())).into()),
+    }
+    let (n, held) = (info.num_layers, ckpt.layer_count());
+    if held < n {
+        return Err(mismatch(format!(
+            "num_hidden_layers is {n}, but the checkpoint holds tensors of {held} layers \
+             (no model.layers.{}.*)",
+            n - 1
+        )));
+    }
+    if held > n.saturating_add(frame.extra_layers) {
+        let extra = if frame.extra_layers > 0 {
+            format!(" (plus {} multi-token-prediction layers)", frame.extra_layers)
+        } else {
+            String::new()
+        };
+        return Err(mismatch(format!(
+            "num_hidden_layers is {n}{extra}, but the checkpoint also holds model.layers.{}.*",
+            held - 1
+        )));
+    }
+    Ok(())
 }
 
 impl<B: Backend, L: Block<B>, H: Dim + Default> Decoder<B, L, H> {
@@ -126,6 +168,7 @@ impl<B: Backend, L: Block<B>, H: Dim + Default> Decoder<B, L, H> {
             let (expected, actual) = (frame.tensor_prefix.clone(), ckpt.prefix().to_string());
             return Err(CheckpointError::from(PrefixMismatch { expected, actual }).into());
         }
+        check_fits(&frame, ckpt)?;
         let hidden: H = dim_from_size("config.json hidden_size", "hidden", info.hidden_size)?;
         let h = info.hidden_size;
         let (bytes, dtype) = ckpt.read_bytes("model.embed_tokens.weight", &[info.vocab_size, h])?;

@@ -256,7 +256,13 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn frame(c: &LlamaConfig) -> Frame {
-        Frame { info: c.info(), rms_norm_eps: c.rms_norm_eps, rope: c.rope(), tensor_prefix: String::new() }
+        Frame {
+            info: c.info(),
+            rms_norm_eps: c.rms_norm_eps,
+            rope: c.rope(),
+            tensor_prefix: String::new(),
+            extra_layers: 0,
+        }
     }
 
     fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), ModelError> {

@@ -64,6 +64,23 @@ pub enum CaptureError {
     /// An empty capture list.
     #[error("the capture list is empty")]
     Empty,
+    /// A point listed twice: it would be computed and written twice.
+    #[error("capture point {point} is listed twice{note}; list each point once")]
+    Duplicate {
+        /// The repeated point.
+        point: CapturePoint,
+        /// Where the second copy came from, if not plain text.
+        note: &'static str,
+    },
+    /// The `eagle3` preset on a model too shallow for its `input:2`.
+    #[error(
+        "the eagle3 preset (input:2, input:N/2, input:N-3, final) needs at least 3 decoder layers, \
+         but the model has {num_layers}; pass an explicit --capture list instead (e.g. --capture input:0,final)"
+    )]
+    Eagle3TooShallow {
+        /// The model's layer count.
+        num_layers: usize,
+    },
     /// The list's length disagrees with the job's layers type.
     #[error(transparent)]
     Shape(#[from] ShapeError),
@@ -119,21 +136,64 @@ impl CapturePoint {
         ]
     }
 
-    /// Parses a comma list (`embeddings,input:2,eagle3,...`); `eagle3` expands with `num_layers`.
+    /// [`eagle3`](Self::eagle3) for a model of `num_layers`, refused below 3
+    /// layers (no `input:2`); on 4 to 6 layers, where its layers coincide,
+    /// each point is kept once and a warning names what is captured.
+    pub fn eagle3_for(num_layers: usize) -> Result<Vec<CapturePoint>, CaptureError> {
+        if num_layers < 3 {
+            return Err(CaptureError::Eagle3TooShallow { num_layers });
+        }
+        let mut points = CapturePoint::eagle3(num_layers);
+        let all = points.len();
+        let mut seen = Vec::with_capacity(all);
+        points.retain(|p| {
+            let fresh = !seen.contains(p);
+            seen.push(*p);
+            fresh
+        });
+        if points.len() < all {
+            let list: Vec<String> = points.iter().map(ToString::to_string).collect();
+            tracing::warn!(
+                "eagle3 on a {num_layers}-layer model: input:2, input:N/2 and input:N-3 coincide, so {} points \
+                 are captured ({}), not 4; pass --capture to choose them",
+                points.len(),
+                list.join(",")
+            );
+        }
+        Ok(points)
+    }
+
+    /// Parses a comma list (`embeddings,input:2,eagle3,...`); `eagle3` expands
+    /// with `num_layers` (see [`eagle3_for`](Self::eagle3_for)). A point listed
+    /// twice is refused; two names of one state (`output:0` and `input:1`)
+    /// are allowed, as HF's own tuple has them, with a warning.
     pub fn parse_list(text: &str, num_layers: usize) -> Result<Vec<CapturePoint>, CaptureError> {
-        let mut out = Vec::new();
+        let mut out: Vec<CapturePoint> = Vec::new();
+        let mut by_eagle3: Vec<bool> = Vec::new(); // per point of `out`: whether the preset put it there
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-            if item.eq_ignore_ascii_case("eagle3") {
-                out.extend(CapturePoint::eagle3(num_layers));
-            } else {
-                out.push(item.parse()?);
+            let eagle3 = item.eq_ignore_ascii_case("eagle3");
+            let points = if eagle3 { CapturePoint::eagle3_for(num_layers)? } else { vec![item.parse()?] };
+            for point in points {
+                if let Some(i) = out.iter().position(|p| *p == point) {
+                    let note = if eagle3 || by_eagle3[i] {
+                        " (eagle3 stands for input:2, input:N/2, input:N-3, final)"
+                    } else {
+                        ""
+                    };
+                    return Err(CaptureError::Duplicate { point, note });
+                }
+                out.push(point);
+                by_eagle3.push(eagle3);
             }
         }
         if out.is_empty() {
             return Err(CaptureError::Empty);
         }
-        for p in &out {
-            p.tap(num_layers)?;
+        let taps = out.iter().map(|p| p.tap(num_layers)).collect::<Result<Vec<_>, _>>()?;
+        for (i, tap) in taps.iter().enumerate() {
+            if let Some(j) = taps[..i].iter().position(|t| t == tap) {
+                tracing::warn!("capture points {} and {} are the same state; it is written twice", out[j], out[i]);
+            }
         }
         Ok(out)
     }
@@ -254,6 +314,21 @@ mod tests {
         assert_eq!(l.len(), 3);
         assert!(matches!(CapturePoint::parse_list("", 4), Err(CaptureError::Empty)));
         assert!(CapturePoint::parse_list("input:4", 4).is_err());
+    }
+
+    #[test]
+    fn duplicates_and_shallow_eagle3() {
+        let e = CapturePoint::parse_list("input:2,input:2", 8).unwrap_err();
+        assert_eq!(e.to_string(), "capture point input:2 is listed twice; list each point once");
+        let e = CapturePoint::parse_list("eagle3,final", 8).unwrap_err();
+        assert!(e.to_string().contains("final is listed twice (eagle3 stands for"), "{e}");
+        // Two names of one state are HF's own convention: allowed.
+        assert_eq!(CapturePoint::parse_list("output:0,input:1", 8).unwrap().len(), 2);
+        let e = CapturePoint::parse_list("eagle3", 2).unwrap_err();
+        assert!(e.to_string().contains("needs at least 3 decoder layers, but the model has 2"), "{e}");
+        let four = CapturePoint::parse_list("eagle3", 4).unwrap();
+        assert_eq!(four, [CapturePoint::LayerInput(2), CapturePoint::LayerInput(1), CapturePoint::FinalPreNorm]);
+        assert_eq!(CapturePoint::parse_list("eagle3", 7).unwrap().len(), 4);
     }
 
     #[test]
