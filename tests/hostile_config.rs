@@ -520,7 +520,6 @@ fn fifos_in_place_of_checkpoint_files_are_refused() {
 /// The CLI reads config.json itself (src/bin/strata/extract.rs, `config_text`);
 /// this passes once that read goes through `AnyConfig::read_text`.
 #[test]
-#[ignore = "needs src/bin/strata/extract.rs to read config.json through strata::model::AnyConfig::read_text"]
 fn fifo_config_json_through_the_cli() {
     let dir = tempfile::tempdir().unwrap();
     mkfifo(&dir.path().join("config.json"));

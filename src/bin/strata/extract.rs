@@ -55,9 +55,6 @@ pub struct ExtractJob {
     pub on_nonfinite: OnNonFinite,
 }
 
-/// The longest `config.json` read.
-const MAX_CONFIG_BYTES: u64 = 64 << 20;
-
 /// Why an extraction stopped. Nothing is written before the input is fully validated.
 #[derive(Debug, thiserror::Error)]
 pub enum ExtractError {
@@ -138,12 +135,7 @@ impl ExtractJob {
 
     fn config_text(&self) -> Result<String, ExtractError> {
         match &self.model {
-            Some(dir) => {
-                let path = dir.join("config.json");
-                strata::files::read_text(&path, MAX_CONFIG_BYTES).map_err(|cause| {
-                    ModelError::Config(strata::hf::ConfigError::Io { path: path.display().to_string(), cause }).into()
-                })
-            }
+            Some(dir) => Ok(AnyConfig::read_text(dir).map_err(ModelError::from)?),
             None => Ok(embedded::CONFIG_JSON.to_string()),
         }
     }
@@ -200,8 +192,12 @@ impl ExtractJob {
         job.input = Some(InputInfo { path: self.data_name(), whole: InputPos::default() });
 
         let max = info.max_position_embeddings;
-        let from = format!("max_position_embeddings {max}"); // MERGE: default note
-                                                             // A token takes at most 11 bytes as `4294967295,` and 2 in a loss mask; allow spaces too.
+        let from = if info.max_position_default {
+            format!("max_position_embeddings {max} (HF's default for {}: config.json has none)", info.architecture)
+        } else {
+            format!("max_position_embeddings {max}")
+        };
+        // A token takes at most 11 bytes as `4294967295,` and 2 in a loss mask; allow spaces too.
         let max_line = max.saturating_mul(32).max(1 << 20);
         let source = JsonlSource::new(self.data_name(), reader).max_line(max_line).max_tokens(max, from.clone());
         let limits = Limits { vocab_size: info.vocab_size, max_tokens: max, max_tokens_from: from };

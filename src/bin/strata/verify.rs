@@ -13,9 +13,6 @@ use strata::dataset::Dataset;
 use strata::hf::Checkpoint;
 use strata::model::{AnyConfig, BackendKind, LoadOptions};
 
-/// The largest `config.json` read (real ones are a few KiB).
-const CONFIG_MAX: u64 = 16 << 20;
-
 /// Everything `strata verify` needs.
 pub struct VerifyJob {
     /// The dataset directory.
@@ -88,10 +85,8 @@ impl VerifyJob {
         };
         let (name, config_text) = match &source {
             Some(dir) => {
-                let path = dir.join("config.json");
                 // A regular file only: a FIFO named config.json would block the read.
-                let text = strata::files::read_text(&path, CONFIG_MAX)
-                    .with_context(|| format!("cannot read {}", path.display()))?;
+                let text = strata::model::AnyConfig::read_text(dir)?;
                 (dir.display().to_string(), text)
             }
             None => (embedded::NAME.to_string(), embedded::CONFIG_JSON.to_string()),
