@@ -43,6 +43,16 @@ pub fn open_regular(path: &Path) -> io::Result<File> {
     Ok(f)
 }
 
+/// Opens `path` for reading if it is a regular file and not a link.
+pub fn open_regular_nofollow(path: &Path) -> io::Result<File> {
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW).open(path)?;
+    let meta = f.metadata()?;
+    if !meta.is_file() {
+        return Err(not_regular(path, kind(&meta)));
+    }
+    Ok(f)
+}
+
 /// An input stream: a regular file (its length known), or a pipe or FIFO
 /// (`-` is stdin). Devices and directories are refused: `/dev/zero` would
 /// never end and a terminal would wait for typing.

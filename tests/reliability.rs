@@ -191,9 +191,31 @@ fn resume_refuses_other_data_weights_or_settings_and_says_what_differs() {
     let o = resume(&st.data, &["--on-nonfinite", "skip"]);
     assert!(!o.ok && o.stderr.contains("on_nonfinite differs"), "{}", o.stderr);
     // None of that touched the output: the right input completes it.
+    assert!(Manifest::read(&cut).unwrap().shards.len() == 3);
     let o = resume(&st.data, &[]);
     assert!(o.ok, "{}", o.stderr);
     assert!(dir_contents(&whole) == dir_contents(&cut), "resumed output differs from the uninterrupted run");
+
+    // A finished output: a refused resume leaves it finished and unchanged.
+    let before = dir_contents(&whole);
+    let resume_whole =
+        |data: &Path| extract(&[&["--data", s(data), "--out", s(&whole), "--resume"][..], &SMALL].concat());
+    let o = resume_whole(&other);
+    assert!(!o.ok && o.stderr.contains("not the input"), "{}", o.stderr);
+    let longer = st.out("longer.jsonl");
+    std::fs::write(&longer, format!("{text}{{\"id\": \"extra\", \"input_ids\": [1, 2]}}\n")).unwrap();
+    let o = resume_whole(&longer);
+    assert!(!o.ok && o.stderr.contains("complete with 60 samples, and this input has more"), "{}", o.stderr);
+    let trailing = st.out("trailing.jsonl");
+    std::fs::write(&trailing, format!("{text}\n")).unwrap();
+    let o = resume_whole(&trailing);
+    assert!(!o.ok && o.stderr.contains("bytes with digest"), "{}", o.stderr);
+    assert!(dir_contents(&whole) == before, "a refused resume changed the output");
+    let (ok, text) = verify(&whole, &[]);
+    assert!(ok, "{text}");
+    // The same input: nothing to do, nothing changes.
+    assert!(resume_whole(&st.data).ok);
+    assert!(dir_contents(&whole) == before);
 }
 
 #[test]
@@ -444,7 +466,7 @@ fn non_finite_states_fail_by_default_or_are_skipped_and_recorded() {
     let model = tmp.path().join("nan-model");
     nan_model(&model, 7);
     let data = tmp.path().join("data.jsonl");
-    let rows = ["[1, 2, 3]", "[4, 7, 5]", "[8, 9]", "[7]", "[10, 11, 12, 13]"];
+    let rows = ["[1, 2, 3]", "[4, 7, 5]", "[8, 9]", "[7]", "[10, 11, 12, 13]", "[7, 7]"];
     let text: String =
         rows.iter().enumerate().map(|(i, r)| format!("{{\"id\": \"r{i}\", \"input_ids\": {r}}}\n")).collect();
     std::fs::write(&data, text).unwrap();
@@ -461,10 +483,10 @@ fn non_finite_states_fail_by_default_or_are_skipped_and_recorded() {
 
     let native = tmp.path().join("native");
     let o = run(&native, &["--on-nonfinite", "skip"]);
-    assert!(o.ok && o.stdout.contains("skipped     2 samples"), "{}{}", o.stdout, o.stderr);
+    assert!(o.ok && o.stdout.contains("skipped     3 samples"), "{}{}", o.stdout, o.stderr);
     let m = Manifest::read(&native).unwrap();
     let skipped: Vec<(&str, usize)> = m.skipped.iter().map(|s| (s.id.as_str(), s.index)).collect();
-    assert_eq!(skipped, [("r1", 1), ("r3", 3)]);
+    assert_eq!(skipped, [("r1", 1), ("r3", 3), ("r5", 5)]);
     assert_eq!(m.samples.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["r0", "r2", "r4"]);
     let (ok, text) = verify(&native, &[]);
     assert!(ok, "{text}");
@@ -473,7 +495,7 @@ fn non_finite_states_fail_by_default_or_are_skipped_and_recorded() {
     let spec = tmp.path().join("spec");
     let o = run(&spec, &["--on-nonfinite", "skip", "--format", "speculators"]);
     assert!(o.ok, "{}", o.stderr);
-    for (i, present) in [true, false, true, false, true].into_iter().enumerate() {
+    for (i, present) in [true, false, true, false, true, false].into_iter().enumerate() {
         assert_eq!(spec.join(format!("hs_{i}.safetensors")).exists(), present, "hs_{i}");
     }
     let f = strata::dataset::MappedFile::open(&spec.join("hs_2.safetensors")).unwrap();
@@ -482,6 +504,13 @@ fn non_finite_states_fail_by_default_or_are_skipped_and_recorded() {
     assert_eq!(ids, [8, 9]);
     let (ok, text) = verify(&spec, &[]);
     assert!(ok, "{text}");
+    // A finished output whose last rows were skipped resumes to itself.
+    for (dir, format) in [(&native, "strata"), (&spec, "speculators")] {
+        let before = dir_contents(dir);
+        let o = run(dir, &["--on-nonfinite", "skip", "--format", format, "--resume"]);
+        assert!(o.ok, "{format}: {}", o.stderr);
+        assert!(dir_contents(dir) == before, "{format}: resume changed a finished output");
+    }
 }
 
 #[test]
@@ -533,7 +562,8 @@ fn ids_that_need_escaping_fit_the_shard_header() {
     let mut text = String::new();
     for i in 0..40 {
         // 250 quotes and backslashes: each takes two bytes in the header.
-        let id = format!("{}{i}", "\"\\".repeat(125));
+        // ... and ids that differ only in a space after a comma.
+        let id = if i < 2 { ["a, b", "a,b"][i].to_string() } else { format!("{}{i}", "\"\\".repeat(125)) };
         text += &serde_json::json!({"id": id, "input_ids": [1, 2, 3]}).to_string();
         text.push('\n');
     }
@@ -543,6 +573,8 @@ fn ids_that_need_escaping_fit_the_shard_header() {
     assert!(o.ok, "{}", o.stderr);
     let (ok, text) = verify(&out, &[]);
     assert!(ok && text.contains("40 samples"), "{text}");
+    let m = Manifest::read(&out).unwrap();
+    assert_eq!((m.samples[0].id.as_str(), m.samples[1].id.as_str()), ("a, b", "a,b"));
 }
 
 #[test]
@@ -602,4 +634,62 @@ fn schema_1_datasets_are_still_read_by_inspect_and_verify() {
     // Nothing to check a resume against: refused, with the field that is missing.
     let o = extract(&["--data", s(&st.data), "--out", s(&out), "--resume"]);
     assert!(!o.ok && o.stderr.contains("weights_digest differs"), "{}", o.stderr);
+}
+
+#[test]
+fn a_fifo_or_link_in_place_of_the_lock_file_is_refused_without_hanging() {
+    let st = setup(4);
+    for mode in [None, Some("--resume"), Some("--overwrite")] {
+        let out = st.out(&format!("out{}", mode.map_or(0, str::len)));
+        std::fs::create_dir(&out).unwrap();
+        mkfifo(&out.join(".strata.lock"));
+        let o = extract(&[&["--data", s(&st.data), "--out", s(&out)][..], mode.as_slice()].concat());
+        assert!(!o.ok && o.stderr.contains(".strata.lock"), "{mode:?}: {}", o.stderr);
+    }
+}
+
+/// A copy of the qwen3 fixture whose config says `max_position_embeddings: max`.
+fn long_context_model(dir: &Path, max: u64) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::copy(fixture("qwen3").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let mut c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("qwen3").join("config.json")).unwrap()).unwrap();
+    c["max_position_embeddings"] = max.into();
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+}
+
+#[test]
+fn long_lines_are_bounded_whatever_the_models_context() {
+    let tmp = tempfile::tempdir().unwrap();
+    let limited = |model: &Path, input: &str, out: &str| {
+        let script = format!("ulimit -v 2000000; {input} | exec \"$0\" extract --model \"$1\" --data - --out \"$2\"");
+        let out = tmp.path().join(out);
+        let c = Command::new("sh")
+            .args(["-c", &script, env!("CARGO_BIN_EXE_strata"), s(model), s(&out)])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait(c, 120)
+    };
+    // A context so large that it sets no useful limit: lines still stop at 64 MiB.
+    let huge = tmp.path().join("huge");
+    long_context_model(&huge, 1_000_000_000_000_000);
+    let o = limited(&huge, "cat /dev/zero", "a");
+    assert!(!o.ok && o.stderr.contains("line is longer than 67108864 bytes"), "{}", o.stderr);
+    // A 60 MB line of 30 million token ids, for a model of 8 million positions:
+    // the ids are scanned in place and the sample refused at the 8,000,001st.
+    let long = tmp.path().join("long");
+    long_context_model(&long, 8_000_000);
+    let big = tmp.path().join("big.jsonl");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&big).unwrap());
+    f.write_all(b"{\"input_ids\": [1").unwrap();
+    for _ in 0..30_000_000 {
+        f.write_all(b",1").unwrap();
+    }
+    f.write_all(b"]}\n").unwrap();
+    drop(f);
+    let o = limited(&long, &format!("cat {}", s(&big)), "b");
+    assert!(!o.ok && o.stderr.contains("sample has more than 8000000 tokens"), "{}", o.stderr);
+    assert!(!o.stderr.contains("memory allocation"), "{}", o.stderr);
 }

@@ -20,11 +20,11 @@ pub const SCHEMA_VERSION: u32 = 2;
 pub const MANIFEST: &str = "manifest.json";
 /// The journal of files finished since the manifest was last written.
 pub const JOURNAL: &str = "journal.jsonl";
-/// The largest manifest or journal read (about 20 million samples).
-const MAX_MANIFEST_BYTES: u64 = 4 << 30;
+/// The largest manifest or journal read (about 5 million samples).
+const MAX_MANIFEST_BYTES: u64 = 1 << 30;
 
 /// The model a dataset came from.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelInfo {
     /// Checkpoint directory as given, or `<embedded llama-default>`.
     pub path: String,
@@ -134,7 +134,7 @@ pub struct SampleInfo {
 }
 
 /// The manifest.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
     /// [`SCHEMA_VERSION`].
     pub schema_version: u32,
@@ -223,7 +223,10 @@ impl Manifest {
 
     /// Input samples (written or skipped) the listed shards account for: a resume skips them.
     pub fn consumed(&self) -> usize {
-        self.shards.last().and_then(|s| s.input.as_ref()).map_or(self.samples.len(), |p| p.samples)
+        match (&self.input, self.complete) {
+            (Some(i), true) => i.whole.samples,
+            _ => self.shards.last().and_then(|s| s.input.as_ref()).map_or(self.samples.len(), |p| p.samples),
+        }
     }
 
     /// Applies one journal line; a line for a shard already listed is ignored
@@ -248,17 +251,22 @@ impl Manifest {
         let path = dir.join(MANIFEST);
         let text = crate::files::read_text(&path, MAX_MANIFEST_BYTES)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
-        let version = v.get("schema_version").and_then(serde_json::Value::as_u64);
-        if !matches!(version, Some(1 | 2)) {
+        // The version first, without building the document: then the manifest itself.
+        #[derive(Deserialize)]
+        struct Version<'a> {
+            #[serde(borrow)]
+            schema_version: Option<&'a serde_json::value::RawValue>,
+        }
+        let v: Version = serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let version = v.schema_version.map(|r| r.get().trim());
+        if !matches!(version, Some("1" | "2")) {
             return Err(format!(
                 "{}: schema_version {} is not supported (this strata reads 1 and {SCHEMA_VERSION})",
                 path.display(),
-                v.get("schema_version").map_or("(none)".into(), |v| crate::clip(&v.to_string(), 40).into_owned())
+                version.map_or("(none)".into(), |v| crate::clip(v, 40))
             ));
         }
-        let mut m: Manifest = serde_json::from_value(v).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let mut m: Manifest = serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
         let journal = dir.join(JOURNAL);
         if crate::files::is_regular(&journal).map_err(|e| format!("cannot read {}: {e}", journal.display()))? {
             let text = crate::files::read_text(&journal, MAX_MANIFEST_BYTES)

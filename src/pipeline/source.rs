@@ -53,6 +53,14 @@ pub enum SourceError {
         /// The OS error.
         cause: std::io::Error,
     },
+    /// An input that is not the one expected.
+    #[error("{path}: {problem}")]
+    Input {
+        /// The input.
+        path: String,
+        /// What differs.
+        problem: String,
+    },
     /// A line with a problem.
     #[error("{path}:{line}: {problem}")]
     Line {
@@ -80,7 +88,8 @@ pub struct InputPos {
 struct Line<'a> {
     #[serde(borrow)]
     input_ids: Option<&'a serde_json::value::RawValue>,
-    id: Option<serde_json::Value>,
+    #[serde(borrow)]
+    id: Option<&'a serde_json::value::RawValue>,
     #[serde(borrow)]
     loss_mask: Option<&'a serde_json::value::RawValue>,
 }
@@ -236,9 +245,13 @@ impl<R: BufRead> JsonlSource<R> {
         if ids.is_empty() {
             return Err("empty sample: `input_ids` has no tokens".into());
         }
-        let id = match parsed.id {
-            None | Some(serde_json::Value::Null) => None,
-            Some(serde_json::Value::String(s)) => {
+        // Only a string is parsed: any other value (an array of a million
+        // items) is refused from its raw text, without building it.
+        let id = match parsed.id.map(|r| (r, r.get().trim_start().as_bytes().first().copied())) {
+            None => None,
+            Some((r, _)) if r.get().trim() == "null" => None,
+            Some((r, Some(b'"'))) => {
+                let s: String = serde_json::from_str(r.get()).map_err(|e| format!("`id`: {e}"))?;
                 if s.is_empty() || s.len() > MAX_ID_LEN || s.chars().any(char::is_control) {
                     return Err(format!(
                         "`id` {} must be 1 to {MAX_ID_LEN} bytes without control characters",
@@ -247,7 +260,7 @@ impl<R: BufRead> JsonlSource<R> {
                 }
                 Some(s)
             }
-            Some(other) => return Err(format!("`id` must be a string, got {}", crate::clip(&other.to_string(), 40))),
+            Some((r, _)) => return Err(format!("`id` must be a string, got {}", crate::clip(r.get().trim(), 40))),
         };
         let mask = match parsed.loss_mask {
             None => None,
@@ -337,6 +350,9 @@ pub struct Expected {
     pub samples: Vec<(String, usize)>,
     /// The input prefix those samples end; `None` when not recorded.
     pub prefix: Option<InputPos>,
+    /// For a finished output, the whole input it was made from: the input
+    /// must end where it ended, with the same digest.
+    pub whole: Option<InputPos>,
 }
 
 /// Checks samples as they stream past, so the input is read once (a pipe
@@ -350,12 +366,13 @@ pub struct Checked<S> {
     ids: std::collections::HashSet<u128>,
     expect: Expected,
     read: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ended: bool,
 }
 
 impl<S: Source> Checked<S> {
     /// Wraps `inner`; `name` (the input path) appears in messages.
     pub fn new(inner: S, name: String, limits: Limits, expect: Expected) -> Self {
-        Checked { inner, name, limits, ids: Default::default(), expect, read: Default::default() }
+        Checked { inner, name, limits, ids: Default::default(), expect, read: Default::default(), ended: false }
     }
 
     /// Bytes of input read so far, updated as samples pass (for progress).
@@ -378,6 +395,13 @@ impl<S: Source> Checked<S> {
         }
         if !self.ids.insert(xxhash_rust::xxh3::xxh3_128(s.id.as_bytes())) {
             return Err(format!("duplicate id {}", crate::clip(&format!("{:?}", s.id), 80)));
+        }
+        if let Some(w) = self.expect.whole.as_ref().filter(|w| s.index >= w.samples) {
+            return Err(format!(
+                "this is not the input the output was made from: the output is complete with {} samples, \
+                 and this input has more",
+                w.samples
+            ));
         }
         if let Some((id, tokens)) = self.expect.samples.get(s.index) {
             if *id != s.id || *tokens != s.len() {
@@ -410,9 +434,26 @@ impl<S: Source> Iterator for Checked<S> {
     type Item = Result<Sample, SourceError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let s = match self.inner.next()? {
-            Ok(s) => s,
-            Err(e) => return Some(Err(e)),
+        if self.ended {
+            return None;
+        }
+        let s = match self.inner.next() {
+            Some(Ok(s)) => s,
+            Some(Err(e)) => return Some(Err(e)),
+            None => {
+                self.ended = true;
+                let end = self.inner.consumed();
+                let w = self.expect.whole.as_ref()?;
+                if w.bytes == end.bytes && w.digest == end.digest {
+                    return None;
+                }
+                let problem = format!(
+                    "this is not the input the output was made from: it is {} bytes with digest {}, \
+                     the output's was {} bytes with digest {}",
+                    end.bytes, end.digest, w.bytes, w.digest
+                );
+                return Some(Err(SourceError::Input { path: self.name.clone(), problem }));
+            }
         };
         self.read.store(s.end.bytes, std::sync::atomic::Ordering::Relaxed);
         Some(match self.check(&s) {

@@ -27,7 +27,12 @@ pub const LOCK: &str = ".strata.lock";
 
 /// Aborts the process at a named write stage when `STRATA_FAILPOINT` says
 /// so (`STAGE` or `STAGE:N` for its N-th hit): how the tests kill a run at
-/// every stage. Costs one relaxed load when unset.
+/// every stage. Debug builds only (the tests'); a release build ignores it.
+#[cfg(not(debug_assertions))]
+pub(crate) fn failpoint(_stage: &str) {}
+
+/// See the release version above.
+#[cfg(debug_assertions)]
 pub(crate) fn failpoint(stage: &str) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::OnceLock;
@@ -56,7 +61,12 @@ fn new_nonce() -> String {
 
 /// Whether `name` is a temporary file of the run with `nonce`.
 fn temp_of(name: &str, nonce: &str) -> bool {
-    !nonce.is_empty() && name.starts_with('.') && name.ends_with(&format!(".{nonce}.tmp"))
+    is_nonce(nonce) && name.starts_with('.') && name.ends_with(&format!(".{nonce}.tmp"))
+}
+
+/// A nonce as [`new_nonce`] makes them: a recorded one that is not cannot name our files.
+fn is_nonce(s: &str) -> bool {
+    s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Whether `name` is a file some Strata run writes at the top of a directory
@@ -68,13 +78,13 @@ fn strata_named(name: &str) -> bool {
         || name == JOURNAL
         || name.strip_prefix("shard-").and_then(|n| n.strip_suffix(".safetensors")).is_some_and(digits)
         || name.strip_prefix("hs_").and_then(|n| n.strip_suffix(".safetensors")).is_some_and(digits)
-        || temp.is_some_and(|(_, nonce)| nonce.len() == 16 && nonce.bytes().all(|b| b.is_ascii_hexdigit()))
+        || temp.is_some_and(|(_, nonce)| is_nonce(nonce))
 }
 
 /// The nonce `.strata.lock` records (empty when none).
 fn recorded_nonce(dir: &Path) -> String {
     let mut s = String::new();
-    if let Ok(f) = std::fs::OpenOptions::new().read(true).custom_flags_nofollow().open(dir.join(LOCK)) {
+    if let Ok(f) = files::open_regular_nofollow(&dir.join(LOCK)) {
         let _ = f.take(64).read_to_string(&mut s);
     }
     s.trim().to_string()
@@ -112,55 +122,156 @@ pub struct OutputDir {
     skipped_end: Option<InputPos>,
 }
 
-impl OutputDir {
-    /// Locks and prepares `dir` for the job `job` describes (its `shards`
-    /// and `samples` empty). With [`OpenMode::Resume`] an existing manifest
-    /// must describe the same job; its sound files are kept.
-    pub fn open(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
-        let _s = tracing::info_span!("open_output", dir = %dir.display()).entered();
+/// What opening a directory will do, worked out without changing it: the
+/// directory is locked and read, and nothing is deleted or rewritten until
+/// [`Plan::apply`], so that a `--resume` refused on the input (checked while
+/// its head streams past) leaves the output exactly as it was.
+pub struct Plan {
+    dir: PathBuf,
+    lock: File,
+    mode: OpenMode,
+    // Every entry but the lock file.
+    names: Vec<String>,
+    // Nonces whose temporary files are ours: the lock's and the old manifest's.
+    nonces: Vec<String>,
+    // The manifest the run continues (the job's for a fresh run).
+    manifest: Manifest,
+    // Listed files to delete and redo (from the first hole on).
+    redo: Vec<PathBuf>,
+}
+
+impl Plan {
+    /// Locks `dir` and works out how to open it for `job` (its `shards` and
+    /// `samples` empty). With [`OpenMode::Resume`] an existing manifest must
+    /// describe the same job; its sound files are kept.
+    pub fn new(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
+        let _s = tracing::info_span!("plan_output", dir = %dir.display()).entered();
         std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-        let nonce = new_nonce();
-        let (lock, last) = Self::lock(dir, &nonce)?;
+        let (lock, last) = OutputDir::lock(dir)?;
         let mut names = Vec::new();
         for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
             let name = e.map_err(io_err(dir))?.file_name().to_string_lossy().to_string();
-            if name == LOCK {
-                continue;
+            if name != LOCK {
+                names.push(name);
             }
-            // The temporary files of the run that last held the lock are ours.
-            if temp_of(&name, &last) {
-                remove(&dir.join(&name))?;
-                continue;
-            }
-            names.push(name);
         }
-        let has_manifest = names.iter().any(|n| n == MANIFEST);
-        let mut manifest = match mode {
-            OpenMode::Create if !names.is_empty() => {
+        let mut nonces = vec![last];
+        let mut redo = Vec::new();
+        let theirs = |nonces: &[String], n: &str| !nonces.iter().any(|x| temp_of(n, x));
+        let manifest = match mode {
+            OpenMode::Create if names.iter().any(|n| theirs(&nonces, n)) => {
                 return Err(dir_err(format!(
                     "output directory {} is not empty; pass --resume to continue an interrupted run \
                      or --overwrite to replace it",
                     dir.display()
                 )))
             }
-            OpenMode::Create => job,
-            OpenMode::Overwrite => {
-                Self::clear(dir, &names)?;
-                job
-            }
-            OpenMode::Resume if !has_manifest => {
-                if let Some(n) = names.iter().find(|n| strata_named(n)) {
+            OpenMode::Create | OpenMode::Overwrite => job,
+            OpenMode::Resume if !names.iter().any(|n| n == MANIFEST) => {
+                if let Some(n) = names.iter().find(|n| strata_named(n) && theirs(&nonces, n)) {
                     return Err(dir_err(format!(
                         "cannot resume in {}: it holds {} but no {MANIFEST} (written by another tool or an \
                          older strata); use --overwrite to start over",
                         dir.display(),
-                        crate::clip(n, 80)
+                        crate::quote(n)
                     )));
                 }
                 job
             }
-            OpenMode::Resume => Self::resume(dir, &names, job)?,
+            OpenMode::Resume => {
+                let (old, files) = Self::resume(dir, job)?;
+                nonces.push(old.nonce.clone());
+                redo = files;
+                old
+            }
         };
+        Ok(Plan { dir: dir.to_path_buf(), lock, mode, names, nonces, manifest, redo })
+    }
+
+    /// The manifest the run continues.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// `--resume`: the old manifest (with its journal) must describe the
+    /// same job. Listed files are checked in order; from the first missing
+    /// or truncated one on, the listing is cut back (those files are redone).
+    fn resume(dir: &Path, job: Manifest) -> Result<(Manifest, Vec<PathBuf>), SinkError> {
+        let refuse =
+            |e: String| dir_err(format!("cannot resume in {}: {e}; use --overwrite to start over", dir.display()));
+        let mut old = Manifest::read(dir).map_err(refuse)?;
+        old.same_job(&job).map_err(refuse)?;
+        let mut keep = old.shards.len();
+        for (i, s) in old.shards.iter().enumerate() {
+            let p = files::inside(dir, &s.file).map_err(|e| refuse(format!("manifest lists shard {i} as {e}")))?;
+            let problem = match std::fs::symlink_metadata(&p) {
+                Err(_) => Some("is missing".to_string()),
+                Ok(m) if m.file_type().is_symlink() || !m.is_file() => {
+                    return Err(refuse(format!("{} is not a regular file; move it away", p.display())))
+                }
+                Ok(m) if m.len() != s.bytes => Some(format!("has {} bytes, the manifest says {}", m.len(), s.bytes)),
+                Ok(_) => None,
+            };
+            if let Some(problem) = problem {
+                tracing::warn!(
+                    "{} {problem}: it and the {} listed after it are written again",
+                    crate::quote(&s.file),
+                    old.shards.len() - i - 1
+                );
+                keep = i;
+                break;
+            }
+        }
+        let mut redo = Vec::new();
+        if keep < old.shards.len() {
+            for s in &old.shards[keep..] {
+                let p = files::inside(dir, &s.file).map_err(refuse)?;
+                // Only a name Strata writes is ever deleted, whatever a manifest says.
+                let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+                if !strata_named(&name) {
+                    return Err(refuse(format!(
+                        "the manifest lists {}, which is not a name Strata writes",
+                        crate::quote(&s.file)
+                    )));
+                }
+                if p.exists() {
+                    redo.push(p);
+                }
+            }
+            old.shards.truncate(keep);
+            old.samples.retain(|s| s.shard < keep);
+            old.complete = false;
+            old.input = None;
+        }
+        let consumed = old.consumed();
+        old.skipped.retain(|s| s.index < consumed);
+        Ok((old, redo))
+    }
+
+    /// Carries the plan out: removes what an earlier run left (temporary
+    /// files of its nonce; shards to redo; for `--overwrite`, the old output,
+    /// manifest first), records this run's nonce in the lock file and the
+    /// manifest (compacted with any journal), before any temporary file exists.
+    pub fn apply(self) -> Result<OutputDir, SinkError> {
+        let Plan { dir, mut lock, mode, names, nonces, mut manifest, redo } = self;
+        let dir = dir.as_path();
+        if mode == OpenMode::Overwrite {
+            OutputDir::clear(dir, &names)?;
+        }
+        for n in names.iter().filter(|n| nonces.iter().any(|x| temp_of(n, x))) {
+            remove(&dir.join(n))?;
+        }
+        for p in &redo {
+            remove(p)?;
+        }
+        let nonce = new_nonce();
+        let path = dir.join(LOCK);
+        let r = lock.set_len(0).and_then(|()| {
+            lock.seek(std::io::SeekFrom::Start(0))?;
+            lock.write_all(nonce.as_bytes())?;
+            lock.sync_data()
+        });
+        r.map_err(io_err(&path))?;
         manifest.complete = false;
         manifest.input = None;
         manifest.nonce = nonce.clone();
@@ -173,19 +284,25 @@ impl OutputDir {
             skipped: vec![],
             skipped_end: None,
         };
-        // The manifest, compacted with any journal, names this run's nonce
-        // before any of its temporary files exists.
         out.write_manifest()?;
         remove(&dir.join(JOURNAL))?;
         sync_dir(dir);
         Ok(out)
     }
+}
 
-    /// Locks `dir`; returns the lock and the nonce the last holder recorded,
-    /// after recording `nonce` in its place (before any temporary file exists).
-    fn lock(dir: &Path, nonce: &str) -> Result<(File, String), SinkError> {
+impl OutputDir {
+    /// Locks and prepares `dir` at once; see [`Plan`].
+    pub fn open(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
+        Plan::new(dir, mode, job)?.apply()
+    }
+
+    /// Locks `dir`; returns the lock and the nonce the last holder recorded.
+    /// The lock file must be a regular file: opened without following a link
+    /// and without blocking on a FIFO.
+    fn lock(dir: &Path) -> Result<(File, String), SinkError> {
         let path = dir.join(LOCK);
-        let mut f = std::fs::OpenOptions::new()
+        let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
@@ -193,16 +310,13 @@ impl OutputDir {
             .custom_flags_nofollow()
             .open(&path)
             .map_err(io_err(&path))?;
+        if !f.metadata().map_err(io_err(&path))?.is_file() {
+            return Err(dir_err(format!("{} is not a regular file; remove it", path.display())));
+        }
         match f.try_lock() {
             Ok(()) => {
                 let mut old = String::new();
                 let _ = (&f).take(64).read_to_string(&mut old);
-                let r = f.set_len(0).and_then(|()| {
-                    f.seek(std::io::SeekFrom::Start(0))?;
-                    f.write_all(nonce.as_bytes())?;
-                    f.sync_data()
-                });
-                r.map_err(io_err(&path))?;
                 Ok((f, old.trim().to_string()))
             }
             Err(std::fs::TryLockError::WouldBlock) => Err(dir_err(format!(
@@ -217,7 +331,8 @@ impl OutputDir {
 
     /// `--overwrite`: the manifest goes first, so that an interruption never
     /// leaves old files under a manifest; then the journal, the files the
-    /// old manifest lists (inside the directory), and every Strata-named file.
+    /// old manifest lists (inside the directory, with names Strata writes),
+    /// and every Strata-named file.
     fn clear(dir: &Path, names: &[String]) -> Result<(), SinkError> {
         let old = names.iter().any(|n| n == MANIFEST).then(|| Manifest::read(dir).ok()).flatten();
         remove(&dir.join(MANIFEST))?;
@@ -227,7 +342,8 @@ impl OutputDir {
         if let Some(old) = old {
             for s in &old.shards {
                 if let Ok(p) = files::inside(dir, &s.file) {
-                    if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
+                    let ours = p.file_name().is_some_and(|n| strata_named(&n.to_string_lossy()));
+                    if ours && std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
                         remove(&p)?;
                     }
                 }
@@ -241,52 +357,6 @@ impl OutputDir {
         }
         sync_dir(dir);
         Ok(())
-    }
-
-    /// `--resume`: the old manifest (with its journal) must describe the same
-    /// job. Its temporary files go; listed files are checked in order, and
-    /// from the first missing or truncated one on, the listing is cut back
-    /// (those files are deleted and redone).
-    fn resume(dir: &Path, names: &[String], job: Manifest) -> Result<Manifest, SinkError> {
-        let refuse =
-            |e: String| dir_err(format!("cannot resume in {}: {e}; use --overwrite to start over", dir.display()));
-        let mut old = Manifest::read(dir).map_err(refuse)?;
-        old.same_job(&job).map_err(refuse)?;
-        for n in names.iter().filter(|n| temp_of(n, &old.nonce)) {
-            remove(&dir.join(n))?;
-        }
-        let mut keep = old.shards.len();
-        for (i, s) in old.shards.iter().enumerate() {
-            let p = files::inside(dir, &s.file).map_err(|e| refuse(format!("manifest lists shard {i} as {e}")))?;
-            let problem = match std::fs::symlink_metadata(&p) {
-                Err(_) => Some("is missing".to_string()),
-                Ok(m) if !m.is_file() => Some("is not a regular file".to_string()),
-                Ok(m) if m.len() != s.bytes => Some(format!("has {} bytes, the manifest says {}", m.len(), s.bytes)),
-                Ok(_) => None,
-            };
-            if let Some(problem) = problem {
-                tracing::warn!(
-                    "{} {problem}: it and the {} listed after it are written again",
-                    crate::clip(&s.file, 80),
-                    old.shards.len() - i - 1
-                );
-                keep = i;
-                break;
-            }
-        }
-        if keep < old.shards.len() {
-            for s in &old.shards[keep..] {
-                let p = files::inside(dir, &s.file).map_err(refuse)?;
-                if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
-                    remove(&p)?;
-                }
-            }
-            old.shards.truncate(keep);
-            old.samples.retain(|s| s.shard < keep);
-            let consumed = old.consumed();
-            old.skipped.retain(|s| s.index < consumed);
-        }
-        Ok(old)
     }
 
     /// The manifest as written so far.
@@ -370,6 +440,8 @@ impl OutputDir {
                 .custom_flags_nofollow()
                 .open(&jpath)
                 .map_err(io_err(&jpath))?;
+            // The journal's directory entry must be durable before any rename it lists.
+            sync_dir(&self.dir);
             self.journal = Some(f);
         }
         let j = self.journal.as_mut().expect("opened above");
@@ -421,15 +493,19 @@ pub enum Output {
         /// The job.
         job: Box<Manifest>,
     },
+    /// `--resume`: locked and read, unchanged until the first write.
+    Planned(Box<Plan>),
     /// Locked and prepared.
     Open(Box<OutputDir>),
+    /// Opening failed: the run is over.
+    Gone,
 }
 
 impl Output {
     /// Prepares to write `dir`; see [`OutputDir::open`].
     pub fn new(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
         match mode {
-            OpenMode::Resume => return Ok(Output::Open(Box::new(OutputDir::open(dir, mode, job)?))),
+            OpenMode::Resume => return Ok(Output::Planned(Box::new(Plan::new(dir, mode, job)?))),
             OpenMode::Create => {
                 let nonce = recorded_nonce(dir);
                 if let Ok(rd) = std::fs::read_dir(dir) {
@@ -454,14 +530,17 @@ impl Output {
 
     /// The directory, opened now if it was not yet.
     pub fn get(&mut self) -> Result<&mut OutputDir, SinkError> {
-        if let Output::Pending { dir, mode, job } = self {
+        let open = match std::mem::replace(self, Output::Gone) {
             // The job has no samples yet: a small clone.
-            let open = OutputDir::open(dir, *mode, (**job).clone())?;
-            *self = Output::Open(Box::new(open));
-        }
+            Output::Pending { dir, mode, job } => OutputDir::open(&dir, mode, *job)?,
+            Output::Planned(plan) => plan.apply()?,
+            Output::Open(o) => *o,
+            Output::Gone => return Err(dir_err("the output failed to open earlier".into())),
+        };
+        *self = Output::Open(Box::new(open));
         match self {
             Output::Open(o) => Ok(o),
-            Output::Pending { dir, .. } => Err(dir_err(format!("{} could not be opened", dir.display()))),
+            _ => Err(dir_err("the output failed to open earlier".into())),
         }
     }
 
@@ -469,7 +548,12 @@ impl Output {
     pub fn manifest(&self) -> &Manifest {
         match self {
             Output::Pending { job, .. } => job,
+            Output::Planned(plan) => plan.manifest(),
             Output::Open(o) => o.manifest(),
+            Output::Gone => {
+                static EMPTY: std::sync::LazyLock<Manifest> = std::sync::LazyLock::new(Manifest::default);
+                &EMPTY
+            }
         }
     }
 }
@@ -482,13 +566,28 @@ trait NoFollow {
 impl NoFollow for std::fs::OpenOptions {
     fn custom_flags_nofollow(&mut self) -> &mut Self {
         use std::os::unix::fs::OpenOptionsExt;
-        self.custom_flags(libc::O_NOFOLLOW)
+        // Non-blocking too: a FIFO planted at the name must not stall the open.
+        self.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_link_planted_at_this_runs_temporary_name_is_not_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let dir = tmp.path().join("out");
+        let out = OutputDir::open(&dir, OpenMode::Create, Manifest::default()).unwrap();
+        let name = format!(".shard-00000.safetensors.{}.tmp", out.nonce());
+        std::os::unix::fs::symlink(&victim, dir.join(&name)).unwrap();
+        let e = out.create_temp("shard-00000.safetensors").err().expect("refused");
+        assert!(e.to_string().contains(&name), "{e}");
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    }
 
     #[test]
     fn names() {

@@ -27,15 +27,16 @@ struct Entry {
 }
 
 fn entry_json(name: &str, e: &Entry) -> String {
+    // The shape is joined by hand: the name (an id) must stay exactly as quoted.
+    let shape: Vec<String> = e.shape.iter().map(usize::to_string).collect();
     format!(
-        "{}:{{\"dtype\":\"{}\",\"shape\":{:?},\"data_offsets\":[{},{}]}}",
+        "{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
         serde_json::Value::String(name.to_string()),
         e.dtype,
-        e.shape,
+        shape.join(","),
         e.start,
         e.end
     )
-    .replace(", ", ",")
 }
 
 const SHARD_METADATA: &str = "\"__metadata__\":{\"format\":\"strata\",\"schema_version\":\"1\"}";

@@ -55,7 +55,8 @@ pub struct ExtractJob {
     pub on_nonfinite: OnNonFinite,
 }
 
-/// Why an extraction stopped. Nothing is written before the input is fully validated.
+/// Why an extraction stopped. A run whose input fails before its first sample
+/// is written leaves nothing; later, the output stays resumable.
 #[derive(Debug, thiserror::Error)]
 pub enum ExtractError {
     /// Model config, weights or capture points.
@@ -198,7 +199,8 @@ impl ExtractJob {
             format!("max_position_embeddings {max}")
         };
         // A token takes at most 11 bytes as `4294967295,` and 2 in a loss mask; allow spaces too.
-        let max_line = max.saturating_mul(32).max(1 << 20);
+        // Never more than DEFAULT_MAX_LINE, whatever the config claims.
+        let max_line = max.saturating_mul(32).clamp(1 << 20, strata::pipeline::source::DEFAULT_MAX_LINE);
         let source = JsonlSource::new(self.data_name(), reader).max_line(max_line).max_tokens(max, from.clone());
         let limits = Limits { vocab_size: info.vocab_size, max_tokens: max, max_tokens_from: from };
         let names: Vec<String> = points.iter().map(|p| p.to_string()).collect();
@@ -280,5 +282,7 @@ fn expected(m: &Manifest) -> Result<Expected, ExtractError> {
         })
     });
     let samples = samples.collect::<Result<_, _>>()?;
-    Ok(Expected { samples, prefix: m.shards.last().and_then(|s| s.input.clone()) })
+    let whole = m.input.as_ref().filter(|_| m.complete).map(|i| i.whole.clone());
+    let prefix = if whole.is_some() { None } else { m.shards.last().and_then(|s| s.input.clone()) };
+    Ok(Expected { samples, prefix, whole })
 }
