@@ -584,7 +584,7 @@ mod tests {
         let out = OutputDir::open(&dir, OpenMode::Create, Manifest::default()).unwrap();
         let name = format!(".shard-00000.safetensors.{}.tmp", out.nonce());
         std::os::unix::fs::symlink(&victim, dir.join(&name)).unwrap();
-        let e = out.create_temp("shard-00000.safetensors").err().expect("refused");
+        let e = out.create_temp("shard-00000.safetensors").expect_err("refused");
         assert!(e.to_string().contains(&name), "{e}");
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
     }
