@@ -387,3 +387,26 @@ fn inspect_survives_bad_shard_indices_duplicates_and_huge_counts() {
     let (ok, text) = inspect(&ds);
     assert!(!ok && text.contains("has shape"), "{text}");
 }
+
+#[test]
+fn every_input_row_is_written_or_skipped_exactly_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A row listed twice.
+    let ds = dataset(tmp.path(), "twice");
+    edit(&ds, |m| m["samples"][1]["index"] = 0.into());
+    verify_fails(&ds, &["input row 0 is listed twice"]);
+    // A row in neither list: the input had one more sample than the output accounts for.
+    let ds = dataset(tmp.path(), "gap");
+    edit(&ds, |m| {
+        let n = m["input"]["samples"].as_u64().unwrap();
+        m["input"]["samples"] = (n + 1).into();
+    });
+    verify_fails(&ds, &["the input had 5 samples but 4 are written or skipped (row 4 is in neither)"]);
+    // Out of input order.
+    let ds = dataset(tmp.path(), "order");
+    edit(&ds, |m| {
+        m["samples"][1]["index"] = 2.into();
+        m["samples"][2]["index"] = 1.into();
+    });
+    verify_fails(&ds, &["samples are not in input order"]);
+}

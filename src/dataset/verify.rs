@@ -176,6 +176,45 @@ pub fn verify(dir: &Path, layout: Option<&Layout>) -> Result<Vec<String>, Datase
     Ok(problems)
 }
 
+/// Schema 2 records each sample's input row: every row of a finished run's
+/// input is written or skipped exactly once, in order.
+fn rows(m: &Manifest, problems: &mut Vec<String>) {
+    let indexed: Vec<(usize, &str)> = m
+        .samples
+        .iter()
+        .filter_map(|s| s.index.map(|i| (i, s.id.as_str())))
+        .chain(m.skipped.iter().map(|s| (s.index, s.id.as_str())))
+        .collect();
+    if indexed.is_empty() {
+        return; // schema 1: rows not recorded
+    }
+    if indexed.len() != m.samples.len() + m.skipped.len() {
+        problems.push("manifest: some samples record their input row and some do not".into());
+        return;
+    }
+    let mut first: HashMap<usize, &str> = HashMap::new();
+    for &(i, id) in &indexed {
+        if let Some(other) = first.insert(i, id) {
+            problems.push(format!("input row {i} is listed twice (samples {} and {})", quote(other), quote(id)));
+        }
+    }
+    if let (true, Some(input)) = (m.complete, &m.input) {
+        let n = input.whole.samples;
+        if let Some(&(i, id)) = indexed.iter().find(|(i, _)| *i >= n) {
+            problems.push(format!("sample {}: input row {i} is past the input's {n} samples", quote(id)));
+        } else if first.len() != n {
+            let missing = (0..n).find(|i| !first.contains_key(i)).unwrap_or(0);
+            problems.push(format!(
+                "manifest: the input had {n} samples but {} are written or skipped (row {missing} is in neither)",
+                first.len()
+            ));
+        }
+    }
+    if m.samples.windows(2).any(|w| w[0].index >= w[1].index) {
+        problems.push("manifest: samples are not in input order".into());
+    }
+}
+
 /// The manifest's layout against the expected one.
 fn layout_problems(m: &Manifest, want: &Layout, problems: &mut Vec<String>) {
     let have: Vec<&str> = m.capture.iter().map(|c| c.point.as_str()).collect();
@@ -239,6 +278,7 @@ fn structure(m: &Manifest, by_shard: &[Vec<&SampleInfo>], problems: &mut Vec<Str
             m.samples.len()
         ));
     }
+    rows(m, problems);
     let mut by_file: HashMap<&str, usize> = HashMap::new();
     for (si, info) in m.shards.iter().enumerate() {
         let first = *by_file.entry(info.file.as_str()).or_insert(si);
