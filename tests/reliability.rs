@@ -271,6 +271,11 @@ fn resume_redoes_missing_or_truncated_shards_and_never_calls_a_hole_complete() {
         }
         let (ok, text) = verify(&d, &[]);
         assert!(!ok, "{case}: verify passed a hole: {text}");
+        // A resume killed right after it deleted the shards to redo, before its manifest is down.
+        extract_killed_at(
+            "manifest-temp:1",
+            &[&["--data", s(&st.data), "--out", s(&d), "--resume"][..], &SMALL].concat(),
+        );
         let o = extract(&[&["--data", s(&st.data), "--out", s(&d), "--resume"][..], &SMALL].concat());
         assert!(o.ok, "{case}: {}", o.stderr);
         assert!(o.stderr.contains("written again"), "{case}: no word about the redone shards: {}", o.stderr);
