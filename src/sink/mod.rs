@@ -6,6 +6,7 @@
 mod finite;
 pub mod output;
 mod speculators;
+mod spool;
 mod strata;
 
 pub use finite::{FiniteCheck, OnNonFinite};

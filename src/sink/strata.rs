@@ -7,6 +7,7 @@
 //! and renamed ([`OutputDir::commit`]).
 
 use super::output::Output;
+use super::spool::Spool;
 use super::{io_err, OpenMode, OutputDir, Sink, SinkError};
 use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo, SkippedInfo};
 use crate::pipeline::source::{InputPos, Sample};
@@ -50,7 +51,8 @@ struct ShardWriter {
     index: usize,
     name: String,
     tmp: PathBuf,
-    file: std::io::BufWriter<std::fs::File>,
+    // The data, written on its own thread.
+    file: Spool,
     reserve: usize,
     header_len: usize,
     data_len: u64,
@@ -64,9 +66,9 @@ impl ShardWriter {
         let name = StrataSink::<usize, usize>::shard_name(index);
         // Opened read-write: read back when the shard is compacted on close.
         let (tmp, f) = out.create_temp(&name)?;
-        let mut file = std::io::BufWriter::with_capacity(4 << 20, f);
+        let mut file = Spool::new(f);
         // Header region, filled in on close.
-        file.write_all(&vec![b' '; 8 + reserve]).map_err(io_err(&tmp))?;
+        file.put(|b| b.resize(b.len() + 8 + reserve, b' ')).map_err(io_err(&tmp))?;
         Ok(ShardWriter {
             index,
             name,
@@ -88,9 +90,10 @@ impl ShardWriter {
         self.entries.insert(name, e);
     }
 
-    fn write(&mut self, bytes: &[u8], hasher: &mut Xxh3) -> Result<(), SinkError> {
-        hasher.update(bytes);
-        self.file.write_all(bytes).map_err(io_err(&self.tmp))
+    /// Appends the bytes `fill` adds to the data and to `hasher`.
+    fn put(&mut self, hasher: &mut Xxh3, fill: impl FnOnce(&mut Vec<u8>)) -> Result<(), SinkError> {
+        hasher.update(self.file.put(fill).map_err(io_err(&self.tmp))?);
+        Ok(())
     }
 
     /// Fills in the header and fsyncs; returns the temporary file to commit.
@@ -119,10 +122,7 @@ impl ShardWriter {
         let compact = (self.reserve.saturating_sub(tight)) as u64 > self.data_len / 16;
         header.resize(if compact { tight } else { self.reserve }, b' ');
         let tmp = self.tmp.clone();
-        let mut f = self.file.into_inner().map_err(|e| SinkError::Io {
-            path: tmp.display().to_string(),
-            cause: std::io::Error::other(e.to_string()),
-        })?;
+        let mut f = self.file.finish().map_err(io_err(&tmp))?;
         let reserve = self.reserve as u64;
         let done = if compact {
             let (tight_tmp, tight) = out.create_temp(&format!("{}.compact", self.name))?;
@@ -171,7 +171,6 @@ pub struct StrataSink<L: Dim, H: Dim> {
     input_path: String,
     shard: Option<ShardWriter>,
     reserve: usize,
-    buf: Vec<u8>,
     resumed: usize,
     bytes_written: u64,
 }
@@ -204,7 +203,6 @@ impl<L: Dim, H: Dim> StrataSink<L, H> {
             input_path,
             shard: None,
             reserve,
-            buf: Vec::new(),
             resumed,
             bytes_written: 0,
         })
@@ -264,24 +262,20 @@ impl<L: Dim, H: Dim> Sink<L, H> for StrataSink<L, H> {
         let shard = self.shard.as_mut().expect("opened above");
         let mut hasher = Xxh3::new();
 
-        self.buf.clear();
-        self.buf.extend(sample.input_ids.iter().flat_map(|&v| (v as i64).to_le_bytes()));
-        shard.write(&self.buf, &mut hasher)?;
-        self.buf.clear();
-        match &sample.loss_mask {
-            Some(m) => self.buf.extend_from_slice(m),
-            None => self.buf.resize(t, 1),
-        }
-        shard.write(&self.buf, &mut hasher)?;
+        // Encoded straight into the writer's buffer, hashed there, and written
+        // on the writer's thread while the next bytes are encoded.
+        shard.put(&mut hasher, |b| b.extend(sample.input_ids.iter().flat_map(|&v| (v as i64).to_le_bytes())))?;
+        shard.put(&mut hasher, |b| match &sample.loss_mask {
+            Some(m) => b.extend_from_slice(m),
+            None => b.resize(b.len() + t, 1),
+        })?;
         for layer in 0..l {
             let src = states.layer(layer);
-            if self.dtype == DType::F32 {
-                shard.write(bytemuck::cast_slice(src), &mut hasher)?;
-            } else {
-                self.buf.clear();
-                self.dtype.encode_into(src, &mut self.buf);
-                shard.write(&self.buf, &mut hasher)?;
-            }
+            let dtype = self.dtype;
+            shard.put(&mut hasher, |b| match dtype {
+                DType::F32 => b.extend_from_slice(bytemuck::cast_slice(src)),
+                _ => dtype.encode_into(src, b),
+            })?;
         }
         let [ids_name, mask_name, hs_name] = names;
         shard.add(ids_name, "I64", vec![t], (t * 8) as u64);
