@@ -35,17 +35,16 @@ fn kind(meta: &std::fs::Metadata) -> &'static str {
 /// Opened non-blocking and checked on the open descriptor, so a FIFO put in
 /// place of the file is refused instead of blocking, with no race between check and open.
 pub fn open_regular(path: &Path) -> io::Result<File> {
-    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
-    let meta = f.metadata()?;
-    if !meta.is_file() {
-        return Err(not_regular(path, kind(&meta)));
-    }
-    Ok(f)
+    open_regular_with(path, libc::O_NONBLOCK)
 }
 
 /// Opens `path` for reading if it is a regular file and not a link.
 pub fn open_regular_nofollow(path: &Path) -> io::Result<File> {
-    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW).open(path)?;
+    open_regular_with(path, libc::O_NONBLOCK | libc::O_NOFOLLOW)
+}
+
+fn open_regular_with(path: &Path, flags: i32) -> io::Result<File> {
+    let f = std::fs::OpenOptions::new().read(true).custom_flags(flags).open(path)?;
     let meta = f.metadata()?;
     if !meta.is_file() {
         return Err(not_regular(path, kind(&meta)));

@@ -18,6 +18,7 @@ use super::{io_err, OpenMode, SinkError};
 use crate::dataset::manifest::{InputInfo, JournalEntry, Manifest, SampleInfo, ShardInfo, SkippedInfo, JOURNAL};
 use crate::dataset::manifest::{InputPos, MANIFEST};
 use crate::files;
+use crate::pipeline::source::Sample;
 use std::fs::File;
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
@@ -101,6 +102,13 @@ fn dir_err(msg: String) -> SinkError {
     SinkError::Directory(msg)
 }
 
+fn not_empty(dir: &Path) -> SinkError {
+    dir_err(format!(
+        "output directory {} is not empty; pass --resume to continue an interrupted run or --overwrite to replace it",
+        dir.display()
+    ))
+}
+
 /// Removes a file that must be ours; absent is fine.
 fn remove(path: &Path) -> Result<(), SinkError> {
     match std::fs::remove_file(path) {
@@ -159,13 +167,7 @@ impl Plan {
         let mut redo = Vec::new();
         let theirs = |nonces: &[String], n: &str| !nonces.iter().any(|x| temp_of(n, x));
         let manifest = match mode {
-            OpenMode::Create if names.iter().any(|n| theirs(&nonces, n)) => {
-                return Err(dir_err(format!(
-                    "output directory {} is not empty; pass --resume to continue an interrupted run \
-                     or --overwrite to replace it",
-                    dir.display()
-                )))
-            }
+            OpenMode::Create if names.iter().any(|n| theirs(&nonces, n)) => return Err(not_empty(dir)),
             OpenMode::Create | OpenMode::Overwrite => job,
             OpenMode::Resume if !names.iter().any(|n| n == MANIFEST) => {
                 if let Some(n) = names.iter().find(|n| strata_named(n) && theirs(&nonces, n)) {
@@ -512,11 +514,7 @@ impl Output {
                     for e in rd {
                         let name = e.map_err(io_err(dir))?.file_name().to_string_lossy().to_string();
                         if name != LOCK && !temp_of(&name, &nonce) {
-                            return Err(dir_err(format!(
-                                "output directory {} is not empty; pass --resume to continue an interrupted run \
-                                 or --overwrite to replace it",
-                                dir.display()
-                            )));
+                            return Err(not_empty(dir));
                         }
                     }
                 } else if dir.exists() {
@@ -542,6 +540,13 @@ impl Output {
             Output::Open(o) => Ok(o),
             _ => Err(dir_err("the output failed to open earlier".into())),
         }
+    }
+
+    /// Records `sample` as left out (its states are not written), with why.
+    pub fn skip_sample(&mut self, sample: &Sample, reason: String) -> Result<(), SinkError> {
+        let info = SkippedInfo { index: sample.index, id: sample.id.clone(), tokens: sample.len(), reason };
+        self.get()?.skip(info, sample.end.clone());
+        Ok(())
     }
 
     /// The manifest as written so far (the job's, before the directory is opened).

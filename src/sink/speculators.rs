@@ -6,7 +6,7 @@
 
 use super::output::Output;
 use super::{io_err, OpenMode, Sink, SinkError};
-use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo, SkippedInfo};
+use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
 use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{DType, Dim, StatesView};
 use std::io::Write;
@@ -97,9 +97,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
     }
 
     fn skip_sample(&mut self, sample: &Sample, reason: String) -> Result<(), SinkError> {
-        let info = SkippedInfo { index: sample.index, id: sample.id.clone(), tokens: sample.len(), reason };
-        self.out.get()?.skip(info, sample.end.clone());
-        Ok(())
+        self.out.skip_sample(sample, reason)
     }
 
     fn finish(&mut self, input: InputPos) -> Result<(), SinkError> {

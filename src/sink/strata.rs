@@ -9,7 +9,7 @@
 use super::output::Output;
 use super::spool::Spool;
 use super::{io_err, OpenMode, OutputDir, Sink, SinkError};
-use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo, SkippedInfo};
+use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
 use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{check_dim, DType, Dim, StatesView};
 use std::collections::BTreeMap;
@@ -298,9 +298,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for StrataSink<L, H> {
     }
 
     fn skip_sample(&mut self, sample: &Sample, reason: String) -> Result<(), SinkError> {
-        let info = SkippedInfo { index: sample.index, id: sample.id.clone(), tokens: sample.len(), reason };
-        self.out.get()?.skip(info, sample.end.clone());
-        Ok(())
+        self.out.skip_sample(sample, reason)
     }
 
     fn finish(&mut self, input: InputPos) -> Result<(), SinkError> {
