@@ -38,8 +38,7 @@ impl Spool {
                 }
                 Ok(file)
             })
-            .map(Some)
-            .unwrap_or(None);
+            .ok();
         Spool { cur: Vec::with_capacity(FLUSH), tx: Some(tx), back, handle }
     }
 
