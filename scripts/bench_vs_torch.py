@@ -1,63 +1,115 @@
 #!/usr/bin/env python3
-"""Strata's CPU forward against PyTorch on the same checkpoint and tokens.
+"""Strata's CPU extraction against PyTorch at its best on this machine.
 
-Writes the random `small` Llama (hidden 1024, 8 layers, 16/4 heads, MLP 2816,
-vocab 32000, f32) and 4 x 512 tokens with the synth_checkpoint example, times
-HF transformers' base model on it (no LM head, f32, eager attention,
-torch.set_num_threads(2)), runs the criterion bench on the same directory,
-and prints tokens/s of both and the ratio. Medians throughout.
+Three checkpoints, written by the synth_checkpoint example (random weights):
+  dense-f32   the `small` Llama (hidden 1024, 8 layers, 16/4 heads, MLP 2816, vocab 32000), f32
+  dense-bf16  the same shape stored in bf16
+  moe-bf16    a Kimi-K2-shaped DeepSeek-V3 model (hidden 1024, 4 layers, MLA with K2's head
+              sizes, 64 experts x 512, top-8, one shared expert), bf16
+and 8 x 512 tokens (4 x 512 for the MoE model).
 
-    python scripts/bench_vs_torch.py [--dir /tmp/strata-bench-small] [--runs 7]
+PyTorch: HF transformers' base model loaded with dtype="auto" (the checkpoint's dtype) and
+attn_implementation="sdpa", torch.set_num_threads(THREADS), the whole batch in one forward
+with output_hidden_states=True; the forward alone is timed.
+Strata: the whole `strata extract` process (load, forward, capture of the EAGLE-3 layers,
+write), with --compute f32 on the f32 checkpoint and --compute bf16 (and auto) on the bf16
+ones. Medians of --runs runs each, PyTorch and Strata alternating.
+
+    python scripts/bench_vs_torch.py [--runs 5] [--only dense-f32,moe-bf16]
 Requires: torch, transformers, safetensors (not needed by CI).
 """
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 
 import torch
-from transformers import LlamaModel
+from transformers import AutoModel
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+MODELS = {
+    "dense-f32": (["--dtype", "f32", "--samples", "8"], ["f32"]),
+    "dense-bf16": (["--dtype", "bf16", "--samples", "8"], ["bf16", "auto"]),
+    "moe-bf16": (["--dtype", "bf16", "--moe", "--samples", "4"], ["bf16", "auto"]),
+}
+
+
+def build():
+    subprocess.run(["cargo", "build", "--release", "--bin", "strata", "--example", "synth_checkpoint"],
+                   cwd=ROOT, check=True)
+
+
+def checkpoint(name, base):
+    d = os.path.join(base, name)
+    if not os.path.exists(os.path.join(d, "tokens.jsonl")):
+        subprocess.run([os.path.join(ROOT, "target/release/examples/synth_checkpoint"), d] + MODELS[name][0],
+                       check=True)
+    return d
+
+
+def torch_forward(model, ids):
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model(input_ids=ids, output_hidden_states=True)
+    return time.perf_counter() - t
+
+
+def strata_run(d, compute, threads):
+    out = tempfile.mkdtemp(prefix="strata-bench-")
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    t = time.perf_counter()
+    subprocess.run([os.path.join(ROOT, "target/release/strata"), "extract", "--model", d, "--data",
+                    os.path.join(d, "tokens.jsonl"), "--out", out, "--overwrite", "--compute", compute],
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    secs = time.perf_counter() - t
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    shutil.rmtree(out)
+    return secs, manifest.get("run", {})
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default="/tmp/strata-bench-small")
-    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--dir", default="/tmp/strata-bench-vs-torch")
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default=",".join(MODELS))
     args = ap.parse_args()
-
-    if not os.path.exists(os.path.join(args.dir, "tokens.jsonl")):
-        subprocess.run(["cargo", "run", "--release", "--example", "synth_checkpoint", "--", args.dir],
-                       cwd=ROOT, check=True)
-    samples = [json.loads(l)["input_ids"] for l in open(os.path.join(args.dir, "tokens.jsonl"))]
-    assert len({len(s) for s in samples}) == 1, "equal lengths: torch runs them as one unpadded batch"
-    ntok = sum(len(s) for s in samples)
-
+    build()
     torch.set_num_threads(args.threads)
-    model = LlamaModel.from_pretrained(args.dir, dtype=torch.float32, attn_implementation="eager").eval()
-    ids = torch.tensor(samples)
-    times = []
-    with torch.inference_mode():
-        model(input_ids=ids[:, :64])  # warm-up
+    rows = []
+    for name in args.only.split(","):
+        d = checkpoint(name, args.dir)
+        samples = [json.loads(l)["input_ids"] for l in open(os.path.join(d, "tokens.jsonl"))]
+        ids = torch.tensor(samples)
+        ntok = ids.numel()
+        model = AutoModel.from_pretrained(d, dtype="auto", attn_implementation="sdpa").eval()
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        torch_forward(model, ids[:, :64])  # warm-up
+        computes = MODELS[name][1]
+        tt, st = [], {c: [] for c in computes}
+        run_info = {}
         for _ in range(args.runs):
-            t = time.perf_counter()
-            model(input_ids=ids, output_hidden_states=True)
-            times.append(time.perf_counter() - t)
-    torch_tps = ntok / statistics.median(times)
-
-    env = dict(os.environ, STRATA_BENCH_MODEL=args.dir)
-    subprocess.run(["cargo", "bench", "--bench", "forward", "--", "--noplot"], cwd=ROOT, env=env, check=True)
-    est = json.load(open(os.path.join(ROOT, "target/criterion/forward/small_4x512_f32/new/estimates.json")))
-    strata_tps = ntok / (est["median"]["point_estimate"] / 1e9)
-
-    print(f"tokens per forward: {ntok} ({len(samples)} x {len(samples[0])}), threads: {args.threads}")
-    print(f"pytorch {torch.__version__}: {torch_tps:8.1f} tokens/s (median of {args.runs})")
-    print(f"strata:          {strata_tps:8.1f} tokens/s (criterion median)")
-    print(f"ratio strata/pytorch: {strata_tps / torch_tps:.2f}")
+            tt.append(torch_forward(model, ids))
+            for c in computes:
+                secs, run_info[c] = strata_run(d, c, args.threads)
+                st[c].append(secs)
+        del model
+        pt = statistics.median(tt)
+        for c in computes:
+            s = statistics.median(st[c])
+            info = run_info[c]
+            rows.append((name, f"{ntok}", f"torch {dtype} sdpa", pt, f"strata --compute {c} ({info.get('compute')}, {info.get('kernel')})", s, pt / s))
+            print(f"{name}: torch {pt:.2f} s, strata --compute {c} {s:.2f} s, ratio {pt / s:.2f}", flush=True)
+    print()
+    print(f"torch {torch.__version__}, {args.threads} threads, medians of {args.runs} runs")
+    print("| model | tokens | PyTorch (forward only) | s | Strata (whole process) | s | ratio (>1: Strata faster) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.2f} | {r[4]} | {r[5]:.2f} | {r[6]:.2f}x |")
 
 
 if __name__ == "__main__":

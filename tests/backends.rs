@@ -20,7 +20,7 @@ fn all_fixtures() -> impl Iterator<Item = &'static str> {
 fn run(name: &str, backend: BackendKind) -> (Vec<f32>, f32) {
     let n = num_layers(name);
     let points = all_points(n);
-    let m = model::load(&fixture(name), LoadOptions { backend, tp: 1 }).unwrap();
+    let m = model::load(&fixture(name), LoadOptions { backend, tp: 1, ..Default::default() }).unwrap();
     let exp = read_tensors(&fixture(name).join("expected.safetensors"));
     let samples = samples(name);
     let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));

@@ -57,13 +57,36 @@ pub enum BackendError {
 pub enum Compute {
     /// f32 inputs: the exact path.
     F32,
+    /// bf16 inputs, f32 accumulation.
+    Bf16,
+}
+
+impl Compute {
+    /// Every compute dtype.
+    pub const ALL: [Compute; 2] = [Compute::F32, Compute::Bf16];
+
+    /// The name `--compute` takes and the manifest records.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compute::F32 => "f32",
+            Compute::Bf16 => "bf16",
+        }
+    }
 }
 
 impl std::fmt::Display for Compute {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Compute::F32 => "f32",
-        })
+        f.pad(self.name())
+    }
+}
+
+impl std::str::FromStr for Compute {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Compute::ALL
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or_else(|| format!("unknown compute dtype {s:?} (expected f32 or bf16)"))
     }
 }
 
@@ -81,6 +104,14 @@ pub struct F32;
 
 impl ComputeDtype for F32 {
     const COMPUTE: Compute = Compute::F32;
+}
+
+/// bf16 compute: GEMM and attention inputs rounded to bf16, f32 accumulation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bf16;
+
+impl ComputeDtype for Bf16 {
+    const COMPUTE: Compute = Compute::Bf16;
 }
 
 /// How a linear layer is split over tensor-parallel ranks (mistral.rs'
@@ -262,6 +293,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// bf16, FP8 blocks or INT4 groups), with an optional bias `[rows]` of the
     /// whole layer (row-parallel) or of this rank's rows (column-parallel).
     fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Self::Linear;
+
+    /// [`linear`](Self::linear) computed with f32 inputs whatever the compute
+    /// dtype (the MoE router). The default is `linear`, for f32-only backends.
+    fn linear_f32(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Self::Linear {
+        self.linear(w, bias, kind)
+    }
 
     /// Builds `n` weights with `f(i)` on threads of the backend's choosing
     /// (a layer's hundreds of experts: the CPU backend packs them in

@@ -138,7 +138,8 @@ mod tests {
 
     #[test]
     fn host_copies_are_checked_on_every_backend() {
-        round_trip(&Cpu::default());
+        round_trip(&Cpu::<crate::backend::F32>::default());
+        round_trip(&Cpu::<crate::backend::Bf16>::default());
         round_trip(&Reference);
     }
 }

@@ -5,7 +5,7 @@
 //! backend adds a case here; the model files do not change.
 
 use super::{deepseek, llama, Decoder, Model, ModelError, TpModel};
-use crate::backend::{Backend, Compute, Cpu, Reference};
+use crate::backend::{Backend, Bf16, Compute, ComputeDtype, Cpu, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, LlamaConfig};
 use crate::pipeline::batch::PackedBatch;
@@ -37,7 +37,7 @@ impl BackendKind {
     /// The name `--backend` takes.
     pub fn name(self) -> &'static str {
         match self {
-            BackendKind::Cpu => Cpu::NAME,
+            BackendKind::Cpu => Cpu::<F32>::NAME,
             BackendKind::Reference => Reference::NAME,
         }
     }
@@ -60,18 +60,50 @@ impl std::str::FromStr for BackendKind {
     }
 }
 
-/// How to load a model: on which backend, over how many tensor-parallel ranks.
+/// How to load a model: on which backend, in which compute dtype, over how
+/// many tensor-parallel ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LoadOptions {
     /// The backend.
     pub backend: BackendKind,
+    /// The dtype of GEMM and attention inputs.
+    pub compute: Compute,
     /// Tensor-parallel ranks; 1 runs the model whole.
     pub tp: usize,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { backend: BackendKind::Cpu, tp: 1 }
+        LoadOptions { backend: BackendKind::Cpu, compute: Compute::F32, tp: 1 }
+    }
+}
+
+/// What `--compute` asks for: a dtype, or `auto`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ComputeChoice {
+    /// bf16 when the weights are stored in bf16, FP8 or INT4 and the CPU has
+    /// a bf16 dot-product instruction; f32 otherwise.
+    #[default]
+    Auto,
+    /// This dtype.
+    Fixed(Compute),
+}
+
+impl ComputeChoice {
+    /// The dtype to run a model whose weights are stored `quantized` (any of
+    /// bf16, FP8, INT4: not f32 or f16) on `backend`.
+    pub fn resolve(self, backend: BackendKind, low_precision_weights: bool) -> Compute {
+        match self {
+            ComputeChoice::Fixed(c) => c,
+            ComputeChoice::Auto => {
+                let native = backend == BackendKind::Cpu && crate::backend::cpu::bf16::has_native_bf16();
+                if native && low_precision_weights {
+                    Compute::Bf16
+                } else {
+                    Compute::F32
+                }
+            }
+        }
     }
 }
 
@@ -142,6 +174,13 @@ impl AnyConfig {
         if opts.backend == BackendKind::Reference && opts.tp > 1 {
             Reference.group(opts.tp)?;
         }
+        if opts.backend == BackendKind::Reference && opts.compute != Reference.compute() {
+            return Err(ModelError::Parallel(format!(
+                "the reference backend computes in {} only (asked: --compute {})",
+                Reference.compute(),
+                opts.compute
+            )));
+        }
         if opts.tp > 1 {
             match self {
                 AnyConfig::Llama(c) => llama::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
@@ -159,27 +198,40 @@ impl AnyConfig {
     ) -> Result<AnyModel, ModelError> {
         self.check(opts)?;
         let info = self.info();
-        let compute = match opts.backend {
-            BackendKind::Cpu => Cpu::default().compute(),
-            BackendKind::Reference => Reference.compute(),
-        };
-        let inner: Box<dyn ErasedModel> = match (self, opts.backend, opts.tp) {
-            (AnyConfig::Llama(c), BackendKind::Cpu, 1) => Box::new(Llama::<usize>::from_checkpoint(c, &open()?)?),
-            (AnyConfig::Llama(c), BackendKind::Cpu, tp) => {
-                Box::new(TpLlama::<usize>::build_on(&Cpu::default(), c, tp, open)?)
-            }
-            (AnyConfig::Deepseek(c), BackendKind::Cpu, 1) => Box::new(Deepseek::<usize>::from_checkpoint(c, &open()?)?),
-            (AnyConfig::Deepseek(c), BackendKind::Cpu, tp) => {
-                Box::new(TpDeepseek::<usize>::build_on(&Cpu::default(), c, tp, open)?)
-            }
-            (AnyConfig::Llama(c), BackendKind::Reference, _) => {
-                Box::new(Llama::<usize, Reference>::from_checkpoint(c, &open()?)?)
-            }
-            (AnyConfig::Deepseek(c), BackendKind::Reference, _) => {
-                Box::new(Deepseek::<usize, Reference>::from_checkpoint(c, &open()?)?)
-            }
+        let compute = opts.compute;
+        let inner: Box<dyn ErasedModel> = match (opts.backend, compute) {
+            (BackendKind::Cpu, Compute::F32) => self.load_cpu::<F32>(opts.tp, open)?,
+            (BackendKind::Cpu, Compute::Bf16) => self.load_cpu::<Bf16>(opts.tp, open)?,
+            (BackendKind::Reference, _) => self.load_reference(open)?,
         };
         Ok(AnyModel { inner, info, options: opts, compute })
+    }
+
+    fn load_cpu<C: ComputeDtype>(
+        self,
+        tp: usize,
+        open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
+    ) -> Result<Box<dyn ErasedModel>, ModelError> {
+        Ok(match (self, tp) {
+            (AnyConfig::Llama(c), 1) => Box::new(Llama::<usize, Cpu<C>>::from_checkpoint(c, &open()?)?),
+            (AnyConfig::Llama(c), tp) => {
+                Box::new(TpLlama::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
+            }
+            (AnyConfig::Deepseek(c), 1) => Box::new(Deepseek::<usize, Cpu<C>>::from_checkpoint(c, &open()?)?),
+            (AnyConfig::Deepseek(c), tp) => {
+                Box::new(TpDeepseek::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
+            }
+        })
+    }
+
+    fn load_reference(
+        self,
+        open: impl Fn() -> Result<Checkpoint, CheckpointError>,
+    ) -> Result<Box<dyn ErasedModel>, ModelError> {
+        Ok(match self {
+            AnyConfig::Llama(c) => Box::new(Llama::<usize, Reference>::from_checkpoint(c, &open()?)?),
+            AnyConfig::Deepseek(c) => Box::new(Deepseek::<usize, Reference>::from_checkpoint(c, &open()?)?),
+        })
     }
 }
 

@@ -173,7 +173,9 @@ impl<B: Backend, L: Block<B>, H: Dim + Default> Decoder<B, L, H> {
         let h = info.hidden_size;
         let (bytes, dtype) = ckpt.read_bytes("model.embed_tokens.weight", &[info.vocab_size, h])?;
         let embed_tokens = backend.embedding(bytes, dtype, h);
-        let layers = (0..info.num_layers).map(|l| L::load(&backend, &config, ckpt, l)).collect::<Result<_, _>>()?;
+        // Layers are read and packed on the backend's threads (the CPU's
+        // packing is most of a dense model's load time).
+        let layers = backend.build_many(info.num_layers, |l| L::load(&backend, &config, ckpt, l))?;
         let norm = backend.vector(ckpt.read_f32("model.norm.weight", &[h])?);
         Ok(Decoder { backend, config, frame, hidden, dtype, embed_tokens, layers, norm })
     }

@@ -324,7 +324,9 @@ impl<B: Backend> Moe<B> {
             None
         };
         Ok(Moe {
-            gate: r.replicated(b, &format!("{p}.mlp.gate"), e, h, None)?,
+            // The router stays f32 under any compute dtype, as HF keeps it: a
+            // flipped expert choice costs more accuracy than the tiny GEMM saves.
+            gate: b.linear_f32(r.read(&format!("{p}.mlp.gate"), [e, h], 0..e, 0..h)?, None, Parallel::Replicated),
             e_score_correction_bias,
             router: Router {
                 scoring: c.scoring,

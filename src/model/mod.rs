@@ -16,7 +16,9 @@ pub mod llama;
 pub mod shard;
 pub mod tp_model;
 
-pub use any::{load, AnyCache, AnyConfig, AnyModel, BackendKind, Deepseek, Llama, LoadOptions, TpDeepseek, TpLlama};
+pub use any::{
+    load, AnyCache, AnyConfig, AnyModel, BackendKind, ComputeChoice, Deepseek, Llama, LoadOptions, TpDeepseek, TpLlama,
+};
 pub use decoder::Decoder;
 pub use tp_model::{RankModel, RankWorker, TpModel};
 

@@ -168,10 +168,10 @@ impl Element for f16 {
     }
 }
 
-/// `half::bf16::from_f32(x).to_bits()` without branches, so a loop of it
-/// vectorises: round to nearest even, NaN kept quiet with its high bits.
+/// `x` rounded to bf16 (nearest, ties to even; NaN stays NaN), as bits: the
+/// rounding of `half::bf16::from_f32`, written without branches so loops vectorise.
 #[inline(always)]
-fn bf16_bits(x: f32) -> u16 {
+pub fn bf16_bits(x: f32) -> u16 {
     let b = x.to_bits();
     let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
     let nan = ((b >> 16) | 0x40) as u16;

@@ -13,7 +13,7 @@ mod states;
 
 pub use dfdx::shapes::{ConstDim, Dim};
 pub use dims::{Hidden, Layers};
-pub use element::{DType, Element};
+pub use element::{bf16_bits, DType, Element};
 pub use error::ShapeError;
 pub use states::{CapturedStates, ConcatAxis, HiddenAxis, LayerAxis, StatesAxis, StatesView, TokenAxis};
 

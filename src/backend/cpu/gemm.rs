@@ -1,4 +1,5 @@
-//! f32 GEMM `C = A · Bᵀ` with B packed once (weights are packed at load time).
+//! GEMM `C = A · Bᵀ` with B packed once (weights are packed at load time),
+//! in f32 or with bf16 inputs and f32 accumulation ([`super::bf16`]).
 //!
 //! Goto/BLIS blocking: B in `NR`-wide column panels laid out `[k][NR]`, A
 //! packed per `MC × KC` block into `MR`-row strips, an `MR × NR` register
@@ -10,9 +11,11 @@
 //! however the work is split across threads, so results do not depend on
 //! how samples were packed together.
 
-use super::panels::{pack_b, F32Panels, PanelSource, KC, MR, NR};
+use super::bf16::{self, Bf16Panels, Bf16Path, QuantAsBf16};
+use super::panels::{pack_b, InPlace, PanelSource, KC, MR, NR};
 use super::quant_panels::QuantPanels;
 use super::SharedMut;
+use crate::backend::Compute;
 use crate::hf::quant::{LinearWeight, QuantKind};
 use rayon::prelude::*;
 
@@ -27,24 +30,129 @@ pub enum Init<'a> {
     Accumulate,
 }
 
-/// Packs rows `[i0, i0+rows)` × cols `[p0, p0+kc)` of A (row stride `lda`) into
-/// `MR`-row strips `[strip][kc][MR]`, zero-padding the last strip.
-fn pack_a(a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<f32>) {
-    let strips = rows.div_ceil(MR);
-    out.clear();
-    out.resize(strips * kc * MR, 0.0);
-    for (s, strip) in out.chunks_exact_mut(kc * MR).enumerate() {
-        let r0 = s * MR;
-        for r in 0..MR.min(rows - r0) {
-            let row = &a[(i0 + r0 + r) * lda + p0..(i0 + r0 + r) * lda + p0 + kc];
-            for (p, v) in row.iter().enumerate() {
-                strip[p * MR + r] = *v;
+/// One GEMM path: how A is packed, what B's tiles hold, and the micro-kernel
+/// that multiplies an A strip with a B tile into an `MR × NR` block of C.
+/// The f32 path is [`F32Path`]; the bf16 ones live in [`super::bf16`].
+pub(crate) trait Path: Copy + Send + Sync {
+    /// Element of packed A.
+    type A: Copy + Default + Send;
+    /// Element of a B tile.
+    type B: Copy + Default + Send;
+    /// Depths one kernel step takes (2 for bf16 pairs); A strips and B
+    /// tiles are zero-padded to a multiple of it.
+    const STEP: usize;
+    /// Appends rows `[i0, i0+rows)` × depths `[p0, p0+kc)` of A (f32, row
+    /// stride `lda`) to `out` as `MR`-row strips of `kc.next_multiple_of(STEP) · MR`
+    /// elements each, zero-padding the last strip.
+    #[allow(clippy::too_many_arguments)]
+    fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<Self::A>);
+    /// Packs `B` (`n × k`, element `(j, p)` at `src[j * rs + p * cs]`) into
+    /// `ceil(n/NR)` panels of `k.next_multiple_of(STEP)` depths.
+    fn pack_b(self, src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<Self::B>);
+    /// `C[rows, cols] (init) + A strip · B tile` over `kc` depths.
+    ///
+    /// # Safety
+    /// `a` and `b` hold a packed strip and tile of `kc` depths; `c` is valid
+    /// for `rows × cols` writes at stride `ldc`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel(
+        self,
+        kc: usize,
+        a: *const Self::A,
+        b: *const Self::B,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    );
+    /// The kernel's name, as the manifest records it.
+    fn name(self) -> &'static str;
+}
+
+/// The f32 path: A packed as f32 `[strip][kc][MR]`, the kernel this CPU runs best.
+#[derive(Clone, Copy)]
+pub(crate) struct F32Path {
+    kernel: Kernel,
+    name: &'static str,
+}
+
+impl F32Path {
+    /// The fastest f32 kernel this CPU has.
+    pub(crate) fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx512f") {
+                return F32Path { kernel: avx512::kernel, name: "avx512" };
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                return F32Path { kernel: avx2::kernel, name: "avx2" };
             }
         }
+        F32Path { kernel: portable::kernel, name: "portable" }
+    }
+
+    /// Every f32 kernel this CPU can run (the tests compare them).
+    #[cfg(test)]
+    pub(crate) fn available() -> Vec<Self> {
+        let mut v = vec![F32Path { kernel: portable::kernel, name: "portable" }];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                v.push(F32Path { kernel: avx2::kernel, name: "avx2" });
+            }
+            if std::is_x86_feature_detected!("avx512f") {
+                v.push(F32Path { kernel: avx512::kernel, name: "avx512" });
+            }
+        }
+        v
     }
 }
 
-/// Single-threaded GEMM on packed B: rows `[0, m)` of A (`m × k`, stride `lda`)
+impl Path for F32Path {
+    type A = f32;
+    type B = f32;
+    const STEP: usize = 1;
+
+    fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<f32>) {
+        let strips = rows.div_ceil(MR);
+        let base = out.len();
+        out.resize(base + strips * kc * MR, 0.0);
+        for (s, strip) in out[base..].chunks_exact_mut(kc * MR).enumerate() {
+            let r0 = s * MR;
+            for r in 0..MR.min(rows - r0) {
+                let row = &a[(i0 + r0 + r) * lda + p0..(i0 + r0 + r) * lda + p0 + kc];
+                for (p, v) in row.iter().enumerate() {
+                    strip[p * MR + r] = *v;
+                }
+            }
+        }
+    }
+
+    fn pack_b(self, src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<f32>) {
+        pack_b(src, n, k, rs, cs, out)
+    }
+
+    unsafe fn kernel(
+        self,
+        kc: usize,
+        a: *const f32,
+        b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
+        (self.kernel)(kc, a, b, c, ldc, rows, cols, init)
+    }
+
+    fn name(self) -> &'static str {
+        self.name
+    }
+}
+
+/// Single-threaded f32 GEMM on packed B: rows `[0, m)` of A (`m × k`, stride `lda`)
 /// times the panels `[panel0, panel1)` of `b` (packed by [`pack_b`] with the same `k`),
 /// into C (`ldc` stride; column `j` of panel `p` is `C[.., p*NR + j]`), for `n` valid columns.
 #[allow(clippy::too_many_arguments)]
@@ -67,50 +175,35 @@ pub fn gemm_packed(
     assert!(m == 0 || c.len() >= (m - 1) * ldc + last_col, "gemm: C too short");
     // SAFETY: bounds of A, B and C are checked above; the kernel writes only
     // rows < m and columns < n of C.
-    unsafe { gemm_raw(a, lda, m, k, b.as_ptr(), n, panels, c.as_mut_ptr(), ldc, init, apack) }
+    unsafe {
+        let b = InPlace { ptr: b.as_ptr(), kpad: k };
+        gemm_tiles(F32Path::detect(), a, lda, m, k, &b, n, panels, c.as_mut_ptr(), ldc, init, apack, &mut Vec::new())
+    }
 }
 
-/// [`gemm_packed`] writing through a raw pointer, for callers whose tasks
-/// write disjoint tiles of one output buffer.
+/// The blocked GEMM loop of path `P` over any panel source: rows `[0, m)`
+/// of A times panels `panels` of `b` into C (see [`gemm_packed`]).
 ///
 /// # Safety
 /// `c` must be valid for writes at `i * ldc + j` for `i < m` and the columns
-/// `j < n` of `panels`; `b` must hold `ceil(n/NR) * k * NR` floats; no other
-/// thread may touch those elements during the call.
+/// `j < n` of `panels`; `b` must hold `ceil(n/NR)` panels of depth `k`; no
+/// other thread may touch those elements of C during the call.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_raw(
+pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
+    path: P,
     a: &[f32],
     lda: usize,
     m: usize,
     k: usize,
-    b: *const f32,
+    b: &S,
     n: usize,
     panels: std::ops::Range<usize>,
     c: *mut f32,
     ldc: usize,
     init: Init,
-    apack: &mut Vec<f32>,
+    apack: &mut Vec<P::A>,
+    bbuf: &mut Vec<P::B>,
 ) {
-    gemm_tiles(a, lda, m, k, &F32Panels(b), n, panels, c, ldc, init, apack, &mut Vec::new())
-}
-
-/// The blocked GEMM loop over any panel source (see [`gemm_raw`] for the contract).
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tiles<B: PanelSource>(
-    a: &[f32],
-    lda: usize,
-    m: usize,
-    k: usize,
-    b: &B,
-    n: usize,
-    panels: std::ops::Range<usize>,
-    c: *mut f32,
-    ldc: usize,
-    init: Init,
-    apack: &mut Vec<f32>,
-    bbuf: &mut Vec<f32>,
-) {
-    let kern = kernel();
     if k == 0 {
         // Degenerate: C is just its initial value.
         for i in 0..m {
@@ -125,38 +218,60 @@ unsafe fn gemm_tiles<B: PanelSource>(
         }
         return;
     }
+    // A is packed once per row block for every k-block, then each panel runs
+    // its k-blocks back to back: the C tile stays in L1 between k-blocks
+    // instead of the whole `MC × n` block of C going round the caches once
+    // per k-block.
+    let kblocks = k.div_ceil(KC);
     let mut i0 = 0;
     while i0 < m {
-        let mc = B::MC.min(m - i0);
-        let mut p0 = 0;
-        while p0 < k {
-            let kc = KC.min(k - p0);
-            pack_a(a, lda, i0, mc, p0, kc, apack);
-            let first = p0 == 0;
-            for pi in panels.clone() {
-                let j0 = pi * NR;
-                let cols = NR.min(n - j0);
+        let mc = S::MC.min(m - i0);
+        let strips = mc.div_ceil(MR);
+        apack.clear();
+        let mut offsets = [0usize; MAX_KBLOCKS_INLINE];
+        let mut heap_offsets = Vec::new();
+        let offsets: &mut [usize] = if kblocks <= MAX_KBLOCKS_INLINE {
+            &mut offsets[..kblocks]
+        } else {
+            heap_offsets.resize(kblocks, 0);
+            &mut heap_offsets
+        };
+        for (kb, off) in offsets.iter_mut().enumerate() {
+            let p0 = kb * KC;
+            *off = apack.len();
+            path.pack_a(a, lda, i0, mc, p0, KC.min(k - p0), apack);
+        }
+        for pi in panels.clone() {
+            let j0 = pi * NR;
+            let cols = NR.min(n - j0);
+            for (kb, off) in offsets.iter().enumerate() {
+                let p0 = kb * KC;
+                let kc = KC.min(k - p0);
+                let strip = kc.next_multiple_of(P::STEP) * MR;
                 let bp = b.tile(pi, p0, kc, k, bbuf);
-                let tile_init = match (first, init) {
+                let tile_init = match (kb == 0, init) {
                     (true, Init::Zero) => TileInit::Zero,
                     (true, Init::Bias(bias)) => TileInit::Bias(bias.as_ptr().add(j0)),
                     _ => TileInit::Load,
                 };
-                for s in 0..mc.div_ceil(MR) {
+                for s in 0..strips {
                     let rows = MR.min(mc - s * MR);
-                    let ap = apack.as_ptr().add(s * kc * MR);
+                    let ap = apack.as_ptr().add(off + s * strip);
                     let cp = c.add((i0 + s * MR) * ldc + j0);
-                    kern(kc, ap, bp, cp, ldc, rows, cols, tile_init);
+                    path.kernel(kc, ap, bp, cp, ldc, rows, cols, tile_init);
                 }
             }
-            p0 += kc;
         }
         i0 += mc;
     }
 }
 
+/// k-blocks whose A offsets are kept on the stack (k up to 64 Ki).
+const MAX_KBLOCKS_INLINE: usize = 512;
+
+/// How a micro-kernel starts its tile.
 #[derive(Clone, Copy)]
-enum TileInit {
+pub(crate) enum TileInit {
     Zero,
     Bias(*const f32),
     Load,
@@ -164,35 +279,21 @@ enum TileInit {
 
 type Kernel = unsafe fn(usize, *const f32, *const f32, *mut f32, usize, usize, usize, TileInit);
 
-fn kernel() -> Kernel {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") {
-            return avx512::kernel;
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            return portable::kernel_avx2;
-        }
-    }
-    portable::kernel
+/// Name of the f32 micro-kernel this CPU runs.
+pub fn kernel_name() -> &'static str {
+    F32Path::detect().name()
 }
 
-/// Name of the micro-kernel this CPU runs (for logs and bench reports).
-pub fn kernel_name() -> &'static str {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") {
-            return "avx512";
-        }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            return "avx2";
-        }
+/// Name of the micro-kernel this CPU runs for `compute` (the manifest's `run.kernel`).
+pub fn kernel_name_for(compute: Compute) -> &'static str {
+    match compute {
+        Compute::F32 => F32Path::detect().name(),
+        Compute::Bf16 => super::bf16::detect().name(),
     }
-    "portable"
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use super::{TileInit, MR, NR};
     use std::arch::x86_64::*;
 
@@ -222,6 +323,21 @@ mod avx512 {
             ap = ap.add(MR);
             bp = bp.add(NR);
         }
+        store(&acc, c, ldc, rows, cols, init)
+    }
+
+    /// Adds a finished `MR × NR` accumulator tile onto its start value and
+    /// stores the valid `rows × cols` of it (shared with the bf16 kernels).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn store(
+        acc: &[[__m512; 2]; MR],
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
         let m0: __mmask16 = if cols >= 16 { 0xffff } else { (1u32 << cols) as u16 - 1 };
         let m1: __mmask16 = if cols >= 32 {
             0xffff
@@ -278,7 +394,8 @@ mod portable {
             let av = std::slice::from_raw_parts(a.add(p * MR), MR);
             for r in 0..MR {
                 for j in 0..NR {
-                    acc[r][j] += av[r] * bv[j];
+                    // A fused multiply-add, as the vector kernels do: every path gives the same bits.
+                    acc[r][j] = av[r].mul_add(bv[j], acc[r][j]);
                 }
             }
         }
@@ -307,11 +424,36 @@ mod portable {
     ) {
         body(kc, a, b, c, ldc, rows, cols, init)
     }
+}
 
-    #[cfg(target_arch = "x86_64")]
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::{TileInit, MR, NR};
+    use std::arch::x86_64::*;
+
+    /// Rows and columns of one register sub-tile: 6 × 16 floats are twelve
+    /// accumulators, which with two B vectors and an A broadcast fit AVX2's
+    /// sixteen registers (BLIS' Haswell shape). The `MR × NR` tile is four of them.
+    pub(crate) const SR: usize = 6;
+    pub(crate) const SC: usize = 16;
+
+    /// Twelve accumulators: `SR` rows of two 8-lane vectors.
+    pub(crate) type Acc = [[__m256; 2]; SR];
+
+    /// Runs `sub(r0, c0, rows, cols)` over the `SR × SC` blocks of a `rows × cols` tile.
+    #[inline(always)]
+    pub(crate) fn blocks(rows: usize, cols: usize, mut sub: impl FnMut(usize, usize, usize, usize)) {
+        // Columns outer: both row blocks read one half of the B tile while it is in L1.
+        for c0 in (0..cols).step_by(SC) {
+            for r0 in (0..rows).step_by(SR) {
+                sub(r0, c0, (rows - r0).min(SR), (cols - c0).min(SC));
+            }
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn kernel_avx2(
+    pub(super) unsafe fn kernel(
         kc: usize,
         a: *const f32,
         b: *const f32,
@@ -321,14 +463,88 @@ mod portable {
         cols: usize,
         init: TileInit,
     ) {
-        body(kc, a, b, c, ldc, rows, cols, init)
+        blocks(rows, cols, |r0, c0, r, n| {
+            let acc = sub_tile(kc, a.add(r0), b.add(c0));
+            store(&acc, c.add(r0 * ldc + c0), ldc, r, n, init, c0);
+        });
+    }
+
+    /// One `SR × SC` block at row offset `a` of the A strip (`[kc][MR]`) and
+    /// column offset `b` of the B tile (`[kc][NR]`): each element is the
+    /// k-ordered FMA chain the AVX-512 kernel computes, so both give the same bits.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn sub_tile(kc: usize, a: *const f32, b: *const f32) -> Acc {
+        let mut acc = [[_mm256_setzero_ps(); 2]; SR];
+        let (mut ap, mut bp) = (a, b);
+        for _ in 0..kc {
+            let b0 = _mm256_loadu_ps(bp);
+            let b1 = _mm256_loadu_ps(bp.add(8));
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = _mm256_broadcast_ss(&*ap.add(r));
+                row[0] = _mm256_fmadd_ps(av, b0, row[0]);
+                row[1] = _mm256_fmadd_ps(av, b1, row[1]);
+            }
+            ap = ap.add(MR);
+            bp = bp.add(NR);
+        }
+        acc
+    }
+
+    /// Adds a finished sub-tile onto its start value (`c0`: its first column
+    /// within the tile, for the bias) and stores its valid `rows × cols`.
+    #[inline(always)]
+    pub(crate) unsafe fn store(
+        acc: &Acc,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+        c0: usize,
+    ) {
+        if rows == SR && cols == SC {
+            for (r, row) in acc.iter().enumerate() {
+                let cp = c.add(r * ldc);
+                let (v0, v1) = match init {
+                    TileInit::Zero => (row[0], row[1]),
+                    TileInit::Bias(bias) => (
+                        _mm256_add_ps(_mm256_loadu_ps(bias.add(c0)), row[0]),
+                        _mm256_add_ps(_mm256_loadu_ps(bias.add(c0 + 8)), row[1]),
+                    ),
+                    TileInit::Load => {
+                        (_mm256_add_ps(_mm256_loadu_ps(cp), row[0]), _mm256_add_ps(_mm256_loadu_ps(cp.add(8)), row[1]))
+                    }
+                };
+                _mm256_storeu_ps(cp, v0);
+                _mm256_storeu_ps(cp.add(8), v1);
+            }
+            return;
+        }
+        // An edge block: through a buffer, only the valid part stored.
+        let mut buf = [0f32; SC];
+        for (r, row) in acc.iter().enumerate().take(rows) {
+            _mm256_storeu_ps(buf.as_mut_ptr(), row[0]);
+            _mm256_storeu_ps(buf.as_mut_ptr().add(8), row[1]);
+            for (j, v) in buf.iter().enumerate().take(cols) {
+                let dst = c.add(r * ldc + j);
+                *dst = match init {
+                    TileInit::Zero => *v,
+                    TileInit::Bias(bias) => *bias.add(c0 + j) + *v,
+                    TileInit::Load => *dst + *v,
+                };
+            }
+        }
     }
 }
 
-/// A linear layer's packed weight: f32 panels, or quantised ones decoded per tile.
+/// A linear layer's packed weight: f32 panels, quantised ones decoded per
+/// tile, or (for bf16 compute) bf16 pair panels and quantised ones decoded to bf16.
 enum Panels {
     F32(Vec<f32>),
     Quant(QuantPanels),
+    Bf16(Bf16Panels),
+    QuantBf16(QuantPanels),
 }
 
 /// A linear layer `y = x · Wᵀ (+ b)` with `W: [out, in]` packed at load time.
@@ -341,19 +557,52 @@ pub struct PackedLinear {
 }
 
 impl PackedLinear {
-    /// Packs `W` (`[out, in]`, row-major) and an optional bias `[out]`.
+    /// Packs `W` (`[out, in]`, row-major) and an optional bias `[out]` for f32 compute.
     pub fn new(w: &[f32], out_features: usize, in_features: usize, bias: Option<Vec<f32>>) -> Self {
-        assert_eq!(w.len(), out_features * in_features, "PackedLinear: weight size");
-        let mut panels = Vec::new();
-        pack_b(w, out_features, in_features, in_features, 1, &mut panels);
-        Self::with_panels(Panels::F32(panels), out_features, in_features, bias)
+        Self::new_for(w, out_features, in_features, bias, Compute::F32)
     }
 
-    /// Packs a weight as read from a checkpoint, keeping quantised codes.
+    /// Packs `W` for GEMMs in `compute` (bf16: the weight rounded to bf16 once, here).
+    pub fn new_for(
+        w: &[f32],
+        out_features: usize,
+        in_features: usize,
+        bias: Option<Vec<f32>>,
+        compute: Compute,
+    ) -> Self {
+        assert_eq!(w.len(), out_features * in_features, "PackedLinear: weight size");
+        let panels = match compute {
+            Compute::F32 => {
+                let mut panels = Vec::new();
+                pack_b(w, out_features, in_features, in_features, 1, &mut panels);
+                Panels::F32(panels)
+            }
+            Compute::Bf16 => Panels::Bf16(Bf16Panels::from_f32(w, out_features, in_features)),
+        };
+        Self::with_panels(panels, out_features, in_features, bias)
+    }
+
+    /// Packs a weight as read from a checkpoint for f32 compute, keeping quantised codes.
     pub fn from_weight(w: LinearWeight, bias: Option<Vec<f32>>) -> Self {
-        match w {
-            LinearWeight::Dense { rows, cols, w } => Self::new(&w, rows, cols, bias),
-            LinearWeight::Quant(q) => Self::with_panels(Panels::Quant(QuantPanels::pack(&q)), q.rows, q.cols, bias),
+        Self::from_weight_for(w, bias, Compute::F32)
+    }
+
+    /// Packs a weight as read from a checkpoint for GEMMs in `compute`.
+    /// FP8 and INT4 codes stay as they are and are decoded per tile (to f32,
+    /// or to bf16 for bf16 compute); bf16 weights under bf16 compute are
+    /// repacked into pair panels, bit for bit.
+    pub fn from_weight_for(w: LinearWeight, bias: Option<Vec<f32>>, compute: Compute) -> Self {
+        match (w, compute) {
+            (LinearWeight::Dense { rows, cols, w }, _) => Self::new_for(&w, rows, cols, bias, compute),
+            (LinearWeight::Quant(q), Compute::F32) => {
+                Self::with_panels(Panels::Quant(QuantPanels::pack(&q)), q.rows, q.cols, bias)
+            }
+            (LinearWeight::Quant(q), Compute::Bf16) if q.kind == QuantKind::Bf16 => {
+                Self::with_panels(Panels::Bf16(Bf16Panels::from_bf16_rows(&q)), q.rows, q.cols, bias)
+            }
+            (LinearWeight::Quant(q), Compute::Bf16) => {
+                Self::with_panels(Panels::QuantBf16(QuantPanels::pack(&q)), q.rows, q.cols, bias)
+            }
         }
     }
 
@@ -374,20 +623,33 @@ impl PackedLinear {
     }
     /// Whether the weight is held as codes (FP8, INT4 or bf16) rather than f32.
     pub fn is_quantized(&self) -> bool {
-        matches!(self.panels, Panels::Quant(_))
+        !matches!(self.panels, Panels::F32(_))
     }
     /// The kind of codes the weight is held as; `None` for f32.
     pub fn held_as(&self) -> Option<QuantKind> {
         match &self.panels {
             Panels::F32(_) => None,
-            Panels::Quant(q) => Some(q.kind()),
+            Panels::Bf16(_) => Some(QuantKind::Bf16),
+            Panels::Quant(q) | Panels::QuantBf16(q) => Some(q.kind()),
         }
+    }
+    /// The compute dtype its GEMMs run in.
+    pub fn compute(&self) -> Compute {
+        match &self.panels {
+            Panels::F32(_) | Panels::Quant(_) => Compute::F32,
+            Panels::Bf16(_) | Panels::QuantBf16(_) => Compute::Bf16,
+        }
+    }
+    /// The micro-kernel its GEMMs run on this CPU.
+    pub fn kernel(&self) -> &'static str {
+        kernel_name_for(self.compute())
     }
     /// Bytes of memory the weight and bias hold.
     pub fn resident_bytes(&self) -> usize {
         let w = match &self.panels {
             Panels::F32(p) => p.len() * 4,
-            Panels::Quant(q) => q.bytes(),
+            Panels::Bf16(p) => p.bytes(),
+            Panels::Quant(q) | Panels::QuantBf16(q) => q.bytes(),
         };
         w + self.bias.as_ref().map_or(0, |b| b.len() * 4)
     }
@@ -396,27 +658,46 @@ impl PackedLinear {
     /// (then the bias is added too). Split over rayon by row blocks and column groups.
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], accumulate: bool) {
         match &self.panels {
-            Panels::F32(p) => self.run(&F32Panels(p.as_ptr()), x, m, y, accumulate),
-            Panels::Quant(q) => self.run(q, x, m, y, accumulate),
+            Panels::F32(p) => {
+                let src = InPlace { ptr: p.as_ptr(), kpad: self.in_features };
+                self.run(F32Path::detect(), &src, x, m, y, accumulate)
+            }
+            Panels::Quant(q) => self.run(F32Path::detect(), q, x, m, y, accumulate),
+            Panels::Bf16(p) => match bf16::detect() {
+                Bf16Path::Wide(path) => self.run(path, &p.source(), x, m, y, accumulate),
+                Bf16Path::Pairs(path) => self.run(path, &p.source(), x, m, y, accumulate),
+            },
+            Panels::QuantBf16(q) => match bf16::detect() {
+                Bf16Path::Wide(path) => self.run(path, &QuantAsBf16(q), x, m, y, accumulate),
+                Bf16Path::Pairs(path) => self.run(path, &QuantAsBf16(q), x, m, y, accumulate),
+            },
         }
     }
 
-    fn run<B: PanelSource + Sync>(&self, b: &B, x: &[f32], m: usize, y: &mut [f32], accumulate: bool) {
+    fn run<P: Path, S: PanelSource<Elem = P::B> + Sync>(
+        &self,
+        path: P,
+        b: &S,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+        accumulate: bool,
+    ) {
         let (n, k) = (self.out_features, self.in_features);
         assert_eq!(x.len(), m * k, "PackedLinear: input size");
         assert_eq!(y.len(), m * n, "PackedLinear: output size");
         let panels = n.div_ceil(NR);
-        let row_blocks = m.div_ceil(B::MC).max(1);
+        let row_blocks = m.div_ceil(S::MC).max(1);
         let threads = rayon::current_num_threads();
         // Enough tasks to keep every thread busy, but panels large enough to amortise A packing.
         let col_groups = (2 * threads).div_ceil(row_blocks).clamp(1, panels.max(1));
         let per_group = panels.div_ceil(col_groups);
         let tasks = row_blocks * col_groups;
         let yp = SharedMut::new(y.as_mut_ptr());
-        let work = |t: usize, (apack, bbuf): &mut (Vec<f32>, Vec<f32>)| {
+        let work = |t: usize, (apack, bbuf): &mut (Vec<P::A>, Vec<P::B>)| {
             let (rb, cg) = (t / col_groups, t % col_groups);
-            let i0 = rb * B::MC;
-            let rows = B::MC.min(m - i0);
+            let i0 = rb * S::MC;
+            let rows = S::MC.min(m - i0);
             let p0 = cg * per_group;
             let p1 = (p0 + per_group).min(panels);
             if rows == 0 || p0 >= p1 {
@@ -431,7 +712,7 @@ impl PackedLinear {
             // which the asserts above put inside `y`; no other task writes them.
             unsafe {
                 let c = yp.get().add(i0 * n);
-                gemm_tiles(&x[i0 * k..], k, rows, k, b, n, p0..p1, c, n, init, apack, bbuf);
+                gemm_tiles(path, &x[i0 * k..], k, rows, k, b, n, p0..p1, c, n, init, apack, bbuf);
                 if let (true, Some(b)) = (accumulate, &self.bias) {
                     let (j0, j1) = (p0 * NR, (p1 * NR).min(n));
                     for r in 0..rows {
@@ -496,6 +777,49 @@ mod tests {
             lin.forward(&x, m, &mut y, true);
             for (a, e) in y.iter().zip(&want) {
                 assert!((a - 2.0 * e).abs() <= 2e-4 * (1.0 + e.abs()));
+            }
+        }
+    }
+
+    /// Every f32 kernel this CPU has runs the same FMA chains: the same bits.
+    #[test]
+    fn every_f32_path_gives_the_same_bits() {
+        let paths = F32Path::available();
+        println!("f32 paths on this CPU: {:?}", paths.iter().map(|p| p.name()).collect::<Vec<_>>());
+        for &(m, n, k) in &[(13, 33, 7), (121, 70, 1300), (6, 16, 5)] {
+            let (x, w, b) = (rand(m * k, 1), rand(n * k, 2), rand(n, 3));
+            let mut panels = Vec::new();
+            pack_b(&w, n, k, k, 1, &mut panels);
+            let src = InPlace { ptr: panels.as_ptr(), kpad: k };
+            let outs: Vec<Vec<f32>> = paths
+                .iter()
+                .map(|&path| {
+                    let mut y = vec![f32::NAN; m * n];
+                    // SAFETY: y holds m × n floats; the panels were packed for n × k.
+                    unsafe {
+                        let (mut ap, mut bb) = (Vec::new(), Vec::new());
+                        let panels = 0..n.div_ceil(NR);
+                        gemm_tiles(
+                            path,
+                            &x,
+                            k,
+                            m,
+                            k,
+                            &src,
+                            n,
+                            panels,
+                            y.as_mut_ptr(),
+                            n,
+                            Init::Bias(&b),
+                            &mut ap,
+                            &mut bb,
+                        );
+                    }
+                    y
+                })
+                .collect();
+            for (p, y) in paths.iter().zip(&outs).skip(1) {
+                assert!(y.iter().zip(&outs[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "{} m{m} n{n} k{k}", p.name());
             }
         }
     }

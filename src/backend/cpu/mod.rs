@@ -7,6 +7,7 @@
 //! bitwise independent of the batch.
 
 pub mod attention;
+pub mod bf16;
 pub mod gemm;
 pub mod moe;
 pub mod ops;
@@ -18,8 +19,8 @@ pub use panels::{pack_b, MR, NR};
 
 use super::{check, host};
 use super::{
-    AttnShape, Backend, BackendError, Cols, GatedLinear, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router,
-    Tensor, F32,
+    AttnShape, Backend, BackendError, Cols, Compute, ComputeDtype, GatedLinear, HeadSpan, KvCache, LinearInfo,
+    Parallel, Resident, Router, Tensor, F32,
 };
 use crate::hf::quant::{LinearWeight, QuantKind};
 use crate::hf::RopeFreqs;
@@ -50,7 +51,7 @@ impl SharedMut {
     }
 }
 
-/// The CPU backend of one rank, computing in `C` (f32).
+/// The CPU backend of one rank, computing in `C` ([`F32`] or [`super::Bf16`]).
 pub struct Cpu<C = F32> {
     /// The rank's communicator; `None` for a model run whole.
     comm: Option<LocalGroup>,
@@ -59,7 +60,7 @@ pub struct Cpu<C = F32> {
     _compute: PhantomData<C>,
 }
 
-impl Default for Cpu<F32> {
+impl<C: ComputeDtype> Default for Cpu<C> {
     fn default() -> Self {
         Cpu { comm: None, partial: Mutex::new(Vec::new()), _compute: PhantomData }
     }
@@ -105,8 +106,8 @@ impl RopeTable {
     }
 }
 
-impl Backend for Cpu<F32> {
-    type Compute = F32;
+impl<C: ComputeDtype> Backend for Cpu<C> {
+    type Compute = C;
     type Storage = Vec<f32>;
     type Vector = Vec<f32>;
     type Embedding = host::Embedding;
@@ -160,11 +161,11 @@ impl Backend for Cpu<F32> {
     }
 
     fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Linear {
-        // One rank keeps its bias inside the GEMM; with several, a row-parallel
-        // bias is added once, after the all-reduce.
-        let split_rows = kind == Parallel::Row && self.world_size() > 1;
-        let (inner, post_bias) = if split_rows { (None, bias) } else { (bias, None) };
-        Linear { packed: PackedLinear::from_weight(w, inner), kind, post_bias }
+        self.linear_in(w, bias, kind, C::COMPUTE)
+    }
+
+    fn linear_f32(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Linear {
+        self.linear_in(w, bias, kind, Compute::F32)
     }
 
     fn build_many<T: Send, E: Send>(
@@ -338,7 +339,7 @@ impl Backend for Cpu<F32> {
                 AttnSegment { rows, pos0: seg.pos0, kv }
             })
             .collect();
-        varlen_attention(&q.storage[q.offset..], q.stride, &segments, shape, out.storage_mut());
+        varlen_attention(&q.storage[q.offset..], q.stride, &segments, shape, C::COMPUTE, out.storage_mut());
     }
 
     fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Vec<f32>>) -> moe::Routes {
@@ -354,7 +355,7 @@ impl Backend for Cpu<F32> {
         routes: &moe::Routes,
         out: &mut Tensor<Self, H>,
     ) {
-        fn pair(m: &GatedLinear<Cpu>) -> (&PackedLinear, &PackedLinear) {
+        fn pair<C: ComputeDtype>(m: &GatedLinear<Cpu<C>>) -> (&PackedLinear, &PackedLinear) {
             (&m.gate_up_proj.packed, &m.down_proj.packed)
         }
         check::shape("moe_experts", "experts", experts.len(), routes.len());
@@ -380,6 +381,16 @@ impl Backend for Cpu<F32> {
         check::capture(x.rows(), x.width().size(), out, slot)?;
         out.layer_mut(slot).copy_from_slice(x.storage());
         Ok(())
+    }
+}
+
+impl<C: ComputeDtype> Cpu<C> {
+    fn linear_in(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel, compute: Compute) -> Linear {
+        // One rank keeps its bias inside the GEMM; with several, a row-parallel
+        // bias is added once, after the all-reduce.
+        let split_rows = kind == Parallel::Row && self.world_size() > 1;
+        let (inner, post_bias) = if split_rows { (None, bias) } else { (bias, None) };
+        Linear { packed: PackedLinear::from_weight_for(w, inner, compute), kind, post_bias }
     }
 }
 

@@ -1,6 +1,36 @@
-//! Element-wise and row-wise kernels of the decoder: RMSNorm, RoPE, SwiGLU.
+//! Element-wise and row-wise kernels of the decoder: RMSNorm, RoPE, SwiGLU,
+//! and the `exp` of SwiGLU and the softmax.
 
 use rayon::prelude::*;
+
+/// `e^x` within 2 ulp of the true value, NaN kept: a branch-free polynomial
+/// (Cody–Waite reduction to `r ∈ [-ln2/2, ln2/2]`, degree-7 Taylor series,
+/// the exponent set through the bits), so loops of it vectorise where libm's
+/// `expf` is a call per element. Below -87 it gives about 2^-126 rather than 0;
+/// above 88.73 it overflows to infinity as `expf` does.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LN2_HI: f32 = f32::from_bits(0x3f31_7200); // ln 2 with 16 trailing zero bits: n·LN2_HI is exact
+    const LN2_LO: f32 = f32::from_bits(0x35bf_be8e);
+    // Adding 1.5·2^23 rounds to an integer, which lands in the low mantissa bits.
+    const SHIFTER: f32 = 12_582_912.0;
+    let xc = x.clamp(-87.0, 88.0);
+    let t = xc * std::f32::consts::LOG2_E + SHIFTER;
+    let n = t - SHIFTER;
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.0 / 5040.0;
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = p * r + c;
+    }
+    let scale = f32::from_bits(((t.to_bits() as i32 - 0x4b40_0000 + 127) << 23) as u32);
+    if x.is_nan() {
+        x
+    } else if x > 88.73 {
+        f32::INFINITY
+    } else {
+        p * scale
+    }
+}
 
 /// Rows per rayon task for row-wise kernels; small batches stay on one thread.
 const ROWS_PER_TASK: usize = 32;
@@ -67,7 +97,7 @@ pub fn swiglu(gu: &[f32], inter: usize, out: &mut [f32]) {
     let row = |(g, o): (&[f32], &mut [f32])| {
         let (gate, up) = g.split_at(inter);
         for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + (-g).exp()) * u;
+            *o = g / (1.0 + exp(-g)) * u;
         }
     };
     if out.len() / inter > ROWS_PER_TASK {
@@ -99,6 +129,21 @@ mod tests {
         let (c, s) = ([0.0f32, 1.0], [1.0f32, 0.0]);
         rope_head(&mut h, &c, &s);
         assert_eq!(h, [0.0, 0.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp() {
+        let mut worst = 0f64;
+        for i in 0..=2_000_000 {
+            let x = -87.0 + 175.0 * i as f32 / 2_000_000.0;
+            let (got, want) = (exp(x) as f64, (x as f64).exp());
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 2.0 * f32::EPSILON as f64, "worst relative error {worst:e}");
+        assert_eq!(exp(0.0), 1.0);
+        assert!(exp(f32::NAN).is_nan());
+        assert_eq!(exp(f32::NEG_INFINITY), exp(-87.0));
+        assert!(exp(-87.0) < 1e-37 && exp(f32::INFINITY) == f32::INFINITY && exp(88.7).is_finite());
     }
 
     #[test]

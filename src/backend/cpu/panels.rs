@@ -7,7 +7,7 @@ pub const MR: usize = 12;
 /// Columns of the register tile (two 16-lane vectors).
 pub const NR: usize = 32;
 /// Depth of one k-block: sums over more than `KC` terms are split at multiples of it.
-pub const KC: usize = 1024;
+pub const KC: usize = 128;
 /// Rows of A per block when B is read in place.
 pub const MC: usize = 8 * MR;
 
@@ -40,24 +40,34 @@ pub fn pack_b(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut V
 
 /// Where the GEMM gets B's `[kc][NR]` tiles from.
 pub(crate) trait PanelSource {
+    /// Element of a tile (f32, or bf16 bits in depth pairs).
+    type Elem;
     /// Rows of A per block: each B tile is fetched (or decoded) once per block.
     const MC: usize;
     /// The tile of panel `pi` at depths `p0..p0+kc` (`k` in all).
     ///
     /// # Safety
-    /// The returned pointer is valid for `kc * NR` reads until `buf` changes.
-    unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, k: usize, buf: &mut Vec<f32>) -> *const f32;
+    /// The returned pointer is valid for reading the whole tile until `buf` changes.
+    unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, k: usize, buf: &mut Vec<Self::Elem>) -> *const Self::Elem;
 }
 
-/// f32 panels packed by [`pack_b`]: tiles are read in place.
-pub(crate) struct F32Panels(pub(crate) *const f32);
+/// Panels read in place: `ceil(n/NR)` panels of `kpad` depths × `NR` elements
+/// (f32 panels of [`pack_b`], or bf16 pair panels with `kpad` rounded up to even).
+pub(crate) struct InPlace<T> {
+    /// The first panel.
+    pub(crate) ptr: *const T,
+    /// Depths per panel, padding included.
+    pub(crate) kpad: usize,
+}
 
-impl PanelSource for F32Panels {
+impl<T> PanelSource for InPlace<T> {
+    type Elem = T;
     const MC: usize = MC;
-    unsafe fn tile(&self, pi: usize, p0: usize, _kc: usize, k: usize, _buf: &mut Vec<f32>) -> *const f32 {
-        self.0.add(pi * k * NR + p0 * NR)
+    unsafe fn tile(&self, pi: usize, p0: usize, _kc: usize, _k: usize, _buf: &mut Vec<T>) -> *const T {
+        self.ptr.add(pi * self.kpad * NR + p0 * NR)
     }
 }
 
-// SAFETY: the pointer is to panels owned by a `PackedLinear` that outlives the call and is only read.
-unsafe impl Sync for F32Panels {}
+// SAFETY: the pointer is to panels owned by a `PackedLinear` (or a caller's
+// scratch) that outlives the call and is only read.
+unsafe impl<T> Sync for InPlace<T> {}

@@ -208,6 +208,7 @@ mod avx512 {
 }
 
 impl PanelSource for QuantPanels {
+    type Elem = f32;
     // Larger blocks, so a decoded tile serves more rows.
     const MC: usize = 4 * MC;
     unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<f32>) -> *const f32 {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use strata::dataset::manifest::{InputInfo, Manifest, ModelInfo, RunInfo};
 use strata::hf::Checkpoint;
-use strata::model::{AnyConfig, AnyModel, BackendKind, LoadOptions, Model, ModelError};
+use strata::model::{AnyConfig, AnyModel, BackendKind, ComputeChoice, LoadOptions, Model, ModelError};
 use strata::pipeline::capture::{CaptureError, CapturePoint, CaptureSet};
 use strata::pipeline::source::{Checked, Expected, InputPos, JsonlSource, Limits, SourceError};
 use strata::pipeline::{Pipeline, PipelineError, Progress, Report};
@@ -51,6 +51,8 @@ pub struct ExtractJob {
     pub tp: usize,
     /// The backend the model runs on.
     pub backend: BackendKind,
+    /// The compute dtype asked for.
+    pub compute: ComputeChoice,
     /// What to do with a sample whose states hold NaN or Inf.
     pub on_nonfinite: OnNonFinite,
 }
@@ -153,9 +155,9 @@ impl ExtractJob {
         let info = config.info();
         let points = CapturePoint::parse_list(&self.capture, info.num_layers)?;
         let captures = CaptureSet::<usize>::try_new(points.clone())?;
-        let opts = LoadOptions { backend: self.backend, tp: self.tp };
+        let compute = self.compute.resolve(self.backend, false);
         // Checked before the input is read or any weight is touched.
-        config.check(opts)?;
+        config.check(LoadOptions { backend: self.backend, compute, tp: self.tp })?;
         let (reader, input_len) = self.open_input()?;
 
         let t = Instant::now();
@@ -166,7 +168,17 @@ impl ExtractJob {
             Some(dir) => Checkpoint::open_scoped(dir, &prefix),
             None => embedded::checkpoint(),
         };
-        let weights_digest = open().map_err(ModelError::from)?.digest();
+        let ckpt = open().map_err(ModelError::from)?;
+        let weights_digest = ckpt.digest();
+        // `auto` computes in bf16 only for weights that carry no more than bf16's bits.
+        let low_precision =
+            config.quantization().is_some() || ckpt.dtype("model.embed_tokens.weight") == Some(DType::BF16);
+        drop(ckpt);
+        let opts = LoadOptions {
+            backend: self.backend,
+            compute: self.compute.resolve(self.backend, low_precision),
+            tp: self.tp,
+        };
         let model = config.load(opts, open)?;
         summary.load_time = t.elapsed();
         summary.weight_bytes = model.weight_bytes();
@@ -180,7 +192,7 @@ impl ExtractJob {
         let mut job = Manifest::new(ModelInfo::new(&path, &info, &config_text), &points, dtype, self.shard_size);
         job.model.weights_digest = weights_digest;
         let kernel = match self.backend {
-            BackendKind::Cpu => strata::backend::cpu::gemm::kernel_name(),
+            BackendKind::Cpu => strata::backend::cpu::gemm::kernel_name_for(model.compute()),
             BackendKind::Reference => "reference",
         };
         job.run = Some(RunInfo {

@@ -20,7 +20,8 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
-use strata::model::BackendKind;
+use strata::backend::Compute;
+use strata::model::{BackendKind, ComputeChoice};
 use strata::pipeline::Progress;
 use strata::shape::DType;
 use strata::sink::{OnNonFinite, OpenMode};
@@ -169,6 +170,27 @@ impl From<BackendArg> for BackendKind {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum ComputeArg {
+    /// bf16 when the weights are stored in bf16, FP8 or INT4 and the CPU has a
+    /// bf16 dot-product instruction (avx512_bf16); f32 otherwise.
+    Auto,
+    /// f32 GEMM and attention inputs: the exact path, HF parity at 1e-4.
+    F32,
+    /// bf16 GEMM and attention inputs, f32 accumulation, residual, norms and softmax.
+    Bf16,
+}
+
+impl ComputeArg {
+    fn choice(self) -> ComputeChoice {
+        match self {
+            ComputeArg::Auto => ComputeChoice::Auto,
+            ComputeArg::F32 => ComputeChoice::Fixed(Compute::F32),
+            ComputeArg::Bf16 => ComputeChoice::Fixed(Compute::Bf16),
+        }
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum NonFiniteArg {
     /// Stop with an error naming the sample and capture point.
     Fail,
@@ -233,6 +255,10 @@ struct ExtractArgs {
     /// Where the model runs.
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendArg,
+    /// The dtype of GEMM and attention inputs. Recorded in the manifest with
+    /// the kernel path; --resume refuses a run that would mix them.
+    #[arg(long, value_enum, value_name = "DTYPE", default_value = "auto")]
+    compute: ComputeArg,
 }
 
 #[derive(clap::Args)]
@@ -268,6 +294,10 @@ struct VerifyArgs {
     /// near-tie expert choice.
     #[arg(long, value_name = "N", default_value_t = 1, requires = "recompute")]
     tp: usize,
+    /// The compute dtype of --recompute. Default: the dataset's, on the cpu
+    /// backend (f32 on the reference backend).
+    #[arg(long, value_enum, value_name = "DTYPE", requires = "recompute")]
+    compute: Option<ComputeArg>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -403,6 +433,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         },
         tp: a.tp,
         backend: a.backend.into(),
+        compute: a.compute.choice(),
         on_nonfinite: match a.on_nonfinite {
             NonFiniteArg::Fail => OnNonFinite::Fail,
             NonFiniteArg::Skip => OnNonFinite::Skip,
@@ -454,6 +485,7 @@ fn verify(a: VerifyArgs) -> anyhow::Result<()> {
         model: a.model,
         backend: a.backend.into(),
         tp: a.tp,
+        compute: a.compute.map(ComputeArg::choice),
     };
     job.run()
 }

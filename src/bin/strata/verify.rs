@@ -6,12 +6,13 @@ use crate::embedded;
 use anyhow::{bail, Context};
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use strata::backend::Compute;
 use strata::dataset::manifest::hash_hex;
 use strata::dataset::recompute::{recompute, Recompute};
 use strata::dataset::verify::{clip, verify, Layout, QUOTE_MAX};
 use strata::dataset::Dataset;
 use strata::hf::Checkpoint;
-use strata::model::{AnyConfig, BackendKind, LoadOptions};
+use strata::model::{AnyConfig, BackendKind, ComputeChoice, LoadOptions};
 
 /// Everything `strata verify` needs.
 pub struct VerifyJob {
@@ -29,6 +30,8 @@ pub struct VerifyJob {
     pub backend: BackendKind,
     /// Over how many tensor-parallel ranks.
     pub tp: usize,
+    /// In which compute dtype; default: the dataset's (f32 on the reference backend).
+    pub compute: Option<ComputeChoice>,
 }
 
 impl VerifyJob {
@@ -105,10 +108,18 @@ impl VerifyJob {
             Some(dir) => Checkpoint::open_scoped(dir, &prefix),
             None => embedded::checkpoint(),
         };
-        let opts = LoadOptions { backend: self.backend, tp: self.tp };
+        let stored: Option<Compute> = m.run.as_ref().and_then(|r| r.compute.parse().ok());
+        let compute = match (self.compute, self.backend) {
+            (Some(c), _) => c.resolve(self.backend, config.quantization().is_some()),
+            (None, BackendKind::Cpu) => stored.unwrap_or(Compute::F32),
+            (None, _) => Compute::F32,
+        };
+        let opts = LoadOptions { backend: self.backend, compute, tp: self.tp };
         let model = config.load(opts, open).with_context(|| format!("model {name}"))?;
+        // States written or recomputed in bf16 are compared at bf16's tolerance.
+        let tolerance_of = if stored == Some(Compute::Bf16) { Compute::Bf16 } else { compute };
         let bar = std::io::stderr().is_terminal().then(|| indicatif::ProgressBar::new(n.min(m.samples.len()) as u64));
-        let report = recompute(ds, &model, model.compute(), n, self.seed, |done, _| {
+        let report = recompute(ds, &model, tolerance_of, n, self.seed, |done, _| {
             if let Some(b) = &bar {
                 b.set_position(done as u64);
             }

@@ -1,0 +1,590 @@
+//! bf16 compute: GEMM inputs rounded to bf16, every product accumulated in f32.
+//!
+//! Weights are packed once into pair panels, `[panel][k/2][NR][2]` bf16
+//! bits: depths `2q` and `2q+1` of one column side by side, the layout
+//! `VDPBF16PS` and AMX's `TDPBF16PS` read. An odd depth is padded with a zero.
+//! FP8 and INT4 weights stay as codes and are decoded into such tiles as the
+//! GEMM reaches them (`code · scale` in f32, then rounded to bf16).
+//!
+//! Paths, chosen at run time by what the CPU has:
+//! - `avx512bf16`: `VDPBF16PS` on A packed as bf16 pairs too;
+//! - `avx2`: each pair widened to f32 with two shifts, then FMAs; A is
+//!   packed as f32 values already rounded to bf16;
+//! - `portable`: the same arithmetic in plain Rust.
+//!
+//! A product of two bf16 values is exact in f32, so a multiply-then-add and
+//! an FMA give the same bits: `avx2` and `portable` agree bitwise. Each pair
+//! adds its odd depth first, the order Intel documents for `VDPBF16PS`.
+//! (AMX tiles are not built yet; a CPU with them takes `avx512bf16`.)
+
+use super::gemm::{Path, TileInit};
+use super::panels::{InPlace, PanelSource, MR, NR};
+use super::quant_panels::QuantPanels;
+use crate::hf::quant::{QuantKind, QuantRows};
+use crate::shape::bf16_bits;
+
+/// `bits` as the f32 it encodes.
+#[inline(always)]
+fn widen(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// A weight `[n, k]` as bf16 pair panels.
+pub struct Bf16Panels {
+    /// Depths per panel: `k` rounded up to even.
+    kpad: usize,
+    /// `[ceil(n/NR)][kpad/2][NR][2]`; padding columns and depths are 0.
+    data: Vec<u16>,
+}
+
+impl Bf16Panels {
+    /// Rounds an f32 `[n, k]` row-major weight to bf16 and packs it.
+    pub fn from_f32(w: &[f32], n: usize, k: usize) -> Self {
+        assert_eq!(w.len(), n * k, "Bf16Panels: weight size");
+        let mut data = Vec::new();
+        pack_b_bf16(w, n, k, k, 1, &mut data);
+        Bf16Panels { kpad: k.next_multiple_of(2), data }
+    }
+
+    /// Packs bf16 codes (`[n, k]` little-endian, scale 1) without changing a bit.
+    pub fn from_bf16_rows(q: &QuantRows) -> Self {
+        assert_eq!(q.kind, QuantKind::Bf16, "Bf16Panels: bf16 codes");
+        let (n, k) = (q.rows, q.cols);
+        let kpad = k.next_multiple_of(2);
+        let mut data = vec![0u16; n.div_ceil(NR) * kpad * NR];
+        for j in 0..n {
+            let row = &q.codes[j * k * 2..(j + 1) * k * 2];
+            for (p, c) in row.chunks_exact(2).enumerate() {
+                data[pair_index(j, p, kpad)] = u16::from_le_bytes([c[0], c[1]]);
+            }
+        }
+        Bf16Panels { kpad, data }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 2
+    }
+
+    /// The panels as the GEMM reads them.
+    pub(crate) fn source(&self) -> InPlace<u16> {
+        InPlace { ptr: self.data.as_ptr(), kpad: self.kpad }
+    }
+}
+
+/// Where element `(column j, depth p)` sits in pair panels of `kpad` depths.
+#[inline(always)]
+fn pair_index(j: usize, p: usize, kpad: usize) -> usize {
+    (j / NR) * kpad * NR + (p / 2) * 2 * NR + (j % NR) * 2 + p % 2
+}
+
+/// Packs `B` (`n × k`, element `(j, p)` at `src[j * rs + p * cs]`), rounded
+/// to bf16, into pair panels `[ceil(n/NR)][ceil(k/2)][NR][2]`.
+pub(crate) fn pack_b_bf16(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
+    let kpad = k.next_multiple_of(2);
+    out.clear();
+    out.resize(n.div_ceil(NR) * kpad * NR, 0);
+    for j in 0..n {
+        for p in 0..k {
+            out[pair_index(j, p, kpad)] = bf16_bits(src[j * rs + p * cs]);
+        }
+    }
+}
+
+/// FP8 or INT4 panels seen as bf16 pair tiles: each tile is decoded as the
+/// f32 GEMM decodes it, then rounded to bf16.
+pub(crate) struct QuantAsBf16<'a>(pub(crate) &'a QuantPanels);
+
+impl PanelSource for QuantAsBf16<'_> {
+    type Elem = u16;
+    const MC: usize = <QuantPanels as PanelSource>::MC;
+    unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<u16>) -> *const u16 {
+        let pairs = kc.div_ceil(2);
+        buf.resize(pairs * 2 * NR, 0);
+        let mut rows = [0f32; 2 * NR];
+        for (q, dst) in buf.chunks_exact_mut(2 * NR).enumerate() {
+            let depth = (kc - 2 * q).min(2);
+            self.0.decode_tile(pi, p0 + 2 * q, depth, &mut rows[..depth * NR]);
+            rows[depth * NR..].fill(0.0);
+            for (jj, pair) in dst.chunks_exact_mut(2).enumerate() {
+                pair[0] = bf16_bits(rows[jj]);
+                pair[1] = bf16_bits(rows[NR + jj]);
+            }
+        }
+        buf.as_ptr()
+    }
+}
+
+/// A wide path's micro-kernel: A as bf16-rounded f32 `[kpad][MR]`, B as pair tiles.
+type WideKernel = unsafe fn(usize, *const f32, *const u16, *mut f32, usize, usize, usize, TileInit);
+/// A pair path's micro-kernel: A and B both as bf16 pairs.
+type PairKernel = unsafe fn(usize, *const u16, *const u16, *mut f32, usize, usize, usize, TileInit);
+
+/// A bf16 path that widens B's pairs to f32 and multiplies with FMAs.
+#[derive(Clone, Copy)]
+pub(crate) struct WidePath {
+    kernel: WideKernel,
+    name: &'static str,
+}
+
+/// A bf16 path with a bf16 dot-product instruction, on pairs of both A and B.
+#[derive(Clone, Copy)]
+pub(crate) struct PairPath {
+    kernel: PairKernel,
+    name: &'static str,
+}
+
+/// The bf16 path a CPU runs.
+#[derive(Clone, Copy)]
+pub(crate) enum Bf16Path {
+    /// `avx2` or `portable`.
+    Wide(WidePath),
+    /// `avx512bf16`.
+    Pairs(PairPath),
+}
+
+impl Bf16Path {
+    /// The kernel's name, as the manifest records it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Bf16Path::Wide(p) => p.name,
+            Bf16Path::Pairs(p) => p.name,
+        }
+    }
+}
+
+/// Whether this CPU has a bf16 dot-product instruction (`avx512_bf16`), the
+/// condition under which `--compute auto` picks bf16.
+pub fn has_native_bf16() -> bool {
+    matches!(detect(), Bf16Path::Pairs(_))
+}
+
+/// The fastest bf16 path this CPU has.
+pub(crate) fn detect() -> Bf16Path {
+    *available().last().expect("the portable path")
+}
+
+/// Every bf16 path this CPU can run, slowest first (the tests run them all).
+pub(crate) fn available() -> Vec<Bf16Path> {
+    let mut v = vec![Bf16Path::Wide(WidePath { kernel: portable::kernel, name: "portable" })];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            v.push(Bf16Path::Wide(WidePath { kernel: avx2::kernel, name: "avx2" }));
+        }
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") {
+            v.push(Bf16Path::Pairs(PairPath { kernel: avx512bf16::kernel, name: "avx512bf16" }));
+        }
+    }
+    v
+}
+
+impl Path for WidePath {
+    type A = f32;
+    type B = u16;
+    const STEP: usize = 2;
+
+    fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<f32>) {
+        let kpad = kc.next_multiple_of(2);
+        let base = out.len();
+        out.resize(base + rows.div_ceil(MR) * kpad * MR, 0.0);
+        for (s, strip) in out[base..].chunks_exact_mut(kpad * MR).enumerate() {
+            let r0 = s * MR;
+            for r in 0..MR.min(rows - r0) {
+                let row = &a[(i0 + r0 + r) * lda + p0..][..kc];
+                for (p, v) in row.iter().enumerate() {
+                    strip[p * MR + r] = widen(bf16_bits(*v));
+                }
+            }
+        }
+    }
+
+    fn pack_b(self, src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
+        pack_b_bf16(src, n, k, rs, cs, out)
+    }
+
+    unsafe fn kernel(
+        self,
+        kc: usize,
+        a: *const f32,
+        b: *const u16,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
+        (self.kernel)(kc, a, b, c, ldc, rows, cols, init)
+    }
+
+    fn name(self) -> &'static str {
+        self.name
+    }
+}
+
+impl Path for PairPath {
+    type A = u16;
+    type B = u16;
+    const STEP: usize = 2;
+
+    fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<u16>) {
+        let kpad = kc.next_multiple_of(2);
+        let base = out.len();
+        out.resize(base + rows.div_ceil(MR) * kpad * MR, 0);
+        for (s, strip) in out[base..].chunks_exact_mut(kpad * MR).enumerate() {
+            let r0 = s * MR;
+            for r in 0..MR.min(rows - r0) {
+                let row = &a[(i0 + r0 + r) * lda + p0..][..kc];
+                for (p, v) in row.iter().enumerate() {
+                    strip[(p / 2) * 2 * MR + 2 * r + p % 2] = bf16_bits(*v);
+                }
+            }
+        }
+    }
+
+    fn pack_b(self, src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
+        pack_b_bf16(src, n, k, rs, cs, out)
+    }
+
+    unsafe fn kernel(
+        self,
+        kc: usize,
+        a: *const u16,
+        b: *const u16,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
+        (self.kernel)(kc, a, b, c, ldc, rows, cols, init)
+    }
+
+    fn name(self) -> &'static str {
+        self.name
+    }
+}
+
+mod portable {
+    use super::{widen, TileInit, MR, NR};
+
+    /// See `gemm::portable`: the tile aligned to a cache line.
+    #[repr(C, align(64))]
+    struct Tile([[f32; NR]; MR]);
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn kernel(
+        kc: usize,
+        a: *const f32,
+        b: *const u16,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
+        let mut tile = Tile([[0f32; NR]; MR]);
+        let acc = &mut tile.0;
+        for q in 0..kc.div_ceil(2) {
+            let bv = std::slice::from_raw_parts(b.add(q * 2 * NR), 2 * NR);
+            let a0 = std::slice::from_raw_parts(a.add(2 * q * MR), MR);
+            let a1 = std::slice::from_raw_parts(a.add((2 * q + 1) * MR), MR);
+            for r in 0..MR {
+                for j in 0..NR {
+                    // Exact products: the same bits as an FMA.
+                    acc[r][j] += a1[r] * widen(bv[2 * j + 1]);
+                    acc[r][j] += a0[r] * widen(bv[2 * j]);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate().take(rows) {
+            for (j, v) in row.iter().enumerate().take(cols) {
+                let dst = c.add(r * ldc + j);
+                *dst = match init {
+                    TileInit::Zero => *v,
+                    TileInit::Bias(bias) => *bias.add(j) + *v,
+                    TileInit::Load => *dst + *v,
+                };
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::super::gemm::avx2::{blocks, store, Acc, SR};
+    use super::{TileInit, MR, NR};
+    use std::arch::x86_64::*;
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn kernel(
+        kc: usize,
+        a: *const f32,
+        b: *const u16,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
+        blocks(rows, cols, |r0, c0, r, n| {
+            let acc = sub_tile(kc, a.add(r0), b.add(2 * c0));
+            store(&acc, c.add(r0 * ldc + c0), ldc, r, n, init, c0);
+        });
+    }
+
+    /// One 6 × 16 block: `a` at the block's first row of the strip, `b` at
+    /// its first column's pair of the tile.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn sub_tile(kc: usize, a: *const f32, b: *const u16) -> Acc {
+        let mut acc = [[_mm256_setzero_ps(); 2]; SR];
+        let high = _mm256_set1_epi32(0xffff_0000u32 as i32);
+        let (mut ap, mut bp) = (a, b);
+        for _ in 0..kc.div_ceil(2) {
+            // Eight columns' pairs per vector: the odd depth is the high half
+            // of each 32-bit lane, the even one the low half.
+            let x0 = _mm256_loadu_si256(bp as *const __m256i);
+            let x1 = _mm256_loadu_si256(bp.add(16) as *const __m256i);
+            let (o0, o1) =
+                (_mm256_castsi256_ps(_mm256_and_si256(x0, high)), _mm256_castsi256_ps(_mm256_and_si256(x1, high)));
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = _mm256_broadcast_ss(&*ap.add(MR + r));
+                row[0] = _mm256_fmadd_ps(av, o0, row[0]);
+                row[1] = _mm256_fmadd_ps(av, o1, row[1]);
+            }
+            let (e0, e1) =
+                (_mm256_castsi256_ps(_mm256_slli_epi32(x0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(x1, 16)));
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = _mm256_broadcast_ss(&*ap.add(r));
+                row[0] = _mm256_fmadd_ps(av, e0, row[0]);
+                row[1] = _mm256_fmadd_ps(av, e1, row[1]);
+            }
+            ap = ap.add(2 * MR);
+            bp = bp.add(2 * NR);
+        }
+        acc
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512bf16 {
+    use super::super::gemm::avx512::store;
+    use super::{TileInit, MR, NR};
+    use std::arch::x86_64::*;
+
+    /// `VDPBF16PS` over the whole `MR × NR` tile: 24 accumulators, two B
+    /// vectors of 16 column pairs, one broadcast A pair.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn kernel(
+        kc: usize,
+        a: *const u16,
+        b: *const u16,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        let (mut ap, mut bp) = (a, b);
+        for _ in 0..kc.div_ceil(2) {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp as *const _));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(NR) as *const _));
+            for (r, row) in acc.iter_mut().enumerate() {
+                let pair = std::ptr::read_unaligned(ap.add(2 * r) as *const i32);
+                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                row[0] = _mm512_dpbf16_ps(row[0], av, b0);
+                row[1] = _mm512_dpbf16_ps(row[1], av, b1);
+            }
+            ap = ap.add(2 * MR);
+            bp = bp.add(2 * NR);
+        }
+        store(&acc, c, ldc, rows, cols, init)
+    }
+}
+
+/// The pair path's arithmetic in plain Rust, for the tests: it checks the
+/// pair packing of A and B on machines without `avx512_bf16`.
+#[cfg(test)]
+mod pairs_portable {
+    use super::{widen, TileInit, MR, NR};
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn kernel(
+        kc: usize,
+        a: *const u16,
+        b: *const u16,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
+        let mut acc = [[0f32; NR]; MR];
+        for q in 0..kc.div_ceil(2) {
+            let (ap, bp) = (a.add(q * 2 * MR), b.add(q * 2 * NR));
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v += widen(*ap.add(2 * r + 1)) * widen(*bp.add(2 * j + 1));
+                    *v += widen(*ap.add(2 * r)) * widen(*bp.add(2 * j));
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate().take(rows) {
+            for (j, v) in row.iter().enumerate().take(cols) {
+                let dst = c.add(r * ldc + j);
+                *dst = match init {
+                    TileInit::Zero => *v,
+                    TileInit::Bias(bias) => *bias.add(j) + *v,
+                    TileInit::Load => *dst + *v,
+                };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::gemm::gemm_tiles;
+    use super::super::gemm::Init;
+    use super::*;
+
+    fn rand(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    fn round(v: &[f32]) -> Vec<f32> {
+        v.iter().map(|x| widen(bf16_bits(*x))).collect()
+    }
+
+    /// `x·wᵀ + b` of the bf16-rounded inputs, in f64.
+    fn exact(x: &[f32], w: &[f32], bias: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+        let (x, w) = (round(x), round(w));
+        let mut y = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum();
+                y[i * n + j] = s + bias[j] as f64;
+            }
+        }
+        y
+    }
+
+    fn run(path: Bf16Path, panels: &Bf16Panels, x: &[f32], m: usize, n: usize, k: usize, bias: &[f32]) -> Vec<f32> {
+        let mut y = vec![f32::NAN; m * n];
+        let src = panels.source();
+        let init = Init::Bias(bias);
+        // SAFETY: y holds m × n floats; the panels were packed for n × k.
+        unsafe {
+            match path {
+                Bf16Path::Wide(p) => gemm_tiles(
+                    p,
+                    x,
+                    k,
+                    m,
+                    k,
+                    &src,
+                    n,
+                    0..n.div_ceil(NR),
+                    y.as_mut_ptr(),
+                    n,
+                    init,
+                    &mut Vec::new(),
+                    &mut Vec::new(),
+                ),
+                Bf16Path::Pairs(p) => gemm_tiles(
+                    p,
+                    x,
+                    k,
+                    m,
+                    k,
+                    &src,
+                    n,
+                    0..n.div_ceil(NR),
+                    y.as_mut_ptr(),
+                    n,
+                    init,
+                    &mut Vec::new(),
+                    &mut Vec::new(),
+                ),
+            }
+        }
+        y
+    }
+
+    /// Every path this CPU has computes the bf16-rounded product to f32
+    /// accuracy, on ragged sizes, odd depths and depths past one k-block;
+    /// `avx2` and `portable` agree bit for bit.
+    #[test]
+    fn every_path_computes_the_rounded_product() {
+        let mut paths = available();
+        println!("bf16 paths on this CPU: {:?}", paths.iter().map(|p| p.name()).collect::<Vec<_>>());
+        paths.push(Bf16Path::Pairs(PairPath { kernel: pairs_portable::kernel, name: "pairs-portable" }));
+        for &(m, n, k) in &[(1, 1, 1), (13, 33, 7), (121, 70, 300), (5, 96, 24), (30, 40, 1037), (7, 5, 2049)] {
+            let (x, w, b) = (rand(m * k, 1), rand(n * k, 2), rand(n, 3));
+            let panels = Bf16Panels::from_f32(&w, n, k);
+            let want = exact(&x, &w, &b, m, n, k);
+            let mut outs = Vec::new();
+            for &path in &paths {
+                let y = run(path, &panels, &x, m, n, k, &b);
+                for (i, (a, e)) in y.iter().zip(&want).enumerate() {
+                    let tol = 1e-5 * (k as f64).sqrt() * (1.0 + e.abs());
+                    assert!((*a as f64 - e).abs() <= tol, "{} m{m} n{n} k{k} at {i}: {a} vs {e}", path.name());
+                }
+                outs.push((path, y));
+            }
+            // Exact products, the same order: the portable and avx2 paths and
+            // the portable pair arithmetic give the same bits.
+            let same: Vec<_> = outs.iter().filter(|(p, _)| p.name() != "avx512bf16").collect();
+            for pair in same.windows(2) {
+                let equal = pair[0].1.iter().zip(&pair[1].1).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(equal, "{} and {} differ", pair[0].0.name(), pair[1].0.name());
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_codes_pack_bit_for_bit_like_their_f32_values() {
+        let (n, k) = (45, 77);
+        let w = round(&rand(n * k, 4));
+        let codes: Vec<u8> = w.iter().flat_map(|v| bf16_bits(*v).to_le_bytes()).collect();
+        let q = QuantRows { kind: QuantKind::Bf16, rows: n, cols: k, codes, seg: vec![0, k], scales: vec![1.0; n] };
+        assert_eq!(Bf16Panels::from_bf16_rows(&q).data, Bf16Panels::from_f32(&w, n, k).data);
+    }
+
+    #[test]
+    fn quantized_tiles_are_the_rounded_dequantized_weight() {
+        for kind in [QuantKind::Fp8, QuantKind::Int4] {
+            let (n, k) = (40, 301);
+            let seg = QuantRows::segments(0, k, 128);
+            let mask = if kind == QuantKind::Int4 { 0x0f } else { 0x77 };
+            let codes = rand(n * k, 8).iter().map(|v| ((v + 0.5) * 255.9) as u8 & mask).collect();
+            let scales = rand(n * (seg.len() - 1), 9).iter().map(|v| v + 0.75).collect();
+            let q = QuantRows { kind, rows: n, cols: k, codes, seg, scales };
+            let want = Bf16Panels::from_f32(&q.dequantize(), n, k);
+            let panels = QuantPanels::pack(&q);
+            let mut buf = Vec::new();
+            for pi in 0..n.div_ceil(NR) {
+                for (p0, kc) in [(0, k), (128, 173), (300, 1)] {
+                    // SAFETY: the tile is read before buf changes.
+                    let tile = unsafe {
+                        let t = QuantAsBf16(&panels).tile(pi, p0, kc, k, &mut buf);
+                        std::slice::from_raw_parts(t, kc.div_ceil(2) * 2 * NR).to_vec()
+                    };
+                    let off = pi * want.kpad * NR + p0 * NR;
+                    let full = kc / 2 * 2 * NR;
+                    assert_eq!(tile[..full], want.data[off..off + full], "{kind:?} panel {pi} depths {p0}+{kc}");
+                }
+            }
+        }
+    }
+}
