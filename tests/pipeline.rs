@@ -42,6 +42,41 @@ fn output_is_identical_whatever_the_batch_budget() {
 }
 
 #[test]
+fn bf16_compute_output_is_identical_whatever_the_batch_budget() {
+    // Dense and MLA + MoE: the bf16 GEMMs, attention and router keep their
+    // order whatever the step holds.
+    for name in ["mistral-swa", "qwen3", "deepseek-v3", "kimi-k2-int4"] {
+        let capture = format!("embeddings,input:1,final,output:{}", num_layers(name) - 1);
+        let mut reference = None;
+        for budget in ["3", "17", "8192"] {
+            let out = tempfile::tempdir().unwrap();
+            let args = ["--capture", &capture, "--compute", "bf16", "--max-batch-tokens", budget, "--dtype", "f32"];
+            extract_fixture(name, out.path(), &args);
+            let manifest = std::fs::read_to_string(out.path().join("manifest.json")).unwrap();
+            assert!(manifest.contains("\"compute\": \"bf16\""), "{name}: {manifest}");
+            let files = dir_contents(out.path());
+            match &reference {
+                None => reference = Some(files),
+                Some(r) => assert!(*r == files, "{name} bf16: budget {budget} differs from budget 3"),
+            }
+        }
+    }
+}
+
+#[test]
+fn resume_refuses_another_compute_dtype() {
+    // The compute dtypes (and kernels) differ in the last bits: one output never mixes them.
+    let out = tempfile::tempdir().unwrap();
+    let o = out.path().as_os_str();
+    let (ok, _, err) = strata(&[os("extract"), os("--out"), o, os("--compute"), os("f32")]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = strata(&[os("extract"), os("--out"), o, os("--resume"), os("--compute"), os("bf16")]);
+    assert!(!ok && err.contains("compute f32") && err.contains("compute bf16"), "{err}");
+    let (ok, _, err) = strata(&[os("extract"), os("--out"), o, os("--resume"), os("--compute"), os("f32")]);
+    assert!(ok, "{err}");
+}
+
+#[test]
 fn kill_and_resume_gives_the_uninterrupted_output() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data.jsonl");

@@ -80,6 +80,14 @@ fn passes_on_clean_outputs_with_either_backend() {
     assert!(ok && text.contains(" ok"), "{text}");
     let (ok, text) = verify(&ds, &["--recompute", "6", "--tp", "2"]);
     assert!(ok && !text.contains(" ok") && text.contains("identical"), "{text}");
+    // Written in bf16 compute: recomputed by default in the dataset's compute
+    // (identical bytes); in f32 it passes at bf16's tolerance.
+    let ds = tmp.path().join("bf16");
+    extract(Some(&model), Some(&data), &ds, &["--dtype", "f32", "--compute", "bf16"]);
+    let (ok, text) = verify(&ds, &["--recompute", "6"]);
+    assert!(ok && text.contains("bf16 compute") && text.contains("identical") && !text.contains(" ok"), "{text}");
+    let (ok, text) = verify(&ds, &["--recompute", "6", "--compute", "f32"]);
+    assert!(ok && text.contains("f32 compute") && !text.contains("DIFFERS"), "{text}");
     // Nothing to recompute is an error, not a pass.
     let (ok, text) = verify(&ds, &["--recompute", "0"]);
     assert!(!ok && text.contains("--recompute"), "{text}");

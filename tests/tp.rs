@@ -5,7 +5,8 @@ mod common;
 
 use common::*;
 use std::process::Command;
-use strata::model::{Llama, Model, TpLlama};
+use strata::backend::{Bf16, ComputeDtype, Cpu, F32};
+use strata::model::{Llama, Model, TpDeepseek, TpLlama};
 use strata::parallel::{HiddenU, ShardedStates, Tp};
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
@@ -65,6 +66,36 @@ fn tp_1_2_4_agree_for_every_fixture() {
             }
         }
     }
+}
+
+/// Every rank of a group holds the same residual stream: all capture it, bitwise
+/// alike, in both compute dtypes.
+fn ranks_agree<C: ComputeDtype>(name: &str, tp: usize) {
+    let points = all_points(num_layers(name));
+    let samples = samples(name);
+    let batch = std::sync::Arc::new(PackedBatch::from_samples(samples.iter().map(|s| s.as_slice())));
+    let set = CaptureSet::<usize>::try_new(points).unwrap();
+    let dir = fixture(name);
+    let replies: Vec<Vec<f32>> = if name.starts_with("deepseek") {
+        let m = TpDeepseek::<usize, usize, Cpu<C>>::load(&dir, tp).unwrap();
+        m.collective_rpc(move |w| w.capture(&batch, &set).unwrap().into_vec()).unwrap().into_vec()
+    } else {
+        let m = TpLlama::<usize, usize, Cpu<C>>::load(&dir, tp).unwrap();
+        m.collective_rpc(move |w| w.capture(&batch, &set).unwrap().into_vec()).unwrap().into_vec()
+    };
+    for (rank, states) in replies.iter().enumerate().skip(1) {
+        let same = states.len() == replies[0].len() && states.iter().zip(&replies[0]).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{name} {}: rank {rank} of {tp} differs from rank 0", C::COMPUTE);
+    }
+}
+
+#[test]
+fn tp_ranks_agree_bitwise_in_both_computes() {
+    for name in ["llama-gqa-sharded", "qwen3", "deepseek-v3"] {
+        ranks_agree::<F32>(name, 2);
+        ranks_agree::<Bf16>(name, 2);
+    }
+    ranks_agree::<Bf16>("mistral-swa", 4);
 }
 
 #[test]

@@ -68,8 +68,8 @@ impl PointDiff {
 ///   (2^-7 for bf16, 2^-10 for f16, 0 for f32): a fresh value a hair from a
 ///   rounding boundary may round to the neighbour of the stored one.
 /// - `compute`: what the compute dtype and a different backend or TP size may
-///   change: the parity tolerance, 1e-4, for f32 compute; 5e-2 for bf16
-///   compute, whose GEMM inputs carry 8 bits.
+///   change: the parity tolerance, 1e-4, for f32 compute; 1e-1 when either
+///   side computed in bf16, whose GEMM inputs carry 8 bits.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Tolerance {
     /// Relative to `|b|`.
@@ -84,8 +84,11 @@ impl Tolerance {
         let storage = if stored == DType::F32 { 0.0 } else { stored.ulp() };
         let compute = match compute {
             Compute::F32 => 1e-4,
-            // bf16 inputs to every GEMM: 2^-8 per rounding, grown over the layers.
-            Compute::Bf16 => 5e-2,
+            // bf16 inputs to every GEMM: 2^-8 per rounding, grown over the
+            // layers and by the norms. Loose: it tells other weights or a
+            // corrupted value from rounding, no more; recomputing in the
+            // dataset's own compute and kernel gives the stored bytes.
+            Compute::Bf16 => 1e-1,
         };
         Tolerance { storage, compute }
     }

@@ -137,13 +137,15 @@ With --recompute N it also runs N randomly chosen samples (--seed) through the
 model again and reports, per capture point, the largest absolute and relative
 difference |fresh - stored| / max(1, |stored|) from the stored states. The
 model is the one the manifest names, or --model DIR; it runs on the CPU
-backend in f32, or on the plain reference backend with --backend reference.
-The fresh states are rounded to the stored dtype first, so a recompute on the
-backend and --tp the dataset was written with is \"identical\". The run fails
+backend in the dataset's compute dtype (or --compute), or on the plain
+reference backend (f32) with --backend reference. The fresh states are
+rounded to the stored dtype first, so a recompute on the backend, compute
+dtype and --tp the dataset was written with is \"identical\". The run fails
 (exit 1) where |fresh - stored| exceeds the stored dtype's last unit
-(2^-7 |stored| for bf16, 2^-10 |stored| for f16, 0 for f32) plus what f32
-compute may change, 1e-4 max(1, |stored|). For MoE models recompute with the
-dataset's own --tp. No other check compares the states with the model: use it
+(2^-7 |stored| for bf16, 2^-10 |stored| for f16, 0 for f32) plus what the
+compute may change: 1e-4 max(1, |stored|) for f32, 1e-1 max(1, |stored|) when
+either side computes in bf16 (that only tells rounding from other weights).
+For MoE models recompute with the dataset's own --tp. No other check compares the states with the model: use it
 when a draft trains badly, or after copying a dataset.
 
 EXAMPLES:
