@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Strata's CPU extraction against PyTorch at its best on this machine.
 
-Three checkpoints, written by the synth_checkpoint example (random weights):
+Four checkpoints, written by the synth_checkpoint example (random weights):
   dense-f32   the `small` Llama (hidden 1024, 8 layers, 16/4 heads, MLP 2816, vocab 32000), f32
   dense-bf16  the same shape stored in bf16
-  moe-bf16    a Kimi-K2-shaped DeepSeek-V3 model (hidden 1024, 4 layers, MLA with K2's head
-              sizes, 64 experts x 512, top-8, one shared expert), bf16
+  moe-f32     a Kimi-K2-shaped DeepSeek-V3 model (hidden 1024, 4 layers, MLA with K2's head
+              sizes, 64 experts x 512, top-8, one shared expert), f32
+  moe-bf16    the same stored in bf16
 and 8 x 512 tokens (4 x 512 for the MoE model).
 
 PyTorch: HF transformers' base model loaded with dtype="auto" (the checkpoint's dtype) and
@@ -34,6 +35,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MODELS = {
     "dense-f32": (["--dtype", "f32", "--samples", "8"], ["f32"]),
     "dense-bf16": (["--dtype", "bf16", "--samples", "8"], ["bf16", "auto"]),
+    "moe-f32": (["--dtype", "f32", "--moe", "--samples", "4"], ["f32"]),
     "moe-bf16": (["--dtype", "bf16", "--moe", "--samples", "4"], ["bf16", "auto"]),
 }
 

@@ -84,7 +84,8 @@ fn ranks_agree<C: ComputeDtype>(name: &str, tp: usize) {
         m.collective_rpc(move |w| w.capture(&batch, &set).unwrap().into_vec()).unwrap().into_vec()
     };
     for (rank, states) in replies.iter().enumerate().skip(1) {
-        let same = states.len() == replies[0].len() && states.iter().zip(&replies[0]).all(|(a, b)| a.to_bits() == b.to_bits());
+        let same =
+            states.len() == replies[0].len() && states.iter().zip(&replies[0]).all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "{name} {}: rank {rank} of {tp} differs from rank 0", C::COMPUTE);
     }
 }

@@ -58,10 +58,6 @@ pub struct AttnSegment<'a> {
 
 /// One task's buffers, reused across the tasks a thread runs.
 struct Scratch<P: Path> {
-    /// K block as B panels `[kb keys][hd]`.
-    kpack: Vec<P::B>,
-    /// V block as B panels `[vd][kb positions]`.
-    vpack: Vec<P::B>,
     apack: Vec<P::A>,
     bbuf: Vec<P::B>,
     /// `[qlen, kb]` scores, then probabilities.
@@ -78,8 +74,6 @@ struct Scratch<P: Path> {
 impl<P: Path> Default for Scratch<P> {
     fn default() -> Self {
         Scratch {
-            kpack: Vec::new(),
-            vpack: Vec::new(),
             apack: Vec::new(),
             bbuf: Vec::new(),
             scores: Vec::new(),
@@ -130,19 +124,66 @@ fn attend<P: Path>(path: P, q: &[f32], q_stride: usize, segments: &[AttnSegment]
             }
         }
     }
+    let parallel = rows > QB;
+    // Every (segment, kv head)'s keys and values packed once, for all its query blocks.
+    let heads: Vec<(usize, usize)> = (0..segments.len()).flat_map(|si| (0..nkv).map(move |g| (si, g))).collect();
+    let pack = |&(si, g): &(usize, usize)| KvPack::new(path, &segments[si], &s, g);
+    let packs: Vec<KvPack<P::B>> =
+        if parallel { heads.par_iter().map(pack).collect() } else { heads.iter().map(pack).collect() };
     let optr = SharedMut::new(out.as_mut_ptr());
     let run = |scratch: &mut Scratch<P>, &(si, g, r0): &(usize, usize, usize)| {
         let seg = &segments[si];
         let r1 = (r0 + QB).min(seg.rows.len());
         // SAFETY: this task owns rows [start+r0, start+r1) × the columns of
         // kv head g's query heads of `out`; no other task writes them.
-        unsafe { block(path, q, q_stride, seg, s, g, r0..r1, optr, scratch) };
+        unsafe { block(path, q, q_stride, seg, &packs[si * nkv + g], s, g, r0..r1, optr, scratch) };
     };
-    if rows > QB {
+    if parallel {
         tasks.par_iter().for_each_init(Scratch::<P>::default, run);
     } else {
         let mut scratch = Scratch::default();
         tasks.iter().for_each(|t| run(&mut scratch, t));
+    }
+}
+
+/// The keys and values one (segment, kv head) attends to, packed as GEMM B
+/// panels from the first key block any of its queries sees.
+struct KvPack<B> {
+    /// `[positions / NR][hd][NR]` (f32) or pair panels: keys as the columns of `Q·Kᵀ`.
+    k: Vec<B>,
+    /// `[vd / NR][positions][NR]`: positions as the depth of `P·V`.
+    v: Vec<B>,
+    /// The first packed position, a multiple of `KB`.
+    from: usize,
+    /// Packed depths per K panel (`hd` padded) and per V panel (positions padded).
+    k_kpad: usize,
+    v_kpad: usize,
+}
+
+impl<B> KvPack<B> {
+    fn new<P: Path<B = B>>(path: P, seg: &AttnSegment, s: &AttnShape, g: usize) -> Self {
+        let (hd, vd, kv) = (s.head_dim, s.v_dim, seg.kv);
+        let from = first_key(s, seg.pos0) / KB * KB;
+        let len = seg.pos0 + seg.rows.len() - from;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        if len > 0 {
+            path.pack_b(&kv.k[from * kv.stride + g * hd..], len, hd, kv.stride, 1, &mut k);
+            path.pack_b(&kv.v[from * kv.v_stride + g * vd..], vd, len, 1, kv.v_stride, &mut v);
+        }
+        KvPack { k, v, from, k_kpad: hd.next_multiple_of(P::STEP), v_kpad: len.next_multiple_of(P::STEP) }
+    }
+
+    /// The keys of the block at `b0` as B panels (`kb` columns of depth `hd`).
+    fn keys(&self, b0: usize) -> InPlace<B> {
+        // b0 - from is a multiple of KB, so of NR: the block starts a panel.
+        let offset = (b0 - self.from) / NR * self.k_kpad * NR;
+        InPlace { ptr: self.k[offset..].as_ptr(), kpad: self.k_kpad }
+    }
+
+    /// The values of the block at `b0` as B panels (`vd` columns of depth `kb`).
+    fn values(&self, b0: usize) -> InPlace<B> {
+        // An even depth offset: pair panels start a pair there.
+        InPlace { ptr: self.v[(b0 - self.from) * NR..].as_ptr(), kpad: self.v_kpad }
     }
 }
 
@@ -161,6 +202,7 @@ unsafe fn block<P: Path>(
     q: &[f32],
     q_stride: usize,
     seg: &AttnSegment,
+    kv: &KvPack<P::B>,
     s: AttnShape,
     g: usize,
     r: Range<usize>,
@@ -173,7 +215,6 @@ unsafe fn block<P: Path>(
     // Absolute positions of this block's queries; key blocks from the one
     // holding the first key the first query sees.
     let (qa0, qa1) = (seg.pos0 + r.start, seg.pos0 + r.end);
-    let kv = seg.kv;
     sc.acc.clear();
     sc.acc.resize(group * qlen * vd, 0.0);
     sc.max.clear();
@@ -183,10 +224,7 @@ unsafe fn block<P: Path>(
     let mut b0 = first_key(&s, qa0) / KB * KB;
     while b0 < qa1 {
         let kb = KB.min(qa1 - b0);
-        path.pack_b(&kv.k[b0 * kv.stride + g * hd..], kb, hd, kv.stride, 1, &mut sc.kpack);
-        path.pack_b(&kv.v[b0 * kv.v_stride + g * vd..], vd, kb, 1, kv.v_stride, &mut sc.vpack);
-        let kpanels = InPlace { ptr: sc.kpack.as_ptr(), kpad: hd.next_multiple_of(P::STEP) };
-        let vpanels = InPlace { ptr: sc.vpack.as_ptr(), kpad: kb.next_multiple_of(P::STEP) };
+        let (kpanels, vpanels) = (kv.keys(b0), kv.values(b0));
         sc.scores.resize(qlen * kb, 0.0);
         sc.pv.resize(qlen * vd, 0.0);
         for hg in 0..group {

@@ -50,15 +50,10 @@ impl Bf16Panels {
     pub fn from_bf16_rows(q: &QuantRows) -> Self {
         assert_eq!(q.kind, QuantKind::Bf16, "Bf16Panels: bf16 codes");
         let (n, k) = (q.rows, q.cols);
-        let kpad = k.next_multiple_of(2);
-        let mut data = vec![0u16; n.div_ceil(NR) * kpad * NR];
-        for j in 0..n {
-            let row = &q.codes[j * k * 2..(j + 1) * k * 2];
-            for (p, c) in row.chunks_exact(2).enumerate() {
-                data[pair_index(j, p, kpad)] = u16::from_le_bytes([c[0], c[1]]);
-            }
-        }
-        Bf16Panels { kpad, data }
+        let mut data = Vec::new();
+        let code = |i: usize| u16::from_le_bytes([q.codes[2 * i], q.codes[2 * i + 1]]);
+        pack_pairs(n, k, k, 1, code, &mut data);
+        Bf16Panels { kpad: k.next_multiple_of(2), data }
     }
 
     /// Bytes held.
@@ -72,21 +67,39 @@ impl Bf16Panels {
     }
 }
 
-/// Where element `(column j, depth p)` sits in pair panels of `kpad` depths.
-#[inline(always)]
-fn pair_index(j: usize, p: usize, kpad: usize) -> usize {
-    (j / NR) * kpad * NR + (p / 2) * 2 * NR + (j % NR) * 2 + p % 2
-}
-
 /// Packs `B` (`n × k`, element `(j, p)` at `src[j * rs + p * cs]`), rounded
 /// to bf16, into pair panels `[ceil(n/NR)][ceil(k/2)][NR][2]`.
 pub(crate) fn pack_b_bf16(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
+    pack_pairs(n, k, rs, cs, |i| bf16_bits(src[i]), out)
+}
+
+/// Pair panels of `n × k` values, value `(j, p)` being `get(j * rs + p * cs)`;
+/// padding columns and the odd depth are 0.
+fn pack_pairs(n: usize, k: usize, rs: usize, cs: usize, get: impl Fn(usize) -> u16, out: &mut Vec<u16>) {
     let kpad = k.next_multiple_of(2);
     out.clear();
     out.resize(n.div_ceil(NR) * kpad * NR, 0);
-    for j in 0..n {
-        for p in 0..k {
-            out[pair_index(j, p, kpad)] = bf16_bits(src[j * rs + p * cs]);
+    for (pi, panel) in out.chunks_exact_mut(kpad * NR).enumerate() {
+        let j0 = pi * NR;
+        let w = NR.min(n - j0);
+        if cs == 1 {
+            // Depths contiguous in the source: read along each column.
+            for jj in 0..w {
+                let base = (j0 + jj) * rs;
+                for p in 0..k {
+                    panel[(p / 2) * 2 * NR + 2 * jj + p % 2] = get(base + p);
+                }
+            }
+        } else {
+            // Columns contiguous in the source (V): read along each depth.
+            for (q, row) in panel.chunks_exact_mut(2 * NR).enumerate() {
+                for e in 0..2.min(k - 2 * q) {
+                    let base = (2 * q + e) * cs + j0 * rs;
+                    for jj in 0..w {
+                        row[2 * jj + e] = get(base + jj * rs);
+                    }
+                }
+            }
         }
     }
 }

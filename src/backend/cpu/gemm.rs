@@ -35,9 +35,9 @@ pub enum Init<'a> {
 /// The f32 path is [`F32Path`]; the bf16 ones live in [`super::bf16`].
 pub(crate) trait Path: Copy + Send + Sync {
     /// Element of packed A.
-    type A: Copy + Default + Send;
+    type A: Copy + Default + Send + Sync;
     /// Element of a B tile.
-    type B: Copy + Default + Send;
+    type B: Copy + Default + Send + Sync;
     /// Depths one kernel step takes (2 for bf16 pairs); A strips and B
     /// tiles are zero-padded to a multiple of it.
     const STEP: usize;
