@@ -115,12 +115,19 @@ fn main() {
         let core = peak / rayon::current_num_threads() as f64;
         println!("{compute:>4} {:<10} kernel alone [{m}x{k}]·[{n}x{k}]ᵀ, one thread: {gflops:6.1} GFLOP/s, {:5.1}% of one core's peak", lin.kernel(), 100.0 * gflops / core);
     }
-    let m = 2048;
-    // (name, out, in) of the small model's linear layers.
-    let shapes = [("qkv", 1536, 1024), ("o", 1024, 1024), ("gate_up", 5632, 1024), ("down", 1024, 2816)];
+    // (name, rows, out, in): the small model's linear layers over 2048 tokens,
+    // and one expert of the MoE bench model over the 256 rows top-8 of 64 gives it.
+    let shapes = [
+        ("qkv", 2048, 1536, 1024),
+        ("o", 2048, 1024, 1024),
+        ("gate_up", 2048, 5632, 1024),
+        ("down", 2048, 1024, 2816),
+        ("expert_gu", 256, 1024, 1024),
+        ("expert_dn", 256, 1024, 512),
+    ];
     for compute in Compute::ALL {
         let mut total = (0f64, 0f64);
-        for (name, n, k) in shapes {
+        for (name, m, n, k) in shapes {
             let w = rand(n * k, 1);
             let x = rand(m * k, 2);
             let lin = PackedLinear::new_for(&w, n, k, None, compute);
@@ -139,7 +146,7 @@ fn main() {
             total.0 += flops;
             total.1 += secs;
             println!(
-                "{compute:>4} {:<10} {name:<8} [{m}x{k}]·[{n}x{k}]ᵀ  {:7.1} GFLOP/s  {:5.1}% of peak",
+                "{compute:>4} {:<10} {name:<9} [{m}x{k}]·[{n}x{k}]ᵀ  {:7.1} GFLOP/s  {:5.1}% of peak",
                 lin.kernel(),
                 flops / secs / 1e9,
                 100.0 * flops / secs / 1e9 / peak

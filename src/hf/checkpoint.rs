@@ -350,10 +350,10 @@ impl Checkpoint {
         let width = if shape.len() == 2 { shape[1] } else { 1 };
         assert!(rows.end <= shape[0] && cols.end <= width, "block outside tensor {name}");
         let es = dtype.size();
-        let mut out = vec![0f32; rows.len() * cols.len()];
-        for (r, dst) in rows.zip(out.chunks_exact_mut(cols.len().max(1))) {
+        let mut out = Vec::with_capacity(rows.len() * cols.len());
+        for r in rows {
             let off = (r * width + cols.start) * es;
-            dtype.decode_into(&bytes[off..off + cols.len() * es], dst);
+            dtype.decode_append(&bytes[off..off + cols.len() * es], &mut out);
         }
         Ok(out)
     }

@@ -419,16 +419,20 @@ impl LinearWeight {
             }
             return LinearWeight::Quant(out);
         }
-        let mut w = Vec::new();
-        let mut rows = 0;
+        let total: usize = parts.iter().map(LinearWeight::rows).sum();
+        let mut w: Vec<f32> = Vec::new();
         for p in parts {
-            rows += p.rows();
             match p {
+                // The first part's buffer grows to hold the rest: one copy fewer.
+                LinearWeight::Dense { w: d, .. } if w.is_empty() => {
+                    w = d;
+                    w.reserve_exact(total * cols - w.len());
+                }
                 LinearWeight::Dense { w: d, .. } => w.extend_from_slice(&d),
                 LinearWeight::Quant(q) => w.extend_from_slice(&q.dequantize()),
             }
         }
-        LinearWeight::Dense { rows, cols, w }
+        LinearWeight::Dense { rows: total, cols, w }
     }
 }
 

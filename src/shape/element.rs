@@ -50,7 +50,19 @@ impl DType {
         match self {
             DType::F32 => dst.chunks_exact_mut(4).zip(src).for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
             DType::BF16 => {
-                dst.chunks_exact_mut(2).zip(src).for_each(|(d, v)| d.copy_from_slice(&bf16_bits(*v).to_le_bytes()))
+                // Eight values at a time through a u16 array, so the rounding
+                // and the byte order compile to vector code (the output may
+                // start at an odd byte, so it cannot be viewed as u16).
+                let mut chunks = dst.chunks_exact_mut(16);
+                for (d, s) in (&mut chunks).zip(src.chunks_exact(8)) {
+                    let w: [u16; 8] = std::array::from_fn(|i| bf16_bits(s[i]));
+                    let bytes: [[u8; 2]; 8] = w.map(u16::to_le_bytes);
+                    d.copy_from_slice(bytes.as_flattened());
+                }
+                let rest = src.len() / 8 * 8;
+                for (d, v) in chunks.into_remainder().chunks_exact_mut(2).zip(&src[rest..]) {
+                    d.copy_from_slice(&bf16_bits(*v).to_le_bytes());
+                }
             }
             DType::F16 => {
                 dst.chunks_exact_mut(2).zip(src).for_each(|(d, v)| d.copy_from_slice(&f16::from_f32(*v).to_le_bytes()))
@@ -74,6 +86,17 @@ impl DType {
             DType::F32 => f32::EPSILON,
             DType::BF16 => 2f32.powi(-7),
             DType::F16 => 2f32.powi(-10),
+        }
+    }
+
+    /// Decodes little-endian bytes of this dtype, appending the f32 values to `out`.
+    pub fn decode_append(self, bytes: &[u8], out: &mut Vec<f32>) {
+        // Appended rather than written over zeros: a weight read at load is
+        // touched once, not cleared first.
+        match self {
+            DType::F32 => out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+            DType::BF16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())),
+            DType::F16 => out.extend(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())),
         }
     }
 
@@ -195,6 +218,18 @@ mod tests {
         for b in (0..=u32::MAX).step_by(251).chain(specials) {
             let x = f32::from_bits(b);
             assert_eq!(bf16_bits(x), half::bf16::from_f32(x).to_bits(), "bits {b:#010x}");
+        }
+    }
+
+    #[test]
+    fn bf16_encoding_matches_half_at_every_length() {
+        // Vector body (8 at a time) and scalar tail, at offsets that leave the output unaligned.
+        let src: Vec<f32> = (0..203).map(|i| (i as f32 * 0.37).sin() * 1e3 + i as f32 * 1e-3).collect();
+        for n in [0, 1, 7, 8, 9, 64, 203] {
+            let mut out = vec![0xaa];
+            DType::BF16.encode_into(&src[..n], &mut out);
+            let want: Vec<u8> = src[..n].iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+            assert_eq!(out[1..], want[..], "{n} values");
         }
     }
 

@@ -6,6 +6,7 @@ use super::gemm::PackedLinear;
 use super::ops::swiglu;
 use crate::backend::Router;
 use crate::hf::moe::{Scoring, TopkMethod};
+use rayon::prelude::*;
 
 /// Per expert, the tokens routed to it and their weights, in token order.
 pub type Routes = Vec<Vec<(usize, f32)>>;
@@ -98,8 +99,11 @@ pub fn gated(
 }
 
 /// `out = Σ_e Σ_(tok, w) w · expert_e(x[tok]) + shared(x)` for the `[T, h]`
-/// rows of `x`: experts in index order, each over the rows routed to it
-/// (this rank's part of every expert).
+/// rows of `x` (this rank's part of every expert). The experts run in
+/// parallel, one per task, each over all the rows routed to it (a few
+/// hundred rows: one GEMM per expert keeps its weights' packing and the
+/// task's A block whole); their outputs are then added in expert index
+/// order, token order within, so the sum does not depend on the threads.
 pub fn experts(
     experts: &[(&PackedLinear, &PackedLinear)],
     shared: Option<(&PackedLinear, &PackedLinear)>,
@@ -109,21 +113,31 @@ pub fn experts(
     out: &mut [f32],
 ) {
     let t = x.len() / h;
-    let s = &mut Scratch::default();
+    let active: Vec<usize> = (0..experts.len()).filter(|&e| !routes[e].is_empty()).collect();
+    // [n_e, h] outputs of each active expert.
+    let outs: Vec<Vec<f32>> = active
+        .par_iter()
+        .map_init(Scratch::default, |s, &e| {
+            let (gate_up, down) = experts[e];
+            let tokens = &routes[e];
+            let n = tokens.len();
+            s.rows.resize(n * h, 0.0);
+            for (dst, &(tok, _)) in s.rows.chunks_exact_mut(h).zip(tokens) {
+                dst.copy_from_slice(&x[tok * h..(tok + 1) * h]);
+            }
+            let mut eout = vec![0f32; n * h];
+            gated(gate_up, down, &s.rows, n, &mut s.gu, &mut s.act, &mut eout);
+            eout
+        })
+        .collect();
     out[..t * h].fill(0.0);
-    for (&(gate_up, down), tokens) in experts.iter().zip(routes).filter(|(_, r)| !r.is_empty()) {
-        let n = tokens.len();
-        s.rows.resize(n * h, 0.0);
-        for (dst, &(tok, _)) in s.rows.chunks_exact_mut(h).zip(tokens) {
-            dst.copy_from_slice(&x[tok * h..(tok + 1) * h]);
-        }
-        s.eout.resize(n * h, 0.0);
-        gated(gate_up, down, &s.rows, n, &mut s.gu, &mut s.act, &mut s.eout);
-        for (src, &(tok, w)) in s.eout.chunks_exact(h).zip(tokens) {
+    for (&e, eout) in active.iter().zip(&outs) {
+        for (src, &(tok, w)) in eout.chunks_exact(h).zip(&routes[e]) {
             out[tok * h..(tok + 1) * h].iter_mut().zip(src).for_each(|(o, v)| *o += v * w);
         }
     }
     if let Some((gate_up, down)) = shared {
+        let s = &mut Scratch::default();
         s.eout.resize(t * h, 0.0);
         gated(gate_up, down, x, t, &mut s.gu, &mut s.act, &mut s.eout);
         out.iter_mut().zip(&s.eout).for_each(|(o, v)| *o += v);
