@@ -8,8 +8,9 @@ pub const MR: usize = 12;
 pub const NR: usize = 32;
 /// Depth of one k-block: sums over more than `KC` terms are split at multiples of it.
 pub const KC: usize = 128;
-/// Rows of A per block when B is read in place.
-pub const MC: usize = 8 * MR;
+/// Rows of A per block: each B tile is read from memory once per block, so a
+/// MoE expert (a few hundred rows) streams its weights once.
+pub const MC: usize = 32 * MR;
 
 /// Packs `B` (`n × k`, element `(j, p)` at `src[j * rs + p * cs]`) into `NR`-wide
 /// panels `[ceil(n/NR)][k][NR]`, zero-padding the last panel.

@@ -210,7 +210,7 @@ mod avx512 {
 impl PanelSource for QuantPanels {
     type Elem = f32;
     // Larger blocks, so a decoded tile serves more rows.
-    const MC: usize = 4 * MC;
+    const MC: usize = MC;
     unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<f32>) -> *const f32 {
         buf.resize(kc * NR, 0.0);
         self.decode_tile(pi, p0, kc, buf);
