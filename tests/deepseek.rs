@@ -39,7 +39,7 @@ fn extract(name: &str, out: &std::path::Path, extra: &[&str]) -> std::process::O
         .arg(fixture(name))
         .arg("--data")
         .arg(fixture(name).join("data.jsonl"))
-        .args(["--capture", &list.join(","), "--dtype", "f32", "--out"])
+        .args(["--capture", &list.join(","), "--dtype", "f32", "--compute", "f32", "--out"])
         .arg(out)
         .args(extra)
         .output()

@@ -48,7 +48,7 @@ fn cli_matches_hf_at_every_capture_point() {
             .arg(fixture(name))
             .arg("--data")
             .arg(fixture(name).join("data.jsonl"))
-            .args(["--capture", &list.join(","), "--dtype", "f32", "--max-batch-tokens", "20"])
+            .args(["--capture", &list.join(","), "--dtype", "f32", "--compute", "f32", "--max-batch-tokens", "20"])
             .args(["--format", "speculators", "--out"])
             .arg(out.path())
             .output()
@@ -83,7 +83,17 @@ fn native_format_matches_hf_at_every_capture_point() {
             .arg(fixture(name))
             .arg("--data")
             .arg(fixture(name).join("data.jsonl"))
-            .args(["--capture", &list.join(","), "--dtype", "f32", "--max-batch-tokens", "7", "--out"])
+            .args([
+                "--capture",
+                &list.join(","),
+                "--dtype",
+                "f32",
+                "--compute",
+                "f32",
+                "--max-batch-tokens",
+                "7",
+                "--out",
+            ])
             .arg(out.path())
             .output()
             .unwrap();

@@ -20,7 +20,7 @@ fn extract(model: &Path, data: &Path, n: usize, out: &Path, extra: &[&str]) -> s
         .arg(model)
         .arg("--data")
         .arg(data)
-        .args(["--capture", &list.join(","), "--dtype", "f32", "--out"])
+        .args(["--capture", &list.join(","), "--dtype", "f32", "--compute", "f32", "--out"])
         .arg(out)
         .args(extra)
         .output()

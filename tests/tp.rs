@@ -24,7 +24,19 @@ fn run(name: &str, tp: &str, budget: &str, out: &std::path::Path) {
         .arg(fixture(name))
         .arg("--data")
         .arg(fixture(name).join("data.jsonl"))
-        .args(["--capture", &list.join(","), "--dtype", "f32", "--tp", tp, "--max-batch-tokens", budget, "--out"])
+        .args([
+            "--capture",
+            &list.join(","),
+            "--dtype",
+            "f32",
+            "--compute",
+            "f32",
+            "--tp",
+            tp,
+            "--max-batch-tokens",
+            budget,
+        ])
+        .arg("--out")
         .arg(out)
         .output()
         .unwrap();
