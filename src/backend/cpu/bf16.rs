@@ -17,7 +17,7 @@
 //! adds its odd depth first, the order Intel documents for `VDPBF16PS`.
 //! (AMX tiles are not built yet; a CPU with them takes `avx512bf16`.)
 
-use super::gemm::{Path, TileInit};
+use super::gemm::{pack_strips, Path, TileInit};
 use super::panels::{InPlace, PanelSource, MR, NR};
 use super::quant_panels::QuantPanels;
 use crate::hf::quant::{QuantKind, QuantRows};
@@ -198,18 +198,7 @@ impl Path for WidePath {
     const STEP: usize = 2;
 
     fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<f32>) {
-        let kpad = kc.next_multiple_of(2);
-        let base = out.len();
-        out.resize(base + rows.div_ceil(MR) * kpad * MR, 0.0);
-        for (s, strip) in out[base..].chunks_exact_mut(kpad * MR).enumerate() {
-            let r0 = s * MR;
-            for r in 0..MR.min(rows - r0) {
-                let row = &a[(i0 + r0 + r) * lda + p0..][..kc];
-                for (p, v) in row.iter().enumerate() {
-                    strip[p * MR + r] = widen(bf16_bits(*v));
-                }
-            }
-        }
+        pack_strips(a, lda, i0, rows, p0, kc, 2, out, |p, r| p * MR + r, |v| widen(bf16_bits(v)));
     }
 
     fn pack_b(self, src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
@@ -241,18 +230,7 @@ impl Path for PairPath {
     const STEP: usize = 2;
 
     fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<u16>) {
-        let kpad = kc.next_multiple_of(2);
-        let base = out.len();
-        out.resize(base + rows.div_ceil(MR) * kpad * MR, 0);
-        for (s, strip) in out[base..].chunks_exact_mut(kpad * MR).enumerate() {
-            let r0 = s * MR;
-            for r in 0..MR.min(rows - r0) {
-                let row = &a[(i0 + r0 + r) * lda + p0..][..kc];
-                for (p, v) in row.iter().enumerate() {
-                    strip[(p / 2) * 2 * MR + 2 * r + p % 2] = bf16_bits(*v);
-                }
-            }
-        }
+        pack_strips(a, lda, i0, rows, p0, kc, 2, out, |p, r| (p / 2) * 2 * MR + 2 * r + p % 2, bf16_bits);
     }
 
     fn pack_b(self, src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {

@@ -115,18 +115,7 @@ impl Path for F32Path {
     const STEP: usize = 1;
 
     fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<f32>) {
-        let strips = rows.div_ceil(MR);
-        let base = out.len();
-        out.resize(base + strips * kc * MR, 0.0);
-        for (s, strip) in out[base..].chunks_exact_mut(kc * MR).enumerate() {
-            let r0 = s * MR;
-            for r in 0..MR.min(rows - r0) {
-                let row = &a[(i0 + r0 + r) * lda + p0..(i0 + r0 + r) * lda + p0 + kc];
-                for (p, v) in row.iter().enumerate() {
-                    strip[p * MR + r] = *v;
-                }
-            }
-        }
+        pack_strips(a, lda, i0, rows, p0, kc, 1, out, |p, r| p * MR + r, |v| v);
     }
 
     fn pack_b(self, src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<f32>) {
@@ -149,6 +138,39 @@ impl Path for F32Path {
 
     fn name(self) -> &'static str {
         self.name
+    }
+}
+
+/// Appends rows `[i0, i0+rows)` × depths `[p0, p0+kc)` of A (row stride
+/// `lda`) as `MR`-row strips of `kc.next_multiple_of(step) · MR` values,
+/// value `(depth p, row r)` of a strip at `at(p, r)` converted by `conv`;
+/// padding rows and depths are the default value (zero). The one A packing
+/// every [`Path`] uses, with its own layout and element.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub(crate) fn pack_strips<T: Copy + Default>(
+    a: &[f32],
+    lda: usize,
+    i0: usize,
+    rows: usize,
+    p0: usize,
+    kc: usize,
+    step: usize,
+    out: &mut Vec<T>,
+    at: impl Fn(usize, usize) -> usize,
+    conv: impl Fn(f32) -> T,
+) {
+    let len = kc.next_multiple_of(step) * MR;
+    let base = out.len();
+    out.resize(base + rows.div_ceil(MR) * len, T::default());
+    for (s, strip) in out[base..].chunks_exact_mut(len).enumerate() {
+        let r0 = s * MR;
+        for r in 0..MR.min(rows - r0) {
+            let row = &a[(i0 + r0 + r) * lda + p0..][..kc];
+            for (p, v) in row.iter().enumerate() {
+                strip[at(p, r)] = conv(*v);
+            }
+        }
     }
 }
 
