@@ -43,12 +43,15 @@ impl DType {
 
     /// Converts f32 values into this dtype's little-endian bytes, appending to `out`.
     pub fn encode_into(self, src: &[f32], out: &mut Vec<u8>) {
-        let start = out.len();
-        out.resize(start + src.len() * self.size(), 0);
-        let dst = &mut out[start..];
+        let n = src.len() * self.size();
+        out.reserve(n);
+        // Written straight into the spare capacity: no clearing pass first.
+        let dst = &mut out.spare_capacity_mut()[..n];
         // Fixed-size chunks so the loops vectorise.
         match self {
-            DType::F32 => dst.chunks_exact_mut(4).zip(src).for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
+            DType::F32 => {
+                write_bytes(dst, bytemuck::cast_slice(src));
+            }
             DType::BF16 => {
                 // Eight values at a time through a u16 array, so the rounding
                 // and the byte order compile to vector code (the output may
@@ -57,17 +60,19 @@ impl DType {
                 for (d, s) in (&mut chunks).zip(src.chunks_exact(8)) {
                     let w: [u16; 8] = std::array::from_fn(|i| bf16_bits(s[i]));
                     let bytes: [[u8; 2]; 8] = w.map(u16::to_le_bytes);
-                    d.copy_from_slice(bytes.as_flattened());
+                    write_bytes(d, bytes.as_flattened());
                 }
                 let rest = src.len() / 8 * 8;
                 for (d, v) in chunks.into_remainder().chunks_exact_mut(2).zip(&src[rest..]) {
-                    d.copy_from_slice(&bf16_bits(*v).to_le_bytes());
+                    write_bytes(d, &bf16_bits(*v).to_le_bytes());
                 }
             }
             DType::F16 => {
-                dst.chunks_exact_mut(2).zip(src).for_each(|(d, v)| d.copy_from_slice(&f16::from_f32(*v).to_le_bytes()))
+                dst.chunks_exact_mut(2).zip(src).for_each(|(d, v)| write_bytes(d, &f16::from_f32(*v).to_le_bytes()))
             }
         }
+        // SAFETY: every one of the `n` bytes after the old length was written above.
+        unsafe { out.set_len(out.len() + n) };
     }
 
     /// `v` rounded to this dtype (as storing it would), back as f32.
@@ -189,6 +194,15 @@ impl Element for f16 {
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
+}
+
+/// Copies `src` into uninitialised bytes of the same length (MSRV 1.89 has no
+/// `write_copy_of_slice`).
+#[inline(always)]
+fn write_bytes(dst: &mut [std::mem::MaybeUninit<u8>], src: &[u8]) {
+    assert_eq!(dst.len(), src.len());
+    // SAFETY: equal lengths, checked above; a `MaybeUninit<u8>` has the layout of a `u8`.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr().cast::<u8>(), src.len()) };
 }
 
 /// `x` rounded to bf16 (nearest, ties to even; NaN stays NaN), as bits: the
