@@ -34,6 +34,7 @@ impl Resident for Linear {
     fn resident_bytes(&self) -> usize {
         let w = match &self.w {
             LinearWeight::Dense { w, .. } => w.len() * 4,
+            LinearWeight::Mapped(m) => m.rows * m.cols * 4,
             LinearWeight::Quant(q) => q.codes.len() + q.scales.len() * 4,
         };
         w + self.bias.as_ref().map_or(0, Vec::len) * 4
@@ -49,7 +50,7 @@ impl LinearInfo for Linear {
     }
     fn held_as(&self) -> Option<QuantKind> {
         match &self.w {
-            LinearWeight::Dense { .. } => None,
+            LinearWeight::Dense { .. } | LinearWeight::Mapped(_) => None,
             LinearWeight::Quant(q) => Some(q.kind),
         }
     }

@@ -6,7 +6,7 @@
 //! FP8 blocks, packed INT4 and bf16 stay codes). A multimodal wrapper's text
 //! model is opened under its prefix ([`Checkpoint::open_scoped`]).
 
-use super::quant::{LinearWeight, QuantKind, QuantRows, WeightFormat};
+use super::quant::{LinearWeight, MappedRows, QuantKind, QuantRows, WeightFormat};
 use super::MAX_JSON_BYTES;
 use crate::files;
 use crate::shape::DType;
@@ -14,6 +14,7 @@ use memmap2::Mmap;
 use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 /// Why a checkpoint's weights cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -110,7 +111,8 @@ pub struct PrefixMismatch {
 const FLOATS: &str = "F32, BF16 or F16";
 
 enum Bytes {
-    Mapped(Mmap),
+    // Shared with the weights read in place from it.
+    Mapped(Arc<Mmap>),
     Static(&'static [u8]),
 }
 
@@ -195,7 +197,7 @@ impl Checkpoint {
             // SAFETY: the map is read-only; a checkpoint modified while Strata
             // reads it is outside what any loader can guard against.
             let m = unsafe { Mmap::map(&f) }.map_err(io(p))?;
-            mapped.push((p.display().to_string(), Bytes::Mapped(m)));
+            mapped.push((p.display().to_string(), Bytes::Mapped(Arc::new(m))));
         }
         let mut ckpt = Self::index(mapped, owners.as_ref())?;
         ckpt.prefix = prefix.to_string();
@@ -396,6 +398,17 @@ impl Checkpoint {
                 Ok(LinearWeight::Quant(q))
             }
             _ => {
+                let (bytes, dtype) = self.checked(&weight, &[out, inp])?;
+                if dtype == DType::F32 {
+                    // f32 as stored: read in place, never copied.
+                    let keep = match &self.files[self.entry(&weight).expect("checked above").file].1 {
+                        Bytes::Mapped(m) => Some(Arc::clone(m) as Arc<dyn Send + Sync>),
+                        Bytes::Static(_) => None,
+                    };
+                    if let Some(m) = MappedRows::new(bytes, inp, rows.clone(), cols.clone(), keep) {
+                        return Ok(LinearWeight::Mapped(m));
+                    }
+                }
                 let (r, c) = (rows.len(), cols.len());
                 let w = self.read_f32_block(&weight, &[out, inp], rows, cols)?;
                 Ok(LinearWeight::Dense { rows: r, cols: c, w })

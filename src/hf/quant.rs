@@ -18,6 +18,7 @@
 use super::ConfigError;
 use regex::Regex;
 use serde_json::Value;
+use std::sync::Arc;
 
 /// How one linear layer's weight is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -354,6 +355,74 @@ impl QuantRows {
     }
 }
 
+/// f32 weight rows read in place from a mapped checkpoint, never copied:
+/// where each output row's `cols` values start, and the mappings that hold
+/// them. A tensor-parallel block or a fused gate/up is just a different list
+/// of row starts.
+#[derive(Clone)]
+pub struct MappedRows {
+    /// Output rows.
+    pub rows: usize,
+    /// Input columns.
+    pub cols: usize,
+    // [rows] addresses of each row's first value (f32-aligned, `cols` readable).
+    starts: Vec<usize>,
+    // Keeps the mapped files alive (empty for 'static bytes).
+    keep: Vec<Arc<dyn Send + Sync>>,
+}
+
+impl MappedRows {
+    /// Rows `rows` × columns `cols` of the row-major f32 tensor of `width`
+    /// columns in `bytes`, kept alive by `keep`. `None` when the bytes are not
+    /// f32-aligned (the caller copies instead).
+    pub fn new(
+        bytes: &[u8],
+        width: usize,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        keep: Option<Arc<dyn Send + Sync>>,
+    ) -> Option<Self> {
+        let base = bytes.as_ptr() as usize;
+        if !base.is_multiple_of(std::mem::align_of::<f32>()) || cfg!(target_endian = "big") {
+            return None;
+        }
+        assert!(rows.end * width * 4 <= bytes.len() && cols.end <= width, "mapped block outside its tensor");
+        let starts = rows.clone().map(|r| base + (r * width + cols.start) * 4).collect();
+        Some(MappedRows { rows: rows.len(), cols: cols.len(), starts, keep: keep.into_iter().collect() })
+    }
+
+    /// Where output row `r`'s `cols` values start.
+    pub(crate) fn start(&self, r: usize) -> *const f32 {
+        self.starts[r] as *const f32
+    }
+
+    /// Output row `r`'s values.
+    pub fn row(&self, r: usize) -> &[f32] {
+        // SAFETY: `new` checked that each start is f32-aligned with `cols`
+        // values inside a mapping that `keep` (or 'static) holds for our lifetime.
+        unsafe { std::slice::from_raw_parts(self.starts[r] as *const f32, self.cols) }
+    }
+
+    /// The rows as one `[rows][cols]` vector (a copy).
+    pub fn to_vec(&self) -> Vec<f32> {
+        let mut w = Vec::with_capacity(self.rows * self.cols);
+        (0..self.rows).for_each(|r| w.extend_from_slice(self.row(r)));
+        w
+    }
+}
+
+impl std::fmt::Debug for MappedRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MappedRows {{ rows: {}, cols: {} }}", self.rows, self.cols)
+    }
+}
+
+impl PartialEq for MappedRows {
+    fn eq(&self, other: &Self) -> bool {
+        (self.rows, self.cols) == (other.rows, other.cols) && (0..self.rows).all(|r| self.row(r) == other.row(r))
+    }
+}
+
 /// One linear layer's weight block, as stored.
 #[derive(Clone, Debug, PartialEq)]
 pub enum LinearWeight {
@@ -366,6 +435,8 @@ pub enum LinearWeight {
         /// Weights.
         w: Vec<f32>,
     },
+    /// f32 rows in place in the mapped checkpoint.
+    Mapped(MappedRows),
     /// Codes and scales.
     Quant(QuantRows),
 }
@@ -375,6 +446,7 @@ impl LinearWeight {
     pub fn rows(&self) -> usize {
         match self {
             LinearWeight::Dense { rows, .. } => *rows,
+            LinearWeight::Mapped(m) => m.rows,
             LinearWeight::Quant(q) => q.rows,
         }
     }
@@ -383,6 +455,7 @@ impl LinearWeight {
     pub fn cols(&self) -> usize {
         match self {
             LinearWeight::Dense { cols, .. } => *cols,
+            LinearWeight::Mapped(m) => m.cols,
             LinearWeight::Quant(q) => q.cols,
         }
     }
@@ -391,6 +464,7 @@ impl LinearWeight {
     pub fn row(&self, r: usize, out: &mut [f32]) {
         match self {
             LinearWeight::Dense { cols, w, .. } => out.copy_from_slice(&w[r * cols..(r + 1) * cols]),
+            LinearWeight::Mapped(m) => out.copy_from_slice(m.row(r)),
             LinearWeight::Quant(q) => q.dequantize_row(r, out),
         }
     }
@@ -419,6 +493,18 @@ impl LinearWeight {
             }
             return LinearWeight::Quant(out);
         }
+        if parts.iter().all(|p| matches!(p, LinearWeight::Mapped(_))) {
+            // Still in place: the row lists are joined.
+            let mut out = MappedRows { rows: 0, cols, starts: Vec::new(), keep: Vec::new() };
+            for p in parts {
+                if let LinearWeight::Mapped(m) = p {
+                    out.rows += m.rows;
+                    out.starts.extend_from_slice(&m.starts);
+                    out.keep.extend(m.keep);
+                }
+            }
+            return LinearWeight::Mapped(out);
+        }
         let total: usize = parts.iter().map(LinearWeight::rows).sum();
         let mut w: Vec<f32> = Vec::new();
         for p in parts {
@@ -429,6 +515,7 @@ impl LinearWeight {
                     w.reserve_exact(total * cols - w.len());
                 }
                 LinearWeight::Dense { w: d, .. } => w.extend_from_slice(&d),
+                LinearWeight::Mapped(m) => (0..m.rows).for_each(|r| w.extend_from_slice(m.row(r))),
                 LinearWeight::Quant(q) => w.extend_from_slice(&q.dequantize()),
             }
         }

@@ -16,7 +16,7 @@ use super::panels::{pack_b, InPlace, PanelSource, KC, MR, NR};
 use super::quant_panels::QuantPanels;
 use super::SharedMut;
 use crate::backend::Compute;
-use crate::hf::quant::{LinearWeight, QuantKind};
+use crate::hf::quant::{LinearWeight, MappedRows, QuantKind};
 use rayon::prelude::*;
 
 /// How a GEMM call starts its accumulators.
@@ -564,6 +564,7 @@ pub(crate) mod avx2 {
 /// tile, or (for bf16 compute) bf16 pair panels and quantised ones decoded to bf16.
 enum Panels {
     F32(Vec<f32>),
+    Mapped(MappedRows),
     Quant(QuantPanels),
     Bf16(Bf16Panels),
     QuantBf16(QuantPanels),
@@ -616,6 +617,11 @@ impl PackedLinear {
     pub fn from_weight_for(w: LinearWeight, bias: Option<Vec<f32>>, compute: Compute) -> Self {
         match (w, compute) {
             (LinearWeight::Dense { rows, cols, w }, _) => Self::new_for(&w, rows, cols, bias, compute),
+            // In place: tiles are transposed from the mapped rows as the GEMM reaches them.
+            (LinearWeight::Mapped(m), Compute::F32) => {
+                Self::with_panels(Panels::Mapped(m.clone()), m.rows, m.cols, bias)
+            }
+            (LinearWeight::Mapped(m), Compute::Bf16) => Self::new_for(&m.to_vec(), m.rows, m.cols, bias, compute),
             (LinearWeight::Quant(q), Compute::F32) => {
                 Self::with_panels(Panels::Quant(QuantPanels::pack(&q)), q.rows, q.cols, bias)
             }
@@ -645,12 +651,12 @@ impl PackedLinear {
     }
     /// Whether the weight is held as codes (FP8, INT4 or bf16) rather than f32.
     pub fn is_quantized(&self) -> bool {
-        !matches!(self.panels, Panels::F32(_))
+        !matches!(self.panels, Panels::F32(_) | Panels::Mapped(_))
     }
     /// The kind of codes the weight is held as; `None` for f32.
     pub fn held_as(&self) -> Option<QuantKind> {
         match &self.panels {
-            Panels::F32(_) => None,
+            Panels::F32(_) | Panels::Mapped(_) => None,
             Panels::Bf16(_) => Some(QuantKind::Bf16),
             Panels::Quant(q) | Panels::QuantBf16(q) => Some(q.kind()),
         }
@@ -658,7 +664,7 @@ impl PackedLinear {
     /// The compute dtype its GEMMs run in.
     pub fn compute(&self) -> Compute {
         match &self.panels {
-            Panels::F32(_) | Panels::Quant(_) => Compute::F32,
+            Panels::F32(_) | Panels::Mapped(_) | Panels::Quant(_) => Compute::F32,
             Panels::Bf16(_) | Panels::QuantBf16(_) => Compute::Bf16,
         }
     }
@@ -670,6 +676,7 @@ impl PackedLinear {
     pub fn resident_bytes(&self) -> usize {
         let w = match &self.panels {
             Panels::F32(p) => p.len() * 4,
+            Panels::Mapped(m) => m.rows * m.cols * 4,
             Panels::Bf16(p) => p.bytes(),
             Panels::Quant(q) | Panels::QuantBf16(q) => q.bytes(),
         };
@@ -685,6 +692,7 @@ impl PackedLinear {
                 self.run(F32Path::detect(), &src, x, m, y, accumulate)
             }
             Panels::Quant(q) => self.run(F32Path::detect(), q, x, m, y, accumulate),
+            Panels::Mapped(rows) => self.run(F32Path::detect(), rows, x, m, y, accumulate),
             Panels::Bf16(p) => match bf16::detect() {
                 Bf16Path::Wide(path) => self.run(path, &p.source(), x, m, y, accumulate),
                 Bf16Path::Pairs(path) => self.run(path, &p.source(), x, m, y, accumulate),
@@ -709,17 +717,28 @@ impl PackedLinear {
         assert_eq!(x.len(), m * k, "PackedLinear: input size");
         assert_eq!(y.len(), m * n, "PackedLinear: output size");
         let panels = n.div_ceil(NR);
-        let row_blocks = m.div_ceil(S::MC).max(1);
         let threads = rayon::current_num_threads();
-        // Enough tasks to keep every thread busy, but panels large enough to amortise A packing.
+        // Row blocks of at most MC rows, as many as a multiple of the threads
+        // and of near-equal size (whole strips): 11 blocks on 2 threads would
+        // leave one thread idle for a twelfth of the time.
+        let strips = m.div_ceil(MR);
+        let mut row_blocks = strips.div_ceil(S::MC / MR).max(1);
+        if row_blocks >= threads {
+            row_blocks = row_blocks.next_multiple_of(threads);
+        }
+        let block_rows = |rb: usize| {
+            let (s0, s1) = (rb * strips / row_blocks, (rb + 1) * strips / row_blocks);
+            (s0 * MR, (s1 * MR).min(m))
+        };
+        // Fewer row blocks than threads: split the columns too, in groups large enough to amortise A packing.
         let col_groups = (2 * threads).div_ceil(row_blocks).clamp(1, panels.max(1));
         let per_group = panels.div_ceil(col_groups);
         let tasks = row_blocks * col_groups;
         let yp = SharedMut::new(y.as_mut_ptr());
         let work = |t: usize, (apack, bbuf): &mut (Vec<P::A>, Vec<P::B>)| {
             let (rb, cg) = (t / col_groups, t % col_groups);
-            let i0 = rb * S::MC;
-            let rows = S::MC.min(m - i0);
+            let (i0, i1) = block_rows(rb);
+            let rows = i1.saturating_sub(i0);
             let p0 = cg * per_group;
             let p1 = (p0 + per_group).min(panels);
             if rows == 0 || p0 >= p1 {
@@ -780,6 +799,38 @@ mod tests {
                 ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
             })
             .collect()
+    }
+
+    #[test]
+    fn weights_in_place_give_the_bits_of_packed_panels() {
+        use std::sync::Arc;
+        // A [70, 300] f32 tensor as a checkpoint holds it; a block of its rows
+        // and columns (as a tensor-parallel rank reads), stacked with another
+        // block (a fused gate/up), against the same values packed.
+        let (rows, width) = (70, 300);
+        let t: Arc<Vec<f32>> = Arc::new(rand(rows * width, 9));
+        let bytes: &[u8] = bytemuck::cast_slice(&t[..]);
+        let keep = || Some(Arc::clone(&t) as Arc<dyn Send + Sync>);
+        let a = MappedRows::new(bytes, width, 3..40, 11..272, keep()).unwrap();
+        let b = MappedRows::new(bytes, width, 50..70, 11..272, keep()).unwrap();
+        let stacked = LinearWeight::stack(vec![LinearWeight::Mapped(a), LinearWeight::Mapped(b)]);
+        let LinearWeight::Mapped(m) = &stacked else { panic!("mapped blocks must stack in place") };
+        let dense = m.to_vec();
+        let (n, k) = (m.rows, m.cols);
+        let bias = rand(n, 4);
+        let mapped = PackedLinear::from_weight(stacked.clone(), Some(bias.clone()));
+        let packed = PackedLinear::new(&dense, n, k, Some(bias));
+        for m in [1, 13, 400, 800] {
+            let x = rand(m * k, m as u64);
+            for accumulate in [false, true] {
+                let (mut y1, mut y2) = (rand(m * n, 5), rand(m * n, 5));
+                mapped.forward(&x, m, &mut y1, accumulate);
+                packed.forward(&x, m, &mut y2, accumulate);
+                assert!(y1.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()), "m {m}, accumulate {accumulate}");
+            }
+        }
+        // Unaligned bytes are refused (the checkpoint then copies).
+        assert!(MappedRows::new(&bytes[1..], width, 0..1, 0..4, None).is_none());
     }
 
     #[test]

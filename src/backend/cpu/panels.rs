@@ -1,6 +1,9 @@
 //! The GEMM's view of B: `NR`-wide column panels laid out `[k][NR]`, and the
 //! register-tile sizes every kernel shares. f32 panels are read in place;
-//! quantised ones ([`super::quant_panels`]) decode each tile as it is reached.
+//! quantised ones ([`super::quant_panels`]) decode each tile as it is reached,
+//! and f32 weights still in the mapped checkpoint are transposed per tile.
+
+use crate::hf::quant::MappedRows;
 
 /// Rows of the register tile.
 pub const MR: usize = 12;
@@ -39,6 +42,113 @@ pub fn pack_b(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut V
     }
 }
 
+/// Weights read in place from a mapped checkpoint: each `[kc][NR]` tile is
+/// transposed from the weight rows when the GEMM asks for it (once per row
+/// block), so an f32 checkpoint is never copied into packed panels.
+impl PanelSource for MappedRows {
+    type Elem = f32;
+    const MC: usize = MC;
+
+    unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<f32>) -> *const f32 {
+        let j0 = pi * NR;
+        let n = NR.min(self.rows - j0);
+        let mut starts = [std::ptr::null::<f32>(); NR];
+        for (jj, s) in starts.iter_mut().enumerate().take(n) {
+            *s = self.start(j0 + jj).add(p0);
+        }
+        buf.clear();
+        buf.reserve(kc * NR);
+        // SAFETY: `transpose_rows` writes all `kc * NR` values.
+        transpose_rows(&starts[..n], kc, buf.spare_capacity_mut().as_mut_ptr().cast::<f32>(), simd_transpose());
+        buf.set_len(kc * NR);
+        buf.as_ptr()
+    }
+}
+
+/// Whether this CPU has the vector transpose.
+fn simd_transpose() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::arch::is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Writes `out[p][jj] = rows[jj][p]` for `p < kc`, `jj < NR` (zero where
+/// `jj >= rows.len()`): one `[kc][NR]` tile from up to `NR` rows; eight rows
+/// at a time with `simd` (AVX2), the rest one value at a time.
+///
+/// # Safety
+/// Each row must be readable for `kc` values, `out` writable for `kc * NR`,
+/// and `simd` only where [`simd_transpose`] says so.
+unsafe fn transpose_rows(rows: &[*const f32], kc: usize, out: *mut f32, simd: bool) {
+    let n = rows.len();
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        done = n / 8 * 8;
+        for jb in (0..done).step_by(8) {
+            transpose_avx2(&rows[jb..jb + 8], kc / 8 * 8, out.add(jb));
+        }
+        // The k tail of those rows.
+        for p in kc / 8 * 8..kc {
+            for (jj, r) in rows.iter().enumerate().take(done) {
+                *out.add(p * NR + jj) = *r.add(p);
+            }
+        }
+    }
+    for p in 0..kc {
+        let dst = out.add(p * NR);
+        for (jj, r) in rows.iter().enumerate().skip(done) {
+            *dst.add(jj) = *r.add(p);
+        }
+        for jj in n..NR {
+            *dst.add(jj) = 0.0;
+        }
+    }
+}
+
+/// Eight rows' first `kc8` (a multiple of 8) values into columns `0..8` of
+/// `out` (`[kc][NR]`), an 8 × 8 register transpose at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose_avx2(rows: &[*const f32], kc8: usize, out: *mut f32) {
+    use std::arch::x86_64::*;
+    let r: [*const f32; 8] = std::array::from_fn(|i| rows[i]);
+    for p in (0..kc8).step_by(8) {
+        let v: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(r[i].add(p)));
+        let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+        let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+        let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+        let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+        let t4 = _mm256_unpacklo_ps(v[4], v[5]);
+        let t5 = _mm256_unpackhi_ps(v[4], v[5]);
+        let t6 = _mm256_unpacklo_ps(v[6], v[7]);
+        let t7 = _mm256_unpackhi_ps(v[6], v[7]);
+        // Rows 0-3 (and 4-7) of columns q and q+4, one per 128-bit lane.
+        let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        let cols = [
+            _mm256_permute2f128_ps::<0x20>(s0, s4),
+            _mm256_permute2f128_ps::<0x20>(s1, s5),
+            _mm256_permute2f128_ps::<0x20>(s2, s6),
+            _mm256_permute2f128_ps::<0x20>(s3, s7),
+            _mm256_permute2f128_ps::<0x31>(s0, s4),
+            _mm256_permute2f128_ps::<0x31>(s1, s5),
+            _mm256_permute2f128_ps::<0x31>(s2, s6),
+            _mm256_permute2f128_ps::<0x31>(s3, s7),
+        ];
+        for (q, c) in cols.into_iter().enumerate() {
+            _mm256_storeu_ps(out.add((p + q) * NR), c);
+        }
+    }
+}
+
 /// Where the GEMM gets B's `[kc][NR]` tiles from.
 pub(crate) trait PanelSource {
     /// Element of a tile (f32, or bf16 bits in depth pairs).
@@ -72,3 +182,32 @@ impl<T> PanelSource for InPlace<T> {
 // SAFETY: the pointer is to panels owned by a `PackedLinear` (or a caller's
 // scratch) that outlives the call and is only read.
 unsafe impl<T> Sync for InPlace<T> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_transposed_from_rows_equal_packed_panels() {
+        // Rows of a [n, width] tensor at a column offset (a tensor-parallel
+        // block), ragged in both directions, through the vector and the scalar transpose.
+        let (n, width, c0, k) = (45, 300, 7, 261);
+        let w: Vec<f32> = (0..n * width).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut packed = Vec::new();
+        pack_b(&w[c0..], n, k, width, 1, &mut packed);
+        let rows: Vec<*const f32> = (0..n).map(|j| w[j * width + c0..].as_ptr()).collect();
+        for simd in [false, simd_transpose()] {
+            for pi in 0..n.div_ceil(NR) {
+                for p0 in (0..k).step_by(KC) {
+                    let kc = KC.min(k - p0);
+                    let starts: Vec<*const f32> =
+                        rows[pi * NR..(pi * NR + NR).min(n)].iter().map(|r| unsafe { r.add(p0) }).collect();
+                    let mut out = vec![f32::NAN; kc * NR];
+                    unsafe { transpose_rows(&starts, kc, out.as_mut_ptr(), simd) };
+                    let want = &packed[pi * k * NR + p0 * NR..][..kc * NR];
+                    assert_eq!(out, want, "panel {pi}, depth {p0}, simd {simd}");
+                }
+            }
+        }
+    }
+}
