@@ -686,24 +686,37 @@ impl PackedLinear {
     /// `y[m, out] = x[m, in] · Wᵀ + b`, or `y += x · Wᵀ` when `accumulate`
     /// (then the bias is added too). Split over rayon by row blocks and column groups.
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32], accumulate: bool) {
+        self.forward_split(x, m, y, accumulate, true)
+    }
+
+    /// [`Self::forward`] on the calling thread alone, for callers that are
+    /// already one of many parallel tasks (a MoE expert): splitting the
+    /// columns there would pack the same A block once per column group.
+    /// The same bits either way.
+    pub fn forward_serial(&self, x: &[f32], m: usize, y: &mut [f32], accumulate: bool) {
+        self.forward_split(x, m, y, accumulate, false)
+    }
+
+    fn forward_split(&self, x: &[f32], m: usize, y: &mut [f32], accumulate: bool, split: bool) {
         match &self.panels {
             Panels::F32(p) => {
                 let src = InPlace { ptr: p.as_ptr(), kpad: self.in_features };
-                self.run(F32Path::detect(), &src, x, m, y, accumulate)
+                self.run(F32Path::detect(), &src, x, m, y, accumulate, split)
             }
-            Panels::Quant(q) => self.run(F32Path::detect(), q, x, m, y, accumulate),
-            Panels::Mapped(rows) => self.run(F32Path::detect(), rows, x, m, y, accumulate),
+            Panels::Quant(q) => self.run(F32Path::detect(), q, x, m, y, accumulate, split),
+            Panels::Mapped(rows) => self.run(F32Path::detect(), rows, x, m, y, accumulate, split),
             Panels::Bf16(p) => match bf16::detect() {
-                Bf16Path::Wide(path) => self.run(path, &p.source(), x, m, y, accumulate),
-                Bf16Path::Pairs(path) => self.run(path, &p.source(), x, m, y, accumulate),
+                Bf16Path::Wide(path) => self.run(path, &p.source(), x, m, y, accumulate, split),
+                Bf16Path::Pairs(path) => self.run(path, &p.source(), x, m, y, accumulate, split),
             },
             Panels::QuantBf16(q) => match bf16::detect() {
-                Bf16Path::Wide(path) => self.run(path, &QuantAsBf16(q), x, m, y, accumulate),
-                Bf16Path::Pairs(path) => self.run(path, &QuantAsBf16(q), x, m, y, accumulate),
+                Bf16Path::Wide(path) => self.run(path, &QuantAsBf16(q), x, m, y, accumulate, split),
+                Bf16Path::Pairs(path) => self.run(path, &QuantAsBf16(q), x, m, y, accumulate, split),
             },
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn run<P: Path, S: PanelSource<Elem = P::B> + Sync>(
         &self,
         path: P,
@@ -712,12 +725,13 @@ impl PackedLinear {
         m: usize,
         y: &mut [f32],
         accumulate: bool,
+        split: bool,
     ) {
         let (n, k) = (self.out_features, self.in_features);
         assert_eq!(x.len(), m * k, "PackedLinear: input size");
         assert_eq!(y.len(), m * n, "PackedLinear: output size");
         let panels = n.div_ceil(NR);
-        let threads = rayon::current_num_threads();
+        let threads = if split { rayon::current_num_threads() } else { 1 };
         // Row blocks of at most MC rows, as many as a multiple of the threads
         // and of near-equal size (whole strips): 11 blocks on 2 threads would
         // leave one thread idle for a twelfth of the time.
@@ -764,7 +778,7 @@ impl PackedLinear {
                 }
             }
         };
-        if tasks == 1 || m * n * k < 1 << 16 {
+        if !split || tasks == 1 || m * n * k < 1 << 16 {
             let mut scratch = Default::default();
             (0..tasks).for_each(|t| work(t, &mut scratch));
         } else {

@@ -80,7 +80,9 @@ struct Scratch {
     eout: Vec<f32>,
 }
 
-/// `out = down(silu(gate(x)) · up(x))` for `t` rows.
+/// `out = down(silu(gate(x)) · up(x))` for `t` rows; with `split`, each GEMM
+/// is split over the threads, else it runs on this one (inside a parallel task).
+#[allow(clippy::too_many_arguments)]
 pub fn gated(
     gate_up: &PackedLinear,
     down: &PackedLinear,
@@ -89,13 +91,20 @@ pub fn gated(
     gu: &mut Vec<f32>,
     act: &mut Vec<f32>,
     out: &mut [f32],
+    split: bool,
 ) {
     let inter = gate_up.out_features() / 2;
     gu.resize(t * 2 * inter, 0.0);
     act.resize(t * inter, 0.0);
-    gate_up.forward(x, t, gu, false);
-    swiglu(gu, inter, act);
-    down.forward(act, t, out, false);
+    if split {
+        gate_up.forward(x, t, gu, false);
+        swiglu(gu, inter, act);
+        down.forward(act, t, out, false);
+    } else {
+        gate_up.forward_serial(x, t, gu, false);
+        swiglu(gu, inter, act);
+        down.forward_serial(act, t, out, false);
+    }
 }
 
 /// `out = Σ_e Σ_(tok, w) w · expert_e(x[tok]) + shared(x)` for the `[T, h]`
@@ -126,7 +135,7 @@ pub fn experts(
                 dst.copy_from_slice(&x[tok * h..(tok + 1) * h]);
             }
             let mut eout = vec![0f32; n * h];
-            gated(gate_up, down, &s.rows, n, &mut s.gu, &mut s.act, &mut eout);
+            gated(gate_up, down, &s.rows, n, &mut s.gu, &mut s.act, &mut eout, false);
             eout
         })
         .collect();
@@ -139,7 +148,7 @@ pub fn experts(
     if let Some((gate_up, down)) = shared {
         let s = &mut Scratch::default();
         s.eout.resize(t * h, 0.0);
-        gated(gate_up, down, x, t, &mut s.gu, &mut s.act, &mut s.eout);
+        gated(gate_up, down, x, t, &mut s.gu, &mut s.act, &mut s.eout, true);
         out.iter_mut().zip(&s.eout).for_each(|(o, v)| *o += v);
     }
 }
