@@ -2,19 +2,20 @@
 //! host memory.
 
 use super::Resident;
+use crate::hf::checkpoint::TensorBytes;
 use crate::shape::DType;
 
 /// The embedding table `[vocab, hidden]`, held in its checkpoint dtype (a row
 /// is decoded when a token looks it up), so a bf16 table is not doubled in memory.
 pub struct Embedding {
-    bytes: Vec<u8>,
+    bytes: TensorBytes,
     dtype: DType,
     h: usize,
 }
 
 impl Embedding {
     /// Wraps the table's little-endian bytes.
-    pub fn new(bytes: Vec<u8>, dtype: DType, hidden: usize) -> Self {
+    pub fn new(bytes: TensorBytes, dtype: DType, hidden: usize) -> Self {
         Embedding { bytes, dtype, h: hidden }
     }
 

@@ -26,6 +26,7 @@ pub use kv_cache::KvCache;
 pub use reference::Reference;
 pub use tensor::{Cols, Tensor};
 
+use crate::hf::checkpoint::TensorBytes;
 use crate::hf::moe::{Scoring, TopkMethod};
 use crate::hf::quant::{LinearWeight, QuantKind};
 use crate::hf::RopeFreqs;
@@ -288,7 +289,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// A weight vector.
     fn vector(&self, v: Vec<f32>) -> Self::Vector;
     /// The embedding table `[vocab, hidden]`, as stored (`dtype` little-endian bytes).
-    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> Self::Embedding;
+    fn embedding(&self, bytes: TensorBytes, dtype: DType, hidden: usize) -> Self::Embedding;
     /// A linear layer from this rank's block of a weight, as stored (f32,
     /// bf16, FP8 blocks or INT4 groups), with an optional bias `[rows]` of the
     /// whole layer (row-parallel) or of this rank's rows (column-parallel).

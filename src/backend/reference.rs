@@ -13,6 +13,7 @@ use super::{
     AttnShape, Backend, BackendError, Cols, GatedLinear, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router,
     Tensor, F32,
 };
+use crate::hf::checkpoint::TensorBytes;
 use crate::hf::moe::{Scoring, TopkMethod};
 use crate::hf::quant::{LinearWeight, QuantKind};
 use crate::hf::RopeFreqs;
@@ -160,7 +161,7 @@ impl Backend for Reference {
         v
     }
 
-    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> host::Embedding {
+    fn embedding(&self, bytes: TensorBytes, dtype: DType, hidden: usize) -> host::Embedding {
         host::Embedding::new(bytes, dtype, hidden)
     }
 

@@ -125,6 +125,35 @@ impl Bytes {
     }
 }
 
+/// A tensor's bytes as stored: in place in the mapped checkpoint (kept
+/// mapped while this lives), or owned.
+pub enum TensorBytes {
+    /// A copy.
+    Owned(Vec<u8>),
+    /// `map[start..end]`.
+    Mapped {
+        /// The file's mapping.
+        map: Arc<Mmap>,
+        /// First byte.
+        start: usize,
+        /// One past the last byte.
+        end: usize,
+    },
+    /// Bytes compiled into the program (the embedded default model).
+    Static(&'static [u8]),
+}
+
+impl std::ops::Deref for TensorBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            TensorBytes::Owned(v) => v,
+            TensorBytes::Mapped { map, start, end } => &map[*start..*end],
+            TensorBytes::Static(s) => s,
+        }
+    }
+}
+
 struct Entry {
     file: usize,
     dtype: safetensors::Dtype,
@@ -328,6 +357,18 @@ impl Checkpoint {
     pub fn read_bytes(&self, name: &str, shape: &[usize]) -> Result<(Vec<u8>, DType), CheckpointError> {
         let (bytes, dtype) = self.checked(name, shape)?;
         Ok((bytes.to_vec(), dtype))
+    }
+
+    /// A float tensor's bytes in its stored dtype, in place (no copy),
+    /// checking its shape.
+    pub fn tensor_bytes(&self, name: &str, shape: &[usize]) -> Result<(TensorBytes, DType), CheckpointError> {
+        let (_, dtype) = self.checked(name, shape)?;
+        let e = self.entry(name).expect("checked above");
+        let bytes = match &self.files[e.file].1 {
+            Bytes::Mapped(m) => TensorBytes::Mapped { map: Arc::clone(m), start: e.start, end: e.end },
+            Bytes::Static(s) => TensorBytes::Static(&s[e.start..e.end]),
+        };
+        Ok((bytes, dtype))
     }
 
     /// Reads a tensor as f32, checking its shape.

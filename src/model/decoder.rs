@@ -171,7 +171,8 @@ impl<B: Backend, L: Block<B>, H: Dim + Default> Decoder<B, L, H> {
         check_fits(&frame, ckpt)?;
         let hidden: H = dim_from_size("config.json hidden_size", "hidden", info.hidden_size)?;
         let h = info.hidden_size;
-        let (bytes, dtype) = ckpt.read_bytes("model.embed_tokens.weight", &[info.vocab_size, h])?;
+        // In place: the table stays in the mapped checkpoint.
+        let (bytes, dtype) = ckpt.tensor_bytes("model.embed_tokens.weight", &[info.vocab_size, h])?;
         let embed_tokens = backend.embedding(bytes, dtype, h);
         // Layers are read and packed on the backend's threads (the CPU's
         // packing is most of a dense model's load time).

@@ -22,6 +22,7 @@ use super::{
     AttnShape, Backend, BackendError, Cols, Compute, ComputeDtype, GatedLinear, HeadSpan, KvCache, LinearInfo,
     Parallel, Resident, Router, Tensor, F32,
 };
+use crate::hf::checkpoint::TensorBytes;
 use crate::hf::quant::{LinearWeight, QuantKind};
 use crate::hf::RopeFreqs;
 use crate::parallel::{Collective, LocalGroup};
@@ -156,7 +157,7 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         v
     }
 
-    fn embedding(&self, bytes: Vec<u8>, dtype: DType, hidden: usize) -> host::Embedding {
+    fn embedding(&self, bytes: TensorBytes, dtype: DType, hidden: usize) -> host::Embedding {
         host::Embedding::new(bytes, dtype, hidden)
     }
 
