@@ -115,6 +115,11 @@ impl Path for F32Path {
     const STEP: usize = 1;
 
     fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<f32>) {
+        #[cfg(target_arch = "x86_64")]
+        if self.name != "portable" {
+            // SAFETY: the avx2 and avx512 paths are only chosen where the CPU has AVX2.
+            return unsafe { avx2::pack_a(a, lda, i0, rows, p0, kc, out) };
+        }
         pack_strips(a, lda, i0, rows, p0, kc, 1, out, |p, r| p * MR + r, |v| v);
     }
 
@@ -513,6 +518,70 @@ pub(crate) mod avx2 {
         acc
     }
 
+    /// [`super::pack_strips`]'s f32 `[kc][MR]` strips, four rows × eight
+    /// depths at a time through registers (a 4 × 8 transpose) where a strip
+    /// is whole; the same values in the same places.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn pack_a(
+        a: &[f32],
+        lda: usize,
+        i0: usize,
+        rows: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let base = out.len();
+        let strips = rows.div_ceil(MR);
+        let kc8 = kc / 8 * 8;
+        if kc8 == 0 || rows < MR {
+            return super::pack_strips(a, lda, i0, rows, p0, kc, 1, out, |p, r| p * MR + r, |v| v);
+        }
+        out.resize(base + strips * kc * MR, 0.0);
+        for s in 0..strips {
+            let r0 = s * MR;
+            let n = MR.min(rows - r0);
+            let strip = &mut out[base + s * kc * MR..][..kc * MR];
+            // Rows as slices: the bounds are checked once here, not per load.
+            let row = |r: usize| &a[(i0 + r0 + r) * lda + p0..][..kc];
+            if n == MR {
+                let dst = strip.as_mut_ptr();
+                for g in 0..MR / 4 {
+                    let rs: [&[f32]; 4] = std::array::from_fn(|i| row(4 * g + i));
+                    for p in (0..kc8).step_by(8) {
+                        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(rs[i].as_ptr().add(p)));
+                        let t0 = _mm256_unpacklo_ps(v[0], v[1]);
+                        let t1 = _mm256_unpackhi_ps(v[0], v[1]);
+                        let t2 = _mm256_unpacklo_ps(v[2], v[3]);
+                        let t3 = _mm256_unpackhi_ps(v[2], v[3]);
+                        // Depths q (low lane) and q + 4 (high lane) of the four rows.
+                        let u = [
+                            _mm256_shuffle_ps::<0x44>(t0, t2),
+                            _mm256_shuffle_ps::<0xEE>(t0, t2),
+                            _mm256_shuffle_ps::<0x44>(t1, t3),
+                            _mm256_shuffle_ps::<0xEE>(t1, t3),
+                        ];
+                        for (q, u) in u.into_iter().enumerate() {
+                            _mm_storeu_ps(dst.add((p + q) * MR + 4 * g), _mm256_castps256_ps128(u));
+                            _mm_storeu_ps(dst.add((p + q + 4) * MR + 4 * g), _mm256_extractf128_ps::<1>(u));
+                        }
+                    }
+                }
+                for r in 0..MR {
+                    for (p, v) in row(r).iter().enumerate().skip(kc8) {
+                        strip[p * MR + r] = *v;
+                    }
+                }
+            } else {
+                for r in 0..n {
+                    for (p, v) in row(r).iter().enumerate() {
+                        strip[p * MR + r] = *v;
+                    }
+                }
+            }
+        }
+    }
+
     /// Adds a finished sub-tile onto its start value (`c0`: its first column
     /// within the tile, for the bias) and stores its valid `rows × cols`.
     #[inline(always)]
@@ -845,6 +914,23 @@ mod tests {
         }
         // Unaligned bytes are refused (the checkpoint then copies).
         assert!(MappedRows::new(&bytes[1..], width, 0..1, 0..4, None).is_none());
+    }
+
+    #[test]
+    fn vector_a_packing_equals_the_plain_one() {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") {
+            let (lda, total) = (301, 60);
+            let a = rand(lda * total, 7);
+            for (i0, rows, p0, kc) in
+                [(0, 12, 0, 128), (5, 50, 3, 128), (1, 37, 17, 101), (2, 11, 0, 64), (0, 24, 40, 7)]
+            {
+                let (mut want, mut got) = (vec![1.5f32], vec![1.5f32]);
+                pack_strips(&a, lda, i0, rows, p0, kc, 1, &mut want, |p, r| p * MR + r, |v| v);
+                unsafe { avx2::pack_a(&a, lda, i0, rows, p0, kc, &mut got) };
+                assert_eq!(got, want, "rows {i0}+{rows}, depths {p0}+{kc}");
+            }
+        }
     }
 
     #[test]
