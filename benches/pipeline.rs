@@ -1,9 +1,9 @@
 //! (a) End-to-end overhead: the pipeline (parse, schedule, forward, capture,
 //!     gather, convert, checksum, write, fsync) against the bare forward on the
 //!     same tokens, `small` Llama shape, 4 × 512 tokens, EAGLE-3 points, bf16.
-//! (b) Writer throughput: the native sink writing captured f32 states (as bf16
-//!     and as f32) against a plain sequential write + fsync of the same bytes
-//!     to the same disk.
+//! (b) Writer throughput: the native and the speculators sink writing captured
+//!     f32 states (as bf16 and as f32) against a plain sequential write + fsync
+//!     of the same bytes to the same disk.
 //!
 //! Runs are interleaved (A, B, A, B, ...) so machine noise hits both sides;
 //! medians and their ratio are printed.
@@ -21,7 +21,7 @@ use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::{JsonlSource, Sample};
 use strata::pipeline::Pipeline;
 use strata::shape::DType;
-use strata::sink::{OpenMode, Sink, StrataSink, DEFAULT_SHARD_SIZE};
+use strata::sink::{OpenMode, Sink, SpeculatorsSink, StrataSink, DEFAULT_SHARD_SIZE};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -79,7 +79,9 @@ fn main() {
     // (b) writer vs plain sequential write of the same bytes.
     let states = model.forward(&batch, &set).unwrap();
     let reps = 16; // 16 × 4 samples of [4, 512, 1024]
-    for dtype in [DType::BF16, DType::F32] {
+    for (format, dtype) in
+        [("native", DType::BF16), ("native", DType::F32), ("speculators", DType::BF16), ("speculators", DType::F32)]
+    {
         let (mut sink_t, mut plain_t) = (Vec::new(), Vec::new());
         let mut bytes = 0u64;
         let per_sample = 4 * 512 * 1024 * dtype.size();
@@ -100,16 +102,27 @@ fn main() {
                 let target = out.path().join(format!("run{run}-{side}"));
                 if side == 0 {
                     let t = Instant::now();
-                    let mut s = sink(&target, &config, &config_text, &points, dtype);
+                    let mut s: Box<dyn Sink<usize, usize>> = if format == "native" {
+                        Box::new(sink(&target, &config, &config_text, &points, dtype))
+                    } else {
+                        let manifest = Manifest::new(
+                            ModelInfo::new("bench", &config.info(), &config_text),
+                            &points,
+                            dtype,
+                            DEFAULT_SHARD_SIZE,
+                        );
+                        Box::new(SpeculatorsSink::open(&target, manifest, OpenMode::Overwrite).unwrap())
+                    };
                     for r in 0..reps {
                         for (i, sm) in samples.iter().enumerate() {
-                            let sample = Sample { id: format!("{r}-{i}"), ..sm.clone() };
+                            let index = r * samples.len() + i;
+                            let sample = Sample { id: format!("{r}-{i}"), index, ..sm.clone() };
                             s.write_sample(&sample, states.view_tokens(batch.range(i)).unwrap()).unwrap();
                         }
                     }
-                    Sink::<usize, usize>::finish(&mut s, Default::default()).unwrap();
+                    s.finish(Default::default()).unwrap();
                     sink_t.push(t.elapsed().as_secs_f64());
-                    bytes = Sink::<usize, usize>::bytes_written(&s);
+                    bytes = s.bytes_written();
                 } else {
                     std::fs::create_dir_all(&target).unwrap();
                     let t = Instant::now();
@@ -127,7 +140,7 @@ fn main() {
         let (s, p) = (median(sink_t), median(plain_t));
         let plain_bytes = (reps * samples.len() * per_sample) as f64;
         println!(
-            "(b) writer, {dtype}: {} samples, {:.0} MiB, {runs} interleaved runs",
+            "(b) {format} writer, {dtype}: {} samples, {:.0} MiB, {runs} interleaved runs",
             reps * samples.len(),
             bytes as f64 / (1 << 20) as f64
         );

@@ -9,19 +9,42 @@ use super::{io_err, OpenMode, Sink, SinkError};
 use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
 use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{DType, Dim, StatesView};
+use std::collections::VecDeque;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 
-/// Writes one file per sample, named by the sample's index.
+/// Writes one file per sample, named by the sample's index. Each file is
+/// written and fsynced on its own thread while the next samples are encoded,
+/// a few files at a time (their fsyncs overlap on the disk), and journaled
+/// and renamed in sample order on the caller's thread.
 pub struct SpeculatorsSink {
     out: Output,
     dtype: DType,
     input_path: String,
-    // The sample's hidden states `[T, L, H]` and token ids, encoded.
-    buf: Vec<u8>,
+    // Encoding buffers: a sample's hidden states `[T, L, H]` go to a spare
+    // one; those in flight come back when their writes are done.
+    spare: Vec<Vec<u8>>,
     ids: Vec<u8>,
+    // Files being written, oldest first.
+    pending: VecDeque<Pending>,
     done: usize,
     bytes_written: u64,
+}
+
+/// Files written at once at most.
+const IN_FLIGHT: usize = 4;
+/// Bytes of files in flight at most (bounds the memory held by their buffers).
+const IN_FLIGHT_BYTES: u64 = 512 << 20;
+
+/// A sample whose file is being written and fsynced on a thread.
+struct Pending {
+    tmp: PathBuf,
+    shard: ShardInfo,
+    sample: SampleInfo,
+    end: InputPos,
+    // Gives back the hidden-state buffer once the file is written and fsynced.
+    write: JoinHandle<std::io::Result<Vec<u8>>>,
 }
 
 impl SpeculatorsSink {
@@ -32,7 +55,16 @@ impl SpeculatorsSink {
         let job = Manifest { format: "speculators".into(), layout: "TLH".into(), shard_size: 0, ..manifest };
         let out = Output::new(dir, mode, job)?;
         let done = out.manifest().consumed();
-        Ok(SpeculatorsSink { out, dtype, input_path, buf: Vec::new(), ids: Vec::new(), done, bytes_written: 0 })
+        Ok(SpeculatorsSink {
+            out,
+            dtype,
+            input_path,
+            spare: Vec::new(),
+            ids: Vec::new(),
+            pending: VecDeque::new(),
+            done,
+            bytes_written: 0,
+        })
     }
 
     /// The file name of sample `i`.
@@ -44,45 +76,94 @@ impl SpeculatorsSink {
     pub fn manifest(&self) -> &Manifest {
         self.out.manifest()
     }
+
+    /// Waits for the oldest file in flight, then journals and renames it.
+    fn settle_one(&mut self) -> Result<(), SinkError> {
+        let Some(p) = self.pending.pop_front() else { return Ok(()) };
+        let written = p.write.join().unwrap_or_else(|_| Err(std::io::Error::other("the writer thread panicked")));
+        match written {
+            Ok(buf) => self.spare.push(buf),
+            Err(e) => {
+                let _ = std::fs::remove_file(&p.tmp);
+                return Err(io_err(&p.tmp)(e));
+            }
+        }
+        let bytes = p.shard.bytes;
+        self.out.get()?.commit(&p.tmp, p.shard, vec![p.sample], p.end)?;
+        self.bytes_written += bytes;
+        Ok(())
+    }
+
+    /// Settles files until at most `files` are in flight holding at most
+    /// `bytes` between them.
+    fn settle(&mut self, files: usize, bytes: u64) -> Result<(), SinkError> {
+        while self.pending.len() > files || self.pending.iter().map(|p| p.shard.bytes).sum::<u64>() > bytes {
+            self.settle_one()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SpeculatorsSink {
+    fn drop(&mut self) {
+        // A run that stops early leaves the file in flight as a temporary
+        // file (resume removes it); the thread is not left running.
+        for p in self.pending.drain(..) {
+            let _ = p.write.join();
+        }
+    }
 }
 
 impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
     fn write_sample(&mut self, sample: &Sample, states: StatesView<'_, L, H>) -> Result<(), SinkError> {
         let _span = tracing::debug_span!("write", index = sample.index).entered();
         let [l, t, h] = states.shape();
-        self.buf.clear();
-        states.encode_tlh(self.dtype, &mut self.buf);
+        // Encoded while earlier samples' files are still being written.
+        let mut buf = self.spare.pop().unwrap_or_default();
+        buf.clear();
+        states.encode_tlh(self.dtype, &mut buf);
         self.ids.clear();
         self.ids.extend(sample.input_ids.iter().flat_map(|&v| (v as i64).to_le_bytes()));
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        hasher.update(&self.ids);
+        hasher.update(&buf);
         let name = Self::file_name(sample.index);
-        let (n_ids, n_hs) = (self.ids.len(), self.buf.len());
+        let (n_ids, n_hs) = (self.ids.len(), buf.len());
         let header = serde_json::json!({
             "token_ids": {"dtype": "I64", "shape": [t], "data_offsets": [0, n_ids]},
             "hidden_states": {"dtype": self.dtype.to_safetensors().to_string(), "shape": [t, l, h],
                               "data_offsets": [n_ids, n_ids + n_hs]},
         });
-        let mut header = header.to_string().into_bytes();
+        let mut head = header.to_string().into_bytes();
         // The safetensors header is padded with spaces so the data starts 8-byte aligned.
-        header.resize(header.len().next_multiple_of(8), b' ');
+        head.resize(head.len().next_multiple_of(8), b' ');
+        let bytes = (8 + head.len() + n_ids + n_hs) as u64;
+        // The header and ids lead the file; the hidden states follow from their own buffer.
+        let mut lead = Vec::with_capacity(8 + head.len() + n_ids);
+        lead.extend_from_slice(&(head.len() as u64).to_le_bytes());
+        lead.extend_from_slice(&head);
+        lead.extend_from_slice(&self.ids);
+        // Room for this one: at most IN_FLIGHT files, and IN_FLIGHT_BYTES
+        // between them (one file alone may be larger).
+        self.settle(IN_FLIGHT - 1, IN_FLIGHT_BYTES.saturating_sub(bytes))?;
         let out = self.out.get()?;
         let (tmp, f) = out.create_temp(&name)?;
-        let r = (|| {
-            let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
-            w.write_all(&(header.len() as u64).to_le_bytes())?;
-            w.write_all(&header)?;
-            w.write_all(&self.ids)?;
-            w.write_all(&self.buf)?;
-            w.into_inner().map_err(|e| std::io::Error::other(e.to_string()))?.sync_all()
-        })();
-        if let Err(e) = r {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(io_err(&tmp)(e));
-        }
-        let bytes = (8 + header.len() + n_ids + n_hs) as u64;
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-        hasher.update(&self.ids);
-        hasher.update(&self.buf);
-        let index = out.manifest().shards.len();
+        let write = std::thread::Builder::new().name("strata-writer".into()).spawn(move || {
+            let mut f = f;
+            f.write_all(&lead)?;
+            f.write_all(&buf)?;
+            f.sync_all()?;
+            Ok(buf)
+        });
+        let write = match write {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(io_err(&tmp)(e));
+            }
+        };
+        // Its place in the manifest: after the files still in flight, which commit first.
+        let index = out.manifest().shards.len() + self.pending.len();
         let info = SampleInfo {
             id: sample.id.clone(),
             shard: index,
@@ -91,16 +172,18 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
             index: Some(sample.index),
         };
         let shard = ShardInfo { file: name, samples: 1, bytes, input: None };
-        out.commit(&tmp, shard, vec![info], sample.end.clone())?;
-        self.bytes_written += bytes;
+        self.pending.push_back(Pending { tmp, shard, sample: info, end: sample.end.clone(), write });
         Ok(())
     }
 
     fn skip_sample(&mut self, sample: &Sample, reason: String) -> Result<(), SinkError> {
+        // The skip belongs after the samples in flight.
+        self.settle(0, 0)?;
         self.out.skip_sample(sample, reason)
     }
 
     fn finish(&mut self, input: InputPos) -> Result<(), SinkError> {
+        self.settle(0, 0)?;
         self.out.get()?.finish(InputInfo { path: self.input_path.clone(), whole: input })
     }
 
@@ -109,6 +192,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
     }
 
     fn bytes_written(&self) -> u64 {
+        // Counted when a file is committed: the one in flight is not yet.
         self.bytes_written
     }
 }
