@@ -44,12 +44,12 @@ pub fn pack_b(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut V
 
 /// Weights read in place from a mapped checkpoint: each `[kc][NR]` tile is
 /// transposed from the weight rows when the GEMM asks for it (once per row
-/// block, so the blocks are twice as tall as for packed panels: half the
-/// transposes, the same A traffic per flop), and an f32 checkpoint is never
-/// copied into packed panels.
+/// block), so an f32 checkpoint is never copied into packed panels. (Blocks
+/// twice as tall halve the transposes but were slower on the dense bench
+/// model: a k-block of A then no longer stays in a 512 KiB L2.)
 impl PanelSource for MappedRows {
     type Elem = f32;
-    const MC: usize = 2 * MC;
+    const MC: usize = MC;
 
     unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<f32>) -> *const f32 {
         let j0 = pi * NR;
