@@ -138,7 +138,9 @@ fn main() {
             let x = rand(m * k, 2);
             let lin = if in_place {
                 let keep = Some(Arc::clone(&w) as Arc<dyn Send + Sync>);
-                let rows = MappedRows::new(bytemuck::cast_slice(&w[..]), k, 0..n, 0..k, keep).expect("aligned");
+                // SAFETY: `keep` holds the vector the bytes view.
+                let rows = unsafe { MappedRows::new(bytemuck::cast_slice(&w[..]), k, 0..n, 0..k, keep) };
+                let rows = rows.expect("a Vec<f32> is f32-aligned");
                 PackedLinear::from_weight(LinearWeight::Mapped(rows), None)
             } else {
                 PackedLinear::new_for(&w, n, k, None, compute)

@@ -21,6 +21,11 @@
 
 #![warn(missing_docs)]
 
+// Files are written and weights read by viewing memory as little-endian
+// values (f32 panels, safetensors data), so only little-endian targets build.
+#[cfg(target_endian = "big")]
+compile_error!("Strata supports little-endian targets only");
+
 pub mod backend;
 pub mod dataset;
 pub mod files;

@@ -125,11 +125,9 @@ impl Bytes {
     }
 }
 
-/// A tensor's bytes as stored: in place in the mapped checkpoint (kept
-/// mapped while this lives), or owned.
+/// A tensor's bytes as stored, in place in the mapped checkpoint (kept
+/// mapped while this lives) or in the program.
 pub enum TensorBytes {
-    /// A copy.
-    Owned(Vec<u8>),
     /// `map[start..end]`.
     Mapped {
         /// The file's mapping.
@@ -147,7 +145,6 @@ impl std::ops::Deref for TensorBytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
         match self {
-            TensorBytes::Owned(v) => v,
             TensorBytes::Mapped { map, start, end } => &map[*start..*end],
             TensorBytes::Static(s) => s,
         }
@@ -403,7 +400,8 @@ impl Checkpoint {
 
     /// Reads the block `rows × cols` of the linear layer `module` (weight
     /// `[out, inp]`), as it is stored: FP8 blocks, packed INT4 or bf16 kept
-    /// as they are (codes and scales), f32 and f16 decoded to f32. `format` is what the
+    /// as they are (codes and scales), f32 left in place in the mapping
+    /// (copied only if misaligned), f16 decoded to f32. `format` is what the
     /// config declares for this module; the tensors must agree with it.
     pub fn read_linear(
         &self,
@@ -446,7 +444,8 @@ impl Checkpoint {
                         Bytes::Mapped(m) => Some(Arc::clone(m) as Arc<dyn Send + Sync>),
                         Bytes::Static(_) => None,
                     };
-                    if let Some(m) = MappedRows::new(bytes, inp, rows.clone(), cols.clone(), keep) {
+                    // SAFETY: `keep` holds the mapping `bytes` lies in (or the bytes are 'static).
+                    if let Some(m) = unsafe { MappedRows::new(bytes, inp, rows.clone(), cols.clone(), keep) } {
                         return Ok(LinearWeight::Mapped(m));
                     }
                 }

@@ -375,7 +375,11 @@ impl MappedRows {
     /// Rows `rows` × columns `cols` of the row-major f32 tensor of `width`
     /// columns in `bytes`, kept alive by `keep`. `None` when the bytes are not
     /// f32-aligned (the caller copies instead).
-    pub fn new(
+    ///
+    /// # Safety
+    /// `bytes` must stay valid and unchanged for as long as the result (or a
+    /// clone or stack of it) lives: owned by `keep`, or `'static`.
+    pub unsafe fn new(
         bytes: &[u8],
         width: usize,
         rows: std::ops::Range<usize>,
@@ -386,7 +390,8 @@ impl MappedRows {
         if !base.is_multiple_of(std::mem::align_of::<f32>()) || cfg!(target_endian = "big") {
             return None;
         }
-        assert!(rows.end * width * 4 <= bytes.len() && cols.end <= width, "mapped block outside its tensor");
+        let need = rows.end.checked_mul(width).and_then(|v| v.checked_mul(4));
+        assert!(need.is_some_and(|n| n <= bytes.len()) && cols.end <= width, "mapped block outside its tensor");
         let starts = rows.clone().map(|r| base + (r * width + cols.start) * 4).collect();
         Some(MappedRows { rows: rows.len(), cols: cols.len(), starts, keep: keep.into_iter().collect() })
     }
@@ -493,7 +498,7 @@ impl LinearWeight {
             }
             return LinearWeight::Quant(out);
         }
-        if parts.iter().all(|p| matches!(p, LinearWeight::Mapped(_))) {
+        if !parts.is_empty() && parts.iter().all(|p| matches!(p, LinearWeight::Mapped(_))) {
             // Still in place: the row lists are joined.
             let mut out = MappedRows { rows: 0, cols, starts: Vec::new(), keep: Vec::new() };
             for p in parts {

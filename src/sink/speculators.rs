@@ -28,6 +28,8 @@ pub struct SpeculatorsSink {
     ids: Vec<u8>,
     // Files being written, oldest first.
     pending: VecDeque<Pending>,
+    // A write or commit failed: nothing more is committed.
+    failed: bool,
     done: usize,
     bytes_written: u64,
 }
@@ -62,6 +64,7 @@ impl SpeculatorsSink {
             spare: Vec::new(),
             ids: Vec::new(),
             pending: VecDeque::new(),
+            failed: false,
             done,
             bytes_written: 0,
         })
@@ -78,13 +81,31 @@ impl SpeculatorsSink {
     }
 
     /// Waits for the oldest file in flight, then journals and renames it.
+    /// If its write failed, every later file in flight is given up too (they
+    /// took their places after it), and the error names the failed file.
     fn settle_one(&mut self) -> Result<(), SinkError> {
+        let r = self.try_settle_one();
+        self.failed |= r.is_err();
+        r
+    }
+
+    fn try_settle_one(&mut self) -> Result<(), SinkError> {
         let Some(p) = self.pending.pop_front() else { return Ok(()) };
         let written = p.write.join().unwrap_or_else(|_| Err(std::io::Error::other("the writer thread panicked")));
         match written {
-            Ok(buf) => self.spare.push(buf),
+            Ok(buf) => {
+                // One spare buffer is always kept; more only within the in-flight budget.
+                let kept: usize = self.spare.iter().map(Vec::capacity).sum();
+                if self.spare.is_empty() || (kept + buf.capacity()) as u64 <= IN_FLIGHT_BYTES {
+                    self.spare.push(buf);
+                }
+            }
             Err(e) => {
                 let _ = std::fs::remove_file(&p.tmp);
+                for later in self.pending.drain(..) {
+                    let _ = later.write.join();
+                    let _ = std::fs::remove_file(&later.tmp);
+                }
                 return Err(io_err(&p.tmp)(e));
             }
         }
@@ -106,8 +127,13 @@ impl SpeculatorsSink {
 
 impl Drop for SpeculatorsSink {
     fn drop(&mut self) {
-        // A run that stops early leaves the file in flight as a temporary
-        // file (resume removes it); the thread is not left running.
+        // A run that stops early (an error elsewhere) still commits the
+        // samples it handed over whose files were written, unless this sink
+        // itself failed; what is not committed stays a temporary file (resume
+        // removes it). No writer thread is left running.
+        while !self.pending.is_empty() && !self.failed {
+            let _ = self.settle_one();
+        }
         for p in self.pending.drain(..) {
             let _ = p.write.join();
         }
@@ -148,7 +174,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
         self.settle(IN_FLIGHT - 1, IN_FLIGHT_BYTES.saturating_sub(bytes))?;
         let out = self.out.get()?;
         let (tmp, f) = out.create_temp(&name)?;
-        let write = std::thread::Builder::new().name("strata-writer".into()).spawn(move || {
+        let write = std::thread::Builder::new().name("strata-sample-writer".into()).spawn(move || {
             let mut f = f;
             f.write_all(&lead)?;
             f.write_all(&buf)?;

@@ -116,8 +116,8 @@ impl Path for F32Path {
 
     fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<f32>) {
         #[cfg(target_arch = "x86_64")]
-        if self.name != "portable" {
-            // SAFETY: the avx2 and avx512 paths are only chosen where the CPU has AVX2.
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked just above (the answer is cached).
             return unsafe { avx2::pack_a(a, lda, i0, rows, p0, kc, out) };
         }
         pack_strips(a, lda, i0, rows, p0, kc, 1, out, |p, r| p * MR + r, |v| v);
@@ -688,7 +688,8 @@ impl PackedLinear {
             (LinearWeight::Dense { rows, cols, w }, _) => Self::new_for(&w, rows, cols, bias, compute),
             // In place: tiles are transposed from the mapped rows as the GEMM reaches them.
             (LinearWeight::Mapped(m), Compute::F32) => {
-                Self::with_panels(Panels::Mapped(m.clone()), m.rows, m.cols, bias)
+                let (rows, cols) = (m.rows, m.cols);
+                Self::with_panels(Panels::Mapped(m), rows, cols, bias)
             }
             (LinearWeight::Mapped(m), Compute::Bf16) => Self::new_for(&m.to_vec(), m.rows, m.cols, bias, compute),
             (LinearWeight::Quant(q), Compute::F32) => {
@@ -814,7 +815,7 @@ impl PackedLinear {
             (s0 * MR, (s1 * MR).min(m))
         };
         // Fewer row blocks than threads: split the columns too, in groups large enough to amortise A packing.
-        let col_groups = (2 * threads).div_ceil(row_blocks).clamp(1, panels.max(1));
+        let col_groups = if split { (2 * threads).div_ceil(row_blocks).clamp(1, panels.max(1)) } else { 1 };
         let per_group = panels.div_ceil(col_groups);
         let tasks = row_blocks * col_groups;
         let yp = SharedMut::new(y.as_mut_ptr());
@@ -894,8 +895,9 @@ mod tests {
         let t: Arc<Vec<f32>> = Arc::new(rand(rows * width, 9));
         let bytes: &[u8] = bytemuck::cast_slice(&t[..]);
         let keep = || Some(Arc::clone(&t) as Arc<dyn Send + Sync>);
-        let a = MappedRows::new(bytes, width, 3..40, 11..272, keep()).unwrap();
-        let b = MappedRows::new(bytes, width, 50..70, 11..272, keep()).unwrap();
+        // SAFETY: `keep` holds the tensor the bytes view.
+        let a = unsafe { MappedRows::new(bytes, width, 3..40, 11..272, keep()) }.unwrap();
+        let b = unsafe { MappedRows::new(bytes, width, 50..70, 11..272, keep()) }.unwrap();
         let stacked = LinearWeight::stack(vec![LinearWeight::Mapped(a), LinearWeight::Mapped(b)]);
         let LinearWeight::Mapped(m) = &stacked else { panic!("mapped blocks must stack in place") };
         let dense = m.to_vec();
@@ -913,7 +915,7 @@ mod tests {
             }
         }
         // Unaligned bytes are refused (the checkpoint then copies).
-        assert!(MappedRows::new(&bytes[1..], width, 0..1, 0..4, None).is_none());
+        assert!(unsafe { MappedRows::new(&bytes[1..], width, 0..1, 0..4, None) }.is_none());
     }
 
     #[test]

@@ -123,6 +123,9 @@ pub fn experts(
 ) {
     let t = x.len() / h;
     let active: Vec<usize> = (0..experts.len()).filter(|&e| !routes[e].is_empty()).collect();
+    // With at least as many experts as threads, each expert's GEMMs stay on
+    // its task; with fewer (a small step), they are split over the threads too.
+    let split = active.len() < rayon::current_num_threads();
     // [n_e, h] outputs of each active expert.
     let outs: Vec<Vec<f32>> = active
         .par_iter()
@@ -135,7 +138,7 @@ pub fn experts(
                 dst.copy_from_slice(&x[tok * h..(tok + 1) * h]);
             }
             let mut eout = vec![0f32; n * h];
-            gated(gate_up, down, &s.rows, n, &mut s.gu, &mut s.act, &mut eout, false);
+            gated(gate_up, down, &s.rows, n, &mut s.gu, &mut s.act, &mut eout, split);
             eout
         })
         .collect();

@@ -82,6 +82,7 @@ fn simd_transpose() -> bool {
 /// # Safety
 /// Each row must be readable for `kc` values, `out` writable for `kc * NR`,
 /// and `simd` only where [`simd_transpose`] says so.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut, unused_variables))]
 unsafe fn transpose_rows(rows: &[*const f32], kc: usize, out: *mut f32, simd: bool) {
     let n = rows.len();
     let mut done = 0;
