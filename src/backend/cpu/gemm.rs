@@ -759,15 +759,11 @@ impl PackedLinear {
         self.forward_split(x, m, y, accumulate, true)
     }
 
-    /// [`Self::forward`] on the calling thread alone, for callers that are
-    /// already one of many parallel tasks (a MoE expert): splitting the
-    /// columns there would pack the same A block once per column group.
-    /// The same bits either way.
-    pub fn forward_serial(&self, x: &[f32], m: usize, y: &mut [f32], accumulate: bool) {
-        self.forward_split(x, m, y, accumulate, false)
-    }
-
-    fn forward_split(&self, x: &[f32], m: usize, y: &mut [f32], accumulate: bool, split: bool) {
+    /// [`Self::forward`], split over the threads only with `split`: callers
+    /// that are already one of many parallel tasks (a MoE expert) run it on
+    /// their own thread, where splitting the columns would pack the same A
+    /// block once per column group. The same bits either way.
+    pub fn forward_split(&self, x: &[f32], m: usize, y: &mut [f32], accumulate: bool, split: bool) {
         match &self.panels {
             Panels::F32(p) => {
                 let src = InPlace { ptr: p.as_ptr(), kpad: self.in_features };

@@ -96,15 +96,9 @@ pub fn gated(
     let inter = gate_up.out_features() / 2;
     gu.resize(t * 2 * inter, 0.0);
     act.resize(t * inter, 0.0);
-    if split {
-        gate_up.forward(x, t, gu, false);
-        swiglu(gu, inter, act);
-        down.forward(act, t, out, false);
-    } else {
-        gate_up.forward_serial(x, t, gu, false);
-        swiglu(gu, inter, act);
-        down.forward_serial(act, t, out, false);
-    }
+    gate_up.forward_split(x, t, gu, false, split);
+    swiglu(gu, inter, act);
+    down.forward_split(act, t, out, false, split);
 }
 
 /// `out = Σ_e Σ_(tok, w) w · expert_e(x[tok]) + shared(x)` for the `[T, h]`

@@ -209,7 +209,8 @@ mod avx512 {
 
 impl PanelSource for QuantPanels {
     type Elem = f32;
-    // Larger blocks, so a decoded tile serves more rows.
+    // Each tile is decoded once per row block of MC rows (taller blocks
+    // would no longer keep a k-block of A in L2).
     const MC: usize = MC;
     unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<f32>) -> *const f32 {
         buf.resize(kc * NR, 0.0);
