@@ -27,6 +27,7 @@
 compile_error!("Strata supports little-endian targets only");
 
 pub mod backend;
+pub mod chat;
 pub mod dataset;
 pub mod files;
 pub mod hf;

@@ -1,0 +1,413 @@
+//! Chat templates rendered as transformers' `apply_chat_template` renders
+//! them: Jinja with `trim_blocks` and `lstrip_blocks`, Python's string
+//! methods, `raise_exception`, `strftime_now` (one fixed date per run), a
+//! `tojson` that prints what Python's `json.dumps` prints, and the
+//! `{% generation %}` blocks of `return_assistant_tokens_mask`.
+
+use super::ChatError;
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, ErrorKind};
+
+// Output markers for `{% generation %}` blocks: noncharacters, which no text should hold.
+const GEN_OPEN: char = '\u{FDD0}';
+const GEN_CLOSE: char = '\u{FDD1}';
+const NAME: &str = "chat_template";
+/// Template instructions one render may run: a hostile template or
+/// conversation stops with an error instead of running for ever.
+const FUEL: u64 = 200_000_000;
+
+/// Why one render failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RenderError {
+    /// The template uses something Strata does not implement: fatal for the run.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The template refused this conversation (`raise_exception`, a missing field): that conversation only.
+    #[error("{0}")]
+    Rejected(String),
+}
+
+/// A rendered conversation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Rendered {
+    /// The text.
+    pub text: String,
+    /// Byte ranges of `text` inside `{% generation %}` blocks.
+    pub generation: Vec<std::ops::Range<usize>>,
+}
+
+/// A compiled chat template with the variables every render gets.
+pub struct Template {
+    env: Environment<'static>,
+    origin: String,
+    generation: bool,
+    globals: Vec<(String, Value)>,
+}
+
+impl std::fmt::Debug for Template {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Template").field("origin", &self.origin).field("generation", &self.generation).finish()
+    }
+}
+
+/// `{% generation %}` and `{% endgeneration %}` become empty filter blocks
+/// that print a marker; the whitespace control of the tags is kept.
+fn rewrite_generation(source: &str) -> (String, bool) {
+    let re = regex::Regex::new(r"\{%([-+]?)\s*(generation|endgeneration)\s*([-+]?)%\}").expect("a valid regex");
+    let mut found = false;
+    let out = re.replace_all(source, |c: &regex::Captures| {
+        found = true;
+        let filter = if &c[2] == "generation" { "__strata_generation_open" } else { "__strata_generation_close" };
+        format!("{{%{} filter {filter} %}}{{% endfilter {}%}}", &c[1], &c[3])
+    });
+    (out.into_owned(), found)
+}
+
+impl Template {
+    /// Compiles `source`; `origin` names it in messages; `date` is what
+    /// `strftime_now` formats; `globals` (special tokens, extra variables) go to every render.
+    pub fn new(
+        source: &str,
+        origin: &str,
+        date: chrono::NaiveDate,
+        globals: Vec<(String, serde_json::Value)>,
+    ) -> Result<Self, ChatError> {
+        let (source, generation) = rewrite_generation(source);
+        let mut env = Environment::new();
+        let mut syntax = minijinja::syntax::SyntaxConfig::builder();
+        syntax.trim_blocks(true).lstrip_blocks(true).keep_trailing_newline(false);
+        env.set_syntax(syntax.build().expect("the default delimiters"));
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_fuel(Some(FUEL));
+        env.set_debug(true);
+        env.set_recursion_limit(100);
+        env.add_function("raise_exception", |msg: String| -> Result<Value, minijinja::Error> {
+            Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("raise_exception: {msg}")))
+        });
+        let midnight = date.and_hms_opt(0, 0, 0).expect("midnight exists");
+        env.add_function("strftime_now", move |fmt: String| -> Result<String, minijinja::Error> {
+            strftime(&midnight, &fmt)
+        });
+        env.add_filter("tojson", tojson);
+        env.add_filter("__strata_generation_open", |_: String| GEN_OPEN.to_string());
+        env.add_filter("__strata_generation_close", |_: String| GEN_CLOSE.to_string());
+        env.add_template_owned(NAME, source).map_err(|e| ChatError::Template(describe(origin, &e)))?;
+        let globals = globals.into_iter().map(|(k, v)| (k, json_value(&v))).collect();
+        Ok(Template { env, origin: origin.into(), generation, globals })
+    }
+
+    /// Whether the template marks assistant text with `{% generation %}` blocks.
+    pub fn has_generation(&self) -> bool {
+        self.generation
+    }
+
+    /// Renders `messages` (with `tools`, when given).
+    pub fn render(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Rendered, RenderError> {
+        let tmpl = self.env.get_template(NAME).expect("added in new");
+        let mut ctx: Vec<(String, Value)> = self.globals.clone();
+        ctx.push(("messages".into(), messages.clone()));
+        ctx.push(("tools".into(), tools.cloned().unwrap_or(Value::from(()))));
+        ctx.push(("documents".into(), Value::from(())));
+        ctx.push(("add_generation_prompt".into(), Value::from(add_generation_prompt)));
+        let ctx: Value = ctx.into_iter().collect::<std::collections::BTreeMap<_, _>>().into();
+        let text = tmpl.render(ctx).map_err(|e| classify(&self.origin, &e))?;
+        if !self.generation {
+            return Ok(Rendered { text, generation: vec![] });
+        }
+        split_markers(&text).map_err(RenderError::Rejected)
+    }
+}
+
+/// A JSON value as a template value (maps keep their order).
+pub fn json_value(v: &serde_json::Value) -> Value {
+    Value::from(minijinja::value::Serde(v))
+}
+
+/// Removes the generation markers, returning the clean text and the byte ranges between them.
+fn split_markers(marked: &str) -> Result<Rendered, String> {
+    let mut out = Rendered { text: String::with_capacity(marked.len()), generation: vec![] };
+    let mut open: Option<usize> = None;
+    for c in marked.chars() {
+        match c {
+            GEN_OPEN if open.is_some() => return Err("nested {% generation %} blocks".into()),
+            GEN_OPEN => open = Some(out.text.len()),
+            GEN_CLOSE => match open.take() {
+                Some(s) => out.generation.push(s..out.text.len()),
+                None => return Err(format!("the text holds {:?}, which marks generation blocks", GEN_CLOSE)),
+            },
+            c => out.text.push(c),
+        }
+    }
+    if open.is_some() {
+        return Err(format!("the text holds {:?}, which marks generation blocks", GEN_OPEN));
+    }
+    Ok(out)
+}
+
+fn describe(origin: &str, e: &minijinja::Error) -> String {
+    let mut msg = format!("chat template {origin}");
+    if let Some(line) = e.line() {
+        msg += &format!(", line {line}");
+    }
+    msg += &format!(": {}", e.detail().map_or_else(|| e.kind().to_string(), |d| format!("{}: {d}", e.kind())));
+    if let (Some(src), Some(r)) = (e.template_source(), e.range()) {
+        if let Some(s) = src.get(r) {
+            msg += &format!(" (at `{}`)", crate::clip(s.trim(), 60));
+        }
+    }
+    msg
+}
+
+fn classify(origin: &str, e: &minijinja::Error) -> RenderError {
+    match e.kind() {
+        ErrorKind::SyntaxError
+        | ErrorKind::UnknownFilter
+        | ErrorKind::UnknownTest
+        | ErrorKind::UnknownFunction
+        | ErrorKind::UnknownMethod
+        | ErrorKind::TemplateNotFound
+        | ErrorKind::BadInclude => {
+            RenderError::Unsupported(format!("{}; Strata cannot render this construct", describe(origin, e)))
+        }
+        _ => match e.detail().and_then(|d| d.strip_prefix("raise_exception: ")) {
+            Some(msg) => RenderError::Rejected(format!("the chat template refused the conversation: {msg}")),
+            None => RenderError::Rejected(describe(origin, e)),
+        },
+    }
+}
+
+/// Python's `datetime.strftime` for the specifiers chrono shares with it.
+fn strftime(at: &chrono::NaiveDateTime, fmt: &str) -> Result<String, minijinja::Error> {
+    use chrono::format::{Item, StrftimeItems};
+    let items: Vec<Item> = StrftimeItems::new(fmt).collect();
+    if items.iter().any(|i| matches!(i, Item::Error)) {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: format {fmt:?} has a specifier Strata does not know"),
+        ));
+    }
+    Ok(at.format_with_items(items.into_iter()).to_string())
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent,
+/// separators=separators, sort_keys=sort_keys)`, byte for byte.
+fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match separators.as_deref() {
+        Some([a, b]) => (a.clone(), b.clone()),
+        Some(_) => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "separators must be a pair")),
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let opts = JsonOpts { indent, ascii: ensure_ascii.unwrap_or(false), sort: sort_keys.unwrap_or(false), item, key };
+    let mut out = String::new();
+    py_json(value, &opts, 0, &mut out)?;
+    // A string, so it prints as is (never escaped again).
+    Ok(Value::from(out))
+}
+
+struct JsonOpts {
+    indent: Option<usize>,
+    ascii: bool,
+    sort: bool,
+    item: String,
+    key: String,
+}
+
+fn py_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String) -> Result<(), minijinja::Error> {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = o.indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    match v.kind() {
+        ValueKind::Undefined => {
+            return Err(minijinja::Error::new(ErrorKind::UndefinedError, "tojson of an undefined value"))
+        }
+        ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => match v.as_i64() {
+            Some(i) if !is_float(v) => out.push_str(&i.to_string()),
+            _ => out.push_str(&py_float(f64::try_from(v.clone()).unwrap_or(f64::NAN))),
+        },
+        ValueKind::String => py_string(v.as_str().unwrap_or_default(), o.ascii, out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item);
+                }
+                newline(out, depth + 1);
+                py_json(item, o, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut keys: Vec<Value> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            if o.sort {
+                keys.sort();
+            }
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item);
+                }
+                newline(out, depth + 1);
+                match k.as_str() {
+                    Some(s) => py_string(s, o.ascii, out),
+                    None => py_string(&k.to_string(), o.ascii, out),
+                }
+                out.push_str(&o.key);
+                py_json(&v.get_item(k)?, o, depth + 1, out)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        _ => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: a {} is not JSON serializable", v.kind()),
+            ))
+        }
+    }
+    Ok(())
+}
+
+fn is_float(v: &Value) -> bool {
+    // minijinja keeps f64s as floats: their debug form has a point or exponent.
+    v.as_i64().is_none() || matches!(v.to_string().as_str(), s if s.contains(['.', 'e', 'E', 'n', 'N']))
+}
+
+/// Python's `repr(float)`: the shortest round-tripping digits, `1.0`, `1e-05`, `1e+16`.
+fn py_float(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity".into() } else { "-Infinity".into() };
+    }
+    // `{:e}` gives the shortest round-tripping digits: `d.ddde±x`.
+    let sci = format!("{x:e}");
+    let (mant, exp) = sci.split_once('e').expect("{:e} has an exponent");
+    let exp: i32 = exp.parse().expect("an integer exponent");
+    let (sign, mant) = mant.strip_prefix('-').map_or(("", mant), |m| ("-", m));
+    let digits: String = mant.chars().filter(|c| *c != '.').collect();
+    if !(-4..16).contains(&exp) {
+        let m = if digits.len() > 1 { format!("{}.{}", &digits[..1], &digits[1..]) } else { digits };
+        return format!("{sign}{m}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs());
+    }
+    let point = exp + 1; // digits before the point
+    let s = if point <= 0 {
+        format!("0.{}{}", "0".repeat((-point) as usize), digits)
+    } else if point as usize >= digits.len() {
+        format!("{}{}.0", digits, "0".repeat(point as usize - digits.len()))
+    } else {
+        format!("{}.{}", &digits[..point as usize], &digits[point as usize..])
+    };
+    format!("{sign}{s}")
+}
+
+/// A JSON string as Python's `json` writes it.
+fn py_string(s: &str, ascii: bool, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (ascii && (c as u32) > 0x7e) => {
+                let mut buf = [0u16; 2];
+                for u in c.encode_utf16(&mut buf) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn date() -> chrono::NaiveDate {
+        chrono::NaiveDate::from_ymd_opt(2026, 1, 15).unwrap()
+    }
+
+    fn render(src: &str, msgs: serde_json::Value) -> Result<Rendered, RenderError> {
+        let t = Template::new(src, "t", date(), vec![("bos_token".into(), "<s>".into())]).unwrap();
+        t.render(&json_value(&msgs), None, false)
+    }
+
+    #[test]
+    fn python_json_and_floats() {
+        for (x, s) in [(1.0, "1.0"), (1e-5, "1e-05"), (0.1, "0.1"), (1e16, "1e+16"), (123.25, "123.25"), (-0.5, "-0.5")]
+        {
+            assert_eq!(py_float(x), s);
+        }
+        let r = render(
+            "{{ messages | tojson }}|{{ messages[0] | tojson(indent=2) }}",
+            serde_json::json!([{"b": 1, "a": [1.5, "é\n<"], "c": null}]),
+        )
+        .unwrap();
+        assert_eq!(
+            r.text,
+            "[{\"b\": 1, \"a\": [1.5, \"é\\n<\"], \"c\": null}]|{\n  \"b\": 1,\n  \"a\": [\n    1.5,\n    \"é\\n<\"\n  ],\n  \"c\": null\n}"
+        );
+    }
+
+    #[test]
+    fn python_methods_trim_blocks_and_dates() {
+        let src = "{{ bos_token }}{% for m in messages %}\n  {% if m.content.startswith('x') %}\n{{ m.content.split('-')[-1].strip() }}|{% endif %}\n{% endfor %}{{ strftime_now('%d %b %Y') }}";
+        let r = render(src, serde_json::json!([{"content": "x- a "}, {"content": "y"}])).unwrap();
+        assert_eq!(r.text, "<s>a|15 Jan 2026");
+    }
+
+    #[test]
+    fn generation_blocks_give_byte_ranges() {
+        let src = "{% for m in messages %}<{{ m.role }}>\n{%- if m.role == 'assistant' %}{% generation -%}\n {{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}\n{% endfor %}";
+        let r =
+            render(src, serde_json::json!([{"role": "user", "content": "hé"}, {"role": "assistant", "content": "ok"}]))
+                .unwrap();
+        assert_eq!(r.text, "<user>hé<assistant>ok");
+        assert_eq!(r.generation, vec![20..22]);
+    }
+
+    #[test]
+    fn errors_say_what_and_whose() {
+        let e = render("{{ raise_exception('roles must alternate') }}", serde_json::json!([])).unwrap_err();
+        assert!(
+            matches!(&e, RenderError::Rejected(m) if m.contains("refused the conversation: roles must alternate")),
+            "{e}"
+        );
+        let e = render("{{ messages | frobnicate }}", serde_json::json!([])).unwrap_err();
+        assert!(matches!(&e, RenderError::Unsupported(m) if m.contains("frobnicate")), "{e}");
+        let e = Template::new("{% for %}", "x.jinja", date(), vec![]).unwrap_err().to_string();
+        assert!(e.contains("chat template x.jinja, line 1"), "{e}");
+    }
+}

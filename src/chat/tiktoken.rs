@@ -1,0 +1,228 @@
+//! tiktoken's BPE, as Kimi-K2 ships it: `tiktoken.model` (one `base64 rank`
+//! line per token), a pre-tokenisation pattern, and special tokens placed
+//! after the ranks (`tokenizer_config.json`'s `added_tokens_decoder`; the
+//! rest of the reserved block named `<|reserved_token_{id}|>`).
+
+use super::ChatError;
+use base64::Engine as _;
+use std::collections::HashMap;
+
+/// Kimi-K2's pre-tokenisation pattern (`tokenization_kimi.py`, `pat_str`).
+pub const KIMI_PATTERN: &str = concat!(
+    r"[\p{Han}]+",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}",
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"|\s*[\r\n]+",
+    r"|\s+(?!\S)",
+    r"|\s+",
+);
+
+/// Special-token ids Kimi's tokenizer reserves after the ranks.
+pub const RESERVED_SPECIAL: usize = 256;
+
+/// A tiktoken BPE: byte strings with merge ranks, a pattern, special tokens.
+pub struct Tiktoken {
+    ranks: HashMap<Vec<u8>, u32>,
+    pattern: fancy_regex::Regex,
+    specials: Vec<(String, u32)>,
+    // Matches any special token (longest first at one position).
+    special_re: Option<regex::Regex>,
+    vocab: usize,
+}
+
+impl Tiktoken {
+    /// Parses a `tiktoken.model` text; `specials` are `(text, id)`; `pattern` is the pre-tokenisation regex.
+    pub fn new(model: &str, name: &str, pattern: &str, specials: Vec<(String, u32)>) -> Result<Self, ChatError> {
+        let bad = |line: usize, problem: String| ChatError::Tokenizer(format!("{name}:{line}: {problem}"));
+        let mut ranks = HashMap::new();
+        let mut vocab = 0usize;
+        for (n, line) in model.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let (tok, rank) = line.split_once(' ').ok_or_else(|| bad(n + 1, "expected `base64 rank`".into()))?;
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(tok)
+                .map_err(|e| bad(n + 1, format!("token is not base64: {e}")))?;
+            let rank: u32 = rank.trim().parse().map_err(|_| bad(n + 1, format!("rank {rank:?} is not an integer")))?;
+            vocab = vocab.max(rank as usize + 1);
+            if ranks.insert(bytes, rank).is_some() {
+                return Err(bad(n + 1, "token listed twice".into()));
+            }
+        }
+        if ranks.is_empty() {
+            return Err(ChatError::Tokenizer(format!("{name}: no tokens")));
+        }
+        let pattern = fancy_regex::Regex::new(pattern)
+            .map_err(|e| ChatError::Tokenizer(format!("pre-tokenisation pattern: {e}")))?;
+        let mut specials = specials;
+        // Longest first, so that of two specials starting at one place the longer wins.
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let special_re = if specials.is_empty() {
+            None
+        } else {
+            let alt: Vec<String> = specials.iter().map(|(s, _)| regex::escape(s)).collect();
+            Some(regex::Regex::new(&alt.join("|")).map_err(|e| ChatError::Tokenizer(format!("special tokens: {e}")))?)
+        };
+        for (_, id) in &specials {
+            vocab = vocab.max(*id as usize + 1);
+        }
+        Ok(Tiktoken { ranks, pattern, specials, special_re, vocab })
+    }
+
+    /// One past the largest id.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    /// The id of a special token.
+    pub fn special_id(&self, text: &str) -> Option<u32> {
+        self.specials.iter().find(|(s, _)| s == text).map(|&(_, id)| id)
+    }
+
+    /// Encodes `text` with every special token allowed (as Kimi's tokenizer
+    /// does for chat text), appending ids and their byte spans in `text`.
+    pub fn encode(&self, text: &str, ids: &mut Vec<u32>, spans: &mut Vec<(usize, usize)>) -> Result<(), ChatError> {
+        let mut at = 0;
+        let mut specials = self.special_re.as_ref().map(|re| re.find_iter(text));
+        loop {
+            let next = specials.as_mut().and_then(|it| it.next());
+            let end = next.as_ref().map_or(text.len(), |m| m.start());
+            self.encode_ordinary(text, at, end, ids, spans)?;
+            match next {
+                Some(m) => {
+                    let id = self.special_id(m.as_str()).expect("the special regex matches special tokens only");
+                    ids.push(id);
+                    spans.push((m.start(), m.end()));
+                    at = m.end();
+                }
+                None => return Ok(()),
+            }
+        }
+    }
+
+    fn encode_ordinary(
+        &self,
+        text: &str,
+        from: usize,
+        to: usize,
+        ids: &mut Vec<u32>,
+        spans: &mut Vec<(usize, usize)>,
+    ) -> Result<(), ChatError> {
+        let part = &text[from..to];
+        let mut parts: Vec<(usize, u32)> = Vec::new();
+        for m in self.pattern.find_iter(part) {
+            let m = m.map_err(|e| ChatError::Tokenizer(format!("pre-tokenisation: {e}")))?;
+            let piece = m.as_str().as_bytes();
+            let base = from + m.start();
+            if let Some(&r) = self.ranks.get(piece) {
+                ids.push(r);
+                spans.push((base, base + piece.len()));
+                continue;
+            }
+            self.merge(piece, &mut parts)?;
+            for w in 0..parts.len() - 1 {
+                let (s, e) = (parts[w].0, parts[w + 1].0);
+                let r = *self.ranks.get(&piece[s..e]).ok_or_else(|| {
+                    ChatError::Tokenizer(format!("byte {:#04x} has no rank in the BPE file", piece[s]))
+                })?;
+                ids.push(r);
+                spans.push((base + s, base + e));
+            }
+        }
+        Ok(())
+    }
+
+    /// tiktoken's byte-pair merge: `parts` becomes the boundaries of the
+    /// piece's tokens (last entry `piece.len()`), merging the lowest-ranked
+    /// adjacent pair first (leftmost on ties).
+    fn merge(&self, piece: &[u8], parts: &mut Vec<(usize, u32)>) -> Result<(), ChatError> {
+        let rank = |parts: &[(usize, u32)], i: usize| -> u32 {
+            if i + 3 < parts.len() {
+                self.ranks.get(&piece[parts[i].0..parts[i + 3].0]).copied().unwrap_or(u32::MAX)
+            } else {
+                u32::MAX
+            }
+        };
+        parts.clear();
+        for i in 0..piece.len() + 1 {
+            parts.push((i, u32::MAX));
+        }
+        for i in 0..parts.len().saturating_sub(2) {
+            parts[i].1 = self.ranks.get(&piece[i..i + 2]).copied().unwrap_or(u32::MAX);
+        }
+        while parts.len() > 1 {
+            let (mut min, mut at) = (u32::MAX, usize::MAX);
+            for (i, p) in parts[..parts.len() - 1].iter().enumerate() {
+                if p.1 < min {
+                    (min, at) = (p.1, i);
+                }
+            }
+            if min == u32::MAX {
+                break;
+            }
+            if at > 0 {
+                parts[at - 1].1 = rank(parts, at - 1);
+            }
+            parts[at].1 = rank(parts, at);
+            parts.remove(at + 1);
+        }
+        Ok(())
+    }
+}
+
+/// Special tokens as Kimi's `TikTokenTokenizer` builds them: ids from `base`
+/// to `base + RESERVED_SPECIAL`, named by `added_tokens_decoder` where it
+/// names them and `<|reserved_token_{id}|>` elsewhere.
+pub fn kimi_specials(base: usize, named: &HashMap<u32, String>) -> Vec<(String, u32)> {
+    let mut out: Vec<(String, u32)> = (base..base + RESERVED_SPECIAL)
+        .map(|id| {
+            let id = id as u32;
+            (named.get(&id).cloned().unwrap_or_else(|| format!("<|reserved_token_{id}|>")), id)
+        })
+        .collect();
+    // Named ids outside the reserved block still count.
+    for (&id, text) in named {
+        if (id as usize) < base || id as usize >= base + RESERVED_SPECIAL {
+            out.push((text.clone(), id));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bpe() -> Tiktoken {
+        // Bytes a, b, c, then merges "ab" (3), "abc" (4), "cc" (5).
+        let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+        let lines: Vec<String> = [&b"a"[..], b"b", b"c", b"ab", b"abc", b"cc", b" "]
+            .iter()
+            .enumerate()
+            .map(|(r, t)| format!("{} {r}", b64(t)))
+            .collect();
+        let specials = vec![("<|x|>".to_string(), 7), ("<|x|>y".to_string(), 8)];
+        Tiktoken::new(&lines.join("\n"), "t", KIMI_PATTERN, specials).unwrap()
+    }
+
+    #[test]
+    fn merges_by_rank_and_keeps_spans() {
+        let t = bpe();
+        let (mut ids, mut spans) = (vec![], vec![]);
+        t.encode("abcc<|x|>ab<|x|>y", &mut ids, &mut spans).unwrap();
+        // "abcc": a b c c -> (ab) c c -> (ab)(cc)? ranks: ab=3 < cc=5 -> ab first, then abc=4 < cc=5 -> abc c.
+        assert_eq!(ids, vec![4, 2, 7, 3, 8]);
+        assert_eq!(spans, vec![(0, 3), (3, 4), (4, 9), (9, 11), (11, 17)]);
+        assert_eq!(t.vocab_size(), 9);
+    }
+
+    #[test]
+    fn a_byte_without_rank_is_an_error() {
+        let mut ids = vec![];
+        let e = bpe().encode("zz", &mut ids, &mut vec![]).unwrap_err().to_string();
+        assert!(e.contains("has no rank"), "{e}");
+    }
+}
