@@ -31,6 +31,7 @@ pub mod chat;
 pub mod dataset;
 pub mod files;
 pub mod hf;
+pub mod input;
 pub mod model;
 pub mod parallel;
 pub mod pipeline;

@@ -71,7 +71,10 @@ fn sample_longer_than_max_position_embeddings() {
 #[test]
 fn malformed_line() {
     fails_with(extract(None, &format!("{GOOD}{{\"input_ids\": [1, 2\n"), &[]), &["data.jsonl:2:", "malformed JSON"]);
-    fails_with(extract(None, "{\"tokens\": [1]}\n", &[]), &["data.jsonl:1:", "no `input_ids` field"]);
+    fails_with(
+        extract(None, "{\"tokens\": [1]}\n", &[]),
+        &["data.jsonl:1:", "no `input_ids`, `text`, `conversations` or `messages` field"],
+    );
     fails_with(extract(None, "{\"input_ids\": [1, 2.5]}\n", &[]), &["data.jsonl:1:", "input_ids[1] = 2.5"]);
 }
 
@@ -102,14 +105,15 @@ fn refuses_non_empty_output_without_resume_or_overwrite() {
         files,
         [
             ".strata.lock",
-            "hs_0.safetensors",
-            "hs_1.safetensors",
-            "hs_2.safetensors",
-            "hs_3.safetensors",
+            "data-00000-of-00001.arrow",
+            "dataset_info.json",
+            "hidden_states",
             "manifest.json",
             "notes.txt",
+            "state.json",
         ]
     );
+    assert_eq!(output_files(&r.out.join("hidden_states")).len(), 4);
     let m = strata::dataset::manifest::Manifest::read(&r.out).unwrap();
     assert_eq!((m.format.as_str(), m.complete, m.shards.len()), ("speculators", true, 4));
 }

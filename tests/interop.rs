@@ -1,29 +1,110 @@
 //! Python interop: the native and speculators outputs read with the
-//! `safetensors` and `numpy` packages match the HF reference (tests/interop/check.py).
+//! `safetensors` and `numpy` packages match the HF reference (tests/interop/check.py);
+//! a `datasets` directory goes in, and the speculators dataset directory
+//! comes out readable by `datasets.load_from_disk` (tests/interop/datasets_check.py).
 //!
-//! Uses `$STRATA_PYTHON` (else `python3`). Without numpy and safetensors the
-//! test says so and skips, unless `STRATA_REQUIRE_INTEROP=1` (set by .ci/run,
-//! which installs them) turns that into a failure.
+//! Uses `$STRATA_PYTHON` (else `python3`). Without numpy, safetensors and
+//! datasets the tests say so and skip, unless `STRATA_REQUIRE_INTEROP=1` (set
+//! by .ci/run, which installs them) turns that into a failure.
 
 mod common;
 
 use common::*;
 use std::process::Command;
 
-fn python() -> Option<String> {
+fn python_with(modules: &str) -> Option<String> {
     let py = std::env::var("STRATA_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py).args(["-c", "import numpy, safetensors"]).output().map(|o| o.status.success());
+    let ok = Command::new(&py).args(["-c", &format!("import {modules}")]).output().map(|o| o.status.success());
     match ok {
         Ok(true) => Some(py),
         _ => {
-            let why = format!("{py} with numpy and safetensors is not available");
+            let why = format!("{py} with {modules} is not available");
             if std::env::var("STRATA_REQUIRE_INTEROP").as_deref() == Ok("1") {
                 panic!("{why} (STRATA_REQUIRE_INTEROP=1)");
             }
-            eprintln!("SKIPPED interop test: {why}; `pip install numpy safetensors` or set STRATA_PYTHON");
+            eprintln!("SKIPPED interop test: {why}; `pip install {}` or set STRATA_PYTHON", modules.replace(',', ""));
             None
         }
     }
+}
+
+fn python() -> Option<String> {
+    python_with("numpy, safetensors")
+}
+
+fn run_py(py: &str, args: &[&std::ffi::OsStr]) -> String {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop/datasets_check.py");
+    let o = Command::new(py).arg(script).args(args).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{text}");
+    text
+}
+
+fn extract_spec(model: &std::path::Path, data: &std::path::Path, out: &std::path::Path, extra: &[&str]) {
+    let o = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["extract", "--capture", "input:1,final", "--format", "speculators", "--model"])
+        .arg(model)
+        .arg("--data")
+        .arg(data)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn a_datasets_directory_goes_in_and_the_trainers_dataset_directory_comes_out() {
+    let Some(py) = python_with("numpy, safetensors, datasets") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    // Token rows in a save_to_disk directory, as the speculators prepare step writes them.
+    let mut rng = strata_testkit::Rng::new(5);
+    let rows: Vec<serde_json::Value> = (0..7)
+        .map(|i| {
+            let n = 3 + i * 5;
+            let ids: Vec<u64> = (0..n).map(|_| rng.below(256)).collect();
+            let mask: Vec<u64> = (0..n).map(|t| (t >= n / 2) as u64).collect();
+            serde_json::json!({"input_ids": ids, "loss_mask": mask})
+        })
+        .collect();
+    let rows_file = tmp.path().join("rows.json");
+    std::fs::write(&rows_file, serde_json::to_string(&rows).unwrap()).unwrap();
+    let prepared = tmp.path().join("prepared");
+    run_py(&py, &[os("write"), prepared.as_os_str(), rows_file.as_os_str()]);
+    let out = tmp.path().join("out");
+    extract_spec(&fixture("llama-default"), &prepared, &out, &[]);
+    let text = run_py(&py, &[os("read"), out.as_os_str(), rows_file.as_os_str()]);
+    println!("hf-dataset input: {}", text.trim());
+
+    // Conversations: the rows and masks of the parity fixture, in the table and the files.
+    let model = tmp.path().join("chat-model");
+    std::fs::create_dir(&model).unwrap();
+    let spec = strata_testkit::LlamaSpec {
+        hidden_size: 32,
+        num_layers: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        intermediate_size: 64,
+        vocab_size: 512,
+    };
+    strata_testkit::write_llama(&model, &spec, strata::shape::DType::F32, 3).unwrap();
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(chat.join(f), model.join(f)).unwrap();
+    }
+    std::fs::copy(chat.join("templates/chatml.jinja"), model.join("chat_template.jinja")).unwrap();
+    let out = tmp.path().join("conv-out");
+    extract_spec(&model, &chat.join("conversations.openai.jsonl"), &out, &["--chat-date", "2026-01-15"]);
+    let expected = std::fs::read_to_string(chat.join("expected/chatml.openai.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = expected
+        .lines()
+        .flat_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["auto"].as_array().unwrap().clone())
+        .collect();
+    assert!(rows.len() >= 10);
+    std::fs::write(&rows_file, serde_json::to_string(&rows).unwrap()).unwrap();
+    let text = run_py(&py, &[os("read"), out.as_os_str(), rows_file.as_os_str()]);
+    println!("conversations: {}", text.trim());
 }
 
 #[test]

@@ -56,7 +56,7 @@ fn cli_matches_hf_at_every_capture_point() {
         assert!(status.status.success(), "{name}: {}", String::from_utf8_lossy(&status.stderr));
         let exp = read_tensors(&fixture(name).join("expected.safetensors"));
         for (i, ids) in samples(name).iter().enumerate() {
-            let got = read_tensors(&out.path().join(format!("hs_{i}.safetensors")));
+            let got = read_tensors(&out.path().join(format!("hidden_states/hs_{i}.safetensors")));
             let tok = &got["token_ids"];
             assert_eq!(tok.data, ids.iter().map(|&v| v as f32).collect::<Vec<_>>());
             let hs = &got["hidden_states"];

@@ -437,12 +437,13 @@ fn an_interrupted_overwrite_never_leaves_old_data_that_looks_complete() {
     let (ok, text) = verify(&out, &[]);
     assert!(ok && Manifest::read(&out).unwrap().dtype == "f32", "{text}");
 
-    // Native over speculators: no hs_ file survives.
+    // Native over speculators: no hs_ file or dataset table survives.
     let spec = st.out("spec");
     assert!(extract(&["--data", s(&st.data), "--out", s(&spec), "--format", "speculators"]).ok);
     assert!(extract(&[&["--data", s(&st.data), "--out", s(&spec), "--overwrite"][..], &SMALL].concat()).ok);
     let names: Vec<String> = dir_contents(&spec).into_iter().map(|(n, _)| n).collect();
-    assert!(names.iter().all(|n| !n.starts_with("hs_")), "{names:?}");
+    let old = |n: &String| n.contains("hs_") || n.ends_with(".arrow") || n == "state.json" || n == "dataset_info.json";
+    assert!(!names.iter().any(old), "{names:?}");
     let (ok, text) = verify(&spec, &[]);
     assert!(ok, "{text}");
 }
@@ -496,14 +497,14 @@ fn non_finite_states_fail_by_default_or_are_skipped_and_recorded() {
     let (ok, text) = verify(&native, &[]);
     assert!(ok, "{text}");
 
-    // Speculators: file i holds input row i; a skipped row leaves its number unused.
+    // Speculators: file i holds table row i; a skipped sample has neither.
     let spec = tmp.path().join("spec");
     let o = run(&spec, &["--on-nonfinite", "skip", "--format", "speculators"]);
     assert!(o.ok, "{}", o.stderr);
-    for (i, present) in [true, false, true, false, true, false].into_iter().enumerate() {
-        assert_eq!(spec.join(format!("hs_{i}.safetensors")).exists(), present, "hs_{i}");
+    for (i, present) in [true, true, true, false].into_iter().enumerate() {
+        assert_eq!(spec.join(format!("hidden_states/hs_{i}.safetensors")).exists(), present, "hs_{i}");
     }
-    let f = strata::dataset::MappedFile::open(&spec.join("hs_2.safetensors")).unwrap();
+    let f = strata::dataset::MappedFile::open(&spec.join("hidden_states/hs_1.safetensors")).unwrap();
     let ids: Vec<i64> =
         f.bytes(&f.tensors["token_ids"]).chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect();
     assert_eq!(ids, [8, 9]);

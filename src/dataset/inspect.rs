@@ -139,7 +139,10 @@ fn inspect_dataset(ds: &Dataset, max_samples: Option<usize>) -> Result<String, D
     Ok(out)
 }
 
-fn inspect_speculators_dir(dir: &Path, max_samples: Option<usize>) -> Result<String, DatasetError> {
+fn inspect_speculators_dir(top: &Path, max_samples: Option<usize>) -> Result<String, DatasetError> {
+    // The trainer's dataset layout keeps the files in hidden_states/; the older one, at the top.
+    let sub = top.join("hidden_states");
+    let dir = if sub.is_dir() { sub.as_path() } else { top };
     let io = |cause| DatasetError::Io { path: dir.display().to_string(), cause };
     let mut files: Vec<(usize, std::path::PathBuf)> = std::fs::read_dir(dir)
         .map_err(io)?
@@ -158,7 +161,9 @@ fn inspect_speculators_dir(dir: &Path, max_samples: Option<usize>) -> Result<Str
         )));
     }
     let mut out = String::new();
-    let _ = writeln!(out, "dataset:     {} (speculators format: hs_{{i}}.safetensors)", dir.display());
+    let layout =
+        if dir == top { "hs_{i}.safetensors" } else { "a datasets table with hidden_states/hs_{i}.safetensors" };
+    let _ = writeln!(out, "dataset:     {} (speculators format: {layout})", top.display());
     let _ = writeln!(out, "samples:     {}", files.len());
     let mut lens = Vec::new();
     let mut stats: Vec<Stats> = Vec::new();

@@ -15,7 +15,7 @@ use std::path::Path;
 
 /// Version of the manifest and shard layout (2: journal, run, input and
 /// weights digests, skipped samples). Version 1 is still read.
-pub const SCHEMA_VERSION: u32 = 2;
+pub const SCHEMA_VERSION: u32 = 3;
 /// The file name.
 pub const MANIFEST: &str = "manifest.json";
 /// The journal of files finished since the manifest was last written.
@@ -73,6 +73,34 @@ pub struct InputInfo {
     /// The whole input, once the run finished.
     #[serde(flatten)]
     pub whole: InputPos,
+}
+
+/// How the input became token rows: what a resume must repeat to produce the same tokens.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrepareInfo {
+    /// `--input-format` as given (`auto`, `openai`, ...).
+    pub input_format: String,
+    /// The tokenizer file and its `xxh3:` digest, when one was loaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    /// The chat template's origin and `xxh3:` digest, when the model has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
+    /// `--chat-template-kwargs`, as JSON.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub chat_template_kwargs: String,
+    /// The date `strftime_now` renders (`YYYY-MM-DD`).
+    pub chat_date: String,
+    /// `--loss-mask`: `boundary` or `generation`.
+    pub loss_mask: String,
+    /// `--rows`: `auto`, `per-turn` or `per-conversation`.
+    pub rows: String,
+    /// `--max-seq-len` (absent: conversations are cut at the model's limit, other records must fit it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_seq_len: Option<usize>,
+    /// `--skip-long`.
+    #[serde(default)]
+    pub skip_long: bool,
 }
 
 /// One shard file.
@@ -152,6 +180,9 @@ pub struct Manifest {
     /// The input, once the run finished (absent in schema 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input: Option<InputInfo>,
+    /// How the input became token rows (absent before schema 3's conversations).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prepare: Option<PrepareInfo>,
     /// `--on-nonfinite`: `fail` or `skip`.
     #[serde(default = "default_on_nonfinite")]
     pub on_nonfinite: String,
@@ -209,6 +240,7 @@ impl Manifest {
             model,
             run: None,
             input: None,
+            prepare: None,
             on_nonfinite: default_on_nonfinite(),
             nonce: String::new(),
             capture,
@@ -259,9 +291,9 @@ impl Manifest {
         }
         let v: Version = serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
         let version = v.schema_version.map(|r| r.get().trim());
-        if !matches!(version, Some("1" | "2")) {
+        if !matches!(version, Some("1" | "2" | "3")) {
             return Err(format!(
-                "{}: schema_version {} is not supported (this strata reads 1 and {SCHEMA_VERSION})",
+                "{}: schema_version {} is not supported (this strata reads 1 to {SCHEMA_VERSION})",
                 path.display(),
                 version.map_or("(none)".into(), |v| crate::clip(v, 40))
             ));
@@ -292,7 +324,8 @@ impl Manifest {
                 format!("backend {}, --tp {}, compute {}, kernel {}", r.backend, r.tp, r.compute, r.kernel)
             })
         };
-        let pairs: [(&str, String, String); 10] = [
+        let prepare = |m: &Manifest| m.prepare.as_ref().map_or(String::new(), |p| format!("{p:?}"));
+        let pairs: [(&str, String, String); 11] = [
             ("format", self.format.clone(), other.format.clone()),
             ("strata_version", self.strata_version.clone(), other.strata_version.clone()),
             ("model.config_hash", self.model.config_hash.clone(), other.model.config_hash.clone()),
@@ -303,6 +336,7 @@ impl Manifest {
             ("dtype", self.dtype.clone(), other.dtype.clone()),
             ("shard_size", self.shard_size.to_string(), other.shard_size.to_string()),
             ("layout", self.layout.clone(), other.layout.clone()),
+            ("prepare", prepare(self), prepare(other)),
         ];
         for (field, a, b) in pairs {
             if a != b {

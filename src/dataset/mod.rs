@@ -205,9 +205,12 @@ impl Dataset {
     }
 
     /// The tensors sample `id` is stored as, in checksum order: `{id}.input_ids`,
-    /// `{id}.loss_mask`, `{id}.hidden_states`; or a speculators file's `token_ids`, `hidden_states`.
+    /// `{id}.loss_mask`, `{id}.hidden_states`; or a speculators file's `token_ids`,
+    /// `loss_mask` (schema 3 on), `hidden_states`.
     pub fn tensor_names(&self, id: &str) -> Vec<String> {
-        if self.is_speculators() {
+        if self.is_speculators() && self.manifest.schema_version >= 3 {
+            vec!["token_ids".into(), "loss_mask".into(), "hidden_states".into()]
+        } else if self.is_speculators() {
             vec!["token_ids".into(), "hidden_states".into()]
         } else {
             ["input_ids", "loss_mask", "hidden_states"].iter().map(|e| format!("{id}.{e}")).collect()
@@ -245,7 +248,7 @@ impl Dataset {
         })
     }
 
-    /// A speculators file: `token_ids [T]`, `hidden_states [T, L, H]` (no loss mask).
+    /// A speculators file: `token_ids [T]`, `loss_mask [T]` (schema 3 on), `hidden_states [T, L, H]`.
     fn speculators_sample<'a>(&self, f: &'a MappedFile, tokens: usize) -> Result<SampleRef<'a>, String> {
         let m = &self.manifest;
         let dtype: DType = m.dtype.parse().map_err(|_| format!("dtype {} is not f32, bf16 or f16", quote(&m.dtype)))?;
@@ -263,6 +266,11 @@ impl Dataset {
             Ok(e)
         };
         let ids = get("token_ids", safetensors::Dtype::I64, &[tokens])?;
+        // Schema 3 files carry the row's loss mask too (the dataset table is rebuilt from them).
+        let mask = match self.manifest.schema_version >= 3 {
+            true => f.bytes(get("loss_mask", safetensors::Dtype::U8, &[tokens])?),
+            false => &[],
+        };
         let hs = f.bytes(get("hidden_states", dtype.to_safetensors(), &[tokens, l, h])?);
         // [T, L, H] -> [L, T, H], row by row of H values.
         let row = h * dtype.size();
@@ -274,7 +282,7 @@ impl Dataset {
         }
         Ok(SampleRef {
             input_ids: f.bytes(ids).chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect(),
-            loss_mask: &[],
+            loss_mask: mask,
             hidden: lth.into(),
             dtype,
             shape: [l, tokens, h],

@@ -99,7 +99,7 @@ pub const MAX_ID_LEN: usize = 256;
 /// The longest line read by default; [`JsonlSource::max_line`] changes it.
 pub const DEFAULT_MAX_LINE: usize = 64 << 20;
 
-type Parsed = (Option<String>, Vec<u32>, Option<Vec<u8>>);
+pub(crate) type Parsed = (Option<String>, Vec<u32>, Option<Vec<u8>>);
 
 /// Streams samples from a JSON Lines reader. Memory is bounded by one line
 /// (at most [`JsonlSource::max_line`] bytes) and its tokens; the bytes read
@@ -158,6 +158,28 @@ fn scan_array<T>(
         }
     }
     Ok(out)
+}
+
+/// A line's `id`: a string of 1 to [`MAX_ID_LEN`] bytes without control
+/// characters, or absent (`null`).
+pub(crate) fn parse_id(raw: Option<&serde_json::value::RawValue>) -> Result<Option<String>, String> {
+    // Only a string is parsed: any other value (an array of a million
+    // items) is refused from its raw text, without building it.
+    Ok(match raw.map(|r| (r, r.get().trim_start().as_bytes().first().copied())) {
+        None => None,
+        Some((r, _)) if r.get().trim() == "null" => None,
+        Some((r, Some(b'"'))) => {
+            let s: String = serde_json::from_str(r.get()).map_err(|e| format!("`id`: {e}"))?;
+            if s.is_empty() || s.len() > MAX_ID_LEN || s.chars().any(char::is_control) {
+                return Err(format!(
+                    "`id` {} must be 1 to {MAX_ID_LEN} bytes without control characters",
+                    crate::clip(&format!("{s:?}"), 60)
+                ));
+            }
+            Some(s)
+        }
+        Some((r, _)) => return Err(format!("`id` must be a string, got {}", crate::clip(r.get().trim(), 40))),
+    })
 }
 
 impl<R: BufRead> JsonlSource<R> {
@@ -231,7 +253,7 @@ impl<R: BufRead> JsonlSource<R> {
         }
     }
 
-    fn parse(&self, text: &[u8]) -> Result<Parsed, String> {
+    pub(crate) fn parse(&self, text: &[u8]) -> Result<Parsed, String> {
         let parsed: Line = serde_json::from_slice(text).map_err(|e| format!("malformed JSON: {e}"))?;
         let raw = parsed.input_ids.ok_or("no `input_ids` field")?.get();
         let what = "a token id (an integer from 0 to 4294967295)";
@@ -245,23 +267,7 @@ impl<R: BufRead> JsonlSource<R> {
         if ids.is_empty() {
             return Err("empty sample: `input_ids` has no tokens".into());
         }
-        // Only a string is parsed: any other value (an array of a million
-        // items) is refused from its raw text, without building it.
-        let id = match parsed.id.map(|r| (r, r.get().trim_start().as_bytes().first().copied())) {
-            None => None,
-            Some((r, _)) if r.get().trim() == "null" => None,
-            Some((r, Some(b'"'))) => {
-                let s: String = serde_json::from_str(r.get()).map_err(|e| format!("`id`: {e}"))?;
-                if s.is_empty() || s.len() > MAX_ID_LEN || s.chars().any(char::is_control) {
-                    return Err(format!(
-                        "`id` {} must be 1 to {MAX_ID_LEN} bytes without control characters",
-                        crate::clip(&format!("{s:?}"), 60)
-                    ));
-                }
-                Some(s)
-            }
-            Some((r, _)) => return Err(format!("`id` must be a string, got {}", crate::clip(r.get().trim(), 40))),
-        };
+        let id = parse_id(parsed.id)?;
         let mask = match parsed.loss_mask {
             None => None,
             Some(m) => {
@@ -286,6 +292,38 @@ pub trait Source: Iterator<Item = Result<Sample, SourceError>> {
 impl<R: BufRead> Source for JsonlSource<R> {
     fn consumed(&self) -> InputPos {
         JsonlSource::consumed(self)
+    }
+}
+
+impl<R: BufRead> JsonlSource<R> {
+    /// The next non-blank line, trimmed, with its 1-based number; counts it
+    /// as a sample for [`JsonlSource::consumed`].
+    pub(crate) fn next_text(&mut self) -> Option<Result<(usize, Vec<u8>), SourceError>> {
+        loop {
+            if self.done {
+                return None;
+            }
+            self.line += 1;
+            match self.read_line() {
+                Ok(false) => return None,
+                Ok(true) => {}
+                Err(e) => {
+                    self.done = true;
+                    return Some(Err(e));
+                }
+            }
+            let text = self.buf.trim_ascii();
+            if text.is_empty() {
+                continue;
+            }
+            self.index += 1;
+            return Some(Ok((self.line, text.to_vec())));
+        }
+    }
+
+    /// The name given to [`JsonlSource::new`].
+    pub fn name(&self) -> &str {
+        &self.name
     }
 }
 

@@ -4,6 +4,7 @@
 //! so a final name never holds a partial file.
 
 mod finite;
+pub mod hf_dataset;
 pub mod output;
 mod speculators;
 mod spool;

@@ -79,6 +79,9 @@ fn strata_named(name: &str) -> bool {
         || name == JOURNAL
         || name.strip_prefix("shard-").and_then(|n| n.strip_suffix(".safetensors")).is_some_and(digits)
         || name.strip_prefix("hs_").and_then(|n| n.strip_suffix(".safetensors")).is_some_and(digits)
+        || name == super::hf_dataset::DATA_FILE
+        || name == super::hf_dataset::INFO_FILE
+        || name == super::hf_dataset::STATE_FILE
         || temp.is_some_and(|(_, nonce)| is_nonce(nonce))
 }
 
@@ -371,9 +374,11 @@ impl OutputDir {
         &self.dir
     }
 
-    /// Creates the temporary file that will become `name`.
+    /// Creates the temporary file that will become `name` (which may lie in
+    /// a subdirectory: the temporary file is at the top, where a resume finds it).
     pub fn create_temp(&self, name: &str) -> Result<(PathBuf, File), SinkError> {
-        let tmp = self.dir.join(format!(".{name}.{}.tmp", self.nonce));
+        let base = name.rsplit('/').next().unwrap_or(name);
+        let tmp = self.dir.join(format!(".{base}.{}.tmp", self.nonce));
         let f = files::create_exclusive(&tmp).map_err(io_err(&tmp))?;
         Ok((tmp, f))
     }
@@ -449,10 +454,28 @@ impl OutputDir {
         let j = self.journal.as_mut().expect("opened above");
         j.write_all(line.as_bytes()).and_then(|()| j.sync_data()).map_err(io_err(&jpath))?;
         failpoint("journaled");
+        let parent = path.parent().unwrap_or(&self.dir).to_path_buf();
+        if parent != self.dir && !parent.is_dir() {
+            std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
+            sync_dir(&self.dir);
+        }
         std::fs::rename(tmp, &path).map_err(io_err(&path))?;
         failpoint("renamed");
+        if parent != self.dir {
+            sync_dir(&parent);
+        }
         sync_dir(&self.dir);
         self.manifest.apply(entry).map_err(dir_err)?;
+        Ok(())
+    }
+
+    /// Makes the fsynced temporary file `tmp` the file `name` at the top of
+    /// the directory, replacing one an earlier try of this run left: files
+    /// derived from the listed ones (the dataset table), not listed themselves.
+    pub fn place(&mut self, tmp: &Path, name: &str) -> Result<(), SinkError> {
+        let path = self.dir.join(name);
+        std::fs::rename(tmp, &path).map_err(io_err(&path))?;
+        sync_dir(&self.dir);
         Ok(())
     }
 

@@ -1,12 +1,16 @@
-//! The speculators per-sample format: `hs_{i}.safetensors` holding
-//! `token_ids` (I64 `[T]`) and `hidden_states` (`[T, L, H]`), where `i` is
-//! the sample's row in the input (a skipped sample leaves its number unused),
-//! plus the same `manifest.json` as the native format, which lists each file
-//! as a one-sample shard so that resume and verify work alike.
+//! The speculators trainer's dataset directory: the rows as a Hugging Face
+//! `datasets` table (`data-00000-of-00001.arrow`, `dataset_info.json`,
+//! `state.json`: `input_ids`, `loss_mask`, `seq_len`) and the states as
+//! `hidden_states/hs_{i}.safetensors`, file `i` for row `i`, each holding
+//! `token_ids` (I64 `[T]`), `loss_mask` (U8 `[T]`) and `hidden_states`
+//! (`[T, L, H]`). The same `manifest.json` as the native format lists each
+//! file as a one-sample shard, so resume and verify work alike; the table is
+//! built from the listed files when the run finishes.
 
 use super::output::Output;
-use super::{io_err, OpenMode, Sink, SinkError};
+use super::{hf_dataset, io_err, OpenMode, Sink, SinkError};
 use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
+use crate::dataset::MappedFile;
 use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{DType, Dim, StatesView};
 use std::collections::VecDeque;
@@ -70,9 +74,59 @@ impl SpeculatorsSink {
         })
     }
 
-    /// The file name of sample `i`.
+    /// The file of row `i`, inside the output directory.
     pub fn file_name(i: usize) -> String {
-        format!("hs_{i}.safetensors")
+        format!("hidden_states/hs_{i}.safetensors")
+    }
+
+    /// Writes the dataset table from the listed files, in row order: each
+    /// file's `token_ids` and `loss_mask` (read back, so that a resumed run's
+    /// table holds the rows of every run that wrote files).
+    fn write_table(&mut self) -> Result<(), SinkError> {
+        let _span = tracing::info_span!("dataset_table").entered();
+        let out = self.out.get()?;
+        let dir = out.dir().to_path_buf();
+        let (tmp, f) = out.create_temp(hf_dataset::DATA_FILE)?;
+        let table_err = |e: arrow_schema::ArrowError| SinkError::Directory(format!("{}: {e}", tmp.display()));
+        let r = (|| {
+            let mut table =
+                hf_dataset::TableWriter::new(std::io::BufWriter::with_capacity(1 << 20, f)).map_err(table_err)?;
+            for shard in &out.manifest().shards {
+                let path = dir.join(&shard.file);
+                let file = MappedFile::open(&path).map_err(|e| SinkError::Directory(e.to_string()))?;
+                let tensor = |name: &str| {
+                    file.tensors
+                        .get(name)
+                        .map(|e| file.bytes(e))
+                        .ok_or_else(|| SinkError::Directory(format!("{}: no tensor {name}", path.display())))
+                };
+                let ids = tensor("token_ids")?;
+                let mask = tensor("loss_mask")?;
+                let ids = ids.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")));
+                table.push(ids, mask.iter().map(|&m| m as i64)).map_err(table_err)?;
+            }
+            let (w, fingerprint) = table.finish().map_err(table_err)?;
+            let f = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
+            f.sync_all().map_err(io_err(&tmp))?;
+            Ok(fingerprint)
+        })();
+        let fingerprint = match r {
+            Ok(fp) => fp,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(e);
+            }
+        };
+        out.place(&tmp, hf_dataset::DATA_FILE)?;
+        for (name, text) in [
+            (hf_dataset::INFO_FILE, hf_dataset::info_json()),
+            (hf_dataset::STATE_FILE, hf_dataset::state_json(&fingerprint)),
+        ] {
+            let (tmp, mut f) = out.create_temp(name)?;
+            f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(io_err(&tmp))?;
+            out.place(&tmp, name)?;
+        }
+        Ok(())
     }
 
     /// The manifest as written so far.
@@ -148,24 +202,34 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
         let mut buf = self.spare.pop().unwrap_or_default();
         buf.clear();
         states.encode_tlh(self.dtype, &mut buf);
+        // token_ids, then loss_mask: the lead of the file.
         self.ids.clear();
         self.ids.extend(sample.input_ids.iter().flat_map(|&v| (v as i64).to_le_bytes()));
+        let n_ids = self.ids.len();
+        match &sample.loss_mask {
+            Some(m) => self.ids.extend_from_slice(m),
+            None => self.ids.resize(n_ids + t, 1),
+        }
         let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         hasher.update(&self.ids);
         hasher.update(&buf);
-        let name = Self::file_name(sample.index);
-        let (n_ids, n_hs) = (self.ids.len(), buf.len());
+        let out = self.out.get()?;
+        // Row `i` of the table is file `i`: rows are numbered as they are written.
+        let row = out.manifest().shards.len() + self.pending.len();
+        let name = Self::file_name(row);
+        let (n_lead, n_hs) = (self.ids.len(), buf.len());
         let header = serde_json::json!({
             "token_ids": {"dtype": "I64", "shape": [t], "data_offsets": [0, n_ids]},
+            "loss_mask": {"dtype": "U8", "shape": [t], "data_offsets": [n_ids, n_lead]},
             "hidden_states": {"dtype": self.dtype.to_safetensors().to_string(), "shape": [t, l, h],
-                              "data_offsets": [n_ids, n_ids + n_hs]},
+                              "data_offsets": [n_lead, n_lead + n_hs]},
         });
         let mut head = header.to_string().into_bytes();
         // The safetensors header is padded with spaces so the data starts 8-byte aligned.
         head.resize(head.len().next_multiple_of(8), b' ');
-        let bytes = (8 + head.len() + n_ids + n_hs) as u64;
-        // The header and ids lead the file; the hidden states follow from their own buffer.
-        let mut lead = Vec::with_capacity(8 + head.len() + n_ids);
+        let bytes = (8 + head.len() + n_lead + n_hs) as u64;
+        // The header, ids and mask lead the file; the hidden states follow from their own buffer.
+        let mut lead = Vec::with_capacity(8 + head.len() + n_lead);
         lead.extend_from_slice(&(head.len() as u64).to_le_bytes());
         lead.extend_from_slice(&head);
         lead.extend_from_slice(&self.ids);
@@ -210,6 +274,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
 
     fn finish(&mut self, input: InputPos) -> Result<(), SinkError> {
         self.settle(0, 0)?;
+        self.write_table()?;
         self.out.get()?.finish(InputInfo { path: self.input_path.clone(), whole: input })
     }
 

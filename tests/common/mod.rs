@@ -111,15 +111,22 @@ pub fn strata(args: &[&std::ffi::OsStr]) -> (bool, String, String) {
     (o.status.success(), out, err)
 }
 
-/// Every file under `dir` (names and bytes), sorted, for whole-directory comparisons.
+/// Every file under `dir`, subdirectories included (relative names and bytes),
+/// sorted, for whole-directory comparisons.
 pub fn dir_contents(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
+    fn walk(dir: &Path, prefix: &str, v: &mut Vec<(String, Vec<u8>)>) {
+        for e in std::fs::read_dir(dir).unwrap() {
             let e = e.unwrap();
-            (e.file_name().to_string_lossy().to_string(), std::fs::read(e.path()).unwrap())
-        })
-        .collect();
+            let name = format!("{prefix}{}", e.file_name().to_string_lossy());
+            if e.file_type().unwrap().is_dir() {
+                walk(&e.path(), &format!("{name}/"), v);
+            } else {
+                v.push((name, std::fs::read(e.path()).unwrap()));
+            }
+        }
+    }
+    let mut v = Vec::new();
+    walk(dir, "", &mut v);
     v.sort();
     v
 }

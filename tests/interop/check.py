@@ -61,7 +61,7 @@ def main():
         assert hs.shape == (L, T, H), (info["id"], hs.shape)
         assert (t[info["id"] + ".input_ids"] == ids).all()
         assert (t[info["id"] + ".loss_mask"] == 1).all()
-        sp = load_any(os.path.join(spec, f"hs_{i}.safetensors"))
+        sp = load_any(os.path.join(spec, "hidden_states", f"hs_{i}.safetensors"))
         assert sp["hidden_states"].shape == (T, L, H)
         assert (sp["token_ids"] == ids).all()
         assert np.array_equal(sp["hidden_states"].transpose(1, 0, 2), hs), "native and speculators disagree"

@@ -8,8 +8,13 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use strata::dataset::manifest::{InputInfo, Manifest, ModelInfo, RunInfo};
+use strata::chat::{Chat, ChatOptions, LongRows, MaskSource, RowMode, RowOptions};
+use strata::dataset::manifest::{InputInfo, Manifest, ModelInfo, PrepareInfo, RunInfo};
 use strata::hf::Checkpoint;
+use strata::input::arrow::DatasetRecords;
+use strata::input::jsonl::JsonlRecords;
+use strata::input::prepare::{PrepareOptions, PrepareStats, Prepared};
+use strata::input::{InputFormat, Records};
 use strata::model::{AnyConfig, AnyModel, BackendKind, ComputeChoice, LoadOptions, Model, ModelError};
 use strata::pipeline::capture::{CaptureError, CapturePoint, CaptureSet};
 use strata::pipeline::source::{Checked, Expected, InputPos, JsonlSource, Limits, SourceError};
@@ -55,8 +60,47 @@ pub struct ExtractJob {
     pub compute: ComputeChoice,
     /// What to do with a sample whose states hold NaN or Inf.
     pub on_nonfinite: OnNonFinite,
+    /// How records become token rows.
+    pub prepare: PrepareArgs,
 }
 
+/// How input records become token rows: formats, chat template, masks, limits.
+#[derive(Clone, Debug, Default)]
+pub struct PrepareArgs {
+    /// `--input-format`.
+    pub input_format: InputFormat,
+    /// `--chat-template FILE`.
+    pub chat_template: Option<PathBuf>,
+    /// `--chat-template-kwargs`: extra template variables.
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+    /// `--chat-date`; default: the date a resumed run recorded, else today.
+    pub date: Option<chrono::NaiveDate>,
+    /// `--loss-mask`.
+    pub mask: MaskSource,
+    /// `--rows`.
+    pub rows: RowMode,
+    /// `--max-seq-len`.
+    pub max_seq_len: Option<usize>,
+    /// `--skip-long`.
+    pub skip_long: bool,
+}
+
+impl PrepareArgs {
+    fn mask_name(&self) -> &'static str {
+        match self.mask {
+            MaskSource::Boundary => "boundary",
+            MaskSource::Generation => "generation",
+        }
+    }
+
+    fn rows_name(&self) -> &'static str {
+        match self.rows {
+            RowMode::Auto => "auto",
+            RowMode::PerTurn => "per-turn",
+            RowMode::PerConversation => "per-conversation",
+        }
+    }
+}
 /// Why an extraction stopped. A run whose input fails before its first sample
 /// is written leaves nothing; later, the output stays resumable.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +117,12 @@ pub enum ExtractError {
     /// A checkpoint without data: the embedded samples fit only the embedded model.
     #[error("--model needs --data FILE.jsonl (the embedded demo data is made for the embedded model)")]
     DataRequired,
+    /// The tokenizer or chat template.
+    #[error(transparent)]
+    Chat(#[from] strata::chat::ChatError),
+    /// Options that do not go together.
+    #[error("{0}")]
+    Usage(String),
 }
 
 impl From<CaptureError> for ExtractError {
@@ -108,6 +158,14 @@ pub struct Summary {
     pub weight_storage: String,
     /// Samples left out for non-finite states (`--on-nonfinite skip`).
     pub skipped: usize,
+    /// The input's format, as detected.
+    pub input_format: InputFormat,
+    /// What preparing the input did (rows, skips, errors).
+    pub prepare: PrepareStats,
+    /// The chat template used, when the model has one.
+    pub chat_template: Option<String>,
+    /// The date `strftime_now` rendered.
+    pub chat_date: Option<chrono::NaiveDate>,
 }
 
 /// How far through the input a run is, for progress.
@@ -158,7 +216,22 @@ impl ExtractJob {
         let compute = self.compute.resolve(self.backend, false);
         // Checked before the input is read or any weight is touched.
         config.check(LoadOptions { backend: self.backend, compute, tp: self.tp })?;
-        let (reader, input_len) = self.open_input()?;
+        let dataset_dir =
+            self.data.as_deref().filter(|d| strata::input::arrow::is_dataset_dir(d)).map(|d| d.to_path_buf());
+        if self.prepare.input_format == InputFormat::HfDataset && dataset_dir.is_none() {
+            return Err(ExtractError::Usage(format!(
+                "--input-format hf-dataset needs a directory written by datasets' save_to_disk (with state.json), \
+                 and {} is not one",
+                self.data_name()
+            )));
+        }
+        let (reader, input_len) = match &dataset_dir {
+            Some(_) => (None, None),
+            None => {
+                let (r, len) = self.open_input()?;
+                (Some(r), len)
+            }
+        };
 
         let t = Instant::now();
         summary.weight_storage = config.quantization().unwrap_or_default();
@@ -188,6 +261,8 @@ impl ExtractJob {
         let dtype = self.dtype.unwrap_or(model.dtype());
         summary.dtype = Some(dtype);
 
+        let (chat, prepare_info) = self.load_chat(&mut summary)?;
+
         let path = self.model.as_ref().map_or(embedded::NAME.into(), |p| p.display().to_string());
         let mut job = Manifest::new(ModelInfo::new(&path, &info, &config_text), &points, dtype, self.shard_size);
         job.model.weights_digest = weights_digest;
@@ -202,6 +277,7 @@ impl ExtractJob {
             kernel: kernel.into(),
         });
         job.on_nonfinite = self.on_nonfinite.as_str().into();
+        job.prepare = Some(prepare_info);
         job.input = Some(InputInfo { path: self.data_name(), whole: InputPos::default() });
 
         let max = info.max_position_embeddings;
@@ -212,13 +288,43 @@ impl ExtractJob {
         };
         // A token takes at most 11 bytes as `4294967295,` and 2 in a loss mask; allow spaces too.
         // Never more than DEFAULT_MAX_LINE, whatever the config claims.
-        let max_line = max.saturating_mul(32).clamp(1 << 20, strata::pipeline::source::DEFAULT_MAX_LINE);
-        let source = JsonlSource::new(self.data_name(), reader).max_line(max_line).max_tokens(max, from.clone());
-        let limits = Limits { vocab_size: info.vocab_size, max_tokens: max, max_tokens_from: from };
+        // Conversation and text lines are not token lists: the whole default bound.
+        let max_line = match chat {
+            Some(_) => strata::pipeline::source::DEFAULT_MAX_LINE,
+            None => max.saturating_mul(32).clamp(1 << 20, strata::pipeline::source::DEFAULT_MAX_LINE),
+        };
+        let p = &self.prepare;
+        let limit = p.max_seq_len.unwrap_or(max);
+        let from = match p.max_seq_len {
+            Some(n) if n <= max => format!("--max-seq-len {n}"),
+            _ => from,
+        };
+        let records: Box<dyn Records> = match (reader, &dataset_dir) {
+            (Some(reader), _) => {
+                let mut lines = JsonlSource::new(self.data_name(), reader).max_line(max_line);
+                if p.max_seq_len.is_none() {
+                    lines = lines.max_tokens(max, from.clone());
+                }
+                Box::new(JsonlRecords::new(lines, p.input_format))
+            }
+            (None, Some(dir)) => {
+                let most = if p.max_seq_len.is_none() { max } else { usize::MAX };
+                Box::new(DatasetRecords::open(dir, most)?)
+            }
+            (None, None) => unreachable!("an input is opened above"),
+        };
+        let long = if p.skip_long { LongRows::Skip } else { LongRows::Truncate };
+        let opts = PrepareOptions {
+            rows: RowOptions { mask: p.mask, rows: p.rows, max_len: limit, long },
+            limit_all: p.max_seq_len.is_some(),
+        };
+        let source = Prepared::spawn(records, chat, opts, self.data_name())?;
+        let stats = source.stats();
+        let limits = Limits { vocab_size: info.vocab_size, max_tokens: limit.min(max), max_tokens_from: from };
         let names: Vec<String> = points.iter().map(|p| p.to_string()).collect();
         let input = Input { source, limits, len: input_len };
         let mut report_progress = |p: &Progress, i: &InputProgress| progress(p, i);
-        let (report, skipped) = match self.format {
+        let (report, skipped, format) = match self.format {
             Format::Strata => {
                 let sink = StrataSink::open(&self.out, job, points.len(), info.hidden_size, self.mode)?;
                 let expect = expected(sink.manifest())?;
@@ -235,6 +341,8 @@ impl ExtractJob {
         summary.report = report;
         summary.skipped = skipped;
         summary.points = points;
+        summary.input_format = format;
+        summary.prepare = stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
         Ok(summary)
     }
 
@@ -246,7 +354,8 @@ impl ExtractJob {
         expect: Expected,
         sink: FiniteCheck<K>,
         progress: &mut dyn FnMut(&Progress, &InputProgress),
-    ) -> Result<(Report, usize), ExtractError> {
+    ) -> Result<(Report, usize, InputFormat), ExtractError> {
+        let format = input.source.format_handle();
         let source = Checked::new(input.source, self.data_name(), input.limits, expect);
         let read: Arc<AtomicU64> = source.bytes_read();
         let total = input.len;
@@ -257,13 +366,94 @@ impl ExtractJob {
             .sink(sink)
             .on_progress(move |p| progress(p, &InputProgress { read: read.load(Ordering::Relaxed), total }))
             .run()?;
-        Ok((report, sink.skipped()))
+        let format = *format.lock().unwrap_or_else(|e| e.into_inner());
+        Ok((report, sink.skipped(), format))
     }
+}
+
+impl ExtractJob {
+    /// The model's tokenizer and chat template, when the input may need them,
+    /// and what the manifest records of how rows are made.
+    fn load_chat(&self, summary: &mut Summary) -> Result<(Option<Arc<Chat>>, PrepareInfo), ExtractError> {
+        let p = &self.prepare;
+        if p.input_format == InputFormat::Tokens && (p.chat_template.is_some() || !p.kwargs.is_empty()) {
+            return Err(ExtractError::Usage(
+                "--chat-template and its options need conversations, not --input-format tokens".into(),
+            ));
+        }
+        if p.mask == MaskSource::Generation && p.rows == RowMode::PerTurn {
+            return Err(ExtractError::Usage(
+                "--loss-mask generation masks a whole conversation at once: it gives one row per conversation, \
+                 not --rows per-turn"
+                    .into(),
+            ));
+        }
+        // A resumed run renders the date the run it continues rendered.
+        let recorded = match self.mode {
+            strata::sink::OpenMode::Resume => Manifest::read(&self.out)
+                .ok()
+                .and_then(|m| m.prepare)
+                .and_then(|p| chrono::NaiveDate::parse_from_str(&p.chat_date, "%Y-%m-%d").ok()),
+            _ => None,
+        };
+        let date = p.date.or(recorded).unwrap_or_else(|| chrono::Local::now().date_naive());
+        let mut info = PrepareInfo {
+            input_format: p.input_format.name().into(),
+            chat_template_kwargs: if p.kwargs.is_empty() {
+                String::new()
+            } else {
+                serde_json::Value::Object(p.kwargs.clone()).to_string()
+            },
+            chat_date: date.format("%Y-%m-%d").to_string(),
+            loss_mask: p.mask_name().into(),
+            rows: p.rows_name().into(),
+            max_seq_len: p.max_seq_len,
+            skip_long: p.skip_long,
+            ..Default::default()
+        };
+        let dir = match &self.model {
+            Some(dir) if !matches!(p.input_format, InputFormat::Tokens | InputFormat::HfDataset) => dir,
+            _ => {
+                if p.input_format.needs_tokenizer() {
+                    return Err(ExtractError::Usage(format!(
+                        "--input-format {} needs the model's tokenizer: pass --model DIR",
+                        p.input_format.name()
+                    )));
+                }
+                return Ok((None, info));
+            }
+        };
+        let has_tokenizer = strata::chat::tokenizer::FILES.iter().any(|f| dir.join(f).is_file());
+        if !has_tokenizer && !p.input_format.needs_tokenizer() && p.chat_template.is_none() {
+            // Token ids need no tokenizer; text and conversations say so when they come.
+            return Ok((None, info));
+        }
+        let opts = ChatOptions { template_file: p.chat_template.clone(), date, kwargs: p.kwargs.clone() };
+        let chat = Chat::load(dir, &opts)?;
+        info.tokenizer = Some(tokenizer_digest(dir));
+        info.chat_template = chat
+            .template_origin
+            .as_ref()
+            .map(|o| format!("{} {}", chat.template_digest.as_deref().unwrap_or_default(), o));
+        summary.chat_template = chat.template_origin.clone();
+        summary.chat_date = Some(date);
+        Ok((Some(Arc::new(chat)), info))
+    }
+}
+
+/// The tokenizer file's name and `xxh3:` digest.
+fn tokenizer_digest(dir: &std::path::Path) -> String {
+    for f in strata::chat::tokenizer::FILES {
+        if let Ok(bytes) = std::fs::read(dir.join(f)) {
+            return format!("{f} xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+        }
+    }
+    String::new()
 }
 
 /// The input stream with its limits.
 struct Input {
-    source: JsonlSource<Box<dyn BufRead + Send>>,
+    source: Prepared,
     limits: Limits,
     len: Option<u64>,
 }

@@ -15,12 +15,14 @@ mod verify;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use extract::{ExtractJob, Format, InputProgress, Summary};
+use extract::{ExtractJob, Format, InputProgress, PrepareArgs, Summary};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 use strata::backend::Compute;
+use strata::chat::{MaskSource, RowMode};
+use strata::input::InputFormat;
 use strata::model::{BackendKind, ComputeChoice};
 use strata::pipeline::Progress;
 use strata::shape::DType;
@@ -261,6 +263,79 @@ struct ExtractArgs {
     /// the kernel path; --resume refuses a run that would mix them.
     #[arg(long, value_enum, value_name = "DTYPE", default_value = "auto")]
     compute: ComputeArg,
+    /// What the --data records are. Default: detected from the first line
+    /// (`input_ids`, `conversations`, `messages` or `text`).
+    #[arg(long, value_enum, value_name = "FORMAT", default_value = "auto", help_heading = "Input")]
+    input_format: InputFormatArg,
+    /// Chat template (Jinja) to render conversations with, instead of the
+    /// model's chat_template.jinja or tokenizer_config.json's.
+    #[arg(long, value_name = "FILE", help_heading = "Input")]
+    chat_template: Option<PathBuf>,
+    /// Extra template variables as a JSON object, e.g. '{"enable_thinking": false}'.
+    #[arg(long, value_name = "JSON", value_parser = parse_kwargs, help_heading = "Input")]
+    chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The date strftime_now renders, YYYY-MM-DD (recorded; a resume reuses it). Default: today.
+    #[arg(long, value_name = "DATE", value_parser = parse_date, help_heading = "Input")]
+    chat_date: Option<chrono::NaiveDate>,
+    /// Where conversations' loss masks come from.
+    #[arg(long, value_enum, value_name = "FROM", default_value = "boundary", help_heading = "Input")]
+    loss_mask: LossMaskArg,
+    /// Rows per conversation.
+    #[arg(long, value_enum, value_name = "MODE", default_value = "auto", help_heading = "Input")]
+    rows: RowsArg,
+    /// Cut every row to N tokens on the right (conversations: default the
+    /// model's max_position_embeddings; other records must fit it unless this is given).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..), help_heading = "Input")]
+    max_seq_len: Option<u64>,
+    /// Leave rows longer than the limit out instead of cutting them.
+    #[arg(long, help_heading = "Input")]
+    skip_long: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum InputFormatArg {
+    /// Detect from the first record.
+    Auto,
+    /// {"input_ids": [...], "loss_mask": [...]}.
+    Tokens,
+    /// {"text": "..."}, tokenized with the model's tokenizer.
+    Text,
+    /// {"conversations": [{"from": "human", "value": "..."}, ...]}.
+    Sharegpt,
+    /// {"messages": [{"role": "user", "content": "..."}, ...], "tools": [...]}.
+    Openai,
+    /// A datasets directory (save_to_disk) with input_ids and optional loss_mask columns; detected from state.json.
+    HfDataset,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LossMaskArg {
+    /// Each assistant turn from where its generation prompt ends (as the speculators stack).
+    Boundary,
+    /// The template's {% generation %} blocks (as transformers' return_assistant_tokens_mask).
+    Generation,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RowsArg {
+    /// One row per conversation where that is exact (prefix-stable templates), else one per assistant turn.
+    Auto,
+    /// One row per assistant turn.
+    PerTurn,
+    /// One row per conversation; a conversation whose template rewrites earlier turns is an error.
+    PerConversation,
+}
+
+fn parse_kwargs(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        Ok(_) => Err("expected a JSON object, e.g. '{\"enable_thinking\": false}'".into()),
+        Err(e) => Err(format!("not JSON: {e}")),
+    }
+}
+
+fn parse_date(s: &str) -> Result<chrono::NaiveDate, String> {
+    chrono::NaiveDate::parse_from_str(s, "%Y-%m-%d").map_err(|e| format!("expected YYYY-MM-DD: {e}"))
 }
 
 #[derive(clap::Args)]
@@ -386,6 +461,7 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
     if s.skipped > 0 {
         say!("  skipped     {} samples with NaN or Inf states (listed in the manifest's `skipped`)", s.skipped);
     }
+    print_prepare(s);
     say!("  capture     {} ({})", points.join(","), s.dtype.map_or("?".into(), |d| d.to_string()));
     say!("  bytes       {}", r.bytes);
     say!("  weights     {:.1} MiB in memory ({})", s.weight_bytes as f64 / (1 << 20) as f64, s.weight_storage);
@@ -400,6 +476,52 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
     );
     if let Some(m) = peak_rss_mib() {
         say!("  peak memory {m:.0} MiB");
+    }
+}
+
+/// What preparing the input did: rows of each kind, skips, errors, cuts.
+fn print_prepare(s: &Summary) {
+    let p = &s.prepare;
+    if p.conversations > 0 {
+        say!(
+            "  input       {} conversations ({}): {} rows of a whole conversation, {} of one turn; {} tokens \
+             saved against one row per turn",
+            p.conversations,
+            s.input_format.name(),
+            p.rows_per_conversation,
+            p.rows_per_turn,
+            p.saved_tokens
+        );
+        if let Some(t) = &s.chat_template {
+            let date = s.chat_date.map_or(String::new(), |d| format!(", dates render as {d}"));
+            say!("  template    {t}{date}");
+        }
+    } else if p.records > 0 {
+        say!("  input       {} records ({})", p.records, s.input_format.name());
+    }
+    if p.skipped_empty + p.skipped_no_assistant > 0 {
+        say!(
+            "  skipped     {} empty conversations, {} without an assistant turn",
+            p.skipped_empty,
+            p.skipped_no_assistant
+        );
+    }
+    if p.errors > 0 {
+        say!("  errors      {} conversations could not be rendered into rows and were left out:", p.errors);
+        for e in &p.first_errors {
+            say!("                {e}");
+        }
+    }
+    if p.long_prompts + p.truncated + p.skipped_long > 0 {
+        say!(
+            "  limit       {} rows cut, {} rows left out as too long, {} turns left out (prompt alone fills the limit)",
+            p.truncated,
+            p.skipped_long,
+            p.long_prompts
+        );
+    }
+    if !p.unknown_roles.is_empty() {
+        say!("  roles       counted as assistant: {}", p.unknown_roles.join(", "));
     }
 }
 
@@ -439,6 +561,30 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         on_nonfinite: match a.on_nonfinite {
             NonFiniteArg::Fail => OnNonFinite::Fail,
             NonFiniteArg::Skip => OnNonFinite::Skip,
+        },
+        prepare: PrepareArgs {
+            input_format: match a.input_format {
+                InputFormatArg::Auto => InputFormat::Auto,
+                InputFormatArg::Tokens => InputFormat::Tokens,
+                InputFormatArg::Text => InputFormat::Text,
+                InputFormatArg::Sharegpt => InputFormat::ShareGpt,
+                InputFormatArg::Openai => InputFormat::OpenAi,
+                InputFormatArg::HfDataset => InputFormat::HfDataset,
+            },
+            chat_template: a.chat_template,
+            kwargs: a.chat_template_kwargs.unwrap_or_default(),
+            date: a.chat_date,
+            mask: match a.loss_mask {
+                LossMaskArg::Boundary => MaskSource::Boundary,
+                LossMaskArg::Generation => MaskSource::Generation,
+            },
+            rows: match a.rows {
+                RowsArg::Auto => RowMode::Auto,
+                RowsArg::PerTurn => RowMode::PerTurn,
+                RowsArg::PerConversation => RowMode::PerConversation,
+            },
+            max_seq_len: a.max_seq_len.map(|n| n as usize),
+            skip_long: a.skip_long,
         },
     };
     let model = a.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());

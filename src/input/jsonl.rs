@@ -1,0 +1,146 @@
+//! Records from JSON Lines: token ids, text, or conversations in ShareGPT
+//! or OpenAI style; the format is fixed by the first record unless chosen.
+
+use super::{InputFormat, Item, Record, Records};
+use crate::chat::{Conversation, Style};
+use crate::pipeline::source::{parse_id, InputPos, JsonlSource, SourceError};
+use serde_json::value::RawValue;
+use std::io::BufRead;
+
+#[derive(serde::Deserialize)]
+struct Line<'a> {
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    input_ids: Option<&'a RawValue>,
+    #[serde(borrow)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow)]
+    conversations: Option<&'a RawValue>,
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tools: Option<&'a RawValue>,
+}
+
+/// Records from a JSON Lines reader.
+pub struct JsonlRecords<R: BufRead> {
+    src: JsonlSource<R>,
+    format: InputFormat,
+    // The line the format was detected from (0: chosen).
+    detected: usize,
+}
+
+impl<R: BufRead> JsonlRecords<R> {
+    /// Reads `src` as `format` (`Auto`: the first record decides).
+    pub fn new(src: JsonlSource<R>, format: InputFormat) -> Self {
+        JsonlRecords { src, format, detected: 0 }
+    }
+
+    fn parse(&mut self, line: usize, text: &[u8]) -> Result<(Option<String>, Record), String> {
+        let parsed: Line = serde_json::from_slice(text).map_err(|e| format!("malformed JSON: {e}"))?;
+        if self.format == InputFormat::Auto {
+            self.format = if parsed.input_ids.is_some() {
+                InputFormat::Tokens
+            } else if parsed.conversations.is_some() {
+                InputFormat::ShareGpt
+            } else if parsed.messages.is_some() {
+                InputFormat::OpenAi
+            } else if parsed.text.is_some() {
+                InputFormat::Text
+            } else {
+                return Err(format!("no `{}` field", InputFormat::Auto.field()));
+            };
+            self.detected = line;
+        }
+        let missing = || {
+            let from = match self.detected {
+                0 => "--input-format".to_string(),
+                l => format!("line {l}"),
+            };
+            format!("no `{}` field (the input is {} records, from {from})", self.format.field(), self.format.name())
+        };
+        let id = parse_id(parsed.id)?;
+        let record = match self.format {
+            InputFormat::Tokens | InputFormat::HfDataset => {
+                if parsed.input_ids.is_none() {
+                    return Err(missing());
+                }
+                let (id, input_ids, loss_mask) = self.src.parse(text)?;
+                return Ok((id, Record::Tokens { input_ids, loss_mask }));
+            }
+            InputFormat::Text => {
+                let raw = parsed.text.ok_or_else(missing)?;
+                let s: String = serde_json::from_str(raw.get()).map_err(|_| "`text` must be a string".to_string())?;
+                if s.is_empty() {
+                    return Err("empty sample: `text` is empty".into());
+                }
+                Record::Text(s)
+            }
+            InputFormat::ShareGpt | InputFormat::OpenAi => {
+                let (style, raw) = match self.format {
+                    InputFormat::ShareGpt => (Style::ShareGpt, parsed.conversations),
+                    _ => (Style::OpenAi, parsed.messages),
+                };
+                let raw = raw.ok_or_else(missing)?;
+                let messages: serde_json::Value = serde_json::from_str(raw.get()).map_err(|e| e.to_string())?;
+                let tools: Option<serde_json::Value> =
+                    parsed.tools.map(|t| serde_json::from_str(t.get())).transpose().map_err(|e| e.to_string())?;
+                Record::Chat(Conversation::parse(style, &messages, tools.as_ref())?)
+            }
+            InputFormat::Auto => unreachable!("resolved above"),
+        };
+        Ok((id, record))
+    }
+}
+
+impl<R: BufRead + Send> Records for JsonlRecords<R> {
+    fn next_record(&mut self) -> Option<Result<Item, SourceError>> {
+        let (line, text) = match self.src.next_text()? {
+            Ok(t) => t,
+            Err(e) => return Some(Err(e)),
+        };
+        let index = self.src.consumed().samples - 1;
+        Some(match self.parse(line, &text) {
+            Ok((id, record)) => Ok(Item { index, line, id, record, end: self.src.consumed() }),
+            Err(problem) => Err(SourceError::Line { path: self.src.name().to_string(), line, problem }),
+        })
+    }
+
+    fn consumed(&self) -> InputPos {
+        self.src.consumed()
+    }
+
+    fn format(&self) -> InputFormat {
+        self.format
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn records(text: &str, format: InputFormat) -> Vec<Result<Item, SourceError>> {
+        let mut r = JsonlRecords::new(JsonlSource::new("t.jsonl".into(), text.as_bytes()), format);
+        std::iter::from_fn(|| r.next_record()).collect()
+    }
+
+    #[test]
+    fn detects_the_format_from_the_first_record_and_holds_to_it() {
+        let r = records(
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"id\": \"a\"}\n{\"text\": \"x\"}\n",
+            InputFormat::Auto,
+        );
+        assert!(matches!(&r[0], Ok(Item { record: Record::Chat(_), id: Some(id), .. }) if id == "a"));
+        let e = r[1].as_ref().unwrap_err().to_string();
+        assert_eq!(e, "t.jsonl:2: no `messages` field (the input is openai records, from line 1)");
+        let r = records("{\"text\": \"hello\"}", InputFormat::Auto);
+        assert!(matches!(&r[0], Ok(Item { record: Record::Text(t), .. }) if t == "hello"));
+        let r = records("{\"input_ids\": [1, 2], \"loss_mask\": [0, 1]}", InputFormat::Auto);
+        assert!(matches!(&r[0], Ok(Item { record: Record::Tokens { .. }, .. })));
+        let e = records("{\"x\": 1}", InputFormat::Auto)[0].as_ref().unwrap_err().to_string();
+        assert!(e.contains("no `input_ids`, `text`, `conversations` or `messages` field"), "{e}");
+        let e = records("{\"text\": \"a\"}", InputFormat::ShareGpt)[0].as_ref().unwrap_err().to_string();
+        assert!(e.contains("from --input-format"), "{e}");
+    }
+}

@@ -1,0 +1,313 @@
+//! Records to samples on a thread of their own: tokenizing and rendering
+//! run while the model computes earlier samples.
+
+use super::{InputFormat, Item, Record, Records};
+use crate::chat::{Chat, LongRows, RowOptions, RowsError};
+use crate::pipeline::source::{InputPos, Sample, Source, SourceError};
+use std::sync::mpsc::{Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+
+/// How records become samples.
+#[derive(Clone, Copy, Debug)]
+pub struct PrepareOptions {
+    /// Masks, row mode, and the limit for conversations (`max_len`).
+    pub rows: RowOptions,
+    /// `--max-seq-len`, when given: token and text records are cut or skipped
+    /// by it too (without it they must fit the model, or the run stops).
+    pub limit_all: bool,
+}
+
+/// What the preparation did, for the summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrepareStats {
+    /// Records read.
+    pub records: usize,
+    /// Conversations among them.
+    pub conversations: usize,
+    /// Rows that hold a whole conversation.
+    pub rows_per_conversation: usize,
+    /// Rows that hold one assistant turn.
+    pub rows_per_turn: usize,
+    /// Tokens per-turn rows would have held beyond the per-conversation rows.
+    pub saved_tokens: usize,
+    /// Conversations without messages.
+    pub skipped_empty: usize,
+    /// Conversations without an assistant turn after the first message.
+    pub skipped_no_assistant: usize,
+    /// Conversations that could not be rendered into rows (counted, reported, left out).
+    pub errors: usize,
+    /// The first few of those errors.
+    pub first_errors: Vec<String>,
+    /// Assistant turns left out because their prompt alone fills the length limit.
+    pub long_prompts: usize,
+    /// Rows cut to the length limit.
+    pub truncated: usize,
+    /// Rows left out as longer than the limit (`--skip-long`).
+    pub skipped_long: usize,
+    /// Role names not known, counted as assistant.
+    pub unknown_roles: Vec<String>,
+}
+
+enum Msg {
+    Sample(Box<Result<Sample, SourceError>>),
+    End(InputPos),
+}
+
+/// Samples prepared on a thread from a [`Records`] stream.
+pub struct Prepared {
+    rx: Receiver<Msg>,
+    consumed: InputPos,
+    stats: Arc<Mutex<PrepareStats>>,
+    format: Arc<Mutex<InputFormat>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    ended: bool,
+}
+
+/// Samples ready ahead of the forward.
+const AHEAD: usize = 256;
+/// Errors quoted in the summary at most.
+const QUOTED_ERRORS: usize = 5;
+
+impl Prepared {
+    /// Starts the thread. `chat` is needed for text and conversation records;
+    /// `name` (the input path) appears in messages.
+    pub fn spawn(
+        records: Box<dyn Records>,
+        chat: Option<Arc<Chat>>,
+        opts: PrepareOptions,
+        name: String,
+    ) -> Result<Self, SourceError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(AHEAD);
+        let stats = Arc::new(Mutex::new(PrepareStats::default()));
+        let format = Arc::new(Mutex::new(records.format()));
+        let (s, f) = (stats.clone(), format.clone());
+        let thread = std::thread::Builder::new()
+            .name("strata-prepare".into())
+            .spawn(move || Worker { records, chat, opts, name, stats: s, format: f, tx, row: 0 }.run())
+            .map_err(|cause| SourceError::Io { path: "(prepare thread)".into(), cause })?;
+        Ok(Prepared { rx, consumed: InputPos::default(), stats, format, thread: Some(thread), ended: false })
+    }
+
+    /// What the preparation did so far.
+    pub fn stats(&self) -> Arc<Mutex<PrepareStats>> {
+        self.stats.clone()
+    }
+
+    /// The input's format, once detected: shared, so it can be read after the samples are consumed.
+    pub fn format_handle(&self) -> Arc<Mutex<InputFormat>> {
+        self.format.clone()
+    }
+}
+
+impl Drop for Prepared {
+    fn drop(&mut self) {
+        // Unblock the worker (it stops at its next send), then wait for it.
+        let (_, rx) = std::sync::mpsc::sync_channel(0);
+        drop(std::mem::replace(&mut self.rx, rx));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Iterator for Prepared {
+    type Item = Result<Sample, SourceError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.ended {
+            return None;
+        }
+        match self.rx.recv() {
+            Ok(Msg::Sample(s)) => {
+                if let Ok(s) = &*s {
+                    self.consumed = s.end.clone();
+                }
+                Some(*s)
+            }
+            Ok(Msg::End(pos)) => {
+                self.consumed = pos;
+                self.ended = true;
+                None
+            }
+            Err(_) => {
+                self.ended = true;
+                Some(Err(SourceError::Input {
+                    path: "(prepare thread)".into(),
+                    problem: "the thread preparing samples stopped unexpectedly".into(),
+                }))
+            }
+        }
+    }
+}
+
+impl Source for Prepared {
+    fn consumed(&self) -> InputPos {
+        self.consumed.clone()
+    }
+}
+
+struct Worker {
+    records: Box<dyn Records>,
+    chat: Option<Arc<Chat>>,
+    opts: PrepareOptions,
+    name: String,
+    stats: Arc<Mutex<PrepareStats>>,
+    format: Arc<Mutex<InputFormat>>,
+    tx: SyncSender<Msg>,
+    // Rows emitted so far: the next sample's index.
+    row: usize,
+}
+
+impl Worker {
+    fn stats(&self) -> std::sync::MutexGuard<'_, PrepareStats> {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn run(mut self) {
+        let _span = tracing::info_span!("prepare").entered();
+        loop {
+            let item = match self.records.next_record() {
+                None => {
+                    let mut end = self.records.consumed();
+                    end.samples = self.row;
+                    let _ = self.tx.send(Msg::End(end));
+                    return;
+                }
+                Some(Err(e)) => {
+                    let _ = self.tx.send(Msg::Sample(Box::new(Err(e))));
+                    return;
+                }
+                Some(Ok(item)) => item,
+            };
+            *self.format.lock().unwrap_or_else(|e| e.into_inner()) = self.records.format();
+            self.stats().records += 1;
+            match self.samples(item) {
+                Ok(samples) => {
+                    for s in samples {
+                        if self.tx.send(Msg::Sample(Box::new(Ok(s)))).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Err(e) => {
+                    let _ = self.tx.send(Msg::Sample(Box::new(Err(e))));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn line_err(&self, line: usize, problem: String) -> SourceError {
+        SourceError::Line { path: self.name.clone(), line, problem }
+    }
+
+    fn sample(&mut self, item: &Item, id: String, input_ids: Vec<u32>, loss_mask: Option<Vec<u8>>) -> Sample {
+        let mut end = item.end.clone();
+        self.row += 1;
+        end.samples = self.row;
+        Sample { index: self.row - 1, line: item.line, id, input_ids, loss_mask, end }
+    }
+
+    /// A record's samples: none (a skipped conversation), one, or one per assistant turn.
+    fn samples(&mut self, item: Item) -> Result<Vec<Sample>, SourceError> {
+        let base = item.id.clone().unwrap_or_else(|| item.index.to_string());
+        let limit = self.opts.rows.max_len;
+        let needs = |what: &str| {
+            format!("the input holds {what}, which needs the model's tokenizer (tokenizer.json or tiktoken.model)")
+        };
+        match &item.record {
+            Record::Tokens { input_ids, loss_mask } => {
+                let (mut ids, mut mask) = (input_ids.clone(), loss_mask.clone());
+                if self.opts.limit_all && ids.len() > limit {
+                    if self.opts.rows.long == LongRows::Skip {
+                        self.stats().skipped_long += 1;
+                        return Ok(vec![]);
+                    }
+                    ids.truncate(limit);
+                    if let Some(m) = &mut mask {
+                        m.truncate(limit);
+                    }
+                    self.stats().truncated += 1;
+                }
+                Ok(vec![self.sample(&item, base, ids, mask)])
+            }
+            Record::Text(text) => {
+                let chat = self.chat.clone().ok_or_else(|| self.line_err(item.line, needs("text")))?;
+                let mut enc = crate::chat::Encoded::default();
+                chat.tokenizer.encode(text, true, &mut enc).map_err(|e| self.line_err(item.line, e.to_string()))?;
+                let mut ids = enc.ids;
+                if ids.len() > limit && self.opts.limit_all {
+                    if self.opts.rows.long == LongRows::Skip {
+                        self.stats().skipped_long += 1;
+                        return Ok(vec![]);
+                    }
+                    ids.truncate(limit);
+                    self.stats().truncated += 1;
+                }
+                if ids.is_empty() {
+                    return Err(self.line_err(item.line, "the text gives no tokens".into()));
+                }
+                Ok(vec![self.sample(&item, base, ids, None)])
+            }
+            Record::Chat(conv) => {
+                let chat = self.chat.clone().ok_or_else(|| self.line_err(item.line, needs("conversations")))?;
+                let mut renderer = chat.renderer().map_err(|e| self.line_err(item.line, e.to_string()))?;
+                {
+                    let mut st = self.stats();
+                    st.conversations += 1;
+                    for r in &conv.unknown_roles {
+                        if !st.unknown_roles.contains(r) {
+                            tracing::warn!(role = %r, "unknown role, counted as assistant");
+                            st.unknown_roles.push(r.clone());
+                        }
+                    }
+                }
+                let rows = match renderer.rows(conv, &self.opts.rows) {
+                    Ok(rows) => rows,
+                    Err(RowsError::Empty) => {
+                        self.stats().skipped_empty += 1;
+                        return Ok(vec![]);
+                    }
+                    Err(RowsError::NoAssistant) => {
+                        self.stats().skipped_no_assistant += 1;
+                        return Ok(vec![]);
+                    }
+                    Err(RowsError::Conversation(m)) => {
+                        let msg = format!("{}:{} (id {}): {m}", self.name, item.line, crate::quote(&base));
+                        tracing::warn!("{msg}");
+                        let mut st = self.stats();
+                        st.errors += 1;
+                        if st.first_errors.len() < QUOTED_ERRORS {
+                            st.first_errors.push(msg);
+                        }
+                        return Ok(vec![]);
+                    }
+                    Err(RowsError::Fatal(e)) => return Err(self.line_err(item.line, e.to_string())),
+                };
+                {
+                    let mut st = self.stats();
+                    if rows.per_turn {
+                        st.rows_per_turn += rows.rows.len();
+                    } else {
+                        st.rows_per_conversation += rows.rows.len();
+                    }
+                    st.saved_tokens += rows.saved_tokens;
+                    st.long_prompts += rows.long_prompts;
+                    st.truncated += rows.truncated;
+                    st.skipped_long += rows.skipped_long;
+                }
+                Ok(rows
+                    .rows
+                    .into_iter()
+                    .map(|r| {
+                        let id = match r.turn {
+                            Some(t) => format!("{base}#{t}"),
+                            None => base.clone(),
+                        };
+                        self.sample(&item, id, r.input_ids, Some(r.loss_mask))
+                    })
+                    .collect())
+            }
+        }
+    }
+}
