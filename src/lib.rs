@@ -3,9 +3,11 @@
 //! The data flows one way, and the folders say so:
 //!
 //! ```text
-//! pipeline::source ─► pipeline::schedule ─► model (on a backend) ─► pipeline::capture ─► pipeline::gather ─► sink
+//! input (+ chat) ─► pipeline::source ─► pipeline::schedule ─► model (on a backend) ─► pipeline::capture ─► pipeline::gather ─► sink
 //! ```
 //!
+//! - [`input`]: records (token ids, text, conversations, `datasets` directories) made samples on their own thread;
+//! - [`chat`]: tokenizers, chat templates, loss masks by render boundaries;
 //! - [`shape`]: the vocabulary: named dims, dtypes, typed `[L, T, H]` storage, [`shape::ShapeError`];
 //! - [`pipeline`]: the stages' data (samples, packed batches, capture points)
 //!   and the [`pipeline::Pipeline`] builder that composes them;

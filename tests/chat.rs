@@ -181,3 +181,259 @@ fn tiktoken_bpe_equals_python_tiktoken() {
     }
     assert!(cases.len() >= 30);
 }
+
+// ---- The CLI end to end ------------------------------------------------------------------
+
+/// A random-weight Llama with the fixtures' tokenizer and `template` as its chat_template.jinja.
+fn chat_model(dir: &Path, template: &str) -> PathBuf {
+    let model = dir.join(format!("model-{template}"));
+    std::fs::create_dir_all(&model).unwrap();
+    let spec = strata_testkit::LlamaSpec {
+        hidden_size: 32,
+        num_layers: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        intermediate_size: 64,
+        vocab_size: 512,
+    };
+    strata_testkit::write_llama(&model, &spec, strata::shape::DType::F32, 3).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures().join(f), model.join(f)).unwrap();
+    }
+    std::fs::copy(fixtures().join(format!("templates/{template}.jinja")), model.join("chat_template.jinja")).unwrap();
+    model
+}
+
+fn extract(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> (bool, String, String) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["extract", "--capture", "input:1,final", "--model"])
+        .arg(model)
+        .arg("--data")
+        .arg(data)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .output()
+        .unwrap();
+    let (stdout, stderr) =
+        (String::from_utf8_lossy(&o.stdout).to_string(), String::from_utf8_lossy(&o.stderr).to_string());
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (o.status.success(), stdout, stderr)
+}
+
+/// `(id, input_ids, loss_mask)` of every sample of a native output, in order.
+fn native_rows(out: &Path) -> Vec<(String, Vec<i64>, Vec<u8>)> {
+    let ds = strata::dataset::Dataset::open(out).unwrap();
+    let mut rows = vec![];
+    for s in &ds.manifest.samples {
+        let shard = ds.shard(s.shard).unwrap();
+        let r = ds.sample(&shard, &s.id, s.tokens).unwrap();
+        rows.push((s.id.clone(), r.input_ids.clone(), r.loss_mask.to_vec()));
+    }
+    rows
+}
+
+/// The fixture's rows for `mode` (`auto`, `per_turn`), with the ids Strata gives them.
+fn expected_rows(expected: &str, mode: &str) -> Vec<(String, Vec<i64>, Vec<u8>)> {
+    let mut rows = vec![];
+    for line in jsonl(&fixtures().join(format!("expected/{expected}.jsonl"))) {
+        let id = line["id"].as_str().unwrap();
+        for r in line[mode].as_array().unwrap().iter().filter(|r| !r.is_null()) {
+            let ids = r["input_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+            let mask = r["loss_mask"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u8).collect();
+            let name = match r.get("turn") {
+                Some(t) if mode == "per_turn" || line["stable"] == false => format!("{id}#{t}"),
+                _ => id.to_string(),
+            };
+            rows.push((name, ids, mask));
+        }
+    }
+    rows
+}
+
+#[test]
+fn extract_writes_the_reference_rows_and_counts_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let date = ["--chat-date", "2026-01-15"];
+    // ChatML: prefix-stable, one row per conversation.
+    let model = chat_model(tmp.path(), "chatml");
+    let out = tmp.path().join("chatml");
+    let (ok, stdout, stderr) = extract(&model, &fixtures().join("conversations.sharegpt.jsonl"), &out, &date);
+    assert!(ok, "{stderr}");
+    assert_eq!(native_rows(&out), expected_rows("chatml.sharegpt", "auto"));
+    for want in [
+        "14 conversations (sharegpt): 12 rows of a whole conversation, 0 of one turn;",
+        "tokens saved against one row per turn",
+        "skipped     1 empty conversations, 1 without an assistant turn",
+        "roles       counted as assistant: bot",
+    ] {
+        assert!(stdout.contains(want), "lacks {want:?}:\n{stdout}");
+    }
+    // Qwen3: not prefix-stable where reasoning is dropped, so those conversations give one row per turn;
+    // one conversation's renders diverge: counted, reported, left out.
+    let model = chat_model(tmp.path(), "qwen3");
+    let out = tmp.path().join("qwen3");
+    let (ok, stdout, stderr) = extract(&model, &fixtures().join("conversations.openai.jsonl"), &out, &date);
+    assert!(ok, "{stderr}");
+    assert_eq!(native_rows(&out), expected_rows("qwen3.openai", "auto"));
+    assert!(stdout.contains("errors      1 conversations could not be rendered"), "{stdout}");
+    assert!(stdout.contains("the renders diverge"), "{stdout}");
+    // --rows per-turn everywhere.
+    let out = tmp.path().join("qwen3-per-turn");
+    let (ok, _, stderr) = extract(
+        &model,
+        &fixtures().join("conversations.openai.jsonl"),
+        &out,
+        &[&date[..], &["--rows", "per-turn"]].concat(),
+    );
+    assert!(ok, "{stderr}");
+    assert_eq!(native_rows(&out), expected_rows("qwen3.openai", "per_turn"));
+}
+
+#[test]
+fn limits_generation_masks_and_resume_through_the_cli() {
+    let tmp = tempfile::tempdir().unwrap();
+    let date = ["--chat-date", "2026-01-15"];
+    let model = chat_model(tmp.path(), "chatml");
+    let data = fixtures().join("conversations.openai.jsonl");
+    let out = tmp.path().join("max48");
+    let (ok, stdout, stderr) = extract(&model, &data, &out, &[&date[..], &["--max-seq-len", "48"]].concat());
+    assert!(ok, "{stderr}");
+    assert_eq!(native_rows(&out), expected_rows("chatml.openai.max48", "auto"));
+    assert!(stdout.contains("rows cut,") && stdout.contains("turns left out"), "{stdout}");
+    let out = tmp.path().join("skip");
+    let (ok, stdout, _) = extract(&model, &data, &out, &[&date[..], &["--max-seq-len", "48", "--skip-long"]].concat());
+    assert!(ok && stdout.contains("0 rows cut"), "{stdout}");
+    assert!(native_rows(&out).iter().all(|r| r.1.len() <= 48));
+
+    // Generation blocks, through --chat-template.
+    let out = tmp.path().join("gen");
+    let gen = fixtures().join("templates/generation.jinja");
+    let args = [&date[..], &["--loss-mask", "generation", "--chat-template", gen.to_str().unwrap()]].concat();
+    let (ok, _, stderr) = extract(&model, &data, &out, &args);
+    assert!(ok, "{stderr}");
+    let want: Vec<(String, Vec<i64>, Vec<u8>)> = jsonl(&fixtures().join("expected/generation.openai.jsonl"))
+        .into_iter()
+        .filter(|l| l["skip"].is_null())
+        .map(|l| {
+            let ids = l["input_ids"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+            let mask = l["loss_mask"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u8).collect();
+            (l["id"].as_str().unwrap().to_string(), ids, mask)
+        })
+        .collect();
+    assert_eq!(native_rows(&out), want);
+    // The model's own template has no generation blocks: a clear error before any output.
+    let (ok, _, stderr) = extract(&model, &data, &tmp.path().join("nogen"), &["--loss-mask", "generation"]);
+    assert!(!ok && stderr.contains("needs a chat template with {% generation %} blocks"), "{stderr}");
+
+    // A resume renders the recorded date, and refuses another.
+    let out = tmp.path().join("resume");
+    let llama = chat_model(tmp.path(), "llama3_2");
+    assert!(extract(&llama, &data, &out, &date).0);
+    let before = std::fs::read(out.join("manifest.json")).unwrap();
+    let (ok, _, stderr) = extract(&llama, &data, &out, &["--resume"]);
+    assert!(ok, "{stderr}");
+    assert_eq!(std::fs::read(out.join("manifest.json")).unwrap(), before);
+    let (ok, _, stderr) = extract(&llama, &data, &out, &["--resume", "--chat-date", "2026-02-01"]);
+    assert!(!ok && stderr.contains("prepare differs"), "{stderr}");
+}
+
+#[test]
+fn a_template_strata_cannot_render_names_the_construct() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let bad = tmp.path().join("bad.jinja");
+    std::fs::write(&bad, "{% for m in messages %}{{ m.content | wordwrap(5) }}{% endfor %}").unwrap();
+    let out = tmp.path().join("out");
+    let data = fixtures().join("conversations.openai.jsonl");
+    let (ok, _, stderr) = extract(&model, &data, &out, &["--chat-template", bad.to_str().unwrap()]);
+    assert!(!ok && stderr.contains("wordwrap") && stderr.contains("Strata cannot render this construct"), "{stderr}");
+    assert!(!out.join("manifest.json").exists() || native_rows(&out).is_empty());
+    std::fs::write(&bad, "{% for m in messages %}{% generation %}x{% endfor %}").unwrap();
+    let (ok, _, stderr) = extract(&model, &data, &tmp.path().join("o2"), &["--chat-template", bad.to_str().unwrap()]);
+    assert!(!ok && stderr.contains("chat template") && stderr.contains("line 1"), "{stderr}");
+}
+
+#[test]
+fn text_and_a_tiktoken_model_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Text through the HF tokenizer.
+    let model = chat_model(tmp.path(), "chatml");
+    let data = tmp.path().join("text.jsonl");
+    std::fs::write(&data, "{\"text\": \"Hello, world!\", \"id\": \"a\"}\n{\"text\": \"Bonjour à tous\"}\n").unwrap();
+    let out = tmp.path().join("text");
+    let (ok, stdout, stderr) = extract(&model, &data, &out, &[]);
+    assert!(ok && stdout.contains("2 records (text)"), "{stdout}{stderr}");
+    let rows = native_rows(&out);
+    let tok =
+        Chat::load(&model, &ChatOptions { template_file: None, date: Default::default(), kwargs: Default::default() })
+            .unwrap();
+    let mut enc = strata::chat::Encoded::default();
+    tok.tokenizer.encode("Hello, world!", true, &mut enc).unwrap();
+    assert_eq!(rows[0].1, enc.ids.iter().map(|&v| v as i64).collect::<Vec<_>>());
+    assert!(rows[0].2.iter().all(|&m| m == 1));
+
+    // A Kimi-style directory: tiktoken.model, no tokenizer.json.
+    let kimi = tmp.path().join("kimi");
+    std::fs::create_dir(&kimi).unwrap();
+    let spec = strata_testkit::LlamaSpec {
+        hidden_size: 32,
+        num_layers: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        intermediate_size: 64,
+        vocab_size: 700,
+    };
+    strata_testkit::write_llama(&kimi, &spec, strata::shape::DType::F32, 3).unwrap();
+    for f in ["tiktoken.model", "tokenizer_config.json"] {
+        std::fs::copy(fixtures().join("tiktoken").join(f), kimi.join(f)).unwrap();
+    }
+    // Empty text is refused (no tokens), so those cases stay with the unit parity test.
+    let cases: Vec<Value> =
+        jsonl(&fixtures().join("tiktoken/expected.jsonl")).into_iter().filter(|c| c["text"] != "").collect();
+    let lines: String = cases.iter().map(|c| format!("{}\n", serde_json::json!({"text": c["text"]}))).collect();
+    std::fs::write(&data, lines).unwrap();
+    let out = tmp.path().join("kimi-out");
+    let (ok, _, stderr) = extract(&kimi, &data, &out, &[]);
+    assert!(ok, "{stderr}");
+    let rows = native_rows(&out);
+    assert_eq!(rows.len(), cases.len());
+    for (row, case) in rows.iter().zip(&cases) {
+        assert_eq!(serde_json::json!(row.1), case["ids"], "{}", case["text"]);
+    }
+    // Conversations need a template this directory does not have.
+    let (ok, _, stderr) = extract(&kimi, &fixtures().join("conversations.openai.jsonl"), &tmp.path().join("k2"), &[]);
+    assert!(!ok && stderr.contains("no chat template") && stderr.contains("--chat-template"), "{stderr}");
+}
+
+#[test]
+fn verify_checks_the_trainers_table_against_the_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let out = tmp.path().join("spec");
+    let data = fixtures().join("conversations.sharegpt.jsonl");
+    let (ok, _, stderr) = extract(&model, &data, &out, &["--format", "speculators", "--chat-date", "2026-01-15"]);
+    assert!(ok, "{stderr}");
+    let verify = || {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata")).arg("verify").arg(&out).output().unwrap();
+        (o.status.success(), String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr))
+    };
+    let (ok, text) = verify();
+    assert!(ok, "{text}");
+    // The table with one mask bit flipped in row 3.
+    let rows = expected_rows("chatml.sharegpt", "auto");
+    let mut w = strata::sink::hf_dataset::TableWriter::new(Vec::new()).unwrap();
+    for (i, (_, ids, mask)) in rows.iter().enumerate() {
+        let mask: Vec<i64> = mask.iter().enumerate().map(|(t, &m)| (m as i64) ^ (i == 3 && t == 0) as i64).collect();
+        w.push(ids.iter().copied(), mask.into_iter()).unwrap();
+    }
+    std::fs::write(out.join("data-00000-of-00001.arrow"), w.finish().unwrap().0).unwrap();
+    let (ok, text) = verify();
+    assert!(
+        !ok && text.contains("row 3 does not hold the token ids and mask of \"hidden_states/hs_3.safetensors\""),
+        "{text}"
+    );
+    std::fs::remove_file(out.join("data-00000-of-00001.arrow")).unwrap();
+    let (ok, text) = verify();
+    assert!(!ok && text.contains("the dataset table the trainer loads"), "{text}");
+}

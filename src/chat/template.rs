@@ -51,16 +51,45 @@ impl std::fmt::Debug for Template {
 }
 
 /// `{% generation %}` and `{% endgeneration %}` become empty filter blocks
-/// that print a marker; the whitespace control of the tags is kept.
-fn rewrite_generation(source: &str) -> (String, bool) {
+/// that print a marker; the whitespace control of the tags is kept. The
+/// tags must pair up without nesting, as Jinja's parser requires.
+fn rewrite_generation(source: &str, origin: &str) -> Result<(String, bool), ChatError> {
     let re = regex::Regex::new(r"\{%([-+]?)\s*(generation|endgeneration)\s*([-+]?)%\}").expect("a valid regex");
+    let line = |at: usize| source[..at].matches('\n').count() + 1;
+    let mut open: Option<usize> = None;
+    for m in re.captures_iter(source) {
+        let at = m.get(0).expect("the whole match").start();
+        match (&m[2], open) {
+            ("generation", None) => open = Some(at),
+            ("generation", Some(o)) => {
+                return Err(ChatError::Template(format!(
+                    "chat template {origin}, line {}: {{% generation %}} inside the block opened on line {}",
+                    line(at),
+                    line(o)
+                )))
+            }
+            (_, Some(_)) => open = None,
+            (_, None) => {
+                return Err(ChatError::Template(format!(
+                    "chat template {origin}, line {}: {{% endgeneration %}} without {{% generation %}}",
+                    line(at)
+                )))
+            }
+        }
+    }
+    if let Some(o) = open {
+        return Err(ChatError::Template(format!(
+            "chat template {origin}, line {}: {{% generation %}} is never closed with {{% endgeneration %}}",
+            line(o)
+        )));
+    }
     let mut found = false;
     let out = re.replace_all(source, |c: &regex::Captures| {
         found = true;
         let filter = if &c[2] == "generation" { "__strata_generation_open" } else { "__strata_generation_close" };
         format!("{{%{} filter {filter} %}}{{% endfilter {}%}}", &c[1], &c[3])
     });
-    (out.into_owned(), found)
+    Ok((out.into_owned(), found))
 }
 
 impl Template {
@@ -72,7 +101,7 @@ impl Template {
         date: chrono::NaiveDate,
         globals: Vec<(String, serde_json::Value)>,
     ) -> Result<Self, ChatError> {
-        let (source, generation) = rewrite_generation(source);
+        let (source, generation) = rewrite_generation(source, origin)?;
         let mut env = Environment::new();
         let mut syntax = minijinja::syntax::SyntaxConfig::builder();
         syntax.trim_blocks(true).lstrip_blocks(true).keep_trailing_newline(false);

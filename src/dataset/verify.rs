@@ -173,7 +173,82 @@ pub fn verify(dir: &Path, layout: Option<&Layout>) -> Result<Vec<String>, Datase
             problems.push(format!("{file}: tensor {} is not in the manifest", quote(n)));
         }
     }
+    if ds.is_speculators() && m.schema_version >= 3 && m.complete {
+        table(&ds, &mut problems);
+    }
     Ok(problems)
+}
+
+/// A finished speculators directory's `datasets` table: one row per listed
+/// file, in order, holding the file's `token_ids` and `loss_mask`; `seq_len` their length.
+fn table(ds: &Dataset, problems: &mut Vec<String>) {
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::Int64Type;
+    let name = "data-00000-of-00001.arrow";
+    let path = ds.dir.join(name);
+    let reader = files::open_regular(&path).map_err(|e| e.to_string()).and_then(|f| {
+        arrow_ipc::reader::StreamReader::try_new(std::io::BufReader::new(f), None).map_err(|e| e.to_string())
+    });
+    let reader = match reader {
+        Ok(r) => r,
+        Err(e) => return problems.push(format!("{name}: {e} (the dataset table the trainer loads)")),
+    };
+    let mut row = 0usize;
+    let shards = &ds.manifest.shards;
+    for batch in reader {
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => return problems.push(format!("{name}: after row {row}: {e}")),
+        };
+        let col = |n: &str| batch.schema().index_of(n).ok().map(|i| batch.column(i).clone());
+        let (Some(ids), Some(mask), Some(seq)) = (col("input_ids"), col("loss_mask"), col("seq_len")) else {
+            return problems.push(format!("{name}: the table lacks input_ids, loss_mask or seq_len"));
+        };
+        let int64s = |c: &arrow_array::ArrayRef| {
+            c.as_list_opt::<i32>().filter(|l| l.value_type() == arrow_schema::DataType::Int64).cloned()
+        };
+        let (Some(ids), Some(mask), Some(seq)) = (int64s(&ids), int64s(&mask), seq.as_primitive_opt::<Int64Type>())
+        else {
+            return problems.push(format!(
+                "{name}: input_ids is {}, loss_mask {}, seq_len {}: expected lists of int64 and int64",
+                ids.data_type(),
+                mask.data_type(),
+                seq.data_type()
+            ));
+        };
+        for r in 0..batch.num_rows() {
+            let Some(shard) = shards.get(row) else {
+                return problems.push(format!("{name}: {} rows or more, for {} files", row + 1, shards.len()));
+            };
+            let file = MappedFile::open(&ds.dir.join(&shard.file));
+            let get = |f: &MappedFile, t: &str| f.tensors.get(t).map(|e| f.bytes(e).to_vec());
+            let (want_ids, want_mask) = match &file {
+                Ok(f) => (get(f, "token_ids").unwrap_or_default(), get(f, "loss_mask").unwrap_or_default()),
+                Err(_) => (vec![], vec![]), // reported above
+            };
+            let want_ids: Vec<i64> =
+                want_ids.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+            let (i, m) = (ids.value(r), mask.value(r));
+            let (i, m) = (i.as_primitive_opt::<Int64Type>(), m.as_primitive_opt::<Int64Type>());
+            let same = match (i, m) {
+                (Some(i), Some(m)) => {
+                    i.values()[..] == want_ids[..]
+                        && m.values().iter().map(|&v| v as u8).eq(want_mask.iter().copied())
+                        && m.len() == want_mask.len()
+                        && seq.value(r) as usize == want_ids.len()
+                }
+                _ => false,
+            };
+            if !same {
+                problems
+                    .push(format!("{name}: row {row} does not hold the token ids and mask of {}", quote(&shard.file)));
+            }
+            row += 1;
+        }
+    }
+    if row != shards.len() {
+        problems.push(format!("{name}: {row} rows for {} files", shards.len()));
+    }
 }
 
 /// Schema 2 records each sample's input row: every row of a finished run's

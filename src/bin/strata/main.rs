@@ -37,7 +37,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a model over token samples and write the hidden states of chosen capture points.
+    /// Run a model over token ids, text or conversations and write the hidden states of chosen capture points.
     #[command(after_long_help = EXTRACT_HELP)]
     Extract(ExtractArgs),
     /// Describe an output directory or file: shapes, dtypes, capture points, token and per-layer statistics.
@@ -57,20 +57,44 @@ CAPTURE POINTS (each defined against HF output_hidden_states `hs`, N layers):
   final-norm   after the final norm (what the LM head reads)  hs[N]
   eagle3       input:2, input:N/2, input:N-3, final
 
-INPUT: JSON Lines, one sample per line:
-  {\"input_ids\": [128000, 9906, 1917], \"id\": \"conv-17\", \"loss_mask\": [0, 1, 1]}
-  `id` (default: the sample's 0-based index) and `loss_mask` (default: all 1) are optional.
+INPUT (--data): JSON Lines, one record per line, each with an optional \"id\";
+the first line decides the kind (or --input-format):
+  {\"input_ids\": [128000, 9906, 1917], \"loss_mask\": [0, 1, 1]}       token ids (mask default: all 1)
+  {\"conversations\": [{\"from\": \"human\", \"value\": \"Hi\"}, {\"from\": \"gpt\", ...}]}   ShareGPT
+  {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, ...], \"tools\": [...]}     OpenAI
+  {\"text\": \"...\"}                                                      plain text (mask: all 1)
   --data may be a file, a pipe or FIFO, or - for stdin: it is read once, and each
   line is checked as it streams (ids unique, token ids below vocab_size, at most
   max_position_embeddings tokens, 2048 when config.json has none). A bad line stops
   the run there: samples before it are written, and --resume continues once it is
   fixed. A run whose input fails before its first sample is written leaves nothing.
+  --data may also be a Hugging Face datasets directory (save_to_disk, e.g. the
+  speculators prepare step's output) with input_ids and optional loss_mask columns.
+
+CONVERSATIONS are rendered with the model's chat template (chat_template.jinja, else
+tokenizer_config.json's; --chat-template FILE overrides) and tokenized with its
+tokenizer (tokenizer.json, or Kimi-K2's tiktoken.model), as transformers'
+apply_chat_template does. Loss masks by render boundaries (as the speculators
+stack): for assistant turn j, conv[:j] rendered with the generation prompt is the
+prompt and conv[:j+1] the row; the row's tokens past the prompt are supervised.
+Roles: human/user, gpt/assistant, system, tool (any other counts as assistant).
+--rows auto gives one row per conversation where the template is prefix-stable
+(every turn's row is a prefix of the last: same states, computed once) and one row
+per assistant turn ({id}#{turn}) where it rewrites history (Qwen3's reasoning).
+--loss-mask generation uses the template's {% generation %} blocks instead.
+Empty conversations and ones without an assistant turn are skipped; one whose
+renders diverge is reported and left out; the summary counts them all.
+--max-seq-len N cuts rows (conversations default: max_position_embeddings);
+--skip-long drops them; a turn whose prompt alone fills the limit is left out.
+strftime_now renders --chat-date (default today), recorded for --resume.
 
 OUTPUT (--format strata, the default): OUT/shard-NNNNN.safetensors holding per sample
   {id}.hidden_states [L, T, H], {id}.input_ids [T] i64, {id}.loss_mask [T] u8,
   and OUT/manifest.json (capture points, dtype, checksums). See docs/FORMAT.md.
-OUTPUT (--format speculators): OUT/hs_{i}.safetensors per sample with
-  token_ids [T] i64 and hidden_states [T, L, H].
+OUTPUT (--format speculators): OUT is the dataset directory the speculators trainer
+  loads: a datasets table (data-00000-of-00001.arrow, dataset_info.json, state.json;
+  input_ids, loss_mask, seq_len; torch format) and OUT/hidden_states/hs_{i}.safetensors
+  for row i with token_ids [T] i64, loss_mask [T] u8 and hidden_states [T, L, H].
 
 MODELS: llama, mistral, qwen2, qwen3, deepseek_v2, deepseek_v3, kimi_k2, and
 Kimi-K2.5's kimi_k25 wrapper (its vision tower is not read). Weights stay in
@@ -110,6 +134,10 @@ EXAMPLES:
   # Kimi-K2.5 as released (INT4 experts), EAGLE-3 layers, 8 tensor-parallel ranks:
   strata extract --model ./Kimi-K2.5 --data tokens.jsonl --tp 8 \
       --capture input:2,input:30,input:58,input:60 --out ./kimi-eagle3
+
+  # Conversations (ShareGPT or OpenAI JSONL) into the speculators trainer's dataset:
+  strata extract --model ./Qwen3-8B --data ultrachat.jsonl --capture eagle3 \\
+      --format speculators --out ./qwen3-eagle3
 
   # Tokens from another program, through a pipe:
   tokenize.py corpus.txt | strata extract --model ./Llama-3.1-8B --data - --out ./hidden_states
@@ -213,7 +241,7 @@ enum DTypeArg {
 enum FormatArg {
     /// Sharded safetensors with {id}.hidden_states [L, T, H] and manifest.json.
     Strata,
-    /// Per-sample hs_{i}.safetensors with token_ids [T] and hidden_states [T, L, H].
+    /// The speculators trainer's dataset directory: a datasets table and hidden_states/hs_{i}.safetensors.
     Speculators,
 }
 
@@ -222,9 +250,10 @@ struct ExtractArgs {
     /// HF checkpoint directory (config.json + *.safetensors). Default: the embedded demo model.
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
-    /// JSON Lines, one {"input_ids": [...]} per line: a file, a pipe or FIFO,
-    /// or - for stdin. Read once, checked as it streams. Default: the embedded demo data.
-    #[arg(long, value_name = "FILE.jsonl")]
+    /// JSON Lines of token ids, conversations or text (see INPUT below): a
+    /// file, a pipe or FIFO, or - for stdin; or a datasets directory
+    /// (save_to_disk). Read once, checked as it streams. Default: the embedded demo data.
+    #[arg(long, value_name = "FILE.jsonl|DIR")]
     data: Option<PathBuf>,
     /// Comma list of capture points (see below), in output order.
     #[arg(long, value_name = "LIST", default_value = "eagle3")]
@@ -340,7 +369,7 @@ fn parse_date(s: &str) -> Result<chrono::NaiveDate, String> {
 
 #[derive(clap::Args)]
 struct InspectArgs {
-    /// A native output directory, a directory of hs_{i}.safetensors, or one safetensors file.
+    /// A native output directory, a speculators one (either layout), or one safetensors file.
     path: PathBuf,
     /// Compute statistics over at most this many samples.
     #[arg(long, value_name = "N")]
