@@ -437,3 +437,19 @@ fn verify_checks_the_trainers_table_against_the_files() {
     let (ok, text) = verify();
     assert!(!ok && text.contains("the dataset table the trainer loads"), "{text}");
 }
+
+#[test]
+fn token_ids_need_no_tokenizer_even_a_broken_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    std::fs::write(model.join("tokenizer.json"), "{ not json").unwrap();
+    let data = tmp.path().join("ids.jsonl");
+    std::fs::write(&data, "{\"input_ids\": [1, 2, 3]}\n").unwrap();
+    let (ok, stdout, stderr) = extract(&model, &data, &tmp.path().join("a"), &[]);
+    assert!(ok && stdout.contains("wrote 1 samples"), "{stderr}");
+    assert!(stderr.contains("token ids still work"), "{stderr}");
+    // Conversations say why they cannot be rendered.
+    let conv = fixtures().join("conversations.openai.jsonl");
+    let (ok, _, stderr) = extract(&model, &conv, &tmp.path().join("b"), &[]);
+    assert!(!ok && stderr.contains("needs the model's tokenizer: tokenizer:"), "{stderr}");
+}

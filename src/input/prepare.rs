@@ -67,13 +67,16 @@ pub struct Prepared {
 const AHEAD: usize = 256;
 /// Errors quoted in the summary at most.
 const QUOTED_ERRORS: usize = 5;
+/// Errors logged as they happen at most (the summary counts them all).
+const WARNED_ERRORS: usize = 20;
 
 impl Prepared {
-    /// Starts the thread. `chat` is needed for text and conversation records;
+    /// Starts the thread. `chat` is needed for text and conversation records
+    /// (`Err` says why there is none, for their message);
     /// `name` (the input path) appears in messages.
     pub fn spawn(
         records: Box<dyn Records>,
-        chat: Option<Arc<Chat>>,
+        chat: Result<Arc<Chat>, String>,
         opts: PrepareOptions,
         name: String,
     ) -> Result<Self, SourceError> {
@@ -148,7 +151,7 @@ impl Source for Prepared {
 
 struct Worker {
     records: Box<dyn Records>,
-    chat: Option<Arc<Chat>>,
+    chat: Result<Arc<Chat>, String>,
     opts: PrepareOptions,
     name: String,
     stats: Arc<Mutex<PrepareStats>>,
@@ -212,9 +215,7 @@ impl Worker {
     fn samples(&mut self, item: Item) -> Result<Vec<Sample>, SourceError> {
         let base = item.id.clone().unwrap_or_else(|| item.index.to_string());
         let limit = self.opts.rows.max_len;
-        let needs = |what: &str| {
-            format!("the input holds {what}, which needs the model's tokenizer (tokenizer.json or tiktoken.model)")
-        };
+        let needs = |what: &str, why: &str| format!("the input holds {what}, which needs the model's tokenizer: {why}");
         match &item.record {
             Record::Tokens { input_ids, loss_mask } => {
                 let (mut ids, mut mask) = (input_ids.clone(), loss_mask.clone());
@@ -232,7 +233,7 @@ impl Worker {
                 Ok(vec![self.sample(&item, base, ids, mask)])
             }
             Record::Text(text) => {
-                let chat = self.chat.clone().ok_or_else(|| self.line_err(item.line, needs("text")))?;
+                let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs("text", &why)))?;
                 let mut enc = crate::chat::Encoded::default();
                 chat.tokenizer.encode(text, true, &mut enc).map_err(|e| self.line_err(item.line, e.to_string()))?;
                 let mut ids = enc.ids;
@@ -250,7 +251,7 @@ impl Worker {
                 Ok(vec![self.sample(&item, base, ids, None)])
             }
             Record::Chat(conv) => {
-                let chat = self.chat.clone().ok_or_else(|| self.line_err(item.line, needs("conversations")))?;
+                let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs("conversations", &why)))?;
                 let mut renderer = chat.renderer().map_err(|e| self.line_err(item.line, e.to_string()))?;
                 {
                     let mut st = self.stats();
@@ -274,9 +275,15 @@ impl Worker {
                     }
                     Err(RowsError::Conversation(m)) => {
                         let msg = format!("{}:{} (id {}): {m}", self.name, item.line, crate::quote(&base));
-                        tracing::warn!("{msg}");
                         let mut st = self.stats();
                         st.errors += 1;
+                        match st.errors {
+                            n if n <= WARNED_ERRORS => tracing::warn!("{msg}"),
+                            n if n == WARNED_ERRORS + 1 => {
+                                tracing::warn!("more conversations could not be rendered; the summary counts them")
+                            }
+                            _ => {}
+                        }
                         if st.first_errors.len() < QUOTED_ERRORS {
                             st.first_errors.push(msg);
                         }

@@ -290,8 +290,8 @@ impl ExtractJob {
         // Never more than DEFAULT_MAX_LINE, whatever the config claims.
         // Conversation and text lines are not token lists: the whole default bound.
         let max_line = match chat {
-            Some(_) => strata::pipeline::source::DEFAULT_MAX_LINE,
-            None => max.saturating_mul(32).clamp(1 << 20, strata::pipeline::source::DEFAULT_MAX_LINE),
+            Ok(_) => strata::pipeline::source::DEFAULT_MAX_LINE,
+            Err(_) => max.saturating_mul(32).clamp(1 << 20, strata::pipeline::source::DEFAULT_MAX_LINE),
         };
         let p = &self.prepare;
         let limit = p.max_seq_len.unwrap_or(max);
@@ -374,7 +374,7 @@ impl ExtractJob {
 impl ExtractJob {
     /// The model's tokenizer and chat template, when the input may need them,
     /// and what the manifest records of how rows are made.
-    fn load_chat(&self, summary: &mut Summary) -> Result<(Option<Arc<Chat>>, PrepareInfo), ExtractError> {
+    fn load_chat(&self, summary: &mut Summary) -> Result<(Result<Arc<Chat>, String>, PrepareInfo), ExtractError> {
         let p = &self.prepare;
         if p.input_format == InputFormat::Tokens && (p.chat_template.is_some() || !p.kwargs.is_empty()) {
             return Err(ExtractError::Usage(
@@ -413,23 +413,33 @@ impl ExtractJob {
         };
         let dir = match &self.model {
             Some(dir) if !matches!(p.input_format, InputFormat::Tokens | InputFormat::HfDataset) => dir,
-            _ => {
+            Some(_) => return Ok((Err("the input format is token ids".into()), info)),
+            None => {
                 if p.input_format.needs_tokenizer() {
                     return Err(ExtractError::Usage(format!(
                         "--input-format {} needs the model's tokenizer: pass --model DIR",
                         p.input_format.name()
                     )));
                 }
-                return Ok((None, info));
+                return Ok((Err("the embedded demo model has none; pass --model DIR".into()), info));
             }
         };
         let has_tokenizer = strata::chat::tokenizer::FILES.iter().any(|f| dir.join(f).is_file());
         if !has_tokenizer && !p.input_format.needs_tokenizer() && p.chat_template.is_none() {
             // Token ids need no tokenizer; text and conversations say so when they come.
-            return Ok((None, info));
+            let why = format!("{} has neither tokenizer.json nor tiktoken.model", dir.display());
+            return Ok((Err(why), info));
         }
         let opts = ChatOptions { template_file: p.chat_template.clone(), date, kwargs: p.kwargs.clone() };
-        let chat = Chat::load(dir, &opts)?;
+        let chat = match Chat::load(dir, &opts) {
+            Ok(c) => c,
+            // Token ids need no tokenizer: a broken one matters only if text or conversations come.
+            Err(e) if p.input_format == InputFormat::Auto && p.chat_template.is_none() => {
+                tracing::warn!("the model's tokenizer or chat template cannot be loaded ({e}); token ids still work");
+                return Ok((Err(e.to_string()), info));
+            }
+            Err(e) => return Err(e.into()),
+        };
         info.tokenizer = Some(tokenizer_digest(dir));
         info.chat_template = chat
             .template_origin
@@ -437,7 +447,7 @@ impl ExtractJob {
             .map(|o| format!("{} {}", chat.template_digest.as_deref().unwrap_or_default(), o));
         summary.chat_template = chat.template_origin.clone();
         summary.chat_date = Some(date);
-        Ok((Some(Arc::new(chat)), info))
+        Ok((Ok(Arc::new(chat)), info))
     }
 }
 
