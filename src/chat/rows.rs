@@ -92,6 +92,10 @@ pub enum RowsError {
     /// This conversation cannot be turned into rows; the run goes on.
     #[error("{0}")]
     Conversation(String),
+    /// The template failed on this conversation in a way that may be the
+    /// template's (see [`RenderError::Failed`]): the caller decides.
+    #[error("{0}")]
+    Render(String),
     /// The template or tokenizer cannot be used at all: the run stops.
     #[error(transparent)]
     Fatal(#[from] ChatError),
@@ -101,6 +105,7 @@ fn render_err(e: RenderError) -> RowsError {
     match e {
         RenderError::Unsupported(m) => RowsError::Fatal(ChatError::Template(m)),
         RenderError::Rejected(m) => RowsError::Conversation(m),
+        RenderError::Failed(m) => RowsError::Render(m),
     }
 }
 

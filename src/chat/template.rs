@@ -22,9 +22,14 @@ pub enum RenderError {
     /// The template uses something Strata does not implement: fatal for the run.
     #[error("{0}")]
     Unsupported(String),
-    /// The template refused this conversation (`raise_exception`, a missing field): that conversation only.
+    /// The template refused this conversation (`raise_exception`, marker text in it): that conversation only.
     #[error("{0}")]
     Rejected(String),
+    /// The render failed otherwise (an operation on the wrong types, a missing
+    /// field): the data's fault or the template's, which only the first
+    /// conversations tell apart.
+    #[error("{0}")]
+    Failed(String),
 }
 
 /// A rendered conversation.
@@ -106,7 +111,7 @@ impl Template {
         let mut syntax = minijinja::syntax::SyntaxConfig::builder();
         syntax.trim_blocks(true).lstrip_blocks(true).keep_trailing_newline(false);
         env.set_syntax(syntax.build().expect("the default delimiters"));
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_methods);
         env.set_fuel(Some(FUEL));
         env.set_debug(true);
         env.set_recursion_limit(100);
@@ -150,6 +155,107 @@ impl Template {
         }
         split_markers(&text).map_err(RenderError::Rejected)
     }
+}
+
+/// Python's string methods: minijinja-contrib's, plus the padding and
+/// affix ones it lacks (`ljust`, `rjust`, `center`, `zfill`, `removeprefix`,
+/// `removesuffix`, `rsplit`, `partition`, `rpartition`).
+fn python_methods(
+    state: &mut minijinja::State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, minijinja::Error> {
+    use minijinja::value::from_args;
+    let Some(s) = value.as_str() else {
+        return minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args);
+    };
+    let pad = |width: usize, fill: Option<String>| -> Result<(usize, char), minijinja::Error> {
+        let fill = fill.unwrap_or_else(|| " ".into());
+        let mut chars = fill.chars();
+        match (chars.next(), chars.next()) {
+            (Some(c), None) => Ok((width.saturating_sub(s.chars().count()).min(1 << 20), c)),
+            _ => Err(minijinja::Error::new(ErrorKind::InvalidOperation, "the fill character must be one character")),
+        }
+    };
+    let rep = |n: usize, c: char| std::iter::repeat_n(c, n).collect::<String>();
+    Ok(match method {
+        "ljust" | "rjust" | "center" => {
+            let (width, fill): (usize, Option<String>) = from_args(args)?;
+            let (n, c) = pad(width, fill)?;
+            match method {
+                "ljust" => Value::from(format!("{s}{}", rep(n, c))),
+                "rjust" => Value::from(format!("{}{s}", rep(n, c))),
+                // Python's rule for the odd fill character: left = n/2 + (n & width & 1).
+                _ => {
+                    let left = n / 2 + (n & width & 1);
+                    Value::from(format!("{}{s}{}", rep(left, c), rep(n - left, c)))
+                }
+            }
+        }
+        "zfill" => {
+            let (width,): (usize,) = from_args(args)?;
+            let (n, _) = pad(width, None)?;
+            let (sign, rest) = match s.chars().next() {
+                Some(c @ ('+' | '-')) => (c.to_string(), &s[1..]),
+                _ => (String::new(), s),
+            };
+            Value::from(format!("{sign}{}{rest}", rep(n, '0')))
+        }
+        "removeprefix" => {
+            let (p,): (String,) = from_args(args)?;
+            Value::from(s.strip_prefix(p.as_str()).unwrap_or(s))
+        }
+        "removesuffix" => {
+            let (p,): (String,) = from_args(args)?;
+            Value::from(s.strip_suffix(p.as_str()).unwrap_or(s))
+        }
+        "rsplit" => {
+            let (sep, max): (Option<String>, Option<i64>) = from_args(args)?;
+            let max = max.filter(|m| *m >= 0).map_or(usize::MAX, |m| m as usize);
+            let mut parts: Vec<String> = match sep {
+                Some(sep) if !sep.is_empty() => {
+                    s.rsplitn(max.saturating_add(1), sep.as_str()).map(String::from).collect()
+                }
+                Some(_) => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "empty separator")),
+                None => {
+                    let mut out = Vec::new();
+                    let mut rest = s.trim_end();
+                    while !rest.is_empty() {
+                        if out.len() == max {
+                            out.push(rest.to_string());
+                            break;
+                        }
+                        match rest.rfind(char::is_whitespace) {
+                            Some(i) => {
+                                let w = rest[i..].chars().next().map_or(1, char::len_utf8);
+                                out.push(rest[i + w..].to_string());
+                                rest = rest[..i].trim_end();
+                            }
+                            None => {
+                                out.push(rest.to_string());
+                                break;
+                            }
+                        }
+                    }
+                    out
+                }
+            };
+            parts.reverse();
+            Value::from(parts)
+        }
+        "partition" | "rpartition" => {
+            let (sep,): (String,) = from_args(args)?;
+            let at = if method == "partition" { s.find(sep.as_str()) } else { s.rfind(sep.as_str()) };
+            let parts = match at {
+                Some(i) => vec![&s[..i], sep.as_str(), &s[i + sep.len()..]],
+                None if method == "partition" => vec![s, "", ""],
+                None => vec!["", "", s],
+            };
+            Value::from(parts.into_iter().map(String::from).collect::<Vec<_>>())
+        }
+        _ => return minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
+    })
 }
 
 /// A JSON value as a template value (maps keep their order).
@@ -205,7 +311,7 @@ fn classify(origin: &str, e: &minijinja::Error) -> RenderError {
         }
         _ => match e.detail().and_then(|d| d.strip_prefix("raise_exception: ")) {
             Some(msg) => RenderError::Rejected(format!("the chat template refused the conversation: {msg}")),
-            None => RenderError::Rejected(describe(origin, e)),
+            None => RenderError::Failed(describe(origin, e)),
         },
     }
 }
@@ -415,6 +521,16 @@ mod tests {
         let src = "{{ bos_token }}{% for m in messages %}\n  {% if m.content.startswith('x') %}\n{{ m.content.split('-')[-1].strip() }}|{% endif %}\n{% endfor %}{{ strftime_now('%d %b %Y') }}";
         let r = render(src, serde_json::json!([{"content": "x- a "}, {"content": "y"}])).unwrap();
         assert_eq!(r.text, "<s>a|15 Jan 2026");
+    }
+
+    #[test]
+    fn string_methods_python_has_and_minijinja_lacks() {
+        // Expected texts from Python 3.11.
+        let src = "{{ 'ab'.rjust(5, '*') }}|{{ 'ab'.ljust(4) }}|{{ 'ab'.center(5, '-') }}|{{ 'abc'.center(6, '-') }}|\
+                   {{ '-7'.zfill(4) }}|{{ 'tool_x'.removeprefix('tool_') }}|{{ 'a.b.c'.rsplit('.', 1) }}|\
+                   {{ ' a  b c '.rsplit() }}|{{ 'k=v=w'.partition('=')[2] }}|{{ 'k=v=w'.rpartition('=')[0] }}|{{ 'x'.upper() }}";
+        let r = render(src, serde_json::json!([])).unwrap();
+        assert_eq!(r.text, "***ab|ab  |--ab-|-abc--|-007|x|['a.b', 'c']|['a', 'b', 'c']|v=w|k=v|X");
     }
 
     #[test]

@@ -86,7 +86,7 @@ impl Prepared {
         let (s, f) = (stats.clone(), format.clone());
         let thread = std::thread::Builder::new()
             .name("strata-prepare".into())
-            .spawn(move || Worker { records, chat, opts, name, stats: s, format: f, tx, row: 0 }.run())
+            .spawn(move || Worker { records, chat, opts, name, stats: s, format: f, tx, row: 0, rendered: false }.run())
             .map_err(|cause| SourceError::Io { path: "(prepare thread)".into(), cause })?;
         Ok(Prepared { rx, consumed: InputPos::default(), stats, format, thread: Some(thread), ended: false })
     }
@@ -159,6 +159,8 @@ struct Worker {
     tx: SyncSender<Msg>,
     // Rows emitted so far: the next sample's index.
     row: usize,
+    // Whether a conversation has rendered yet.
+    rendered: bool,
 }
 
 impl Worker {
@@ -273,7 +275,13 @@ impl Worker {
                         self.stats().skipped_no_assistant += 1;
                         return Ok(vec![]);
                     }
-                    Err(RowsError::Conversation(m)) => {
+                    // Before any conversation rendered, a failure is the template's: it stops the run.
+                    Err(RowsError::Render(m)) if !self.rendered => {
+                        let m =
+                            format!("{m}; Strata cannot render this template (it failed on the first conversation)");
+                        return Err(self.line_err(item.line, m));
+                    }
+                    Err(RowsError::Conversation(m) | RowsError::Render(m)) => {
                         let msg = format!("{}:{} (id {}): {m}", self.name, item.line, crate::quote(&base));
                         let mut st = self.stats();
                         st.errors += 1;
@@ -291,6 +299,7 @@ impl Worker {
                     }
                     Err(RowsError::Fatal(e)) => return Err(self.line_err(item.line, e.to_string())),
                 };
+                self.rendered = true;
                 {
                     let mut st = self.stats();
                     if rows.per_turn {
