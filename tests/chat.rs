@@ -458,3 +458,25 @@ fn token_ids_need_no_tokenizer_even_a_broken_one() {
     let (ok, _, stderr) = extract(&model, &conv, &tmp.path().join("b"), &[]);
     assert!(!ok && stderr.contains("needs the model's tokenizer: tokenizer:"), "{stderr}");
 }
+
+#[test]
+fn the_tokenizer_files_truncation_and_padding_are_not_applied_and_limits_are_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    // As transformers does for chat text: a tokenizer.json's own truncation and padding are off.
+    let path = model.join("tokenizer.json");
+    let mut tok: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    tok["truncation"] =
+        serde_json::json!({"direction": "Right", "max_length": 5, "strategy": "LongestFirst", "stride": 0});
+    tok["padding"] = serde_json::json!({"strategy": {"Fixed": 300}, "direction": "Right", "pad_to_multiple_of": null,
+                                        "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"});
+    std::fs::write(&path, tok.to_string()).unwrap();
+    let out = tmp.path().join("out");
+    let data = fixtures().join("conversations.openai.jsonl");
+    let (ok, _, stderr) = extract(&model, &data, &out, &["--chat-date", "2026-01-15"]);
+    assert!(ok, "{stderr}");
+    assert_eq!(native_rows(&out), expected_rows("chatml.openai", "auto"));
+    // A limit past what the model takes is refused up front.
+    let (ok, _, stderr) = extract(&model, &data, &tmp.path().join("o2"), &["--max-seq-len", "1000000"]);
+    assert!(!ok && stderr.contains("--max-seq-len 1000000 is more than the model takes"), "{stderr}");
+}

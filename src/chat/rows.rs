@@ -125,18 +125,34 @@ pub struct Renderer<'a> {
     pub template: &'a Template,
     // Scratch.
     enc: Encoded,
+    // Bytes of text rendered for the current conversation, and the most allowed.
+    spent: usize,
+    budget: usize,
 }
+
+/// Text one conversation's renders may produce in all: the per-turn renders
+/// of a long conversation grow with the square of its turns.
+pub const RENDER_BUDGET: usize = 1 << 30;
 
 impl<'a> Renderer<'a> {
     /// A renderer over a tokenizer and template.
     pub fn new(tokenizer: &'a Tokenizer, template: &'a Template) -> Self {
-        Renderer { tokenizer, template, enc: Encoded::default() }
+        Renderer { tokenizer, template, enc: Encoded::default(), spent: 0, budget: RENDER_BUDGET }
     }
 
     fn ids(&mut self, c: &Conversation, upto: usize, prompt: bool) -> Result<Vec<u32>, RowsError> {
         let msgs = json_value(&serde_json::Value::Array(c.messages[..upto].to_vec()));
         let tools = c.tools.as_ref().map(json_value);
         let r = self.template.render(&msgs, tools.as_ref(), prompt).map_err(render_err)?;
+        // Per-turn renders cost the square of the turns: a conversation gets a budget.
+        self.spent += r.text.len();
+        if self.spent > self.budget {
+            return Err(RowsError::Conversation(format!(
+                "its per-turn renders pass {} MiB of text (turn {upto} of {}): too many turns to render one by one",
+                self.budget >> 20,
+                c.messages.len()
+            )));
+        }
         self.tokenizer.encode(&r.text, false, &mut self.enc)?;
         Ok(std::mem::take(&mut self.enc.ids))
     }
@@ -175,6 +191,7 @@ impl<'a> Renderer<'a> {
 
     /// A conversation's rows under `opts`.
     pub fn rows(&mut self, c: &Conversation, opts: &RowOptions) -> Result<Rows, RowsError> {
+        self.spent = 0;
         if c.messages.is_empty() {
             return Err(RowsError::Empty);
         }

@@ -149,7 +149,15 @@ impl Template {
         ctx.push(("documents".into(), Value::from(())));
         ctx.push(("add_generation_prompt".into(), Value::from(add_generation_prompt)));
         let ctx: Value = ctx.into_iter().collect::<std::collections::BTreeMap<_, _>>().into();
-        let text = tmpl.render(ctx).map_err(|e| classify(&self.origin, &e))?;
+        let mut buf = Bounded(Vec::new());
+        match tmpl.render_captured_to(ctx, &mut buf) {
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WriteFailure => {
+                return Err(RenderError::Rejected(format!("the rendered text is over {MAX_RENDER} bytes")))
+            }
+            Err(e) => return Err(classify(&self.origin, &e)),
+        }
+        let text = String::from_utf8(buf.0).map_err(|_| RenderError::Rejected("the render is not UTF-8".into()))?;
         if !self.generation {
             return Ok(Rendered { text, generation: vec![] });
         }
@@ -220,17 +228,19 @@ fn python_methods(
                 Some(_) => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "empty separator")),
                 None => {
                     let mut out = Vec::new();
-                    let mut rest = s.trim_end();
+                    // Python's whitespace: Unicode's plus the separators \x1c-\x1f.
+                    let space = |c: char| c.is_whitespace() || ('\x1c'..='\x1f').contains(&c);
+                    let mut rest = s.trim_end_matches(space);
                     while !rest.is_empty() {
                         if out.len() == max {
                             out.push(rest.to_string());
                             break;
                         }
-                        match rest.rfind(char::is_whitespace) {
+                        match rest.rfind(space) {
                             Some(i) => {
                                 let w = rest[i..].chars().next().map_or(1, char::len_utf8);
                                 out.push(rest[i + w..].to_string());
-                                rest = rest[..i].trim_end();
+                                rest = rest[..i].trim_end_matches(space);
                             }
                             None => {
                                 out.push(rest.to_string());
@@ -246,6 +256,9 @@ fn python_methods(
         }
         "partition" | "rpartition" => {
             let (sep,): (String,) = from_args(args)?;
+            if sep.is_empty() {
+                return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "empty separator"));
+            }
             let at = if method == "partition" { s.find(sep.as_str()) } else { s.rfind(sep.as_str()) };
             let parts = match at {
                 Some(i) => vec![&s[..i], sep.as_str(), &s[i + sep.len()..]],
@@ -261,6 +274,25 @@ fn python_methods(
 /// A JSON value as a template value (maps keep their order).
 pub fn json_value(v: &serde_json::Value) -> Value {
     Value::from(minijinja::value::Serde(v))
+}
+
+/// The longest text one render may produce.
+const MAX_RENDER: usize = 256 << 20;
+
+/// A buffer that refuses to grow past [`MAX_RENDER`] bytes.
+struct Bounded(Vec<u8>);
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + b.len() > MAX_RENDER {
+            return Err(std::io::Error::other("render too long"));
+        }
+        self.0.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Removes the generation markers, returning the clean text and the byte ranges between them.
@@ -304,10 +336,14 @@ fn classify(origin: &str, e: &minijinja::Error) -> RenderError {
         | ErrorKind::UnknownFilter
         | ErrorKind::UnknownTest
         | ErrorKind::UnknownFunction
-        | ErrorKind::UnknownMethod
         | ErrorKind::TemplateNotFound
         | ErrorKind::BadInclude => {
             RenderError::Unsupported(format!("{}; Strata cannot render this construct", describe(origin, e)))
+        }
+        // A method call fails on data too (`.strip()` of a list content): it is
+        // judged like other failures, by whether any conversation rendered.
+        ErrorKind::UnknownMethod => {
+            RenderError::Failed(format!("{}; Strata cannot render this construct", describe(origin, e)))
         }
         _ => match e.detail().and_then(|d| d.strip_prefix("raise_exception: ")) {
             Some(msg) => RenderError::Rejected(format!("the chat template refused the conversation: {msg}")),
@@ -319,20 +355,31 @@ fn classify(origin: &str, e: &minijinja::Error) -> RenderError {
 /// Python's `datetime.strftime` for the specifiers chrono shares with it.
 fn strftime(at: &chrono::NaiveDateTime, fmt: &str) -> Result<String, minijinja::Error> {
     use chrono::format::{Item, StrftimeItems};
-    let items: Vec<Item> = StrftimeItems::new(fmt).collect();
-    if items.iter().any(|i| matches!(i, Item::Error)) {
-        return Err(minijinja::Error::new(
+    use std::fmt::Write as _;
+    let bad = || {
+        minijinja::Error::new(
             ErrorKind::InvalidOperation,
             format!("strftime_now: format {fmt:?} has a specifier Strata does not know"),
-        ));
+        )
+    };
+    // A naive date has no zone: Python prints "" for %z and %Z there.
+    let fmt = fmt.replace("%z", "").replace("%Z", "");
+    let items: Vec<Item> = StrftimeItems::new(&fmt).collect();
+    if items.iter().any(|i| matches!(i, Item::Error)) {
+        return Err(bad());
     }
-    Ok(at.format_with_items(items.into_iter()).to_string())
+    let mut out = String::new();
+    write!(out, "{}", at.format_with_items(items.into_iter())).map_err(|_| bad())?;
+    Ok(out)
 }
 
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent,
 /// separators=separators, sort_keys=sort_keys)`, byte for byte.
 fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
+    if indent.is_some_and(|n| n > MAX_INDENT) {
+        return Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: indent over {MAX_INDENT}")));
+    }
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let separators: Option<Vec<String>> = kwargs.get("separators")?;
@@ -358,7 +405,18 @@ struct JsonOpts {
     key: String,
 }
 
+/// The widest `tojson` indent accepted.
+const MAX_INDENT: usize = 64;
+/// The deepest value `tojson` writes (the thread's stack bounds recursion).
+const MAX_JSON_DEPTH: usize = 512;
+
 fn py_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String) -> Result<(), minijinja::Error> {
+    if depth > MAX_JSON_DEPTH {
+        return Err(minijinja::Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: a value nested more than {MAX_JSON_DEPTH} deep"),
+        ));
+    }
     let newline = |out: &mut String, depth: usize| {
         if let Some(n) = o.indent {
             out.push('\n');
@@ -371,10 +429,9 @@ fn py_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String) -> Result<()
         }
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
-        ValueKind::Number => match v.as_i64() {
-            Some(i) if !is_float(v) => out.push_str(&i.to_string()),
-            _ => out.push_str(&py_float(f64::try_from(v.clone()).unwrap_or(f64::NAN))),
-        },
+        // Integers of any width print as Python prints them.
+        ValueKind::Number if v.is_integer() => out.push_str(&v.to_string()),
+        ValueKind::Number => out.push_str(&py_float(f64::try_from(v.clone()).unwrap_or(f64::NAN))),
         ValueKind::String => py_string(v.as_str().unwrap_or_default(), o.ascii, out),
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = v.try_iter()?.collect();
@@ -426,11 +483,6 @@ fn py_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String) -> Result<()
         }
     }
     Ok(())
-}
-
-fn is_float(v: &Value) -> bool {
-    // minijinja keeps f64s as floats: their debug form has a point or exponent.
-    v.as_i64().is_none() || matches!(v.to_string().as_str(), s if s.contains(['.', 'e', 'E', 'n', 'N']))
 }
 
 /// Python's `repr(float)`: the shortest round-tripping digits, `1.0`, `1e-05`, `1e+16`.
@@ -531,6 +583,21 @@ mod tests {
                    {{ ' a  b c '.rsplit() }}|{{ 'k=v=w'.partition('=')[2] }}|{{ 'k=v=w'.rpartition('=')[0] }}|{{ 'x'.upper() }}";
         let r = render(src, serde_json::json!([])).unwrap();
         assert_eq!(r.text, "***ab|ab  |--ab-|-abc--|-007|x|['a.b', 'c']|['a', 'b', 'c']|v=w|k=v|X");
+    }
+
+    #[test]
+    fn hostile_dates_indents_and_depths_are_errors_not_panics() {
+        let r = render("{{ strftime_now('%d %Z%z|%Y') }}", serde_json::json!([])).unwrap();
+        assert_eq!(r.text, "15 |2026");
+        let e = render("{{ messages | tojson(indent=1000000000000) }}", serde_json::json!([1])).unwrap_err();
+        assert!(e.to_string().contains("indent over 64"), "{e}");
+        let deep = "{% set ns = namespace(x=[]) %}{% for i in range(2000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x | tojson }}";
+        let e = render(deep, serde_json::json!([])).unwrap_err();
+        assert!(e.to_string().contains("nested more than 512"), "{e}");
+        let r = render("{{ messages | tojson }}", serde_json::json!([18446744073709551615u64, -3, 2.5])).unwrap();
+        assert_eq!(r.text, "[18446744073709551615, -3, 2.5]");
+        let e = render("{% for i in range(200) %}{{ 'x' * 2000000 }}{% endfor %}", serde_json::json!([])).unwrap_err();
+        assert!(e.to_string().contains("rendered text is over"), "{e}");
     }
 
     #[test]

@@ -19,6 +19,9 @@ pub const KIMI_PATTERN: &str = concat!(
     r"|\s+",
 );
 
+/// Pieces up to this many bytes merge by tiktoken's own quadratic scan.
+const LINEAR_MERGE_MAX: usize = 256;
+
 /// Special-token ids Kimi's tokenizer reserves after the ranks.
 pub const RESERVED_SPECIAL: usize = 256;
 
@@ -137,8 +140,66 @@ impl Tiktoken {
 
     /// tiktoken's byte-pair merge: `parts` becomes the boundaries of the
     /// piece's tokens (last entry `piece.len()`), merging the lowest-ranked
-    /// adjacent pair first (leftmost on ties).
+    /// adjacent pair first (leftmost on ties). Long pieces (a run of spaces
+    /// or Han characters can be megabytes) take the heap version.
     fn merge(&self, piece: &[u8], parts: &mut Vec<(usize, u32)>) -> Result<(), ChatError> {
+        if piece.len() > LINEAR_MERGE_MAX {
+            self.merge_heap(piece, parts);
+            return Ok(());
+        }
+        self.merge_linear(piece, parts)
+    }
+
+    /// The same merges in O(n log n): a heap of `(rank, start)` pairs over a
+    /// linked list of boundaries; an entry is stale once its pair changed.
+    fn merge_heap(&self, piece: &[u8], parts: &mut Vec<(usize, u32)>) {
+        use std::cmp::Reverse;
+        let n = piece.len();
+        // next[i]: the boundary after boundary i (n + 1 past the end); prev likewise; alive: not merged away.
+        let mut next: Vec<usize> = (1..=n + 1).collect();
+        let mut prev: Vec<usize> = (0..=n).map(|i| i.wrapping_sub(1)).collect();
+        let mut alive = vec![true; n + 1];
+        let rank_at = |next: &[usize], i: usize| -> Option<u32> {
+            let j = next[i];
+            let k = *next.get(j)?;
+            (k <= n).then(|| self.ranks.get(&piece[i..k]).copied()).flatten()
+        };
+        let mut heap = std::collections::BinaryHeap::new();
+        for i in 0..n.saturating_sub(1) {
+            if let Some(r) = rank_at(&next, i) {
+                heap.push(Reverse((r, i)));
+            }
+        }
+        while let Some(Reverse((r, i))) = heap.pop() {
+            if !alive[i] || rank_at(&next, i) != Some(r) {
+                continue;
+            }
+            // Merge the pair at i: the boundary after i goes.
+            let j = next[i];
+            alive[j] = false;
+            next[i] = next[j];
+            if next[j] <= n {
+                prev[next[j]] = i;
+            }
+            if let Some(r) = rank_at(&next, i) {
+                heap.push(Reverse((r, i)));
+            }
+            let p = prev[i];
+            if p != usize::MAX {
+                if let Some(r) = rank_at(&next, p) {
+                    heap.push(Reverse((r, p)));
+                }
+            }
+        }
+        parts.clear();
+        let mut i = 0;
+        while i <= n {
+            parts.push((i, 0));
+            i = next[i];
+        }
+    }
+
+    fn merge_linear(&self, piece: &[u8], parts: &mut Vec<(usize, u32)>) -> Result<(), ChatError> {
         let rank = |parts: &[(usize, u32)], i: usize| -> u32 {
             if i + 3 < parts.len() {
                 self.ranks.get(&piece[parts[i].0..parts[i + 3].0]).copied().unwrap_or(u32::MAX)
@@ -217,6 +278,40 @@ mod tests {
         assert_eq!(ids, vec![4, 2, 7, 3, 8]);
         assert_eq!(spans, vec![(0, 3), (3, 4), (4, 9), (9, 11), (11, 17)]);
         assert_eq!(t.vocab_size(), 9);
+    }
+
+    #[test]
+    fn the_heap_merge_gives_the_linear_merges() {
+        // A BPE over a, b, c with every pair and some triples ranked in a scrambled order.
+        let b64 = |s: &[u8]| base64::engine::general_purpose::STANDARD.encode(s);
+        let mut toks: Vec<Vec<u8>> = vec![b"a".to_vec(), b"b".to_vec(), b"c".to_vec()];
+        for x in [b'a', b'b', b'c'] {
+            for y in [b'a', b'b', b'c'] {
+                toks.push(vec![x, y]);
+            }
+        }
+        for t in ["aba", "bab", "abc", "cca", "aaaa", "abab", "ccab"] {
+            toks.push(t.as_bytes().to_vec());
+        }
+        let mut order: Vec<usize> = (3..toks.len()).collect();
+        order.sort_by_key(|&i| (i * 7919) % 23);
+        let mut lines: Vec<String> = (0..3).map(|i| format!("{} {i}", b64(&toks[i]))).collect();
+        lines.extend(order.iter().enumerate().map(|(r, &i)| format!("{} {}", b64(&toks[i]), r + 3)));
+        let t = Tiktoken::new(&lines.join("\n"), "t", KIMI_PATTERN, vec![]).unwrap();
+        let mut s = 12345u64;
+        for len in [2, 3, 5, 17, 64, 300, 1000] {
+            let piece: Vec<u8> = (0..len)
+                .map(|_| {
+                    s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    b"abc"[(s >> 60) as usize % 3]
+                })
+                .collect();
+            let (mut a, mut b) = (vec![], vec![]);
+            t.merge_linear(&piece, &mut a).unwrap();
+            t.merge_heap(&piece, &mut b);
+            let starts = |p: &[(usize, u32)]| p.iter().map(|x| x.0).collect::<Vec<_>>();
+            assert_eq!(starts(&a), starts(&b), "{}", String::from_utf8_lossy(&piece));
+        }
     }
 
     #[test]

@@ -35,8 +35,10 @@ pub struct Encoded {
 
 impl Encoded {
     /// The first token whose span holds byte `pos` (transformers' `char_to_token`).
+    /// Spans run in text order, so a binary search finds it.
     pub fn token_at(&self, pos: usize) -> Option<usize> {
-        self.spans.iter().position(|&(s, e)| s <= pos && pos < e)
+        let i = self.spans.partition_point(|&(_, e)| e <= pos);
+        self.spans.get(i).filter(|&&(s, e)| s <= pos && pos < e).map(|_| i)
     }
 }
 
@@ -50,8 +52,11 @@ impl Tokenizer {
         let json = dir.join(FILES[0]);
         if json.is_file() {
             let text = read(&json)?;
-            let t = tokenizers::Tokenizer::from_bytes(text.as_bytes())
+            let mut t = tokenizers::Tokenizer::from_bytes(text.as_bytes())
                 .map_err(|e| ChatError::Tokenizer(format!("{}: {e}", json.display())))?;
+            // transformers tokenizes chat text without the file's truncation or padding.
+            t.with_padding(None);
+            t.with_truncation(None).map_err(|e| ChatError::Tokenizer(format!("{}: {e}", json.display())))?;
             return Ok(Tokenizer::Hf(Box::new(t)));
         }
         let bpe = dir.join(FILES[1]);

@@ -80,10 +80,10 @@ pub struct InputInfo {
 pub struct PrepareInfo {
     /// `--input-format` as given (`auto`, `openai`, ...).
     pub input_format: String,
-    /// The tokenizer file and its `xxh3:` digest, when one was loaded.
+    /// The tokenizer file and `tokenizer_config.json` with their `xxh3:` digests, when a tokenizer was loaded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
-    /// The chat template's origin and `xxh3:` digest, when the model has one.
+    /// The chat template's `xxh3:` digest, when the model has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
     /// `--chat-template-kwargs`, as JSON.

@@ -4,7 +4,7 @@
 //! column (int32 or int64) and optional `loss_mask` and `id` columns.
 
 use super::{InputFormat, Item, Record, Records};
-use crate::pipeline::source::{InputPos, SourceError};
+use crate::pipeline::source::{check_id, InputPos, SourceError};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Int32Type, Int64Type, Int8Type, UInt32Type, UInt8Type};
 use arrow_array::{Array, ArrayRef, RecordBatch};
@@ -138,11 +138,13 @@ impl DatasetRecords {
             }
         };
         let id = match col("id") {
-            Some(c) if c.data_type() == &DataType::Utf8 && c.is_valid(r) => {
-                Some(c.as_string::<i32>().value(r).to_string())
-            }
-            _ => None,
+            Some(c) if !c.is_valid(r) => None,
+            Some(c) if c.data_type() == &DataType::Utf8 => Some(c.as_string::<i32>().value(r).to_string()),
+            Some(c) if c.data_type() == &DataType::LargeUtf8 => Some(c.as_string::<i64>().value(r).to_string()),
+            Some(c) => return Err(format!("the `id` column is {}, not strings", c.data_type())),
+            None => None,
         };
+        let id = id.map(check_id).transpose()?;
         // The input's digest covers what the rows hold, as read.
         for v in &input_ids {
             self.hasher.update(&v.to_le_bytes());

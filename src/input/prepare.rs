@@ -86,6 +86,8 @@ impl Prepared {
         let (s, f) = (stats.clone(), format.clone());
         let thread = std::thread::Builder::new()
             .name("strata-prepare".into())
+            // Templates recurse (macros, nested values): room beyond the 2 MiB default.
+            .stack_size(64 << 20)
             .spawn(move || Worker { records, chat, opts, name, stats: s, format: f, tx, row: 0, rendered: false }.run())
             .map_err(|cause| SourceError::Io { path: "(prepare thread)".into(), cause })?;
         Ok(Prepared { rx, consumed: InputPos::default(), stats, format, thread: Some(thread), ended: false })
@@ -104,11 +106,15 @@ impl Prepared {
 
 impl Drop for Prepared {
     fn drop(&mut self) {
-        // Unblock the worker (it stops at its next send), then wait for it.
+        // Unblock the worker (it stops at its next send). One still reading
+        // (a quiet pipe) or rendering is left to finish on its own: a run
+        // that stops must not wait for its input.
         let (_, rx) = std::sync::mpsc::sync_channel(0);
         drop(std::mem::replace(&mut self.rx, rx));
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            if t.is_finished() {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -214,13 +220,14 @@ impl Worker {
     }
 
     /// A record's samples: none (a skipped conversation), one, or one per assistant turn.
-    fn samples(&mut self, item: Item) -> Result<Vec<Sample>, SourceError> {
+    fn samples(&mut self, mut item: Item) -> Result<Vec<Sample>, SourceError> {
         let base = item.id.clone().unwrap_or_else(|| item.index.to_string());
+        // Token records move on as they are: no copy of their ids.
+        let record = std::mem::replace(&mut item.record, Record::Text(String::new()));
         let limit = self.opts.rows.max_len;
         let needs = |what: &str, why: &str| format!("the input holds {what}, which needs the model's tokenizer: {why}");
-        match &item.record {
-            Record::Tokens { input_ids, loss_mask } => {
-                let (mut ids, mut mask) = (input_ids.clone(), loss_mask.clone());
+        match record {
+            Record::Tokens { input_ids: mut ids, loss_mask: mut mask } => {
                 if self.opts.limit_all && ids.len() > limit {
                     if self.opts.rows.long == LongRows::Skip {
                         self.stats().skipped_long += 1;
@@ -237,7 +244,7 @@ impl Worker {
             Record::Text(text) => {
                 let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs("text", &why)))?;
                 let mut enc = crate::chat::Encoded::default();
-                chat.tokenizer.encode(text, true, &mut enc).map_err(|e| self.line_err(item.line, e.to_string()))?;
+                chat.tokenizer.encode(&text, true, &mut enc).map_err(|e| self.line_err(item.line, e.to_string()))?;
                 let mut ids = enc.ids;
                 if ids.len() > limit && self.opts.limit_all {
                     if self.opts.rows.long == LongRows::Skip {
@@ -265,7 +272,7 @@ impl Worker {
                         }
                     }
                 }
-                let rows = match renderer.rows(conv, &self.opts.rows) {
+                let rows = match renderer.rows(&conv, &self.opts.rows) {
                     Ok(rows) => rows,
                     Err(RowsError::Empty) => {
                         self.stats().skipped_empty += 1;

@@ -160,6 +160,17 @@ fn scan_array<T>(
     Ok(out)
 }
 
+/// An id as given: 1 to [`MAX_ID_LEN`] bytes without control characters (ids become tensor names).
+pub(crate) fn check_id(s: String) -> Result<String, String> {
+    if s.is_empty() || s.len() > MAX_ID_LEN || s.chars().any(char::is_control) {
+        return Err(format!(
+            "`id` {} must be 1 to {MAX_ID_LEN} bytes without control characters",
+            crate::clip(&format!("{s:?}"), 60)
+        ));
+    }
+    Ok(s)
+}
+
 /// A line's `id`: a string of 1 to [`MAX_ID_LEN`] bytes without control
 /// characters, or absent (`null`).
 pub(crate) fn parse_id(raw: Option<&serde_json::value::RawValue>) -> Result<Option<String>, String> {
@@ -170,13 +181,7 @@ pub(crate) fn parse_id(raw: Option<&serde_json::value::RawValue>) -> Result<Opti
         Some((r, _)) if r.get().trim() == "null" => None,
         Some((r, Some(b'"'))) => {
             let s: String = serde_json::from_str(r.get()).map_err(|e| format!("`id`: {e}"))?;
-            if s.is_empty() || s.len() > MAX_ID_LEN || s.chars().any(char::is_control) {
-                return Err(format!(
-                    "`id` {} must be 1 to {MAX_ID_LEN} bytes without control characters",
-                    crate::clip(&format!("{s:?}"), 60)
-                ));
-            }
-            Some(s)
+            Some(check_id(s)?)
         }
         Some((r, _)) => return Err(format!("`id` must be a string, got {}", crate::clip(r.get().trim(), 40))),
     })

@@ -16,8 +16,10 @@ pub const DATA_FILE: &str = "data-00000-of-00001.arrow";
 pub const INFO_FILE: &str = "dataset_info.json";
 /// Its state: files, format, fingerprint.
 pub const STATE_FILE: &str = "state.json";
-/// Rows per record batch (datasets writes 1000 by default).
+/// Rows per record batch (datasets writes 1000 by default)...
 const BATCH_ROWS: usize = 1000;
+/// ...or fewer, when they hold this many tokens (16 bytes each in the batch).
+const BATCH_TOKENS: usize = 4 << 20;
 
 fn features() -> serde_json::Value {
     let list = serde_json::json!({"feature": {"dtype": "int64", "_type": "Value"}, "_type": "List"});
@@ -47,6 +49,7 @@ pub struct TableWriter<W: Write> {
     mask: ListBuilder<Int64Builder>,
     seq: Int64Builder,
     pending: usize,
+    pending_tokens: usize,
     rows: usize,
     hasher: xxhash_rust::xxh3::Xxh3,
 }
@@ -60,6 +63,7 @@ impl<W: Write> TableWriter<W> {
             mask: ListBuilder::new(Int64Builder::new()),
             seq: Int64Builder::new(),
             pending: 0,
+            pending_tokens: 0,
             rows: 0,
             hasher: xxhash_rust::xxh3::Xxh3::new(),
         })
@@ -84,8 +88,9 @@ impl<W: Write> TableWriter<W> {
         self.mask.append(true);
         self.seq.append_value(n as i64);
         self.pending += 1;
+        self.pending_tokens += n;
         self.rows += 1;
-        if self.pending == BATCH_ROWS {
+        if self.pending == BATCH_ROWS || self.pending_tokens >= BATCH_TOKENS {
             self.flush()?;
         }
         Ok(())
@@ -100,6 +105,7 @@ impl<W: Write> TableWriter<W> {
         let batch = RecordBatch::try_new(Arc::new(schema()), cols)?;
         self.out.write(&batch)?;
         self.pending = 0;
+        self.pending_tokens = 0;
         Ok(())
     }
 

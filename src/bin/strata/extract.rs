@@ -294,10 +294,13 @@ impl ExtractJob {
             Err(_) => max.saturating_mul(32).clamp(1 << 20, strata::pipeline::source::DEFAULT_MAX_LINE),
         };
         let p = &self.prepare;
+        if let Some(n) = p.max_seq_len.filter(|&n| n > max) {
+            return Err(ExtractError::Usage(format!("--max-seq-len {n} is more than the model takes: {from}")));
+        }
         let limit = p.max_seq_len.unwrap_or(max);
         let from = match p.max_seq_len {
-            Some(n) if n <= max => format!("--max-seq-len {n}"),
-            _ => from,
+            Some(n) => format!("--max-seq-len {n}"),
+            None => from,
         };
         let records: Box<dyn Records> = match (reader, &dataset_dir) {
             (Some(reader), _) => {
@@ -320,7 +323,7 @@ impl ExtractJob {
         };
         let source = Prepared::spawn(records, chat, opts, self.data_name())?;
         let stats = source.stats();
-        let limits = Limits { vocab_size: info.vocab_size, max_tokens: limit.min(max), max_tokens_from: from };
+        let limits = Limits { vocab_size: info.vocab_size, max_tokens: limit, max_tokens_from: from };
         let names: Vec<String> = points.iter().map(|p| p.to_string()).collect();
         let input = Input { source, limits, len: input_len };
         let mut report_progress = |p: &Progress, i: &InputProgress| progress(p, i);
@@ -441,24 +444,24 @@ impl ExtractJob {
             Err(e) => return Err(e.into()),
         };
         info.tokenizer = Some(tokenizer_digest(dir));
-        info.chat_template = chat
-            .template_origin
-            .as_ref()
-            .map(|o| format!("{} {}", chat.template_digest.as_deref().unwrap_or_default(), o));
+        // The digest says what renders; where the file lies may differ on a resume.
+        info.chat_template = chat.template_digest.clone();
         summary.chat_template = chat.template_origin.clone();
         summary.chat_date = Some(date);
         Ok((Ok(Arc::new(chat)), info))
     }
 }
 
-/// The tokenizer file's name and `xxh3:` digest.
+/// The tokenizer file's name and `xxh3:` digest, with `tokenizer_config.json`'s
+/// (special tokens, a tiktoken pattern): what decides the tokens.
 fn tokenizer_digest(dir: &std::path::Path) -> String {
-    for f in strata::chat::tokenizer::FILES {
-        if let Ok(bytes) = std::fs::read(dir.join(f)) {
-            return format!("{f} xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
-        }
+    let digest =
+        |f: &str| std::fs::read(dir.join(f)).ok().map(|b| format!("{f} xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(&b)));
+    let file = strata::chat::tokenizer::FILES.iter().find_map(|f| digest(f)).unwrap_or_default();
+    match digest("tokenizer_config.json") {
+        Some(c) => format!("{file}, {c}"),
+        None => file,
     }
-    String::new()
 }
 
 /// The input stream with its limits.

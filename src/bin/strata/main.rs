@@ -312,8 +312,9 @@ struct ExtractArgs {
     /// Rows per conversation.
     #[arg(long, value_enum, value_name = "MODE", default_value = "auto", help_heading = "Input")]
     rows: RowsArg,
-    /// Cut every row to N tokens on the right (conversations: default the
-    /// model's max_position_embeddings; other records must fit it unless this is given).
+    /// Cut every row to N tokens on the right; N is at most the model's
+    /// max_position_embeddings, which conversations are cut to by default
+    /// (other records must fit it unless this is given).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..), help_heading = "Input")]
     max_seq_len: Option<u64>,
     /// Leave rows longer than the limit out instead of cutting them.
