@@ -4,6 +4,9 @@
 //! message styles, every row mode, the length limit and generation masks;
 //! and the tiktoken BPE against Python's `tiktoken`.
 
+mod common;
+
+use common::{chat_model, tiny_llama};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use strata::chat::{Chat, ChatOptions, Conversation, LongRows, MaskSource, RowMode, RowOptions, RowsError, Style};
@@ -185,26 +188,6 @@ fn tiktoken_bpe_equals_python_tiktoken() {
 
 // ---- The CLI end to end ------------------------------------------------------------------
 
-/// A random-weight Llama with the fixtures' tokenizer and `template` as its chat_template.jinja.
-fn chat_model(dir: &Path, template: &str) -> PathBuf {
-    let model = dir.join(format!("model-{template}"));
-    std::fs::create_dir_all(&model).unwrap();
-    let spec = strata_testkit::LlamaSpec {
-        hidden_size: 32,
-        num_layers: 2,
-        num_heads: 2,
-        num_kv_heads: 1,
-        intermediate_size: 64,
-        vocab_size: 512,
-    };
-    strata_testkit::write_llama(&model, &spec, strata::shape::DType::F32, 3).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(fixtures().join(f), model.join(f)).unwrap();
-    }
-    std::fs::copy(fixtures().join(format!("templates/{template}.jinja")), model.join("chat_template.jinja")).unwrap();
-    model
-}
-
 fn extract(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> (bool, String, String) {
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(["extract", "--capture", "input:1,final", "--model"])
@@ -380,16 +363,7 @@ fn text_and_a_tiktoken_model_directory() {
 
     // A Kimi-style directory: tiktoken.model, no tokenizer.json.
     let kimi = tmp.path().join("kimi");
-    std::fs::create_dir(&kimi).unwrap();
-    let spec = strata_testkit::LlamaSpec {
-        hidden_size: 32,
-        num_layers: 2,
-        num_heads: 2,
-        num_kv_heads: 1,
-        intermediate_size: 64,
-        vocab_size: 700,
-    };
-    strata_testkit::write_llama(&kimi, &spec, strata::shape::DType::F32, 3).unwrap();
+    tiny_llama(&kimi, 700);
     for f in ["tiktoken.model", "tokenizer_config.json"] {
         std::fs::copy(fixtures().join("tiktoken").join(f), kimi.join(f)).unwrap();
     }

@@ -78,22 +78,8 @@ fn a_datasets_directory_goes_in_and_the_trainers_dataset_directory_comes_out() {
     println!("hf-dataset input: {}", text.trim());
 
     // Conversations: the rows and masks of the parity fixture, in the table and the files.
-    let model = tmp.path().join("chat-model");
-    std::fs::create_dir(&model).unwrap();
-    let spec = strata_testkit::LlamaSpec {
-        hidden_size: 32,
-        num_layers: 2,
-        num_heads: 2,
-        num_kv_heads: 1,
-        intermediate_size: 64,
-        vocab_size: 512,
-    };
-    strata_testkit::write_llama(&model, &spec, strata::shape::DType::F32, 3).unwrap();
+    let model = chat_model(tmp.path(), "chatml");
     let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(chat.join(f), model.join(f)).unwrap();
-    }
-    std::fs::copy(chat.join("templates/chatml.jinja"), model.join("chat_template.jinja")).unwrap();
     let out = tmp.path().join("conv-out");
     extract_spec(&model, &chat.join("conversations.openai.jsonl"), &out, &["--chat-date", "2026-01-15"]);
     let expected = std::fs::read_to_string(chat.join("expected/chatml.openai.jsonl")).unwrap();

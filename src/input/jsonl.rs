@@ -96,12 +96,14 @@ impl<R: BufRead> JsonlRecords<R> {
 
 impl<R: BufRead + Send> Records for JsonlRecords<R> {
     fn next_record(&mut self) -> Option<Result<Item, SourceError>> {
-        let (line, text) = match self.src.next_text()? {
+        let (line, buf, text) = match self.src.next_text()? {
             Ok(t) => t,
             Err(e) => return Some(Err(e)),
         };
         let index = self.src.consumed().samples - 1;
-        Some(match self.parse(line, &text) {
+        let parsed = self.parse(line, &buf[text]);
+        self.src.restore(buf);
+        Some(match parsed {
             Ok((id, record)) => Ok(Item { index, line, id, record, end: self.src.consumed() }),
             Err(problem) => Err(SourceError::Line { path: self.src.name().to_string(), line, problem }),
         })

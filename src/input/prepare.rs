@@ -2,7 +2,7 @@
 //! run while the model computes earlier samples.
 
 use super::{InputFormat, Item, Record, Records};
-use crate::chat::{Chat, LongRows, RowOptions, RowsError};
+use crate::chat::{Chat, Conversation, LongRows, RowOptions, RowsError};
 use crate::pipeline::source::{InputPos, Sample, Source, SourceError};
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
@@ -46,6 +46,11 @@ pub struct PrepareStats {
     pub skipped_long: usize,
     /// Role names not known, counted as assistant.
     pub unknown_roles: Vec<String>,
+}
+
+/// Why a text or conversation record cannot be tokenized.
+fn needs_tokenizer(what: &str, why: &str) -> String {
+    format!("the input holds {what}, which needs the model's tokenizer: {why}")
 }
 
 enum Msg {
@@ -225,112 +230,104 @@ impl Worker {
         // Token records move on as they are: no copy of their ids.
         let record = std::mem::replace(&mut item.record, Record::Text(String::new()));
         let limit = self.opts.rows.max_len;
-        let needs = |what: &str, why: &str| format!("the input holds {what}, which needs the model's tokenizer: {why}");
-        match record {
-            Record::Tokens { input_ids: mut ids, loss_mask: mut mask } => {
-                if self.opts.limit_all && ids.len() > limit {
-                    if self.opts.rows.long == LongRows::Skip {
-                        self.stats().skipped_long += 1;
-                        return Ok(vec![]);
-                    }
-                    ids.truncate(limit);
-                    if let Some(m) = &mut mask {
-                        m.truncate(limit);
-                    }
-                    self.stats().truncated += 1;
-                }
-                Ok(vec![self.sample(&item, base, ids, mask)])
-            }
+        let (mut ids, mut mask) = match record {
+            Record::Tokens { input_ids, loss_mask } => (input_ids, loss_mask),
             Record::Text(text) => {
-                let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs("text", &why)))?;
+                let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs_tokenizer("text", &why)))?;
                 let mut enc = crate::chat::Encoded::default();
                 chat.tokenizer.encode(&text, true, &mut enc).map_err(|e| self.line_err(item.line, e.to_string()))?;
-                let mut ids = enc.ids;
-                if ids.len() > limit && self.opts.limit_all {
-                    if self.opts.rows.long == LongRows::Skip {
-                        self.stats().skipped_long += 1;
-                        return Ok(vec![]);
-                    }
-                    ids.truncate(limit);
-                    self.stats().truncated += 1;
-                }
-                if ids.is_empty() {
+                if enc.ids.is_empty() {
                     return Err(self.line_err(item.line, "the text gives no tokens".into()));
                 }
-                Ok(vec![self.sample(&item, base, ids, None)])
+                (enc.ids, None)
             }
-            Record::Chat(conv) => {
-                let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs("conversations", &why)))?;
-                let mut renderer = chat.renderer().map_err(|e| self.line_err(item.line, e.to_string()))?;
-                {
-                    let mut st = self.stats();
-                    st.conversations += 1;
-                    for r in &conv.unknown_roles {
-                        if !st.unknown_roles.contains(r) {
-                            tracing::warn!(role = %r, "unknown role, counted as assistant");
-                            st.unknown_roles.push(r.clone());
-                        }
-                    }
+            Record::Chat(conv) => return self.conversation(&item, base, conv),
+        };
+        // Token and text records are held to --max-seq-len only when it is given.
+        if self.opts.limit_all && ids.len() > limit {
+            if self.opts.rows.long == LongRows::Skip {
+                self.stats().skipped_long += 1;
+                return Ok(vec![]);
+            }
+            ids.truncate(limit);
+            if let Some(m) = &mut mask {
+                m.truncate(limit);
+            }
+            self.stats().truncated += 1;
+        }
+        Ok(vec![self.sample(&item, base, ids, mask)])
+    }
+
+    /// A conversation's rows, or none when it is skipped or cannot be rendered.
+    fn conversation(&mut self, item: &Item, base: String, conv: Conversation) -> Result<Vec<Sample>, SourceError> {
+        let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs_tokenizer("conversations", &why)))?;
+        let mut renderer = chat.renderer().map_err(|e| self.line_err(item.line, e.to_string()))?;
+        {
+            let mut st = self.stats();
+            st.conversations += 1;
+            for r in &conv.unknown_roles {
+                if !st.unknown_roles.contains(r) {
+                    tracing::warn!(role = %r, "unknown role, counted as assistant");
+                    st.unknown_roles.push(r.clone());
                 }
-                let rows = match renderer.rows(&conv, &self.opts.rows) {
-                    Ok(rows) => rows,
-                    Err(RowsError::Empty) => {
-                        self.stats().skipped_empty += 1;
-                        return Ok(vec![]);
-                    }
-                    Err(RowsError::NoAssistant) => {
-                        self.stats().skipped_no_assistant += 1;
-                        return Ok(vec![]);
-                    }
-                    // Before any conversation rendered, a failure is the template's: it stops the run.
-                    Err(RowsError::Render(m)) if !self.rendered => {
-                        let m =
-                            format!("{m}; Strata cannot render this template (it failed on the first conversation)");
-                        return Err(self.line_err(item.line, m));
-                    }
-                    Err(RowsError::Conversation(m) | RowsError::Render(m)) => {
-                        let msg = format!("{}:{} (id {}): {m}", self.name, item.line, crate::quote(&base));
-                        let mut st = self.stats();
-                        st.errors += 1;
-                        match st.errors {
-                            n if n <= WARNED_ERRORS => tracing::warn!("{msg}"),
-                            n if n == WARNED_ERRORS + 1 => {
-                                tracing::warn!("more conversations could not be rendered; the summary counts them")
-                            }
-                            _ => {}
-                        }
-                        if st.first_errors.len() < QUOTED_ERRORS {
-                            st.first_errors.push(msg);
-                        }
-                        return Ok(vec![]);
-                    }
-                    Err(RowsError::Fatal(e)) => return Err(self.line_err(item.line, e.to_string())),
-                };
-                self.rendered = true;
-                {
-                    let mut st = self.stats();
-                    if rows.per_turn {
-                        st.rows_per_turn += rows.rows.len();
-                    } else {
-                        st.rows_per_conversation += rows.rows.len();
-                    }
-                    st.saved_tokens += rows.saved_tokens;
-                    st.long_prompts += rows.long_prompts;
-                    st.truncated += rows.truncated;
-                    st.skipped_long += rows.skipped_long;
-                }
-                Ok(rows
-                    .rows
-                    .into_iter()
-                    .map(|r| {
-                        let id = match r.turn {
-                            Some(t) => format!("{base}#{t}"),
-                            None => base.clone(),
-                        };
-                        self.sample(&item, id, r.input_ids, Some(r.loss_mask))
-                    })
-                    .collect())
             }
         }
+        let rows = match renderer.rows(&conv, &self.opts.rows) {
+            Ok(rows) => rows,
+            Err(RowsError::Empty) => {
+                self.stats().skipped_empty += 1;
+                return Ok(vec![]);
+            }
+            Err(RowsError::NoAssistant) => {
+                self.stats().skipped_no_assistant += 1;
+                return Ok(vec![]);
+            }
+            // Before any conversation rendered, a failure is the template's: it stops the run.
+            Err(RowsError::Render(m)) if !self.rendered => {
+                let m = format!("{m}; Strata cannot render this template (it failed on the first conversation)");
+                return Err(self.line_err(item.line, m));
+            }
+            Err(RowsError::Conversation(m) | RowsError::Render(m)) => {
+                let msg = format!("{}:{} (id {}): {m}", self.name, item.line, crate::quote(&base));
+                let mut st = self.stats();
+                st.errors += 1;
+                match st.errors {
+                    n if n <= WARNED_ERRORS => tracing::warn!("{msg}"),
+                    n if n == WARNED_ERRORS + 1 => {
+                        tracing::warn!("more conversations could not be rendered; the summary counts them")
+                    }
+                    _ => {}
+                }
+                if st.first_errors.len() < QUOTED_ERRORS {
+                    st.first_errors.push(msg);
+                }
+                return Ok(vec![]);
+            }
+            Err(RowsError::Fatal(e)) => return Err(self.line_err(item.line, e.to_string())),
+        };
+        self.rendered = true;
+        {
+            let mut st = self.stats();
+            if rows.per_turn {
+                st.rows_per_turn += rows.rows.len();
+            } else {
+                st.rows_per_conversation += rows.rows.len();
+            }
+            st.saved_tokens += rows.saved_tokens;
+            st.long_prompts += rows.long_prompts;
+            st.truncated += rows.truncated;
+            st.skipped_long += rows.skipped_long;
+        }
+        Ok(rows
+            .rows
+            .into_iter()
+            .map(|r| {
+                let id = match r.turn {
+                    Some(t) => format!("{base}#{t}"),
+                    None => base.clone(),
+                };
+                self.sample(item, id, r.input_ids, Some(r.loss_mask))
+            })
+            .collect())
     }
 }

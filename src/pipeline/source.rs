@@ -99,6 +99,9 @@ pub const MAX_ID_LEN: usize = 256;
 /// The longest line read by default; [`JsonlSource::max_line`] changes it.
 pub const DEFAULT_MAX_LINE: usize = 64 << 20;
 
+/// A line lent by [`JsonlSource::next_text`]: its number, the buffer, the range of its trimmed text.
+pub(crate) type LentLine = (usize, Vec<u8>, std::ops::Range<usize>);
+
 pub(crate) type Parsed = (Option<String>, Vec<u32>, Option<Vec<u8>>);
 
 /// Streams samples from a JSON Lines reader. Memory is bounded by one line
@@ -301,9 +304,10 @@ impl<R: BufRead> Source for JsonlSource<R> {
 }
 
 impl<R: BufRead> JsonlSource<R> {
-    /// The next non-blank line, trimmed, with its 1-based number; counts it
-    /// as a sample for [`JsonlSource::consumed`].
-    pub(crate) fn next_text(&mut self) -> Option<Result<(usize, Vec<u8>), SourceError>> {
+    /// The next non-blank line with its 1-based number, counted as a sample
+    /// for [`JsonlSource::consumed`]: the line buffer itself and the range of
+    /// its trimmed text. Hand the buffer back with [`JsonlSource::restore`].
+    pub(crate) fn next_text(&mut self) -> Option<Result<LentLine, SourceError>> {
         loop {
             if self.done {
                 return None;
@@ -317,13 +321,19 @@ impl<R: BufRead> JsonlSource<R> {
                     return Some(Err(e));
                 }
             }
-            let text = self.buf.trim_ascii();
-            if text.is_empty() {
+            let start = self.buf.iter().position(|b| !b.is_ascii_whitespace()).unwrap_or(self.buf.len());
+            let end = self.buf.iter().rposition(|b| !b.is_ascii_whitespace()).map_or(start, |e| e + 1);
+            if start == end {
                 continue;
             }
             self.index += 1;
-            return Some(Ok((self.line, text.to_vec())));
+            return Some(Ok((self.line, std::mem::take(&mut self.buf), start..end)));
         }
+    }
+
+    /// Gives back the line buffer [`JsonlSource::next_text`] lent (no allocation per line).
+    pub(crate) fn restore(&mut self, buf: Vec<u8>) {
+        self.buf = buf;
     }
 
     /// The name given to [`JsonlSource::new`].
@@ -336,41 +346,23 @@ impl<R: BufRead> Iterator for JsonlSource<R> {
     type Item = Result<Sample, SourceError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            if self.done {
-                return None;
-            }
-            self.line += 1;
-            match self.read_line() {
-                Ok(false) => return None,
-                Ok(true) => {}
-                Err(e) => {
-                    self.done = true;
-                    return Some(Err(e));
-                }
-            }
-            let buf = std::mem::take(&mut self.buf);
-            let text = buf.trim_ascii();
-            if text.is_empty() {
-                self.buf = buf;
-                continue;
-            }
-            let parsed = self.parse(text);
-            self.buf = buf;
-            self.index += 1;
-            let item = match parsed {
-                Ok((id, input_ids, loss_mask)) => Ok(Sample {
-                    index: self.index - 1,
-                    line: self.line,
-                    id: id.unwrap_or_else(|| (self.index - 1).to_string()),
-                    input_ids,
-                    loss_mask,
-                    end: self.consumed(),
-                }),
-                Err(problem) => Err(SourceError::Line { path: self.name.clone(), line: self.line, problem }),
-            };
-            return Some(item);
-        }
+        let (line, buf, text) = match self.next_text()? {
+            Ok(t) => t,
+            Err(e) => return Some(Err(e)),
+        };
+        let parsed = self.parse(&buf[text]);
+        self.restore(buf);
+        Some(match parsed {
+            Ok((id, input_ids, loss_mask)) => Ok(Sample {
+                index: self.index - 1,
+                line,
+                id: id.unwrap_or_else(|| (self.index - 1).to_string()),
+                input_ids,
+                loss_mask,
+                end: self.consumed(),
+            }),
+            Err(problem) => Err(SourceError::Line { path: self.name.clone(), line, problem }),
+        })
     }
 }
 

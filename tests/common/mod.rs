@@ -165,3 +165,30 @@ pub fn run_embedded(data: &Path, out: &Path, extra: &[&str]) -> (bool, String, S
     // The embedded model needs --data only with --model; here --data replaces the demo samples.
     strata(&args)
 }
+
+/// A tiny random-weight Llama (hidden 32, 2 layers) with `vocab` tokens, in `dir`.
+pub fn tiny_llama(dir: &Path, vocab: usize) {
+    std::fs::create_dir_all(dir).unwrap();
+    let spec = strata_testkit::LlamaSpec {
+        hidden_size: 32,
+        num_layers: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        intermediate_size: 64,
+        vocab_size: vocab,
+    };
+    strata_testkit::write_llama(dir, &spec, strata::shape::DType::F32, 3).unwrap();
+}
+
+/// [`tiny_llama`] in `dir/model-{template}` with the chat fixtures' tokenizer
+/// and `templates/{template}.jinja` as its chat_template.jinja.
+pub fn chat_model(dir: &Path, template: &str) -> PathBuf {
+    let model = dir.join(format!("model-{template}"));
+    tiny_llama(&model, 512);
+    let chat = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(chat.join(f), model.join(f)).unwrap();
+    }
+    std::fs::copy(chat.join(format!("templates/{template}.jinja")), model.join("chat_template.jinja")).unwrap();
+    model
+}
