@@ -71,6 +71,27 @@ fn add_layers(
     Ok(())
 }
 
+/// The values of a `hidden_states` tensor as bytes of a plain dtype: FP8
+/// codes times their `{name}_scales` (one per row of `H`), others as stored.
+fn states_bytes<'a>(
+    f: &'a MappedFile,
+    name: &str,
+    e: &super::TensorEntry,
+) -> Result<(std::borrow::Cow<'a, [u8]>, DType), String> {
+    let dt = DType::from_stored(e.dtype).ok_or_else(|| format!("dtype {}", e.dtype))?;
+    if !dt.scaled() {
+        return Ok((f.bytes(e).into(), dt));
+    }
+    let scales = format!("{name}_scales");
+    let s = f.tensors.get(&scales).ok_or_else(|| format!("FP8 codes without {scales}"))?;
+    let rows = e.shape[..e.shape.len().saturating_sub(1)].iter().product::<usize>();
+    if s.dtype != safetensors::Dtype::F32 || s.shape.iter().product::<usize>() != rows || s.shape.last() != Some(&1) {
+        return Err(format!("{scales} is {} {}, expected F32 with one scale per row", s.dtype, super::dims(&s.shape)));
+    }
+    let h = e.shape.last().copied().unwrap_or(0);
+    Ok((super::dequantize(f.bytes(e), f.bytes(s), h)?.into(), DType::F32))
+}
+
 fn layer_lines(out: &mut String, names: &[String], stats: &[Stats]) {
     let _ = writeln!(out, "per-layer statistics:");
     for (n, s) in names.iter().zip(stats) {
@@ -175,7 +196,7 @@ fn inspect_speculators_dir(top: &Path, max_samples: Option<usize>) -> Result<Str
             path: path.display().to_string(),
             problem: "no hidden_states tensor".into(),
         })?;
-        let dtype = DType::from_safetensors(hs.dtype).ok_or_else(|| DatasetError::BadFile {
+        let dtype = DType::from_stored(hs.dtype).ok_or_else(|| DatasetError::BadFile {
             path: path.display().to_string(),
             problem: format!("hidden_states has dtype {}", hs.dtype),
         })?;
@@ -188,7 +209,9 @@ fn inspect_speculators_dir(top: &Path, max_samples: Option<usize>) -> Result<Str
         shape_line.get_or_insert(format!("layout:      hidden_states [T, L={l}, H={h}] {dtype}, token_ids [T] i64"));
         lens.push(t);
         if n < max_samples.unwrap_or(usize::MAX) {
-            if let Err(why) = add_layers(&mut stats, f.bytes(hs), dtype, [t, l, h], false, &mut scratch) {
+            let r = states_bytes(&f, "hidden_states", hs)
+                .and_then(|(b, dt)| add_layers(&mut stats, &b, dt, [t, l, h], false, &mut scratch));
+            if let Err(why) = r {
                 tracing::debug!(file = %path.display(), "no statistics: {why}");
             }
         }
@@ -208,14 +231,16 @@ fn inspect_file(path: &Path) -> Result<String, DatasetError> {
     let mut scratch = Vec::new();
     for (name, e) in &f.tensors {
         let _ = write!(out, "  {:<32} {:<5} {}", clip(name, QUOTE_MAX), e.dtype.to_string(), super::dims(&e.shape));
-        match DType::from_safetensors(e.dtype) {
-            Some(dt) if name.ends_with("hidden_states") && e.shape.len() == 3 => {
+        match DType::from_stored(e.dtype) {
+            Some(_) if name.ends_with("hidden_states") && e.shape.len() == 3 => {
                 // Native files are [L, T, H]; speculators files [T, L, H].
                 let native = !name.eq("hidden_states");
                 let shape = [e.shape[0], e.shape[1], e.shape[2]];
                 let _ = writeln!(out);
                 let mut stats = Vec::new();
-                match add_layers(&mut stats, f.bytes(e), dt, shape, native, &mut scratch) {
+                let r = states_bytes(&f, name, e)
+                    .and_then(|(b, dt)| add_layers(&mut stats, &b, dt, shape, native, &mut scratch));
+                match r {
                     Ok(()) => {
                         for (l, s) in stats.iter().enumerate() {
                             let _ = writeln!(out, "      layer {l:<3} {s}");

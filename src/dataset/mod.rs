@@ -138,10 +138,13 @@ pub struct SampleRef<'a> {
     /// Loss mask.
     pub loss_mask: &'a [u8],
     /// `hidden_states` bytes, `[L, T, H]` in `dtype` (a speculators file's
-    /// `[T, L, H]` is transposed into an owned copy).
+    /// `[T, L, H]` is transposed into an owned copy; FP8 is dequantised into
+    /// an owned f32 copy).
     pub hidden: std::borrow::Cow<'a, [u8]>,
-    /// Storage dtype.
+    /// The dtype of `hidden`: the stored one, or f32 for FP8.
     pub dtype: DType,
+    /// The dtype on disk.
+    pub stored: DType,
     /// `[L, T, H]`.
     pub shape: [usize; 3],
 }
@@ -207,14 +210,26 @@ impl Dataset {
     /// The tensors sample `id` is stored as, in checksum order: `{id}.input_ids`,
     /// `{id}.loss_mask`, `{id}.hidden_states`; or a speculators file's `token_ids`,
     /// `loss_mask` (schema 3 on), `hidden_states`.
+    /// FP8 states add their scales, `hidden_states_scales`, last.
     pub fn tensor_names(&self, id: &str) -> Vec<String> {
-        if self.is_speculators() && self.manifest.schema_version >= 3 {
+        let mut names: Vec<String> = if self.is_speculators() && self.manifest.schema_version >= 3 {
             vec!["token_ids".into(), "loss_mask".into(), "hidden_states".into()]
         } else if self.is_speculators() {
             vec!["token_ids".into(), "hidden_states".into()]
         } else {
             ["input_ids", "loss_mask", "hidden_states"].iter().map(|e| format!("{id}.{e}")).collect()
+        };
+        if self.dtype().is_ok_and(DType::scaled) {
+            let scales = if self.is_speculators() { SCALES.to_string() } else { format!("{id}.{SCALES}") };
+            names.push(scales);
         }
+        names
+    }
+
+    /// The storage dtype the manifest records.
+    pub fn dtype(&self) -> Result<DType, String> {
+        let d = &self.manifest.dtype;
+        d.parse().map_err(|_| format!("dtype {} is not f32, bf16, f16 or fp8", quote(d)))
     }
 
     /// Reads sample `id` from a mapped shard, checking names, dtypes and shapes.
@@ -223,7 +238,7 @@ impl Dataset {
             return self.speculators_sample(shard, tokens);
         }
         let m = &self.manifest;
-        let dtype: DType = m.dtype.parse().map_err(|_| format!("dtype {} is not f32, bf16 or f16", quote(&m.dtype)))?;
+        let dtype = self.dtype()?;
         let (l, h) = (m.capture.len(), m.model.hidden_size);
         let get = |suffix: &str, dt: safetensors::Dtype, shape: &[usize]| -> Result<&'a TensorEntry, String> {
             let name = format!("{id}.{suffix}");
@@ -238,12 +253,17 @@ impl Dataset {
         };
         let ids = get("input_ids", safetensors::Dtype::I64, &[tokens])?;
         let mask = get("loss_mask", safetensors::Dtype::U8, &[tokens])?;
-        let hs = get("hidden_states", dtype.to_safetensors(), &[l, tokens, h])?;
+        let hs = shard.bytes(get("hidden_states", dtype.to_safetensors(), &[l, tokens, h])?);
+        let hidden = match dtype.scaled() {
+            true => dequantize(hs, shard.bytes(get(SCALES, safetensors::Dtype::F32, &[l, tokens, 1])?), h)?.into(),
+            false => hs.into(),
+        };
         Ok(SampleRef {
             input_ids: shard.bytes(ids).chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect(),
             loss_mask: shard.bytes(mask),
-            hidden: shard.bytes(hs).into(),
-            dtype,
+            hidden,
+            dtype: if dtype.scaled() { DType::F32 } else { dtype },
+            stored: dtype,
             shape: [l, tokens, h],
         })
     }
@@ -251,7 +271,7 @@ impl Dataset {
     /// A speculators file: `token_ids [T]`, `loss_mask [T]` (schema 3 on), `hidden_states [T, L, H]`.
     fn speculators_sample<'a>(&self, f: &'a MappedFile, tokens: usize) -> Result<SampleRef<'a>, String> {
         let m = &self.manifest;
-        let dtype: DType = m.dtype.parse().map_err(|_| format!("dtype {} is not f32, bf16 or f16", quote(&m.dtype)))?;
+        let stored = self.dtype()?;
         let (l, h) = (m.capture.len(), m.model.hidden_size);
         let get = |name: &str, dt: safetensors::Dtype, shape: &[usize]| -> Result<&'a TensorEntry, String> {
             let e = f.tensors.get(name).ok_or_else(|| format!("tensor {} is missing", quote(name)))?;
@@ -271,7 +291,15 @@ impl Dataset {
             true => f.bytes(get("loss_mask", safetensors::Dtype::U8, &[tokens])?),
             false => &[],
         };
-        let hs = f.bytes(get("hidden_states", dtype.to_safetensors(), &[tokens, l, h])?);
+        let hs = f.bytes(get("hidden_states", stored.to_safetensors(), &[tokens, l, h])?);
+        let deq;
+        let (hs, dtype) = match stored.scaled() {
+            true => {
+                deq = dequantize(hs, f.bytes(get(SCALES, safetensors::Dtype::F32, &[tokens, l, 1])?), h)?;
+                (&deq[..], DType::F32)
+            }
+            false => (hs, stored),
+        };
         // [T, L, H] -> [L, T, H], row by row of H values.
         let row = h * dtype.size();
         let mut lth = vec![0u8; hs.len()];
@@ -285,7 +313,28 @@ impl Dataset {
             loss_mask: mask,
             hidden: lth.into(),
             dtype,
+            stored,
             shape: [l, tokens, h],
         })
     }
+}
+
+/// The name of FP8 states' scale tensor (`{id}.hidden_states_scales` in the native format).
+pub const SCALES: &str = "hidden_states_scales";
+
+/// FP8 codes times their row scales (one per `h` codes), as f32 bytes. A
+/// scale that is not finite and positive is refused: Strata never writes one.
+pub fn dequantize(codes: &[u8], scales: &[u8], h: usize) -> Result<Vec<u8>, String> {
+    let mut out = vec![0u8; codes.len() * 4];
+    let rows = codes.chunks_exact(h.max(1)).zip(scales.chunks_exact(4)).zip(out.chunks_exact_mut(h.max(1) * 4));
+    let mut row = vec![0f32; h];
+    for (i, ((c, s), o)) in rows.enumerate() {
+        let s = f32::from_le_bytes(s.try_into().expect("4 bytes"));
+        if !(s.is_finite() && s > 0.0) {
+            return Err(format!("FP8 row {i} has scale {s}: scales must be finite and positive"));
+        }
+        crate::shape::fp8::dequantize_row(c, s, &mut row);
+        o.copy_from_slice(bytemuck::cast_slice(&row));
+    }
+    Ok(out)
 }

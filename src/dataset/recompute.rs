@@ -9,7 +9,7 @@ use crate::backend::Compute;
 use crate::model::{Model, ModelError};
 use crate::pipeline::batch::PackedBatch;
 use crate::pipeline::capture::{CapturePoint, CaptureSet};
-use crate::shape::{CapturedStates, DType};
+use crate::shape::{fp8, CapturedStates, DType};
 
 /// Why a recomputation could not run (a failed comparison is not an error: see [`Recompute::passed`]).
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +97,13 @@ impl Tolerance {
     pub fn allowed(&self, b: f32) -> f32 {
         self.storage * b.abs() + self.compute * b.abs().max(1.0)
     }
+
+    /// The same, for a value of an FP8 row with scale `scale` (0 for other
+    /// dtypes): one subnormal step, `2^-9 scale`, more, where the relative
+    /// step does not hold.
+    pub fn allowed_in_row(&self, b: f32, scale: f32) -> f32 {
+        self.allowed(b) + scale / 512.0
+    }
 }
 
 /// What a recomputation found.
@@ -169,6 +176,8 @@ pub fn recompute<M: Model<Hidden = usize>>(
     let set = CaptureSet::<usize>::try_new(points).map_err(|e| layout(e.to_string()))?;
     let dtype: DType = m.dtype.parse().map_err(|e: String| layout(e))?;
     let (l, h) = (m.capture.len(), m.model.hidden_size);
+    let mut fresh = vec![0f32; h];
+    let mut codes = Vec::with_capacity(h);
     if n == 0 {
         return Err(RecomputeError::Empty("asked for 0 samples"));
     }
@@ -201,22 +210,44 @@ pub fn recompute<M: Model<Hidden = usize>>(
             .iter()
             .map(|&t| u32::try_from(t).map_err(|_| bad(format!("input id {t} is not a token id"))))
             .collect::<Result<_, _>>()?;
-        let want =
-            CapturedStates::<usize, usize>::try_from_bytes("stored states", &stored.hidden, dtype, &stored.shape, l, h)
-                .map_err(|e| bad(e.to_string()))?;
+        let want = CapturedStates::<usize, usize>::try_from_bytes(
+            "stored states",
+            &stored.hidden,
+            stored.dtype,
+            &stored.shape,
+            l,
+            h,
+        )
+        .map_err(|e| bad(e.to_string()))?;
         let batch = PackedBatch::from_samples([ids.as_slice()]);
         let got = model.forward_step(&batch, &set, &mut M::Cache::default())?;
         for (slot, diff) in report.points.iter_mut().enumerate() {
-            for (&a, &b) in got.layer(slot).iter().zip(want.layer(slot)) {
-                // Compared as stored: identical bytes give exactly 0.
-                let abs = (dtype.round(a) - b).abs();
-                let rel = abs / b.abs().max(1.0);
-                let ratio = abs / tolerance.allowed(b);
-                // A NaN or Inf on either side is a failure, not a skipped value.
-                let bad = !(abs.is_finite() && ratio.is_finite());
-                diff.max_abs = if bad { f32::INFINITY } else { diff.max_abs.max(abs) };
-                diff.max_rel = if bad { f32::INFINITY } else { diff.max_rel.max(rel) };
-                diff.worst = if bad { f32::INFINITY } else { diff.worst.max(ratio) };
+            let rows = got.layer(slot).chunks_exact(h.max(1)).zip(want.layer(slot).chunks_exact(h.max(1)));
+            for (a_row, b_row) in rows {
+                // Compared as stored: identical bytes give exactly 0. FP8
+                // rows are quantised with their own scale, as the sink does.
+                let scale = match dtype {
+                    DType::F8E4M3 => {
+                        codes.clear();
+                        let s = fp8::quantize_row(a_row, &mut codes);
+                        fp8::dequantize_row(&codes, s, &mut fresh);
+                        fp8::row_scale(b_row)
+                    }
+                    _ => {
+                        fresh.iter_mut().zip(a_row).for_each(|(f, &a)| *f = dtype.round(a));
+                        0.0
+                    }
+                };
+                for (&a, &b) in fresh.iter().zip(b_row) {
+                    let abs = (a - b).abs();
+                    let rel = abs / b.abs().max(1.0);
+                    let ratio = abs / tolerance.allowed_in_row(b, scale);
+                    // A NaN or Inf on either side is a failure, not a skipped value.
+                    let bad = !(abs.is_finite() && ratio.is_finite());
+                    diff.max_abs = if bad { f32::INFINITY } else { diff.max_abs.max(abs) };
+                    diff.max_rel = if bad { f32::INFINITY } else { diff.max_rel.max(rel) };
+                    diff.worst = if bad { f32::INFINITY } else { diff.worst.max(ratio) };
+                }
             }
         }
         report.samples.push(info.id.clone());

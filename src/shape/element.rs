@@ -11,6 +11,10 @@ pub enum DType {
     BF16,
     /// IEEE half.
     F16,
+    /// FP8 e4m3 (`float8_e4m3fn`). Stored hidden states carry an f32 scale
+    /// per token and capture point (see [`crate::shape::fp8`]); this dtype's
+    /// own conversions here are unscaled (scale 1, saturating at ±448).
+    F8E4M3,
 }
 
 impl DType {
@@ -19,6 +23,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::BF16 | DType::F16 => 2,
+            DType::F8E4M3 => 1,
         }
     }
 
@@ -28,10 +33,25 @@ impl DType {
             DType::F32 => safetensors::Dtype::F32,
             DType::BF16 => safetensors::Dtype::BF16,
             DType::F16 => safetensors::Dtype::F16,
+            DType::F8E4M3 => safetensors::Dtype::F8_E4M3,
         }
     }
 
-    /// From a safetensors dtype; `None` for dtypes Strata does not store.
+    /// From the safetensors dtype of stored hidden states (FP8 included).
+    pub fn from_stored(d: safetensors::Dtype) -> Option<Self> {
+        match d {
+            safetensors::Dtype::F8_E4M3 => Some(DType::F8E4M3),
+            d => Self::from_safetensors(d),
+        }
+    }
+
+    /// Whether stored states of this dtype carry a scale tensor.
+    pub fn scaled(self) -> bool {
+        self == DType::F8E4M3
+    }
+
+    /// From a safetensors dtype of a plain float tensor (a weight); `None` for
+    /// dtypes Strata does not read unscaled (FP8 weights need their block scales).
     pub fn from_safetensors(d: safetensors::Dtype) -> Option<Self> {
         match d {
             safetensors::Dtype::F32 => Some(DType::F32),
@@ -70,6 +90,11 @@ impl DType {
             DType::F16 => {
                 dst.chunks_exact_mut(2).zip(src).for_each(|(d, v)| write_bytes(d, &f16::from_f32(*v).to_le_bytes()))
             }
+            DType::F8E4M3 => {
+                for (d, v) in dst.iter_mut().zip(src) {
+                    d.write(super::fp8::e4m3_from_f32(*v));
+                }
+            }
         }
         // SAFETY: every one of the `n` bytes after the old length was written above.
         unsafe { out.set_len(out.len() + n) };
@@ -81,6 +106,7 @@ impl DType {
             DType::F32 => v,
             DType::BF16 => bf16::from_f32(v).to_f32(),
             DType::F16 => f16::from_f32(v).to_f32(),
+            DType::F8E4M3 => super::fp8::e4m3_to_f32(super::fp8::e4m3_from_f32(v)),
         }
     }
 
@@ -91,6 +117,7 @@ impl DType {
             DType::F32 => f32::EPSILON,
             DType::BF16 => 2f32.powi(-7),
             DType::F16 => 2f32.powi(-10),
+            DType::F8E4M3 => 2f32.powi(-3),
         }
     }
 
@@ -102,6 +129,7 @@ impl DType {
             DType::F32 => out.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
             DType::BF16 => out.extend(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())),
             DType::F16 => out.extend(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())),
+            DType::F8E4M3 => out.extend(bytes.iter().map(|&c| super::fp8::e4m3_to_f32(c))),
         }
     }
 
@@ -124,6 +152,11 @@ impl DType {
                     *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
                 }
             }
+            DType::F8E4M3 => {
+                for (o, &c) in out.iter_mut().zip(bytes) {
+                    *o = super::fp8::e4m3_to_f32(c);
+                }
+            }
         }
     }
 }
@@ -134,6 +167,7 @@ impl std::fmt::Display for DType {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
             DType::F16 => "f16",
+            DType::F8E4M3 => "fp8",
         })
     }
 }
@@ -145,7 +179,8 @@ impl std::str::FromStr for DType {
             "f32" | "float32" => Ok(DType::F32),
             "bf16" | "bfloat16" => Ok(DType::BF16),
             "f16" | "float16" | "half" => Ok(DType::F16),
-            other => Err(format!("unknown dtype {other:?} (expected f32, bf16 or f16)")),
+            "fp8" | "f8" | "f8_e4m3" | "float8_e4m3fn" => Ok(DType::F8E4M3),
+            other => Err(format!("unknown dtype {other:?} (expected f32, bf16, f16 or fp8)")),
         }
     }
 }

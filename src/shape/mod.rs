@@ -9,6 +9,7 @@
 mod dims;
 mod element;
 mod error;
+pub mod fp8;
 mod states;
 
 pub use dfdx::shapes::{ConstDim, Dim};

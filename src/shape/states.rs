@@ -224,19 +224,25 @@ impl<L: Dim, H: Dim, E: Element> StatesView<'_, L, H, E> {
     }
 
     /// Writes the view as `[T, L, H]` (the speculators layout) in `dtype`, appending to `out`.
-    pub fn encode_tlh(&self, dtype: DType, out: &mut Vec<u8>) {
+    /// FP8 rows are quantised each with its own scale, appended to `scales`
+    /// in the same `[T, L]` order (other dtypes leave `scales` alone).
+    pub fn encode_tlh(&self, dtype: DType, out: &mut Vec<u8>, scales: &mut Vec<f32>) {
         let h = self.states.hidden.size();
         let layers = self.states.layers.size();
         out.reserve(layers * self.range.len() * h * dtype.size());
         let mut row = vec![0f32; if E::DTYPE == DType::F32 { 0 } else { h }];
+        let mut put = |f: &[f32], out: &mut Vec<u8>| match dtype {
+            DType::F8E4M3 => scales.push(super::fp8::quantize_row(f, out)),
+            _ => dtype.encode_into(f, out),
+        };
         for t in 0..self.range.len() {
             for l in 0..layers {
                 let src = &self.layer(l)[t * h..(t + 1) * h];
                 if let Some(f) = as_f32(src) {
-                    dtype.encode_into(f, out);
+                    put(f, out);
                 } else {
                     row.iter_mut().zip(src).for_each(|(r, v)| *r = v.to_f32());
-                    dtype.encode_into(&row, out);
+                    put(&row, out);
                 }
             }
         }
@@ -293,7 +299,7 @@ mod tests {
     fn tlh_encoding_transposes() {
         let s = CapturedStates::<usize, usize>::try_from_vec(seq(2, 2, 1, 0.), 2, 2, 1).unwrap();
         let mut out = Vec::new();
-        s.view().encode_tlh(DType::F32, &mut out);
+        s.view().encode_tlh(DType::F32, &mut out, &mut Vec::new());
         let v: Vec<f32> = out.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
         // [L=2,T=2] = [[0,1],[2,3]] -> [T,L] = [[0,2],[1,3]]
         assert_eq!(v, vec![0., 2., 1., 3.]);

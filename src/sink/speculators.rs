@@ -30,6 +30,8 @@ pub struct SpeculatorsSink {
     // one; those in flight come back when their writes are done.
     spare: Vec<Vec<u8>>,
     ids: Vec<u8>,
+    // FP8 scales of the sample being encoded, `[T, L]`.
+    scales: Vec<f32>,
     // Files being written, oldest first.
     pending: VecDeque<Pending>,
     // A write or commit failed: nothing more is committed.
@@ -67,6 +69,7 @@ impl SpeculatorsSink {
             input_path,
             spare: Vec::new(),
             ids: Vec::new(),
+            scales: Vec::new(),
             pending: VecDeque::new(),
             failed: false,
             done,
@@ -201,7 +204,11 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
         // Encoded while earlier samples' files are still being written.
         let mut buf = self.spare.pop().unwrap_or_default();
         buf.clear();
-        states.encode_tlh(self.dtype, &mut buf);
+        self.scales.clear();
+        states.encode_tlh(self.dtype, &mut buf, &mut self.scales);
+        // FP8: the scales `[T, L, 1]` follow the codes in the same buffer.
+        let n_codes = buf.len();
+        buf.extend_from_slice(bytemuck::cast_slice(&self.scales));
         // token_ids, then loss_mask: the lead of the file.
         self.ids.clear();
         self.ids.extend(sample.input_ids.iter().flat_map(|&v| (v as i64).to_le_bytes()));
@@ -218,12 +225,17 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
         let row = out.manifest().shards.len() + self.pending.len();
         let name = Self::file_name(row);
         let (n_lead, n_hs) = (self.ids.len(), buf.len());
-        let header = serde_json::json!({
+        let mut header = serde_json::json!({
             "token_ids": {"dtype": "I64", "shape": [t], "data_offsets": [0, n_ids]},
             "loss_mask": {"dtype": "U8", "shape": [t], "data_offsets": [n_ids, n_lead]},
             "hidden_states": {"dtype": self.dtype.to_safetensors().to_string(), "shape": [t, l, h],
-                              "data_offsets": [n_lead, n_lead + n_hs]},
+                              "data_offsets": [n_lead, n_lead + n_codes]},
         });
+        if self.dtype.scaled() {
+            // The layout of the speculators stack's FP8 hidden-states reader
+            // (hs_connectors' FP8Transfer): `hidden_states * hidden_states_scales`.
+            header["hidden_states_scales"] = serde_json::json!({"dtype": "F32", "shape": [t, l, 1], "data_offsets": [n_lead + n_codes, n_lead + n_hs]});
+        }
         let mut head = header.to_string().into_bytes();
         // The safetensors header is padded with spaces so the data starts 8-byte aligned.
         head.resize(head.len().next_multiple_of(8), b' ');

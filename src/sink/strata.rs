@@ -11,7 +11,7 @@ use super::spool::Spool;
 use super::{io_err, OpenMode, OutputDir, Sink, SinkError};
 use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
 use crate::pipeline::source::{InputPos, Sample};
-use crate::shape::{check_dim, DType, Dim, StatesView};
+use crate::shape::{check_dim, fp8, DType, Dim, StatesView};
 use std::collections::BTreeMap;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -173,6 +173,8 @@ pub struct StrataSink<L: Dim, H: Dim> {
     reserve: usize,
     resumed: usize,
     bytes_written: u64,
+    // FP8 scales of the sample being written, `[L, T]`.
+    scales: Vec<f32>,
 }
 
 impl<L: Dim, H: Dim> StrataSink<L, H> {
@@ -205,6 +207,7 @@ impl<L: Dim, H: Dim> StrataSink<L, H> {
             reserve,
             resumed,
             bytes_written: 0,
+            scales: Vec::new(),
         })
     }
 
@@ -234,11 +237,17 @@ impl<L: Dim, H: Dim> Sink<L, H> for StrataSink<L, H> {
         let [l, t, h] = states.shape();
         let hs_bytes = (l * t * h * self.dtype.size()) as u64;
         let sample_bytes = (t * 8 + t) as u64 + hs_bytes;
-        let names = [
+        // FP8 states carry an f32 scale per token and capture point, `[L, T, 1]`.
+        let scale_bytes = if self.dtype.scaled() { (l * t * 4) as u64 } else { 0 };
+        let sample_bytes = sample_bytes + scale_bytes;
+        let mut names = vec![
             format!("{}.input_ids", sample.id),
             format!("{}.loss_mask", sample.id),
             format!("{}.hidden_states", sample.id),
         ];
+        if self.dtype.scaled() {
+            names.push(format!("{}.hidden_states_scales", sample.id));
+        }
         // Bound on one entry: the quoted (escaped) name plus at most 150 bytes
         // of dtype, shape and offsets, and a comma.
         let header_growth: usize = names.iter().map(|n| quoted_len(n) + 151).sum();
@@ -269,23 +278,37 @@ impl<L: Dim, H: Dim> Sink<L, H> for StrataSink<L, H> {
             Some(m) => b.extend_from_slice(m),
             None => b.resize(b.len() + t, 1),
         })?;
+        let scales = &mut self.scales;
+        scales.clear();
         for layer in 0..l {
             let src = states.layer(layer);
             let dtype = self.dtype;
             shard.put(&mut hasher, |b| match dtype {
                 DType::F32 => b.extend_from_slice(bytemuck::cast_slice(src)),
+                DType::F8E4M3 => {
+                    b.reserve(src.len());
+                    scales.extend(src.chunks_exact(h.max(1)).map(|row| fp8::quantize_row(row, b)));
+                }
                 _ => dtype.encode_into(src, b),
             })?;
         }
-        let [ids_name, mask_name, hs_name] = names;
-        shard.add(ids_name, "I64", vec![t], (t * 8) as u64);
-        shard.add(mask_name, "U8", vec![t], t as u64);
+        if self.dtype.scaled() {
+            shard.put(&mut hasher, |b| b.extend_from_slice(bytemuck::cast_slice(scales)))?;
+        }
+        let mut names = names.into_iter();
+        let mut next = || names.next().expect("named above");
+        shard.add(next(), "I64", vec![t], (t * 8) as u64);
+        shard.add(next(), "U8", vec![t], t as u64);
         let st_dtype = match self.dtype {
             DType::F32 => "F32",
             DType::BF16 => "BF16",
             DType::F16 => "F16",
+            DType::F8E4M3 => "F8_E4M3",
         };
-        shard.add(hs_name, st_dtype, vec![l, t, h], hs_bytes);
+        shard.add(next(), st_dtype, vec![l, t, h], hs_bytes);
+        if self.dtype.scaled() {
+            shard.add(next(), "F32", vec![l, t, 1], scale_bytes);
+        }
         shard.samples.push(SampleInfo {
             id: sample.id.clone(),
             shard: shard.index,

@@ -232,9 +232,16 @@ enum NonFiniteArg {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum DTypeArg {
+    /// 4 bytes per value: exact.
     F32,
+    /// 2 bytes: the checkpoint's dtype for most models.
     Bf16,
+    /// 2 bytes, more mantissa and less range than bf16.
     F16,
+    /// 1 byte: e4m3 codes with an f32 scale per token and capture point
+    /// (hidden_states_scales). The speculators trainer must read it with its
+    /// FP8 hidden-states backend: its default reader would train on raw codes.
+    Fp8,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -571,6 +578,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
             DTypeArg::F32 => DType::F32,
             DTypeArg::Bf16 => DType::BF16,
             DTypeArg::F16 => DType::F16,
+            DTypeArg::Fp8 => DType::F8E4M3,
         }),
         format: match a.format {
             FormatArg::Strata => Format::Strata,

@@ -138,8 +138,9 @@ impl VerifyJob {
             model.compute(),
             self.tp
         );
+        let fp8 = if m.dtype == "fp8" { " + 2^-9*scale of its row" } else { "" };
         say!(
-            "  allowed |fresh - stored| = {:.1e}*|stored| + {:.1e}*max(1, |stored|) ({} storage, fresh states rounded to it)",
+            "  allowed |fresh - stored| = {:.1e}*|stored| + {:.1e}*max(1, |stored|){fp8} ({} storage, fresh states rounded to it)",
             t.storage,
             t.compute,
             m.dtype
