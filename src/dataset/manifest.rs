@@ -7,6 +7,7 @@
 //! earlier one. The finished run compacts the journal into the manifest.
 //! [`Manifest::read`] replays the journal, so readers see one manifest.
 
+pub use crate::input::parts::PartInfo;
 use crate::pipeline::capture::CapturePoint;
 pub use crate::pipeline::source::InputPos;
 use crate::shape::DType;
@@ -103,6 +104,19 @@ pub struct PrepareInfo {
     pub skip_long: bool,
 }
 
+/// One part of a merged dataset.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MergedPart {
+    /// Its directory, inside the merged one.
+    pub dir: String,
+    /// Where it lies in the input.
+    pub part: PartInfo,
+    /// Its samples (rows), in the merged order from `first_sample` on.
+    pub samples: usize,
+    /// The merged index of its first sample.
+    pub first_sample: usize,
+}
+
 /// One shard file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardInfo {
@@ -183,6 +197,14 @@ pub struct Manifest {
     /// How the input became token rows (absent before schema 3's conversations).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prepare: Option<PrepareInfo>,
+    /// The part of the input this output holds, when the input was split
+    /// across processes (`--part-index/--num-parts` or a launcher's environment).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub part: Option<PartInfo>,
+    /// A merged dataset (`strata merge`): its parts' directories, in order.
+    /// Its shards lie in them; nothing was copied.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub merged: Vec<MergedPart>,
     /// `--on-nonfinite`: `fail` or `skip`.
     #[serde(default = "default_on_nonfinite")]
     pub on_nonfinite: String,
@@ -241,6 +263,8 @@ impl Manifest {
             run: None,
             input: None,
             prepare: None,
+            part: None,
+            merged: vec![],
             on_nonfinite: default_on_nonfinite(),
             nonce: String::new(),
             capture,
@@ -325,7 +349,8 @@ impl Manifest {
             })
         };
         let prepare = |m: &Manifest| m.prepare.as_ref().map_or(String::new(), |p| format!("{p:?}"));
-        let pairs: [(&str, String, String); 11] = [
+        let part = |m: &Manifest| m.part.as_ref().map_or("the whole input".into(), PartInfo::key);
+        let pairs: [(&str, String, String); 12] = [
             ("format", self.format.clone(), other.format.clone()),
             ("strata_version", self.strata_version.clone(), other.strata_version.clone()),
             ("model.config_hash", self.model.config_hash.clone(), other.model.config_hash.clone()),
@@ -337,6 +362,7 @@ impl Manifest {
             ("shard_size", self.shard_size.to_string(), other.shard_size.to_string()),
             ("layout", self.layout.clone(), other.layout.clone()),
             ("prepare", prepare(self), prepare(other)),
+            ("part", part(self), part(other)),
         ];
         for (field, a, b) in pairs {
             if a != b {

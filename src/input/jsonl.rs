@@ -100,7 +100,8 @@ impl<R: BufRead + Send> Records for JsonlRecords<R> {
             Ok(t) => t,
             Err(e) => return Some(Err(e)),
         };
-        let index = self.src.consumed().samples - 1;
+        // The whole input's index: a default id is the same in a part.
+        let index = self.src.first_record() + self.src.consumed().samples - 1;
         let parsed = self.parse(line, &buf[text]);
         self.src.restore(buf);
         Some(match parsed {

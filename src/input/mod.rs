@@ -5,6 +5,7 @@
 
 pub mod arrow;
 pub mod jsonl;
+pub mod parts;
 pub mod prepare;
 
 use crate::chat::Conversation;

@@ -120,6 +120,8 @@ pub struct JsonlSource<R: BufRead> {
     bytes: u64,
     hasher: xxhash_rust::xxh3::Xxh3,
     done: bool,
+    // Records before this reader's first line, in a larger input (a part).
+    origin: usize,
 }
 
 impl JsonlSource<std::io::BufReader<std::fs::File>> {
@@ -205,7 +207,23 @@ impl<R: BufRead> JsonlSource<R> {
             bytes: 0,
             hasher: xxhash_rust::xxh3::Xxh3::new(),
             done: false,
+            origin: 0,
         }
+    }
+
+    /// Numbers lines from `first_line` (1-based) and records from
+    /// `first_record` (0-based): the reader holds a part of a larger input,
+    /// and default ids and messages must be the ones the whole input gives.
+    /// Positions ([`JsonlSource::consumed`]) stay the part's own.
+    pub fn origin(mut self, first_line: usize, first_record: usize) -> Self {
+        self.line = first_line.saturating_sub(1);
+        self.origin = first_record;
+        self
+    }
+
+    /// The whole input's index of this reader's first record.
+    pub fn first_record(&self) -> usize {
+        self.origin
     }
 
     /// The longest line accepted, in bytes: a longer one (or an endless
@@ -356,7 +374,7 @@ impl<R: BufRead> Iterator for JsonlSource<R> {
             Ok((id, input_ids, loss_mask)) => Ok(Sample {
                 index: self.index - 1,
                 line,
-                id: id.unwrap_or_else(|| (self.index - 1).to_string()),
+                id: id.unwrap_or_else(|| (self.origin + self.index - 1).to_string()),
                 input_ids,
                 loss_mask,
                 end: self.consumed(),

@@ -13,6 +13,7 @@ use strata::dataset::manifest::{InputInfo, Manifest, ModelInfo, PrepareInfo, Run
 use strata::hf::Checkpoint;
 use strata::input::arrow::DatasetRecords;
 use strata::input::jsonl::JsonlRecords;
+use strata::input::parts::{self, PartInfo, PartSpec};
 use strata::input::prepare::{PrepareOptions, PrepareStats, Prepared};
 use strata::input::{InputFormat, Records};
 use strata::model::{AnyConfig, AnyModel, BackendKind, ComputeChoice, LoadOptions, Model, ModelError};
@@ -62,6 +63,8 @@ pub struct ExtractJob {
     pub on_nonfinite: OnNonFinite,
     /// How records become token rows.
     pub prepare: PrepareArgs,
+    /// The part of the input this process handles (`None`: all of it).
+    pub part: Option<PartSpec>,
 }
 
 /// How input records become token rows: formats, chat template, masks, limits.
@@ -166,6 +169,8 @@ pub struct Summary {
     pub chat_template: Option<String>,
     /// The date `strftime_now` rendered.
     pub chat_date: Option<chrono::NaiveDate>,
+    /// The part of the input this run handled, and who chose it.
+    pub part: Option<PartInfo>,
 }
 
 /// How far through the input a run is, for progress.
@@ -180,6 +185,48 @@ pub struct InputProgress {
 impl ExtractJob {
     fn data_name(&self) -> String {
         self.data.as_ref().map_or("<embedded data>".into(), |p| p.display().to_string())
+    }
+
+    /// Where this run writes: `--out`, or its part's directory inside it.
+    pub fn out_dir(&self) -> PathBuf {
+        match &self.part {
+            Some(p) => self.out.join(p.dir_name()),
+            None => self.out.clone(),
+        }
+    }
+
+    /// This process's part of the input: a regular file (or the embedded
+    /// data) read from the part's first line to its last, and where it lies.
+    fn open_part(&self, spec: &PartSpec) -> Result<(Box<dyn BufRead + Send>, PartInfo), ExtractError> {
+        let name = self.data_name();
+        let io = |cause| SourceError::Io { path: name.clone(), cause };
+        let part_of =
+            |mut r: Box<dyn ReadSeek>, len: u64| -> Result<(Box<dyn BufRead + Send>, PartInfo), ExtractError> {
+                let info = parts::locate(&mut r, len, spec).map_err(io)?;
+                r.seek(std::io::SeekFrom::Start(info.start)).map_err(io)?;
+                let body = std::io::Read::take(r, info.end - info.start);
+                Ok((Box::new(std::io::BufReader::with_capacity(1 << 20, body)), info))
+            };
+        match &self.data {
+            None => part_of(
+                Box::new(std::io::Cursor::new(embedded::DATA_JSONL.as_bytes())),
+                embedded::DATA_JSONL.len() as u64,
+            ),
+            Some(p) => {
+                let f = std::fs::File::open(p).map_err(io)?;
+                let meta = f.metadata().map_err(io)?;
+                if p.as_os_str() == "-" || !meta.is_file() {
+                    return Err(ExtractError::Usage(format!(
+                        "{} is not a regular file: a split into parts ({} of {}, from {}) seeks to its part, which a                          pipe or stdin cannot; write the input to a file first",
+                        p.display(),
+                        spec.index,
+                        spec.count,
+                        spec.source
+                    )));
+                }
+                part_of(Box::new(f), meta.len())
+            }
+        }
     }
 
     /// The input, opened once: a file, a pipe or a FIFO (`-` is stdin).
@@ -203,7 +250,7 @@ impl ExtractJob {
 
     /// Runs the job, calling `progress` after every forward step with how far through the input it is.
     pub fn run(&self, mut progress: impl FnMut(&Progress, &InputProgress)) -> Result<Summary, ExtractError> {
-        let _span = tracing::info_span!("extract", out = %self.out.display()).entered();
+        let _span = tracing::info_span!("extract", out = %self.out_dir().display()).entered();
         if self.model.is_some() && self.data.is_none() {
             return Err(ExtractError::DataRequired);
         }
@@ -225,9 +272,25 @@ impl ExtractJob {
                 self.data_name()
             )));
         }
-        let (reader, input_len) = match &dataset_dir {
-            Some(_) => (None, None),
-            None => {
+        let mut part_info = None;
+        let (reader, input_len) = match (&dataset_dir, &self.part) {
+            (Some(d), Some(spec)) => {
+                return Err(ExtractError::Usage(format!(
+                    "{} is a datasets directory, which cannot be split into parts yet ({} of {}, from {});                      export it to JSON Lines (Dataset.to_json) or run one process",
+                    d.display(),
+                    spec.index,
+                    spec.count,
+                    spec.source
+                )))
+            }
+            (Some(_), None) => (None, None),
+            (None, Some(spec)) => {
+                let (r, info) = self.open_part(spec)?;
+                let len = info.end - info.start;
+                part_info = Some(info);
+                (Some(r), Some(len))
+            }
+            (None, None) => {
                 let (r, len) = self.open_input()?;
                 (Some(r), len)
             }
@@ -279,6 +342,7 @@ impl ExtractJob {
         job.on_nonfinite = self.on_nonfinite.as_str().into();
         job.prepare = Some(prepare_info);
         job.input = Some(InputInfo { path: self.data_name(), whole: InputPos::default() });
+        job.part = part_info.clone();
 
         let max = info.max_position_embeddings;
         let from = if info.max_position_default {
@@ -305,6 +369,9 @@ impl ExtractJob {
         let records: Box<dyn Records> = match (reader, &dataset_dir) {
             (Some(reader), _) => {
                 let mut lines = JsonlSource::new(self.data_name(), reader).max_line(max_line);
+                if let Some(p) = &part_info {
+                    lines = lines.origin(p.first_line, p.first_record);
+                }
                 if p.max_seq_len.is_none() {
                     lines = lines.max_tokens(max, from.clone());
                 }
@@ -329,13 +396,13 @@ impl ExtractJob {
         let mut report_progress = |p: &Progress, i: &InputProgress| progress(p, i);
         let (report, skipped, format) = match self.format {
             Format::Strata => {
-                let sink = StrataSink::open(&self.out, job, points.len(), info.hidden_size, self.mode)?;
+                let sink = StrataSink::open(&self.out_dir(), job, points.len(), info.hidden_size, self.mode)?;
                 let expect = expected(sink.manifest())?;
                 let sink = FiniteCheck::new(sink, self.on_nonfinite, names, dtype);
                 self.drive(&model, captures, input, expect, sink, &mut report_progress)?
             }
             Format::Speculators => {
-                let sink = SpeculatorsSink::open(&self.out, job, self.mode)?;
+                let sink = SpeculatorsSink::open(&self.out_dir(), job, self.mode)?;
                 let expect = expected(sink.manifest())?;
                 let sink = FiniteCheck::new(sink, self.on_nonfinite, names, dtype);
                 self.drive(&model, captures, input, expect, sink, &mut report_progress)?
@@ -346,6 +413,7 @@ impl ExtractJob {
         summary.points = points;
         summary.input_format = format;
         summary.prepare = stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        summary.part = part_info;
         Ok(summary)
     }
 
@@ -393,7 +461,7 @@ impl ExtractJob {
         }
         // A resumed run renders the date the run it continues rendered.
         let recorded = match self.mode {
-            strata::sink::OpenMode::Resume => Manifest::read(&self.out)
+            strata::sink::OpenMode::Resume => Manifest::read(&self.out_dir())
                 .ok()
                 .and_then(|m| m.prepare)
                 .and_then(|p| chrono::NaiveDate::parse_from_str(&p.chat_date, "%Y-%m-%d").ok()),
@@ -463,6 +531,10 @@ fn tokenizer_digest(dir: &std::path::Path) -> String {
         None => file,
     }
 }
+
+/// A file or an in-memory input: what a part is read from.
+trait ReadSeek: std::io::Read + std::io::Seek + Send {}
+impl<T: std::io::Read + std::io::Seek + Send> ReadSeek for T {}
 
 /// The input stream with its limits.
 struct Input {

@@ -327,6 +327,16 @@ struct ExtractArgs {
     /// Leave rows longer than the limit out instead of cutting them.
     #[arg(long, help_heading = "Input")]
     skip_long: bool,
+    /// This process's part of the input (0-based), with --num-parts: the
+    /// input is split into contiguous parts of about equal bytes and this
+    /// run writes OUT/part-IIII-of-NNNN/. Default: from the launcher's
+    /// environment (see PARTS below), else the whole input.
+    #[arg(long, value_name = "I", help_heading = "Parts (many processes, one input)")]
+    part_index: Option<usize>,
+    /// Number of parts. Given alone, the index comes from the launcher
+    /// (e.g. JOB_COMPLETION_INDEX of a Kubernetes Indexed Job, which has no count).
+    #[arg(long, value_name = "N", help_heading = "Parts (many processes, one input)")]
+    num_parts: Option<usize>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -498,6 +508,18 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
     if s.skipped > 0 {
         say!("  skipped     {} samples with NaN or Inf states (listed in the manifest's `skipped`)", s.skipped);
     }
+    if let Some(part) = &s.part {
+        say!(
+            "  part        {} of {} (from {}): input lines {}.., bytes {}..{} of {}; `strata merge` joins the parts",
+            part.index,
+            part.count,
+            part.source,
+            part.first_line,
+            part.start,
+            part.end,
+            part.input_bytes
+        );
+    }
     print_prepare(s);
     say!("  capture     {} ({})", points.join(","), s.dtype.map_or("?".into(), |d| d.to_string()));
     say!("  bytes       {}", r.bytes);
@@ -569,6 +591,8 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     if a.max_batch_tokens == 0 {
         anyhow::bail!("--max-batch-tokens must be at least 1");
     }
+    let part = strata::input::parts::resolve(a.part_index, a.num_parts, |k| std::env::var(k).ok())
+        .map_err(|e| anyhow::anyhow!("cannot tell this process's part of the input: {e}"))?;
     let job = ExtractJob {
         model: a.model.clone(),
         data: a.data,
@@ -624,7 +648,9 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
             max_seq_len: a.max_seq_len.map(|n| n as usize),
             skip_long: a.skip_long,
         },
+        part,
     };
+    let out = job.out_dir();
     let model = a.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
     let mut reporter = Reporter::new();
     let summary = job
@@ -636,7 +662,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     if summary.report.progress.samples + summary.report.progress.resumed + summary.skipped == 0 {
         eprintln!("warning: the input holds no samples; the output is empty");
     }
-    print_summary(&summary, &a.out);
+    print_summary(&summary, &out);
     Ok(())
 }
 

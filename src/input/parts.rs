@@ -1,0 +1,355 @@
+//! Data parts: one input split across processes that a cluster launcher
+//! started (Slurm, torchrun, Kubernetes Indexed Jobs), each process writing
+//! its own part of the output. The part comes from `--part-index/--num-parts`
+//! or from the launcher's own environment; the split is contiguous, balanced
+//! by bytes of input (a proxy for tokens that needs no tokenizing), and the
+//! same in every process, so the parts concatenated in order are the input.
+
+use serde::{Deserialize, Serialize};
+use std::io::{Read, Seek, SeekFrom};
+
+/// Where one part lies in the whole input, as its manifest records it:
+/// what a resume must find again and what `strata merge` checks.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartInfo {
+    /// 0-based part index.
+    pub index: usize,
+    /// Number of parts.
+    pub count: usize,
+    /// Where the index and count came from (not compared: any launcher may rerun a part).
+    pub source: String,
+    /// Bytes of the whole input.
+    pub input_bytes: u64,
+    /// [`fingerprint`] of the whole input.
+    pub input_fingerprint: String,
+    /// First byte of the part (a line start).
+    pub start: u64,
+    /// One past its last byte (a line start, or the end).
+    pub end: u64,
+    /// 1-based number of its first line.
+    pub first_line: usize,
+    /// Records (non-blank lines) before it: its first record's 0-based index.
+    pub first_record: usize,
+}
+
+impl PartInfo {
+    /// Everything but the launcher: what makes two runs the same part.
+    pub fn key(&self) -> String {
+        format!(
+            "part {} of {}: bytes {}..{} of {} (fingerprint {}), first line {}, first record {}",
+            self.index,
+            self.count,
+            self.start,
+            self.end,
+            self.input_bytes,
+            self.input_fingerprint,
+            self.first_line,
+            self.first_record
+        )
+    }
+}
+
+/// Which part of the input this process handles, and who said so.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartSpec {
+    /// 0-based part index.
+    pub index: usize,
+    /// Number of parts.
+    pub count: usize,
+    /// Where the index and count came from (the flags or the variables read).
+    pub source: String,
+}
+
+impl PartSpec {
+    /// The part's output directory, inside `--out`: `part-0003-of-0016`.
+    pub fn dir_name(&self) -> String {
+        dir_name(self.index, self.count)
+    }
+}
+
+/// `part-{index:04}-of-{count:04}`.
+pub fn dir_name(index: usize, count: usize) -> String {
+    format!("part-{index:04}-of-{count:04}")
+}
+
+/// The index and count a part directory's name says.
+pub fn parse_dir_name(name: &str) -> Option<(usize, usize)> {
+    let (i, n) = name.strip_prefix("part-")?.split_once("-of-")?;
+    let digits = |s: &str| s.len() >= 4 && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(i) && digits(n)).then(|| Some((i.parse().ok()?, n.parse().ok()?))).flatten()
+}
+
+/// The environment variable a Kubernetes Indexed Job (which exposes no count) sets for the count.
+pub const NUM_PARTS_VAR: &str = "STRATA_NUM_PARTS";
+
+/// Works out this process's part from the flags, else from the launcher's
+/// environment (`env` reads a variable); first match wins:
+/// Slurm job arrays, Slurm steps, torchrun (`RANK`/`WORLD_SIZE`),
+/// Kubernetes Indexed Jobs (`JOB_COMPLETION_INDEX`, with `--num-parts` or
+/// `STRATA_NUM_PARTS`). `None`: one process does the whole input.
+pub fn resolve(
+    part_index: Option<usize>,
+    num_parts: Option<usize>,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Option<PartSpec>, String> {
+    let spec = match (part_index, num_parts) {
+        (Some(_), None) => return Err("--part-index needs --num-parts".into()),
+        (Some(index), Some(count)) => PartSpec { index, count, source: "--part-index/--num-parts".into() },
+        (None, count) => match from_env(&env, count)? {
+            Some(s) => s,
+            None if count.is_some() => {
+                return Err(format!(
+                    "--num-parts is given but no part index: pass --part-index, or run under a launcher that sets \
+                     one (SLURM_ARRAY_TASK_ID, SLURM_PROCID, RANK or JOB_COMPLETION_INDEX); {NUM_PARTS_VAR} \
+                     may stand for --num-parts"
+                ))
+            }
+            None => return Ok(None),
+        },
+    };
+    if spec.count == 0 {
+        return Err(format!("the number of parts is 0 (from {})", spec.source));
+    }
+    if spec.index >= spec.count {
+        return Err(format!("part index {} is not below the {} parts (from {})", spec.index, spec.count, spec.source));
+    }
+    // One part is the whole input: no part directory.
+    Ok((spec.count > 1).then_some(spec))
+}
+
+fn from_env(env: &impl Fn(&str) -> Option<String>, flag_count: Option<usize>) -> Result<Option<PartSpec>, String> {
+    let num = |name: &str| -> Result<Option<usize>, String> {
+        match env(name) {
+            None => Ok(None),
+            Some(v) if v.trim().is_empty() => Ok(None),
+            Some(v) => {
+                v.trim().parse::<usize>().map(Some).map_err(|_| format!("{name}={v:?} is not a non-negative integer"))
+            }
+        }
+    };
+    // The count from the flag wins over the environment's, but they must agree.
+    let count = |found: usize, from: &str| -> Result<usize, String> {
+        match flag_count {
+            Some(c) if c != found => {
+                Err(format!("--num-parts {c} disagrees with {from}={found}; drop --num-parts or fix the launch"))
+            }
+            _ => Ok(found),
+        }
+    };
+    // Slurm job arrays: every array task sees SLURM_PROCID=0, so the array comes first.
+    if let (Some(id), Some(n)) = (num("SLURM_ARRAY_TASK_ID")?, num("SLURM_ARRAY_TASK_COUNT")?) {
+        let min = num("SLURM_ARRAY_TASK_MIN")?.unwrap_or(0);
+        let step = num("SLURM_ARRAY_TASK_STEP")?.unwrap_or(1).max(1);
+        let off = id
+            .checked_sub(min)
+            .ok_or_else(|| format!("SLURM_ARRAY_TASK_ID={id} is below SLURM_ARRAY_TASK_MIN={min}"))?;
+        if !off.is_multiple_of(step) {
+            return Err(format!("SLURM_ARRAY_TASK_ID={id} is not on the array's step {step} from {min}"));
+        }
+        let source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT".to_string();
+        return Ok(Some(PartSpec { index: off / step, count: count(n, "SLURM_ARRAY_TASK_COUNT")?, source }));
+    }
+    if let (Some(index), Some(n)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
+        let source = "SLURM_PROCID/SLURM_NTASKS".to_string();
+        return Ok(Some(PartSpec { index, count: count(n, "SLURM_NTASKS")?, source }));
+    }
+    if let (Some(index), Some(n)) = (num("RANK")?, num("WORLD_SIZE")?) {
+        return Ok(Some(PartSpec { index, count: count(n, "WORLD_SIZE")?, source: "RANK/WORLD_SIZE".into() }));
+    }
+    if let Some(index) = num("JOB_COMPLETION_INDEX")? {
+        let (n, from) = match (flag_count, num(NUM_PARTS_VAR)?) {
+            (Some(c), _) => (c, "JOB_COMPLETION_INDEX, --num-parts".to_string()),
+            (None, Some(c)) => (c, format!("JOB_COMPLETION_INDEX/{NUM_PARTS_VAR}")),
+            (None, None) => {
+                return Err(format!(
+                    "JOB_COMPLETION_INDEX={index} is set (a Kubernetes Indexed Job), but Kubernetes gives no count: \
+                     pass --num-parts (the Job's completions) or set {NUM_PARTS_VAR}"
+                ))
+            }
+        };
+        return Ok(Some(PartSpec { index, count: n, source: from }));
+    }
+    Ok(None)
+}
+
+/// A fingerprint of a whole input that needs no full read: its length, its
+/// first and last 64 KiB and 64 evenly spaced 4 KiB blocks. Every part
+/// computes the same one, and `strata merge` checks that they agree.
+pub fn fingerprint<R: Read + Seek>(r: &mut R, len: u64) -> std::io::Result<String> {
+    const EDGE: u64 = 64 << 10;
+    const BLOCK: u64 = 4 << 10;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&len.to_le_bytes());
+    let mut buf = vec![0u8; EDGE as usize];
+    let mut read_at = |h: &mut xxhash_rust::xxh3::Xxh3, at: u64, n: u64| -> std::io::Result<()> {
+        let n = n.min(len.saturating_sub(at)) as usize;
+        r.seek(SeekFrom::Start(at))?;
+        r.read_exact(&mut buf[..n])?;
+        h.update(&buf[..n]);
+        Ok(())
+    };
+    read_at(&mut h, 0, EDGE)?;
+    for k in 1..=64u64 {
+        read_at(&mut h, (len as u128 * k as u128 / 65) as u64, BLOCK)?;
+    }
+    read_at(&mut h, len.saturating_sub(EDGE), EDGE)?;
+    Ok(format!("xxh3:{:016x}", h.digest()))
+}
+
+/// Where part `spec` lies in an input of `len` bytes: the byte range of
+/// its whole lines, and how many lines and records come before it (so that
+/// default ids and line numbers are the ones a single process gives).
+pub fn locate<R: Read + Seek>(r: &mut R, len: u64, spec: &PartSpec) -> std::io::Result<PartInfo> {
+    let start = boundary(r, len, spec.index, spec.count)?;
+    let end = boundary(r, len, spec.index + 1, spec.count)?;
+    let (lines, records) = count_lines(r, start)?;
+    Ok(PartInfo {
+        index: spec.index,
+        count: spec.count,
+        source: spec.source.clone(),
+        input_bytes: len,
+        input_fingerprint: fingerprint(r, len)?,
+        start,
+        end,
+        first_line: lines + 1,
+        first_record: records,
+    })
+}
+
+/// The first line start at or after `k/n` of the input.
+fn boundary<R: Read + Seek>(r: &mut R, len: u64, k: usize, n: usize) -> std::io::Result<u64> {
+    if k == 0 {
+        return Ok(0);
+    }
+    if k >= n {
+        return Ok(len);
+    }
+    let p = (len as u128 * k as u128 / n as u128) as u64;
+    // A line starts at `p` when the byte before it ends a line.
+    r.seek(SeekFrom::Start(p - 1))?;
+    let mut buf = vec![0u8; 64 << 10];
+    let mut at = p - 1;
+    loop {
+        let got = r.read(&mut buf)?;
+        if got == 0 {
+            return Ok(len);
+        }
+        if let Some(i) = buf[..got].iter().position(|&b| b == b'\n') {
+            return Ok(at + i as u64 + 1);
+        }
+        at += got as u64;
+    }
+}
+
+/// Lines, and lines that are not blank (records), in the first `end` bytes.
+fn count_lines<R: Read + Seek>(r: &mut R, end: u64) -> std::io::Result<(usize, usize)> {
+    r.seek(SeekFrom::Start(0))?;
+    let mut r = r.take(end);
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut lines, mut records, mut text) = (0usize, 0usize, false);
+    loop {
+        let got = r.read(&mut buf)?;
+        if got == 0 {
+            break;
+        }
+        for &b in &buf[..got] {
+            if b == b'\n' {
+                lines += 1;
+                records += text as usize;
+                text = false;
+            } else {
+                text |= !b.is_ascii_whitespace();
+            }
+        }
+    }
+    // `end` is a line start, so no line is left open.
+    Ok((lines, records))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + '_ {
+        move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn launchers_in_order() {
+        let r = |i, n, v: &[(&str, &str)]| resolve(i, n, env(v));
+        assert_eq!(r(None, None, &[]), Ok(None));
+        let s = r(
+            None,
+            None,
+            &[
+                ("SLURM_ARRAY_TASK_ID", "5"),
+                ("SLURM_ARRAY_TASK_COUNT", "8"),
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "1"),
+            ],
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!((s.index, s.count), (5, 8));
+        assert!(s.source.starts_with("SLURM_ARRAY"));
+        // An array from 1 with step 2: 1, 3, 5, 7.
+        let v = [
+            ("SLURM_ARRAY_TASK_ID", "5"),
+            ("SLURM_ARRAY_TASK_COUNT", "4"),
+            ("SLURM_ARRAY_TASK_MIN", "1"),
+            ("SLURM_ARRAY_TASK_STEP", "2"),
+        ];
+        assert_eq!(r(None, None, &v).unwrap().unwrap().index, 2);
+        let s = r(None, None, &[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("RANK", "0"), ("WORLD_SIZE", "2")])
+            .unwrap()
+            .unwrap();
+        assert_eq!((s.index, s.count, s.source.as_str()), (3, 4, "SLURM_PROCID/SLURM_NTASKS"));
+        let s = r(None, None, &[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")]).unwrap().unwrap();
+        assert_eq!((s.index, s.count), (1, 2));
+        // Kubernetes: the count from the flag or STRATA_NUM_PARTS, never guessed.
+        assert!(r(None, None, &[("JOB_COMPLETION_INDEX", "2")]).unwrap_err().contains("--num-parts"));
+        assert_eq!(r(None, Some(4), &[("JOB_COMPLETION_INDEX", "2")]).unwrap().unwrap().index, 2);
+        assert_eq!(r(None, None, &[("JOB_COMPLETION_INDEX", "2"), (NUM_PARTS_VAR, "3")]).unwrap().unwrap().count, 3);
+        // The flags win; a disagreeing count is refused; bad values are named.
+        assert_eq!(r(Some(0), Some(2), &[("RANK", "1"), ("WORLD_SIZE", "2")]).unwrap().unwrap().index, 0);
+        assert!(r(None, Some(3), &[("RANK", "1"), ("WORLD_SIZE", "2")]).unwrap_err().contains("disagrees"));
+        assert!(r(Some(1), None, &[]).is_err());
+        assert!(r(Some(2), Some(2), &[]).unwrap_err().contains("not below"));
+        assert!(r(None, None, &[("RANK", "x"), ("WORLD_SIZE", "2")]).unwrap_err().contains("RANK"));
+        assert!(r(None, Some(2), &[]).unwrap_err().contains("--part-index"));
+        // One part is the whole input.
+        assert_eq!(r(None, None, &[("RANK", "0"), ("WORLD_SIZE", "1")]), Ok(None));
+        assert_eq!(parse_dir_name(&dir_name(3, 16)), Some((3, 16)));
+        assert_eq!(parse_dir_name("part-3-of-16"), None);
+    }
+
+    #[test]
+    fn parts_are_whole_lines_that_tile_the_input_and_know_what_precedes_them() {
+        let text: String = (0..200)
+            .map(|i| if i % 7 == 3 { "  \n".to_string() } else { format!("{{\"x\": {}}}\n", "9".repeat(i % 13)) })
+            .collect();
+        let bytes = text.as_bytes();
+        for n in [1, 2, 3, 7, 16, 300] {
+            let mut at = 0;
+            let mut records = 0;
+            for i in 0..n {
+                let spec = PartSpec { index: i, count: n, source: String::new() };
+                let p = locate(&mut std::io::Cursor::new(bytes), bytes.len() as u64, &spec).unwrap();
+                assert_eq!(p.start, at, "part {i} of {n}");
+                assert!(p.start == 0 || bytes[p.start as usize - 1] == b'\n');
+                assert_eq!(p.first_line, text[..p.start as usize].matches('\n').count() + 1);
+                assert_eq!(p.first_record, records);
+                let part = &text[p.start as usize..p.end as usize];
+                records += part.lines().filter(|l| !l.trim().is_empty()).count();
+                at = p.end;
+            }
+            assert_eq!(at, bytes.len() as u64);
+        }
+        // Balanced by bytes: no part is more than a line off its share.
+        let spec = |i| PartSpec { index: i, count: 4, source: String::new() };
+        for i in 0..4 {
+            let p = locate(&mut std::io::Cursor::new(bytes), bytes.len() as u64, &spec(i)).unwrap();
+            assert!(((p.end - p.start) as i64 - bytes.len() as i64 / 4).abs() < 40);
+        }
+    }
+}
