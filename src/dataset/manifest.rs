@@ -277,6 +277,30 @@ impl Manifest {
         }
     }
 
+    /// A copy of what says what the run writes, without its listing
+    /// (shards, samples, skipped, merged parts), which may be large.
+    pub fn clone_job(&self) -> Manifest {
+        let empty = Manifest { shards: vec![], samples: vec![], skipped: vec![], merged: vec![], ..Default::default() };
+        Manifest {
+            schema_version: self.schema_version,
+            strata_version: self.strata_version.clone(),
+            format: self.format.clone(),
+            layout: self.layout.clone(),
+            model: self.model.clone(),
+            run: self.run.clone(),
+            input: self.input.clone(),
+            prepare: self.prepare.clone(),
+            part: self.part.clone(),
+            on_nonfinite: self.on_nonfinite.clone(),
+            nonce: self.nonce.clone(),
+            capture: self.capture.clone(),
+            dtype: self.dtype.clone(),
+            shard_size: self.shard_size,
+            complete: self.complete,
+            ..empty
+        }
+    }
+
     /// Input samples (written or skipped) the listed shards account for: a resume skips them.
     pub fn consumed(&self) -> usize {
         match (&self.input, self.complete) {

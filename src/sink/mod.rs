@@ -5,6 +5,7 @@
 
 mod finite;
 pub mod hf_dataset;
+pub mod merge;
 pub mod output;
 mod speculators;
 mod spool;

@@ -205,6 +205,13 @@ impl Plan {
         let refuse =
             |e: String| dir_err(format!("cannot resume in {}: {e}; use --overwrite to start over", dir.display()));
         let mut old = Manifest::read(dir).map_err(refuse)?;
+        if !old.merged.is_empty() {
+            return Err(dir_err(format!(
+                "cannot resume in {}: it is a merged dataset of {} parts. Rerun a part in it with                  --part-index/--num-parts and --resume, then `strata merge` again",
+                dir.display(),
+                old.merged.len()
+            )));
+        }
         old.same_job(&job).map_err(refuse)?;
         let mut keep = old.shards.len();
         for (i, s) in old.shards.iter().enumerate() {
@@ -305,7 +312,7 @@ impl OutputDir {
     /// Locks `dir`; returns the lock and the nonce the last holder recorded.
     /// The lock file must be a regular file: opened without following a link
     /// and without blocking on a FIFO.
-    fn lock(dir: &Path) -> Result<(File, String), SinkError> {
+    pub(crate) fn lock(dir: &Path) -> Result<(File, String), SinkError> {
         let path = dir.join(LOCK);
         let f = std::fs::OpenOptions::new()
             .read(true)
@@ -345,7 +352,8 @@ impl OutputDir {
         failpoint("overwrite-cleared");
         remove(&dir.join(JOURNAL))?;
         if let Some(old) = old {
-            for s in &old.shards {
+            // A merged dataset's shards belong to its parts: only its own links go.
+            for s in old.shards.iter().filter(|s| !s.file.starts_with("part-")) {
                 if let Ok(p) = files::inside(dir, &s.file) {
                     let ours = p.file_name().is_some_and(|n| strata_named(&n.to_string_lossy()));
                     if ours && std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
@@ -472,7 +480,7 @@ impl OutputDir {
     /// Makes the fsynced temporary file `tmp` the file `name` at the top of
     /// the directory, replacing one an earlier try of this run left: files
     /// derived from the listed ones (the dataset table), not listed themselves.
-    pub fn place(&mut self, tmp: &Path, name: &str) -> Result<(), SinkError> {
+    pub fn place(&self, tmp: &Path, name: &str) -> Result<(), SinkError> {
         let path = self.dir.join(name);
         std::fs::rename(tmp, &path).map_err(io_err(&path))?;
         sync_dir(&self.dir);

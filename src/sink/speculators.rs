@@ -82,54 +82,11 @@ impl SpeculatorsSink {
         format!("hidden_states/hs_{i}.safetensors")
     }
 
-    /// Writes the dataset table from the listed files, in row order: each
-    /// file's `token_ids` and `loss_mask` (read back, so that a resumed run's
-    /// table holds the rows of every run that wrote files).
+    /// Writes the dataset table from the listed files (a resumed run's table
+    /// holds the rows of every run that wrote files).
     fn write_table(&mut self) -> Result<(), SinkError> {
-        let _span = tracing::info_span!("dataset_table").entered();
-        let out = self.out.get()?;
-        let dir = out.dir().to_path_buf();
-        let (tmp, f) = out.create_temp(hf_dataset::DATA_FILE)?;
-        let table_err = |e: arrow_schema::ArrowError| SinkError::Directory(format!("{}: {e}", tmp.display()));
-        let r = (|| {
-            let mut table =
-                hf_dataset::TableWriter::new(std::io::BufWriter::with_capacity(1 << 20, f)).map_err(table_err)?;
-            for shard in &out.manifest().shards {
-                let path = dir.join(&shard.file);
-                let file = MappedFile::open(&path).map_err(|e| SinkError::Directory(e.to_string()))?;
-                let tensor = |name: &str| {
-                    file.tensors
-                        .get(name)
-                        .map(|e| file.bytes(e))
-                        .ok_or_else(|| SinkError::Directory(format!("{}: no tensor {name}", path.display())))
-                };
-                let ids = tensor("token_ids")?;
-                let mask = tensor("loss_mask")?;
-                let ids = ids.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")));
-                table.push(ids, mask.iter().map(|&m| m as i64)).map_err(table_err)?;
-            }
-            let (w, fingerprint) = table.finish().map_err(table_err)?;
-            let f = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
-            f.sync_all().map_err(io_err(&tmp))?;
-            Ok(fingerprint)
-        })();
-        let fingerprint = match r {
-            Ok(fp) => fp,
-            Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
-                return Err(e);
-            }
-        };
-        out.place(&tmp, hf_dataset::DATA_FILE)?;
-        for (name, text) in [
-            (hf_dataset::INFO_FILE, hf_dataset::info_json()),
-            (hf_dataset::STATE_FILE, hf_dataset::state_json(&fingerprint)),
-        ] {
-            let (tmp, mut f) = out.create_temp(name)?;
-            f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(io_err(&tmp))?;
-            out.place(&tmp, name)?;
-        }
-        Ok(())
+        let out = &*self.out.get()?;
+        write_table(out.dir(), &out.manifest().shards, |name| out.create_temp(name), |tmp, name| out.place(tmp, name))
     }
 
     /// The manifest as written so far.
@@ -298,4 +255,58 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
         // Counted when a file is committed: the one in flight is not yet.
         self.bytes_written
     }
+}
+
+/// Writes the dataset table of `dir` from the files `shards` lists, in row
+/// order: each file's `token_ids` and `loss_mask`, read back. Each table
+/// file is written to a temporary file from `temp`, fsynced and put in
+/// place by `place`.
+pub(crate) fn write_table(
+    dir: &Path,
+    shards: &[ShardInfo],
+    mut temp: impl FnMut(&str) -> Result<(PathBuf, std::fs::File), SinkError>,
+    mut place: impl FnMut(&Path, &str) -> Result<(), SinkError>,
+) -> Result<(), SinkError> {
+    let _span = tracing::info_span!("dataset_table", rows = shards.len()).entered();
+    let (tmp, f) = temp(hf_dataset::DATA_FILE)?;
+    let table_err = |e: arrow_schema::ArrowError| SinkError::Directory(format!("{}: {e}", tmp.display()));
+    let r = (|| {
+        let mut table =
+            hf_dataset::TableWriter::new(std::io::BufWriter::with_capacity(1 << 20, f)).map_err(table_err)?;
+        for shard in shards {
+            let path = dir.join(&shard.file);
+            let file = MappedFile::open(&path).map_err(|e| SinkError::Directory(e.to_string()))?;
+            let tensor = |name: &str| {
+                file.tensors
+                    .get(name)
+                    .map(|e| file.bytes(e))
+                    .ok_or_else(|| SinkError::Directory(format!("{}: no tensor {name}", path.display())))
+            };
+            let ids = tensor("token_ids")?;
+            let mask = tensor("loss_mask")?;
+            let ids = ids.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")));
+            table.push(ids, mask.iter().map(|&m| m as i64)).map_err(table_err)?;
+        }
+        let (w, fingerprint) = table.finish().map_err(table_err)?;
+        let f = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
+        f.sync_all().map_err(io_err(&tmp))?;
+        Ok(fingerprint)
+    })();
+    let fingerprint = match r {
+        Ok(fp) => fp,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    place(&tmp, hf_dataset::DATA_FILE)?;
+    for (name, text) in [
+        (hf_dataset::INFO_FILE, hf_dataset::info_json()),
+        (hf_dataset::STATE_FILE, hf_dataset::state_json(&fingerprint)),
+    ] {
+        let (tmp, mut f) = temp(name)?;
+        f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(io_err(&tmp))?;
+        place(&tmp, name)?;
+    }
+    Ok(())
 }

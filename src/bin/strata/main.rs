@@ -46,6 +46,34 @@ enum Command {
     /// Check every sample of a native-format output against its manifest; exit 1 on any problem.
     #[command(after_long_help = VERIFY_HELP)]
     Verify(VerifyArgs),
+    /// Join the parts many processes wrote into OUT/part-IIII-of-NNNN/ into one dataset, copying nothing.
+    #[command(after_long_help = MERGE_HELP)]
+    Merge(MergeArgs),
+}
+
+const MERGE_HELP: &str = "\
+Every part must be complete and of one job: the same model and weights digest,
+capture points, storage and compute dtype, kernel path, input (its length and
+fingerprint), and parts that tile the input in order. A missing or incomplete
+part is named, with the command that finishes it.
+
+  --format strata:      OUT/manifest.json indexes every part's shards where they lie.
+  --format speculators: OUT becomes the trainer's dataset directory: the rows of all
+                        parts in order (data-00000-of-00001.arrow) and
+                        OUT/hidden_states/hs_{i}.safetensors, hard links to the parts' files.
+
+`strata inspect OUT` and `strata verify OUT` read the merged dataset. The parts stay
+as they are: a part can still be rerun with --resume, and merging again is safe.
+
+EXAMPLES:
+  # 16 Slurm array tasks, then one merge:
+  sbatch --array=0-15 examples/slurm/extract.sbatch
+  strata merge /scratch/run1 && strata verify /scratch/run1";
+
+#[derive(clap::Args)]
+struct MergeArgs {
+    /// The --out directory the parts were written into.
+    dir: PathBuf,
 }
 
 const EXTRACT_HELP: &str = "\
@@ -693,6 +721,7 @@ fn main() -> ExitCode {
             .map(|text| say!("{}", text.trim_end()))
             .with_context(|| format!("strata inspect {}", a.path.display())),
         Command::Verify(a) => verify(a),
+        Command::Merge(a) => merge(&a.dir),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -701,6 +730,26 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn merge(dir: &std::path::Path) -> anyhow::Result<()> {
+    let r = strata::sink::merge::merge(dir).with_context(|| format!("strata merge {}", dir.display()))?;
+    let skipped = if r.skipped > 0 { format!(", {} skipped (non-finite)", r.skipped) } else { String::new() };
+    say!("merged {} parts ({} format): {} samples{skipped}", r.parts, r.format, r.samples);
+    if r.format == "speculators" {
+        say!(
+            "  {} files linked as {}/hidden_states/hs_{{i}}.safetensors ({} bytes, none copied), and the dataset table",
+            r.files,
+            dir.display(),
+            r.bytes
+        );
+        if r.dtype == "fp8" {
+            say!("  fp8: train with the speculators stack's FP8 hidden-states backend (its default reader does not dequantise)");
+        }
+    } else {
+        say!("  {} shards ({} bytes) indexed in {}/manifest.json, none copied", r.files, r.bytes, dir.display());
+    }
+    Ok(())
 }
 
 fn verify(a: VerifyArgs) -> anyhow::Result<()> {
