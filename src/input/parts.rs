@@ -270,7 +270,7 @@ fn count_lines<R: Read + Seek>(r: &mut R, end: u64) -> std::io::Result<(usize, u
 mod tests {
     use super::*;
 
-    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + '_ {
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
     }
 

@@ -85,7 +85,13 @@ pub fn write_llama(dir: &Path, spec: &LlamaSpec, dtype: DType, seed: u64) -> std
         "tie_word_embeddings": false,
         "attention_bias": false,
         "mlp_bias": false,
-        "torch_dtype": match dtype { DType::F32 => "float32", DType::BF16 => "bfloat16", DType::F16 => "float16" },
+        "torch_dtype": match dtype {
+            DType::F32 => "float32",
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            // Plain FP8 weights would need block scales to load.
+            DType::F8E4M3 => return Err(std::io::Error::other("write_llama writes f32, bf16 or f16 weights")),
+        },
     });
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap())?;
 

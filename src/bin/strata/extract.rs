@@ -213,9 +213,12 @@ impl ExtractJob {
                 embedded::DATA_JSONL.len() as u64,
             ),
             Some(p) => {
-                let f = std::fs::File::open(p).map_err(io)?;
-                let meta = f.metadata().map_err(io)?;
-                if p.as_os_str() == "-" || !meta.is_file() {
+                let f = match p.as_os_str() == "-" {
+                    true => None,
+                    false => Some(std::fs::File::open(p).map_err(io)?),
+                };
+                let meta = f.as_ref().map(|f| f.metadata()).transpose().map_err(io)?;
+                let (Some(f), Some(meta)) = (f, meta.filter(|m| m.is_file())) else {
                     return Err(ExtractError::Usage(format!(
                         "{} is not a regular file: a split into parts ({} of {}, from {}) seeks to its part, which a                          pipe or stdin cannot; write the input to a file first",
                         p.display(),
@@ -223,7 +226,7 @@ impl ExtractJob {
                         spec.count,
                         spec.source
                     )));
-                }
+                };
                 part_of(Box::new(f), meta.len())
             }
         }
