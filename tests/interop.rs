@@ -124,3 +124,36 @@ fn python_reads_native_and_speculators_outputs() {
         println!("{name}: {}", text.trim());
     }
 }
+
+#[test]
+fn fp8_states_read_by_python_equal_strata_decoding() {
+    let Some(py) = python() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (native, spec) = (tmp.path().join("native"), tmp.path().join("spec"));
+    for (out, format) in [(&native, "strata"), (&spec, "speculators")] {
+        let (ok, _, err) = strata(&[os("extract"), os("--dtype"), os("fp8"), os("--format"), os(format), os("--out"), out.as_os_str()]);
+        assert!(ok, "{err}");
+    }
+    // What inspect and verify decode: the library's reading of each sample, as f32 [L, T, H].
+    let ds = strata::dataset::Dataset::open(&native).unwrap();
+    let mut tensors = Vec::new();
+    for s in &ds.manifest.samples {
+        let shard = ds.shard(s.shard).unwrap();
+        let r = ds.sample(&shard, &s.id, s.tokens).unwrap();
+        assert_eq!((r.stored, r.dtype), (strata::shape::DType::F8E4M3, strata::shape::DType::F32));
+        tensors.push((s.id.clone(), r.shape.to_vec(), r.hidden.to_vec()));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(id, shape, bytes)| {
+            (id.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes).unwrap())
+        })
+        .collect();
+    let decoded = tmp.path().join("decoded.safetensors");
+    safetensors::serialize_to_file(views, None, &decoded).unwrap();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop/fp8_check.py");
+    let o = Command::new(&py).arg(script).arg(&native).arg(&spec).arg(&decoded).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{text}");
+    println!("{}", text.trim());
+}
