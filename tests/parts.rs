@@ -284,3 +284,72 @@ fn parts_need_a_count_and_a_seekable_input() {
     assert!(ok, "{text}");
     assert!(solo.join("manifest.json").exists());
 }
+
+/// The shell the Kubernetes example's container runs (its `args: - |` block).
+fn k8s_script(yaml: &str) -> String {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let start = lines.iter().position(|l| l.trim() == "- |").expect("an args block") + 1;
+    let indent = lines[start].len() - lines[start].trim_start().len();
+    lines[start..]
+        .iter()
+        .take_while(|l| l.trim().is_empty() || l.len() - l.trim_start().len() >= indent)
+        .map(|l| l.get(indent..).unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn the_slurm_and_kubernetes_examples_run_as_shown() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("in.jsonl");
+    write_input(&data, 12);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let yaml = std::fs::read_to_string(root.join("examples/k8s/extract-job.yaml")).unwrap();
+    let script = k8s_script(&yaml);
+    assert!(yaml.contains("completionMode: Indexed") && script.contains("--resume"), "{script}");
+    let common = |c: &mut Command, out: &Path| {
+        c.env("STRATA", env!("CARGO_BIN_EXE_strata"))
+            .env("MODEL", fixture("llama-default"))
+            .env("DATA", &data)
+            .env("OUT", out)
+            .env("CAPTURE", "input:1,final")
+            .env("TP", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for v in ["SLURM_PROCID", "SLURM_NTASKS", "RANK", "WORLD_SIZE", "SLURM_ARRAY_TASK_STEP"] {
+            c.env_remove(v);
+        }
+    };
+    for (kind, n) in [("slurm", 3), ("k8s", 2)] {
+        let out = tmp.path().join(kind);
+        let children: Vec<_> = (0..n)
+            .map(|i| {
+                let mut c = Command::new(if kind == "slurm" { "bash" } else { "sh" });
+                common(&mut c, &out);
+                if kind == "slurm" {
+                    // `sbatch --array=1-3`: ids from 1.
+                    c.arg(root.join("examples/slurm/extract.sbatch"))
+                        .env("SLURM_ARRAY_TASK_ID", (i + 1).to_string())
+                        .env("SLURM_ARRAY_TASK_MIN", "1")
+                        .env("SLURM_ARRAY_TASK_COUNT", n.to_string());
+                } else {
+                    c.args(["-c", &script])
+                        .env("JOB_COMPLETION_INDEX", i.to_string())
+                        .env("STRATA_NUM_PARTS", n.to_string());
+                    c.env_remove("SLURM_ARRAY_TASK_ID").env_remove("SLURM_ARRAY_TASK_COUNT");
+                }
+                c.spawn().unwrap()
+            })
+            .collect();
+        for c in children {
+            let (ok, text) = finish(c);
+            assert!(ok, "{kind}: {text}");
+        }
+        // A pod or task retried after it finished changes nothing.
+        let (ok, text) = merge(&out);
+        assert!(ok && text.contains(&format!("merged {n} parts (speculators format): 12 samples")), "{kind}: {text}");
+        let (ok, text) = verify(&out, &[]);
+        assert!(ok, "{kind}: {text}");
+    }
+}

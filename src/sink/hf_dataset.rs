@@ -118,11 +118,21 @@ impl<W: Write> TableWriter<W> {
     }
 }
 
-/// `dataset_info.json`.
-pub fn info_json() -> String {
+/// `dataset_info.json`; `fp8` says the files hold FP8 codes and scales (the
+/// trainer must read them with its FP8 backend).
+pub fn info_json(fp8: bool) -> String {
+    let description = match fp8 {
+        false => "Token rows of a Strata extraction; hidden states in hidden_states/hs_{i}.safetensors",
+        true => {
+            "Token rows of a Strata extraction; hidden states in hidden_states/hs_{i}.safetensors as FP8: \
+             F8_E4M3 hidden_states [T, L, H] with F32 hidden_states_scales [T, L, 1]. Read them with the \
+             speculators FP8 hidden-states backend (hidden_states * hidden_states_scales); the default \
+             reader does not dequantise"
+        }
+    };
     let info = serde_json::json!({
         "citation": "",
-        "description": "Token rows of a Strata extraction; hidden states in hidden_states/hs_{i}.safetensors",
+        "description": description,
         "features": features(),
         "homepage": "",
         "license": "",

@@ -174,7 +174,7 @@ pub fn merge(dir: &Path) -> Result<MergeReport, SinkError> {
             std::fs::rename(tmp, &path).map_err(io_err(&path))?;
             Ok(())
         };
-        super::speculators::write_table(dir, &merged.shards, temp, place)?;
+        super::speculators::write_table(dir, &merged.shards, merged.dtype == "fp8", temp, place)?;
         sync_dir(&sub);
     }
     write_manifest(dir, &merged)?;

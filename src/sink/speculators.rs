@@ -86,7 +86,14 @@ impl SpeculatorsSink {
     /// holds the rows of every run that wrote files).
     fn write_table(&mut self) -> Result<(), SinkError> {
         let out = &*self.out.get()?;
-        write_table(out.dir(), &out.manifest().shards, |name| out.create_temp(name), |tmp, name| out.place(tmp, name))
+        let fp8 = self.dtype.scaled();
+        write_table(
+            out.dir(),
+            &out.manifest().shards,
+            fp8,
+            |name| out.create_temp(name),
+            |tmp, name| out.place(tmp, name),
+        )
     }
 
     /// The manifest as written so far.
@@ -264,6 +271,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
 pub(crate) fn write_table(
     dir: &Path,
     shards: &[ShardInfo],
+    fp8: bool,
     mut temp: impl FnMut(&str) -> Result<(PathBuf, std::fs::File), SinkError>,
     mut place: impl FnMut(&Path, &str) -> Result<(), SinkError>,
 ) -> Result<(), SinkError> {
@@ -301,7 +309,7 @@ pub(crate) fn write_table(
     };
     place(&tmp, hf_dataset::DATA_FILE)?;
     for (name, text) in [
-        (hf_dataset::INFO_FILE, hf_dataset::info_json()),
+        (hf_dataset::INFO_FILE, hf_dataset::info_json(fp8)),
         (hf_dataset::STATE_FILE, hf_dataset::state_json(&fingerprint)),
     ] {
         let (tmp, mut f) = temp(name)?;

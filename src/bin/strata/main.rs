@@ -551,6 +551,12 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
     print_prepare(s);
     say!("  capture     {} ({})", points.join(","), s.dtype.map_or("?".into(), |d| d.to_string()));
     say!("  bytes       {}", r.bytes);
+    if s.dtype == Some(DType::F8E4M3) {
+        say!(
+            "  fp8         e4m3 codes with hidden_states_scales (one per token and capture point); the speculators \
+             trainer must read them with its FP8 hidden-states backend: its default reader would train on raw codes"
+        );
+    }
     say!("  weights     {:.1} MiB in memory ({})", s.weight_bytes as f64 / (1 << 20) as f64, s.weight_storage);
     say!("  throughput  {:.0} tokens/s over {:.2}s ({} steps)", p.tokens as f64 / secs, secs, r.steps);
     say!(
