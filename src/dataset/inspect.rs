@@ -122,13 +122,35 @@ fn inspect_dataset(ds: &Dataset, max_samples: Option<usize>) -> Result<String, D
         .map(|c| format!("{} (hf {})", clip(&c.point, QUOTE_MAX), c.hf_index.map_or("-".into(), |i| i.to_string())))
         .collect();
     let _ = writeln!(out, "capture:     {}", points.join(", "));
+    let scales = if m.dtype == "fp8" { ", hidden_states_scales [L, T, 1] f32" } else { "" };
     let _ = writeln!(
         out,
-        "layout:      hidden_states [L={}, T, H={}] {}, input_ids [T] i64, loss_mask [T] u8",
+        "layout:      hidden_states [L={}, T, H={}] {}{scales}, input_ids [T] i64, loss_mask [T] u8",
         m.capture.len(),
         m.model.hidden_size,
         clip(&m.dtype, QUOTE_MAX)
     );
+    if let Some(p) = &m.part {
+        let _ = writeln!(
+            out,
+            "part:        {} of {} (from {}): input bytes {}..{} of {}",
+            p.index,
+            p.count,
+            clip(&p.source, QUOTE_MAX),
+            p.start,
+            p.end,
+            p.input_bytes
+        );
+    }
+    if !m.merged.is_empty() {
+        let _ = writeln!(
+            out,
+            "merged:      {} parts, in place ({} ... {})",
+            m.merged.len(),
+            clip(&m.merged[0].dir, QUOTE_MAX),
+            clip(&m.merged[m.merged.len() - 1].dir, QUOTE_MAX)
+        );
+    }
     let bytes: u128 = m.shards.iter().map(|s| s.bytes as u128).sum();
     let _ = writeln!(out, "samples:     {} in {} shards, {} bytes", m.samples.len(), m.shards.len(), bytes);
     token_line(&mut out, &m.samples.iter().map(|s| s.tokens).collect::<Vec<_>>());
