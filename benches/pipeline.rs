@@ -79,9 +79,15 @@ fn main() {
     // (b) writer vs plain sequential write of the same bytes.
     let states = model.forward(&batch, &set).unwrap();
     let reps = 16; // 16 × 4 samples of [4, 512, 1024]
-    for (format, dtype) in
-        [("native", DType::BF16), ("native", DType::F32), ("speculators", DType::BF16), ("speculators", DType::F32)]
-    {
+    let cases = [
+        ("native", DType::BF16),
+        ("native", DType::F32),
+        ("native", DType::F8E4M3),
+        ("speculators", DType::BF16),
+        ("speculators", DType::F32),
+        ("speculators", DType::F8E4M3),
+    ];
+    for (format, dtype) in cases {
         let (mut sink_t, mut plain_t) = (Vec::new(), Vec::new());
         let mut bytes = 0u64;
         let per_sample = 4 * 512 * 1024 * dtype.size();
