@@ -131,7 +131,15 @@ fn fp8_states_read_by_python_equal_strata_decoding() {
     let tmp = tempfile::tempdir().unwrap();
     let (native, spec) = (tmp.path().join("native"), tmp.path().join("spec"));
     for (out, format) in [(&native, "strata"), (&spec, "speculators")] {
-        let (ok, _, err) = strata(&[os("extract"), os("--dtype"), os("fp8"), os("--format"), os(format), os("--out"), out.as_os_str()]);
+        let (ok, _, err) = strata(&[
+            os("extract"),
+            os("--dtype"),
+            os("fp8"),
+            os("--format"),
+            os(format),
+            os("--out"),
+            out.as_os_str(),
+        ]);
         assert!(ok, "{err}");
     }
     // What inspect and verify decode: the library's reading of each sample, as f32 [L, T, H].

@@ -25,7 +25,7 @@ fn write_input(path: &Path, n: usize) {
         let row = if i % 3 == 0 {
             serde_json::json!({"id": format!("row-{i}"), "input_ids": ids})
         } else {
-            serde_json::json!({"input_ids": ids, "loss_mask": (0..len).map(|t| (t % 2) as u64).collect::<Vec<_>>()})
+            serde_json::json!({"input_ids": ids, "loss_mask": (0..len).map(|t| t % 2).collect::<Vec<_>>()})
         };
         text += &row.to_string();
         text.push('\n');
