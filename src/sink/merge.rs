@@ -21,7 +21,6 @@ use crate::dataset::manifest::{
 };
 use crate::input::parts;
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// What a merge did.
@@ -290,13 +289,13 @@ fn remove_if_file(p: &Path) -> Result<bool, SinkError> {
 }
 
 fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), SinkError> {
-    let text = serde_json::to_string_pretty(m).map_err(|e| refuse(format!("manifest: {e}")))?;
     let path = dir.join(MANIFEST);
     let tmp: PathBuf = dir.join(format!(".{MANIFEST}.merge-{}.tmp", std::process::id()));
     let _ = std::fs::remove_file(&tmp);
     let r = (|| {
-        let mut f = crate::files::create_exclusive(&tmp)?;
-        f.write_all(text.as_bytes())?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, crate::files::create_exclusive(&tmp)?);
+        serde_json::to_writer_pretty(&mut w, m)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;
         std::fs::rename(&tmp, &path)
     })();

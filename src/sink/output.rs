@@ -392,11 +392,13 @@ impl OutputDir {
     }
 
     fn write_manifest(&self) -> Result<(), SinkError> {
-        let text = serde_json::to_string_pretty(&self.manifest).map_err(|e| dir_err(format!("manifest: {e}")))?;
-        let (tmp, mut f) = self.create_temp(MANIFEST)?;
+        let (tmp, f) = self.create_temp(MANIFEST)?;
         let path = self.dir.join(MANIFEST);
         let r = (|| {
-            f.write_all(text.as_bytes())?;
+            // Streamed: a million samples' manifest is never one string in memory.
+            let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+            serde_json::to_writer_pretty(&mut w, &self.manifest)?;
+            let f = w.into_inner().map_err(|e| e.into_error())?;
             f.sync_all()?;
             failpoint("manifest-temp");
             std::fs::rename(&tmp, &path)
