@@ -9,28 +9,24 @@
 /// The largest finite e4m3 value.
 pub const E4M3_MAX: f32 = 448.0;
 
-/// `x` as the nearest e4m3 code (ties to even), saturating at ±448; NaN
-/// becomes 0 (callers reject non-finite states before they get here), so a
-/// code is never the NaN encoding.
+/// `x` as the nearest e4m3 code (ties to even), saturating at ±448, so a
+/// code is never the NaN encoding (NaN, which callers reject before they
+/// get here, saturates too). Branch-free, so row loops vectorise.
 #[inline(always)]
 pub fn e4m3_from_f32(x: f32) -> u8 {
-    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
-    let a = x.abs();
-    if a.is_nan() {
-        return 0;
-    }
-    let a = a.min(E4M3_MAX);
-    let code = if a < 0.015625 {
-        // Subnormals (and zero) in units of 2^-9: 8 units is the smallest normal, code 0x08.
-        (a * 512.0).round_ties_even() as u8
-    } else {
-        // Round the 23-bit mantissa to 3 bits, ties to even; a carry moves into the exponent.
-        let b = a.to_bits();
-        let r = b + 0x7_ffff + ((b >> 20) & 1);
-        let e = (r >> 23) as i32 - 127 + 7;
-        ((e as u32) << 3 | ((r >> 20) & 7)) as u8
-    };
-    sign | code
+    let sign = (x.to_bits() >> 24) & 0x80;
+    // `min` of NaN and 448 is 448.
+    let a = x.abs().min(E4M3_MAX);
+    // Normals: round the 23-bit mantissa to 3 bits, ties to even (a carry
+    // moves into the exponent); the top bits are then the code plus the
+    // exponent's bias difference, (127 - 7) << 3.
+    let b = a.to_bits();
+    let normal = ((b + 0x7_ffff + ((b >> 20) & 1)) >> 20).wrapping_sub(120 << 3);
+    // Subnormals and zero, in units of 2^-9, rounded to nearest even by the
+    // FPU's own rounding of adding 2^23 (8 units is the smallest normal, code 0x08).
+    let sub = (a * 512.0 + 8_388_608.0).to_bits() - 0x4b00_0000;
+    let code = if a < 0.015_625 { sub } else { normal };
+    (sign | code) as u8
 }
 
 /// The value of an e4m3 code (`0x7f`/`0xff` are NaN).
@@ -69,7 +65,15 @@ static DECODE: [f32; 256] = {
 /// The scale of one row: `max|x| / 448`, or 1 for an all-zero row (never 0, never NaN).
 #[inline]
 pub fn row_scale(row: &[f32]) -> f32 {
-    let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+    // Eight running maxima, so the loop vectorises.
+    let mut m = [0f32; 8];
+    let mut chunks = row.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, x) in m.iter_mut().zip(c) {
+            *m = if x.abs() > *m { x.abs() } else { *m };
+        }
+    }
+    let amax = chunks.remainder().iter().chain(&m).fold(0f32, |m, x| m.max(x.abs()));
     let s = amax / E4M3_MAX;
     if s > 0.0 && s.is_finite() {
         s
@@ -82,7 +86,11 @@ pub fn row_scale(row: &[f32]) -> f32 {
 #[inline]
 pub fn encode_row(row: &[f32], scale: f32, out: &mut Vec<u8>) {
     let inv = 1.0 / scale;
-    out.extend(row.iter().map(|&x| e4m3_from_f32(x * inv)));
+    let start = out.len();
+    out.resize(start + row.len(), 0);
+    for (o, &x) in out[start..].iter_mut().zip(row) {
+        *o = e4m3_from_f32(x * inv);
+    }
 }
 
 /// Quantises `row`, appending its codes to `out`; returns its scale.
@@ -154,7 +162,9 @@ mod tests {
         }
         assert_eq!(e4m3_from_f32(1e30), 0x7e);
         assert_eq!(e4m3_from_f32(-1e30), 0xfe);
-        assert_eq!(e4m3_from_f32(f32::NAN), 0);
+        assert_eq!(e4m3_from_f32(f32::NAN) & 0x7f, 0x7e);
+        assert_eq!(e4m3_from_f32(0.0), 0);
+        assert_eq!(e4m3_from_f32(-0.0), 0x80);
     }
 
     #[test]
