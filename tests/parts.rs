@@ -277,6 +277,21 @@ fn parts_need_a_count_and_a_seekable_input() {
     let (ok, text) = finish(spawn(Path::new("-"), &out, &["--part-index", "0", "--num-parts", "2"], &[]));
     assert!(!ok && text.contains("not a regular file"), "{text}");
     assert!(!out.join("part-0000-of-0002").exists());
+    // A FIFO is refused at once, not waited on.
+    let fifo = tmp.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let child = spawn(&fifo, &out, &["--part-index", "0", "--num-parts", "2"], &[]);
+    let started = std::time::Instant::now();
+    let (ok, text) = finish(child);
+    assert!(!ok && text.contains("not a regular file") && started.elapsed().as_secs() < 60, "{text}");
+    // Parts and one-process output do not mix, in either direction.
+    let (ok, text) = finish(spawn(&data, &out, &["--resume"], &[]));
+    assert!(!ok && text.contains("holds the parts of a split input"), "{text}");
+    let whole = tmp.path().join("whole");
+    assert!(finish(spawn(&data, &whole, &[], &[])).0);
+    std::fs::create_dir_all(whole.join("part-0000-of-0002")).unwrap();
+    let (ok, text) = merge(&whole);
+    assert!(!ok && text.contains("holds a dataset one process wrote"), "{text}");
     // One part is the whole input: no part directory.
     let solo = tmp.path().join("solo");
     let (ok, text) =
@@ -352,4 +367,35 @@ fn the_slurm_and_kubernetes_examples_run_as_shown() {
         let (ok, text) = verify(&out, &[]);
         assert!(ok, "{kind}: {text}");
     }
+}
+
+#[test]
+fn conversations_in_parts_render_as_one_process_and_agree_on_the_date() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Llama 3.2's template renders today's date (strftime_now).
+    let model = chat_model(tmp.path(), "llama3_2");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/conversations.openai.jsonl");
+    let run = |out: &Path, extra: &[&str], env: &[(String, String)]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+        c.args(["extract", "--capture", "input:1,final", "--model"]).arg(&model).arg("--data").arg(&data);
+        c.env_remove("RANK").env_remove("WORLD_SIZE").env_remove("SLURM_PROCID").env_remove("SLURM_NTASKS");
+        c.arg("--out").arg(out).args(extra).envs(env.iter().map(|(k, v)| (k, v)));
+        finish(c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+    };
+    let one = tmp.path().join("one");
+    let (ok, text) = run(&one, &["--chat-date", "2026-01-15"], &[]);
+    assert!(ok, "{text}");
+    let out = tmp.path().join("parts");
+    let env = |i: usize| launcher_env("torchrun", i, 3);
+    let (ok, text) = run(&out, &[], &env(1));
+    assert!(!ok && text.contains("pass --chat-date"), "{text}");
+    for i in 0..3 {
+        let (ok, text) = run(&out, &["--chat-date", "2026-01-15"], &env(i));
+        assert!(ok, "part {i}: {text}");
+    }
+    let (ok, text) = merge(&out);
+    assert!(ok, "{text}");
+    let (want, got) = (tensors(&one), tensors(&out));
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    assert!(want == got, "the parts' rows differ from one process's");
 }

@@ -47,6 +47,8 @@ pub struct Template {
     origin: String,
     generation: bool,
     globals: Vec<(String, Value)>,
+    // Whether the source calls `strftime_now`: then the date is part of the output.
+    dated: bool,
 }
 
 impl std::fmt::Debug for Template {
@@ -106,6 +108,7 @@ impl Template {
         date: chrono::NaiveDate,
         globals: Vec<(String, serde_json::Value)>,
     ) -> Result<Self, ChatError> {
+        let dated = source.contains("strftime_now");
         let (source, generation) = rewrite_generation(source, origin)?;
         let mut env = Environment::new();
         let mut syntax = minijinja::syntax::SyntaxConfig::builder();
@@ -127,7 +130,12 @@ impl Template {
         env.add_filter("__strata_generation_close", |_: String| GEN_CLOSE.to_string());
         env.add_template_owned(NAME, source).map_err(|e| ChatError::Template(describe(origin, &e)))?;
         let globals = globals.into_iter().map(|(k, v)| (k, json_value(&v))).collect();
-        Ok(Template { env, origin: origin.into(), generation, globals })
+        Ok(Template { env, origin: origin.into(), generation, globals, dated })
+    }
+
+    /// Whether renders depend on the date (the template calls `strftime_now`).
+    pub fn renders_date(&self) -> bool {
+        self.dated
     }
 
     /// Whether the template marks assistant text with `{% generation %}` blocks.

@@ -31,6 +31,37 @@ pub struct JsonlRecords<R: BufRead> {
     detected: usize,
 }
 
+/// The format a record's fields say.
+fn detect(parsed: &Line<'_>) -> Result<InputFormat, String> {
+    Ok(if parsed.input_ids.is_some() {
+        InputFormat::Tokens
+    } else if parsed.conversations.is_some() {
+        InputFormat::ShareGpt
+    } else if parsed.messages.is_some() {
+        InputFormat::OpenAi
+    } else if parsed.text.is_some() {
+        InputFormat::Text
+    } else {
+        return Err(format!("no `{}` field", InputFormat::Auto.field()));
+    })
+}
+
+/// The format the first non-blank line of `input` says (at most `max_line`
+/// bytes read): what a part of the input must take, so that every part
+/// reads the records as one process would. `None` for an empty input.
+pub fn detect_first(input: impl BufRead, max_line: usize) -> Result<Option<InputFormat>, String> {
+    let mut lines = JsonlSource::new(String::new(), input).max_line(max_line);
+    match lines.next_text() {
+        None => Ok(None),
+        Some(Err(e)) => Err(e.to_string()),
+        Some(Ok((line, buf, text))) => {
+            let parsed: Line =
+                serde_json::from_slice(&buf[text]).map_err(|e| format!("line {line}: malformed JSON: {e}"))?;
+            detect(&parsed).map(Some).map_err(|e| format!("line {line}: {e}"))
+        }
+    }
+}
+
 impl<R: BufRead> JsonlRecords<R> {
     /// Reads `src` as `format` (`Auto`: the first record decides).
     pub fn new(src: JsonlSource<R>, format: InputFormat) -> Self {
@@ -40,17 +71,7 @@ impl<R: BufRead> JsonlRecords<R> {
     fn parse(&mut self, line: usize, text: &[u8]) -> Result<(Option<String>, Record), String> {
         let parsed: Line = serde_json::from_slice(text).map_err(|e| format!("malformed JSON: {e}"))?;
         if self.format == InputFormat::Auto {
-            self.format = if parsed.input_ids.is_some() {
-                InputFormat::Tokens
-            } else if parsed.conversations.is_some() {
-                InputFormat::ShareGpt
-            } else if parsed.messages.is_some() {
-                InputFormat::OpenAi
-            } else if parsed.text.is_some() {
-                InputFormat::Text
-            } else {
-                return Err(format!("no `{}` field", InputFormat::Auto.field()));
-            };
+            self.format = detect(&parsed)?;
             self.detected = line;
         }
         let missing = || {

@@ -72,11 +72,17 @@ pub fn dir_name(index: usize, count: usize) -> String {
     format!("part-{index:04}-of-{count:04}")
 }
 
-/// The index and count a part directory's name says.
+/// The most parts an input is split into.
+pub const MAX_PARTS: usize = 1 << 20;
+
+/// The index and count a part directory's name says: only names
+/// [`dir_name`] writes, with a count up to [`MAX_PARTS`].
 pub fn parse_dir_name(name: &str) -> Option<(usize, usize)> {
     let (i, n) = name.strip_prefix("part-")?.split_once("-of-")?;
-    let digits = |s: &str| s.len() >= 4 && s.bytes().all(|b| b.is_ascii_digit());
-    (digits(i) && digits(n)).then(|| Some((i.parse().ok()?, n.parse().ok()?))).flatten()
+    let digits = |s: &str| (4..=8).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_digit());
+    let (i, n): (usize, usize) =
+        (digits(i) && digits(n)).then(|| Some((i.parse().ok()?, n.parse().ok()?))).flatten()?;
+    (n <= MAX_PARTS && dir_name(i, n) == name).then_some((i, n))
 }
 
 /// The environment variable a Kubernetes Indexed Job (which exposes no count) sets for the count.
@@ -107,8 +113,11 @@ pub fn resolve(
             None => return Ok(None),
         },
     };
-    if spec.count == 0 {
-        return Err(format!("the number of parts is 0 (from {})", spec.source));
+    if spec.count == 0 || spec.count > MAX_PARTS {
+        return Err(format!(
+            "the number of parts is {} (from {}); it must be 1 to {MAX_PARTS}",
+            spec.count, spec.source
+        ));
     }
     if spec.index >= spec.count {
         return Err(format!("part index {} is not below the {} parts (from {})", spec.index, spec.count, spec.source));
@@ -137,6 +146,12 @@ fn from_env(env: &impl Fn(&str) -> Option<String>, flag_count: Option<usize>) ->
         }
     };
     // Slurm job arrays: every array task sees SLURM_PROCID=0, so the array comes first.
+    if let (Some(id), None) = (num("SLURM_ARRAY_TASK_ID")?, num("SLURM_ARRAY_TASK_COUNT")?) {
+        return Err(format!(
+            "SLURM_ARRAY_TASK_ID={id} is set without SLURM_ARRAY_TASK_COUNT (a Slurm older than 17.11?): \
+             pass --part-index and --num-parts"
+        ));
+    }
     if let (Some(id), Some(n)) = (num("SLURM_ARRAY_TASK_ID")?, num("SLURM_ARRAY_TASK_COUNT")?) {
         let min = num("SLURM_ARRAY_TASK_MIN")?.unwrap_or(0);
         let step = num("SLURM_ARRAY_TASK_STEP")?.unwrap_or(1).max(1);
@@ -225,6 +240,10 @@ fn boundary<R: Read + Seek>(r: &mut R, len: u64, k: usize, n: usize) -> std::io:
         return Ok(len);
     }
     let p = (len as u128 * k as u128 / n as u128) as u64;
+    if p == 0 {
+        // More parts than bytes: this one starts at the top (and is empty).
+        return Ok(0);
+    }
     // A line starts at `p` when the byte before it ends a line.
     r.seek(SeekFrom::Start(p - 1))?;
     let mut buf = vec![0u8; 64 << 10];
@@ -321,6 +340,9 @@ mod tests {
         assert_eq!(r(None, None, &[("RANK", "0"), ("WORLD_SIZE", "1")]), Ok(None));
         assert_eq!(parse_dir_name(&dir_name(3, 16)), Some((3, 16)));
         assert_eq!(parse_dir_name("part-3-of-16"), None);
+        assert_eq!(parse_dir_name("part-00003-of-0016"), None);
+        assert_eq!(parse_dir_name("part-0000-of-99999999"), None);
+        assert!(r(None, None, &[("SLURM_ARRAY_TASK_ID", "3")]).unwrap_err().contains("SLURM_ARRAY_TASK_COUNT"));
     }
 
     #[test]
@@ -329,7 +351,18 @@ mod tests {
             .map(|i| if i % 7 == 3 { "  \n".to_string() } else { format!("{{\"x\": {}}}\n", "9".repeat(i % 13)) })
             .collect();
         let bytes = text.as_bytes();
-        for n in [1, 2, 3, 7, 16, 300] {
+        // More parts than bytes, and an empty input: empty parts, no panic.
+        for (input, n) in [(&b""[..], 3), (&b"{}\n"[..], 16)] {
+            let mut at = 0;
+            for i in 0..n {
+                let spec = PartSpec { index: i, count: n, source: String::new() };
+                let p = locate(&mut std::io::Cursor::new(input), input.len() as u64, &spec).unwrap();
+                assert_eq!(p.start, at);
+                at = p.end;
+            }
+            assert_eq!(at, input.len() as u64);
+        }
+        for n in [1, 2, 3, 7, 16, 300, 5000] {
             let mut at = 0;
             let mut records = 0;
             for i in 0..n {

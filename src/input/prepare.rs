@@ -15,6 +15,10 @@ pub struct PrepareOptions {
     /// `--max-seq-len`, when given: token and text records are cut or skipped
     /// by it too (without it they must fit the model, or the run stops).
     pub limit_all: bool,
+    /// Records precede this input (it is a part of a larger one): a render
+    /// failure on its first conversation is that conversation's, as it would
+    /// be for one process, not the template's.
+    pub after_start: bool,
 }
 
 /// What the preparation did, for the summary.
@@ -93,7 +97,10 @@ impl Prepared {
             .name("strata-prepare".into())
             // Templates recurse (macros, nested values): room beyond the 2 MiB default.
             .stack_size(64 << 20)
-            .spawn(move || Worker { records, chat, opts, name, stats: s, format: f, tx, row: 0, rendered: false }.run())
+            .spawn(move || {
+                let rendered = opts.after_start;
+                Worker { records, chat, opts, name, stats: s, format: f, tx, row: 0, rendered }.run()
+            })
             .map_err(|cause| SourceError::Io { path: "(prepare thread)".into(), cause })?;
         Ok(Prepared { rx, consumed: InputPos::default(), stats, format, thread: Some(thread), ended: false })
     }

@@ -75,7 +75,8 @@ pub fn row_scale(row: &[f32]) -> f32 {
     }
     let amax = chunks.remainder().iter().chain(&m).fold(0f32, |m, x| m.max(x.abs()));
     let s = amax / E4M3_MAX;
-    if s > 0.0 && s.is_finite() {
+    // A subnormal scale has no finite inverse: such a row is all but zero.
+    if s.is_normal() {
         s
     } else {
         1.0
@@ -172,6 +173,9 @@ mod tests {
         let mut out = Vec::new();
         assert_eq!(quantize_row(&[0.0; 5], &mut out), 1.0);
         assert_eq!(out, [0; 5]);
+        out.clear();
+        assert_eq!(quantize_row(&[1e-40, 0.0], &mut out), 1.0);
+        assert_eq!(out, [0, 0]);
         let row: Vec<f32> = (0..1000).map(|i| ((i as f32) * 0.7).sin() * 37.0).collect();
         out.clear();
         let s = quantize_row(&row, &mut out);

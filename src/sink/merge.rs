@@ -15,7 +15,7 @@
 //! stay as they are) is picked up by merging again.
 
 use super::output::{sync_dir, OutputDir};
-use super::{io_err, SinkError};
+use super::{hf_dataset, io_err, SinkError};
 use crate::dataset::manifest::{
     InputInfo, InputPos, Manifest, MergedPart, PartInfo, SampleInfo, ShardInfo, JOURNAL, MANIFEST,
 };
@@ -54,15 +54,43 @@ pub fn merge(dir: &Path) -> Result<MergeReport, SinkError> {
     }
     // One writer at a time: a second merge, or a one-process run into OUT.
     let (_lock, _) = OutputDir::lock(dir)?;
+    remove_stale_temps(dir)?;
+    match Manifest::read(dir) {
+        Ok(m) if m.merged.is_empty() => {
+            return Err(refuse(format!(
+                "{} holds a dataset one process wrote ({MANIFEST} lists no parts): merge joins the parts in the \
+                 --out the parts were written into",
+                dir.display()
+            )))
+        }
+        Err(e) if dir.join(MANIFEST).exists() => {
+            return Err(refuse(format!("{e}: move it away to merge the parts in {}", dir.display())))
+        }
+        _ => {}
+    }
     let (count, found) = list_parts(dir)?;
     let mut problems = Vec::new();
-    let mut manifests = Vec::with_capacity(count);
+    let mut manifests = Vec::with_capacity(found.len());
+    // Each part's lock, held through the merge: a part that is being (re)written is not merged.
+    let mut locks = Vec::with_capacity(found.len());
+    let mut present = found.iter().copied().peekable();
     for i in 0..count {
         let name = parts::dir_name(i, count);
         let rerun = format!("rerun it with the same command and --part-index {i} --num-parts {count} --resume");
-        if !found.contains(&i) {
-            problems.push(format!("{name} is missing: {rerun} (without --resume if it never started)"));
+        if present.next_if_eq(&i).is_none() {
+            if problems.len() < 20 {
+                problems.push(format!("{name} is missing: {rerun}"));
+            } else if present.peek().is_none() {
+                break;
+            }
             continue;
+        }
+        match OutputDir::lock(&dir.join(&name)) {
+            Ok((lock, _)) => locks.push(lock),
+            Err(e) => {
+                problems.push(format!("{e}"));
+                continue;
+            }
         }
         match Manifest::read(&dir.join(&name)) {
             Err(e) => problems.push(format!("{name} has no readable manifest ({e}): {rerun}")),
@@ -73,21 +101,23 @@ pub fn merge(dir: &Path) -> Result<MergeReport, SinkError> {
         }
     }
     if !problems.is_empty() {
+        let missing = count - found.len();
         let shown = problems.len().min(20);
-        let more = problems.len() - shown;
-        let more = if more > 0 { format!("\n  ... and {more} more") } else { String::new() };
         return Err(refuse(format!(
-            "cannot merge {}: {} of {count} parts are not ready:\n  {}{more}",
+            "cannot merge {}: of {count} parts, {missing} are missing and {} present ones are not ready \
+             (the first {shown} problems):\n  {}",
             dir.display(),
-            problems.len(),
+            problems.len().saturating_sub(missing.min(20)),
             problems[..shown].join("\n  ")
         )));
     }
     let infos = check_one_job(&manifests)?;
 
-    // From here on the directory changes: the old merged manifest goes first.
-    remove_if_file(&dir.join(MANIFEST))?;
-    remove_if_file(&dir.join(JOURNAL))?;
+    // From here on the directory changes: the old merged manifest and the
+    // trainer's table go first, so nothing looks complete until the end.
+    for f in [MANIFEST, JOURNAL, hf_dataset::DATA_FILE, hf_dataset::INFO_FILE, hf_dataset::STATE_FILE] {
+        remove_if_file(&dir.join(f))?;
+    }
     sync_dir(dir);
 
     let first = &manifests[0].1;
@@ -156,11 +186,14 @@ pub fn merge(dir: &Path) -> Result<MergeReport, SinkError> {
     merged.input =
         Some(InputInfo { path: input, whole: InputPos { samples: rows, bytes: whole, digest: String::new() } });
     if speculators {
-        // Links a larger earlier merge made past the last row go.
+        // Links an earlier merge with more rows made past the last row go.
         let sub = dir.join("hidden_states");
-        let mut k = merged.shards.len();
-        while remove_if_file(&sub.join(format!("hs_{k}.safetensors")))? {
-            k += 1;
+        for e in std::fs::read_dir(&sub).map_err(io_err(&sub))? {
+            let name = e.map_err(io_err(&sub))?.file_name().to_string_lossy().to_string();
+            let row = name.strip_prefix("hs_").and_then(|n| n.strip_suffix(".safetensors"));
+            if row.and_then(|r| r.parse::<usize>().ok()).is_some_and(|r| r >= merged.shards.len()) {
+                remove_if_file(&sub.join(&name))?;
+            }
         }
         let temp = |name: &str| {
             let tmp = dir.join(format!(".{name}.merge-{}.tmp", std::process::id()));
@@ -243,6 +276,12 @@ fn check_one_job(manifests: &[(String, Manifest)]) -> Result<Vec<PartInfo>, Sink
             ))
         } else if p.start != at {
             Some(format!("it starts at byte {} of the input, but the part before it ends at {at}", p.start))
+        } else if m.input.as_ref().is_some_and(|i| i.whole.bytes != p.end - p.start) {
+            Some(format!(
+                "it read {} bytes of its {}-byte slice",
+                m.input.as_ref().map_or(0, |i| i.whole.bytes),
+                p.end - p.start
+            ))
         } else {
             None
         };
@@ -259,20 +298,43 @@ fn check_one_job(manifests: &[(String, Manifest)]) -> Result<Vec<PartInfo>, Sink
     Ok(infos)
 }
 
-/// `to` becomes a hard link to `from` (replacing an earlier merge's link).
+/// `to` becomes a hard link to `from`, replacing an earlier merge's link
+/// at once (a link under a temporary name, renamed over it).
 fn link(from: &Path, to: &Path) -> Result<(), SinkError> {
-    if let Some(parent) = to.parent() {
-        std::fs::create_dir_all(parent).map_err(io_err(parent))?;
-    }
-    remove_if_file(to)?;
-    std::fs::hard_link(from, to).map_err(|e| {
-        refuse(format!(
-            "cannot link {} to {}: {e}. The merge links the parts' files (it never copies them): the \
-             parts must lie on one filesystem that has hard links",
-            to.display(),
-            from.display()
-        ))
+    let parent = to.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    let name = to.file_name().map_or_else(String::new, |n| n.to_string_lossy().to_string());
+    let tmp = parent.join(format!(".{name}.merge-{}.tmp", std::process::id()));
+    remove_if_file(&tmp)?;
+    std::fs::hard_link(from, &tmp).map_err(|e| {
+        let why = match e.kind() {
+            std::io::ErrorKind::NotFound => format!("{} is missing: rerun its part with --resume", from.display()),
+            _ => format!(
+                "{e}. The merge links the parts' files (it never copies them): the parts must lie on one \
+                 filesystem that has hard links"
+            ),
+        };
+        refuse(format!("cannot link {} to {}: {why}", to.display(), from.display()))
+    })?;
+    std::fs::rename(&tmp, to).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        io_err(to)(e)
     })
+}
+
+/// Removes the temporary files an interrupted merge left (`.NAME.merge-PID.tmp`).
+fn remove_stale_temps(dir: &Path) -> Result<(), SinkError> {
+    for d in [dir.to_path_buf(), dir.join("hidden_states")] {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries {
+            let name = e.map_err(io_err(&d))?.file_name().to_string_lossy().to_string();
+            let temp = name.starts_with('.') && name.ends_with(".tmp") && name.contains(".merge-");
+            if temp {
+                remove_if_file(&d.join(&name))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Removes a regular file (or a link); `Ok(false)` when there was none.

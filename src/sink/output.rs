@@ -166,6 +166,18 @@ impl Plan {
                 names.push(name);
             }
         }
+        // Parts of a split input live in subdirectories; a one-process run there
+        // would mix with them (a resume of a merged dataset is refused below, more precisely).
+        let merged_resume = mode == OpenMode::Resume && names.iter().any(|n| n == MANIFEST);
+        if job.part.is_none() && !merged_resume {
+            if let Some(n) = names.iter().find(|n| crate::input::parts::parse_dir_name(n).is_some()) {
+                return Err(dir_err(format!(
+                    "{} holds the parts of a split input ({n}, ...): run the parts with --part-index/--num-parts \
+                     or under their launcher, join them with `strata merge`, or give this run another --out",
+                    dir.display()
+                )));
+            }
+        }
         let mut nonces = vec![last];
         let mut redo = Vec::new();
         let theirs = |nonces: &[String], n: &str| !nonces.iter().any(|x| temp_of(n, x));
@@ -207,7 +219,8 @@ impl Plan {
         let mut old = Manifest::read(dir).map_err(refuse)?;
         if !old.merged.is_empty() {
             return Err(dir_err(format!(
-                "cannot resume in {}: it is a merged dataset of {} parts. Rerun a part in it with                  --part-index/--num-parts and --resume, then `strata merge` again",
+                "cannot resume in {}: it is a merged dataset of {} parts. Rerun a part in it with \
+                    --part-index/--num-parts and --resume, then `strata merge` again",
                 dir.display(),
                 old.merged.len()
             )));

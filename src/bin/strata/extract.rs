@@ -197,30 +197,40 @@ impl ExtractJob {
 
     /// This process's part of the input: a regular file (or the embedded
     /// data) read from the part's first line to its last, and where it lies.
-    fn open_part(&self, spec: &PartSpec) -> Result<(Box<dyn BufRead + Send>, PartInfo), ExtractError> {
+    /// With `--input-format auto`, also the format the input's first record
+    /// says: every part reads its records as that (as one process would).
+    fn open_part(&self, spec: &PartSpec) -> Result<(Box<dyn BufRead + Send>, PartInfo, InputFormat), ExtractError> {
         let name = self.data_name();
         let io = |cause| SourceError::Io { path: name.clone(), cause };
-        let part_of =
-            |mut r: Box<dyn ReadSeek>, len: u64| -> Result<(Box<dyn BufRead + Send>, PartInfo), ExtractError> {
-                let info = parts::locate(&mut r, len, spec).map_err(io)?;
-                r.seek(std::io::SeekFrom::Start(info.start)).map_err(io)?;
-                let body = std::io::Read::take(r, info.end - info.start);
-                Ok((Box::new(std::io::BufReader::with_capacity(1 << 20, body)), info))
-            };
+        let part_of = |mut r: Box<dyn ReadSeek>, len: u64| {
+            let info = parts::locate(&mut r, len, spec).map_err(io)?;
+            let mut format = self.prepare.input_format;
+            if format == InputFormat::Auto {
+                r.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
+                let head = std::io::BufReader::new(&mut r);
+                let first = strata::input::jsonl::detect_first(head, strata::pipeline::source::DEFAULT_MAX_LINE)
+                    .map_err(|problem| SourceError::Input { path: name.clone(), problem })?;
+                format = first.unwrap_or(InputFormat::Auto);
+            }
+            r.seek(std::io::SeekFrom::Start(info.start)).map_err(io)?;
+            let body = std::io::Read::take(r, info.end - info.start);
+            let reader: Box<dyn BufRead + Send> = Box::new(std::io::BufReader::with_capacity(1 << 20, body));
+            Ok::<_, ExtractError>((reader, info, format))
+        };
         match &self.data {
             None => part_of(
                 Box::new(std::io::Cursor::new(embedded::DATA_JSONL.as_bytes())),
                 embedded::DATA_JSONL.len() as u64,
             ),
             Some(p) => {
-                let f = match p.as_os_str() == "-" {
-                    true => None,
-                    false => Some(std::fs::File::open(p).map_err(io)?),
-                };
+                // The type first: opening a FIFO would wait for its writer.
+                let regular = p.as_os_str() != "-" && std::fs::metadata(p).map_err(io)?.is_file();
+                let f = regular.then(|| std::fs::File::open(p)).transpose().map_err(io)?;
                 let meta = f.as_ref().map(|f| f.metadata()).transpose().map_err(io)?;
                 let (Some(f), Some(meta)) = (f, meta.filter(|m| m.is_file())) else {
                     return Err(ExtractError::Usage(format!(
-                        "{} is not a regular file: a split into parts ({} of {}, from {}) seeks to its part, which a                          pipe or stdin cannot; write the input to a file first",
+                        "{} is not a regular file: a split into parts ({} of {}, from {}) seeks to its part, which a \
+                            pipe or stdin cannot; write the input to a file first",
                         p.display(),
                         spec.index,
                         spec.count,
@@ -276,10 +286,12 @@ impl ExtractJob {
             )));
         }
         let mut part_info = None;
+        let mut part_format = self.prepare.input_format;
         let (reader, input_len) = match (&dataset_dir, &self.part) {
             (Some(d), Some(spec)) => {
                 return Err(ExtractError::Usage(format!(
-                    "{} is a datasets directory, which cannot be split into parts yet ({} of {}, from {});                      export it to JSON Lines (Dataset.to_json) or run one process",
+                    "{} is a datasets directory, which cannot be split into parts yet ({} of {}, from {}); \
+                        export it to JSON Lines (Dataset.to_json) or run one process",
                     d.display(),
                     spec.index,
                     spec.count,
@@ -288,9 +300,10 @@ impl ExtractJob {
             }
             (Some(_), None) => (None, None),
             (None, Some(spec)) => {
-                let (r, info) = self.open_part(spec)?;
+                let (r, info, format) = self.open_part(spec)?;
                 let len = info.end - info.start;
                 part_info = Some(info);
+                part_format = format;
                 (Some(r), Some(len))
             }
             (None, None) => {
@@ -378,7 +391,7 @@ impl ExtractJob {
                 if p.max_seq_len.is_none() {
                     lines = lines.max_tokens(max, from.clone());
                 }
-                Box::new(JsonlRecords::new(lines, p.input_format))
+                Box::new(JsonlRecords::new(lines, part_format))
             }
             (None, Some(dir)) => {
                 let most = if p.max_seq_len.is_none() { max } else { usize::MAX };
@@ -390,6 +403,7 @@ impl ExtractJob {
         let opts = PrepareOptions {
             rows: RowOptions { mask: p.mask, rows: p.rows, max_len: limit, long },
             limit_all: p.max_seq_len.is_some(),
+            after_start: part_info.as_ref().is_some_and(|i| i.first_record > 0),
         };
         let source = Prepared::spawn(records, chat, opts, self.data_name())?;
         let stats = source.stats();
@@ -478,7 +492,8 @@ impl ExtractJob {
             } else {
                 serde_json::Value::Object(p.kwargs.clone()).to_string()
             },
-            chat_date: date.format("%Y-%m-%d").to_string(),
+            // Recorded only where the template renders it (below): elsewhere it changes nothing.
+            chat_date: String::new(),
             loss_mask: p.mask_name().into(),
             rows: p.rows_name().into(),
             max_seq_len: p.max_seq_len,
@@ -518,7 +533,17 @@ impl ExtractJob {
         // The digest says what renders; where the file lies may differ on a resume.
         info.chat_template = chat.template_digest.clone();
         summary.chat_template = chat.template_origin.clone();
-        summary.chat_date = Some(date);
+        if chat.template.as_ref().is_some_and(|t| t.renders_date()) {
+            if self.part.is_some() && p.date.is_none() && recorded.is_none() {
+                return Err(ExtractError::Usage(format!(
+                    "the chat template renders the date (strftime_now) and this is one part of a split input: \
+                     pass --chat-date YYYY-MM-DD (e.g. --chat-date {}) so that every part renders the same date",
+                    date.format("%Y-%m-%d")
+                )));
+            }
+            info.chat_date = date.format("%Y-%m-%d").to_string();
+            summary.chat_date = Some(date);
+        }
         Ok((Ok(Arc::new(chat)), info))
     }
 }

@@ -141,9 +141,11 @@ is --part-index I --num-parts N, else the launcher's environment, first match wi
   Kubernetes        JOB_COMPLETION_INDEX, with --num-parts N or STRATA_NUM_PARTS=N
                     (an Indexed Job exposes no count: set it to the Job's completions)
 A count of 1 is the whole input, written to OUT itself. The summary says which source
-was used. A part that died is rerun, on any machine, with the same command and
---resume (which also starts a part that has nothing yet). With --tp N one process
-drives a node's devices and the launcher's rank is the data part.
+was used. A part that died is rerun, on any machine with the same backend and kernel
+path, with the same command and --resume (which also starts a part that has nothing
+yet). A chat template that renders the date (strftime_now) needs --chat-date in
+every part. With --tp N one process drives a node's devices and the launcher's rank
+is the data part.
 
 MODELS: llama, mistral, qwen2, qwen3, deepseek_v2, deepseek_v3, kimi_k2, and
 Kimi-K2.5's kimi_k25 wrapper (its vision tower is not read). Weights stay in
@@ -164,8 +166,8 @@ One run at a time may write a directory (a lock on OUT/.strata.lock).
 
 NaN or Inf in the captured states (or values past the stored dtype's range)
 stop the run, naming the sample and capture point; --on-nonfinite skip leaves
-such samples out and lists them in the manifest's `skipped` (speculators
-files keep their input row's number, so a skipped row leaves a gap).
+such samples out and lists them in the manifest's `skipped` (in the speculators
+format such a sample has neither a table row nor a file: rows and hs_{i} stay in step).
 
 BACKENDS: --backend cpu (default) runs the fast CPU kernels, with --tp ranks as
 threads. --backend reference runs every op as a plain loop accumulating in f64,
