@@ -292,6 +292,17 @@ fn parts_need_a_count_and_a_seekable_input() {
     std::fs::create_dir_all(whole.join("part-0000-of-0002")).unwrap();
     let (ok, text) = merge(&whole);
     assert!(!ok && text.contains("holds a dataset one process wrote"), "{text}");
+    // An empty input in parts: empty parts, and an empty trainer's dataset.
+    let empty = tmp.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let eout = tmp.path().join("eout");
+    for i in ["0", "1"] {
+        let (ok, text) =
+            finish(spawn(&empty, &eout, &["--format", "speculators", "--part-index", i, "--num-parts", "2"], &[]));
+        assert!(ok, "{text}");
+    }
+    let (ok, text) = merge(&eout);
+    assert!(ok && text.contains("0 samples"), "{text}");
     // One part is the whole input: no part directory.
     let solo = tmp.path().join("solo");
     let (ok, text) =

@@ -188,6 +188,7 @@ pub fn merge(dir: &Path) -> Result<MergeReport, SinkError> {
     if speculators {
         // Links an earlier merge with more rows made past the last row go.
         let sub = dir.join("hidden_states");
+        std::fs::create_dir_all(&sub).map_err(io_err(&sub))?;
         for e in std::fs::read_dir(&sub).map_err(io_err(&sub))? {
             let name = e.map_err(io_err(&sub))?.file_name().to_string_lossy().to_string();
             let row = name.strip_prefix("hs_").and_then(|n| n.strip_suffix(".safetensors"));
