@@ -280,24 +280,48 @@ impl Manifest {
     /// A copy of what says what the run writes, without its listing
     /// (shards, samples, skipped, merged parts), which may be large.
     pub fn clone_job(&self) -> Manifest {
-        let empty = Manifest { shards: vec![], samples: vec![], skipped: vec![], merged: vec![], ..Default::default() };
+        // Named field by field, without `..`: a new field must be placed here.
+        let Manifest {
+            schema_version,
+            strata_version,
+            format,
+            layout,
+            model,
+            run,
+            input,
+            prepare,
+            part,
+            merged: _,
+            on_nonfinite,
+            nonce,
+            capture,
+            dtype,
+            shard_size,
+            complete,
+            shards: _,
+            samples: _,
+            skipped: _,
+        } = self;
         Manifest {
-            schema_version: self.schema_version,
-            strata_version: self.strata_version.clone(),
-            format: self.format.clone(),
-            layout: self.layout.clone(),
-            model: self.model.clone(),
-            run: self.run.clone(),
-            input: self.input.clone(),
-            prepare: self.prepare.clone(),
-            part: self.part.clone(),
-            on_nonfinite: self.on_nonfinite.clone(),
-            nonce: self.nonce.clone(),
-            capture: self.capture.clone(),
-            dtype: self.dtype.clone(),
-            shard_size: self.shard_size,
-            complete: self.complete,
-            ..empty
+            schema_version: *schema_version,
+            strata_version: strata_version.clone(),
+            format: format.clone(),
+            layout: layout.clone(),
+            model: model.clone(),
+            run: run.clone(),
+            input: input.clone(),
+            prepare: prepare.clone(),
+            part: part.clone(),
+            merged: vec![],
+            on_nonfinite: on_nonfinite.clone(),
+            nonce: nonce.clone(),
+            capture: capture.clone(),
+            dtype: dtype.clone(),
+            shard_size: *shard_size,
+            complete: *complete,
+            shards: vec![],
+            samples: vec![],
+            skipped: vec![],
         }
     }
 

@@ -14,7 +14,7 @@
 //! Merging is idempotent; a part rerun later with `--resume` (its own files
 //! stay as they are) is picked up by merging again.
 
-use super::output::{sync_dir, OutputDir};
+use super::output::{persist_manifest, sync_dir, OutputDir};
 use super::{hf_dataset, io_err, SinkError};
 use crate::dataset::manifest::{
     InputInfo, InputPos, Manifest, MergedPart, PartInfo, SampleInfo, ShardInfo, JOURNAL, MANIFEST,
@@ -352,20 +352,8 @@ fn remove_if_file(p: &Path) -> Result<bool, SinkError> {
 }
 
 fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), SinkError> {
-    let path = dir.join(MANIFEST);
     let tmp: PathBuf = dir.join(format!(".{MANIFEST}.merge-{}.tmp", std::process::id()));
-    let _ = std::fs::remove_file(&tmp);
-    let r = (|| {
-        let mut w = std::io::BufWriter::with_capacity(1 << 20, crate::files::create_exclusive(&tmp)?);
-        serde_json::to_writer_pretty(&mut w, m)?;
-        let f = w.into_inner().map_err(|e| e.into_error())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)
-    })();
-    if let Err(e) = r {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io_err(&path)(e));
-    }
-    sync_dir(dir);
-    Ok(())
+    remove_if_file(&tmp)?;
+    let f = crate::files::create_exclusive(&tmp).map_err(io_err(&tmp))?;
+    persist_manifest(m, f, &tmp, dir)
 }

@@ -406,22 +406,7 @@ impl OutputDir {
 
     fn write_manifest(&self) -> Result<(), SinkError> {
         let (tmp, f) = self.create_temp(MANIFEST)?;
-        let path = self.dir.join(MANIFEST);
-        let r = (|| {
-            // Streamed: a million samples' manifest is never one string in memory.
-            let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
-            serde_json::to_writer_pretty(&mut w, &self.manifest)?;
-            let f = w.into_inner().map_err(|e| e.into_error())?;
-            f.sync_all()?;
-            failpoint("manifest-temp");
-            std::fs::rename(&tmp, &path)
-        })();
-        if let Err(e) = r {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(io_err(&path)(e));
-        }
-        sync_dir(&self.dir);
-        Ok(())
+        persist_manifest(&self.manifest, f, &tmp, &self.dir)
     }
 
     /// Records a sample left out for non-finite states; `end` is the input position after it.
@@ -525,6 +510,27 @@ impl OutputDir {
     pub fn nonce(&self) -> &str {
         &self.nonce
     }
+}
+
+/// Writes `m` to the fresh temporary file `f` at `tmp`, fsyncs it and renames
+/// it to `dir/manifest.json` (the temporary file goes on failure). Streamed:
+/// a million samples' manifest is never one string in memory.
+pub(crate) fn persist_manifest(m: &Manifest, f: File, tmp: &Path, dir: &Path) -> Result<(), SinkError> {
+    let path = dir.join(MANIFEST);
+    let r = (|| {
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        serde_json::to_writer_pretty(&mut w, m)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
+        f.sync_all()?;
+        failpoint("manifest-temp");
+        std::fs::rename(tmp, &path)
+    })();
+    if let Err(e) = r {
+        let _ = std::fs::remove_file(tmp);
+        return Err(io_err(&path)(e));
+    }
+    sync_dir(dir);
+    Ok(())
 }
 
 /// An output directory opened when first needed: a run whose input fails
