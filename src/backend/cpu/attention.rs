@@ -18,7 +18,7 @@
 //! are exact zeros, so each row goes through the same arithmetic however its
 //! sample was cut.
 
-use super::bf16::{self, Bf16Path};
+use super::bf16::{self, with_bf16_path};
 use super::gemm::{gemm_tiles, F32Path, Init, Path};
 use super::panels::{InPlace, NR};
 use super::SharedMut;
@@ -98,10 +98,7 @@ pub fn varlen_attention(
 ) {
     match compute {
         Compute::F32 => attend(F32Path::detect(), q, q_stride, segments, s, out),
-        Compute::Bf16 => match bf16::detect() {
-            Bf16Path::Wide(p) => attend(p, q, q_stride, segments, s, out),
-            Bf16Path::Pairs(p) => attend(p, q, q_stride, segments, s, out),
-        },
+        Compute::Bf16 => with_bf16_path!(bf16::detect(), p => attend(p, q, q_stride, segments, s, out)),
     }
 }
 
@@ -259,14 +256,7 @@ unsafe fn block<P: Path>(
                     continue;
                 }
                 seen[ri] = true;
-                let mut m = max[ri];
-                for v in &mut row[lo..hi] {
-                    *v *= s.scale;
-                    m = m.max(*v);
-                }
-                // Two passes: the exp loop vectorises, the sum keeps its order.
-                row[lo..hi].iter_mut().for_each(|v| *v = super::ops::exp(*v - m));
-                let z: f32 = row[lo..hi].iter().sum();
+                let (m, z) = softmax_terms(&mut row[lo..hi], s.scale, max[ri]);
                 row[..lo].fill(0.0);
                 row[hi..].fill(0.0);
                 // exp(-inf) = 0: a row's first block starts from nothing.
@@ -320,9 +310,90 @@ unsafe fn block<P: Path>(
     }
 }
 
+/// Lanes of the softmax row loops: sums run in `LANES` interleaved partial
+/// sums, then a fixed tree, so every CPU (and vector width) gives the same bits.
+const LANES: usize = 16;
+
+/// Scales `row` by `scale`, then replaces each score `x` with `exp(x - m)`,
+/// where `m` is the larger of `max0` and the row's largest scaled score.
+/// Returns `m` and the sum of the new row.
+fn softmax_terms(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F, checked just above.
+        return unsafe { softmax_terms_avx512(row, scale, max0) };
+    }
+    softmax_terms_body(row, scale, max0)
+}
+
+/// [`softmax_terms`] compiled for AVX-512: the same operations in the same
+/// order, sixteen lanes to a register.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_terms_avx512(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32) {
+    softmax_terms_body(row, scale, max0)
+}
+
+#[inline(always)]
+fn softmax_terms_body(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32) {
+    // The maximum is exact in any order.
+    let mut lanes = [max0; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (l, v) in lanes.iter_mut().zip(c.iter_mut()) {
+            *v *= scale;
+            *l = if *v > *l { *v } else { *l };
+        }
+    }
+    for (l, v) in lanes.iter_mut().zip(chunks.into_remainder()) {
+        *v *= scale;
+        *l = if *v > *l { *v } else { *l };
+    }
+    let m = lanes.iter().fold(max0, |a, &b| if b > a { b } else { a });
+    let mut sums = [0f32; LANES];
+    let mut chunks = row.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (acc, v) in sums.iter_mut().zip(c.iter_mut()) {
+            *v = super::ops::exp(*v - m);
+            *acc += *v;
+        }
+    }
+    for (acc, v) in sums.iter_mut().zip(chunks.into_remainder()) {
+        *v = super::ops::exp(*v - m);
+        *acc += *v;
+    }
+    // A fixed tree: lanes i and i + half, halving.
+    let mut half = LANES / 2;
+    while half > 0 {
+        for i in 0..half {
+            sums[i] += sums[i + half];
+        }
+        half /= 2;
+    }
+    (m, sums[0])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn softmax_terms_match_a_plain_loop_and_every_isa() {
+        for len in [1, 5, 16, 17, 100, 256] {
+            let row: Vec<f32> = (0..len).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.7).collect();
+            for max0 in [f32::NEG_INFINITY, 3.0] {
+                let (mut a, mut b) = (row.clone(), row.clone());
+                let (m, z) = softmax_terms(&mut a, 0.125, max0);
+                let (m2, z2) = softmax_terms_body(&mut b, 0.125, max0);
+                assert_eq!((m.to_bits(), z.to_bits()), (m2.to_bits(), z2.to_bits()), "len {len}");
+                assert_eq!(a, b);
+                let want_m = row.iter().map(|v| v * 0.125).fold(max0, f32::max);
+                assert_eq!(m, want_m);
+                let want: f64 = row.iter().map(|v| ((v * 0.125 - want_m) as f64).exp()).sum();
+                assert!((z as f64 - want).abs() < 1e-5 * want, "len {len}: {z} vs {want}");
+            }
+        }
+    }
 
     /// Direct transcription of the definition, in f64.
     fn reference(qkv: &[f32], cu: &[usize], s: AttnShape) -> Vec<f32> {

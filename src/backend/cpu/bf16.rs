@@ -7,6 +7,8 @@
 //! GEMM reaches them (`code · scale` in f32, then rounded to bf16).
 //!
 //! Paths, chosen at run time by what the CPU has:
+//! - `amx`: AMX tiles (`TDPBF16PS`) on Intel Xeons that have them, A packed
+//!   as rows of 32 bf16 depths, B read from the same pair panels;
 //! - `avx512bf16`: `VDPBF16PS` on A packed as bf16 pairs too;
 //! - `avx2`: each pair widened to f32 with two shifts, then FMAs; A is
 //!   packed as f32 values already rounded to bf16;
@@ -15,7 +17,9 @@
 //! A product of two bf16 values is exact in f32, so a multiply-then-add and
 //! an FMA give the same bits: `avx2` and `portable` agree bitwise. Each pair
 //! adds its odd depth first, the order Intel documents for `VDPBF16PS`.
-//! (AMX tiles are not built yet; a CPU with them takes `avx512bf16`.)
+//! `amx` and `avx512bf16` sum in the hardware's own order (and flush
+//! subnormals), so each differs from the others in the last bits: the
+//! manifest records the path.
 
 use super::gemm::{pack_strips, Path, TileInit};
 use super::panels::{InPlace, PanelSource, MR, NR};
@@ -147,6 +151,10 @@ pub(crate) struct PairPath {
     name: &'static str,
 }
 
+/// A bf16 path on AMX tiles: A as rows of 32 bf16 depths, B as pair tiles.
+#[derive(Clone, Copy)]
+pub(crate) struct TilePath;
+
 /// The bf16 path a CPU runs.
 #[derive(Clone, Copy)]
 pub(crate) enum Bf16Path {
@@ -154,22 +162,34 @@ pub(crate) enum Bf16Path {
     Wide(WidePath),
     /// `avx512bf16`.
     Pairs(PairPath),
+    /// `amx`.
+    Tiles(TilePath),
 }
+
+/// Runs `$body` with `$p` bound to the concrete path inside `$path` (a
+/// [`Bf16Path`]): one generic call, monomorphised per path.
+macro_rules! with_bf16_path {
+    ($path:expr, $p:ident => $body:expr) => {
+        match $path {
+            $crate::backend::cpu::bf16::Bf16Path::Wide($p) => $body,
+            $crate::backend::cpu::bf16::Bf16Path::Pairs($p) => $body,
+            $crate::backend::cpu::bf16::Bf16Path::Tiles($p) => $body,
+        }
+    };
+}
+pub(crate) use with_bf16_path;
 
 impl Bf16Path {
     /// The kernel's name, as the manifest records it.
     pub(crate) fn name(self) -> &'static str {
-        match self {
-            Bf16Path::Wide(p) => p.name,
-            Bf16Path::Pairs(p) => p.name,
-        }
+        with_bf16_path!(self, p => Path::name(p))
     }
 }
 
-/// Whether this CPU has a bf16 dot-product instruction (`avx512_bf16`), the
-/// condition under which `--compute auto` picks bf16.
+/// Whether this CPU has bf16 hardware (AMX or `avx512_bf16`), the condition
+/// under which `--compute auto` picks bf16.
 pub fn has_native_bf16() -> bool {
-    matches!(detect(), Bf16Path::Pairs(_))
+    !matches!(detect(), Bf16Path::Wide(_))
 }
 
 /// The fastest bf16 path this CPU has.
@@ -187,6 +207,10 @@ pub(crate) fn available() -> Vec<Bf16Path> {
         }
         if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") {
             v.push(Bf16Path::Pairs(PairPath { kernel: avx512bf16::kernel, name: "avx512bf16" }));
+        }
+        #[cfg(target_os = "linux")]
+        if amx::supported() {
+            v.push(Bf16Path::Tiles(TilePath));
         }
     }
     v
@@ -253,6 +277,335 @@ impl Path for PairPath {
 
     fn name(self) -> &'static str {
         self.name
+    }
+}
+
+impl Path for TilePath {
+    type A = u16;
+    type B = u16;
+    const STEP: usize = 2;
+    const A_STEP: usize = TILE_DEPTH;
+    // Longer k-blocks than the vector paths': each call's fixed cost (storing
+    // the C tiles, adding them into C) is then spread over 16 tile steps.
+    const KC: usize = 256;
+    const MR: usize = TILE_ROWS;
+    const STRIPS: usize = 2;
+
+    fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<u16>) {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has AVX-512BW (and so F), checked just above.
+            return unsafe { pack_tile_strips_avx512(a, lda, i0, rows, p0, kc, out) };
+        }
+        pack_tile_strips(a, lda, i0, rows, p0, kc, out)
+    }
+
+    fn pack_b(self, src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
+        pack_b_bf16(src, n, k, rs, cs, out)
+    }
+
+    unsafe fn kernel(
+        self,
+        kc: usize,
+        a: *const u16,
+        b: *const u16,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        amx::kernel(kc, a, b, c, ldc, rows, cols, init);
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        unreachable!("the amx path is only offered on x86-64 Linux {:?}", (kc, a, b, c, ldc, rows, cols, init));
+    }
+
+    fn name(self) -> &'static str {
+        "amx"
+    }
+}
+
+/// [`pack_tile_strips`] compiled for AVX-512: the rounding loop runs 16 or
+/// 32 values to a register (the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_tile_strips_avx512(
+    a: &[f32],
+    lda: usize,
+    i0: usize,
+    rows: usize,
+    p0: usize,
+    kc: usize,
+    out: &mut Vec<u16>,
+) {
+    pack_tile_strips(a, lda, i0, rows, p0, kc, out)
+}
+
+/// The AMX path's A packing: rows `[i0, i0+rows)` × depths `[p0, p0+kc)`
+/// of A appended to `out` as 16-row strips, rounded to bf16.
+#[inline(always)]
+fn pack_tile_strips(a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<u16>) {
+    // `[kc/32][16][32]`: each 32-depth slab of the strip is one A tile,
+    // its rows 64 bytes apart. A slab row is 32 consecutive depths of
+    // one row of A, so the packing is a row copy, rounded on the way.
+    let slabs = kc.div_ceil(TILE_DEPTH);
+    let len = slabs * TILE_DEPTH * TILE_ROWS;
+    let base = out.len();
+    out.resize(base + rows.div_ceil(TILE_ROWS) * len, 0);
+    for (s, strip) in out[base..].chunks_exact_mut(len).enumerate() {
+        for r in 0..TILE_ROWS.min(rows - s * TILE_ROWS) {
+            let row = &a[(i0 + s * TILE_ROWS + r) * lda + p0..][..kc];
+            for (t, src) in row.chunks(TILE_DEPTH).enumerate() {
+                let dst = &mut strip[(t * TILE_ROWS + r) * TILE_DEPTH..][..src.len()];
+                for (d, v) in dst.iter_mut().zip(src) {
+                    *d = bf16_bits(*v);
+                }
+            }
+        }
+    }
+}
+
+/// Depths per AMX tile step: an A tile row holds 32 bf16 (64 bytes).
+const TILE_DEPTH: usize = 32;
+/// Rows of an AMX A or C tile, the most a tile has: the AMX path's `MR`.
+/// (12-row tiles ran at half the speed of 16-row ones.)
+const TILE_ROWS: usize = 16;
+
+/// AMX (`AMX-TILE` + `AMX-BF16`). Tile registers:
+/// - `tmm0`, `tmm1`: C, 16 rows × 16 f32 (columns 0–15 and 16–31) of the
+///   first strip; `tmm5`, `tmm6` of the second;
+/// - `tmm2`, `tmm7`: A, 16 rows × 32 bf16 of the first and second strip;
+/// - `tmm3`, `tmm4`: B, 16 pair rows × 16 columns × 2 bf16, read straight
+///   from a pair panel at a 128-byte row stride.
+///
+/// Each call sums its `kc` depths from zero and adds the sum to C as the
+/// other kernels do, so a row's bits do not depend on the rows beside it.
+/// A call takes two strips (`STRIPS`), so each B tile loaded is used twice.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod amx {
+    use super::super::gemm::avx512::store;
+    use super::{TileInit, NR, TILE_DEPTH, TILE_ROWS as MR};
+    use std::arch::asm;
+    use std::arch::x86_64::*;
+    use std::cell::Cell;
+    use std::sync::OnceLock;
+
+    /// Rows of a B tile: one per depth pair.
+    const PAIR_ROWS: usize = TILE_DEPTH / 2;
+    /// Bytes between an A tile's rows.
+    const A_STRIDE: usize = TILE_DEPTH * 2;
+    /// Bytes between a pair panel's rows (`NR` columns × 2 bf16).
+    const B_STRIDE: usize = NR * 2 * 2;
+    /// Bytes between the rows of the stored C tile.
+    const C_STRIDE: usize = NR * 4;
+
+    /// The 64-byte `ldtilecfg` operand: palette 1, then per tile its bytes
+    /// per row (`u16`, from byte 16) and its rows (`u8`, from byte 48).
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+
+    const fn config() -> Config {
+        let mut c = [0u8; 64];
+        c[0] = 1;
+        // (tile, rows, bytes per row)
+        let tiles = [
+            (0, MR, 64),
+            (1, MR, 64),
+            (2, MR, A_STRIDE),
+            (3, PAIR_ROWS, 64),
+            (4, PAIR_ROWS, 64),
+            (5, MR, 64),
+            (6, MR, 64),
+            (7, MR, A_STRIDE),
+        ];
+        let mut i = 0;
+        while i < tiles.len() {
+            let (t, rows, colsb) = tiles[i];
+            c[16 + 2 * t] = colsb as u8;
+            c[17 + 2 * t] = (colsb >> 8) as u8;
+            c[48 + t] = rows as u8;
+            i += 1;
+        }
+        Config(c)
+    }
+
+    static CONFIG: Config = config();
+
+    thread_local! {
+        /// Whether this thread has loaded [`CONFIG`] into its tile registers.
+        static CONFIGURED: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Whether the CPU has AMX-TILE and AMX-BF16 (and AVX-512F, which the
+    /// store uses), and Linux lets this process use the tile data: asked
+    /// once with `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, which
+    /// grants it to every thread of the process.
+    pub(super) fn supported() -> bool {
+        static SUPPORTED: OnceLock<bool> = OnceLock::new();
+        *SUPPORTED.get_or_init(|| {
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: CPUID leaf 7 exists on every x86-64 CPU Rust targets
+            // (the intrinsic is a safe fn on newer compilers than the MSRV).
+            #[allow(unused_unsafe)]
+            let leaf7 = unsafe { __cpuid_count(7, 0) };
+            let (amx_bf16, amx_tile) = (leaf7.edx >> 22 & 1 == 1, leaf7.edx >> 24 & 1 == 1);
+            if !(amx_bf16 && amx_tile && std::is_x86_feature_detected!("avx512f")) {
+                return false;
+            }
+            // SAFETY: a plain system call with integer arguments.
+            let granted = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
+            if granted != 0 {
+                tracing::debug!("AMX present but arch_prctl(ARCH_REQ_XCOMP_PERM) refused; bf16 uses AVX-512");
+            }
+            granted == 0
+        })
+    }
+
+    /// The finished tiles of both strips, `tmm0` and `tmm1` side by side
+    /// over `tmm5` and `tmm6`.
+    #[repr(C, align(64))]
+    struct Out([[f32; NR]; 2 * MR]);
+
+    /// A B tile of zeros where a k-block's depths run out before 32.
+    #[repr(C, align(64))]
+    struct Tail([u16; PAIR_ROWS * 2 * NR]);
+
+    /// `C[rows, cols] (init) + A · B tile` for up to two strips (`rows ≤ 2·MR`):
+    /// with two, each B tile loaded feeds two `TDPBF16PS`, and the four C
+    /// tiles' dependent chains overlap. Every C tile sums its steps in
+    /// order in one chain, so a row's bits do not depend on whether its
+    /// strip ran alone or paired.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn kernel(
+        kc: usize,
+        a: *const u16,
+        b: *const u16,
+        c: *mut f32,
+        ldc: usize,
+        rows: usize,
+        cols: usize,
+        init: TileInit,
+    ) {
+        debug_assert!(supported() && rows <= 2 * MR, "amx kernel: no AMX, or more than two strips");
+        if !CONFIGURED.get() {
+            // SAFETY (here and below): `supported()` granted tile use; the
+            // config is a valid palette-1 layout for the tiles used.
+            asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly));
+            CONFIGURED.set(true);
+        }
+        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm5", "tilezero tmm6", options(nomem, nostack));
+        // The second strip follows the first in the packed A block.
+        let strip = kc.div_ceil(TILE_DEPTH) * TILE_DEPTH * MR;
+        let two = rows > MR;
+        let full = kc / TILE_DEPTH;
+        for t in 0..full {
+            let (ap, bp) = (a.add(t * MR * TILE_DEPTH), b.add(t * PAIR_ROWS * 2 * NR));
+            // A streams from L2 (B's panel stays in L1 across strips): ask
+            // for the next step's A tiles now, which triples the tile rate.
+            prefetch_tile(ap.add(MR * TILE_DEPTH));
+            if two {
+                prefetch_tile(ap.add(strip + MR * TILE_DEPTH));
+                step2(ap, ap.add(strip), bp);
+            } else {
+                step(ap, bp);
+            }
+        }
+        let short = kc - full * TILE_DEPTH;
+        if short > 0 {
+            // The last, short step: its pairs copied into a zeroed tile, so
+            // no load reads past the k-block (A's padding depths are zero).
+            let mut tail = Tail([0; PAIR_ROWS * 2 * NR]);
+            let pairs = short.div_ceil(2);
+            std::ptr::copy_nonoverlapping(b.add(full * PAIR_ROWS * 2 * NR), tail.0.as_mut_ptr(), pairs * 2 * NR);
+            let ap = a.add(full * MR * TILE_DEPTH);
+            if two {
+                step2(ap, ap.add(strip), tail.0.as_ptr());
+            } else {
+                step(ap, tail.0.as_ptr());
+            }
+        }
+        let mut out = Out([[0.0; NR]; 2 * MR]);
+        let o = out.0.as_mut_ptr() as *mut f32;
+        asm!(
+            "tilestored [{o} + {s}*1], tmm0",
+            "tilestored [{o1} + {s}*1], tmm1",
+            o = in(reg) o,
+            o1 = in(reg) o.add(16),
+            s = in(reg) C_STRIDE,
+            options(nostack),
+        );
+        if two {
+            asm!(
+                "tilestored [{o} + {s}*1], tmm5",
+                "tilestored [{o1} + {s}*1], tmm6",
+                o = in(reg) o.add(MR * NR),
+                o1 = in(reg) o.add(MR * NR + 16),
+                s = in(reg) C_STRIDE,
+                options(nostack),
+            );
+        }
+        for (h, half) in out.0.chunks_exact(MR).enumerate().take(rows.div_ceil(MR)) {
+            let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+            for (row, v) in acc.iter_mut().zip(half) {
+                *row = [_mm512_load_ps(v.as_ptr()), _mm512_load_ps(v.as_ptr().add(16))];
+            }
+            store(&acc, c.add(h * MR * ldc), ldc, (rows - h * MR).min(MR), cols, init);
+        }
+    }
+
+    /// Prefetches the 16 cache lines of one A tile into L1. (A prefetch of an
+    /// address past the end of a buffer does not fault.)
+    #[inline(always)]
+    unsafe fn prefetch_tile(a: *const u16) {
+        let p = a as *const i8;
+        for line in 0..MR {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line * A_STRIDE));
+        }
+    }
+
+    /// One strip: `tmm0`, `tmm1` += an A tile (`MR` rows × 32 depths at `a`)
+    /// · two B tiles (16 pair rows at `b`, columns 0–15 and 16–31).
+    #[inline(always)]
+    unsafe fn step(a: *const u16, b: *const u16) {
+        asm!(
+            "tileloadd tmm2, [{a} + {sa}*1]",
+            "tileloadd tmm3, [{b} + {sb}*1]",
+            "tileloadd tmm4, [{b1} + {sb}*1]",
+            "tdpbf16ps tmm0, tmm2, tmm3",
+            "tdpbf16ps tmm1, tmm2, tmm4",
+            a = in(reg) a,
+            sa = in(reg) A_STRIDE,
+            b = in(reg) b,
+            b1 = in(reg) b.add(NR),
+            sb = in(reg) B_STRIDE,
+            options(nostack, readonly),
+        );
+    }
+
+    /// Two strips: [`step`] for the first (A tile at `a0`) and the same into
+    /// `tmm5`, `tmm6` for the second (A tile at `a1`, in `tmm7`).
+    #[inline(always)]
+    unsafe fn step2(a0: *const u16, a1: *const u16, b: *const u16) {
+        asm!(
+            "tileloadd tmm2, [{a0} + {sa}*1]",
+            "tileloadd tmm3, [{b} + {sb}*1]",
+            "tileloadd tmm7, [{a1} + {sa}*1]",
+            "tdpbf16ps tmm0, tmm2, tmm3",
+            "tileloadd tmm4, [{b1} + {sb}*1]",
+            "tdpbf16ps tmm5, tmm7, tmm3",
+            "tdpbf16ps tmm1, tmm2, tmm4",
+            "tdpbf16ps tmm6, tmm7, tmm4",
+            a0 = in(reg) a0,
+            a1 = in(reg) a1,
+            sa = in(reg) A_STRIDE,
+            b = in(reg) b,
+            b1 = in(reg) b.add(NR),
+            sb = in(reg) B_STRIDE,
+            options(nostack, readonly),
+        );
     }
 }
 
@@ -476,38 +829,21 @@ mod tests {
         let init = Init::Bias(bias);
         // SAFETY: y holds m × n floats; the panels were packed for n × k.
         unsafe {
-            match path {
-                Bf16Path::Wide(p) => gemm_tiles(
-                    p,
-                    x,
-                    k,
-                    m,
-                    k,
-                    &src,
-                    n,
-                    0..n.div_ceil(NR),
-                    y.as_mut_ptr(),
-                    n,
-                    init,
-                    &mut Vec::new(),
-                    &mut Vec::new(),
-                ),
-                Bf16Path::Pairs(p) => gemm_tiles(
-                    p,
-                    x,
-                    k,
-                    m,
-                    k,
-                    &src,
-                    n,
-                    0..n.div_ceil(NR),
-                    y.as_mut_ptr(),
-                    n,
-                    init,
-                    &mut Vec::new(),
-                    &mut Vec::new(),
-                ),
-            }
+            with_bf16_path!(path, p => gemm_tiles(
+                p,
+                x,
+                k,
+                m,
+                k,
+                &src,
+                n,
+                0..n.div_ceil(NR),
+                y.as_mut_ptr(),
+                n,
+                init,
+                &mut Vec::new(),
+                &mut Vec::new(),
+            ))
         }
         y
     }
@@ -534,11 +870,30 @@ mod tests {
                 outs.push((path, y));
             }
             // Exact products, the same order: the portable and avx2 paths and
-            // the portable pair arithmetic give the same bits.
-            let same: Vec<_> = outs.iter().filter(|(p, _)| p.name() != "avx512bf16").collect();
+            // the portable pair arithmetic give the same bits (the hardware
+            // paths sum in their own order).
+            let same: Vec<_> = outs.iter().filter(|(p, _)| !["avx512bf16", "amx"].contains(&p.name())).collect();
             for pair in same.windows(2) {
                 let equal = pair[0].1.iter().zip(&pair[1].1).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(equal, "{} and {} differ", pair[0].0.name(), pair[1].0.name());
+            }
+        }
+    }
+
+    /// On every path, a row's result does not depend on which rows share its
+    /// call (a short last strip, a different row block): batch invariance.
+    #[test]
+    fn rows_do_not_depend_on_the_batch_on_any_path() {
+        let (n, k) = (70, 300);
+        let (w, b) = (rand(n * k, 5), rand(n, 7));
+        let panels = Bf16Panels::from_f32(&w, n, k);
+        let x = rand(500 * k, 6);
+        for path in available() {
+            let full = run(path, &panels, &x, 500, n, k, &b);
+            for (start, len) in [(0, 1), (17, 5), (130, 70), (7, 493)] {
+                let part = run(path, &panels, &x[start * k..(start + len) * k], len, n, k, &b);
+                let same = part.iter().zip(&full[start * n..]).all(|(p, f)| p.to_bits() == f.to_bits());
+                assert!(same, "{}: rows {start}..{}", path.name(), start + len);
             }
         }
     }

@@ -11,7 +11,7 @@
 //! however the work is split across threads, so results do not depend on
 //! how samples were packed together.
 
-use super::bf16::{self, Bf16Panels, Bf16Path, QuantAsBf16};
+use super::bf16::{self, with_bf16_path, Bf16Panels, QuantAsBf16};
 use super::panels::{pack_b, InPlace, PanelSource, KC, MR, NR};
 use super::quant_panels::QuantPanels;
 use super::SharedMut;
@@ -38,22 +38,31 @@ pub(crate) trait Path: Copy + Send + Sync {
     type A: Copy + Default + Send + Sync;
     /// Element of a B tile.
     type B: Copy + Default + Send + Sync;
-    /// Depths one kernel step takes (2 for bf16 pairs); A strips and B
-    /// tiles are zero-padded to a multiple of it.
+    /// Depths one kernel step takes (2 for bf16 pairs); B tiles are
+    /// zero-padded to a multiple of it.
     const STEP: usize;
+    /// The multiple A strips are zero-padded to (AMX tiles take 32 depths).
+    const A_STEP: usize = Self::STEP;
+    /// Depth of one k-block: sums over more depths are split at its multiples.
+    const KC: usize = KC;
+    /// Rows of an A strip (AMX tiles take 16).
+    const MR: usize = MR;
+    /// `MR`-row strips one kernel call takes (consecutive in packed A).
+    const STRIPS: usize = 1;
     /// Appends rows `[i0, i0+rows)` × depths `[p0, p0+kc)` of A (f32, row
-    /// stride `lda`) to `out` as `MR`-row strips of `kc.next_multiple_of(STEP) · MR`
+    /// stride `lda`) to `out` as `MR`-row strips of `kc.next_multiple_of(A_STEP) · MR`
     /// elements each, zero-padding the last strip.
     #[allow(clippy::too_many_arguments)]
     fn pack_a(self, a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc: usize, out: &mut Vec<Self::A>);
     /// Packs `B` (`n × k`, element `(j, p)` at `src[j * rs + p * cs]`) into
     /// `ceil(n/NR)` panels of `k.next_multiple_of(STEP)` depths.
     fn pack_b(self, src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<Self::B>);
-    /// `C[rows, cols] (init) + A strip · B tile` over `kc` depths.
+    /// `C[rows, cols] (init) + A strips · B tile` over `kc` depths, for
+    /// `rows ≤ STRIPS · MR`.
     ///
     /// # Safety
-    /// `a` and `b` hold a packed strip and tile of `kc` depths; `c` is valid
-    /// for `rows × cols` writes at stride `ldc`.
+    /// `a` and `b` hold `rows.div_ceil(MR)` packed strips and a tile of `kc`
+    /// depths; `c` is valid for `rows × cols` writes at stride `ldc`.
     #[allow(clippy::too_many_arguments)]
     unsafe fn kernel(
         self,
@@ -249,11 +258,11 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
     // its k-blocks back to back: the C tile stays in L1 between k-blocks
     // instead of the whole `MC × n` block of C going round the caches once
     // per k-block.
-    let kblocks = k.div_ceil(KC);
+    let kblocks = k.div_ceil(P::KC);
     let mut i0 = 0;
     while i0 < m {
         let mc = S::MC.min(m - i0);
-        let strips = mc.div_ceil(MR);
+        let strips = mc.div_ceil(P::MR);
         apack.clear();
         let mut offsets = [0usize; MAX_KBLOCKS_INLINE];
         let mut heap_offsets = Vec::new();
@@ -264,27 +273,27 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
             &mut heap_offsets
         };
         for (kb, off) in offsets.iter_mut().enumerate() {
-            let p0 = kb * KC;
+            let p0 = kb * P::KC;
             *off = apack.len();
-            path.pack_a(a, lda, i0, mc, p0, KC.min(k - p0), apack);
+            path.pack_a(a, lda, i0, mc, p0, P::KC.min(k - p0), apack);
         }
         for pi in panels.clone() {
             let j0 = pi * NR;
             let cols = NR.min(n - j0);
             for (kb, off) in offsets.iter().enumerate() {
-                let p0 = kb * KC;
-                let kc = KC.min(k - p0);
-                let strip = kc.next_multiple_of(P::STEP) * MR;
+                let p0 = kb * P::KC;
+                let kc = P::KC.min(k - p0);
+                let strip = kc.next_multiple_of(P::A_STEP) * P::MR;
                 let bp = b.tile(pi, p0, kc, k, bbuf);
                 let tile_init = match (kb == 0, init) {
                     (true, Init::Zero) => TileInit::Zero,
                     (true, Init::Bias(bias)) => TileInit::Bias(bias.as_ptr().add(j0)),
                     _ => TileInit::Load,
                 };
-                for s in 0..strips {
-                    let rows = MR.min(mc - s * MR);
+                for s in (0..strips).step_by(P::STRIPS) {
+                    let rows = (P::STRIPS * P::MR).min(mc - s * P::MR);
                     let ap = apack.as_ptr().add(off + s * strip);
-                    let cp = c.add((i0 + s * MR) * ldc + j0);
+                    let cp = c.add((i0 + s * P::MR) * ldc + j0);
                     path.kernel(kc, ap, bp, cp, ldc, rows, cols, tile_init);
                 }
             }
@@ -357,14 +366,7 @@ pub(crate) mod avx512 {
     /// stores the valid `rows × cols` of it (shared with the bf16 kernels).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    pub(crate) unsafe fn store(
-        acc: &[[__m512; 2]; MR],
-        c: *mut f32,
-        ldc: usize,
-        rows: usize,
-        cols: usize,
-        init: TileInit,
-    ) {
+    pub(crate) unsafe fn store(acc: &[[__m512; 2]], c: *mut f32, ldc: usize, rows: usize, cols: usize, init: TileInit) {
         let m0: __mmask16 = if cols >= 16 { 0xffff } else { (1u32 << cols) as u16 - 1 };
         let m1: __mmask16 = if cols >= 32 {
             0xffff
@@ -771,14 +773,12 @@ impl PackedLinear {
             }
             Panels::Quant(q) => self.run(F32Path::detect(), q, x, m, y, accumulate, split),
             Panels::Mapped(rows) => self.run(F32Path::detect(), rows, x, m, y, accumulate, split),
-            Panels::Bf16(p) => match bf16::detect() {
-                Bf16Path::Wide(path) => self.run(path, &p.source(), x, m, y, accumulate, split),
-                Bf16Path::Pairs(path) => self.run(path, &p.source(), x, m, y, accumulate, split),
-            },
-            Panels::QuantBf16(q) => match bf16::detect() {
-                Bf16Path::Wide(path) => self.run(path, &QuantAsBf16(q), x, m, y, accumulate, split),
-                Bf16Path::Pairs(path) => self.run(path, &QuantAsBf16(q), x, m, y, accumulate, split),
-            },
+            Panels::Bf16(p) => {
+                with_bf16_path!(bf16::detect(), path => self.run(path, &p.source(), x, m, y, accumulate, split))
+            }
+            Panels::QuantBf16(q) => {
+                with_bf16_path!(bf16::detect(), path => self.run(path, &QuantAsBf16(q), x, m, y, accumulate, split))
+            }
         }
     }
 
@@ -801,14 +801,14 @@ impl PackedLinear {
         // Row blocks of at most MC rows, as many as a multiple of the threads
         // and of near-equal size (whole strips): 11 blocks on 2 threads would
         // leave one thread idle for a twelfth of the time.
-        let strips = m.div_ceil(MR);
-        let mut row_blocks = strips.div_ceil(S::MC / MR).max(1);
+        let strips = m.div_ceil(P::MR);
+        let mut row_blocks = strips.div_ceil(S::MC / P::MR).max(1);
         if row_blocks >= threads {
             row_blocks = row_blocks.next_multiple_of(threads);
         }
         let block_rows = |rb: usize| {
             let (s0, s1) = (rb * strips / row_blocks, (rb + 1) * strips / row_blocks);
-            (s0 * MR, (s1 * MR).min(m))
+            (s0 * P::MR, (s1 * P::MR).min(m))
         };
         // Fewer row blocks than threads: split the columns too, in groups large enough to amortise A packing.
         let col_groups = if split { (2 * threads).div_ceil(row_blocks).clamp(1, panels.max(1)) } else { 1 };
