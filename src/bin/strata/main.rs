@@ -259,8 +259,8 @@ impl From<BackendArg> for BackendKind {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum ComputeArg {
-    /// bf16 when the weights are stored in bf16, FP8 or INT4 and the CPU has a
-    /// bf16 dot-product instruction (avx512_bf16); f32 otherwise.
+    /// bf16 when the weights are stored in bf16, FP8 or INT4 and the CPU has
+    /// bf16 hardware (AMX tiles or avx512_bf16); f32 otherwise.
     Auto,
     /// f32 GEMM and attention inputs: the exact path, HF parity at 1e-4.
     F32,
