@@ -505,9 +505,10 @@ mod amx {
             let (ap, bp) = (a.add(t * MR * TILE_DEPTH), b.add(t * PAIR_ROWS * 2 * NR));
             // A streams from L2 (B's panel stays in L1 across strips): ask
             // for the next step's A tiles now, which triples the tile rate.
-            prefetch_tile(ap.add(MR * TILE_DEPTH));
+            // (The address may lie past the packed block: `wrapping_add`.)
+            prefetch_tile(ap.wrapping_add(MR * TILE_DEPTH));
             if two {
-                prefetch_tile(ap.add(strip + MR * TILE_DEPTH));
+                prefetch_tile(ap.wrapping_add(strip + MR * TILE_DEPTH));
                 step2(ap, ap.add(strip), bp);
             } else {
                 step(ap, bp);
