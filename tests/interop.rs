@@ -102,7 +102,10 @@ fn python_reads_native_and_speculators_outputs() {
         let capture = "embeddings,input:1,output:1,final,final-norm";
         for format in ["strata", "speculators"] {
             let o = Command::new(env!("CARGO_BIN_EXE_strata"))
-                .args(["extract", "--capture", capture, "--dtype", dtype, "--format", format, "--model"])
+                // f32 compute: the check's tolerances are those of the storage
+                // dtype alone (`auto` picks bf16 on CPUs with bf16 hardware).
+                .args(["extract", "--capture", capture, "--dtype", dtype, "--format", format, "--compute", "f32"])
+                .arg("--model")
                 .arg(&fx)
                 .arg("--data")
                 .arg(fx.join("data.jsonl"))
