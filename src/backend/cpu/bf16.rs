@@ -22,7 +22,7 @@
 //! manifest records the path.
 
 use super::gemm::{pack_strips, Path, TileInit};
-use super::panels::{InPlace, PanelSource, MR, NR};
+use super::panels::{zeroed_panels, InPlace, PanelSource, MR, NR};
 use super::quant_panels::QuantPanels;
 use crate::hf::quant::{QuantKind, QuantRows};
 use crate::shape::bf16_bits;
@@ -54,10 +54,28 @@ impl Bf16Panels {
     pub fn from_bf16_rows(q: &QuantRows) -> Self {
         assert_eq!(q.kind, QuantKind::Bf16, "Bf16Panels: bf16 codes");
         let (n, k) = (q.rows, q.cols);
-        let mut data = Vec::new();
-        let code = |i: usize| u16::from_le_bytes([q.codes[2 * i], q.codes[2 * i + 1]]);
-        pack_pairs(n, k, k, 1, code, &mut data);
-        Bf16Panels { kpad: k.next_multiple_of(2), data }
+        assert_eq!(q.codes.len(), 2 * n * k, "Bf16Panels: code bytes");
+        let kpad = k.next_multiple_of(2);
+        // A pair of depths is 4 bytes in a row and one u32 in a panel: the
+        // packing is a transpose of u32 words (the last, odd depth alone).
+        let mut data = zeroed_panels(n.div_ceil(NR) * kpad * NR);
+        let pairs = k / 2;
+        for (pi, panel) in data.chunks_exact_mut(kpad * NR).enumerate() {
+            let j0 = pi * NR;
+            let w = NR.min(n - j0);
+            for jj in 0..w {
+                let row = &q.codes[(j0 + jj) * 2 * k..][..2 * k];
+                for (qi, pair) in row.chunks_exact(4).take(pairs).enumerate() {
+                    let at = qi * 2 * NR + 2 * jj;
+                    panel[at] = u16::from_le_bytes([pair[0], pair[1]]);
+                    panel[at + 1] = u16::from_le_bytes([pair[2], pair[3]]);
+                }
+                if k % 2 == 1 {
+                    panel[pairs * 2 * NR + 2 * jj] = u16::from_le_bytes([row[2 * k - 2], row[2 * k - 1]]);
+                }
+            }
+        }
+        Bf16Panels { kpad, data }
     }
 
     /// Bytes held.

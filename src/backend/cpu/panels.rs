@@ -152,6 +152,28 @@ unsafe fn transpose_avx2(rows: &[*const f32], kc8: usize, out: *mut f32) {
     }
 }
 
+/// A zeroed buffer of `len` bf16 codes for weight panels. Above 4 MiB, Linux
+/// is asked (`MADV_HUGEPAGE`) to back it with 2 MiB pages before it is first
+/// written: a model's panels are hundreds of MB, and faulting them in 4 KiB
+/// at a time cost about as much as packing them.
+pub(crate) fn zeroed_panels(len: usize) -> Vec<u16> {
+    // `vec![0; n]` of an integer is a zeroed allocation: no page is touched yet.
+    let v = vec![0u16; len];
+    let bytes = len * 2;
+    #[cfg(target_os = "linux")]
+    if bytes >= 4 << 20 {
+        const HUGE: usize = 2 << 20;
+        let start = (v.as_ptr() as usize).next_multiple_of(HUGE);
+        let end = (v.as_ptr() as usize + bytes) / HUGE * HUGE;
+        if end > start {
+            // SAFETY: advice on pages inside this allocation; it changes how
+            // they are backed, never their contents. A refusal is harmless.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    v
+}
+
 /// Where the GEMM gets B's `[kc][NR]` tiles from.
 pub(crate) trait PanelSource {
     /// Element of a tile (f32, or bf16 bits in depth pairs).
@@ -163,6 +185,12 @@ pub(crate) trait PanelSource {
     /// # Safety
     /// The returned pointer is valid for reading the whole tile until `buf` changes.
     unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, k: usize, buf: &mut Vec<Self::Elem>) -> *const Self::Elem;
+    /// Where the tile of panel `pi` at depth `p0` already lies in memory, if
+    /// it does (panels read in place), so the GEMM can prefetch it while it
+    /// works on the tile before. The address is only a hint: never read.
+    fn lies_at(&self, _pi: usize, _p0: usize) -> Option<*const Self::Elem> {
+        None
+    }
 }
 
 /// Panels read in place: `ceil(n/NR)` panels of `kpad` depths × `NR` elements
@@ -179,6 +207,10 @@ impl<T> PanelSource for InPlace<T> {
     const MC: usize = MC;
     unsafe fn tile(&self, pi: usize, p0: usize, _kc: usize, _k: usize, _buf: &mut Vec<T>) -> *const T {
         self.ptr.add(pi * self.kpad * NR + p0 * NR)
+    }
+
+    fn lies_at(&self, pi: usize, p0: usize) -> Option<*const T> {
+        Some(self.ptr.wrapping_add(pi * self.kpad * NR + p0 * NR))
     }
 }
 
