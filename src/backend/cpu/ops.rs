@@ -96,9 +96,12 @@ pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32], tmp: &mut [f32]
 pub fn swiglu(gu: &[f32], inter: usize, out: &mut [f32]) {
     let row = |(g, o): (&[f32], &mut [f32])| {
         let (gate, up) = g.split_at(inter);
-        for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
-            *o = g / (1.0 + exp(-g)) * u;
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, checked just above.
+            return unsafe { swiglu_row_avx512(gate, up, o) };
         }
+        swiglu_row(gate, up, o)
     };
     if out.len() / inter > ROWS_PER_TASK {
         gu.par_chunks(2 * inter * ROWS_PER_TASK)
@@ -107,6 +110,21 @@ pub fn swiglu(gu: &[f32], inter: usize, out: &mut [f32]) {
     } else {
         gu.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)).for_each(row);
     }
+}
+
+/// One row of [`swiglu`]: element by element, so every ISA gives the same bits.
+#[inline(always)]
+fn swiglu_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + exp(-g)) * u;
+    }
+}
+
+/// [`swiglu_row`] compiled for AVX-512 (sixteen lanes; the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn swiglu_row_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    swiglu_row(gate, up, out)
 }
 
 #[cfg(test)]
@@ -144,6 +162,19 @@ mod tests {
         assert!(exp(f32::NAN).is_nan());
         assert_eq!(exp(f32::NEG_INFINITY), exp(-87.0));
         assert!(exp(-87.0) < 1e-37 && exp(f32::INFINITY) == f32::INFINITY && exp(88.7).is_finite());
+    }
+
+    #[test]
+    fn swiglu_rows_agree_bitwise_across_isas() {
+        let gate: Vec<f32> = (0..100).map(|i| (i as f32 - 50.0) * 0.37).collect();
+        let up: Vec<f32> = (0..100).map(|i| (i as f32) * 0.11 - 4.0).collect();
+        let (mut a, mut b) = (vec![0f32; 100], vec![0f32; 100]);
+        swiglu_row(&gate, &up, &mut a);
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") {
+            unsafe { swiglu_row_avx512(&gate, &up, &mut b) };
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        }
     }
 
     #[test]
