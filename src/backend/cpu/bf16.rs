@@ -304,7 +304,8 @@ impl Path for TilePath {
     const STEP: usize = 2;
     const A_STEP: usize = TILE_DEPTH;
     // Longer k-blocks than the vector paths': each call's fixed cost (storing
-    // the C tiles, adding them into C) is then spread over 16 tile steps.
+    // the C tiles, adding them into C) is then spread over 8 tile steps
+    // (512 was slower: A and B of one call no longer fit in L1 together).
     const KC: usize = 256;
     const MR: usize = TILE_ROWS;
     const STRIPS: usize = 2;
