@@ -26,6 +26,7 @@ use super::panels::{zeroed_panels, InPlace, PanelSource, MR, NR};
 use super::quant_panels::QuantPanels;
 use crate::hf::quant::{QuantKind, QuantRows};
 use crate::shape::bf16_bits;
+use rayon::prelude::*;
 
 /// `bits` as the f32 it encodes.
 #[inline(always)]
@@ -60,7 +61,8 @@ impl Bf16Panels {
         // packing is a transpose of u32 words (the last, odd depth alone).
         let mut data = zeroed_panels(n.div_ceil(NR) * kpad * NR);
         let pairs = k / 2;
-        for (pi, panel) in data.chunks_exact_mut(kpad * NR).enumerate() {
+        // Panels are independent: the load's largest step runs on every thread.
+        data.par_chunks_exact_mut(kpad * NR).enumerate().for_each(|(pi, panel)| {
             let j0 = pi * NR;
             let w = NR.min(n - j0);
             for jj in 0..w {
@@ -74,7 +76,7 @@ impl Bf16Panels {
                     panel[pairs * 2 * NR + 2 * jj] = u16::from_le_bytes([row[2 * k - 2], row[2 * k - 1]]);
                 }
             }
-        }
+        });
         Bf16Panels { kpad, data }
     }
 
