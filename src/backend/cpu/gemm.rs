@@ -834,14 +834,17 @@ impl PackedLinear {
         // Row blocks of at most MC rows, as many as a multiple of the threads
         // and of near-equal size (whole strips): 11 blocks on 2 threads would
         // leave one thread idle for a twelfth of the time.
-        let strips = m.div_ceil(P::MR);
-        let mut row_blocks = strips.div_ceil(S::MC / P::MR).max(1);
+        // In whole kernel calls (`STRIPS` strips): a block of 21 two-strip
+        // rows would end in a call with one strip's rows and half its work.
+        let unit = P::MR * P::STRIPS;
+        let units = m.div_ceil(unit);
+        let mut row_blocks = units.div_ceil(S::MC / unit).max(1);
         if row_blocks >= threads {
             row_blocks = row_blocks.next_multiple_of(threads);
         }
         let block_rows = |rb: usize| {
-            let (s0, s1) = (rb * strips / row_blocks, (rb + 1) * strips / row_blocks);
-            (s0 * P::MR, (s1 * P::MR).min(m))
+            let (s0, s1) = (rb * units / row_blocks, (rb + 1) * units / row_blocks);
+            (s0 * unit, (s1 * unit).min(m))
         };
         // Fewer row blocks than threads: split the columns too, in groups large enough to amortise A packing.
         let col_groups = if split { (2 * threads).div_ceil(row_blocks).clamp(1, panels.max(1)) } else { 1 };
