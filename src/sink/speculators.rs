@@ -51,8 +51,9 @@ struct Pending {
     shard: ShardInfo,
     sample: SampleInfo,
     end: InputPos,
-    // Gives back the hidden-state buffer once the file is written and fsynced.
-    write: JoinHandle<std::io::Result<Vec<u8>>>,
+    // Gives back the hidden-state buffer and the sample's checksum once the
+    // file is written and fsynced.
+    write: JoinHandle<std::io::Result<(Vec<u8>, u64)>>,
 }
 
 impl SpeculatorsSink {
@@ -111,10 +112,11 @@ impl SpeculatorsSink {
     }
 
     fn try_settle_one(&mut self) -> Result<(), SinkError> {
-        let Some(p) = self.pending.pop_front() else { return Ok(()) };
+        let Some(mut p) = self.pending.pop_front() else { return Ok(()) };
         let written = p.write.join().unwrap_or_else(|_| Err(std::io::Error::other("the writer thread panicked")));
         match written {
-            Ok(buf) => {
+            Ok((buf, digest)) => {
+                p.sample.checksum = hash_hex(digest);
                 // One spare buffer is always kept; more only within the in-flight budget.
                 let kept: usize = self.spare.iter().map(Vec::capacity).sum();
                 if self.spare.is_empty() || (kept + buf.capacity()) as u64 <= IN_FLIGHT_BYTES {
@@ -181,9 +183,6 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
             Some(m) => self.ids.extend_from_slice(m),
             None => self.ids.resize(n_ids + t, 1),
         }
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-        hasher.update(&self.ids);
-        hasher.update(&buf);
         let out = self.out.get()?;
         // Row `i` of the table is file `i`: rows are numbered as they are written.
         let row = out.manifest().shards.len() + self.pending.len();
@@ -208,18 +207,27 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
         let mut lead = Vec::with_capacity(8 + head.len() + n_lead);
         lead.extend_from_slice(&(head.len() as u64).to_le_bytes());
         lead.extend_from_slice(&head);
+        let ids_at = lead.len();
         lead.extend_from_slice(&self.ids);
         // Room for this one: at most IN_FLIGHT files, and IN_FLIGHT_BYTES
         // between them (one file alone may be larger).
         self.settle(IN_FLIGHT - 1, IN_FLIGHT_BYTES.saturating_sub(bytes))?;
         let out = self.out.get()?;
         let (tmp, f) = out.create_temp(&name)?;
+        // The checksum (ids, mask, then the states) is taken on the writer's
+        // thread, a chunk at a time just before the chunk is written, so the
+        // next sample's encoding overlaps it.
         let write = std::thread::Builder::new().name("strata-sample-writer".into()).spawn(move || {
             let mut f = f;
+            let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+            hasher.update(&lead[ids_at..]);
             f.write_all(&lead)?;
-            f.write_all(&buf)?;
+            for chunk in buf.chunks(1 << 20) {
+                hasher.update(chunk);
+                f.write_all(chunk)?;
+            }
             f.sync_all()?;
-            Ok(buf)
+            Ok((buf, hasher.digest()))
         });
         let write = match write {
             Ok(w) => w,
@@ -234,7 +242,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
             id: sample.id.clone(),
             shard: index,
             tokens: t,
-            checksum: hash_hex(hasher.digest()),
+            checksum: String::new(), // set when the writer thread returns it
             index: Some(sample.index),
         };
         let shard = ShardInfo { file: name, samples: 1, bytes, input: None };
