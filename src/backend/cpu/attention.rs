@@ -310,9 +310,9 @@ unsafe fn block<P: Path>(
     }
 }
 
-/// Lanes of the softmax row loops: sums run in `LANES` interleaved partial
-/// sums, then a fixed tree, so every CPU (and vector width) gives the same bits.
-const LANES: usize = 16;
+// The softmax row loops run `LANES` interleaved partial sums, then a fixed
+// tree, so every CPU (and vector width) gives the same bits.
+use super::ops::LANES;
 
 /// Scales `row` by `scale`, then replaces each score `x` with `exp(x - m)`,
 /// where `m` is the larger of `max0` and the row's largest scaled score.
@@ -362,15 +362,7 @@ fn softmax_terms_body(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32) {
         *v = super::ops::exp(*v - m);
         *acc += *v;
     }
-    // A fixed tree: lanes i and i + half, halving.
-    let mut half = LANES / 2;
-    while half > 0 {
-        for i in 0..half {
-            sums[i] += sums[i + half];
-        }
-        half /= 2;
-    }
-    (m, sums[0])
+    (m, super::ops::lanes_sum(sums))
 }
 
 #[cfg(test)]

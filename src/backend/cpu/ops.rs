@@ -55,8 +55,8 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Lanes of [`sum_squares`]: fixed, so the bits do not depend on the ISA.
-const LANES: usize = 16;
+/// Lanes of [`sum_squares`] and the softmax: fixed, so the bits do not depend on the ISA.
+pub(crate) const LANES: usize = 16;
 
 /// `Σ x²` in a fixed order: value `i` into lane `i mod 16`, then the lanes
 /// halving (`i + half` into `i`). A plain serial sum was a 4-cycle chain per
@@ -90,6 +90,13 @@ fn sum_squares_body(x: &[f32]) -> f32 {
     for (l, v) in lanes.iter_mut().zip(chunks.remainder()) {
         *l += v * v;
     }
+    lanes_sum(lanes)
+}
+
+/// The sum of 16 lanes in a fixed tree: lane `i + half` into lane `i`,
+/// halving, so the bits never depend on the ISA.
+#[inline(always)]
+pub(crate) fn lanes_sum(mut lanes: [f32; LANES]) -> f32 {
     let mut half = LANES / 2;
     while half > 0 {
         for i in 0..half {
