@@ -49,6 +49,9 @@ pub(crate) trait Path: Copy + Send + Sync {
     const MR: usize = MR;
     /// `MR`-row strips one kernel call takes (consecutive in packed A).
     const STRIPS: usize = 1;
+    /// Whether the loop prefetches the next B tile into L2 while the kernel
+    /// works on this one (for kernels that do not prefetch B themselves).
+    const PREFETCH_NEXT: bool = true;
     /// Appends rows `[i0, i0+rows)` × depths `[p0, p0+kc)` of A (f32, row
     /// stride `lda`) to `out` as `MR`-row strips of `kc.next_multiple_of(A_STEP) · MR`
     /// elements each, zero-padding the last strip.
@@ -293,7 +296,9 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
                 // The next tile this loop reads, when it lies in memory: its
                 // lines are prefetched a share per kernel call, so the first
                 // strips of the next k-block do not wait for them.
-                let next = if kb + 1 < offsets.len() {
+                let next = if !P::PREFETCH_NEXT {
+                    None
+                } else if kb + 1 < offsets.len() {
                     b.lies_at(pi, p0 + kc).map(|t| (t, P::KC.min(k - p0 - kc)))
                 } else if pi + 1 < panels.end {
                     b.lies_at(pi + 1, 0).map(|t| (t, P::KC.min(k)))
