@@ -7,7 +7,7 @@
 //! file as a one-sample shard, so resume and verify work alike; the table is
 //! built from the listed files when the run finishes.
 
-use super::output::Output;
+use super::output::{Commit, Output};
 use super::{hf_dataset, io_err, OpenMode, Sink, SinkError};
 use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
 use crate::dataset::MappedFile;
@@ -102,49 +102,67 @@ impl SpeculatorsSink {
         self.out.manifest()
     }
 
-    /// Waits for the oldest file in flight, then journals and renames it.
-    /// If its write failed, every later file in flight is given up too (they
-    /// took their places after it), and the error names the failed file.
-    fn settle_one(&mut self) -> Result<(), SinkError> {
-        let r = self.try_settle_one();
+    /// Waits for the `n` oldest files in flight, then journals and renames
+    /// them together (one journal sync and one directory sync for all).
+    /// If a write failed, the files before it are still committed, and it
+    /// and every later file in flight are given up (they took their places
+    /// after it); the error names the failed file.
+    fn settle_front(&mut self, n: usize) -> Result<(), SinkError> {
+        let r = self.try_settle_front(n);
         self.failed |= r.is_err();
         r
     }
 
-    fn try_settle_one(&mut self) -> Result<(), SinkError> {
-        let Some(mut p) = self.pending.pop_front() else { return Ok(()) };
-        let written = p.write.join().unwrap_or_else(|_| Err(std::io::Error::other("the writer thread panicked")));
-        match written {
-            Ok((buf, digest)) => {
-                p.sample.checksum = hash_hex(digest);
-                // One spare buffer is always kept; more only within the in-flight budget.
-                let kept: usize = self.spare.iter().map(Vec::capacity).sum();
-                if self.spare.is_empty() || (kept + buf.capacity()) as u64 <= IN_FLIGHT_BYTES {
-                    self.spare.push(buf);
+    fn try_settle_front(&mut self, n: usize) -> Result<(), SinkError> {
+        let mut commits = Vec::with_capacity(n);
+        let mut failed = None;
+        for _ in 0..n {
+            let Some(mut p) = self.pending.pop_front() else { break };
+            let written = p.write.join().unwrap_or_else(|_| Err(std::io::Error::other("the writer thread panicked")));
+            match written {
+                Ok((buf, digest)) => {
+                    p.sample.checksum = hash_hex(digest);
+                    // One spare buffer is always kept; more only within the in-flight budget.
+                    let kept: usize = self.spare.iter().map(Vec::capacity).sum();
+                    if self.spare.is_empty() || (kept + buf.capacity()) as u64 <= IN_FLIGHT_BYTES {
+                        self.spare.push(buf);
+                    }
+                    commits.push(Commit { tmp: p.tmp, info: p.shard, samples: vec![p.sample], end: p.end });
                 }
-            }
-            Err(e) => {
-                let _ = std::fs::remove_file(&p.tmp);
-                for later in self.pending.drain(..) {
-                    let _ = later.write.join();
-                    let _ = std::fs::remove_file(&later.tmp);
+                Err(e) => {
+                    let _ = std::fs::remove_file(&p.tmp);
+                    for later in self.pending.drain(..) {
+                        let _ = later.write.join();
+                        let _ = std::fs::remove_file(&later.tmp);
+                    }
+                    failed = Some(io_err(&p.tmp)(e));
+                    break;
                 }
-                return Err(io_err(&p.tmp)(e));
             }
         }
-        let bytes = p.shard.bytes;
-        self.out.get()?.commit(&p.tmp, p.shard, vec![p.sample], p.end)?;
+        let bytes: u64 = commits.iter().map(|c| c.info.bytes).sum();
+        self.out.get()?.commit_all(commits)?;
         self.bytes_written += bytes;
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// Settles files until at most `files` are in flight holding at most
-    /// `bytes` between them.
+    /// `bytes` between them, taking along those right behind them whose
+    /// writes are already done.
     fn settle(&mut self, files: usize, bytes: u64) -> Result<(), SinkError> {
-        while self.pending.len() > files || self.pending.iter().map(|p| p.shard.bytes).sum::<u64>() > bytes {
-            self.settle_one()?;
+        let mut n = 0;
+        let mut held: u64 = self.pending.iter().map(|p| p.shard.bytes).sum();
+        while self.pending.len() - n > files || held > bytes {
+            held -= self.pending[n].shard.bytes;
+            n += 1;
         }
-        Ok(())
+        if n == 0 {
+            return Ok(());
+        }
+        while n < self.pending.len() && self.pending[n].write.is_finished() {
+            n += 1;
+        }
+        self.settle_front(n)
     }
 }
 
@@ -154,8 +172,8 @@ impl Drop for SpeculatorsSink {
         // samples it handed over whose files were written, unless this sink
         // itself failed; what is not committed stays a temporary file (resume
         // removes it). No writer thread is left running.
-        while !self.pending.is_empty() && !self.failed {
-            let _ = self.settle_one();
+        if !self.failed {
+            let _ = self.settle_front(self.pending.len());
         }
         for p in self.pending.drain(..) {
             let _ = p.write.join();
