@@ -40,8 +40,9 @@ pub struct SpeculatorsSink {
     bytes_written: u64,
 }
 
-/// Files written at once at most.
-const IN_FLIGHT: usize = 4;
+/// Files written at once at most: their fsyncs overlap on the disk (8
+/// against 4 took the bf16 writer from 0.85 to 1.0 of a plain write).
+const IN_FLIGHT: usize = 8;
 /// Bytes of files in flight at most (bounds the memory held by their buffers).
 const IN_FLIGHT_BYTES: u64 = 512 << 20;
 
