@@ -83,6 +83,14 @@ pub fn row_scale(row: &[f32]) -> f32 {
     }
 }
 
+/// Appends the codes of `row` scaled by `scale` to `out`.
+#[inline]
+pub fn encode_row(row: &[f32], scale: f32, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.resize(start + row.len(), 0);
+    codes_into(row, 1.0 / scale, &mut out[start..]);
+}
+
 /// Quantises `row`, appending its codes to `out`; returns its scale.
 #[inline]
 pub fn quantize_row(row: &[f32], out: &mut Vec<u8>) -> f32 {
@@ -109,11 +117,16 @@ unsafe fn quantize_into_avx512(row: &[f32], codes: &mut [u8]) -> f32 {
 #[inline(always)]
 fn quantize_into(row: &[f32], codes: &mut [u8]) -> f32 {
     let scale = row_scale(row);
-    let inv = 1.0 / scale;
+    codes_into(row, 1.0 / scale, codes);
+    scale
+}
+
+/// The codes of `row` times `inv` into `codes` (equal lengths).
+#[inline(always)]
+fn codes_into(row: &[f32], inv: f32, codes: &mut [u8]) {
     for (o, &x) in codes.iter_mut().zip(row) {
         *o = e4m3_from_f32(x * inv);
     }
-    scale
 }
 
 /// Writes `codes * scale` into `out` (equal lengths).
