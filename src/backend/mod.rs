@@ -343,6 +343,19 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn linear_forward<W: Dim, V: Dim>(&self, l: &Self::Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>);
     /// `residual += x·Wᵀ + b` (fused into the GEMM where it can be).
     fn linear_add<W: Dim, V: Dim>(&self, l: &Self::Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>);
+    /// `residual += swiglu(gate_up)·Wᵀ + b`: [`Self::swiglu`] into `act`, then
+    /// [`Self::linear_add`]. A backend may fuse the SwiGLU into the GEMM's
+    /// reading of its input (same bits), leaving `act` unwritten.
+    fn swiglu_linear_add<V: Dim>(
+        &self,
+        l: &Self::Linear,
+        gate_up: &Tensor<Self>,
+        act: &mut Tensor<Self>,
+        residual: &mut Tensor<Self, V>,
+    ) {
+        self.swiglu(gate_up, act);
+        self.linear_add(l, act, residual);
+    }
     /// Causal attention over the packed variable-length segments of `batch`:
     /// `out = softmax(q·kᵀ·scale + mask)·v` per head. A segment that
     /// continues a sample (chunked prefill) reads its earlier keys and values

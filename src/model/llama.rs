@@ -221,8 +221,7 @@ impl<B: Backend> Mlp<B> {
     /// `x += down_proj(silu(gate_proj(h)) · up_proj(h))`.
     fn forward_add<H: Dim>(&self, b: &B, h: &Tensor<B, H>, x: &mut Tensor<B, H>, s: &mut MlpScratch<B>) {
         b.linear_forward(&self.gate_up_proj, h, &mut s.gate_up);
-        b.swiglu(&s.gate_up, &mut s.act);
-        b.linear_add(&self.down_proj, &s.act, x);
+        b.swiglu_linear_add(&self.down_proj, &s.gate_up, &mut s.act, x);
     }
 
     fn weight_bytes(&self) -> usize {

@@ -19,7 +19,7 @@
 //! sample was cut.
 
 use super::bf16::{self, with_bf16_path};
-use super::gemm::{gemm_tiles, F32Path, Init, Path};
+use super::gemm::{gemm_tiles, ARows, F32Path, Init, Path};
 use super::panels::{InPlace, NR};
 use super::SharedMut;
 use crate::backend::{AttnShape, Compute};
@@ -230,8 +230,7 @@ unsafe fn block<P: Path>(
             // scores[qlen, kb] = Q_h · K_blockᵀ
             gemm_tiles(
                 path,
-                &q[qoff..],
-                q_stride,
+                ARows::Plain(&q[qoff..], q_stride),
                 qlen,
                 hd,
                 &kpanels,
@@ -268,8 +267,7 @@ unsafe fn block<P: Path>(
             // pv[qlen, vd] = P · V_block
             gemm_tiles(
                 path,
-                &sc.scores,
-                kb,
+                ARows::Plain(&sc.scores, kb),
                 qlen,
                 kb,
                 &vpanels,

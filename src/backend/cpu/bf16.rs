@@ -65,9 +65,13 @@ impl Bf16Panels {
         data.par_chunks_exact_mut(kpad * NR).enumerate().for_each(|(pi, panel)| {
             let j0 = pi * NR;
             let w = NR.min(n - j0);
+            // 16 × 16 blocks of words transposed in registers where the CPU
+            // can; `done` pairs of the first `full` columns are then in place.
+            let (full, done) = transpose_blocks(&q.codes[j0 * 2 * k..], 2 * k, w, pairs, panel);
             for jj in 0..w {
                 let row = &q.codes[(j0 + jj) * 2 * k..][..2 * k];
-                for (qi, pair) in row.chunks_exact(4).take(pairs).enumerate() {
+                let skip = if jj < full { done } else { 0 };
+                for (qi, pair) in row.chunks_exact(4).enumerate().take(pairs).skip(skip) {
                     let at = qi * 2 * NR + 2 * jj;
                     panel[at] = u16::from_le_bytes([pair[0], pair[1]]);
                     panel[at + 1] = u16::from_le_bytes([pair[2], pair[3]]);
@@ -94,7 +98,116 @@ impl Bf16Panels {
 /// Packs `B` (`n × k`, element `(j, p)` at `src[j * rs + p * cs]`), rounded
 /// to bf16, into pair panels `[ceil(n/NR)][ceil(k/2)][NR][2]`.
 pub(crate) fn pack_b_bf16(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
+    #[cfg(target_arch = "x86_64")]
+    if (cs == 1 || rs == 1) && std::is_x86_feature_detected!("avx512bw") {
+        // SAFETY: the CPU has AVX-512BW (and so F), checked just above.
+        return unsafe { words::pack_b_bf16_avx512(src, n, k, rs, cs, out) };
+    }
     pack_pairs(n, k, rs, cs, |i| bf16_bits(src[i]), out)
+}
+
+/// Transposes whole 16 × 16 blocks of 4-byte words from `w` rows (`stride`
+/// bytes apart, from `rows[0]`) of `pairs` words each into `panel`'s pair
+/// words (`[pairs][NR]`). Returns how many leading columns (`full`) had
+/// how many leading pairs (`done`) moved; the caller moves the rest.
+fn transpose_blocks(rows: &[u8], stride: usize, w: usize, pairs: usize, panel: &mut [u16]) -> (usize, usize) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        let (full, done) = (w / 16 * 16, pairs / 16 * 16);
+        for jb in (0..full).step_by(16) {
+            for qb in (0..done).step_by(16) {
+                // In bounds: rows jb..jb+16 exist and each holds `pairs` words.
+                let src = &rows[jb * stride + qb * 4..][..15 * stride + 64];
+                let dst = &mut panel[(qb * NR + jb) * 2..][..(15 * NR + 16) * 2];
+                // SAFETY: the CPU has AVX-512F; both slices cover the block.
+                unsafe { words::transpose16(src.as_ptr(), stride, dst.as_mut_ptr().cast(), NR) };
+            }
+        }
+        return (full, done);
+    }
+    (0, 0)
+}
+
+/// 16 × 16 transposes of 32-bit words in AVX-512 registers.
+#[cfg(target_arch = "x86_64")]
+mod words {
+    use super::super::panels::store16;
+    use super::{bf16_bits, fill_pairs, NR};
+    use std::arch::x86_64::*;
+
+    /// `dst[c · ds + r] = word c of row r` (rows `ss` bytes apart at `src`;
+    /// `dst` in words, unaligned). Three rounds of unpacks and lane shuffles.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose16(src: *const u8, ss: usize, dst: *mut u32, ds: usize) {
+        let r: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(src.add(i * ss).cast()));
+        store16(r, dst, ds);
+    }
+
+    /// 16 f32 rounded to bf16 as [`bf16_bits`] does (NaN kept quiet), in
+    /// the low half of each 32-bit lane.
+    #[inline(always)]
+    unsafe fn round16(v: __m512i) -> __m512i {
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(v), _mm512_set1_epi32(1));
+        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(v, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))));
+        let nan = _mm512_or_si512(_mm512_srli_epi32::<16>(v), _mm512_set1_epi32(0x40));
+        let abs = _mm512_and_si512(v, _mm512_set1_epi32(0x7fff_ffff));
+        let is_nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
+        _mm512_mask_blend_epi32(is_nan, rounded, nan)
+    }
+
+    /// The 32 f32 at `p` rounded to bf16, as 16 words `bits(2q) | bits(2q+1) << 16`.
+    #[inline(always)]
+    unsafe fn pair_words(p: *const f32) -> __m512i {
+        let lo = _mm512_cvtepi32_epi16(round16(_mm512_loadu_si512(p.cast())));
+        let hi = _mm512_cvtepi32_epi16(round16(_mm512_loadu_si512(p.add(16).cast())));
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+
+    /// [`super::pack_b_bf16`] for `cs == 1` (depths contiguous: 16 × 32
+    /// blocks rounded, then transposed in registers) or `rs == 1` (columns
+    /// contiguous: two depths' rows rounded and interleaved); the same bits
+    /// as the plain loop, which fills the ragged edges.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn pack_b_bf16_avx512(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
+        let kpad = k.next_multiple_of(2);
+        out.clear();
+        out.resize(n.div_ceil(NR) * kpad * NR, 0);
+        if n == 0 || k == 0 {
+            return;
+        }
+        let pairs = k / 2;
+        let last = (n - 1) * rs + (k - 1) * cs;
+        assert!(src.len() > last, "pack_b_bf16: source size");
+        let s = src.as_ptr();
+        let get = |i: usize| bf16_bits(src[i]);
+        for (pi, panel) in out.chunks_exact_mut(kpad * NR).enumerate() {
+            let j0 = pi * NR;
+            let w = NR.min(n - j0);
+            let d = panel.as_mut_ptr().cast::<u32>();
+            if cs == 1 {
+                for jb in (0..w / 16 * 16).step_by(16) {
+                    for qb in (0..pairs / 16 * 16).step_by(16) {
+                        let r = std::array::from_fn(|i| pair_words(s.add((j0 + jb + i) * rs + 2 * qb)));
+                        store16(r, d.add(qb * NR + jb), NR);
+                    }
+                }
+                fill_pairs(panel, j0, w, k, rs, cs, &get, (w / 16 * 16, pairs / 16 * 32));
+            } else if w == NR {
+                // Depth pair q: columns j0.. of depths 2q and 2q+1, interleaved.
+                for q in 0..pairs {
+                    for h in 0..2 {
+                        let a = round16(_mm512_loadu_si512(s.add(2 * q * cs + j0 + 16 * h).cast()));
+                        let b = round16(_mm512_loadu_si512(s.add((2 * q + 1) * cs + j0 + 16 * h).cast()));
+                        let words = _mm512_or_si512(a, _mm512_slli_epi32::<16>(b));
+                        _mm512_storeu_si512(d.add(q * NR + 16 * h).cast(), words);
+                    }
+                }
+                fill_pairs(panel, j0, w, k, rs, cs, &get, (w, 2 * pairs));
+            } else {
+                fill_pairs(panel, j0, w, k, rs, cs, &get, (0, 0));
+            }
+        }
+    }
 }
 
 /// Pair panels of `n × k` values, value `(j, p)` being `get(j * rs + p * cs)`;
@@ -105,23 +218,41 @@ fn pack_pairs(n: usize, k: usize, rs: usize, cs: usize, get: impl Fn(usize) -> u
     out.resize(n.div_ceil(NR) * kpad * NR, 0);
     for (pi, panel) in out.chunks_exact_mut(kpad * NR).enumerate() {
         let j0 = pi * NR;
-        let w = NR.min(n - j0);
-        if cs == 1 {
-            // Depths contiguous in the source: read along each column.
-            for jj in 0..w {
-                let base = (j0 + jj) * rs;
-                for p in 0..k {
-                    panel[(p / 2) * 2 * NR + 2 * jj + p % 2] = get(base + p);
-                }
+        fill_pairs(panel, j0, NR.min(n - j0), k, rs, cs, &get, (0, 0));
+    }
+}
+
+/// Fills the `w` columns from `j0` of one pair panel (see [`pack_pairs`]),
+/// except depths `< done.1` of columns `< done.0`, which are already in place.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn fill_pairs(
+    panel: &mut [u16],
+    j0: usize,
+    w: usize,
+    k: usize,
+    rs: usize,
+    cs: usize,
+    get: &impl Fn(usize) -> u16,
+    done: (usize, usize),
+) {
+    if cs == 1 {
+        // Depths contiguous in the source: read along each column.
+        for jj in 0..w {
+            let base = (j0 + jj) * rs;
+            let from = if jj < done.0 { done.1 } else { 0 };
+            for p in from..k {
+                panel[(p / 2) * 2 * NR + 2 * jj + p % 2] = get(base + p);
             }
-        } else {
-            // Columns contiguous in the source (V): read along each depth.
-            for (q, row) in panel.chunks_exact_mut(2 * NR).enumerate() {
-                for e in 0..2.min(k - 2 * q) {
-                    let base = (2 * q + e) * cs + j0 * rs;
-                    for jj in 0..w {
-                        row[2 * jj + e] = get(base + jj * rs);
-                    }
+        }
+    } else {
+        // Columns contiguous in the source (V): read along each depth.
+        for (q, row) in panel.chunks_exact_mut(2 * NR).enumerate() {
+            for e in 0..2.min(k - 2 * q) {
+                let base = (2 * q + e) * cs + j0 * rs;
+                let from = if 2 * q + e < done.1 { done.0 } else { 0 };
+                for jj in from..w {
+                    row[2 * jj + e] = get(base + jj * rs);
                 }
             }
         }
@@ -873,8 +1004,7 @@ mod pairs_portable {
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm::gemm_tiles;
-    use super::super::gemm::Init;
+    use super::super::gemm::{gemm_tiles, ARows, Init};
     use super::*;
 
     fn rand(n: usize, seed: u64) -> Vec<f32> {
@@ -912,8 +1042,7 @@ mod tests {
         unsafe {
             with_bf16_path!(path, p => gemm_tiles(
                 p,
-                x,
-                k,
+                ARows::Plain(x, k),
                 m,
                 k,
                 &src,
@@ -979,13 +1108,35 @@ mod tests {
         }
     }
 
+    /// The vector packing of f32 into pair panels (both source layouts:
+    /// K's depths contiguous, V's columns contiguous) gives the plain loop's
+    /// bits, ragged edges, NaN, infinities and ties included.
+    #[test]
+    fn pair_packing_is_the_same_on_every_isa() {
+        let special = [f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, f32::from_bits(0x3f80_8000), 1e-40];
+        for (n, k) in [(16, 32), (45, 77), (64, 64), (33, 31), (7, 200), (96, 2)] {
+            let mut src = rand(n * k + 3, (n * k) as u64);
+            for (i, v) in special.iter().enumerate() {
+                src[i * 7 % (n * k)] = *v;
+            }
+            for (rs, cs) in [(k, 1), (1, n)] {
+                let mut want = Vec::new();
+                pack_pairs(n, k, rs, cs, |i| bf16_bits(src[i]), &mut want);
+                let mut got = vec![7u16; 3];
+                pack_b_bf16(&src, n, k, rs, cs, &mut got);
+                assert_eq!(got, want, "n {n} k {k} rs {rs} cs {cs}");
+            }
+        }
+    }
+
     #[test]
     fn bf16_codes_pack_bit_for_bit_like_their_f32_values() {
-        let (n, k) = (45, 77);
-        let w = round(&rand(n * k, 4));
-        let codes: Vec<u8> = w.iter().flat_map(|v| bf16_bits(*v).to_le_bytes()).collect();
-        let q = QuantRows { kind: QuantKind::Bf16, rows: n, cols: k, codes, seg: vec![0, k], scales: vec![1.0; n] };
-        assert_eq!(Bf16Panels::from_bf16_rows(&q).data, Bf16Panels::from_f32(&w, n, k).data);
+        for (n, k) in [(45, 77), (64, 64), (16, 33)] {
+            let w = round(&rand(n * k, 4));
+            let codes: Vec<u8> = w.iter().flat_map(|v| bf16_bits(*v).to_le_bytes()).collect();
+            let q = QuantRows { kind: QuantKind::Bf16, rows: n, cols: k, codes, seg: vec![0, k], scales: vec![1.0; n] };
+            assert_eq!(Bf16Panels::from_bf16_rows(&q).data, Bf16Panels::from_f32(&w, n, k).data, "n {n} k {k}");
+        }
     }
 
     #[test]

@@ -30,6 +30,58 @@ pub enum Init<'a> {
     Accumulate,
 }
 
+/// Where a GEMM's A rows come from.
+#[derive(Clone, Copy)]
+pub(crate) enum ARows<'a> {
+    /// Row `i` is `a[i · lda..][..k]`.
+    Plain(&'a [f32], usize),
+    /// Row `i` is the SwiGLU of row `i` of `gate_up = [gate | up]` (`inter`
+    /// wide each): `silu(gate) · up`, computed as A is packed, so the
+    /// activations never go to memory. The same bits as
+    /// [`super::ops::swiglu`] followed by a `Plain` GEMM.
+    SwiGlu(&'a [f32], usize),
+}
+
+impl<'a> ARows<'a> {
+    /// The same rows from row `i0` on.
+    fn skip_rows(self, i0: usize) -> Self {
+        match self {
+            ARows::Plain(a, lda) => ARows::Plain(&a[i0 * lda..], lda),
+            ARows::SwiGlu(gu, inter) => ARows::SwiGlu(&gu[i0 * 2 * inter..], inter),
+        }
+    }
+
+    /// [`Path::pack_a`] of these rows; `tmp` holds one strip of SwiGLU rows.
+    #[allow(clippy::too_many_arguments)]
+    fn pack<P: Path>(
+        self,
+        path: P,
+        i0: usize,
+        rows: usize,
+        p0: usize,
+        kc: usize,
+        out: &mut Vec<P::A>,
+        tmp: &mut Vec<f32>,
+    ) {
+        match self {
+            ARows::Plain(a, lda) => path.pack_a(a, lda, i0, rows, p0, kc, out),
+            ARows::SwiGlu(gu, inter) => {
+                // One strip at a time (strips are appended whole, so this is
+                // the layout of one call over all rows): `[MR][kc]` f32 stays in L2.
+                tmp.resize(P::MR * kc, 0.0);
+                for s0 in (0..rows).step_by(P::MR) {
+                    let r = P::MR.min(rows - s0);
+                    for (j, t) in tmp.chunks_exact_mut(kc).take(r).enumerate() {
+                        let row = &gu[(i0 + s0 + j) * 2 * inter..][..2 * inter];
+                        super::ops::swiglu_into(&row[p0..p0 + kc], &row[inter + p0..inter + p0 + kc], t);
+                    }
+                    path.pack_a(tmp, kc, 0, r, 0, kc, out);
+                }
+            }
+        }
+    }
+}
+
 /// One GEMM path: how A is packed, what B's tiles hold, and the micro-kernel
 /// that multiplies an A strip with a B tile into an `MR × NR` block of C.
 /// The f32 path is [`F32Path`]; the bf16 ones live in [`super::bf16`].
@@ -216,7 +268,20 @@ pub fn gemm_packed(
     // rows < m and columns < n of C.
     unsafe {
         let b = InPlace { ptr: b.as_ptr(), kpad: k };
-        gemm_tiles(F32Path::detect(), a, lda, m, k, &b, n, panels, c.as_mut_ptr(), ldc, init, apack, &mut Vec::new())
+        gemm_tiles(
+            F32Path::detect(),
+            ARows::Plain(a, lda),
+            m,
+            k,
+            &b,
+            n,
+            panels,
+            c.as_mut_ptr(),
+            ldc,
+            init,
+            apack,
+            &mut Vec::new(),
+        )
     }
 }
 
@@ -230,8 +295,7 @@ pub fn gemm_packed(
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
     path: P,
-    a: &[f32],
-    lda: usize,
+    a: ARows,
     m: usize,
     k: usize,
     b: &S,
@@ -262,6 +326,7 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
     // instead of the whole `MC × n` block of C going round the caches once
     // per k-block.
     let kblocks = k.div_ceil(P::KC);
+    let mut swiglu_rows = Vec::new();
     let mut i0 = 0;
     while i0 < m {
         let mc = S::MC.min(m - i0);
@@ -278,7 +343,7 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
         for (kb, off) in offsets.iter_mut().enumerate() {
             let p0 = kb * P::KC;
             *off = apack.len();
-            path.pack_a(a, lda, i0, mc, p0, P::KC.min(k - p0), apack);
+            a.pack(path, i0, mc, p0, P::KC.min(k - p0), apack, &mut swiglu_rows);
         }
         for pi in panels.clone() {
             let j0 = pi * NR;
@@ -804,6 +869,19 @@ impl PackedLinear {
     /// their own thread, where splitting the columns would pack the same A
     /// block once per column group. The same bits either way.
     pub fn forward_split(&self, x: &[f32], m: usize, y: &mut [f32], accumulate: bool, split: bool) {
+        assert_eq!(x.len(), m * self.in_features, "PackedLinear: input size");
+        self.forward_rows(ARows::Plain(x, self.in_features), m, y, accumulate, split)
+    }
+
+    /// `y (+)= swiglu(gate_up)·Wᵀ + b` for `m` rows of `gate_up = [gate | up]`
+    /// (`in_features` wide each): the SwiGLU is computed as the GEMM packs its
+    /// input, with the bits of [`super::ops::swiglu`] then [`Self::forward`].
+    pub fn forward_swiglu(&self, gate_up: &[f32], m: usize, y: &mut [f32], accumulate: bool) {
+        assert_eq!(gate_up.len(), m * 2 * self.in_features, "PackedLinear: gate/up size");
+        self.forward_rows(ARows::SwiGlu(gate_up, self.in_features), m, y, accumulate, true)
+    }
+
+    fn forward_rows(&self, x: ARows, m: usize, y: &mut [f32], accumulate: bool, split: bool) {
         match &self.panels {
             Panels::F32(p) => {
                 let src = InPlace { ptr: p.as_ptr(), kpad: self.in_features };
@@ -825,14 +903,13 @@ impl PackedLinear {
         &self,
         path: P,
         b: &S,
-        x: &[f32],
+        x: ARows,
         m: usize,
         y: &mut [f32],
         accumulate: bool,
         split: bool,
     ) {
         let (n, k) = (self.out_features, self.in_features);
-        assert_eq!(x.len(), m * k, "PackedLinear: input size");
         assert_eq!(y.len(), m * n, "PackedLinear: output size");
         let panels = n.div_ceil(NR);
         let threads = if split { rayon::current_num_threads() } else { 1 };
@@ -874,7 +951,7 @@ impl PackedLinear {
             // which the asserts above put inside `y`; no other task writes them.
             unsafe {
                 let c = yp.get().add(i0 * n);
-                gemm_tiles(path, &x[i0 * k..], k, rows, k, b, n, p0..p1, c, n, init, apack, bbuf);
+                gemm_tiles(path, x.skip_rows(i0), rows, k, b, n, p0..p1, c, n, init, apack, bbuf);
                 if let (true, Some(b)) = (accumulate, &self.bias) {
                     let (j0, j1) = (p0 * NR, (p1 * NR).min(n));
                     for r in 0..rows {
@@ -1013,8 +1090,7 @@ mod tests {
                         let panels = 0..n.div_ceil(NR);
                         gemm_tiles(
                             path,
-                            &x,
-                            k,
+                            ARows::Plain(&x, k),
                             m,
                             k,
                             &src,
@@ -1032,6 +1108,33 @@ mod tests {
                 .collect();
             for (p, y) in paths.iter().zip(&outs).skip(1) {
                 assert!(y.iter().zip(&outs[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "{} m{m} n{n} k{k}", p.name());
+            }
+        }
+    }
+
+    /// The SwiGLU fused into A's packing gives the bits of the SwiGLU
+    /// written out and then multiplied, in f32 and bf16 compute, with and
+    /// without the residual add, on ragged sizes.
+    #[test]
+    fn fused_swiglu_gives_the_bits_of_the_two_steps() {
+        for &(m, n, inter) in &[(1, 16, 5), (37, 70, 300), (130, 33, 64)] {
+            let w = rand(n * inter, 3);
+            let gu: Vec<f32> = rand(m * 2 * inter, 4).iter().map(|v| v * 8.0).collect();
+            let mut act = vec![0f32; m * inter];
+            super::super::ops::swiglu(&gu, inter, &mut act);
+            for compute in [Compute::F32, Compute::Bf16] {
+                let l = PackedLinear::from_weight_for(
+                    LinearWeight::Dense { rows: n, cols: inter, w: w.clone() },
+                    Some(rand(n, 5)),
+                    compute,
+                );
+                for accumulate in [false, true] {
+                    let (mut want, mut got) = (rand(m * n, 6), rand(m * n, 6));
+                    l.forward(&act, m, &mut want, accumulate);
+                    l.forward_swiglu(&gu, m, &mut got, accumulate);
+                    let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "m {m} n {n} inter {inter} {compute:?} accumulate {accumulate}");
+                }
             }
         }
     }

@@ -224,27 +224,37 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
     fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable, batch: &PackedBatch) {
         let stride = x.width();
         check::rope(x, heads, table.half, batch);
-        let mut tmp = vec![0f32; heads.width];
-        for (s, seg) in batch.segments().iter().enumerate() {
-            let r = batch.range(s);
-            for (i, row) in x.storage_mut()[r.start * stride..r.end * stride].chunks_exact_mut(stride).enumerate() {
-                let (cs, sn) = table.at(seg.pos0 + i);
-                if heads.stride == heads.width && !interleave {
-                    // Contiguous heads (Llama's q and k): one pass over the block.
-                    let block = &mut row[heads.offset..heads.offset + heads.count * heads.width];
-                    block.chunks_exact_mut(heads.width).for_each(|head| ops::rope_head(head, cs, sn));
-                    continue;
-                }
-                for h in 0..heads.count {
-                    let o = heads.offset + h * heads.stride;
-                    let head = &mut row[o..o + heads.width];
-                    if interleave {
-                        ops::rope_interleaved(head, cs, sn, &mut tmp);
-                    } else {
-                        ops::rope_head(head, cs, sn);
-                    }
+        // Rows are independent: blocks of them run on every thread.
+        const ROWS: usize = 32;
+        let rotate = |tmp: &mut Vec<f32>, row: &mut [f32], pos: usize| {
+            let (cs, sn) = table.at(pos);
+            if heads.stride == heads.width && !interleave {
+                // Contiguous heads (Llama's q and k): one pass over the block.
+                let block = &mut row[heads.offset..heads.offset + heads.count * heads.width];
+                block.chunks_exact_mut(heads.width).for_each(|head| ops::rope_head(head, cs, sn));
+                return;
+            }
+            tmp.resize(heads.width, 0.0);
+            for h in 0..heads.count {
+                let o = heads.offset + h * heads.stride;
+                let head = &mut row[o..o + heads.width];
+                if interleave {
+                    ops::rope_interleaved(head, cs, sn, tmp);
+                } else {
+                    ops::rope_head(head, cs, sn);
                 }
             }
+        };
+        for (s, seg) in batch.segments().iter().enumerate() {
+            let r = batch.range(s);
+            x.storage_mut()[r.start * stride..r.end * stride].par_chunks_mut(ROWS * stride).enumerate().for_each_init(
+                Vec::new,
+                |tmp, (c, rows)| {
+                    for (i, row) in rows.chunks_exact_mut(stride).enumerate() {
+                        rotate(tmp, row, seg.pos0 + c * ROWS + i);
+                    }
+                },
+            );
         }
     }
 
@@ -296,6 +306,25 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         if let Some(b) = &l.post_bias {
             add_bias(residual.storage_mut(), b);
         }
+    }
+
+    fn swiglu_linear_add<V: Dim>(
+        &self,
+        l: &Linear,
+        gate_up: &Tensor<Self>,
+        act: &mut Tensor<Self>,
+        residual: &mut Tensor<Self, V>,
+    ) {
+        check::swiglu(gate_up, act);
+        check::linear(l, act, residual);
+        if self.comm.is_some() && l.kind == Parallel::Row {
+            // Split rows: the partial sums go through the all-reduce first.
+            self.swiglu(gate_up, act);
+            return self.linear_add(l, act, residual);
+        }
+        // One rank: the SwiGLU is fused into the GEMM's packing of A, and the
+        // residual add into its output; the `[T, inter]` activations are never written.
+        l.packed.forward_swiglu(gate_up.storage(), gate_up.rows(), residual.storage_mut(), true);
     }
 
     fn attention(

@@ -148,12 +148,7 @@ pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32], tmp: &mut [f32]
 pub fn swiglu(gu: &[f32], inter: usize, out: &mut [f32]) {
     let row = |(g, o): (&[f32], &mut [f32])| {
         let (gate, up) = g.split_at(inter);
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F, checked just above.
-            return unsafe { swiglu_row_avx512(gate, up, o) };
-        }
-        swiglu_row(gate, up, o)
+        swiglu_into(gate, up, o)
     };
     if out.len() / inter > ROWS_PER_TASK {
         gu.par_chunks(2 * inter * ROWS_PER_TASK)
@@ -162,6 +157,17 @@ pub fn swiglu(gu: &[f32], inter: usize, out: &mut [f32]) {
     } else {
         gu.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)).for_each(row);
     }
+}
+
+/// `out = silu(gate) · up`, element by element: any part of a row gives
+/// the bits [`swiglu`] gives it.
+pub fn swiglu_into(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F, checked just above.
+        return unsafe { swiglu_row_avx512(gate, up, out) };
+    }
+    swiglu_row(gate, up, out)
 }
 
 /// One row of [`swiglu`]: element by element, so every ISA gives the same bits.

@@ -67,33 +67,52 @@ impl PanelSource for MappedRows {
     }
 }
 
-/// Whether this CPU has the vector transpose.
-fn simd_transpose() -> bool {
+/// The vector transpose this CPU has.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Simd {
+    None,
+    Avx2,
+    Avx512,
+}
+
+/// The widest vector transpose this CPU has.
+fn simd_transpose() -> Simd {
     #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("avx2");
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Simd::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return Simd::Avx2;
+        }
+    }
+    Simd::None
 }
 
 /// Writes `out[p][jj] = rows[jj][p]` for `p < kc`, `jj < NR` (zero where
-/// `jj >= rows.len()`): one `[kc][NR]` tile from up to `NR` rows; eight rows
-/// at a time with `simd` (AVX2), the rest one value at a time.
+/// `jj >= rows.len()`): one `[kc][NR]` tile from up to `NR` rows; 16 (AVX-512)
+/// or 8 (AVX2) rows at a time with `simd`, the rest one value at a time.
 ///
 /// # Safety
 /// Each row must be readable for `kc` values, `out` writable for `kc * NR`,
-/// and `simd` only where [`simd_transpose`] says so.
+/// and `simd` only what [`simd_transpose`] says.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut, unused_variables))]
-unsafe fn transpose_rows(rows: &[*const f32], kc: usize, out: *mut f32, simd: bool) {
+unsafe fn transpose_rows(rows: &[*const f32], kc: usize, out: *mut f32, simd: Simd) {
     let n = rows.len();
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        done = n / 8 * 8;
-        for jb in (0..done).step_by(8) {
-            transpose_avx2(&rows[jb..jb + 8], kc / 8 * 8, out.add(jb));
+    if simd != Simd::None {
+        let (width, deep) = if simd == Simd::Avx512 { (16, kc / 16 * 16) } else { (8, kc / 8 * 8) };
+        done = n / width * width;
+        for jb in (0..done).step_by(width) {
+            if simd == Simd::Avx512 {
+                transpose_avx512(&rows[jb..jb + 16], deep, out.add(jb));
+            } else {
+                transpose_avx2(&rows[jb..jb + 8], deep, out.add(jb));
+            }
         }
         // The k tail of those rows.
-        for p in kc / 8 * 8..kc {
+        for p in deep..kc {
             for (jj, r) in rows.iter().enumerate().take(done) {
                 *out.add(p * NR + jj) = *r.add(p);
             }
@@ -107,6 +126,55 @@ unsafe fn transpose_rows(rows: &[*const f32], kc: usize, out: *mut f32, simd: bo
         for jj in n..NR {
             *dst.add(jj) = 0.0;
         }
+    }
+}
+
+/// Sixteen rows' first `kc16` (a multiple of 16) values into columns `0..16`
+/// of `out` (`[kc][NR]`), a 16 × 16 register transpose at a time.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_avx512(rows: &[*const f32], kc16: usize, out: *mut f32) {
+    use std::arch::x86_64::*;
+    let r: [*const f32; 16] = std::array::from_fn(|i| rows[i]);
+    for p in (0..kc16).step_by(16) {
+        let v: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(r[i].add(p).cast()));
+        store16(v, out.add(p * NR).cast(), NR);
+    }
+}
+
+/// Stores the transpose of the 16 rows `r` at `dst` (`ds` words apart).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn store16(r: [std::arch::x86_64::__m512i; 16], dst: *mut u32, ds: usize) {
+    use std::arch::x86_64::*;
+    // Words of rows 2i, 2i+1 interleaved; then 4 rows' words per 128-bit lane.
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    // u[4g + j]: rows 4g..4g+4 of columns 4l + j in lane l.
+    let u: [__m512i; 16] = std::array::from_fn(|i| {
+        let (g, j) = (i / 4, i % 4);
+        let (a, b) = (t[4 * g + j / 2], t[4 * g + 2 + j / 2]);
+        if j % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    for j in 0..4 {
+        let v = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[j], u[4 + j]);
+        let w = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[j], u[4 + j]);
+        let x = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[8 + j], u[12 + j]);
+        let y = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[8 + j], u[12 + j]);
+        _mm512_storeu_si512(dst.add(j * ds).cast(), _mm512_shuffle_i32x4::<0b10_00_10_00>(v, x));
+        _mm512_storeu_si512(dst.add((4 + j) * ds).cast(), _mm512_shuffle_i32x4::<0b10_00_10_00>(w, y));
+        _mm512_storeu_si512(dst.add((8 + j) * ds).cast(), _mm512_shuffle_i32x4::<0b11_01_11_01>(v, x));
+        _mm512_storeu_si512(dst.add((12 + j) * ds).cast(), _mm512_shuffle_i32x4::<0b11_01_11_01>(w, y));
     }
 }
 
@@ -231,7 +299,17 @@ mod tests {
         let mut packed = Vec::new();
         pack_b(&w[c0..], n, k, width, 1, &mut packed);
         let rows: Vec<*const f32> = (0..n).map(|j| w[j * width + c0..].as_ptr()).collect();
-        for simd in [false, simd_transpose()] {
+        let mut paths = vec![Simd::None];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                paths.push(Simd::Avx2);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                paths.push(Simd::Avx512);
+            }
+        }
+        for simd in paths {
             for pi in 0..n.div_ceil(NR) {
                 for p0 in (0..k).step_by(KC) {
                     let kc = KC.min(k - p0);
@@ -240,7 +318,7 @@ mod tests {
                     let mut out = vec![f32::NAN; kc * NR];
                     unsafe { transpose_rows(&starts, kc, out.as_mut_ptr(), simd) };
                     let want = &packed[pi * k * NR + p0 * NR..][..kc * NR];
-                    assert_eq!(out, want, "panel {pi}, depth {p0}, simd {simd}");
+                    assert_eq!(out, want, "panel {pi}, depth {p0}, simd {simd:?}");
                 }
             }
         }
