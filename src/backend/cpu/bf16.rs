@@ -506,21 +506,30 @@ fn pack_tile_strips(a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc
     // `[kc/32][16][32]`: each 32-depth slab of the strip is one A tile,
     // its rows 64 bytes apart. A slab row is 32 consecutive depths of
     // one row of A, so the packing is a row copy, rounded on the way.
+    use std::mem::MaybeUninit;
     let slabs = kc.div_ceil(TILE_DEPTH);
     let len = slabs * TILE_DEPTH * TILE_ROWS;
     let base = out.len();
-    out.resize(base + rows.div_ceil(TILE_ROWS) * len, 0);
-    for (s, strip) in out[base..].chunks_exact_mut(len).enumerate() {
-        for r in 0..TILE_ROWS.min(rows - s * TILE_ROWS) {
-            let row = &a[(i0 + s * TILE_ROWS + r) * lda + p0..][..kc];
-            for (t, src) in row.chunks(TILE_DEPTH).enumerate() {
-                let dst = &mut strip[(t * TILE_ROWS + r) * TILE_DEPTH..][..src.len()];
+    let total = rows.div_ceil(TILE_ROWS) * len;
+    out.reserve(total);
+    // Every element, padding included, is written once below (no zero-fill
+    // pass over the block first).
+    for (s, strip) in out.spare_capacity_mut()[..total].chunks_exact_mut(len).enumerate() {
+        for r in 0..TILE_ROWS {
+            let i = s * TILE_ROWS + r;
+            let row = (i < rows).then(|| &a[(i0 + i) * lda + p0..][..kc]);
+            for t in 0..slabs {
+                let dst = &mut strip[(t * TILE_ROWS + r) * TILE_DEPTH..][..TILE_DEPTH];
+                let src = row.map_or(&[][..], |row| &row[t * TILE_DEPTH..kc.min((t + 1) * TILE_DEPTH)]);
                 for (d, v) in dst.iter_mut().zip(src) {
-                    *d = bf16_bits(*v);
+                    d.write(bf16_bits(*v));
                 }
+                dst[src.len()..].fill(MaybeUninit::new(0));
             }
         }
     }
+    // SAFETY: the loop above initialised all `total` new elements.
+    unsafe { out.set_len(base + total) };
 }
 
 /// Depths per AMX tile step: an A tile row holds 32 bf16 (64 bytes).

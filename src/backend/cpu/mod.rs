@@ -142,7 +142,14 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
     }
 
     fn realloc(&self, s: &mut Vec<f32>, len: usize) {
-        s.resize(len, 0.0);
+        if len > s.capacity() {
+            // A fresh zeroed allocation instead of a fill pass: the kernel maps
+            // its pages as they are first written (and never, for a buffer a
+            // fused op leaves unused).
+            *s = vec![0f32; len];
+        } else {
+            s.resize(len, 0.0);
+        }
     }
 
     fn upload(&self, host: &[f32]) -> Vec<f32> {

@@ -4,10 +4,14 @@
 use rayon::prelude::*;
 
 /// `e^x` within 2 ulp of the true value, NaN kept: a branch-free polynomial
-/// (Cody–Waite reduction to `r ∈ [-ln2/2, ln2/2]`, degree-7 Taylor series,
-/// the exponent set through the bits), so loops of it vectorise where libm's
-/// `expf` is a call per element. Below -87 it gives about 2^-126 rather than 0;
-/// above 88.73 it overflows to infinity as `expf` does.
+/// (Cody–Waite reduction to `r ∈ [-ln2/2, ln2/2]`, degree-7 Taylor series in
+/// fused multiply-adds, the exponent set through the bits), so loops of it
+/// vectorise where libm's `expf` is a call per element. Below -87 it gives
+/// about 2^-126 rather than 0; above 88.73 it overflows to infinity as `expf` does.
+///
+/// `mul_add` is one rounding on every CPU (an instruction where the code is
+/// compiled for FMA, libm's `fmaf` elsewhere), so every path gives the same
+/// bits; hot loops of it are compiled for AVX-512 or FMA.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = f32::from_bits(0x3f31_7200); // ln 2 with 16 trailing zero bits: n·LN2_HI is exact
@@ -15,12 +19,12 @@ pub fn exp(x: f32) -> f32 {
     // Adding 1.5·2^23 rounds to an integer, which lands in the low mantissa bits.
     const SHIFTER: f32 = 12_582_912.0;
     let xc = x.clamp(-87.0, 88.0);
-    let t = xc * std::f32::consts::LOG2_E + SHIFTER;
+    let t = xc.mul_add(std::f32::consts::LOG2_E, SHIFTER);
     let n = t - SHIFTER;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.0 / 5040.0;
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, xc));
+    let mut p: f32 = 1.0 / 5040.0;
     for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = p * r + c;
+        p = p.mul_add(r, c);
     }
     let scale = f32::from_bits(((t.to_bits() as i32 - 0x4b40_0000 + 127) << 23) as u32);
     if x.is_nan() {
@@ -124,10 +128,8 @@ pub fn rms_norm_heads_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
 pub fn rope_head(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = cos.len();
     let (a, b) = head.split_at_mut(half);
-    for i in 0..half {
-        let (x1, x2) = (a[i], b[i]);
-        a[i] = x1 * cos[i] - x2 * sin[i];
-        b[i] = x2 * cos[i] + x1 * sin[i];
+    for (((x1, x2), c), s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(&sin[..half]) {
+        (*x1, *x2) = (*x1 * c - *x2 * s, *x2 * c + *x1 * s);
     }
 }
 
@@ -163,9 +165,15 @@ pub fn swiglu(gu: &[f32], inter: usize, out: &mut [f32]) {
 /// the bits [`swiglu`] gives it.
 pub fn swiglu_into(gate: &[f32], up: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F, checked just above.
-        return unsafe { swiglu_row_avx512(gate, up, out) };
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, checked just above.
+            return unsafe { swiglu_row_avx512(gate, up, out) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA, checked just above.
+            return unsafe { swiglu_row_avx2(gate, up, out) };
+        }
     }
     swiglu_row(gate, up, out)
 }
@@ -182,6 +190,13 @@ fn swiglu_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn swiglu_row_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    swiglu_row(gate, up, out)
+}
+
+/// [`swiglu_row`] compiled for AVX2 and FMA (eight lanes; the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn swiglu_row_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
     swiglu_row(gate, up, out)
 }
 
