@@ -192,7 +192,8 @@ pub struct Mlp<B: Backend> {
 pub struct MlpScratch<B: Backend> {
     /// `[T, 2 · intermediate]`.
     gate_up: Tensor<B>,
-    /// `[T, intermediate]`.
+    /// `[T, intermediate]`: the SwiGLU, left unwritten by a backend that
+    /// fuses it into the down projection (`swiglu_linear_add`).
     act: Tensor<B>,
 }
 

@@ -99,8 +99,8 @@ impl Bf16Panels {
 /// to bf16, into pair panels `[ceil(n/NR)][ceil(k/2)][NR][2]`.
 pub(crate) fn pack_b_bf16(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
     #[cfg(target_arch = "x86_64")]
-    if (cs == 1 || rs == 1) && std::is_x86_feature_detected!("avx512bw") {
-        // SAFETY: the CPU has AVX-512BW (and so F), checked just above.
+    if (cs == 1 || rs == 1) && std::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F, checked just above.
         return unsafe { words::pack_b_bf16_avx512(src, n, k, rs, cs, out) };
     }
     pack_pairs(n, k, rs, cs, |i| bf16_bits(src[i]), out)
@@ -110,6 +110,7 @@ pub(crate) fn pack_b_bf16(src: &[f32], n: usize, k: usize, rs: usize, cs: usize,
 /// bytes apart, from `rows[0]`) of `pairs` words each into `panel`'s pair
 /// words (`[pairs][NR]`). Returns how many leading columns (`full`) had
 /// how many leading pairs (`done`) moved; the caller moves the rest.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn transpose_blocks(rows: &[u8], stride: usize, w: usize, pairs: usize, panel: &mut [u16]) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
@@ -167,7 +168,7 @@ mod words {
     /// blocks rounded, then transposed in registers) or `rs == 1` (columns
     /// contiguous: two depths' rows rounded and interleaved); the same bits
     /// as the plain loop, which fills the ragged edges.
-    #[target_feature(enable = "avx512f,avx512bw")]
+    #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn pack_b_bf16_avx512(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut Vec<u16>) {
         let kpad = k.next_multiple_of(2);
         out.clear();

@@ -67,7 +67,9 @@ impl<'a> ARows<'a> {
             ARows::Plain(a, lda) => path.pack_a(a, lda, i0, rows, p0, kc, out),
             ARows::SwiGlu(gu, inter) => {
                 // One strip at a time (strips are appended whole, so this is
-                // the layout of one call over all rows): `[MR][kc]` f32 stays in L2.
+                // the layout of one call over all rows): `[MR][kc]` f32, from
+                // 6 KiB (f32, a 128-deep k-block) to about 1 MiB (AMX, the
+                // whole depth of a 14k-wide MLP), instead of `[T, inter]` in memory.
                 tmp.resize(P::MR * kc, 0.0);
                 for s0 in (0..rows).step_by(P::MR) {
                     let r = P::MR.min(rows - s0);
@@ -876,6 +878,8 @@ impl PackedLinear {
     /// `y (+)= swiglu(gate_up)·Wᵀ + b` for `m` rows of `gate_up = [gate | up]`
     /// (`in_features` wide each): the SwiGLU is computed as the GEMM packs its
     /// input, with the bits of [`super::ops::swiglu`] then [`Self::forward`].
+    /// (When few rows split into column groups, each group computes its
+    /// rows' SwiGLU again: `inter` exps per row against `inter · n / groups` MACs.)
     pub fn forward_swiglu(&self, gate_up: &[f32], m: usize, y: &mut [f32], accumulate: bool) {
         assert_eq!(gate_up.len(), m * 2 * self.in_features, "PackedLinear: gate/up size");
         self.forward_rows(ARows::SwiGlu(gate_up, self.in_features), m, y, accumulate, true)

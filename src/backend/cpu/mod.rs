@@ -252,16 +252,22 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
                 }
             }
         };
+        let mut tmp = Vec::new();
         for (s, seg) in batch.segments().iter().enumerate() {
             let r = batch.range(s);
-            x.storage_mut()[r.start * stride..r.end * stride].par_chunks_mut(ROWS * stride).enumerate().for_each_init(
-                Vec::new,
-                |tmp, (c, rows)| {
-                    for (i, row) in rows.chunks_exact_mut(stride).enumerate() {
-                        rotate(tmp, row, seg.pos0 + c * ROWS + i);
-                    }
-                },
-            );
+            let rows = &mut x.storage_mut()[r.start * stride..r.end * stride];
+            if r.len() <= ROWS {
+                // A short segment stays on this thread: handing it to the pool costs more.
+                for (i, row) in rows.chunks_exact_mut(stride).enumerate() {
+                    rotate(&mut tmp, row, seg.pos0 + i);
+                }
+                continue;
+            }
+            rows.par_chunks_mut(ROWS * stride).enumerate().for_each_init(Vec::new, |tmp, (c, rows)| {
+                for (i, row) in rows.chunks_exact_mut(stride).enumerate() {
+                    rotate(tmp, row, seg.pos0 + c * ROWS + i);
+                }
+            });
         }
     }
 

@@ -69,6 +69,7 @@ impl PanelSource for MappedRows {
 
 /// The vector transpose this CPU has.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 enum Simd {
     None,
     Avx2,
@@ -143,6 +144,10 @@ unsafe fn transpose_avx512(rows: &[*const f32], kc16: usize, out: *mut f32) {
 }
 
 /// Stores the transpose of the 16 rows `r` at `dst` (`ds` words apart).
+///
+/// # Safety
+/// The CPU has AVX-512F (the caller is compiled for it), and `dst` is
+/// writable for `15 · ds + 16` words.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) unsafe fn store16(r: [std::arch::x86_64::__m512i; 16], dst: *mut u32, ds: usize) {
