@@ -144,24 +144,21 @@ mod words {
         store16(r, dst, ds);
     }
 
-    /// 16 f32 rounded to bf16 as [`bf16_bits`] does (NaN kept quiet), in
-    /// the low half of each 32-bit lane.
+    /// Pair words `bits(x[i]) | bits(y[i]) << 16` of 16 values each: the
+    /// crate's one rounding rule ([`bf16_bits`]), vectorised by the compiler
+    /// in this AVX-512 context.
     #[inline(always)]
-    unsafe fn round16(v: __m512i) -> __m512i {
-        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(v), _mm512_set1_epi32(1));
-        let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(v, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))));
-        let nan = _mm512_or_si512(_mm512_srli_epi32::<16>(v), _mm512_set1_epi32(0x40));
-        let abs = _mm512_and_si512(v, _mm512_set1_epi32(0x7fff_ffff));
-        let is_nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
-        _mm512_mask_blend_epi32(is_nan, rounded, nan)
+    unsafe fn words16(x: *const f32, y: *const f32) -> __m512i {
+        let w: [u32; 16] = std::array::from_fn(|i| bf16_bits(*x.add(i)) as u32 | (bf16_bits(*y.add(i)) as u32) << 16);
+        _mm512_loadu_si512(w.as_ptr().cast())
     }
 
     /// The 32 f32 at `p` rounded to bf16, as 16 words `bits(2q) | bits(2q+1) << 16`.
     #[inline(always)]
     unsafe fn pair_words(p: *const f32) -> __m512i {
-        let lo = _mm512_cvtepi32_epi16(round16(_mm512_loadu_si512(p.cast())));
-        let hi = _mm512_cvtepi32_epi16(round16(_mm512_loadu_si512(p.add(16).cast())));
-        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        let w: [u32; 16] =
+            std::array::from_fn(|q| bf16_bits(*p.add(2 * q)) as u32 | (bf16_bits(*p.add(2 * q + 1)) as u32) << 16);
+        _mm512_loadu_si512(w.as_ptr().cast())
     }
 
     /// [`super::pack_b_bf16`] for `cs == 1` (depths contiguous: 16 × 32
@@ -197,9 +194,8 @@ mod words {
                 // Depth pair q: columns j0.. of depths 2q and 2q+1, interleaved.
                 for q in 0..pairs {
                     for h in 0..2 {
-                        let a = round16(_mm512_loadu_si512(s.add(2 * q * cs + j0 + 16 * h).cast()));
-                        let b = round16(_mm512_loadu_si512(s.add((2 * q + 1) * cs + j0 + 16 * h).cast()));
-                        let words = _mm512_or_si512(a, _mm512_slli_epi32::<16>(b));
+                        let at = j0 + 16 * h;
+                        let words = words16(s.add(2 * q * cs + at), s.add((2 * q + 1) * cs + at));
                         _mm512_storeu_si512(d.add(q * NR + 16 * h).cast(), words);
                     }
                 }
