@@ -36,6 +36,7 @@ impl Resident for Linear {
         let w = match &self.w {
             LinearWeight::Dense { w, .. } => w.len() * 4,
             LinearWeight::Mapped(m) => m.rows * m.cols * 4,
+            LinearWeight::MappedBf16(m) => m.rows * m.cols * 2,
             LinearWeight::Quant(q) => q.codes.len() + q.scales.len() * 4,
         };
         w + self.bias.as_ref().map_or(0, Vec::len) * 4
@@ -52,6 +53,7 @@ impl LinearInfo for Linear {
     fn held_as(&self) -> Option<QuantKind> {
         match &self.w {
             LinearWeight::Dense { .. } | LinearWeight::Mapped(_) => None,
+            LinearWeight::MappedBf16(_) => Some(QuantKind::Bf16),
             LinearWeight::Quant(q) => Some(q.kind),
         }
     }

@@ -427,8 +427,14 @@ impl Checkpoint {
                     .into(),
             }),
             _ if self.dtype(&weight) == Some(DType::BF16) => {
-                // Kept as bf16 (scale 1): decoded per tile like the quantised weights.
+                // Kept as bf16 (scale 1): in place in the mapping when aligned,
+                // else copied as codes; either way packed bit for bit.
                 let (bytes, _) = self.checked(&weight, &[out, inp])?;
+                // SAFETY: `keep` holds the mapping `bytes` lies in (or the bytes are 'static).
+                if let Some(m) = unsafe { MappedRows::new(bytes, inp, rows.clone(), cols.clone(), self.keep(&weight)) }
+                {
+                    return Ok(LinearWeight::MappedBf16(m));
+                }
                 let mut q = QuantRows::with_capacity(QuantKind::Bf16, rows.len(), cols.len(), vec![0, cols.len()]);
                 for r in rows {
                     q.codes.extend_from_slice(&bytes[(r * inp + cols.start) * 2..(r * inp + cols.end) * 2]);
@@ -440,12 +446,10 @@ impl Checkpoint {
                 let (bytes, dtype) = self.checked(&weight, &[out, inp])?;
                 if dtype == DType::F32 {
                     // f32 as stored: read in place, never copied.
-                    let keep = match &self.files[self.entry(&weight).expect("checked above").file].1 {
-                        Bytes::Mapped(m) => Some(Arc::clone(m) as Arc<dyn Send + Sync>),
-                        Bytes::Static(_) => None,
-                    };
                     // SAFETY: `keep` holds the mapping `bytes` lies in (or the bytes are 'static).
-                    if let Some(m) = unsafe { MappedRows::new(bytes, inp, rows.clone(), cols.clone(), keep) } {
+                    if let Some(m) =
+                        unsafe { MappedRows::new(bytes, inp, rows.clone(), cols.clone(), self.keep(&weight)) }
+                    {
                         return Ok(LinearWeight::Mapped(m));
                     }
                 }
@@ -453,6 +457,15 @@ impl Checkpoint {
                 let w = self.read_f32_block(&weight, &[out, inp], rows, cols)?;
                 Ok(LinearWeight::Dense { rows: r, cols: c, w })
             }
+        }
+    }
+
+    /// What keeps tensor `name`'s bytes alive: its file's mapping (`None`
+    /// for 'static bytes). `name` must have been found.
+    fn keep(&self, name: &str) -> Option<Arc<dyn Send + Sync>> {
+        match &self.files[self.entry(name).expect("a tensor found before").file].1 {
+            Bytes::Mapped(m) => Some(Arc::clone(m) as Arc<dyn Send + Sync>),
+            Bytes::Static(_) => None,
         }
     }
 

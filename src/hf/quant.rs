@@ -355,26 +355,40 @@ impl QuantRows {
     }
 }
 
-/// f32 weight rows read in place from a mapped checkpoint, never copied:
-/// where each output row's `cols` values start, and the mappings that hold
-/// them. A tensor-parallel block or a fused gate/up is just a different list
-/// of row starts.
-#[derive(Clone)]
-pub struct MappedRows {
+/// Weight rows read in place from a mapped checkpoint, never copied: where
+/// each output row's `cols` values (`T`: f32, or bf16 bits as `u16`) start,
+/// and the mappings that hold them. A tensor-parallel block or a fused
+/// gate/up is just a different list of row starts.
+pub struct MappedRows<T> {
     /// Output rows.
     pub rows: usize,
     /// Input columns.
     pub cols: usize,
-    // [rows] addresses of each row's first value (f32-aligned, `cols` readable).
+    // [rows] addresses of each row's first value (`T`-aligned, `cols` readable).
     starts: Vec<usize>,
     // Keeps the mapped files alive (empty for 'static bytes).
     keep: Vec<Arc<dyn Send + Sync>>,
+    _elem: std::marker::PhantomData<T>,
 }
 
-impl MappedRows {
-    /// Rows `rows` × columns `cols` of the row-major f32 tensor of `width`
-    /// columns in `bytes`, kept alive by `keep`. `None` when the bytes are not
-    /// f32-aligned (the caller copies instead).
+// Derived `Clone` would ask `T: Clone` for a list of addresses.
+impl<T> Clone for MappedRows<T> {
+    fn clone(&self) -> Self {
+        MappedRows {
+            rows: self.rows,
+            cols: self.cols,
+            starts: self.starts.clone(),
+            keep: self.keep.clone(),
+            _elem: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<T: Copy> MappedRows<T> {
+    /// Rows `rows` × columns `cols` of the row-major little-endian tensor of
+    /// `width` columns of `T` in `bytes`, kept alive by `keep`. `None` when
+    /// the bytes are not aligned for `T`, or the CPU is big-endian (the
+    /// caller copies instead).
     ///
     /// # Safety
     /// `bytes` must stay valid and unchanged for as long as the result (or a
@@ -386,43 +400,71 @@ impl MappedRows {
         cols: std::ops::Range<usize>,
         keep: Option<Arc<dyn Send + Sync>>,
     ) -> Option<Self> {
-        let base = bytes.as_ptr() as usize;
-        if !base.is_multiple_of(std::mem::align_of::<f32>()) || cfg!(target_endian = "big") {
+        let (base, size) = (bytes.as_ptr() as usize, std::mem::size_of::<T>());
+        if !base.is_multiple_of(std::mem::align_of::<T>()) || cfg!(target_endian = "big") {
             return None;
         }
-        let need = rows.end.checked_mul(width).and_then(|v| v.checked_mul(4));
+        let need = rows.end.checked_mul(width).and_then(|v| v.checked_mul(size));
         assert!(need.is_some_and(|n| n <= bytes.len()) && cols.end <= width, "mapped block outside its tensor");
-        let starts = rows.clone().map(|r| base + (r * width + cols.start) * 4).collect();
-        Some(MappedRows { rows: rows.len(), cols: cols.len(), starts, keep: keep.into_iter().collect() })
+        let starts = rows.clone().map(|r| base + (r * width + cols.start) * size).collect();
+        let keep = keep.into_iter().collect();
+        Some(MappedRows { rows: rows.len(), cols: cols.len(), starts, keep, _elem: std::marker::PhantomData })
     }
 
     /// Where output row `r`'s `cols` values start.
-    pub(crate) fn start(&self, r: usize) -> *const f32 {
-        self.starts[r] as *const f32
+    pub(crate) fn start(&self, r: usize) -> *const T {
+        self.starts[r] as *const T
     }
 
     /// Output row `r`'s values.
-    pub fn row(&self, r: usize) -> &[f32] {
-        // SAFETY: `new` checked that each start is f32-aligned with `cols`
+    pub fn row(&self, r: usize) -> &[T] {
+        // SAFETY: `new` checked that each start is aligned for `T` with `cols`
         // values inside a mapping that `keep` (or 'static) holds for our lifetime.
-        unsafe { std::slice::from_raw_parts(self.starts[r] as *const f32, self.cols) }
+        unsafe { std::slice::from_raw_parts(self.start(r), self.cols) }
     }
 
     /// The rows as one `[rows][cols]` vector (a copy).
-    pub fn to_vec(&self) -> Vec<f32> {
+    pub fn to_vec(&self) -> Vec<T> {
         let mut w = Vec::with_capacity(self.rows * self.cols);
         (0..self.rows).for_each(|r| w.extend_from_slice(self.row(r)));
         w
     }
-}
 
-impl std::fmt::Debug for MappedRows {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "MappedRows {{ rows: {}, cols: {} }}", self.rows, self.cols)
+    /// These rows followed by `other`'s (a fused gate/up): still in place.
+    fn append(&mut self, other: MappedRows<T>) {
+        assert_eq!(self.cols, other.cols, "stacked weights must share their input width");
+        self.rows += other.rows;
+        self.starts.extend_from_slice(&other.starts);
+        self.keep.extend(other.keep);
     }
 }
 
-impl PartialEq for MappedRows {
+impl MappedRows<u16> {
+    /// The exact f32 value of row `r`'s bf16 weights into `out`.
+    pub fn widen_row(&self, r: usize, out: &mut [f32]) {
+        for (o, &b) in out.iter_mut().zip(self.row(r)) {
+            *o = f32::from_bits((b as u32) << 16);
+        }
+    }
+
+    /// The rows as bf16 codes (scale 1), copied.
+    pub fn to_quant_rows(&self) -> QuantRows {
+        let mut q = QuantRows::with_capacity(QuantKind::Bf16, self.rows, self.cols, vec![0, self.cols]);
+        for r in 0..self.rows {
+            q.codes.extend(self.row(r).iter().flat_map(|b| b.to_le_bytes()));
+            q.scales.push(1.0);
+        }
+        q
+    }
+}
+
+impl<T> std::fmt::Debug for MappedRows<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MappedRows<{}> {{ rows: {}, cols: {} }}", std::any::type_name::<T>(), self.rows, self.cols)
+    }
+}
+
+impl<T: Copy + PartialEq> PartialEq for MappedRows<T> {
     fn eq(&self, other: &Self) -> bool {
         (self.rows, self.cols) == (other.rows, other.cols) && (0..self.rows).all(|r| self.row(r) == other.row(r))
     }
@@ -441,7 +483,9 @@ pub enum LinearWeight {
         w: Vec<f32>,
     },
     /// f32 rows in place in the mapped checkpoint.
-    Mapped(MappedRows),
+    Mapped(MappedRows<f32>),
+    /// bf16 rows (the bits, scale 1) in place in the mapped checkpoint.
+    MappedBf16(MappedRows<u16>),
     /// Codes and scales.
     Quant(QuantRows),
 }
@@ -452,6 +496,7 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense { rows, .. } => *rows,
             LinearWeight::Mapped(m) => m.rows,
+            LinearWeight::MappedBf16(m) => m.rows,
             LinearWeight::Quant(q) => q.rows,
         }
     }
@@ -461,6 +506,7 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense { cols, .. } => *cols,
             LinearWeight::Mapped(m) => m.cols,
+            LinearWeight::MappedBf16(m) => m.cols,
             LinearWeight::Quant(q) => q.cols,
         }
     }
@@ -470,6 +516,7 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense { cols, w, .. } => out.copy_from_slice(&w[r * cols..(r + 1) * cols]),
             LinearWeight::Mapped(m) => out.copy_from_slice(m.row(r)),
+            LinearWeight::MappedBf16(m) => m.widen_row(r, out),
             LinearWeight::Quant(q) => q.dequantize_row(r, out),
         }
     }
@@ -498,17 +545,24 @@ impl LinearWeight {
             }
             return LinearWeight::Quant(out);
         }
+        // All in place, of one dtype: the row lists are joined.
         if !parts.is_empty() && parts.iter().all(|p| matches!(p, LinearWeight::Mapped(_))) {
-            // Still in place: the row lists are joined.
-            let mut out = MappedRows { rows: 0, cols, starts: Vec::new(), keep: Vec::new() };
-            for p in parts {
-                if let LinearWeight::Mapped(m) = p {
-                    out.rows += m.rows;
-                    out.starts.extend_from_slice(&m.starts);
-                    out.keep.extend(m.keep);
-                }
-            }
+            let mut parts = parts.into_iter().map(|p| match p {
+                LinearWeight::Mapped(m) => m,
+                _ => unreachable!("checked above"),
+            });
+            let mut out = parts.next().expect("not empty");
+            parts.for_each(|m| out.append(m));
             return LinearWeight::Mapped(out);
+        }
+        if !parts.is_empty() && parts.iter().all(|p| matches!(p, LinearWeight::MappedBf16(_))) {
+            let mut parts = parts.into_iter().map(|p| match p {
+                LinearWeight::MappedBf16(m) => m,
+                _ => unreachable!("checked above"),
+            });
+            let mut out = parts.next().expect("not empty");
+            parts.for_each(|m| out.append(m));
+            return LinearWeight::MappedBf16(out);
         }
         let total: usize = parts.iter().map(LinearWeight::rows).sum();
         let mut w: Vec<f32> = Vec::new();
@@ -521,6 +575,9 @@ impl LinearWeight {
                 }
                 LinearWeight::Dense { w: d, .. } => w.extend_from_slice(&d),
                 LinearWeight::Mapped(m) => (0..m.rows).for_each(|r| w.extend_from_slice(m.row(r))),
+                LinearWeight::MappedBf16(m) => {
+                    (0..m.rows).for_each(|r| w.extend(m.row(r).iter().map(|&b| f32::from_bits((b as u32) << 16))))
+                }
                 LinearWeight::Quant(q) => w.extend_from_slice(&q.dequantize()),
             }
         }

@@ -172,8 +172,12 @@ fn encode_bf16(src: &[f32], dst: &mut [std::mem::MaybeUninit<u8>]) {
     // byte, so it cannot be viewed as u16).
     let mut chunks = dst.chunks_exact_mut(32);
     for (d, s) in (&mut chunks).zip(src.chunks_exact(16)) {
-        let w: [u16; 16] = std::array::from_fn(|i| bf16_bits(s[i]));
-        let bytes: [[u8; 2]; 16] = w.map(u16::to_le_bytes);
+        // A plain loop: an `array::from_fn` closure would not inherit the
+        // caller's AVX-512, and stayed a call.
+        let mut bytes = [[0u8; 2]; 16];
+        for (b, v) in bytes.iter_mut().zip(s) {
+            *b = bf16_bits(*v).to_le_bytes();
+        }
         write_bytes(d, bytes.as_flattened());
     }
     let rest = src.len() / 16 * 16;

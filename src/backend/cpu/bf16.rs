@@ -22,9 +22,9 @@
 //! manifest records the path.
 
 use super::gemm::{pack_strips, Path, TileInit};
-use super::panels::{zeroed_panels, InPlace, PanelSource, MR, NR};
+use super::panels::{zeroed, InPlace, PanelSource, MR, NR};
 use super::quant_panels::QuantPanels;
-use crate::hf::quant::{QuantKind, QuantRows};
+use crate::hf::quant::{MappedRows, QuantKind, QuantRows};
 use crate::shape::bf16_bits;
 use rayon::prelude::*;
 
@@ -56,20 +56,38 @@ impl Bf16Panels {
         assert_eq!(q.kind, QuantKind::Bf16, "Bf16Panels: bf16 codes");
         let (n, k) = (q.rows, q.cols);
         assert_eq!(q.codes.len(), 2 * n * k, "Bf16Panels: code bytes");
+        Self::from_code_rows(n, k, |j| &q.codes[j * 2 * k..][..2 * k])
+    }
+
+    /// Packs bf16 rows in place in a mapped checkpoint without changing a
+    /// bit: the checkpoint's bytes are read once, straight into the panels.
+    pub fn from_mapped(m: &MappedRows<u16>) -> Self {
+        Self::from_code_rows(m.rows, m.cols, |j| {
+            let row = m.row(j);
+            // SAFETY: the same memory viewed as bytes (u8 has no alignment).
+            unsafe { std::slice::from_raw_parts(row.as_ptr().cast::<u8>(), 2 * row.len()) }
+        })
+    }
+
+    /// Packs `n` rows of `k` little-endian bf16 codes, row `j`'s `2k` bytes
+    /// being `row(j)`.
+    fn from_code_rows<'a>(n: usize, k: usize, row: impl Fn(usize) -> &'a [u8] + Sync) -> Self {
         let kpad = k.next_multiple_of(2);
         // A pair of depths is 4 bytes in a row and one u32 in a panel: the
         // packing is a transpose of u32 words (the last, odd depth alone).
-        let mut data = zeroed_panels(n.div_ceil(NR) * kpad * NR);
+        let mut data = zeroed(n.div_ceil(NR) * kpad * NR);
         let pairs = k / 2;
         // Panels are independent: the load's largest step runs on every thread.
         data.par_chunks_exact_mut(kpad * NR).enumerate().for_each(|(pi, panel)| {
             let j0 = pi * NR;
             let w = NR.min(n - j0);
+            let row = |jj: usize| row(j0 + jj);
             // 16 × 16 blocks of words transposed in registers where the CPU
             // can; `done` pairs of the first `full` columns are then in place.
-            let (full, done) = transpose_blocks(&q.codes[j0 * 2 * k..], 2 * k, w, pairs, panel);
+            let (full, done) = transpose_blocks(&row, w, pairs, panel);
             for jj in 0..w {
-                let row = &q.codes[(j0 + jj) * 2 * k..][..2 * k];
+                let row = row(jj);
+                assert_eq!(row.len(), 2 * k, "Bf16Panels: code bytes of a row");
                 let skip = if jj < full { done } else { 0 };
                 for (qi, pair) in row.chunks_exact(4).enumerate().take(pairs).skip(skip) {
                     let at = qi * 2 * NR + 2 * jj;
@@ -106,22 +124,28 @@ pub(crate) fn pack_b_bf16(src: &[f32], n: usize, k: usize, rs: usize, cs: usize,
     pack_pairs(n, k, rs, cs, |i| bf16_bits(src[i]), out)
 }
 
-/// Transposes whole 16 × 16 blocks of 4-byte words from `w` rows (`stride`
-/// bytes apart, from `rows[0]`) of `pairs` words each into `panel`'s pair
-/// words (`[pairs][NR]`). Returns how many leading columns (`full`) had
-/// how many leading pairs (`done`) moved; the caller moves the rest.
+/// Transposes whole 16 × 16 blocks of 4-byte words from `w` rows (`row(j)`,
+/// `pairs` words each) into `panel`'s pair words (`[pairs][NR]`). Returns
+/// how many leading columns (`full`) had how many leading pairs (`done`)
+/// moved; the caller moves the rest.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-fn transpose_blocks(rows: &[u8], stride: usize, w: usize, pairs: usize, panel: &mut [u16]) -> (usize, usize) {
+fn transpose_blocks<'a>(row: &dyn Fn(usize) -> &'a [u8], w: usize, pairs: usize, panel: &mut [u16]) -> (usize, usize) {
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512f") {
         let (full, done) = (w / 16 * 16, pairs / 16 * 16);
         for jb in (0..full).step_by(16) {
+            let mut rows = [std::ptr::null::<u8>(); 16];
+            for (i, r) in rows.iter_mut().enumerate() {
+                let bytes = row(jb + i);
+                // In bounds: each row holds `pairs` words.
+                assert!(bytes.len() >= 4 * done, "transpose_blocks: row length");
+                *r = bytes.as_ptr();
+            }
             for qb in (0..done).step_by(16) {
-                // In bounds: rows jb..jb+16 exist and each holds `pairs` words.
-                let src = &rows[jb * stride + qb * 4..][..15 * stride + 64];
                 let dst = &mut panel[(qb * NR + jb) * 2..][..(15 * NR + 16) * 2];
-                // SAFETY: the CPU has AVX-512F; both slices cover the block.
-                unsafe { words::transpose16(src.as_ptr(), stride, dst.as_mut_ptr().cast(), NR) };
+                // SAFETY: the CPU has AVX-512F; rows hold words `qb..qb + 16`
+                // (checked above) and `dst` covers the block.
+                unsafe { words::transpose16(&rows, 4 * qb, dst.as_mut_ptr().cast(), NR) };
             }
         }
         return (full, done);
@@ -136,11 +160,16 @@ mod words {
     use super::{bf16_bits, fill_pairs, NR};
     use std::arch::x86_64::*;
 
-    /// `dst[c · ds + r] = word c of row r` (rows `ss` bytes apart at `src`;
-    /// `dst` in words, unaligned). Three rounds of unpacks and lane shuffles.
+    /// `dst[c · ds + r] = word c of row r` (row r's 16 words at byte `at`
+    /// of `rows[r]`; `dst` in words, unaligned). Three rounds of unpacks and
+    /// lane shuffles.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn transpose16(src: *const u8, ss: usize, dst: *mut u32, ds: usize) {
-        let r: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(src.add(i * ss).cast()));
+    pub(super) unsafe fn transpose16(rows: &[*const u8; 16], at: usize, dst: *mut u32, ds: usize) {
+        // A plain loop: an `array::from_fn` closure would not inherit AVX-512.
+        let mut r = [_mm512_setzero_si512(); 16];
+        for (r, src) in r.iter_mut().zip(rows) {
+            *r = _mm512_loadu_si512(src.add(at).cast());
+        }
         store16(r, dst, ds);
     }
 
@@ -149,15 +178,20 @@ mod words {
     /// in this AVX-512 context.
     #[inline(always)]
     unsafe fn words16(x: *const f32, y: *const f32) -> __m512i {
-        let w: [u32; 16] = std::array::from_fn(|i| bf16_bits(*x.add(i)) as u32 | (bf16_bits(*y.add(i)) as u32) << 16);
+        let mut w = [0u32; 16];
+        for (i, w) in w.iter_mut().enumerate() {
+            *w = bf16_bits(*x.add(i)) as u32 | (bf16_bits(*y.add(i)) as u32) << 16;
+        }
         _mm512_loadu_si512(w.as_ptr().cast())
     }
 
     /// The 32 f32 at `p` rounded to bf16, as 16 words `bits(2q) | bits(2q+1) << 16`.
     #[inline(always)]
     unsafe fn pair_words(p: *const f32) -> __m512i {
-        let w: [u32; 16] =
-            std::array::from_fn(|q| bf16_bits(*p.add(2 * q)) as u32 | (bf16_bits(*p.add(2 * q + 1)) as u32) << 16);
+        let mut w = [0u32; 16];
+        for (q, w) in w.iter_mut().enumerate() {
+            *w = bf16_bits(*p.add(2 * q)) as u32 | (bf16_bits(*p.add(2 * q + 1)) as u32) << 16;
+        }
         _mm512_loadu_si512(w.as_ptr().cast())
     }
 
@@ -185,7 +219,10 @@ mod words {
             if cs == 1 {
                 for jb in (0..w / 16 * 16).step_by(16) {
                     for qb in (0..pairs / 16 * 16).step_by(16) {
-                        let r = std::array::from_fn(|i| pair_words(s.add((j0 + jb + i) * rs + 2 * qb)));
+                        let mut r = [_mm512_setzero_si512(); 16];
+                        for (i, r) in r.iter_mut().enumerate() {
+                            *r = pair_words(s.add((j0 + jb + i) * rs + 2 * qb));
+                        }
                         store16(r, d.add(qb * NR + jb), NR);
                     }
                 }
@@ -1143,6 +1180,35 @@ mod tests {
             let q = QuantRows { kind: QuantKind::Bf16, rows: n, cols: k, codes, seg: vec![0, k], scales: vec![1.0; n] };
             assert_eq!(Bf16Panels::from_bf16_rows(&q).data, Bf16Panels::from_f32(&w, n, k).data, "n {n} k {k}");
         }
+    }
+
+    #[test]
+    fn bf16_rows_in_place_pack_like_their_copied_codes() {
+        use crate::hf::quant::{LinearWeight, MappedRows};
+        use std::sync::Arc;
+        // A [70, 301] bf16 tensor as a checkpoint holds it; a block of its
+        // rows and columns (a tensor-parallel rank's), stacked with another
+        // block (a fused gate/up), against the same codes copied.
+        let (rows, width) = (70, 301);
+        let t: Arc<Vec<u16>> = Arc::new(rand(rows * width, 12).iter().map(|v| bf16_bits(*v)).collect());
+        let bytes: &[u8] = bytemuck::cast_slice(&t[..]);
+        let keep = || Some(Arc::clone(&t) as Arc<dyn Send + Sync>);
+        for cols in [11..272, 0..301, 5..6] {
+            // SAFETY: `keep` holds the tensor the bytes view.
+            let a = unsafe { MappedRows::<u16>::new(bytes, width, 3..40, cols.clone(), keep()) }.unwrap();
+            let b = unsafe { MappedRows::<u16>::new(bytes, width, 50..70, cols.clone(), keep()) }.unwrap();
+            let LinearWeight::MappedBf16(m) =
+                LinearWeight::stack(vec![LinearWeight::MappedBf16(a), LinearWeight::MappedBf16(b)])
+            else {
+                panic!("mapped bf16 blocks must stack in place")
+            };
+            assert_eq!(m.rows, 57);
+            let q = m.to_quant_rows();
+            assert_eq!(q.codes[..2], t[3 * width + cols.start].to_le_bytes(), "first code");
+            assert_eq!(Bf16Panels::from_mapped(&m).data, Bf16Panels::from_bf16_rows(&q).data, "cols {cols:?}");
+        }
+        // A misaligned view is refused (the checkpoint then copies).
+        assert!(unsafe { MappedRows::<u16>::new(&bytes[1..], width, 0..1, 0..4, None) }.is_none());
     }
 
     #[test]

@@ -654,9 +654,15 @@ pub(crate) mod avx2 {
             if n == MR {
                 let dst = strip.as_mut_ptr();
                 for g in 0..MR / 4 {
-                    let rs: [&[f32]; 4] = std::array::from_fn(|i| row(4 * g + i));
+                    let rs = [row(4 * g), row(4 * g + 1), row(4 * g + 2), row(4 * g + 3)];
                     for p in (0..kc8).step_by(8) {
-                        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(rs[i].as_ptr().add(p)));
+                        // Not `array::from_fn`/`map`: closures do not inherit AVX2.
+                        let v = [
+                            _mm256_loadu_ps(rs[0].as_ptr().add(p)),
+                            _mm256_loadu_ps(rs[1].as_ptr().add(p)),
+                            _mm256_loadu_ps(rs[2].as_ptr().add(p)),
+                            _mm256_loadu_ps(rs[3].as_ptr().add(p)),
+                        ];
                         let t0 = _mm256_unpacklo_ps(v[0], v[1]);
                         let t1 = _mm256_unpackhi_ps(v[0], v[1]);
                         let t2 = _mm256_unpacklo_ps(v[2], v[3]);
@@ -740,7 +746,7 @@ pub(crate) mod avx2 {
 /// tile, or (for bf16 compute) bf16 pair panels and quantised ones decoded to bf16.
 enum Panels {
     F32(Vec<f32>),
-    Mapped(MappedRows),
+    Mapped(MappedRows<f32>),
     Quant(QuantPanels),
     Bf16(Bf16Panels),
     QuantBf16(QuantPanels),
@@ -799,6 +805,12 @@ impl PackedLinear {
                 Self::with_panels(Panels::Mapped(m), rows, cols, bias)
             }
             (LinearWeight::Mapped(m), Compute::Bf16) => Self::new_for(&m.to_vec(), m.rows, m.cols, bias, compute),
+            (LinearWeight::MappedBf16(m), Compute::F32) => {
+                Self::from_weight_for(LinearWeight::Quant(m.to_quant_rows()), bias, compute)
+            }
+            (LinearWeight::MappedBf16(m), Compute::Bf16) => {
+                Self::with_panels(Panels::Bf16(Bf16Panels::from_mapped(&m)), m.rows, m.cols, bias)
+            }
             (LinearWeight::Quant(q), Compute::F32) => {
                 Self::with_panels(Panels::Quant(QuantPanels::pack(&q)), q.rows, q.cols, bias)
             }
@@ -1033,7 +1045,7 @@ mod tests {
             }
         }
         // Unaligned bytes are refused (the checkpoint then copies).
-        assert!(unsafe { MappedRows::new(&bytes[1..], width, 0..1, 0..4, None) }.is_none());
+        assert!(unsafe { MappedRows::<f32>::new(&bytes[1..], width, 0..1, 0..4, None) }.is_none());
     }
 
     #[test]

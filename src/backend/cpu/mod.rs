@@ -138,7 +138,7 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
     }
 
     fn alloc(&self, len: usize) -> Vec<f32> {
-        vec![0f32; len]
+        panels::zeroed(len)
     }
 
     fn realloc(&self, s: &mut Vec<f32>, len: usize) {
@@ -146,7 +146,7 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
             // A fresh zeroed allocation instead of a fill pass: the kernel maps
             // its pages as they are first written (and never, for a buffer a
             // fused op leaves unused).
-            *s = vec![0f32; len];
+            *s = panels::zeroed(len);
         } else {
             s.resize(len, 0.0);
         }

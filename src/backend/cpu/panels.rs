@@ -47,7 +47,7 @@ pub fn pack_b(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut V
 /// block), so an f32 checkpoint is never copied into packed panels. (Blocks
 /// twice as tall halve the transposes but were slower on the dense bench
 /// model: a k-block of A then no longer stays in a 512 KiB L2.)
-impl PanelSource for MappedRows {
+impl PanelSource for MappedRows<f32> {
     type Elem = f32;
     const MC: usize = MC;
 
@@ -136,9 +136,14 @@ unsafe fn transpose_rows(rows: &[*const f32], kc: usize, out: *mut f32, simd: Si
 #[target_feature(enable = "avx512f")]
 unsafe fn transpose_avx512(rows: &[*const f32], kc16: usize, out: *mut f32) {
     use std::arch::x86_64::*;
-    let r: [*const f32; 16] = std::array::from_fn(|i| rows[i]);
+    let r = &rows[..16];
     for p in (0..kc16).step_by(16) {
-        let v: [__m512i; 16] = std::array::from_fn(|i| _mm512_loadu_si512(r[i].add(p).cast()));
+        // Plain loops, not `array::from_fn`: its closure does not inherit
+        // this function's target features, so the intrinsics were calls.
+        let mut v = [_mm512_setzero_si512(); 16];
+        for (v, r) in v.iter_mut().zip(r) {
+            *v = _mm512_loadu_si512(r.add(p).cast());
+        }
         store16(v, out.add(p * NR).cast(), NR);
     }
 }
@@ -149,28 +154,25 @@ unsafe fn transpose_avx512(rows: &[*const f32], kc16: usize, out: *mut f32) {
 /// The CPU has AVX-512F (the caller is compiled for it), and `dst` is
 /// writable for `15 · ds + 16` words.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
+#[target_feature(enable = "avx512f")]
+#[inline]
 pub(crate) unsafe fn store16(r: [std::arch::x86_64::__m512i; 16], dst: *mut u32, ds: usize) {
     use std::arch::x86_64::*;
     // Words of rows 2i, 2i+1 interleaved; then 4 rows' words per 128-bit lane.
-    let t: [__m512i; 16] = std::array::from_fn(|i| {
-        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
-        if i % 2 == 0 {
-            _mm512_unpacklo_epi32(a, b)
-        } else {
-            _mm512_unpackhi_epi32(a, b)
-        }
-    });
+    // (Plain loops: an `array::from_fn` closure would not inherit AVX-512.)
+    let mut t = [_mm512_setzero_si512(); 16];
+    for i in (0..16).step_by(2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
     // u[4g + j]: rows 4g..4g+4 of columns 4l + j in lane l.
-    let u: [__m512i; 16] = std::array::from_fn(|i| {
-        let (g, j) = (i / 4, i % 4);
-        let (a, b) = (t[4 * g + j / 2], t[4 * g + 2 + j / 2]);
-        if j % 2 == 0 {
-            _mm512_unpacklo_epi64(a, b)
-        } else {
-            _mm512_unpackhi_epi64(a, b)
+    let mut u = [_mm512_setzero_si512(); 16];
+    for g in 0..4 {
+        for j in 0..4 {
+            let (a, b) = (t[4 * g + j / 2], t[4 * g + 2 + j / 2]);
+            u[4 * g + j] = if j % 2 == 0 { _mm512_unpacklo_epi64(a, b) } else { _mm512_unpackhi_epi64(a, b) };
         }
-    });
+    }
     for j in 0..4 {
         let v = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[j], u[4 + j]);
         let w = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[j], u[4 + j]);
@@ -189,9 +191,12 @@ pub(crate) unsafe fn store16(r: [std::arch::x86_64::__m512i; 16], dst: *mut u32,
 #[target_feature(enable = "avx2")]
 unsafe fn transpose_avx2(rows: &[*const f32], kc8: usize, out: *mut f32) {
     use std::arch::x86_64::*;
-    let r: [*const f32; 8] = std::array::from_fn(|i| rows[i]);
+    let r = &rows[..8];
     for p in (0..kc8).step_by(8) {
-        let v: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(r[i].add(p)));
+        let mut v = [_mm256_setzero_ps(); 8];
+        for (v, r) in v.iter_mut().zip(r) {
+            *v = _mm256_loadu_ps(r.add(p));
+        }
         let t0 = _mm256_unpacklo_ps(v[0], v[1]);
         let t1 = _mm256_unpackhi_ps(v[0], v[1]);
         let t2 = _mm256_unpacklo_ps(v[2], v[3]);
@@ -225,14 +230,16 @@ unsafe fn transpose_avx2(rows: &[*const f32], kc8: usize, out: *mut f32) {
     }
 }
 
-/// A zeroed buffer of `len` bf16 codes for weight panels. Above 4 MiB, Linux
-/// is asked (`MADV_HUGEPAGE`) to back it with 2 MiB pages before it is first
-/// written: a model's panels are hundreds of MB, and faulting them in 4 KiB
-/// at a time cost about as much as packing them.
-pub(crate) fn zeroed_panels(len: usize) -> Vec<u16> {
-    // `vec![0; n]` of an integer is a zeroed allocation: no page is touched yet.
-    let v = vec![0u16; len];
-    let bytes = len * 2;
+/// A zeroed buffer of `len` values (weight panels, activations). Above
+/// 4 MiB, Linux is asked (`MADV_HUGEPAGE`) to back it with 2 MiB pages
+/// before it is first written: a model's panels are hundreds of MB, and
+/// faulting them in 4 KiB at a time cost about as much as packing them; an
+/// activation's rows lie kilobytes apart, so a GEMM's C tile otherwise
+/// touches a page per row.
+pub(crate) fn zeroed<T: Copy + Default>(len: usize) -> Vec<T> {
+    // `vec![0; n]` of a number is a zeroed allocation: no page is touched yet.
+    let v = vec![T::default(); len];
+    let bytes = std::mem::size_of_val(v.as_slice());
     #[cfg(target_os = "linux")]
     if bytes >= 4 << 20 {
         const HUGE: usize = 2 << 20;
