@@ -341,6 +341,22 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan);
     /// `out = x·Wᵀ + b`; a row-parallel layer's output is summed over ranks.
     fn linear_forward<W: Dim, V: Dim>(&self, l: &Self::Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>);
+    /// `out = rms_norm(x, w)·Wᵀ + b`: [`Self::rms_norm`] into `normed`, then
+    /// [`Self::linear_forward`]. A backend may fuse the norm into the GEMM's
+    /// reading of its input (same bits), leaving `normed` unwritten.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_linear_forward<W: Dim, V: Dim>(
+        &self,
+        l: &Self::Linear,
+        x: &Tensor<Self, W>,
+        w: &Self::Vector,
+        eps: f32,
+        normed: &mut Tensor<Self, W>,
+        out: &mut Tensor<Self, V>,
+    ) {
+        self.rms_norm(x.all(), w, eps, normed);
+        self.linear_forward(l, normed, out);
+    }
     /// `residual += x·Wᵀ + b` (fused into the GEMM where it can be).
     fn linear_add<W: Dim, V: Dim>(&self, l: &Self::Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>);
     /// `residual += swiglu(gate_up)·Wᵀ + b`: [`Self::swiglu`] into `act`, then

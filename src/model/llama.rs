@@ -140,12 +140,12 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    /// `x += o_proj(attn(rope(q), rope(k), v))` with `[q | k | v] = qkv_proj(h)`.
+    /// `x += o_proj(attn(rope(q), rope(k), v))` with `[q | k | v] = qkv_proj(norm(x))`.
     #[allow(clippy::too_many_arguments)]
     fn forward_add<H: Dim>(
         &self,
         b: &B,
-        h: &Tensor<B, H>,
+        norm: PreNorm<'_, B, H>,
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut AttnScratch<B>,
@@ -153,7 +153,7 @@ impl<B: Backend> Attention<B> {
         layer: usize,
     ) {
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
-        b.linear_forward(&self.qkv_proj, h, &mut s.qkv);
+        b.norm_linear_forward(&self.qkv_proj, x, norm.weight, norm.eps, norm.normed, &mut s.qkv);
         // q/k norm (Qwen3), then RoPE at each token's position within its sample.
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             b.rms_norm_heads(&mut s.qkv, HeadSpan::heads(0, nh, hd), qn, self.eps);
@@ -178,6 +178,16 @@ impl<B: Backend> Attention<B> {
             [&self.q_norm, &self.k_norm].iter().map(|n| n.as_ref().map_or(0, |n| n.resident_bytes())).sum::<usize>();
         self.qkv_proj.resident_bytes() + self.o_proj.resident_bytes() + norms
     }
+}
+
+/// The RMSNorm a block applies to the residual stream before its first
+/// projection (fused into it by backends that can), and the buffer the
+/// normalised rows go to when it is not.
+pub struct PreNorm<'a, B: Backend, H: Dim> {
+    weight: &'a B::Vector,
+    eps: f32,
+    /// `[T, H]`.
+    normed: &'a mut Tensor<B, H>,
 }
 
 /// The MLP (`mlp.*`) of this rank's share of the intermediate width.
@@ -219,9 +229,9 @@ impl<B: Backend> Mlp<B> {
         })
     }
 
-    /// `x += down_proj(silu(gate_proj(h)) · up_proj(h))`.
-    fn forward_add<H: Dim>(&self, b: &B, h: &Tensor<B, H>, x: &mut Tensor<B, H>, s: &mut MlpScratch<B>) {
-        b.linear_forward(&self.gate_up_proj, h, &mut s.gate_up);
+    /// `x += down_proj(silu(gate_proj(h)) · up_proj(h))` with `h = norm(x)`.
+    fn forward_add<H: Dim>(&self, b: &B, norm: PreNorm<'_, B, H>, x: &mut Tensor<B, H>, s: &mut MlpScratch<B>) {
+        b.norm_linear_forward(&self.gate_up_proj, x, norm.weight, norm.eps, norm.normed, &mut s.gate_up);
         b.swiglu_linear_add(&self.down_proj, &s.gate_up, &mut s.act, x);
     }
 
@@ -303,11 +313,11 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         index: usize,
     ) {
         // x += self_attn(input_layernorm(x))
-        b.rms_norm(x.all(), &self.input_layernorm, self.eps, &mut s.normed);
-        self.self_attn.forward_add(b, &s.normed, x, step, &mut s.attn, cache, index);
+        let norm = PreNorm { weight: &self.input_layernorm, eps: self.eps, normed: &mut s.normed };
+        self.self_attn.forward_add(b, norm, x, step, &mut s.attn, cache, index);
         // x += mlp(post_attention_layernorm(x))
-        b.rms_norm(x.all(), &self.post_attention_layernorm, self.eps, &mut s.normed);
-        self.mlp.forward_add(b, &s.normed, x, &mut s.mlp);
+        let norm = PreNorm { weight: &self.post_attention_layernorm, eps: self.eps, normed: &mut s.normed };
+        self.mlp.forward_add(b, norm, x, &mut s.mlp);
     }
 
     fn weight_bytes(&self) -> usize {

@@ -300,6 +300,7 @@ pub(crate) struct QuantAsBf16<'a>(pub(crate) &'a QuantPanels);
 impl PanelSource for QuantAsBf16<'_> {
     type Elem = u16;
     const MC: usize = <QuantPanels as PanelSource>::MC;
+    const REPACKS: bool = true;
     unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<u16>) -> *const u16 {
         let pairs = kc.div_ceil(2);
         buf.resize(pairs * 2 * NR, 0);
@@ -475,6 +476,11 @@ impl Path for TilePath {
     // depths (a dense bf16 run took 14% less time, although each step now
     // reads its B tile from L2 rather than L1: the kernel prefetches both).
     const KC: usize = 1 << 16;
+    // A whole-depth A block of 384 rows overflowed L2 (2 MiB on the Xeons
+    // with AMX) on the down projection (2816 deep), and the tiles then
+    // streamed from L3 for every panel: `benches/gemm`'s down shape ran
+    // 1.25 times faster at 1 MiB (160 rows), the shallower shapes unchanged.
+    const A_BYTES: usize = 1 << 20;
     const MR: usize = TILE_ROWS;
     const STRIPS: usize = 2;
     // The kernel prefetches each step's B lines one step ahead; the loop's

@@ -40,6 +40,18 @@ pub(crate) enum ARows<'a> {
     /// activations never go to memory. The same bits as
     /// [`super::ops::swiglu`] followed by a `Plain` GEMM.
     SwiGlu(&'a [f32], usize),
+    /// Row `i` is the RMSNorm of row `i` of `x` (`weight.len()` wide) by
+    /// `weight`, computed as A is packed, so the normalised rows never go to
+    /// memory. The same bits as [`super::ops::rms_norm`] then a `Plain` GEMM.
+    Norm { x: &'a [f32], weight: &'a [f32], eps: f32 },
+}
+
+/// Scratch of [`ARows::pack`]: one strip of computed rows, and the rows'
+/// `1 / rms` of a normalised block (found at its first k-block).
+#[derive(Default)]
+pub(crate) struct RowScratch {
+    strip: Vec<f32>,
+    inv: Vec<f32>,
 }
 
 impl<'a> ARows<'a> {
@@ -48,10 +60,12 @@ impl<'a> ARows<'a> {
         match self {
             ARows::Plain(a, lda) => ARows::Plain(&a[i0 * lda..], lda),
             ARows::SwiGlu(gu, inter) => ARows::SwiGlu(&gu[i0 * 2 * inter..], inter),
+            ARows::Norm { x, weight, eps } => ARows::Norm { x: &x[i0 * weight.len()..], weight, eps },
         }
     }
 
-    /// [`Path::pack_a`] of these rows; `tmp` holds one strip of SwiGLU rows.
+    /// [`Path::pack_a`] of these rows. The k-blocks of a row block are
+    /// packed in order from `p0 = 0`, with the same `tmp`.
     #[allow(clippy::too_many_arguments)]
     fn pack<P: Path>(
         self,
@@ -61,24 +75,39 @@ impl<'a> ARows<'a> {
         p0: usize,
         kc: usize,
         out: &mut Vec<P::A>,
-        tmp: &mut Vec<f32>,
+        tmp: &mut RowScratch,
     ) {
+        // Computed rows go through `tmp.strip` one strip at a time (strips
+        // are appended whole, so this is the layout of one call over all
+        // rows): `[MR][kc]` f32, from 6 KiB (f32, a 128-deep k-block) to
+        // about 1 MiB (AMX, the whole depth of a 14k-wide MLP), instead of
+        // `[T, width]` in memory.
+        let mut strips = |fill: &mut dyn FnMut(usize, &mut [f32])| {
+            tmp.strip.resize(P::MR * kc, 0.0);
+            for s0 in (0..rows).step_by(P::MR) {
+                let r = P::MR.min(rows - s0);
+                for (j, t) in tmp.strip.chunks_exact_mut(kc).take(r).enumerate() {
+                    fill(i0 + s0 + j, t);
+                }
+                path.pack_a(&tmp.strip, kc, 0, r, 0, kc, out);
+            }
+        };
         match self {
             ARows::Plain(a, lda) => path.pack_a(a, lda, i0, rows, p0, kc, out),
-            ARows::SwiGlu(gu, inter) => {
-                // One strip at a time (strips are appended whole, so this is
-                // the layout of one call over all rows): `[MR][kc]` f32, from
-                // 6 KiB (f32, a 128-deep k-block) to about 1 MiB (AMX, the
-                // whole depth of a 14k-wide MLP), instead of `[T, inter]` in memory.
-                tmp.resize(P::MR * kc, 0.0);
-                for s0 in (0..rows).step_by(P::MR) {
-                    let r = P::MR.min(rows - s0);
-                    for (j, t) in tmp.chunks_exact_mut(kc).take(r).enumerate() {
-                        let row = &gu[(i0 + s0 + j) * 2 * inter..][..2 * inter];
-                        super::ops::swiglu_into(&row[p0..p0 + kc], &row[inter + p0..inter + p0 + kc], t);
-                    }
-                    path.pack_a(tmp, kc, 0, r, 0, kc, out);
+            ARows::SwiGlu(gu, inter) => strips(&mut |i, t| {
+                let row = &gu[i * 2 * inter..][..2 * inter];
+                super::ops::swiglu_into(&row[p0..p0 + kc], &row[inter + p0..inter + p0 + kc], t);
+            }),
+            ARows::Norm { x, weight, eps } => {
+                let h = weight.len();
+                let row = |i: usize| &x[i * h..][..h];
+                if p0 == 0 {
+                    tmp.inv.clear();
+                    tmp.inv.extend((i0..i0 + rows).map(|i| super::ops::rms_inverse(row(i), eps)));
                 }
+                let inv = std::mem::take(&mut tmp.inv);
+                strips(&mut |i, t| super::ops::norm_into(&row(i)[p0..p0 + kc], inv[i - i0], &weight[p0..p0 + kc], t));
+                tmp.inv = inv;
             }
         }
     }
@@ -103,6 +132,9 @@ pub(crate) trait Path: Copy + Send + Sync {
     const MR: usize = MR;
     /// `MR`-row strips one kernel call takes (consecutive in packed A).
     const STRIPS: usize = 1;
+    /// Bytes of packed A (all k-blocks of a row block) to keep row blocks
+    /// under: for kernels that read A faster than L3 can feed it.
+    const A_BYTES: usize = usize::MAX;
     /// Whether the loop prefetches the next B tile into L2 while the kernel
     /// works on this one (for kernels that do not prefetch B themselves).
     const PREFETCH_NEXT: bool = true;
@@ -328,7 +360,7 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
     // instead of the whole `MC × n` block of C going round the caches once
     // per k-block.
     let kblocks = k.div_ceil(P::KC);
-    let mut swiglu_rows = Vec::new();
+    let mut computed = RowScratch::default();
     let mut i0 = 0;
     while i0 < m {
         let mc = S::MC.min(m - i0);
@@ -345,7 +377,7 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
         for (kb, off) in offsets.iter_mut().enumerate() {
             let p0 = kb * P::KC;
             *off = apack.len();
-            a.pack(path, i0, mc, p0, P::KC.min(k - p0), apack, &mut swiglu_rows);
+            a.pack(path, i0, mc, p0, P::KC.min(k - p0), apack, &mut computed);
         }
         for pi in panels.clone() {
             let j0 = pi * NR;
@@ -897,6 +929,15 @@ impl PackedLinear {
         self.forward_rows(ARows::SwiGlu(gate_up, self.in_features), m, y, accumulate, true)
     }
 
+    /// `y (+)= rms_norm(x)·Wᵀ + b` for `m` rows of `x` (`in_features` wide),
+    /// normalised by `weight` as the GEMM packs its input: the bits of
+    /// [`super::ops::rms_norm`] then [`Self::forward`].
+    pub fn forward_norm(&self, x: &[f32], m: usize, weight: &[f32], eps: f32, y: &mut [f32], accumulate: bool) {
+        assert_eq!(weight.len(), self.in_features, "PackedLinear: norm weight size");
+        assert_eq!(x.len(), m * self.in_features, "PackedLinear: input size");
+        self.forward_rows(ARows::Norm { x, weight, eps }, m, y, accumulate, true)
+    }
+
     fn forward_rows(&self, x: ARows, m: usize, y: &mut [f32], accumulate: bool, split: bool) {
         match &self.panels {
             Panels::F32(p) => {
@@ -936,7 +977,9 @@ impl PackedLinear {
         // rows would end in a call with one strip's rows and half its work.
         let unit = P::MR * P::STRIPS;
         let units = m.div_ceil(unit);
-        let mut row_blocks = units.div_ceil(S::MC / unit).max(1);
+        // Units per row block: `MC` rows, or fewer to keep A under the path's budget.
+        let rows = if S::REPACKS { S::MC } else { S::MC.min(P::A_BYTES / (k.max(1) * std::mem::size_of::<P::A>())) };
+        let mut row_blocks = units.div_ceil((rows / unit).max(1)).max(1);
         if row_blocks >= threads {
             row_blocks = row_blocks.next_multiple_of(threads);
         }
@@ -1150,6 +1193,33 @@ mod tests {
                     l.forward_swiglu(&gu, m, &mut got, accumulate);
                     let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "m {m} n {n} inter {inter} {compute:?} accumulate {accumulate}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_norm_gives_the_bits_of_the_two_steps() {
+        // Depths past one f32 k-block (300, 2900) exercise the per-row scale
+        // kept across k-blocks; 2900 also shortens the AMX row blocks.
+        for &(m, n, k) in &[(1, 16, 5), (37, 70, 300), (400, 33, 2900)] {
+            let w = rand(n * k, 3);
+            let x: Vec<f32> = rand(m * k, 4).iter().map(|v| v * 8.0).collect();
+            let norm = rand(k, 7);
+            let mut normed = vec![0f32; m * k];
+            super::super::ops::rms_norm(&x, &norm, 1e-6, &mut normed);
+            for compute in [Compute::F32, Compute::Bf16] {
+                let l = PackedLinear::from_weight_for(
+                    LinearWeight::Dense { rows: n, cols: k, w: w.clone() },
+                    Some(rand(n, 5)),
+                    compute,
+                );
+                for accumulate in [false, true] {
+                    let (mut want, mut got) = (rand(m * n, 6), rand(m * n, 6));
+                    l.forward(&normed, m, &mut want, accumulate);
+                    l.forward_norm(&x, m, &norm, 1e-6, &mut got, accumulate);
+                    let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "m {m} n {n} k {k} {compute:?} accumulate {accumulate}");
                 }
             }
         }

@@ -304,6 +304,27 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
+    fn norm_linear_forward<W: Dim, V: Dim>(
+        &self,
+        l: &Linear,
+        x: &Tensor<Self, W>,
+        w: &Vec<f32>,
+        eps: f32,
+        normed: &mut Tensor<Self, W>,
+        out: &mut Tensor<Self, V>,
+    ) {
+        check::rms_norm(&x.all(), w.len(), (normed.rows(), normed.width().size()));
+        check::linear(l, normed, out);
+        // The norm is fused into the GEMM's packing of A: `normed` is never written.
+        l.packed.forward_norm(x.storage(), x.rows(), w, eps, out.storage_mut(), false);
+        if l.kind == Parallel::Row {
+            self.all_reduce(out);
+            if let Some(b) = &l.post_bias {
+                add_bias(out.storage_mut(), b);
+            }
+        }
+    }
+
     fn linear_add<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
         check::linear(l, x, residual);
         let (Some(comm), Parallel::Row) = (&self.comm, l.kind) else {

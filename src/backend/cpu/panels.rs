@@ -50,6 +50,7 @@ pub fn pack_b(src: &[f32], n: usize, k: usize, rs: usize, cs: usize, out: &mut V
 impl PanelSource for MappedRows<f32> {
     type Elem = f32;
     const MC: usize = MC;
+    const REPACKS: bool = true;
 
     unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<f32>) -> *const f32 {
         let j0 = pi * NR;
@@ -260,6 +261,10 @@ pub(crate) trait PanelSource {
     type Elem;
     /// Rows of A per block: each B tile is fetched (or decoded) once per block.
     const MC: usize;
+    /// Whether each tile is decoded or transposed anew per row block: such
+    /// sources keep row blocks `MC` tall, which amortises that work, where
+    /// a path may otherwise shorten them ([`Path::A_BYTES`]).
+    const REPACKS: bool = false;
     /// The tile of panel `pi` at depths `p0..p0+kc` (`k` in all).
     ///
     /// # Safety

@@ -212,6 +212,7 @@ impl PanelSource for QuantPanels {
     // Each tile is decoded once per row block of MC rows (taller blocks
     // would no longer keep a k-block of A in L2).
     const MC: usize = MC;
+    const REPACKS: bool = true;
     unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, _k: usize, buf: &mut Vec<f32>) -> *const f32 {
         buf.resize(kc * NR, 0.0);
         self.decode_tile(pi, p0, kc, buf);
