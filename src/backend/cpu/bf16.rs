@@ -558,7 +558,21 @@ fn pack_tile_strips(a: &[f32], lda: usize, i0: usize, rows: usize, p0: usize, kc
         for r in 0..TILE_ROWS {
             let i = s * TILE_ROWS + r;
             let row = (i < rows).then(|| &a[(i0 + i) * lda + p0..][..kc]);
-            for t in 0..slabs {
+            let whole = row.map_or(0, |_| kc / TILE_DEPTH);
+            if let Some(row) = row {
+                // Whole slabs as fixed-size arrays: straight-line vector code,
+                // no per-slab tail handling (the loop's overhead had rivalled
+                // the rounding itself).
+                let (slabs_in, _) = row.as_chunks::<TILE_DEPTH>();
+                for (t, src) in slabs_in.iter().enumerate() {
+                    let dst: &mut [MaybeUninit<u16>; TILE_DEPTH] =
+                        (&mut strip[(t * TILE_ROWS + r) * TILE_DEPTH..][..TILE_DEPTH]).try_into().expect("a slab row");
+                    for (d, v) in dst.iter_mut().zip(src) {
+                        d.write(bf16_bits(*v));
+                    }
+                }
+            }
+            for t in whole..slabs {
                 let dst = &mut strip[(t * TILE_ROWS + r) * TILE_DEPTH..][..TILE_DEPTH];
                 let src = row.map_or(&[][..], |row| &row[t * TILE_DEPTH..kc.min((t + 1) * TILE_DEPTH)]);
                 for (d, v) in dst.iter_mut().zip(src) {
