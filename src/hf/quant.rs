@@ -392,7 +392,8 @@ impl<T: Copy> MappedRows<T> {
     ///
     /// # Safety
     /// `bytes` must stay valid and unchanged for as long as the result (or a
-    /// clone or stack of it) lives: owned by `keep`, or `'static`.
+    /// clone or stack of it) lives: owned by `keep`, or `'static`; and every
+    /// bit pattern must be a valid `T` (as for `f32` and `u16`).
     pub unsafe fn new(
         bytes: &[u8],
         width: usize,
