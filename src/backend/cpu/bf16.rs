@@ -476,10 +476,12 @@ impl Path for TilePath {
     // depths (a dense bf16 run took 14% less time, although each step now
     // reads its B tile from L2 rather than L1: the kernel prefetches both).
     const KC: usize = 1 << 16;
-    // A whole-depth A block of 384 rows overflowed L2 (2 MiB on the Xeons
-    // with AMX) on the down projection (2816 deep), and the tiles then
-    // streamed from L3 for every panel: `benches/gemm`'s down shape ran
-    // 1.25 times faster at 1 MiB (160 rows), the shallower shapes unchanged.
+    // Row blocks hold 1 MiB of packed A, so it stays in L2 (2 MiB on the
+    // Xeons with AMX) while every panel sweeps it: 512 rows 1024 deep, 160
+    // rows for the down projection (2816 deep), which at `MC` (384 rows,
+    // 2.1 MiB) streamed its A tiles from L3 for every panel (`benches/gemm`,
+    // down: 533 -> 643-678 GFLOP/s, medians of two interleaved runs; budgets
+    // of 0.75 to 1.75 MiB measured the same within the noise).
     const A_BYTES: usize = 1 << 20;
     const MR: usize = TILE_ROWS;
     const STRIPS: usize = 2;

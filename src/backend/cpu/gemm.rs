@@ -132,8 +132,9 @@ pub(crate) trait Path: Copy + Send + Sync {
     const MR: usize = MR;
     /// `MR`-row strips one kernel call takes (consecutive in packed A).
     const STRIPS: usize = 1;
-    /// Bytes of packed A (all k-blocks of a row block) to keep row blocks
-    /// under: for kernels that read A faster than L3 can feed it.
+    /// Bytes of packed A (all k-blocks of a row block) that set the height
+    /// of row blocks, instead of the source's `MC`: for kernels that read A
+    /// faster than L3 can feed it. `usize::MAX`: `MC` rows.
     const A_BYTES: usize = usize::MAX;
     /// Whether the loop prefetches the next B tile into L2 while the kernel
     /// works on this one (for kernels that do not prefetch B themselves).
@@ -363,7 +364,7 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
     let mut computed = RowScratch::default();
     let mut i0 = 0;
     while i0 < m {
-        let mc = S::MC.min(m - i0);
+        let mc = block_rows::<P, S>(k).min(m - i0);
         let strips = mc.div_ceil(P::MR);
         apack.clear();
         let mut offsets = [0usize; MAX_KBLOCKS_INLINE];
@@ -422,6 +423,16 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
         }
         i0 += mc;
     }
+}
+
+/// Rows of A a row block packs for a depth of `k`: the source's `MC`, or
+/// as many as the path's A budget holds (whole kernel calls, at least one).
+fn block_rows<P: Path, S: PanelSource>(k: usize) -> usize {
+    if S::REPACKS || P::A_BYTES == usize::MAX {
+        return S::MC;
+    }
+    let unit = P::MR * P::STRIPS;
+    (P::A_BYTES / (k.max(1) * std::mem::size_of::<P::A>()) / unit).max(1) * unit
 }
 
 /// Prefetches cache lines `lines` (64 bytes each) from `p` into L2. A hint
@@ -978,8 +989,7 @@ impl PackedLinear {
         let unit = P::MR * P::STRIPS;
         let units = m.div_ceil(unit);
         // Units per row block: `MC` rows, or fewer to keep A under the path's budget.
-        let rows = if S::REPACKS { S::MC } else { S::MC.min(P::A_BYTES / (k.max(1) * std::mem::size_of::<P::A>())) };
-        let mut row_blocks = units.div_ceil((rows / unit).max(1)).max(1);
+        let mut row_blocks = units.div_ceil((block_rows::<P, S>(k) / unit).max(1)).max(1);
         if row_blocks >= threads {
             row_blocks = row_blocks.next_multiple_of(threads);
         }
