@@ -393,26 +393,22 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
                     (true, Init::Bias(bias)) => TileInit::Bias(bias.as_ptr().add(j0)),
                     _ => TileInit::Load,
                 };
-                // The next tile this loop reads, when it lies in memory: its
-                // lines are prefetched a share per kernel call, so the first
-                // strips of the next k-block do not wait for them.
+                // The next tile this loop reads: the source prefetches its
+                // memory a share per kernel call, so the first strips of the
+                // next k-block do not wait for it.
                 let next = if !P::PREFETCH_NEXT {
                     None
                 } else if kb + 1 < offsets.len() {
-                    b.lies_at(pi, p0 + kc).map(|t| (t, P::KC.min(k - p0 - kc)))
+                    Some((pi, p0 + kc, P::KC.min(k - p0 - kc)))
                 } else if pi + 1 < panels.end {
-                    b.lies_at(pi + 1, 0).map(|t| (t, P::KC.min(k)))
+                    Some((pi + 1, 0, P::KC.min(k)))
                 } else {
                     None
                 };
                 let calls = strips.div_ceil(P::STRIPS);
-                let next_lines = next.map_or(0, |(_, kc)| {
-                    (kc.next_multiple_of(P::STEP) * NR * std::mem::size_of::<P::B>()).div_ceil(64)
-                });
                 for (call, s) in (0..strips).step_by(P::STRIPS).enumerate() {
-                    if let Some((t, _)) = next {
-                        let (l0, l1) = (call * next_lines / calls, (call + 1) * next_lines / calls);
-                        prefetch_lines(t as *const u8, l0..l1);
+                    if let Some((npi, np0, nkc)) = next {
+                        b.prefetch(npi, np0, nkc, nkc.next_multiple_of(P::STEP), call, calls);
                     }
                     let rows = (P::STRIPS * P::MR).min(mc - s * P::MR);
                     let ap = apack.as_ptr().add(off + s * strip);
@@ -433,21 +429,6 @@ fn block_rows<P: Path, S: PanelSource>(k: usize) -> usize {
     }
     let unit = P::MR * P::STRIPS;
     (P::A_BYTES / (k.max(1) * std::mem::size_of::<P::A>()) / unit).max(1) * unit
-}
-
-/// Prefetches cache lines `lines` (64 bytes each) from `p` into L2. A hint
-/// only: the lines are never read here, and a prefetch does not fault.
-#[inline(always)]
-fn prefetch_lines(p: *const u8, lines: std::ops::Range<usize>) {
-    #[cfg(target_arch = "x86_64")]
-    for l in lines {
-        // SAFETY: a prefetch has no architectural effect and never faults.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.wrapping_add(64 * l) as *const i8)
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, lines);
 }
 
 /// k-blocks whose A offsets are kept on the stack (k up to 64 Ki).

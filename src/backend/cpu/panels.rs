@@ -66,6 +66,18 @@ impl PanelSource for MappedRows<f32> {
         buf.set_len(kc * NR);
         buf.as_ptr()
     }
+
+    fn prefetch(&self, pi: usize, p0: usize, kc: usize, _kpad: usize, part: usize, parts: usize) {
+        // The tile's source is a segment of each of its rows: the transpose
+        // then reads them from L2 rather than waiting on memory row by row.
+        let j0 = pi * NR;
+        let n = NR.min(self.rows - j0);
+        let per_row = (kc * 4).div_ceil(64) + 1;
+        for l in share(n * per_row, part, parts) {
+            let at = self.start(j0 + l / per_row).wrapping_add(p0) as *const u8;
+            prefetch_lines(at, l % per_row..l % per_row + 1);
+        }
+    }
 }
 
 /// The vector transpose this CPU has.
@@ -255,6 +267,21 @@ pub(crate) fn zeroed<T: Copy + Default>(len: usize) -> Vec<T> {
     v
 }
 
+/// Prefetches cache lines `lines` (64 bytes each) from `p` into L2. A hint
+/// only: the lines are never read, and a prefetch does not fault.
+#[inline(always)]
+pub(crate) fn prefetch_lines(p: *const u8, lines: std::ops::Range<usize>) {
+    #[cfg(target_arch = "x86_64")]
+    for l in lines {
+        // SAFETY: a prefetch has no architectural effect and never faults.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p.wrapping_add(64 * l) as *const i8)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, lines);
+}
+
 /// Where the GEMM gets B's `[kc][NR]` tiles from.
 pub(crate) trait PanelSource {
     /// Element of a tile (f32, or bf16 bits in depth pairs).
@@ -270,12 +297,16 @@ pub(crate) trait PanelSource {
     /// # Safety
     /// The returned pointer is valid for reading the whole tile until `buf` changes.
     unsafe fn tile(&self, pi: usize, p0: usize, kc: usize, k: usize, buf: &mut Vec<Self::Elem>) -> *const Self::Elem;
-    /// Where the tile of panel `pi` at depth `p0` already lies in memory, if
-    /// it does (panels read in place), so the GEMM can prefetch it while it
-    /// works on the tile before. The address is only a hint: never read.
-    fn lies_at(&self, _pi: usize, _p0: usize) -> Option<*const Self::Elem> {
-        None
-    }
+    /// Prefetches share `part` of `parts` of the memory the tile of panel
+    /// `pi` at depths `p0..p0+kc` (`kpad` with padding) is read from, into
+    /// L2, so the GEMM's first strips on that tile do not wait for it. A
+    /// hint only: nothing is read, and by default nothing is done.
+    fn prefetch(&self, _pi: usize, _p0: usize, _kc: usize, _kpad: usize, _part: usize, _parts: usize) {}
+}
+
+/// Lines `l` of `lines` in share `part` of `parts`.
+fn share(lines: usize, part: usize, parts: usize) -> std::ops::Range<usize> {
+    part * lines / parts..(part + 1) * lines / parts
 }
 
 /// Panels read in place: `ceil(n/NR)` panels of `kpad` depths × `NR` elements
@@ -294,8 +325,10 @@ impl<T> PanelSource for InPlace<T> {
         self.ptr.add(pi * self.kpad * NR + p0 * NR)
     }
 
-    fn lies_at(&self, pi: usize, p0: usize) -> Option<*const T> {
-        Some(self.ptr.wrapping_add(pi * self.kpad * NR + p0 * NR))
+    fn prefetch(&self, pi: usize, p0: usize, _kc: usize, kpad: usize, part: usize, parts: usize) {
+        // The tile is contiguous: `kpad · NR` elements.
+        let t = self.ptr.wrapping_add(pi * self.kpad * NR + p0 * NR) as *const u8;
+        prefetch_lines(t, share((kpad * NR * std::mem::size_of::<T>()).div_ceil(64), part, parts));
     }
 }
 
