@@ -808,7 +808,8 @@ mod amx {
                 let v = o.add((h * MR + r) * NR);
                 *row = [_mm512_load_ps(v), _mm512_load_ps(v.add(16))];
             }
-            store(&acc, c.add(h * MR * ldc), ldc, (rows - h * MR).min(MR), cols, init);
+            let sum = acc; // a copy to `store`: `acc` stays in registers (see the f32 kernel)
+            store(&sum, c.add(h * MR * ldc), ldc, (rows - h * MR).min(MR), cols, init);
         }
     }
 
@@ -1023,7 +1024,9 @@ mod avx512bf16 {
             ap = ap.add(2 * MR);
             bp = bp.add(2 * NR);
         }
-        store(&acc, c, ldc, rows, cols, init)
+        // A copy goes to `store`, so `acc` stays in registers (see the f32 kernel).
+        let out = acc;
+        store(&out, c, ldc, rows, cols, init)
     }
 }
 
