@@ -431,12 +431,17 @@ impl<T: Copy> MappedRows<T> {
         w
     }
 
-    /// These rows followed by `other`'s (a fused gate/up): still in place.
-    fn append(&mut self, other: MappedRows<T>) {
-        assert_eq!(self.cols, other.cols, "stacked weights must share their input width");
-        self.rows += other.rows;
-        self.starts.extend_from_slice(&other.starts);
-        self.keep.extend(other.keep);
+    /// The blocks' rows one after another (a fused gate/up): still in
+    /// place. At least one block, all of one input width.
+    fn join(mut blocks: impl Iterator<Item = MappedRows<T>>) -> Self {
+        let mut out = blocks.next().expect("at least one block to join");
+        for b in blocks {
+            assert_eq!(out.cols, b.cols, "stacked weights must share their input width");
+            out.rows += b.rows;
+            out.starts.extend_from_slice(&b.starts);
+            out.keep.extend(b.keep);
+        }
+        out
     }
 }
 
@@ -548,22 +553,16 @@ impl LinearWeight {
         }
         // All in place, of one dtype: the row lists are joined.
         if !parts.is_empty() && parts.iter().all(|p| matches!(p, LinearWeight::Mapped(_))) {
-            let mut parts = parts.into_iter().map(|p| match p {
-                LinearWeight::Mapped(m) => m,
-                _ => unreachable!("checked above"),
-            });
-            let mut out = parts.next().expect("not empty");
-            parts.for_each(|m| out.append(m));
-            return LinearWeight::Mapped(out);
+            return LinearWeight::Mapped(MappedRows::join(parts.into_iter().filter_map(|p| match p {
+                LinearWeight::Mapped(m) => Some(m),
+                _ => None,
+            })));
         }
         if !parts.is_empty() && parts.iter().all(|p| matches!(p, LinearWeight::MappedBf16(_))) {
-            let mut parts = parts.into_iter().map(|p| match p {
-                LinearWeight::MappedBf16(m) => m,
-                _ => unreachable!("checked above"),
-            });
-            let mut out = parts.next().expect("not empty");
-            parts.for_each(|m| out.append(m));
-            return LinearWeight::MappedBf16(out);
+            return LinearWeight::MappedBf16(MappedRows::join(parts.into_iter().filter_map(|p| match p {
+                LinearWeight::MappedBf16(m) => Some(m),
+                _ => None,
+            })));
         }
         let total: usize = parts.iter().map(LinearWeight::rows).sum();
         let mut w: Vec<f32> = Vec::new();

@@ -82,14 +82,15 @@ impl<'a> ARows<'a> {
         // rows): `[MR][kc]` f32, from 6 KiB (f32, a 128-deep k-block) to
         // about 1 MiB (AMX, the whole depth of a 14k-wide MLP), instead of
         // `[T, width]` in memory.
+        let RowScratch { strip, inv } = tmp;
         let mut strips = |fill: &mut dyn FnMut(usize, &mut [f32])| {
-            tmp.strip.resize(P::MR * kc, 0.0);
+            strip.resize(P::MR * kc, 0.0);
             for s0 in (0..rows).step_by(P::MR) {
                 let r = P::MR.min(rows - s0);
-                for (j, t) in tmp.strip.chunks_exact_mut(kc).take(r).enumerate() {
+                for (j, t) in strip.chunks_exact_mut(kc).take(r).enumerate() {
                     fill(i0 + s0 + j, t);
                 }
-                path.pack_a(&tmp.strip, kc, 0, r, 0, kc, out);
+                path.pack_a(strip, kc, 0, r, 0, kc, out);
             }
         };
         match self {
@@ -102,12 +103,10 @@ impl<'a> ARows<'a> {
                 let h = weight.len();
                 let row = |i: usize| &x[i * h..][..h];
                 if p0 == 0 {
-                    tmp.inv.clear();
-                    tmp.inv.extend((i0..i0 + rows).map(|i| super::ops::rms_inverse(row(i), eps)));
+                    inv.clear();
+                    inv.extend((i0..i0 + rows).map(|i| super::ops::rms_inverse(row(i), eps)));
                 }
-                let inv = std::mem::take(&mut tmp.inv);
                 strips(&mut |i, t| super::ops::norm_into(&row(i)[p0..p0 + kc], inv[i - i0], &weight[p0..p0 + kc], t));
-                tmp.inv = inv;
             }
         }
     }
