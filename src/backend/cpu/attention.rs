@@ -56,19 +56,26 @@ pub struct AttnSegment<'a> {
     pub kv: KvRef<'a>,
 }
 
-/// One task's buffers, reused across the tasks a thread runs.
+/// One task's buffers, reused across the tasks a thread runs. A task's
+/// rows are its kv head's `group` query heads stacked: row `hg · qlen + ri`
+/// is query `ri` of head `hg` of the group.
 struct Scratch<P: Path> {
     apack: Vec<P::A>,
     bbuf: Vec<P::B>,
-    /// `[qlen, kb]` scores, then probabilities.
+    /// `[group · qlen, head_dim]` the stacked queries.
+    q: Vec<f32>,
+    /// `[group · qlen, kb]` scores, then probabilities.
     scores: Vec<f32>,
-    /// `[qlen, vd]` this block's `P·V`.
+    /// `[group · qlen, vd]` this block's `P·V`.
     pv: Vec<f32>,
-    /// `[group, qlen, vd]` unnormalised outputs of the group's heads.
+    /// `[group · qlen, vd]` unnormalised outputs.
     acc: Vec<f32>,
-    /// `[group, qlen]` running max and sum of each row.
+    /// `[group · qlen]` running max and sum of each row.
     max: Vec<f32>,
     sum: Vec<f32>,
+    /// `[group · qlen]` this block's factor for a row's earlier sum, or
+    /// `None` where the row sees no key in the block.
+    rescale: Vec<Option<f32>>,
 }
 
 impl<P: Path> Default for Scratch<P> {
@@ -76,11 +83,13 @@ impl<P: Path> Default for Scratch<P> {
         Scratch {
             apack: Vec::new(),
             bbuf: Vec::new(),
+            q: Vec::new(),
             scores: Vec::new(),
             pv: Vec::new(),
             acc: Vec::new(),
             max: Vec::new(),
             sum: Vec::new(),
+            rescale: Vec::new(),
         }
     }
 }
@@ -209,101 +218,100 @@ unsafe fn block<P: Path>(
     let (hd, vd) = (s.head_dim, s.v_dim);
     let group = s.heads / s.kv_heads;
     let qlen = r.len();
+    // The group's heads share every key and value block, so their queries
+    // go through the two products together, one GEMM each per key block
+    // (each row's arithmetic is the same as alone: rows never mix).
+    let m = group * qlen;
     // Absolute positions of this block's queries; key blocks from the one
     // holding the first key the first query sees.
     let (qa0, qa1) = (seg.pos0 + r.start, seg.pos0 + r.end);
+    sc.q.clear();
+    for hg in 0..group {
+        let h = g * group + hg;
+        for ri in r.clone() {
+            let off = (seg.rows.start + ri) * q_stride + h * hd;
+            sc.q.extend_from_slice(&q[off..off + hd]);
+        }
+    }
     sc.acc.clear();
-    sc.acc.resize(group * qlen * vd, 0.0);
+    sc.acc.resize(m * vd, 0.0);
     sc.max.clear();
-    sc.max.resize(group * qlen, f32::NEG_INFINITY);
+    sc.max.resize(m, f32::NEG_INFINITY);
     sc.sum.clear();
-    sc.sum.resize(group * qlen, 0.0);
+    sc.sum.resize(m, 0.0);
+    sc.rescale.resize(m, None);
     let mut b0 = first_key(&s, qa0) / KB * KB;
     while b0 < qa1 {
         let kb = KB.min(qa1 - b0);
         let (kpanels, vpanels) = (kv.keys(b0), kv.values(b0));
-        sc.scores.resize(qlen * kb, 0.0);
-        sc.pv.resize(qlen * vd, 0.0);
-        for hg in 0..group {
-            let h = g * group + hg;
-            let qoff = (seg.rows.start + r.start) * q_stride + h * hd;
-            // scores[qlen, kb] = Q_h · K_blockᵀ
-            gemm_tiles(
-                path,
-                ARows::Plain(&q[qoff..], q_stride),
-                qlen,
-                hd,
-                &kpanels,
-                kb,
-                0..kb.div_ceil(NR),
-                sc.scores.as_mut_ptr(),
-                kb,
-                Init::Zero,
-                &mut sc.apack,
-                &mut sc.bbuf,
-            );
-            // Online softmax: each row's probabilities against its running max.
-            let (max, sum) = (&mut sc.max[hg * qlen..][..qlen], &mut sc.sum[hg * qlen..][..qlen]);
-            let mut seen = [false; QB];
-            let mut scale_old = [0f32; QB];
-            for (ri, row) in sc.scores.chunks_exact_mut(kb).enumerate() {
-                let i = qa0 + ri;
-                let lo = first_key(&s, i).max(b0) - b0;
-                let hi = (i + 1).min(b0 + kb).saturating_sub(b0);
-                if lo >= hi {
-                    row.fill(0.0);
-                    continue;
-                }
-                seen[ri] = true;
-                let (m, z) = softmax_terms(&mut row[lo..hi], s.scale, max[ri]);
-                row[..lo].fill(0.0);
-                row[hi..].fill(0.0);
-                // exp(-inf) = 0: a row's first block starts from nothing.
-                let alpha = if max[ri] == f32::NEG_INFINITY { 0.0 } else { super::ops::exp(max[ri] - m) };
-                scale_old[ri] = alpha;
-                sum[ri] = sum[ri] * alpha + z;
-                max[ri] = m;
+        sc.scores.resize(m * kb, 0.0);
+        sc.pv.resize(m * vd, 0.0);
+        // scores[m, kb] = Q · K_blockᵀ
+        gemm_tiles(
+            path,
+            ARows::Plain(&sc.q, hd),
+            m,
+            hd,
+            &kpanels,
+            kb,
+            0..kb.div_ceil(NR),
+            sc.scores.as_mut_ptr(),
+            kb,
+            Init::Zero,
+            &mut sc.apack,
+            &mut sc.bbuf,
+        );
+        // Online softmax: each row's probabilities against its running max.
+        for (row_i, row) in sc.scores.chunks_exact_mut(kb).enumerate() {
+            let i = qa0 + row_i % qlen;
+            let lo = first_key(&s, i).max(b0) - b0;
+            let hi = (i + 1).min(b0 + kb).saturating_sub(b0);
+            if lo >= hi {
+                row.fill(0.0);
+                sc.rescale[row_i] = None;
+                continue;
             }
-            // pv[qlen, vd] = P · V_block
-            gemm_tiles(
-                path,
-                ARows::Plain(&sc.scores, kb),
-                qlen,
-                kb,
-                &vpanels,
-                vd,
-                0..vd.div_ceil(NR),
-                sc.pv.as_mut_ptr(),
-                vd,
-                Init::Zero,
-                &mut sc.apack,
-                &mut sc.bbuf,
-            );
-            let acc = &mut sc.acc[hg * qlen * vd..][..qlen * vd];
-            for (ri, (o, pv)) in acc.chunks_exact_mut(vd).zip(sc.pv.chunks_exact(vd)).enumerate() {
-                if !seen[ri] {
-                    continue;
-                }
-                let alpha = scale_old[ri];
-                if alpha == 0.0 {
-                    o.copy_from_slice(pv);
-                } else {
-                    o.iter_mut().zip(pv).for_each(|(o, p)| *o = *o * alpha + p);
-                }
+            let (max, sum) = (&mut sc.max[row_i], &mut sc.sum[row_i]);
+            let (mx, z, alpha) = softmax_terms(&mut row[lo..hi], s.scale, *max);
+            row[..lo].fill(0.0);
+            row[hi..].fill(0.0);
+            sc.rescale[row_i] = Some(alpha);
+            *sum = *sum * alpha + z;
+            *max = mx;
+        }
+        // pv[m, vd] = P · V_block
+        gemm_tiles(
+            path,
+            ARows::Plain(&sc.scores, kb),
+            m,
+            kb,
+            &vpanels,
+            vd,
+            0..vd.div_ceil(NR),
+            sc.pv.as_mut_ptr(),
+            vd,
+            Init::Zero,
+            &mut sc.apack,
+            &mut sc.bbuf,
+        );
+        for ((o, pv), alpha) in sc.acc.chunks_exact_mut(vd).zip(sc.pv.chunks_exact(vd)).zip(&sc.rescale) {
+            match *alpha {
+                None => {}
+                // The row's first visible block: nothing earlier to scale.
+                Some(0.0) => o.copy_from_slice(pv),
+                Some(alpha) => o.iter_mut().zip(pv).for_each(|(o, p)| *o = *o * alpha + p),
             }
         }
         b0 += kb;
     }
     let ostride = s.heads * vd;
-    for hg in 0..group {
+    for (row_i, (o, sum)) in sc.acc.chunks_exact(vd).zip(&sc.sum).enumerate() {
+        let (hg, ri) = (row_i / qlen, row_i % qlen);
         let h = g * group + hg;
-        for ri in 0..qlen {
-            let inv = 1.0 / sc.sum[hg * qlen + ri];
-            let o = &sc.acc[(hg * qlen + ri) * vd..][..vd];
-            let dst = out.get().add((seg.rows.start + r.start + ri) * ostride + h * vd);
-            for (d, v) in o.iter().enumerate() {
-                *dst.add(d) = v * inv;
-            }
+        let inv = 1.0 / sum;
+        let dst = out.get().add((seg.rows.start + r.start + ri) * ostride + h * vd);
+        for (d, v) in o.iter().enumerate() {
+            *dst.add(d) = v * inv;
         }
     }
 }
@@ -314,8 +322,9 @@ use super::ops::LANES;
 
 /// Scales `row` by `scale`, then replaces each score `x` with `exp(x - m)`,
 /// where `m` is the larger of `max0` and the row's largest scaled score.
-/// Returns `m` and the sum of the new row.
-fn softmax_terms(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32) {
+/// Returns `m`, the sum of the new row, and `exp(max0 - m)`, the factor
+/// for the row's earlier terms (0 when `max0` is `-inf`: nothing earlier).
+fn softmax_terms(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32, f32) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx512f") {
@@ -334,47 +343,92 @@ fn softmax_terms(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32) {
 /// same order, eight lanes to a register.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_terms_avx2(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32) {
+unsafe fn softmax_terms_avx2(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32, f32) {
     softmax_terms_body(row, scale, max0)
 }
 
-/// [`softmax_terms`] compiled for AVX-512: the same operations in the same
-/// order, sixteen lanes to a register.
+/// [`softmax_terms`] in AVX-512 registers: lane `l` of the sum takes values
+/// `l`, `l + 16`, … as the plain loop's lanes do, and the row's tail goes
+/// through masked lanes instead of a scalar loop (the same bits).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn softmax_terms_avx512(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32) {
-    softmax_terms_body(row, scale, max0)
+unsafe fn softmax_terms_avx512(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32, f32) {
+    use std::arch::x86_64::*;
+    let (n, p) = (row.len(), row.as_mut_ptr());
+    let (full, tail) = (n / LANES, n % LANES);
+    let tail_mask: __mmask16 = ((1u32 << tail) - 1) as u16;
+    let vs = _mm512_set1_ps(scale);
+    // Rounding is monotonic, so the largest scaled score is found without
+    // storing the scaled row (the exp pass scales again, to the same bits).
+    let mut mx = _mm512_set1_ps(max0);
+    for c in 0..full {
+        // `(v > l) ? v : l`, operand order as in the plain loop.
+        mx = _mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(p.add(c * LANES)), vs), mx);
+    }
+    if tail > 0 {
+        let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask, p.add(full * LANES)), vs);
+        mx = _mm512_mask_max_ps(mx, tail_mask, v, mx);
+    }
+    // The maximum is exact in any order.
+    let m = _mm512_reduce_max_ps(mx);
+    let vm = _mm512_set1_ps(m);
+    let mut sums = _mm512_setzero_ps();
+    for c in 0..full {
+        let x = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p.add(c * LANES)), vs), vm);
+        let e = super::ops::exp16(x);
+        _mm512_storeu_ps(p.add(c * LANES), e);
+        sums = _mm512_add_ps(sums, e);
+    }
+    if tail > 0 {
+        let x = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask, p.add(full * LANES)), vs), vm);
+        let e = super::ops::exp16(x);
+        _mm512_mask_storeu_ps(p.add(full * LANES), tail_mask, e);
+        sums = _mm512_mask_add_ps(sums, tail_mask, sums, e);
+    }
+    let mut lanes = [0f32; LANES];
+    _mm512_storeu_ps(lanes.as_mut_ptr(), sums);
+    (m, super::ops::lanes_sum(lanes), rescale(max0, m))
+}
+
+/// `exp(max0 - m)`, 0 for a row with nothing before (`max0 = -inf`).
+#[inline(always)]
+fn rescale(max0: f32, m: f32) -> f32 {
+    if max0 == f32::NEG_INFINITY {
+        0.0
+    } else {
+        super::ops::exp(max0 - m)
+    }
 }
 
 #[inline(always)]
-fn softmax_terms_body(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32) {
+fn softmax_terms_body(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32, f32) {
     // The maximum is exact in any order.
     let mut lanes = [max0; LANES];
-    let mut chunks = row.chunks_exact_mut(LANES);
+    let mut chunks = row.chunks_exact(LANES);
     for c in &mut chunks {
-        for (l, v) in lanes.iter_mut().zip(c.iter_mut()) {
-            *v *= scale;
-            *l = if *v > *l { *v } else { *l };
+        for (l, v) in lanes.iter_mut().zip(c) {
+            let v = v * scale;
+            *l = if v > *l { v } else { *l };
         }
     }
-    for (l, v) in lanes.iter_mut().zip(chunks.into_remainder()) {
-        *v *= scale;
-        *l = if *v > *l { *v } else { *l };
+    for (l, v) in lanes.iter_mut().zip(chunks.remainder()) {
+        let v = v * scale;
+        *l = if v > *l { v } else { *l };
     }
     let m = lanes.iter().fold(max0, |a, &b| if b > a { b } else { a });
     let mut sums = [0f32; LANES];
     let mut chunks = row.chunks_exact_mut(LANES);
     for c in &mut chunks {
         for (acc, v) in sums.iter_mut().zip(c.iter_mut()) {
-            *v = super::ops::exp(*v - m);
+            *v = super::ops::exp(*v * scale - m);
             *acc += *v;
         }
     }
     for (acc, v) in sums.iter_mut().zip(chunks.into_remainder()) {
-        *v = super::ops::exp(*v - m);
+        *v = super::ops::exp(*v * scale - m);
         *acc += *v;
     }
-    (m, super::ops::lanes_sum(sums))
+    (m, super::ops::lanes_sum(sums), rescale(max0, m))
 }
 
 #[cfg(test)]
@@ -387,9 +441,13 @@ mod tests {
             let row: Vec<f32> = (0..len).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.7).collect();
             for max0 in [f32::NEG_INFINITY, 3.0] {
                 let (mut a, mut b) = (row.clone(), row.clone());
-                let (m, z) = softmax_terms(&mut a, 0.125, max0);
-                let (m2, z2) = softmax_terms_body(&mut b, 0.125, max0);
-                assert_eq!((m.to_bits(), z.to_bits()), (m2.to_bits(), z2.to_bits()), "len {len}");
+                let (m, z, alpha) = softmax_terms(&mut a, 0.125, max0);
+                let (m2, z2, alpha2) = softmax_terms_body(&mut b, 0.125, max0);
+                assert_eq!(
+                    (m.to_bits(), z.to_bits(), alpha.to_bits()),
+                    (m2.to_bits(), z2.to_bits(), alpha2.to_bits()),
+                    "len {len}"
+                );
                 assert_eq!(a, b);
                 let want_m = row.iter().map(|v| v * 0.125).fold(max0, f32::max);
                 assert_eq!(m, want_m);

@@ -36,6 +36,38 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
+/// [`exp`] of 16 lanes with AVX-512: the same operations in the same
+/// order, so every lane has the bits [`exp`] gives it.
+///
+/// # Safety
+/// The CPU must have AVX-512F (the caller is compiled for it).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    const LN2_HI: f32 = f32::from_bits(0x3f31_7200);
+    const LN2_LO: f32 = f32::from_bits(0x35bf_be8e);
+    const SHIFTER: f32 = 12_582_912.0;
+    // `clamp` (a NaN lane is replaced at the end, as in `exp`).
+    let xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0)), _mm512_set1_ps(88.0));
+    let t = _mm512_fmadd_ps(xc, _mm512_set1_ps(std::f32::consts::LOG2_E), _mm512_set1_ps(SHIFTER));
+    let n = _mm512_sub_ps(t, _mm512_set1_ps(SHIFTER));
+    // `-n`: the sign bit flipped, as the scalar negation does.
+    let neg_n = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(n), _mm512_set1_epi32(i32::MIN)));
+    let r = _mm512_fmadd_ps(neg_n, _mm512_set1_ps(LN2_LO), _mm512_fmadd_ps(neg_n, _mm512_set1_ps(LN2_HI), xc));
+    let mut p = _mm512_set1_ps(1.0 / 5040.0);
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let bits = _mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127 - 0x4b40_0000));
+    let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bits));
+    let y = _mm512_mul_ps(p, scale);
+    let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(88.73));
+    let y = _mm512_mask_mov_ps(y, big, _mm512_set1_ps(f32::INFINITY));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+    _mm512_mask_mov_ps(y, nan, x)
+}
+
 /// Rows per rayon task for row-wise kernels; small batches stay on one thread.
 const ROWS_PER_TASK: usize = 32;
 
@@ -280,6 +312,46 @@ mod tests {
         assert!(exp(f32::NAN).is_nan());
         assert_eq!(exp(f32::NEG_INFINITY), exp(-87.0));
         assert!(exp(-87.0) < 1e-37 && exp(f32::INFINITY) == f32::INFINITY && exp(88.7).is_finite());
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn exp16_has_the_bits_of_exp_in_every_lane() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            eprintln!("skipped: this CPU has no AVX-512F");
+            return;
+        }
+        let mut xs: Vec<f32> = (0..=200_000).map(|i| -100.0 + 200.0 * i as f32 / 200_000.0).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            88.72,
+            88.73,
+            88.74,
+            -87.0,
+            -87.5,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1e-40,
+            -1e-40,
+        ]);
+        xs.resize(xs.len().next_multiple_of(16), 1.0);
+        for chunk in xs.chunks_exact(16) {
+            let mut got = [0f32; 16];
+            // SAFETY: AVX-512F checked above.
+            unsafe {
+                use std::arch::x86_64::*;
+                #[target_feature(enable = "avx512f")]
+                unsafe fn run(x: &[f32], out: &mut [f32; 16]) {
+                    _mm512_storeu_ps(out.as_mut_ptr(), exp16(_mm512_loadu_ps(x.as_ptr())));
+                }
+                run(chunk, &mut got);
+            }
+            for (x, g) in chunk.iter().zip(got) {
+                assert_eq!(g.to_bits(), exp(*x).to_bits(), "exp({x:e}): {g:e} vs {:e}", exp(*x));
+            }
+        }
     }
 
     #[test]
