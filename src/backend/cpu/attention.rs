@@ -19,7 +19,7 @@
 //! sample was cut.
 
 use super::bf16::{self, with_bf16_path};
-use super::gemm::{gemm_tiles, ARows, F32Path, Init, Path};
+use super::gemm::{gemm_prepacked, gemm_tiles, pack_rows, ARows, F32Path, Init, Path};
 use super::panels::{InPlace, NR};
 use super::SharedMut;
 use crate::backend::{AttnShape, Compute};
@@ -62,8 +62,8 @@ pub struct AttnSegment<'a> {
 struct Scratch<P: Path> {
     apack: Vec<P::A>,
     bbuf: Vec<P::B>,
-    /// `[group · qlen, head_dim]` the stacked queries.
-    q: Vec<f32>,
+    /// The stacked queries, packed once for every key block.
+    qpack: Vec<P::A>,
     /// `[group · qlen, kb]` scores, then probabilities.
     scores: Vec<f32>,
     /// `[group · qlen, vd]` this block's `P·V`.
@@ -83,7 +83,7 @@ impl<P: Path> Default for Scratch<P> {
         Scratch {
             apack: Vec::new(),
             bbuf: Vec::new(),
-            q: Vec::new(),
+            qpack: Vec::new(),
             scores: Vec::new(),
             pv: Vec::new(),
             acc: Vec::new(),
@@ -225,14 +225,14 @@ unsafe fn block<P: Path>(
     // Absolute positions of this block's queries; key blocks from the one
     // holding the first key the first query sees.
     let (qa0, qa1) = (seg.pos0 + r.start, seg.pos0 + r.end);
-    sc.q.clear();
-    for hg in 0..group {
-        let h = g * group + hg;
-        for ri in r.clone() {
-            let off = (seg.rows.start + ri) * q_stride + h * hd;
-            sc.q.extend_from_slice(&q[off..off + hd]);
-        }
-    }
+    let heads = ARows::Heads {
+        a: &q[(seg.rows.start + r.start) * q_stride + g * group * hd..],
+        lda: q_stride,
+        width: hd,
+        per: qlen,
+        first: 0,
+    };
+    pack_rows::<P, InPlace<P::B>>(path, heads, m, hd, &mut sc.qpack);
     sc.acc.clear();
     sc.acc.resize(m * vd, 0.0);
     sc.max.clear();
@@ -247,9 +247,9 @@ unsafe fn block<P: Path>(
         sc.scores.resize(m * kb, 0.0);
         sc.pv.resize(m * vd, 0.0);
         // scores[m, kb] = Q · K_blockᵀ
-        gemm_tiles(
+        gemm_prepacked(
             path,
-            ARows::Plain(&sc.q, hd),
+            &sc.qpack,
             m,
             hd,
             &kpanels,
@@ -258,7 +258,6 @@ unsafe fn block<P: Path>(
             sc.scores.as_mut_ptr(),
             kb,
             Init::Zero,
-            &mut sc.apack,
             &mut sc.bbuf,
         );
         // Online softmax: each row's probabilities against its running max.

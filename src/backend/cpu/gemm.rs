@@ -44,6 +44,10 @@ pub(crate) enum ARows<'a> {
     /// `weight`, computed as A is packed, so the normalised rows never go to
     /// memory. The same bits as [`super::ops::rms_norm`] then a `Plain` GEMM.
     Norm { x: &'a [f32], weight: &'a [f32], eps: f32 },
+    /// Attention's queries with a kv head's query heads stacked: row `j`
+    /// (counted from `first`) is row `j % per` of the head `j / per`, at
+    /// `a[(j % per) · lda + (j / per) · width..]`.
+    Heads { a: &'a [f32], lda: usize, width: usize, per: usize, first: usize },
 }
 
 /// Scratch of [`ARows::pack`]: one strip of computed rows, and the rows'
@@ -61,6 +65,7 @@ impl<'a> ARows<'a> {
             ARows::Plain(a, lda) => ARows::Plain(&a[i0 * lda..], lda),
             ARows::SwiGlu(gu, inter) => ARows::SwiGlu(&gu[i0 * 2 * inter..], inter),
             ARows::Norm { x, weight, eps } => ARows::Norm { x: &x[i0 * weight.len()..], weight, eps },
+            ARows::Heads { a, lda, width, per, first } => ARows::Heads { a, lda, width, per, first: first + i0 },
         }
     }
 
@@ -108,6 +113,10 @@ impl<'a> ARows<'a> {
                 }
                 strips(&mut |i, t| super::ops::norm_into(&row(i)[p0..p0 + kc], inv[i - i0], &weight[p0..p0 + kc], t));
             }
+            ARows::Heads { a, lda, width, per, first } => strips(&mut |i, t| {
+                let j = first + i;
+                t.copy_from_slice(&a[(j % per) * lda + (j / per) * width + p0..][..kc]);
+            }),
         }
     }
 }
@@ -342,81 +351,157 @@ pub(crate) unsafe fn gemm_tiles<P: Path, S: PanelSource<Elem = P::B>>(
     bbuf: &mut Vec<P::B>,
 ) {
     if k == 0 {
-        // Degenerate: C is just its initial value.
-        for i in 0..m {
-            for j in panels.start * NR..(panels.end * NR).min(n) {
-                let dst = c.add(i * ldc + j);
-                match init {
-                    Init::Zero => *dst = 0.0,
-                    Init::Bias(bias) => *dst = bias[j],
-                    Init::Accumulate => {}
-                }
-            }
-        }
-        return;
+        return init_only(m, n, panels, c, ldc, init);
     }
-    // A is packed once per row block for every k-block, then each panel runs
-    // its k-blocks back to back: the C tile stays in L1 between k-blocks
-    // instead of the whole `MC × n` block of C going round the caches once
-    // per k-block.
-    let kblocks = k.div_ceil(P::KC);
     let mut computed = RowScratch::default();
-    let mut i0 = 0;
-    while i0 < m {
-        let mc = block_rows::<P, S>(k).min(m - i0);
-        let strips = mc.div_ceil(P::MR);
+    for (i0, mc) in row_blocks::<P, S>(m, k) {
         apack.clear();
-        let mut offsets = [0usize; MAX_KBLOCKS_INLINE];
-        let mut heap_offsets = Vec::new();
-        let offsets: &mut [usize] = if kblocks <= MAX_KBLOCKS_INLINE {
-            &mut offsets[..kblocks]
-        } else {
-            heap_offsets.resize(kblocks, 0);
-            &mut heap_offsets
-        };
-        for (kb, off) in offsets.iter_mut().enumerate() {
-            let p0 = kb * P::KC;
-            *off = apack.len();
-            a.pack(path, i0, mc, p0, P::KC.min(k - p0), apack, &mut computed);
-        }
-        for pi in panels.clone() {
-            let j0 = pi * NR;
-            let cols = NR.min(n - j0);
-            for (kb, off) in offsets.iter().enumerate() {
-                let p0 = kb * P::KC;
-                let kc = P::KC.min(k - p0);
-                let strip = kc.next_multiple_of(P::A_STEP) * P::MR;
-                let bp = b.tile(pi, p0, kc, k, bbuf);
-                let tile_init = match (kb == 0, init) {
-                    (true, Init::Zero) => TileInit::Zero,
-                    (true, Init::Bias(bias)) => TileInit::Bias(bias.as_ptr().add(j0)),
-                    _ => TileInit::Load,
-                };
-                // The next tile this loop reads: the source prefetches its
-                // memory a share per kernel call, so the first strips of the
-                // next k-block do not wait for it.
-                let next = if !P::PREFETCH_NEXT {
-                    None
-                } else if kb + 1 < offsets.len() {
-                    Some((pi, p0 + kc, P::KC.min(k - p0 - kc)))
-                } else if pi + 1 < panels.end {
-                    Some((pi + 1, 0, P::KC.min(k)))
-                } else {
-                    None
-                };
-                let calls = strips.div_ceil(P::STRIPS);
-                for (call, s) in (0..strips).step_by(P::STRIPS).enumerate() {
-                    if let Some((npi, np0, nkc)) = next {
-                        b.prefetch(npi, np0, nkc, nkc.next_multiple_of(P::STEP), call, calls);
-                    }
-                    let rows = (P::STRIPS * P::MR).min(mc - s * P::MR);
-                    let ap = apack.as_ptr().add(off + s * strip);
-                    let cp = c.add((i0 + s * P::MR) * ldc + j0);
-                    path.kernel(kc, ap, bp, cp, ldc, rows, cols, tile_init);
-                }
+        pack_block(path, a, i0, mc, k, apack, &mut computed);
+        block_product(path, apack, mc, k, b, n, panels.clone(), c.add(i0 * ldc), ldc, init, bbuf);
+    }
+}
+
+/// Packs rows `[0, m)` of `a`, depth `k`, for [`gemm_prepacked`] with a B of
+/// source type `S`: each row block's packing (as [`gemm_tiles`] makes it),
+/// one after another. Attention packs its queries once this way for every
+/// key block they meet.
+pub(crate) fn pack_rows<P: Path, S: PanelSource>(path: P, a: ARows, m: usize, k: usize, out: &mut Vec<P::A>) {
+    out.clear();
+    let mut computed = RowScratch::default();
+    for (i0, mc) in row_blocks::<P, S>(m, k) {
+        pack_block(path, a, i0, mc, k, out, &mut computed);
+    }
+}
+
+/// [`gemm_tiles`] with A already packed by [`pack_rows`] (the same `m`, `k`,
+/// `P` and `S`): the same bits.
+///
+/// # Safety
+/// As [`gemm_tiles`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_prepacked<P: Path, S: PanelSource<Elem = P::B>>(
+    path: P,
+    apack: &[P::A],
+    m: usize,
+    k: usize,
+    b: &S,
+    n: usize,
+    panels: std::ops::Range<usize>,
+    c: *mut f32,
+    ldc: usize,
+    init: Init,
+    bbuf: &mut Vec<P::B>,
+) {
+    if k == 0 {
+        return init_only(m, n, panels, c, ldc, init);
+    }
+    let mut off = 0;
+    for (i0, mc) in row_blocks::<P, S>(m, k) {
+        let len = (0..k).step_by(P::KC).map(|p0| packed_len::<P>(mc, P::KC.min(k - p0))).sum::<usize>();
+        block_product(path, &apack[off..off + len], mc, k, b, n, panels.clone(), c.add(i0 * ldc), ldc, init, bbuf);
+        off += len;
+    }
+    assert_eq!(off, apack.len(), "gemm_prepacked: A was packed for another shape");
+}
+
+/// A GEMM of depth 0: C is just its initial value.
+///
+/// # Safety
+/// As [`gemm_tiles`].
+unsafe fn init_only(m: usize, n: usize, panels: std::ops::Range<usize>, c: *mut f32, ldc: usize, init: Init) {
+    for i in 0..m {
+        for j in panels.start * NR..(panels.end * NR).min(n) {
+            let dst = c.add(i * ldc + j);
+            match init {
+                Init::Zero => *dst = 0.0,
+                Init::Bias(bias) => *dst = bias[j],
+                Init::Accumulate => {}
             }
         }
-        i0 += mc;
+    }
+}
+
+/// The row blocks `(i0, rows)` a GEMM of `m` rows, depth `k`, runs in.
+fn row_blocks<P: Path, S: PanelSource>(m: usize, k: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mc = block_rows::<P, S>(k);
+    (0..m).step_by(mc).map(move |i0| (i0, mc.min(m - i0)))
+}
+
+/// Elements of packed A a k-block of `kc` depths takes for `rows` rows:
+/// whole strips of `MR` rows, the depth padded to the path's step.
+fn packed_len<P: Path>(rows: usize, kc: usize) -> usize {
+    rows.div_ceil(P::MR) * kc.next_multiple_of(P::A_STEP) * P::MR
+}
+
+/// Appends rows `[i0, i0 + mc)` of `a`, every k-block in order.
+fn pack_block<P: Path>(path: P, a: ARows, i0: usize, mc: usize, k: usize, out: &mut Vec<P::A>, tmp: &mut RowScratch) {
+    for p0 in (0..k).step_by(P::KC) {
+        let (before, kc) = (out.len(), P::KC.min(k - p0));
+        a.pack(path, i0, mc, p0, kc, out, tmp);
+        debug_assert_eq!(out.len() - before, packed_len::<P>(mc, kc), "pack_block: packed length");
+    }
+}
+
+/// One row block: `mc` rows of packed A (every k-block, as [`pack_block`]
+/// lays them out) times panels `panels` of `b` into C.
+///
+/// Each panel runs its k-blocks back to back: the C tile stays in L1
+/// between k-blocks instead of the whole `MC × n` block of C going round
+/// the caches once per k-block.
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_product<P: Path, S: PanelSource<Elem = P::B>>(
+    path: P,
+    apack: &[P::A],
+    mc: usize,
+    k: usize,
+    b: &S,
+    n: usize,
+    panels: std::ops::Range<usize>,
+    c: *mut f32,
+    ldc: usize,
+    init: Init,
+    bbuf: &mut Vec<P::B>,
+) {
+    let kblocks = k.div_ceil(P::KC);
+    let strips = mc.div_ceil(P::MR);
+    for pi in panels.clone() {
+        let j0 = pi * NR;
+        let cols = NR.min(n - j0);
+        let mut off = 0;
+        for kb in 0..kblocks {
+            let p0 = kb * P::KC;
+            let kc = P::KC.min(k - p0);
+            let strip = kc.next_multiple_of(P::A_STEP) * P::MR;
+            let bp = b.tile(pi, p0, kc, k, bbuf);
+            let tile_init = match (kb == 0, init) {
+                (true, Init::Zero) => TileInit::Zero,
+                (true, Init::Bias(bias)) => TileInit::Bias(bias.as_ptr().add(j0)),
+                _ => TileInit::Load,
+            };
+            // The next tile this loop reads: the source prefetches its
+            // memory a share per kernel call, so the first strips of the
+            // next k-block do not wait for it.
+            let next = if !P::PREFETCH_NEXT {
+                None
+            } else if kb + 1 < kblocks {
+                Some((pi, p0 + kc, P::KC.min(k - p0 - kc)))
+            } else if pi + 1 < panels.end {
+                Some((pi + 1, 0, P::KC.min(k)))
+            } else {
+                None
+            };
+            let calls = strips.div_ceil(P::STRIPS);
+            for (call, s) in (0..strips).step_by(P::STRIPS).enumerate() {
+                if let Some((npi, np0, nkc)) = next {
+                    b.prefetch(npi, np0, nkc, nkc.next_multiple_of(P::STEP), call, calls);
+                }
+                let rows = (P::STRIPS * P::MR).min(mc - s * P::MR);
+                let ap = apack[off + s * strip..].as_ptr();
+                let cp = c.add(s * P::MR * ldc + j0);
+                path.kernel(kc, ap, bp, cp, ldc, rows, cols, tile_init);
+            }
+            off += strips * strip;
+        }
     }
 }
 
@@ -429,9 +514,6 @@ fn block_rows<P: Path, S: PanelSource>(k: usize) -> usize {
     let unit = P::MR * P::STRIPS;
     (P::A_BYTES / (k.max(1) * std::mem::size_of::<P::A>()) / unit).max(1) * unit
 }
-
-/// k-blocks whose A offsets are kept on the stack (k up to 64 Ki).
-const MAX_KBLOCKS_INLINE: usize = 512;
 
 /// How a micro-kernel starts its tile.
 #[derive(Clone, Copy)]
