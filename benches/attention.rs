@@ -5,6 +5,10 @@
 //!
 //!     cargo bench --bench attention -- --runs 9 [--compute f32|bf16]
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::time::Instant;
 use strata::backend::cpu::attention::{varlen_attention, AttnSegment, KvRef};
 use strata::backend::{AttnShape, Compute};

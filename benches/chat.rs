@@ -8,6 +8,10 @@
 //!
 //!     cargo bench --bench chat [-- --runs N]
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::path::Path;
 use std::time::Instant;
 use strata::chat::{Chat, ChatOptions, Conversation, LongRows, MaskSource, RowMode, RowOptions, Style};

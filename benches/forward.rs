@@ -7,6 +7,10 @@
 //! `STRATA_BENCH_MODEL=DIR` benches an existing checkpoint (with `tokens.jsonl`)
 //! instead; scripts/bench_vs_torch.py uses that to time PyTorch on the same one.
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use strata::model::Llama;
 use strata::pipeline::batch::PackedBatch;

@@ -7,6 +7,10 @@
 //!
 //!     cargo bench --bench gemm [-- --runs N]
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::sync::Arc;
 use std::time::Instant;
 use strata::backend::cpu::gemm::{kernel_name, PackedLinear};

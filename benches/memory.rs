@@ -4,6 +4,10 @@
 //!
 //!     cargo bench --bench memory
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::process::Command;
 use strata::shape::DType;
 use strata_testkit::{write_llama, write_tokens, LlamaSpec, Rng};

@@ -25,6 +25,10 @@
 //! `MILLION_MAX`, `MILLION_SHARD_SIZE`, `MILLION_REPS` and `MILLION_DIR` do the same as the flags.
 //! `--dir` on a tmpfs (where fsync costs nothing) shows the writer's own CPU cost apart from the disk's.
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::io::{BufReader, Read};
 use std::path::Path;
 use std::time::Instant;

@@ -5,6 +5,10 @@
 //!
 //!     cargo bench --bench moe [-- --runs N]
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::time::Instant;
 use strata::model::{Deepseek, Model, TpDeepseek};
 use strata::pipeline::batch::PackedBatch;

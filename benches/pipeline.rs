@@ -10,6 +10,10 @@
 //!
 //!     cargo bench --bench pipeline [-- --runs N]
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::io::Write;
 use std::path::Path;
 use std::time::Instant;

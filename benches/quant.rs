@@ -14,6 +14,10 @@
 //!
 //!     cargo bench --bench quant [-- --runs N]
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use strata::model::Deepseek;

@@ -4,6 +4,10 @@
 //!
 //!     cargo bench --bench tp [-- --runs N]
 
+/// Large buffers on cache lines, as the `strata` binary has them.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::time::Instant;
 use strata::model::{Llama, Model, TpLlama};
 use strata::pipeline::batch::PackedBatch;

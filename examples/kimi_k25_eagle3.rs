@@ -21,6 +21,10 @@
 //!
 //!     cargo run --release --example kimi_k25_eagle3 [-- OUT_DIR]
 
+/// Large buffers on cache lines: the GEMM's tiles load whole lines.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::path::Path;
 use strata::dataset::manifest::{Manifest, ModelInfo};
 use strata::model::TpDeepseek;

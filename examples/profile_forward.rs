@@ -2,6 +2,10 @@
 //!
 //!     cargo run --release --example profile_forward -- DIR [RUNS]
 
+/// Large buffers on cache lines: the GEMM's tiles load whole lines.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::time::Instant;
 use strata::model::Llama;
 use strata::pipeline::batch::PackedBatch;

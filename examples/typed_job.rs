@@ -5,6 +5,10 @@
 //!
 //!     cargo run --release --example typed_job -- /tmp/typed-job
 
+/// Large buffers on cache lines: the GEMM's tiles load whole lines.
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 use std::path::Path;
 use strata::dataset::manifest::{Manifest, ModelInfo};
 use strata::hf::{Checkpoint, LlamaConfig};

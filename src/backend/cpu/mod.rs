@@ -6,6 +6,7 @@
 //! never by how samples were packed or how work was split, so outputs are
 //! bitwise independent of the batch.
 
+pub mod alloc;
 pub mod attention;
 pub mod bf16;
 pub mod gemm;
@@ -14,6 +15,7 @@ pub mod ops;
 pub mod panels;
 pub mod quant_panels;
 
+pub use alloc::CacheAligned;
 pub use gemm::{gemm_packed, Init, PackedLinear};
 pub use panels::{pack_b, MR, NR};
 

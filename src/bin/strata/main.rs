@@ -9,6 +9,10 @@ macro_rules! say {
     }};
 }
 
+/// Large buffers on cache lines: the GEMM's tiles load whole lines (see the allocator's docs).
+#[global_allocator]
+static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
+
 mod embedded;
 mod extract;
 mod verify;
