@@ -437,6 +437,9 @@ fn packed_len<P: Path>(rows: usize, kc: usize) -> usize {
 fn pack_block<P: Path>(path: P, a: ARows, i0: usize, mc: usize, k: usize, out: &mut Vec<P::A>, tmp: &mut RowScratch) {
     for p0 in (0..k).step_by(P::KC) {
         let (before, kc) = (out.len(), P::KC.min(k - p0));
+        // Computed rows are packed a strip at a time: room for the whole
+        // block first, so the buffer is not regrown (and copied) per strip.
+        out.reserve(packed_len::<P>(mc, kc));
         a.pack(path, i0, mc, p0, kc, out, tmp);
         debug_assert_eq!(out.len() - before, packed_len::<P>(mc, kc), "pack_block: packed length");
     }
