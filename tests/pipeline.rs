@@ -77,6 +77,30 @@ fn resume_refuses_another_compute_dtype() {
 }
 
 #[test]
+fn a_forced_bf16_kernel_is_recorded_and_a_resume_under_another_is_refused() {
+    // `portable` is on every CPU; where it is also the fastest bf16 kernel
+    // there is no other one to refuse.
+    let out = tempfile::tempdir().unwrap();
+    let o = out.path().as_os_str();
+    let forced = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([os("extract"), os("--out"), o, os("--compute"), os("bf16")])
+        .env("STRATA_BF16_KERNEL", "portable")
+        .output()
+        .unwrap();
+    assert!(forced.status.success(), "{}", String::from_utf8_lossy(&forced.stderr));
+    let manifest = std::fs::read_to_string(out.path().join("manifest.json")).unwrap();
+    assert!(manifest.contains("\"kernel\": \"portable\""), "{manifest}");
+    let fastest = strata::backend::cpu::gemm::kernel_name_for(strata::backend::Compute::Bf16);
+    let (ok, _, err) = strata(&[os("extract"), os("--out"), o, os("--resume"), os("--compute"), os("bf16")]);
+    if fastest == "portable" {
+        eprintln!("this CPU's fastest bf16 kernel is portable: no other kernel to refuse");
+        assert!(ok, "{err}");
+    } else {
+        assert!(!ok && err.contains("portable") && err.contains(fastest), "{err}");
+    }
+}
+
+#[test]
 fn kill_and_resume_gives_the_uninterrupted_output() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data.jsonl");

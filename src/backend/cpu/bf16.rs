@@ -375,12 +375,27 @@ impl Bf16Path {
 /// Whether this CPU has bf16 hardware (AMX or `avx512_bf16`), the condition
 /// under which `--compute auto` picks bf16.
 pub fn has_native_bf16() -> bool {
-    !matches!(detect(), Bf16Path::Wide(_))
+    !matches!(available().last(), Some(Bf16Path::Wide(_)))
 }
 
-/// The fastest bf16 path this CPU has.
+/// The fastest bf16 path this CPU has, or the one `STRATA_BF16_KERNEL`
+/// names (`portable`, `avx2`, `avx512bf16`, `amx`) if this CPU has it: how
+/// `benches/gemm` times every path, and how a run reproduces the last bits
+/// of files made on a CPU with fewer paths. (The manifest records the
+/// kernel, so a resume under another one is refused either way.)
 pub(crate) fn detect() -> Bf16Path {
-    *available().last().expect("the portable path")
+    static CHOSEN: std::sync::OnceLock<Bf16Path> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let paths = available();
+        if let Ok(name) = std::env::var("STRATA_BF16_KERNEL") {
+            if let Some(p) = paths.iter().find(|p| p.name() == name) {
+                return *p;
+            }
+            let have: Vec<_> = paths.iter().map(|p| p.name()).collect();
+            tracing::warn!("STRATA_BF16_KERNEL={name}: this CPU has only {}; using the fastest", have.join(", "));
+        }
+        *paths.last().expect("the portable path")
+    })
 }
 
 /// Every bf16 path this CPU can run, slowest first (the tests run them all).
