@@ -90,6 +90,18 @@ fn a_forced_bf16_kernel_is_recorded_and_a_resume_under_another_is_refused() {
     assert!(forced.status.success(), "{}", String::from_utf8_lossy(&forced.stderr));
     let manifest = std::fs::read_to_string(out.path().join("manifest.json")).unwrap();
     assert!(manifest.contains("\"kernel\": \"portable\""), "{manifest}");
+    // A name this CPU has no kernel of is refused before anything runs.
+    let bogus = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([os("extract"), os("--out"), out.path().join("bogus").as_os_str(), os("--compute"), os("bf16")])
+        .env("STRATA_BF16_KERNEL", "avx512_bf16")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&bogus.stderr);
+    assert!(
+        !bogus.status.success() && err.contains("STRATA_BF16_KERNEL=avx512_bf16") && err.contains("portable"),
+        "{err}"
+    );
+    assert!(!out.path().join("bogus").exists(), "nothing is written");
     let fastest = strata::backend::cpu::gemm::kernel_name_for(strata::backend::Compute::Bf16);
     let (ok, _, err) = strata(&[os("extract"), os("--out"), o, os("--resume"), os("--compute"), os("bf16")]);
     if fastest == "portable" {

@@ -438,7 +438,8 @@ mod tests {
     fn softmax_terms_match_a_plain_loop_and_every_isa() {
         for len in [1, 5, 16, 17, 100, 256] {
             let row: Vec<f32> = (0..len).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.7).collect();
-            for max0 in [f32::NEG_INFINITY, 3.0] {
+            // A running max below, inside and above the row's scores.
+            for max0 in [f32::NEG_INFINITY, -9.0, 0.5, 3.0] {
                 let (mut a, mut b) = (row.clone(), row.clone());
                 let (m, z, alpha) = softmax_terms(&mut a, 0.125, max0);
                 let (m2, z2, alpha2) = softmax_terms_body(&mut b, 0.125, max0);

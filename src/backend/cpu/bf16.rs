@@ -378,6 +378,22 @@ pub fn has_native_bf16() -> bool {
     !matches!(available().last(), Some(Bf16Path::Wide(_)))
 }
 
+/// The bf16 kernel `STRATA_BF16_KERNEL` names, if it is set: an error
+/// naming this CPU's kernels when it names none of them (the GEMM itself
+/// would fall back to the fastest with a warning).
+pub fn kernel_override() -> Result<Option<&'static str>, String> {
+    let Some(v) = std::env::var_os("STRATA_BF16_KERNEL") else { return Ok(None) };
+    let names: Vec<&'static str> = available().iter().map(|p| p.name()).collect();
+    match names.iter().find(|n| v == **n) {
+        Some(n) => Ok(Some(n)),
+        None => Err(format!(
+            "STRATA_BF16_KERNEL={}: not a bf16 kernel of this CPU (it has {})",
+            v.to_string_lossy(),
+            names.join(", ")
+        )),
+    }
+}
+
 /// The fastest bf16 path this CPU has, or the one `STRATA_BF16_KERNEL`
 /// names (`portable`, `avx2`, `avx512bf16`, `amx`) if this CPU has it: how
 /// `benches/gemm` times every path, and how a run reproduces the last bits

@@ -395,13 +395,15 @@ pub(crate) unsafe fn gemm_prepacked<P: Path, S: PanelSource<Elem = P::B>>(
     if k == 0 {
         return init_only(m, n, panels, c, ldc, init);
     }
+    let block_len = |mc: usize| (0..k).step_by(P::KC).map(|p0| packed_len::<P>(mc, P::KC.min(k - p0))).sum::<usize>();
+    let total: usize = row_blocks::<P, S>(m, k).map(|(_, mc)| block_len(mc)).sum();
+    assert_eq!(total, apack.len(), "gemm_prepacked: A was packed for another shape");
     let mut off = 0;
     for (i0, mc) in row_blocks::<P, S>(m, k) {
-        let len = (0..k).step_by(P::KC).map(|p0| packed_len::<P>(mc, P::KC.min(k - p0))).sum::<usize>();
+        let len = block_len(mc);
         block_product(path, &apack[off..off + len], mc, k, b, n, panels.clone(), c.add(i0 * ldc), ldc, init, bbuf);
         off += len;
     }
-    assert_eq!(off, apack.len(), "gemm_prepacked: A was packed for another shape");
 }
 
 /// A GEMM of depth 0: C is just its initial value.
@@ -1247,6 +1249,58 @@ mod tests {
             for (p, y) in paths.iter().zip(&outs).skip(1) {
                 assert!(y.iter().zip(&outs[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "{} m{m} n{n} k{k}", p.name());
             }
+        }
+    }
+
+    /// A packed once by `pack_rows` (here attention's stacked heads) and
+    /// multiplied by `gemm_prepacked` gives the bits of `gemm_tiles` over the
+    /// same rows copied out, on every path, over several row blocks (f32's
+    /// 384 rows, AMX's 1 MiB of A) and several k-blocks (f32's 128 depths).
+    #[test]
+    fn prepacked_heads_give_the_bits_of_copied_rows_on_every_path() {
+        fn check<P: Path>(path: P) {
+            let (per, heads, width, n) = (70, 9, 1500, 45);
+            let lda = heads * width + 7;
+            let q = rand(per * lda, 11);
+            let w = rand(n * width, 12);
+            let (m, k) = (per * heads, width);
+            // Row `hg · per + ri` is row `ri` of head `hg`.
+            let copied: Vec<f32> =
+                (0..m).flat_map(|j| q[(j % per) * lda + (j / per) * width..][..width].iter().copied()).collect();
+            let mut panels = Vec::new();
+            path.pack_b(&w, n, k, k, 1, &mut panels);
+            let src = InPlace { ptr: panels.as_ptr(), kpad: k.next_multiple_of(P::STEP) };
+            let (mut y1, mut y2) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+            let (mut ap, mut bb, mut qp) = (Vec::new(), Vec::new(), Vec::new());
+            let heads_rows = ARows::Heads { a: &q, lda, width, per, first: 0 };
+            pack_rows::<P, InPlace<P::B>>(path, heads_rows, m, k, &mut qp);
+            // SAFETY: y1 and y2 hold m × n floats; the panels were packed for n × k.
+            unsafe {
+                let all = 0..n.div_ceil(NR);
+                gemm_tiles(
+                    path,
+                    ARows::Plain(&copied, k),
+                    m,
+                    k,
+                    &src,
+                    n,
+                    all.clone(),
+                    y1.as_mut_ptr(),
+                    n,
+                    Init::Zero,
+                    &mut ap,
+                    &mut bb,
+                );
+                gemm_prepacked(path, &qp, m, k, &src, n, all, y2.as_mut_ptr(), n, Init::Zero, &mut bb);
+            }
+            assert!(y1.iter().zip(&y2).all(|(a, b)| a.to_bits() == b.to_bits()), "path {}", path.name());
+            assert!(y1.iter().all(|v| v.is_finite()), "path {}: every element written", path.name());
+        }
+        for path in F32Path::available() {
+            check(path);
+        }
+        for path in bf16::available() {
+            with_bf16_path!(path, p => check(p));
         }
     }
 

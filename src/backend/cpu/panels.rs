@@ -250,7 +250,9 @@ unsafe fn transpose_avx2(rows: &[*const f32], kc8: usize, out: *mut f32) {
 /// activation's rows lie kilobytes apart, so a GEMM's C tile otherwise
 /// touches a page per row.
 pub(crate) fn zeroed<T: Copy + Default>(len: usize) -> Vec<T> {
-    // `vec![0; n]` of a number is a zeroed allocation: no page is touched yet.
+    // `vec![0; n]` of a number is a zeroed allocation: under the system
+    // allocator no page is touched yet; under `CacheAligned` (which zeroes
+    // an aligned block itself) the allocator gave the advice before zeroing.
     let v = vec![T::default(); len];
     let bytes = std::mem::size_of_val(v.as_slice());
     #[cfg(target_os = "linux")]

@@ -651,6 +651,7 @@ fn print_prepare(s: &Summary) {
 }
 
 fn extract(a: ExtractArgs) -> anyhow::Result<()> {
+    strata::backend::cpu::bf16::kernel_override().map_err(anyhow::Error::msg)?;
     if a.tp == 0 {
         anyhow::bail!("--tp must be at least 1");
     }
@@ -791,6 +792,7 @@ fn merge(dir: &std::path::Path) -> anyhow::Result<()> {
 }
 
 fn verify(a: VerifyArgs) -> anyhow::Result<()> {
+    strata::backend::cpu::bf16::kernel_override().map_err(anyhow::Error::msg)?;
     let job = verify::VerifyJob {
         dir: a.dir,
         layout: a.layout,
