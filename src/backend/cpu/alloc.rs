@@ -51,8 +51,11 @@ fn aligned(l: Layout) -> Layout {
 /// Asks Linux to back the whole 2 MiB extents of `[p, p + size)` with huge
 /// pages, before they are first touched: one fault then maps 2 MiB instead
 /// of 4 KiB. A refusal (THP off) only costs speed.
+///
+/// # Safety
+/// `[p, p + size)` must lie inside one allocation.
 #[cfg(target_os = "linux")]
-unsafe fn advise_huge(p: *mut u8, size: usize) {
+pub(crate) unsafe fn advise_huge(p: *mut u8, size: usize) {
     const HUGE: usize = 2 << 20;
     let start = (p as usize).next_multiple_of(HUGE);
     let end = (p as usize + size) / HUGE * HUGE;

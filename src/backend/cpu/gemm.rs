@@ -505,7 +505,7 @@ unsafe fn block_product<P: Path, S: PanelSource<Elem = P::B>>(
                 let cp = c.add(s * P::MR * ldc + j0);
                 path.kernel(kc, ap, bp, cp, ldc, rows, cols, tile_init);
             }
-            off += strips * strip;
+            off += packed_len::<P>(mc, kc);
         }
     }
 }

@@ -257,14 +257,9 @@ pub(crate) fn zeroed<T: Copy + Default>(len: usize) -> Vec<T> {
     let bytes = std::mem::size_of_val(v.as_slice());
     #[cfg(target_os = "linux")]
     if bytes >= 4 << 20 {
-        const HUGE: usize = 2 << 20;
-        let start = (v.as_ptr() as usize).next_multiple_of(HUGE);
-        let end = (v.as_ptr() as usize + bytes) / HUGE * HUGE;
-        if end > start {
-            // SAFETY: advice on pages inside this allocation; it changes how
-            // they are backed, never their contents. A refusal is harmless.
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-        }
+        // SAFETY: advice on pages inside this allocation; it changes how
+        // they are backed, never their contents.
+        unsafe { super::alloc::advise_huge(v.as_ptr() as *mut u8, bytes) };
     }
     v
 }
