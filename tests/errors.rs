@@ -205,3 +205,30 @@ fn malformed_and_unsupported_configs() {
     let r = extract(Some(Path::new("/nonexistent/model")), GOOD, &[]);
     fails_with(r, &["cannot read /nonexistent/model/config.json"]);
 }
+
+/// `--backend cuda` where it cannot run: a clear error before any input or
+/// weight is read, a non-zero exit, no output. Built without `--features
+/// cuda` it says so; with it, on a machine without a driver or GPU (CI, this
+/// test's home), the probe says what is missing. On a GPU machine the probe
+/// passes, so the test checks only the device arguments there.
+#[test]
+fn cuda_without_a_gpu_or_the_feature_is_a_clear_error() {
+    let gpu = cfg!(feature = "cuda") && std::path::Path::new("/dev/nvidiactl").exists();
+    if !gpu {
+        let needles: &[&str] = if cfg!(feature = "cuda") {
+            &["--backend cuda needs an NVIDIA GPU", "use --backend cpu"]
+        } else {
+            &["built without the CUDA backend", "--features cuda"]
+        };
+        fails_with(extract(None, GOOD, &["--backend", "cuda"]), needles);
+    }
+    fails_with(
+        extract(None, GOOD, &["--backend", "cuda", "--devices", "0,1"]),
+        &["--devices lists 2 GPUs but --tp is 1", "--tp 2"],
+    );
+    fails_with(
+        extract(None, GOOD, &["--backend", "cuda", "--devices", "1,1", "--tp", "2"]),
+        &["--devices names GPU 1 twice"],
+    );
+    fails_with(extract(None, GOOD, &["--devices", "0"]), &["only --backend cuda uses"]);
+}

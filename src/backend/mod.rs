@@ -16,6 +16,8 @@
 
 mod check;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod host;
 mod kv_cache;
 pub mod reference;

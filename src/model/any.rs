@@ -31,6 +31,8 @@ pub enum BackendKind {
     Cpu,
     /// [`Reference`]: plain loops in f64, one rank; the oracle.
     Reference,
+    /// NVIDIA GPUs (`--features cuda`), one rank per device.
+    Cuda,
 }
 
 impl BackendKind {
@@ -39,6 +41,7 @@ impl BackendKind {
         match self {
             BackendKind::Cpu => Cpu::<F32>::NAME,
             BackendKind::Reference => Reference::NAME,
+            BackendKind::Cuda => "cuda",
         }
     }
 }
@@ -55,14 +58,15 @@ impl std::str::FromStr for BackendKind {
         match s {
             "cpu" => Ok(BackendKind::Cpu),
             "reference" => Ok(BackendKind::Reference),
-            other => Err(format!("unknown backend {other:?} (expected cpu or reference)")),
+            "cuda" => Ok(BackendKind::Cuda),
+            other => Err(format!("unknown backend {other:?} (expected cpu, reference or cuda)")),
         }
     }
 }
 
 /// How to load a model: on which backend, in which compute dtype, over how
-/// many tensor-parallel ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// many tensor-parallel ranks, on which devices.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadOptions {
     /// The backend.
     pub backend: BackendKind,
@@ -70,11 +74,25 @@ pub struct LoadOptions {
     pub compute: Compute,
     /// Tensor-parallel ranks; 1 runs the model whole.
     pub tp: usize,
+    /// GPU indices, one per rank in rank order (`--devices`); empty: the
+    /// first `tp`. Only the CUDA backend takes devices.
+    pub devices: Vec<usize>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { backend: BackendKind::Cpu, compute: Compute::F32, tp: 1 }
+        LoadOptions { backend: BackendKind::Cpu, compute: Compute::F32, tp: 1, devices: Vec::new() }
+    }
+}
+
+impl LoadOptions {
+    /// The GPU of each rank: `devices`, or `0..tp` when none are named.
+    pub fn rank_devices(&self) -> Vec<usize> {
+        if self.devices.is_empty() {
+            (0..self.tp).collect()
+        } else {
+            self.devices.clone()
+        }
     }
 }
 
@@ -167,10 +185,11 @@ impl AnyConfig {
 
     /// Checks the options against the config before any weight is read:
     /// the split over `opts.tp` ranks, and what the backend can do.
-    pub fn check(&self, opts: LoadOptions) -> Result<(), ModelError> {
+    pub fn check(&self, opts: &LoadOptions) -> Result<(), ModelError> {
         if opts.tp == 0 {
             return Err(ModelError::Parallel("--tp must be at least 1".into()));
         }
+        check_devices(opts)?;
         if opts.backend == BackendKind::Reference && opts.tp > 1 {
             Reference.group(opts.tp)?;
         }
@@ -196,13 +215,20 @@ impl AnyConfig {
         opts: LoadOptions,
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<AnyModel, ModelError> {
-        self.check(opts)?;
+        self.check(&opts)?;
         let info = self.info();
         let compute = opts.compute;
         let inner: Box<dyn ErasedModel> = match (opts.backend, compute) {
             (BackendKind::Cpu, Compute::F32) => self.load_cpu::<F32>(opts.tp, open)?,
             (BackendKind::Cpu, Compute::Bf16) => self.load_cpu::<Bf16>(opts.tp, open)?,
             (BackendKind::Reference, _) => self.load_reference(open)?,
+            (BackendKind::Cuda, _) => {
+                return Err(ModelError::Backend(
+                    "the CUDA backend found its GPUs, but it runs no model yet: only its kernels, \
+                     their NVRTC compilation and the device probe are built so far; use --backend cpu"
+                        .into(),
+                ))
+            }
         };
         Ok(AnyModel { inner, info, options: opts, compute })
     }
@@ -235,6 +261,51 @@ impl AnyConfig {
     }
 }
 
+/// Checks `--devices` against the backend and `--tp`, and (CUDA) that the
+/// driver and the named GPUs are there, before any weight is read.
+fn check_devices(opts: &LoadOptions) -> Result<(), ModelError> {
+    if opts.backend != BackendKind::Cuda {
+        if !opts.devices.is_empty() {
+            return Err(ModelError::Backend(format!(
+                "--devices names GPUs, which only --backend cuda uses (asked: --backend {})",
+                opts.backend
+            )));
+        }
+        return Ok(());
+    }
+    if !opts.devices.is_empty() && opts.devices.len() != opts.tp {
+        return Err(ModelError::Parallel(format!(
+            "--devices lists {} GPUs but --tp is {}: one rank runs on each GPU, so give --tp {}",
+            opts.devices.len(),
+            opts.tp,
+            opts.devices.len()
+        )));
+    }
+    let devices = opts.rank_devices();
+    if let Some(d) = devices.iter().enumerate().find(|(i, d)| devices[..*i].contains(d)) {
+        return Err(ModelError::Parallel(format!("--devices names GPU {} twice: NCCL runs one rank per GPU", d.1)));
+    }
+    probe_cuda(&devices)
+}
+
+#[cfg(feature = "cuda")]
+fn probe_cuda(devices: &[usize]) -> Result<(), ModelError> {
+    let found = crate::backend::cuda::probe::probe(devices).map_err(|e| ModelError::Backend(e.to_string()))?;
+    for d in &found {
+        tracing::info!(ordinal = d.ordinal, name = %d.name, arch = %d.arch(), memory = d.memory, "GPU");
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn probe_cuda(_devices: &[usize]) -> Result<(), ModelError> {
+    Err(ModelError::Backend(
+        "this strata was built without the CUDA backend: rebuild with `cargo build --release --features cuda` \
+         (no CUDA toolkit needed to build), or use --backend cpu"
+            .into(),
+    ))
+}
+
 /// Loads a checkpoint directory of any supported family, on the backend and
 /// over the ranks `opts` names.
 pub fn load(dir: &Path, opts: LoadOptions) -> Result<AnyModel, ModelError> {
@@ -261,8 +332,8 @@ impl AnyModel {
         &self.info
     }
     /// The backend and TP size it runs with.
-    pub fn options(&self) -> LoadOptions {
-        self.options
+    pub fn options(&self) -> &LoadOptions {
+        &self.options
     }
 }
 
@@ -347,6 +418,10 @@ mod tests {
         for kind in [BackendKind::Cpu, BackendKind::Reference] {
             assert_eq!(kind.to_string().parse::<BackendKind>(), Ok(kind));
         }
-        assert_eq!("cuda".parse::<BackendKind>().unwrap_err(), "unknown backend \"cuda\" (expected cpu or reference)");
+        assert_eq!("cuda".parse::<BackendKind>(), Ok(BackendKind::Cuda));
+        assert_eq!(
+            "tpu".parse::<BackendKind>().unwrap_err(),
+            "unknown backend \"tpu\" (expected cpu, reference or cuda)"
+        );
     }
 }

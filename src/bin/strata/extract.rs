@@ -57,6 +57,8 @@ pub struct ExtractJob {
     pub tp: usize,
     /// The backend the model runs on.
     pub backend: BackendKind,
+    /// GPU indices, one per rank (`--devices`); empty: the first `tp`.
+    pub devices: Vec<usize>,
     /// The compute dtype asked for.
     pub compute: ComputeChoice,
     /// What to do with a sample whose states hold NaN or Inf.
@@ -275,7 +277,7 @@ impl ExtractJob {
         let captures = CaptureSet::<usize>::try_new(points.clone())?;
         let compute = self.compute.resolve(self.backend, false);
         // Checked before the input is read or any weight is touched.
-        config.check(LoadOptions { backend: self.backend, compute, tp: self.tp })?;
+        config.check(&LoadOptions { backend: self.backend, compute, tp: self.tp, devices: self.devices.clone() })?;
         let dataset_dir =
             self.data.as_deref().filter(|d| strata::input::arrow::is_dataset_dir(d)).map(|d| d.to_path_buf());
         if self.prepare.input_format == InputFormat::HfDataset && dataset_dir.is_none() {
@@ -330,6 +332,7 @@ impl ExtractJob {
             backend: self.backend,
             compute: self.compute.resolve(self.backend, low_precision),
             tp: self.tp,
+            devices: self.devices.clone(),
         };
         let model = config.load(opts, open)?;
         summary.load_time = t.elapsed();
@@ -348,6 +351,7 @@ impl ExtractJob {
         let kernel = match self.backend {
             BackendKind::Cpu => strata::backend::cpu::gemm::kernel_name_for(model.compute()),
             BackendKind::Reference => "reference",
+            BackendKind::Cuda => "cublas",
         };
         job.run = Some(RunInfo {
             backend: self.backend.name().into(),

@@ -250,6 +250,9 @@ enum BackendArg {
     Cpu,
     /// Plain loops with f64 accumulation, one thread, --tp 1: the oracle.
     Reference,
+    /// NVIDIA GPUs, one rank per GPU (--devices, --tp); needs a build with
+    /// `--features cuda` and a CUDA driver.
+    Cuda,
 }
 
 impl From<BackendArg> for BackendKind {
@@ -257,6 +260,7 @@ impl From<BackendArg> for BackendKind {
         match b {
             BackendArg::Cpu => BackendKind::Cpu,
             BackendArg::Reference => BackendKind::Reference,
+            BackendArg::Cuda => BackendKind::Cuda,
         }
     }
 }
@@ -355,6 +359,10 @@ struct ExtractArgs {
     /// Where the model runs.
     #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendArg,
+    /// GPUs of --backend cuda, one per tensor-parallel rank in rank order
+    /// (`0,1,2,3` with --tp 4). Default: GPUs 0..tp.
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    devices: Vec<usize>,
     /// The dtype of GEMM and attention inputs. Recorded in the manifest with
     /// the kernel path; --resume refuses a run that would mix them.
     #[arg(long, value_enum, value_name = "DTYPE", default_value = "auto")]
@@ -478,6 +486,9 @@ struct VerifyArgs {
     /// near-tie expert choice.
     #[arg(long, value_name = "N", default_value_t = 1, requires = "recompute")]
     tp: usize,
+    /// GPUs of --recompute on --backend cuda, one per rank. Default: 0..tp.
+    #[arg(long, value_name = "IDS", value_delimiter = ',', requires = "recompute")]
+    devices: Vec<usize>,
     /// The compute dtype of --recompute. Default: the dataset's, on the cpu
     /// backend (f32 on the reference backend).
     #[arg(long, value_enum, value_name = "DTYPE", requires = "recompute")]
@@ -686,6 +697,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         },
         tp: a.tp,
         backend: a.backend.into(),
+        devices: a.devices,
         compute: a.compute.choice(),
         on_nonfinite: match a.on_nonfinite {
             NonFiniteArg::Fail => OnNonFinite::Fail,
@@ -801,6 +813,7 @@ fn verify(a: VerifyArgs) -> anyhow::Result<()> {
         model: a.model,
         backend: a.backend.into(),
         tp: a.tp,
+        devices: a.devices,
         compute: a.compute.map(ComputeArg::choice),
     };
     job.run()

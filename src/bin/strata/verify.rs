@@ -30,6 +30,8 @@ pub struct VerifyJob {
     pub backend: BackendKind,
     /// Over how many tensor-parallel ranks.
     pub tp: usize,
+    /// GPU indices, one per rank (`--devices`); empty: the first `tp`.
+    pub devices: Vec<usize>,
     /// In which compute dtype; default: the dataset's (f32 on the reference backend).
     pub compute: Option<ComputeChoice>,
 }
@@ -114,7 +116,7 @@ impl VerifyJob {
             (None, BackendKind::Cpu) => stored.unwrap_or(Compute::F32),
             (None, _) => Compute::F32,
         };
-        let opts = LoadOptions { backend: self.backend, compute, tp: self.tp };
+        let opts = LoadOptions { backend: self.backend, compute, tp: self.tp, devices: self.devices.clone() };
         let model = config.load(opts, open).with_context(|| format!("model {name}"))?;
         // States written or recomputed in bf16 are compared at bf16's tolerance.
         let tolerance_of = if stored == Some(Compute::Bf16) { Compute::Bf16 } else { compute };

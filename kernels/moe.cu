@@ -1,0 +1,73 @@
+// moe.cu: the router. One thread per token picks its top-k experts from the
+// router's logits, in every mode of the DeepSeek family, with the reference
+// backend's order: scores (softmax or sigmoid), plus noaux_tc's correction
+// bias; groups ranked by their best expert (or the sum of their two best,
+// noaux_tc) with ties to the lower group; the rest masked (-inf for noaux_tc,
+// 0 otherwise); experts ranked with ties to the lower index.
+#include "common.cuh"
+
+#define MAX_EXPERTS 1024
+#define MAX_GROUPS 64
+
+// logits [T, E] f32; correction [E] or null; scores, choice: scratch [T, E].
+// Out: ids [T, top_k], weights [T, top_k].
+// scoring: 0 softmax, 1 sigmoid. method: 0 greedy, 1 group-limited greedy, 2 noaux_tc.
+extern "C" __global__ void moe_route(const float* logits, const float* correction, int tokens, int experts,
+                                    int scoring, int method, int top_k, int n_group, int topk_group, int norm_topk,
+                                    float scaling, float* scores, float* choice, u32* ids, float* weights) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens) return;
+    const float* l = logits + (u64)t * experts;
+    float* s = scores + (u64)t * experts;
+    float* ch = choice + (u64)t * experts;
+    if (scoring == 0) {
+        float m = -__int_as_float(0x7f800000);
+        for (int e = 0; e < experts; e++) m = fmaxf(m, l[e]);
+        float z = 0.0f;
+        for (int e = 0; e < experts; e++) z += expf(l[e] - m);
+        for (int e = 0; e < experts; e++) s[e] = expf(l[e] - m) / z;
+    } else {
+        for (int e = 0; e < experts; e++) s[e] = 1.0f / (1.0f + expf(-l[e]));
+    }
+    for (int e = 0; e < experts; e++) ch[e] = s[e] + (correction ? correction[e] : 0.0f);
+    const float neg_inf = -__int_as_float(0x7f800000);
+    if (method != 0 && n_group > 1) {
+        int per = experts / n_group;
+        float gscore[MAX_GROUPS];
+        for (int g = 0; g < n_group; g++) {
+            float b0 = neg_inf, b1 = neg_inf;
+            for (int e = g * per; e < (g + 1) * per; e++) {
+                float v = ch[e];
+                if (v > b0) { b1 = b0; b0 = v; } else if (v > b1) { b1 = v; }
+            }
+            gscore[g] = method == 2 ? b0 + b1 : b0;
+        }
+        // Keep the topk_group best groups (ties to the lower index); mask the rest.
+        u64 kept = 0;
+        for (int n = 0; n < topk_group; n++) {
+            int best = -1;
+            for (int g = 0; g < n_group; g++)
+                if (!((kept >> g) & 1) && (best < 0 || gscore[g] > gscore[best])) best = g;
+            kept |= 1ull << best;
+        }
+        float fill = method == 2 ? neg_inf : 0.0f;
+        for (int g = 0; g < n_group; g++)
+            if (!((kept >> g) & 1))
+                for (int e = g * per; e < (g + 1) * per; e++) ch[e] = fill;
+    }
+    u32 taken[MAX_EXPERTS / 32];
+    for (int w = 0; w < (experts + 31) / 32; w++) taken[w] = 0;
+    float denom = 0.0f;
+    for (int k = 0; k < top_k; k++) {
+        int best = -1;
+        for (int e = 0; e < experts; e++)
+            if (!((taken[e >> 5] >> (e & 31)) & 1) && (best < 0 || ch[e] > ch[best])) best = e;
+        taken[best >> 5] |= 1u << (best & 31);
+        float w = method == 2 ? s[best] : ch[best];
+        ids[(u64)t * top_k + k] = (u32)best;
+        weights[(u64)t * top_k + k] = w;
+        denom += w;
+    }
+    float scale = norm_topk ? scaling / (denom + 1e-20f) : scaling;
+    for (int k = 0; k < top_k; k++) weights[(u64)t * top_k + k] *= scale;
+}

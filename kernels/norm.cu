@@ -1,0 +1,29 @@
+// norm.cu: RMSNorm of rows, and of heads in place (Qwen3's q/k norm).
+// One block per row (or head); the sum of squares is a block reduction of
+// fixed shape, so a row's result does not depend on the batch.
+#include "common.cuh"
+
+// out [rows, width] = x[r] / rms(x[r]) · w, x a column block (stride, offset).
+extern "C" __global__ void rms_norm(const float* x, int stride, int offset, int width, const float* w, float eps,
+                                   float* out) {
+    __shared__ float shm[32];
+    const float* row = x + (u64)blockIdx.x * stride + offset;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += row[c] * row[c];
+    ss = block_sum(ss, shm);
+    float inv = 1.0f / sqrtf(ss / (float)width + eps);
+    float* o = out + (u64)blockIdx.x * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = w[c] * (row[c] * inv);
+}
+
+// In place: head blockIdx.y of row blockIdx.x, columns offset + h·hstride .. + width.
+extern "C" __global__ void rms_norm_heads(float* x, int stride, int offset, int hstride, int width, const float* w,
+                                         float eps) {
+    __shared__ float shm[32];
+    float* head = x + (u64)blockIdx.x * stride + offset + (u64)blockIdx.y * hstride;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += head[c] * head[c];
+    ss = block_sum(ss, shm);
+    float inv = 1.0f / sqrtf(ss / (float)width + eps);
+    for (int c = threadIdx.x; c < width; c += blockDim.x) head[c] = w[c] * (head[c] * inv);
+}

@@ -1,0 +1,32 @@
+// rope.cu: rotary embeddings in place, both layouts. Pairs are (i, i + half)
+// (HF's rotate_half) or, with `interleave`, (2i, 2i + 1) written back as
+// [rotated evens | rotated odds] (DeepSeek). The interleaved write overlaps
+// other pairs' reads, so a block first copies its heads to shared memory.
+#include "common.cuh"
+
+// Block (row blockIdx.x, heads blockIdx.y·chunk ..): rotates `count` heads of
+// 2·half columns at offset + h·hstride of row r, at position pos[r].
+// cos/sin: [positions, half], already times the RoPE scale.
+// Dynamic shared memory: chunk · 2·half floats.
+extern "C" __global__ void rope(float* x, int stride, int offset, int count, int hstride, int half, int interleave,
+                               const float* cos_t, const float* sin_t, const u32* pos, int chunk) {
+    extern __shared__ float tile[];
+    int h0 = blockIdx.y * chunk;
+    int heads = min(chunk, count - h0);
+    if (heads <= 0) return;
+    float* row = x + (u64)blockIdx.x * stride + offset;
+    int d = 2 * half;
+    for (int i = threadIdx.x; i < heads * d; i += blockDim.x) tile[i] = row[(u64)(h0 + i / d) * hstride + i % d];
+    __syncthreads();
+    const float* cs = cos_t + (u64)pos[blockIdx.x] * half;
+    const float* sn = sin_t + (u64)pos[blockIdx.x] * half;
+    for (int i = threadIdx.x; i < heads * half; i += blockDim.x) {
+        int h = i / half, j = i % half;
+        const float* src = tile + h * d;
+        float a = interleave ? src[2 * j] : src[j];
+        float b = interleave ? src[2 * j + 1] : src[j + half];
+        float* dst = row + (u64)(h0 + h) * hstride;
+        dst[j] = a * cs[j] - b * sn[j];
+        dst[half + j] = b * cs[j] + a * sn[j];
+    }
+}

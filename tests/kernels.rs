@@ -1,0 +1,117 @@
+//! Every CUDA kernel source in `kernels/` compiles with NVRTC alone (no CUDA
+//! headers) for sm_80 (A100) and sm_90 (H100/H200), and defines the entry
+//! points the backend launches. Needs no GPU: only libnvrtc, which `.ci/run`
+//! takes from the PyPI package `nvidia-cuda-nvrtc` (and then sets
+//! STRATA_REQUIRE_NVRTC=1, so a missing library fails instead of skipping).
+#![cfg(feature = "cuda")]
+
+use strata::backend::cuda::nvrtc;
+
+const ARCHES: [&str; 2] = ["sm_80", "sm_90"];
+
+fn nvrtc_or_skip(test: &str) -> bool {
+    if nvrtc::available() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("STRATA_REQUIRE_NVRTC").is_none(),
+        "STRATA_REQUIRE_NVRTC is set but libnvrtc.so could not be loaded (is its directory on LD_LIBRARY_PATH?)"
+    );
+    eprintln!("{test}: skipped: libnvrtc.so not found (pip install nvidia-cuda-nvrtc, put nvidia/cu13/lib on LD_LIBRARY_PATH)");
+    false
+}
+
+/// The kernel files on disk: every `.cu` of `kernels/`.
+fn files_on_disk() -> Vec<String> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter_map(|n| n.strip_suffix(".cu").map(str::to_string))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn every_kernel_file_is_built_in() {
+    let built: Vec<&str> = nvrtc::SOURCES.iter().map(|(n, _)| *n).collect();
+    assert_eq!(files_on_disk(), built, "kernels/*.cu and nvrtc::SOURCES must list the same files");
+}
+
+#[test]
+fn kernels_include_no_headers_but_common() {
+    for (name, text) in nvrtc::SOURCES {
+        for line in text.lines().filter(|l| l.trim_start().starts_with("#include")) {
+            assert_eq!(line.trim(), "#include \"common.cuh\"", "{name}.cu: NVRTC has no headers to include: {line}");
+        }
+        assert!(!nvrtc::source(name).unwrap().contains("#include"), "{name}: header not pasted");
+    }
+    assert!(!nvrtc::COMMON.contains("#include"));
+}
+
+#[test]
+fn every_kernel_compiles_for_sm80_and_sm90() {
+    if !nvrtc_or_skip("every_kernel_compiles_for_sm80_and_sm90") {
+        return;
+    }
+    let version = nvrtc::version().unwrap();
+    eprintln!("NVRTC {}.{}", version.0, version.1);
+    for (name, text) in nvrtc::SOURCES {
+        // The entry points the file declares, by name (macros expanded by hand below).
+        let declared: Vec<&str> = text
+            .split("extern \"C\" __global__ void ")
+            .skip(1)
+            .map(|s| s.split('(').next().unwrap())
+            .filter(|s| !s.contains('#'))
+            .collect();
+        for arch in ARCHES {
+            let ptx = nvrtc::compile(name, arch).unwrap_or_else(|e| panic!("{e}"));
+            let entries = nvrtc::entry_points(&ptx);
+            assert!(!entries.is_empty(), "{name}.cu for {arch}: no entry points");
+            for d in &declared {
+                let d = d.replace("##N", "");
+                assert!(
+                    entries.iter().any(|e| e.starts_with(d.trim())),
+                    "{name}.cu for {arch}: {d} not in PTX (entries: {entries:?})"
+                );
+            }
+            assert!(ptx.contains(&format!(".target {arch}")), "{name}.cu: PTX not for {arch}");
+        }
+    }
+}
+
+#[test]
+fn the_attention_kernels_use_tensor_cores() {
+    if !nvrtc_or_skip("the_attention_kernels_use_tensor_cores") {
+        return;
+    }
+    let ptx = nvrtc::compile("attention", "sm_90").unwrap();
+    for n in [16, 32, 64, 128, 256] {
+        assert!(nvrtc::entry_points(&ptx).contains(&format!("attention_bf16_v{n}")));
+    }
+    assert!(ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"));
+}
+
+#[test]
+fn compiled_kernels_are_cached_by_source_arch_version_and_options() {
+    if !nvrtc_or_skip("compiled_kernels_are_cached_by_source_arch_version_and_options") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let first = nvrtc::compile_cached("norm", "sm_90", Some(dir.path())).unwrap();
+    let key = nvrtc::cache_key("norm", "sm_90", nvrtc::version().unwrap()).unwrap();
+    let entry = dir.path().join(&key);
+    assert_eq!(std::fs::read_to_string(&entry).unwrap(), first);
+    // A second call reads the entry: mark it and see the mark come back.
+    let marked = format!("{first}\n// cached");
+    std::fs::write(&entry, &marked).unwrap();
+    assert_eq!(nvrtc::compile_cached("norm", "sm_90", Some(dir.path())).unwrap(), marked);
+    // Another architecture or NVRTC version is another key.
+    assert_ne!(nvrtc::cache_key("norm", "sm_80", nvrtc::version().unwrap()).unwrap(), key);
+    assert_ne!(nvrtc::cache_key("norm", "sm_90", (1, 0)).unwrap(), key);
+    // A corrupt entry (no entry points) is compiled afresh and replaced.
+    std::fs::write(&entry, "garbage").unwrap();
+    assert_eq!(nvrtc::compile_cached("norm", "sm_90", Some(dir.path())).unwrap(), first);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary files left");
+}
