@@ -88,11 +88,15 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 
 // c += a·b: a 16x16 bf16 (row), b 16x8 bf16 (col), c 16x8 f32.
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
+#ifdef STRATA_EMULATE
+    emu_mma_bf16(c, a, b);  // tests/cuda_emu/shim.h: the PTX fragment layout, lane by lane
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 
 // Block tiles: 64 queries (4 warps of 16) by 32 keys.

@@ -27,9 +27,13 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
 
 // IEEE f16 bits to f32, exactly (PTX cvt; cuda_fp16.h is not available).
 __device__ __forceinline__ float f16_to_f32(u16 h) {
+#ifndef STRATA_EMULATE
     float f;
     asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
     return f;
+#else
+    return emu_f16_to_f32(h);  // tests/cuda_emu/shim.h: the CPU emulation's stand-in for the PTX
+#endif
 }
 
 // FP8 E4M3 (e4m3fn) code to f32: 1 sign, 4 exponent (bias 7), 3 mantissa

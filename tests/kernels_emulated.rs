@@ -1,0 +1,585 @@
+//! The CUDA kernels of `kernels/`, run on the CPU and checked against the
+//! reference backend's ops. Each kernel file is compiled with g++ after
+//! `tests/cuda_emu/shim.h` (GPU threads as OS threads, barriers for
+//! `__syncthreads`/`__syncwarp`, warp shuffles through memory, `mma.sync`
+//! from the PTX fragment layout; see the header for how this differs from a
+//! GPU) and launched from here with the grids the backend uses. Needs g++
+//! (C++20), not a GPU; CI (STRATA_REQUIRE_NVRTC) fails instead of skipping
+//! when it is missing.
+#![cfg(feature = "cuda")]
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Mutex, OnceLock};
+use strata::backend::cuda::nvrtc;
+use strata::backend::{AttnShape, Backend, HeadSpan, KvCache, KvStore, Reference, Router, Tensor};
+use strata::hf::moe::{Scoring, TopkMethod};
+use strata::hf::quant::{QuantKind, QuantRows};
+use strata::hf::RopeFreqs;
+use strata::pipeline::batch::{PackedBatch, Segment};
+
+const SHIM: &str = include_str!("cuda_emu/shim.h");
+
+/// A kernel file compiled for the CPU and loaded.
+struct Lib(*mut c_void);
+// SAFETY: the handle is only used to look up symbols; launches are serialised by LAUNCH.
+unsafe impl Send for Lib {}
+unsafe impl Sync for Lib {}
+
+/// The shim's launch state is global: one launch at a time per process.
+static LAUNCH: Mutex<()> = Mutex::new(());
+
+fn gxx_or_skip(test: &str) -> bool {
+    let ok = std::process::Command::new("g++").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(std::env::var_os("STRATA_REQUIRE_NVRTC").is_none(), "CI runs the kernels on the CPU: g++ is missing");
+        eprintln!("{test}: skipped: g++ not found (the CPU emulation of the kernels compiles them with it)");
+    }
+    ok
+}
+
+fn lib(name: &str) -> &'static Lib {
+    static LIBS: OnceLock<Mutex<HashMap<String, &'static Lib>>> = OnceLock::new();
+    let mut libs = LIBS.get_or_init(Default::default).lock().unwrap();
+    if let Some(l) = libs.get(name) {
+        return l;
+    }
+    let src = nvrtc::source(name).unwrap();
+    // Dynamic shared memory becomes the shim's static buffer.
+    let dynamic = regex::Regex::new(r"extern __shared__ (\w+) (\w+)\[\];").unwrap();
+    let src = dynamic.replace_all(&src, "$1* $2 = ($1*)emu_smem;");
+    let dir = std::env::temp_dir().join(format!("strata-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cpp, so) = (dir.join(format!("{name}.cpp")), dir.join(format!("{name}.so")));
+    std::fs::write(&cpp, format!("{SHIM}\n#line 1 \"{name}.cu\"\n{src}")).unwrap();
+    let out = std::process::Command::new("g++")
+        .args(["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-DSTRATA_EMULATE", "-w", "-o"])
+        .arg(&so)
+        .arg(&cpp)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "g++ {name}: {}", String::from_utf8_lossy(&out.stderr));
+    let path = CString::new(so.to_str().unwrap()).unwrap();
+    // SAFETY: loading a library we just built.
+    let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    assert!(!h.is_null(), "dlopen {name}");
+    let l: &'static Lib = Box::leak(Box::new(Lib(h)));
+    libs.insert(name.into(), l);
+    l
+}
+
+impl Lib {
+    fn sym(&self, name: &str) -> usize {
+        let c = CString::new(name).unwrap();
+        // SAFETY: a symbol lookup in a live handle.
+        let p = unsafe { libc::dlsym(self.0, c.as_ptr()) };
+        assert!(!p.is_null(), "no symbol {name}");
+        p as usize
+    }
+
+    /// Runs `call` as every thread of a `grid` of `block`-thread blocks.
+    fn launch(&self, grid: (u32, u32), block: u32, call: impl Fn() + Sync) {
+        let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+        type Begin3 = unsafe extern "C" fn(u32, u32, u32);
+        type Begin1 = unsafe extern "C" fn(u32);
+        type End = unsafe extern "C" fn();
+        // SAFETY: the shim's functions, with their C signatures.
+        let (launch, block_begin, thread_begin, thread_end) = unsafe {
+            (
+                std::mem::transmute::<usize, Begin3>(self.sym("emu_launch")),
+                std::mem::transmute::<usize, Begin1>(self.sym("emu_block_begin")),
+                std::mem::transmute::<usize, Begin3>(self.sym("emu_thread_begin")),
+                std::mem::transmute::<usize, End>(self.sym("emu_thread_end")),
+            )
+        };
+        unsafe { launch(grid.0, grid.1, block) };
+        for by in 0..grid.1 {
+            for bx in 0..grid.0 {
+                unsafe { block_begin(block) };
+                std::thread::scope(|s| {
+                    for tx in 0..block {
+                        let call = &call;
+                        std::thread::Builder::new()
+                            .stack_size(256 << 10)
+                            .spawn_scoped(s, move || unsafe {
+                                thread_begin(tx, bx, by);
+                                call();
+                                thread_end();
+                            })
+                            .unwrap();
+                    }
+                });
+            }
+        }
+    }
+}
+
+/// A host pointer as the kernels take device pointers.
+fn p<T>(v: &[T]) -> usize {
+    v.as_ptr() as usize
+}
+fn pm<T>(v: &mut [T]) -> usize {
+    v.as_mut_ptr() as usize
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * w.abs().max(1.0), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+fn bf16(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
+
+fn batch(segs: &[(usize, Segment)]) -> PackedBatch {
+    let mut b = PackedBatch::new();
+    for (len, s) in segs {
+        b.push_segment(&vec![1u32; *len], *s);
+    }
+    b
+}
+
+#[test]
+fn rms_norm_kernels_match_the_reference() {
+    if !gxx_or_skip("rms_norm_kernels_match_the_reference") {
+        return;
+    }
+    let l = lib("norm");
+    let (rows, stride, offset, width) = (5usize, 300usize, 7usize, 200usize);
+    let x = values(rows * stride, 1);
+    let w = values(width, 2);
+    let r = Reference;
+    let t = Tensor::<Reference>::from_host(&r, &x, rows, stride).unwrap();
+    let mut want = Tensor::<Reference>::zeros(&r, rows, width);
+    r.rms_norm(t.cols(offset, width), &w, 1e-6, &mut want);
+    let mut got = vec![0f32; rows * width];
+    type F = unsafe extern "C" fn(usize, i32, i32, i32, usize, f32, usize);
+    let f: F = unsafe { std::mem::transmute(l.sym("rms_norm")) };
+    let (xp, wp, op) = (p(&x), p(&w), pm(&mut got));
+    l.launch((rows as u32, 1), 128, || unsafe { f(xp, stride as i32, offset as i32, width as i32, wp, 1e-6, op) });
+    assert_close("rms_norm", &got, &want.to_host(&r), 1e-5);
+
+    // Per head, in place: 3 heads of 16 at stride 40 from column 4.
+    let span = HeadSpan { offset: 4, count: 3, stride: 40, width: 16 };
+    let w = values(16, 3);
+    let mut want = Tensor::<Reference>::from_host(&r, &x, rows, stride).unwrap();
+    r.rms_norm_heads(&mut want, span, &w, 1e-5);
+    let mut got = x.clone();
+    type H = unsafe extern "C" fn(usize, i32, i32, i32, i32, usize, f32);
+    let f: H = unsafe { std::mem::transmute(l.sym("rms_norm_heads")) };
+    let (xp, wp) = (pm(&mut got), p(&w));
+    l.launch((rows as u32, 3), 32, || unsafe { f(xp, stride as i32, 4, 40, 16, wp, 1e-5) });
+    assert_close("rms_norm_heads", &got, &want.to_host(&r), 1e-5);
+}
+
+#[test]
+fn rope_kernel_matches_the_reference_in_both_layouts() {
+    if !gxx_or_skip("rope_kernel_matches_the_reference_in_both_layouts") {
+        return;
+    }
+    let l = lib("rope");
+    let r = Reference;
+    let half = 8;
+    let freqs =
+        RopeFreqs { inv_freq: (0..half).map(|i| 10000f32.powf(-(i as f32) / half as f32)).collect(), scale: 1.1 };
+    // A whole sample and a continuing chunk at position 5.
+    let b = batch(&[(4, Segment { key: 0, pos0: 0, keep: false }), (3, Segment { key: 1, pos0: 5, keep: true })]);
+    let positions: Vec<u32> = b
+        .segments()
+        .iter()
+        .enumerate()
+        .flat_map(|(s, g)| (0..b.range(s).len()).map(move |i| (g.pos0 + i) as u32))
+        .collect();
+    let len = b.max_position();
+    let (mut cos, mut sin) = (vec![0f32; len * half], vec![0f32; len * half]);
+    for pos in 0..len {
+        for (i, f) in freqs.inv_freq.iter().enumerate() {
+            let a = pos as f32 * f;
+            cos[pos * half + i] = a.cos() * freqs.scale;
+            sin[pos * half + i] = a.sin() * freqs.scale;
+        }
+    }
+    let table = r.rope_table(&freqs, len);
+    let (rows, width) = (b.num_tokens(), 100);
+    let x = values(rows * width, 4);
+    type F = unsafe extern "C" fn(usize, i32, i32, i32, i32, i32, i32, usize, usize, usize, i32);
+    let f: F = unsafe { std::mem::transmute(l.sym("rope")) };
+    for interleave in [false, true] {
+        // 5 heads of 16 rotated columns at stride 18 from column 3, two heads per block.
+        let span = HeadSpan { offset: 3, count: 5, stride: 18, width: 2 * half };
+        let mut want = Tensor::<Reference>::from_host(&r, &x, rows, width).unwrap();
+        r.rope(&mut want, span, interleave, &table, &b);
+        let mut got = x.clone();
+        let (xp, cp, sp, pp) = (pm(&mut got), p(&cos), p(&sin), p(&positions));
+        l.launch((rows as u32, 3), 32, || unsafe {
+            f(xp, width as i32, 3, 5, 18, half as i32, interleave as i32, cp, sp, pp, 2)
+        });
+        assert_close(&format!("rope interleave={interleave}"), &got, &want.to_host(&r), 1e-5);
+    }
+}
+
+#[test]
+fn elementwise_kernels_compute_their_definitions() {
+    if !gxx_or_skip("elementwise_kernels_compute_their_definitions") {
+        return;
+    }
+    let l = lib("elementwise");
+    let r = Reference;
+    let (rows, inter) = (3usize, 37usize);
+    // SwiGLU against the reference.
+    let gu = values(rows * 2 * inter, 5);
+    let mut want = Tensor::<Reference>::zeros(&r, rows, inter);
+    r.swiglu(&Tensor::from_host(&r, &gu, rows, 2 * inter).unwrap(), &mut want);
+    let mut got = vec![0f32; rows * inter];
+    type Sw = unsafe extern "C" fn(usize, i32, i32, usize);
+    let f: Sw = unsafe { std::mem::transmute(l.sym("swiglu")) };
+    let (gp, op) = (p(&gu), pm(&mut got));
+    l.launch((2, 1), 32, || unsafe { f(gp, rows as i32, inter as i32, op) });
+    assert_close("swiglu", &got, &want.to_host(&r), 1e-6);
+
+    // Head copies against the reference.
+    let (from, to) = (HeadSpan { offset: 2, count: 3, stride: 10, width: 4 }, HeadSpan::heads(1, 3, 4));
+    let src = values(rows * 40, 6);
+    let mut want = Tensor::<Reference>::zeros(&r, rows, 14);
+    r.copy_heads(&Tensor::from_host(&r, &src, rows, 40).unwrap(), from, &mut want, to);
+    let mut got = vec![0f32; rows * 14];
+    type Ch = unsafe extern "C" fn(usize, i32, i32, i32, usize, i32, i32, i32, i32, i32, i32);
+    let f: Ch = unsafe { std::mem::transmute(l.sym("copy_heads")) };
+    let (sp, dp) = (p(&src), pm(&mut got));
+    l.launch((1, 1), 64, || unsafe { f(sp, 40, 2, 10, dp, 14, 1, 4, rows as i32, 3, 4) });
+    assert_close("copy_heads", &got, &want.to_host(&r), 0.0);
+
+    // Embedding rows in every table dtype, bf16 rounding, bias and residual adds.
+    let (vocab, hidden) = (11usize, 9usize);
+    let table = values(vocab * hidden, 7);
+    let ids = [3u32, 0, 10, 3];
+    let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * hidden..][..hidden].to_vec()).collect();
+    let bf: Vec<u16> = table.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let hf: Vec<u16> = table.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+    type Em = unsafe extern "C" fn(usize, usize, i32, i32, usize);
+    for (kernel, tab, tol) in [("embed_f32", p(&table), 0.0), ("embed_bf16", p(&bf), 4e-3), ("embed_f16", p(&hf), 5e-4)]
+    {
+        let f: Em = unsafe { std::mem::transmute(l.sym(kernel)) };
+        let mut got = vec![0f32; ids.len() * hidden];
+        let (ip, op) = (p(&ids), pm(&mut got));
+        l.launch((1, 1), 32, || unsafe { f(tab, ip, ids.len() as i32, hidden as i32, op) });
+        assert_close(kernel, &got, &want, tol);
+    }
+    let f: Em = unsafe { std::mem::transmute(l.sym("embed_f16")) };
+    let mut got = vec![0f32; ids.len() * hidden];
+    let (ip, op) = (p(&ids), pm(&mut got));
+    l.launch((1, 1), 32, || unsafe { f(p(&hf), ip, ids.len() as i32, hidden as i32, op) });
+    let exact: Vec<f32> = ids
+        .iter()
+        .flat_map(|&i| {
+            hf[i as usize * hidden..][..hidden].iter().map(|&h| half::f16::from_bits(h).to_f32()).collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(got, exact, "f16 decode is exact");
+
+    let x = values(rows * 10, 8);
+    let mut got = vec![0u16; rows * 6];
+    type Tb = unsafe extern "C" fn(usize, i32, i32, i32, i32, usize);
+    let f: Tb = unsafe { std::mem::transmute(l.sym("to_bf16")) };
+    let (xp, op) = (p(&x), pm(&mut got));
+    l.launch((1, 1), 32, || unsafe { f(xp, rows as i32, 10, 3, 6, op) });
+    let want: Vec<u16> =
+        (0..rows).flat_map(|r| x[r * 10 + 3..r * 10 + 9].iter().map(|&v| half::bf16::from_f32(v).to_bits())).collect();
+    assert_eq!(got, want, "to_bf16 rounds to nearest even as half does");
+
+    let (y, bias) = (values(rows * 6, 9), values(6, 10));
+    let mut got = values(rows * 6, 11);
+    let want: Vec<f32> = got.iter().enumerate().map(|(i, &g)| g + (y[i] + bias[i % 6])).collect();
+    type Ab = unsafe extern "C" fn(usize, usize, usize, i32, i32);
+    let f: Ab = unsafe { std::mem::transmute(l.sym("add_bias_residual")) };
+    let (gp, yp, bp) = (pm(&mut got), p(&y), p(&bias));
+    l.launch((1, 1), 32, || unsafe { f(gp, yp, bp, rows as i32, 6) });
+    assert_close("add_bias_residual", &got, &want, 0.0);
+}
+
+#[test]
+fn moe_gather_and_combine_sum_each_tokens_experts_in_order() {
+    if !gxx_or_skip("moe_gather_and_combine_sum_each_tokens_experts_in_order") {
+        return;
+    }
+    let l = lib("elementwise");
+    let (tokens, top_k, hidden) = (3usize, 2usize, 5usize);
+    let x = values(tokens * hidden, 12);
+    // Rows grouped by expert: (token 0, token 2) for one expert, (1, 0, 2, 1) for others.
+    let src = [0u32, 2, 1, 0, 2, 1];
+    let mut xe = vec![0f32; src.len() * hidden];
+    type G = unsafe extern "C" fn(usize, usize, i32, i32, usize);
+    let f: G = unsafe { std::mem::transmute(l.sym("gather_rows")) };
+    let (xp, sp, ep) = (p(&x), p(&src), pm(&mut xe));
+    l.launch((1, 1), 32, || unsafe { f(xp, sp, src.len() as i32, hidden as i32, ep) });
+    for (r, &s) in src.iter().enumerate() {
+        assert_eq!(&xe[r * hidden..][..hidden], &x[s as usize * hidden..][..hidden]);
+    }
+    // Token t's k-th expert output is row slot[t][k] of ye.
+    let slot = [0u32, 3, 2, 5, 1, 4];
+    let w = values(tokens * top_k, 13);
+    let shared = values(tokens * hidden, 14);
+    let want: Vec<f32> = (0..tokens * hidden)
+        .map(|i| {
+            let (t, c) = (i / hidden, i % hidden);
+            let mut acc = 0f32;
+            for k in 0..top_k {
+                acc += w[t * top_k + k] * xe[slot[t * top_k + k] as usize * hidden + c];
+            }
+            acc + shared[i]
+        })
+        .collect();
+    let mut got = vec![0f32; tokens * hidden];
+    type C = unsafe extern "C" fn(usize, usize, usize, i32, i32, i32, usize, usize);
+    let f: C = unsafe { std::mem::transmute(l.sym("moe_combine")) };
+    let (ep, sp, wp, hp, op) = (p(&xe), p(&slot), p(&w), p(&shared), pm(&mut got));
+    l.launch((1, 1), 32, || unsafe { f(ep, sp, wp, tokens as i32, top_k as i32, hidden as i32, hp, op) });
+    assert_eq!(got, want);
+}
+
+#[test]
+fn dequant_kernels_give_code_times_scale() {
+    if !gxx_or_skip("dequant_kernels_give_code_times_scale") {
+        return;
+    }
+    let l = lib("quant");
+    let (rows, cols) = (3usize, 13usize);
+    // Segments cut at 5 and 9 (a block that starts inside a global scale block).
+    let seg = vec![0usize, 5, 9, cols];
+    let colseg: Vec<u32> = (0..cols).map(|c| seg.iter().rposition(|&s| s <= c).unwrap() as u32).collect();
+    let scales = values(rows * 3, 15);
+    for kind in [QuantKind::Fp8, QuantKind::Int4] {
+        let codes: Vec<u8> = (0..rows * cols)
+            .map(|i| match kind {
+                QuantKind::Fp8 => ((i * 37 + 11) % 256) as u8 & !0x78 | (((i % 14) as u8) << 3), // no NaN codes
+                _ => (i * 7 % 16) as u8,
+            })
+            .collect();
+        let q = QuantRows { kind, rows, cols, codes: codes.clone(), seg: seg.clone(), scales: scales.clone() };
+        let want = q.dequantize();
+        // Device layout: FP8 one byte a code; INT4 two a byte, the even column low.
+        let dev: Vec<u8> = match kind {
+            QuantKind::Fp8 => codes.clone(),
+            _ => (0..rows)
+                .flat_map(|r| {
+                    let row = &codes[r * cols..(r + 1) * cols];
+                    row.chunks(2).map(|p| p[0] | (p.get(1).copied().unwrap_or(8) << 4)).collect::<Vec<_>>()
+                })
+                .collect(),
+        };
+        let name = if kind == QuantKind::Fp8 { "fp8" } else { "int4" };
+        type Dq = unsafe extern "C" fn(usize, usize, usize, i32, i32, i32, usize);
+        let mut f32_out = vec![0f32; rows * cols];
+        let mut bf_out = vec![0u16; rows * cols];
+        let f: Dq = unsafe { std::mem::transmute(l.sym(&format!("dequant_{name}_f32"))) };
+        let (cp, sp, gp, op) = (p(&dev), p(&scales), p(&colseg), pm(&mut f32_out));
+        l.launch((2, 1), 32, || unsafe { f(cp, sp, gp, rows as i32, cols as i32, 3, op) });
+        assert_eq!(f32_out, want, "{name} to f32 is exact");
+        let f: Dq = unsafe { std::mem::transmute(l.sym(&format!("dequant_{name}_bf16"))) };
+        let op = pm(&mut bf_out);
+        l.launch((2, 1), 32, || unsafe { f(cp, sp, gp, rows as i32, cols as i32, 3, op) });
+        let want_bf: Vec<u16> = want.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        assert_eq!(bf_out, want_bf, "{name} to bf16 rounds the exact value");
+    }
+}
+
+#[test]
+fn router_kernel_picks_the_references_experts_in_every_mode() {
+    if !gxx_or_skip("router_kernel_picks_the_references_experts_in_every_mode") {
+        return;
+    }
+    let l = lib("moe");
+    let r = Reference;
+    let (tokens, experts) = (9usize, 16usize);
+    let mut logits = values(tokens * experts, 16);
+    // A tie: experts 3 and 4 of token 0 score the same (the lower index wins).
+    logits[4] = logits[3];
+    let correction = values(experts, 17).iter().map(|v| v * 0.1).collect::<Vec<_>>();
+    let modes = [
+        (Scoring::Softmax, TopkMethod::Greedy, 1, 1, true),
+        (Scoring::Softmax, TopkMethod::GroupLimitedGreedy, 4, 2, false),
+        (Scoring::Sigmoid, TopkMethod::NoauxTc, 4, 2, true),
+        (Scoring::Sigmoid, TopkMethod::Greedy, 1, 1, false),
+    ];
+    type F =
+        unsafe extern "C" fn(usize, usize, i32, i32, i32, i32, i32, i32, i32, i32, f32, usize, usize, usize, usize);
+    let f: F = unsafe { std::mem::transmute(l.sym("moe_route")) };
+    for (scoring, method, n_group, topk_group, norm) in modes {
+        let router = Router {
+            scoring,
+            topk_method: method,
+            top_k: 3,
+            n_group,
+            topk_group,
+            norm_topk_prob: norm,
+            routed_scaling_factor: 2.5,
+        };
+        let corr = (method == TopkMethod::NoauxTc).then_some(&correction);
+        let want = r.moe_route(&Tensor::from_host(&r, &logits, tokens, experts).unwrap(), &router, corr);
+        let (mut scores, mut choice) = (vec![0f32; tokens * experts], vec![0f32; tokens * experts]);
+        let (mut ids, mut weights) = (vec![0u32; tokens * 3], vec![0f32; tokens * 3]);
+        let scoring_i = if scoring == Scoring::Softmax { 0 } else { 1 };
+        let method_i = match method {
+            TopkMethod::Greedy => 0,
+            TopkMethod::GroupLimitedGreedy => 1,
+            TopkMethod::NoauxTc => 2,
+        };
+        let cp = corr.map_or(0, |c| p(c));
+        let (lp, sp, chp, ip, wp) = (p(&logits), pm(&mut scores), pm(&mut choice), pm(&mut ids), pm(&mut weights));
+        l.launch((1, 1), 32, || unsafe {
+            f(
+                lp,
+                cp,
+                tokens as i32,
+                experts as i32,
+                scoring_i,
+                method_i,
+                3,
+                n_group as i32,
+                topk_group as i32,
+                norm as i32,
+                2.5,
+                sp,
+                chp,
+                ip,
+                wp,
+            )
+        });
+        for t in 0..tokens {
+            let got: Vec<usize> = ids[t * 3..t * 3 + 3].iter().map(|&i| i as usize).collect();
+            let exp: Vec<usize> = want[t].iter().map(|e| e.0).collect();
+            assert_eq!(got, exp, "{method:?} token {t}: experts");
+            let ew: Vec<f32> = want[t].iter().map(|e| e.1 as f32).collect();
+            assert_close(&format!("{method:?} token {t} weights"), &weights[t * 3..t * 3 + 3], &ew, 1e-5);
+        }
+    }
+}
+
+/// One segment as attention.cu's `Seg` (repr(C), same field order).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Seg {
+    k: u64,
+    v: u64,
+    k_stride: i32,
+    v_stride: i32,
+    q_row0: i32,
+    q_len: i32,
+    pos0: i32,
+    kv_len: i32,
+}
+
+/// Two steps through the reference and the kernel: step 1 packs a whole
+/// sample and the first chunk of another, step 2 that sample's next chunk,
+/// whose keys come from the cache.
+fn attention_case(bf16_kernel: bool, shape: AttnShape) {
+    let l = lib("attention");
+    let r = Reference;
+    let (nh, nkv, hd, vd) = (shape.heads, shape.kv_heads, shape.head_dim, shape.v_dim);
+    // The tensor-core kernel's tiles are 64 queries by 32 keys: its segments
+    // span several of each. The f32 kernel (a block per token) gets short ones.
+    let [a, b1, b2] = if bf16_kernel { [70, 37, 75] } else { [9, 6, 7] };
+    let steps = [
+        batch(&[(a, Segment { key: 0, pos0: 0, keep: false }), (b1, Segment { key: 1, pos0: 0, keep: true })]),
+        batch(&[(b2, Segment { key: 1, pos0: b1, keep: false })]),
+    ];
+    let mut cache = KvCache::default();
+    // The kernel's cache of sample 1: its keys and values so far, [positions, kv heads·dim].
+    let (mut cache_k, mut cache_v) = (Vec::<f32>::new(), Vec::<f32>::new());
+    for (step, b) in steps.iter().enumerate() {
+        let t = b.num_tokens();
+        // q, k, v as column blocks of one [T, width] buffer, as a fused qkv projection gives them.
+        let (qw, kw, vw) = (nh * hd, nkv * hd, nkv * vd);
+        let width = qw + kw + vw + 3;
+        let qkv = values(t * width, 20 + step as u64);
+        let qkv = if bf16_kernel { qkv } else { qkv.iter().map(|v| v * 2.0).collect() };
+        let buf = Tensor::<Reference>::from_host(&r, &qkv, t, width).unwrap();
+        let mut want = Tensor::<Reference>::zeros(&r, t, nh * vd);
+        // The reference sees the bf16-rounded inputs the tensor cores see.
+        let rounded: Vec<f32> = if bf16_kernel { qkv.iter().map(|&v| bf16(v)).collect() } else { qkv.clone() };
+        let rbuf = Tensor::<Reference>::from_host(&r, &rounded, t, width).unwrap();
+        cache.begin(b).unwrap();
+        r.attention(rbuf.cols(0, qw), rbuf.cols(qw, kw), rbuf.cols(qw + kw, vw), shape, b, &mut cache, 0, &mut want);
+        let _ = buf;
+        let mut segs = Vec::new();
+        for (s, g) in b.segments().iter().enumerate() {
+            let rows = b.range(s);
+            let (k, v, ks, vs) = if g.uses_cache() {
+                for row in rows.clone() {
+                    cache_k.extend_from_slice(&qkv[row * width + qw..][..kw]);
+                    cache_v.extend_from_slice(&qkv[row * width + qw + kw..][..vw]);
+                }
+                (p(&cache_k), p(&cache_v), kw, vw)
+            } else {
+                (p(&qkv[rows.start * width + qw..]), p(&qkv[rows.start * width + qw + kw..]), width, width)
+            };
+            segs.push(Seg {
+                k: k as u64,
+                v: v as u64,
+                k_stride: ks as i32,
+                v_stride: vs as i32,
+                q_row0: rows.start as i32,
+                q_len: rows.len() as i32,
+                pos0: g.pos0 as i32,
+                kv_len: (g.pos0 + rows.len()) as i32,
+            });
+        }
+        let mut got = vec![f32::NAN; t * nh * vd];
+        let window = shape.window.map_or(0, |w| w as i32);
+        type F = unsafe extern "C" fn(usize, i32, usize, usize, i32, i32, i32, i32, i32, f32, usize);
+        let (qp, sp, op) = (p(&qkv), p(&segs), pm(&mut got));
+        if bf16_kernel {
+            let n = [16, 32, 64, 128, 256].into_iter().find(|&n| n >= vd).unwrap();
+            let tiles: Vec<i32> = segs
+                .iter()
+                .enumerate()
+                .flat_map(|(s, g)| (0..g.q_len).step_by(64).flat_map(move |q0| [s as i32, q0]))
+                .collect();
+            let f: F = unsafe { std::mem::transmute(l.sym(&format!("attention_bf16_v{n}"))) };
+            let tp = p(&tiles);
+            l.launch(((tiles.len() / 2) as u32, nh as u32), 128, || unsafe {
+                f(qp, width as i32, sp, tp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, op)
+            });
+            // Scores and probabilities are rounded to bf16 by the tensor-core path only.
+            assert_close(&format!("attention_bf16 step {step}"), &got, &want.to_host(&r), 2e-2);
+        } else {
+            let seg_of: Vec<u32> = (0..b.num_samples()).flat_map(|s| b.range(s).map(move |_| s as u32)).collect();
+            let f: F = unsafe { std::mem::transmute(l.sym("attention_f32")) };
+            let gp = p(&seg_of);
+            l.launch((t as u32, nh.div_ceil(4) as u32), 128, || unsafe {
+                f(qp, width as i32, sp, gp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, op)
+            });
+            assert_close(&format!("attention_f32 step {step}"), &got, &want.to_host(&r), 1e-5);
+        }
+    }
+}
+
+#[test]
+fn attention_kernels_match_the_reference_over_packed_chunked_segments() {
+    if !gxx_or_skip("attention_kernels_match_the_reference_over_packed_chunked_segments") {
+        return;
+    }
+    // GQA, a head dim that is not a multiple of 16, MLA-like distinct value width.
+    let gqa = AttnShape { heads: 6, kv_heads: 2, head_dim: 24, v_dim: 12, window: None, scale: 0.3 };
+    let window = AttnShape { window: Some(5), ..gqa };
+    let mha = AttnShape { heads: 5, kv_heads: 5, head_dim: 16, v_dim: 16, window: None, scale: 0.25 };
+    for shape in [gqa, window, mha] {
+        attention_case(false, shape);
+        attention_case(true, shape);
+    }
+}
