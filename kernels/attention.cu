@@ -217,14 +217,29 @@ __device__ void attention_bf16(const float* q, int q_stride, const Seg* segs, co
     }
 }
 
-#define ATTENTION_BF16(N)                                                                                         \
-    extern "C" __global__ void attention_bf16_v##N(const float* q, int q_stride, const Seg* segs, const int* tiles, \
-                                                   int heads, int kv_heads, int hd, int vd, int window, float scale, \
-                                                   float* out) {                                                  \
-        attention_bf16<N / 8>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);           \
-    }
-ATTENTION_BF16(16)
-ATTENTION_BF16(32)
-ATTENTION_BF16(64)
-ATTENTION_BF16(128)
-ATTENTION_BF16(256)
+// One entry point per value width (written out: the CPU emulation reads these signatures).
+extern "C" __global__ void attention_bf16_v16(const float* q, int q_stride, const Seg* segs, const int* tiles,
+                                              int heads, int kv_heads, int hd, int vd, int window, float scale,
+                                              float* out) {
+    attention_bf16<2>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+}
+extern "C" __global__ void attention_bf16_v32(const float* q, int q_stride, const Seg* segs, const int* tiles,
+                                              int heads, int kv_heads, int hd, int vd, int window, float scale,
+                                              float* out) {
+    attention_bf16<4>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+}
+extern "C" __global__ void attention_bf16_v64(const float* q, int q_stride, const Seg* segs, const int* tiles,
+                                              int heads, int kv_heads, int hd, int vd, int window, float scale,
+                                              float* out) {
+    attention_bf16<8>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+}
+extern "C" __global__ void attention_bf16_v128(const float* q, int q_stride, const Seg* segs, const int* tiles,
+                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
+                                               float* out) {
+    attention_bf16<16>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+}
+extern "C" __global__ void attention_bf16_v256(const float* q, int q_stride, const Seg* segs, const int* tiles,
+                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
+                                               float* out) {
+    attention_bf16<32>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+}

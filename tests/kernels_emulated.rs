@@ -1,6 +1,6 @@
 //! The CUDA kernels of `kernels/`, run on the CPU and checked against the
-//! reference backend's ops. Each kernel file is compiled with g++ after
-//! `tests/cuda_emu/shim.h` (GPU threads as OS threads, barriers for
+//! reference backend's ops, one by one. Each kernel file is compiled with g++
+//! after `tests/cuda_emu/shim.h` (GPU threads as OS threads, barriers for
 //! `__syncthreads`/`__syncwarp`, warp shuffles through memory, `mma.sync`
 //! from the PTX fragment layout; see the header for how this differs from a
 //! GPU) and launched from here with the grids the backend uses. Needs g++
@@ -8,111 +8,14 @@
 //! when it is missing.
 #![cfg(feature = "cuda")]
 
-use std::collections::HashMap;
-use std::ffi::{c_void, CString};
-use std::sync::{Mutex, OnceLock};
-use strata::backend::cuda::nvrtc;
+mod cuda_emu;
+
+use cuda_emu::{gxx_or_skip, lib};
 use strata::backend::{AttnShape, Backend, HeadSpan, KvCache, KvStore, Reference, Router, Tensor};
 use strata::hf::moe::{Scoring, TopkMethod};
 use strata::hf::quant::{QuantKind, QuantRows};
 use strata::hf::RopeFreqs;
 use strata::pipeline::batch::{PackedBatch, Segment};
-
-const SHIM: &str = include_str!("cuda_emu/shim.h");
-
-/// A kernel file compiled for the CPU and loaded.
-struct Lib(*mut c_void);
-// SAFETY: the handle is only used to look up symbols; launches are serialised by LAUNCH.
-unsafe impl Send for Lib {}
-unsafe impl Sync for Lib {}
-
-/// The shim's launch state is global: one launch at a time per process.
-static LAUNCH: Mutex<()> = Mutex::new(());
-
-fn gxx_or_skip(test: &str) -> bool {
-    let ok = std::process::Command::new("g++").arg("--version").output().is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(std::env::var_os("STRATA_REQUIRE_NVRTC").is_none(), "CI runs the kernels on the CPU: g++ is missing");
-        eprintln!("{test}: skipped: g++ not found (the CPU emulation of the kernels compiles them with it)");
-    }
-    ok
-}
-
-fn lib(name: &str) -> &'static Lib {
-    static LIBS: OnceLock<Mutex<HashMap<String, &'static Lib>>> = OnceLock::new();
-    let mut libs = LIBS.get_or_init(Default::default).lock().unwrap();
-    if let Some(l) = libs.get(name) {
-        return l;
-    }
-    let src = nvrtc::source(name).unwrap();
-    // Dynamic shared memory becomes the shim's static buffer.
-    let dynamic = regex::Regex::new(r"extern __shared__ (\w+) (\w+)\[\];").unwrap();
-    let src = dynamic.replace_all(&src, "$1* $2 = ($1*)emu_smem;");
-    let dir = std::env::temp_dir().join(format!("strata-emu-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (cpp, so) = (dir.join(format!("{name}.cpp")), dir.join(format!("{name}.so")));
-    std::fs::write(&cpp, format!("{SHIM}\n#line 1 \"{name}.cu\"\n{src}")).unwrap();
-    let out = std::process::Command::new("g++")
-        .args(["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-DSTRATA_EMULATE", "-w", "-o"])
-        .arg(&so)
-        .arg(&cpp)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "g++ {name}: {}", String::from_utf8_lossy(&out.stderr));
-    let path = CString::new(so.to_str().unwrap()).unwrap();
-    // SAFETY: loading a library we just built.
-    let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-    assert!(!h.is_null(), "dlopen {name}");
-    let l: &'static Lib = Box::leak(Box::new(Lib(h)));
-    libs.insert(name.into(), l);
-    l
-}
-
-impl Lib {
-    fn sym(&self, name: &str) -> usize {
-        let c = CString::new(name).unwrap();
-        // SAFETY: a symbol lookup in a live handle.
-        let p = unsafe { libc::dlsym(self.0, c.as_ptr()) };
-        assert!(!p.is_null(), "no symbol {name}");
-        p as usize
-    }
-
-    /// Runs `call` as every thread of a `grid` of `block`-thread blocks.
-    fn launch(&self, grid: (u32, u32), block: u32, call: impl Fn() + Sync) {
-        let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
-        type Begin3 = unsafe extern "C" fn(u32, u32, u32);
-        type Begin1 = unsafe extern "C" fn(u32);
-        type End = unsafe extern "C" fn();
-        // SAFETY: the shim's functions, with their C signatures.
-        let (launch, block_begin, thread_begin, thread_end) = unsafe {
-            (
-                std::mem::transmute::<usize, Begin3>(self.sym("emu_launch")),
-                std::mem::transmute::<usize, Begin1>(self.sym("emu_block_begin")),
-                std::mem::transmute::<usize, Begin3>(self.sym("emu_thread_begin")),
-                std::mem::transmute::<usize, End>(self.sym("emu_thread_end")),
-            )
-        };
-        unsafe { launch(grid.0, grid.1, block) };
-        for by in 0..grid.1 {
-            for bx in 0..grid.0 {
-                unsafe { block_begin(block) };
-                std::thread::scope(|s| {
-                    for tx in 0..block {
-                        let call = &call;
-                        std::thread::Builder::new()
-                            .stack_size(256 << 10)
-                            .spawn_scoped(s, move || unsafe {
-                                thread_begin(tx, bx, by);
-                                call();
-                                thread_end();
-                            })
-                            .unwrap();
-                    }
-                });
-            }
-        }
-    }
-}
 
 /// A host pointer as the kernels take device pointers.
 fn p<T>(v: &[T]) -> usize {

@@ -52,6 +52,9 @@ pub enum BackendError {
     /// A size that disagrees with a buffer's type.
     #[error(transparent)]
     Shape(#[from] ShapeError),
+    /// The device failed (out of memory, a launch or driver error).
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// The dtype a backend feeds its GEMMs and attention (the residual stream,
@@ -405,6 +408,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     );
     /// Sums `x` over the ranks of the group, in rank order (deterministic).
     fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>);
+    /// Ends a step: waits for the device and reports the first failure any op
+    /// of the step met (ops cannot return errors; a device backend records
+    /// them). Host backends have nothing to report.
+    fn end_step(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
     /// Copies the whole `[T, H]` buffer into slot `slot` of host `[L, T, H]` states.
     fn capture<L: Dim, H: Dim>(
         &self,

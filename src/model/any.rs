@@ -99,8 +99,9 @@ impl LoadOptions {
 /// What `--compute` asks for: a dtype, or `auto`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ComputeChoice {
-    /// bf16 when the weights are stored in bf16, FP8 or INT4 and the CPU has
-    /// a bf16 dot-product instruction; f32 otherwise.
+    /// bf16 when the weights are stored in bf16, FP8 or INT4 and the device
+    /// has bf16 arithmetic (a CPU with a bf16 dot-product instruction, any
+    /// GPU of the CUDA backend); f32 otherwise.
     #[default]
     Auto,
     /// This dtype.
@@ -114,7 +115,11 @@ impl ComputeChoice {
         match self {
             ComputeChoice::Fixed(c) => c,
             ComputeChoice::Auto => {
-                let native = backend == BackendKind::Cpu && crate::backend::cpu::bf16::has_native_bf16();
+                let native = match backend {
+                    BackendKind::Cpu => crate::backend::cpu::bf16::has_native_bf16(),
+                    BackendKind::Cuda => true, // every GPU the kernels target (sm_80+) has bf16 tensor cores
+                    BackendKind::Reference => false,
+                };
                 if native && low_precision_weights {
                     Compute::Bf16
                 } else {
@@ -222,13 +227,7 @@ impl AnyConfig {
             (BackendKind::Cpu, Compute::F32) => self.load_cpu::<F32>(opts.tp, open)?,
             (BackendKind::Cpu, Compute::Bf16) => self.load_cpu::<Bf16>(opts.tp, open)?,
             (BackendKind::Reference, _) => self.load_reference(open)?,
-            (BackendKind::Cuda, _) => {
-                return Err(ModelError::Backend(
-                    "the CUDA backend found its GPUs, but it runs no model yet: only its kernels, \
-                     their NVRTC compilation and the device probe are built so far; use --backend cpu"
-                        .into(),
-                ))
-            }
+            (BackendKind::Cuda, compute) => self.load_cuda(compute, &opts, open)?,
         };
         Ok(AnyModel { inner, info, options: opts, compute })
     }
@@ -248,6 +247,50 @@ impl AnyConfig {
                 Box::new(TpDeepseek::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
             }
         })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn load_cuda(
+        self,
+        compute: Compute,
+        opts: &LoadOptions,
+        open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
+    ) -> Result<Box<dyn ErasedModel>, ModelError> {
+        use crate::backend::cuda::{Cuda, Driver};
+        fn on<C: ComputeDtype>(
+            config: AnyConfig,
+            opts: &LoadOptions,
+            open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
+        ) -> Result<Box<dyn ErasedModel>, ModelError> {
+            let devices = opts.rank_devices();
+            let first = Driver::open(devices[0]).map_err(|e| ModelError::Backend(e.to_string()))?;
+            let b = Cuda::<C>::new(first, devices);
+            Ok(match (config, opts.tp) {
+                (AnyConfig::Llama(c), 1) => Box::new(Llama::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?),
+                (AnyConfig::Llama(c), tp) => Box::new(TpLlama::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?),
+                (AnyConfig::Deepseek(c), 1) => {
+                    Box::new(Deepseek::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?)
+                }
+                (AnyConfig::Deepseek(c), tp) => {
+                    Box::new(TpDeepseek::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?)
+                }
+            })
+        }
+        match compute {
+            Compute::F32 => on::<F32>(self, opts, open),
+            Compute::Bf16 => on::<Bf16>(self, opts, open),
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn load_cuda(
+        self,
+        _compute: Compute,
+        _opts: &LoadOptions,
+        _open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
+    ) -> Result<Box<dyn ErasedModel>, ModelError> {
+        // Refused by `check` already; the same error if called another way.
+        probe_cuda(&[]).and(Err(ModelError::Backend("built without --features cuda".into())))
     }
 
     fn load_reference(

@@ -294,7 +294,9 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
             layer.forward(b, &mut x, &step, &mut scratch, cache, k);
         }
         cache.retire(batch);
-        caps.finish(b, &x, &self.norm, f.rms_norm_eps)
+        let states = caps.finish(b, &x, &self.norm, f.rms_norm_eps)?;
+        b.end_step()?;
+        Ok(states)
     }
 }
 

@@ -66,6 +66,7 @@ impl From<BackendError> for ModelError {
             BackendError::Input { sample, problem } => ModelError::Input { sample, problem },
             BackendError::Unsupported(s) => ModelError::Backend(s),
             BackendError::Shape(s) => ModelError::Shape(s),
+            BackendError::Device(s) => ModelError::Backend(s),
         }
     }
 }

@@ -3,12 +3,17 @@
 // after this header with g++ -DSTRATA_EMULATE and launches it from Rust).
 //
 // How it differs from a GPU:
-// - every GPU thread of a block is an OS thread; blocks run one after
-//   another, so `__shared__` variables are plain statics (one block at a time
-//   owns them) and dynamic shared memory is one static buffer, filled with
-//   NaN bytes before each block so a read of an unwritten value shows;
-// - __syncthreads and __syncwarp are barriers; a thread that returns drops
-//   out of them (as an exited GPU thread does);
+// - a block's GPU threads are coroutines on one OS thread (a hand-written
+//   x86-64 stack switch: ucontext's signal-mask syscalls cost more than the
+//   kernels); blocks
+//   run one after another, so `__shared__` variables are plain statics (one
+//   block at a time owns them) and dynamic shared memory is one static
+//   buffer, filled with NaN bytes before each block so a read of an unwritten
+//   value shows;
+// - __syncthreads and __syncwarp are barriers a thread waits at by yielding
+//   to the others; a thread that returns drops out of them (as an exited GPU
+//   thread does); threads interleave only at barriers, so a missing barrier
+//   shows only if the order it leaves to chance matters here;
 // - warp shuffles exchange values through memory between two warp barriers,
 //   so all 32 lanes must reach them (as the kernels' convergent code does);
 // - mma.sync is computed element by element from the PTX ISA's fragment
@@ -17,24 +22,81 @@
 // - expf, sqrtf and division come from the C library, not CUDA's (the last
 //   bits may differ); no memory model or timing is emulated: this checks what
 //   the kernels compute, not how fast or whether a race hides on a GPU.
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <memory>
 
 struct emu_dim3 {
     unsigned x, y, z;
 };
-thread_local emu_dim3 threadIdx, blockIdx;
-emu_dim3 blockDim, gridDim;
+emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
-static std::unique_ptr<std::barrier<>> emu_block_barrier;
-static std::unique_ptr<std::barrier<>> emu_warp_barrier[32];
+// A barrier of `expected` threads; waiting yields until the generation moves.
+struct emu_barrier {
+    int expected, arrived, generation;
+};
+static emu_barrier emu_block_barrier, emu_warp_barrier[32];
 static uint32_t emu_xchg[1024];
 alignas(16) static unsigned char emu_smem[256 * 1024];
 // Per warp: A [16][16] and B [16][8] of one mma, as f32.
 static float emu_mma_a[32][16][16], emu_mma_b[32][16][8];
+
+// The coroutines of the running block: each has its own stack; emu_switch
+// saves the callee-saved registers on the current stack, stores the stack
+// pointer in *from and resumes the stack `to` (System V x86-64).
+#if !defined(__x86_64__)
+#error "the CUDA emulation's coroutine switch is written for x86-64"
+#endif
+extern "C" void emu_switch(void** from, void* to);
+asm(R"(
+.text
+.globl emu_switch
+.type emu_switch,@function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+.size emu_switch, .-emu_switch
+)");
+static void* emu_sched_sp;
+static void* emu_sp[1024];
+static unsigned char* emu_stacks;
+static const size_t EMU_STACK = 64 * 1024;
+static bool emu_done[1024];
+static unsigned emu_cur;
+
+static inline void emu_yield() { emu_switch(&emu_sp[emu_cur], emu_sched_sp); }
+
+static inline void emu_wait(emu_barrier& b) {
+    int gen = b.generation;
+    if (++b.arrived >= b.expected) {
+        b.arrived = 0;
+        b.generation++;
+    } else {
+        while (b.generation == gen) emu_yield();
+    }
+}
+
+static inline void emu_drop(emu_barrier& b) {
+    b.expected--;
+    if (b.arrived > 0 && b.arrived >= b.expected) {
+        b.arrived = 0;
+        b.generation++;
+    }
+}
 
 #define __global__
 #define __device__
@@ -47,8 +109,8 @@ inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(uint32_t i) { float f; memcpy(&f, &i, 4); return f; }
 inline uint32_t __float_as_uint(float f) { uint32_t i; memcpy(&i, &f, 4); return i; }
 
-inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
-inline void __syncwarp() { emu_warp_barrier[threadIdx.x >> 5]->arrive_and_wait(); }
+inline void __syncthreads() { emu_wait(emu_block_barrier); }
+inline void __syncwarp() { emu_wait(emu_warp_barrier[threadIdx.x >> 5]); }
 
 inline float emu_shfl(float v, int src_lane) {
     unsigned t = threadIdx.x, w = t >> 5;
@@ -98,24 +160,56 @@ inline void emu_mma_bf16(float* c, const uint32_t* a, const uint32_t* b) {
     __syncwarp();
 }
 
-// The launcher's side (called from Rust).
-extern "C" void emu_launch(unsigned gx, unsigned gy, unsigned bx) {
+// The launcher's side (called from Rust): runs `grid` blocks of `threads`
+// coroutines, each calling `call(params)`.
+static void (*emu_call)(void**);
+static void** emu_params;
+
+static void emu_entry() {
+    emu_call(emu_params);
+    emu_done[emu_cur] = true;
+    emu_drop(emu_warp_barrier[emu_cur >> 5]);
+    emu_drop(emu_block_barrier);
+    emu_switch(&emu_sp[emu_cur], emu_sched_sp);  // never resumed
+    __builtin_unreachable();
+}
+
+extern "C" void emu_run(unsigned gx, unsigned gy, unsigned threads, void (*call)(void**), void** params,
+                        unsigned smem) {
     gridDim = {gx, gy, 1};
-    blockDim = {bx, 1, 1};
-}
-extern "C" void emu_block_begin(unsigned threads) {
-    emu_block_barrier = std::make_unique<std::barrier<>>(threads);
-    for (unsigned w = 0; w < 32; w++) {
-        unsigned lanes = threads > 32 * w ? (threads - 32 * w < 32 ? threads - 32 * w : 32) : 0;
-        emu_warp_barrier[w] = lanes ? std::make_unique<std::barrier<>>(lanes) : nullptr;
-    }
-    memset(emu_smem, 0xff, sizeof emu_smem);
-}
-extern "C" void emu_thread_begin(unsigned tx, unsigned bx, unsigned by) {
-    threadIdx = {tx, 0, 0};
-    blockIdx = {bx, by, 0};
-}
-extern "C" void emu_thread_end() {
-    emu_warp_barrier[threadIdx.x >> 5]->arrive_and_drop();
-    emu_block_barrier->arrive_and_drop();
+    blockDim = {threads, 1, 1};
+    emu_call = call;
+    emu_params = params;
+    if (!emu_stacks) emu_stacks = (unsigned char*)aligned_alloc(64, EMU_STACK * 1024);
+    for (unsigned by = 0; by < gy; by++)
+        for (unsigned bx = 0; bx < gx; bx++) {
+            blockIdx = {bx, by, 0};
+            emu_block_barrier = {(int)threads, 0, 0};
+            for (unsigned w = 0; w < 32; w++) {
+                unsigned lanes = threads > 32 * w ? (threads - 32 * w < 32 ? threads - 32 * w : 32) : 0;
+                emu_warp_barrier[w] = {(int)lanes, 0, 0};
+            }
+            memset(emu_smem, 0xff, smem < sizeof emu_smem ? smem : sizeof emu_smem);
+            for (unsigned t = 0; t < threads; t++) {
+                // A fresh stack whose first switch "returns" into emu_entry
+                // with the ABI's alignment: six zero registers, then the address.
+                void** sp = (void**)(emu_stacks + (t + 1) * EMU_STACK - 16);
+                *--sp = (void*)emu_entry;
+                for (int r = 0; r < 6; r++) *--sp = nullptr;
+                emu_sp[t] = sp;
+                emu_done[t] = false;
+            }
+            // Round-robin until every thread has returned; each runs until it
+            // waits at a barrier (yields) or returns.
+            for (unsigned left = threads; left > 0;) {
+                left = 0;
+                for (unsigned t = 0; t < threads; t++) {
+                    if (emu_done[t]) continue;
+                    emu_cur = t;
+                    threadIdx = {t, 0, 0};
+                    emu_switch(&emu_sched_sp, emu_sp[t]);
+                    if (!emu_done[t]) left++;
+                }
+            }
+        }
 }

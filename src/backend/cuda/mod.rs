@@ -2,8 +2,15 @@
 //! toolkit at build time), kernels from `kernels/` compiled at run time with
 //! NVRTC, cuBLAS for GEMMs, NCCL for tensor parallelism.
 
+pub mod backend;
+pub mod device;
+pub mod driver;
 pub mod nvrtc;
 pub mod probe;
+
+pub use backend::Cuda;
+pub use device::Device;
+pub use driver::Driver;
 
 /// Why the CUDA backend cannot run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -35,6 +42,9 @@ pub enum CudaError {
         /// NVRTC's log, or the driver's error.
         log: String,
     },
+    /// A buffer that does not hold what a copy or launch touches.
+    #[error(transparent)]
+    Shape(#[from] crate::shape::ShapeError),
     /// A driver, cuBLAS or NCCL call that failed.
     #[error("{call}: {error}")]
     Driver {

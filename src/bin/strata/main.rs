@@ -177,6 +177,9 @@ BACKENDS: --backend cpu (default) runs the fast CPU kernels, with --tp ranks as
 threads. --backend reference runs every op as a plain loop accumulating in f64,
 on one thread and one rank: much slower, and the oracle the CPU backend is
 tested against. Both agree with HF transformers to 1e-4 on every test fixture.
+--backend cuda (a build with --features cuda) runs on NVIDIA GPUs, one rank
+per GPU: --devices 0,1 --tp 2. It needs a CUDA driver; NVRTC compiles its
+kernels on first use and caches them in ~/.cache/strata/kernels.
 
 EXAMPLES:
   # The embedded demo model and data (no download):

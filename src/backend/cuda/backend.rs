@@ -1,0 +1,1038 @@
+//! [`Cuda`]: the [`Backend`] over a [`Device`], one value per GPU (rank).
+//!
+//! - Activations are f32 device buffers ([`Buf`]), typed by the same
+//!   [`Tensor`] as on the host; weights stay as stored where the GEMM can take
+//!   them (f32, bf16), FP8 and INT4 stay quantised and are expanded to the
+//!   GEMM's input dtype just before it, one layer (or expert) at a time.
+//! - bf16 compute rounds the GEMM and attention inputs to bf16 and
+//!   accumulates in f32 (cuBLAS `COMPUTE_32F`, tensor-core attention); f32
+//!   compute uses f32 GEMMs without TF32 and the f32 attention kernel.
+//! - A failure of the device (out of memory, a launch error) is recorded by
+//!   the op that meets it, later ops are skipped, and [`Backend::end_step`]
+//!   returns it: the step fails with the device's message, nothing panics.
+//! - Sizes are asserted at the boundary: host copies and captures return a
+//!   `ShapeError` naming the axis; every launch first checks that each buffer
+//!   holds what the kernel will touch.
+
+use super::device::{Arg, DevPtr, Device, Gemm, GemmType, Launch};
+use super::driver::Driver;
+use super::CudaError;
+use crate::backend::{
+    check, AttnShape, Backend, BackendError, Cols, ComputeDtype, GatedLinear, HeadSpan, KvStore, LinearInfo, Parallel,
+    Resident, Router, Tensor, F32,
+};
+use crate::hf::checkpoint::TensorBytes;
+use crate::hf::moe::{Scoring, TopkMethod};
+use crate::hf::quant::{LinearWeight, QuantKind, QuantRows};
+use crate::hf::RopeFreqs;
+use crate::pipeline::batch::PackedBatch;
+use crate::shape::{CapturedStates, DType, Dim, ShapeError};
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex};
+
+/// Device memory of `len` values of 4 bytes (f32, or u32 indices), with
+/// room for `cap`.
+pub struct Buf<D: Device> {
+    mem: Option<D::Mem>,
+    ptr: DevPtr,
+    cap: usize,
+    len: usize,
+}
+
+impl<D: Device> Buf<D> {
+    fn empty() -> Self {
+        Buf { mem: None, ptr: 0, cap: 0, len: 0 }
+    }
+    /// The device address of value `i`.
+    pub fn at(&self, i: usize) -> DevPtr {
+        self.ptr + 4 * i as u64
+    }
+    /// Values held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Raw device bytes (weights as stored).
+pub struct Bytes<D: Device> {
+    mem: Option<D::Mem>,
+    ptr: DevPtr,
+    len: usize,
+}
+
+/// A weight on the device.
+enum Weight<D: Device> {
+    /// f32 `[rows, cols]`.
+    F32(Bytes<D>),
+    /// bf16 bits `[rows, cols]`.
+    Bf16(Bytes<D>),
+    /// FP8 codes `[rows, cols]` or INT4 codes two to a byte `[rows, ⌈cols/2⌉]`,
+    /// scales `[rows, segments]`, and each column's segment.
+    Quant { kind: QuantKind, codes: Bytes<D>, scales: Bytes<D>, colseg: Bytes<D>, segments: usize },
+}
+
+/// A linear layer on the device.
+pub struct Linear<D: Device> {
+    w: Weight<D>,
+    rows: usize,
+    cols: usize,
+    /// Added inside the layer (column-parallel, replicated, or one rank).
+    bias: Option<Bytes<D>>,
+    /// A row-parallel layer's bias, added once after the all-reduce.
+    post_bias: Option<Bytes<D>>,
+    kind: Parallel,
+    /// GEMM inputs in f32 whatever the compute dtype (the MoE router).
+    f32_inputs: bool,
+    held: Option<QuantKind>,
+}
+
+impl<D: Device> Resident for Linear<D> {
+    fn resident_bytes(&self) -> usize {
+        let w = match &self.w {
+            Weight::F32(b) | Weight::Bf16(b) => b.len,
+            Weight::Quant { codes, scales, colseg, .. } => codes.len + scales.len + colseg.len,
+        };
+        w + self.bias.as_ref().map_or(0, |b| b.len) + self.post_bias.as_ref().map_or(0, |b| b.len)
+    }
+}
+
+impl<D: Device> LinearInfo for Linear<D> {
+    fn out_features(&self) -> usize {
+        self.rows
+    }
+    fn in_features(&self) -> usize {
+        self.cols
+    }
+    fn held_as(&self) -> Option<QuantKind> {
+        self.held
+    }
+}
+
+/// A weight vector on the device (f32).
+pub struct Vector<D: Device>(Bytes<D>);
+
+impl<D: Device> Resident for Vector<D> {
+    fn resident_bytes(&self) -> usize {
+        self.0.len
+    }
+}
+
+/// The embedding table as stored (f32, bf16 or f16 bytes).
+pub struct Embedding<D: Device> {
+    table: Bytes<D>,
+    dtype: DType,
+    hidden: usize,
+    vocab: usize,
+}
+
+impl<D: Device> Resident for Embedding<D> {
+    fn resident_bytes(&self) -> usize {
+        self.table.len
+    }
+}
+
+/// cos/sin `[positions, half]` (times the scale).
+pub struct RopeTable<D: Device> {
+    cos: Bytes<D>,
+    sin: Bytes<D>,
+    half: usize,
+    len: usize,
+}
+
+/// Each token's experts (on the host, to group rows by expert) and weights (on the device).
+pub struct Routes<D: Device> {
+    ids: Vec<u32>,
+    weights: Bytes<D>,
+    top_k: usize,
+}
+
+/// Keys and values of one layer of one sample: `[capacity positions, width]` f32.
+struct LayerKv<D: Device> {
+    k: Bytes<D>,
+    v: Bytes<D>,
+    cap: usize,
+}
+
+/// One sample's cached positions and each layer's keys and values.
+type KvEntry<D> = (usize, Vec<Option<LayerKv<D>>>);
+
+/// The KV cache: per sample, its positions and each layer's keys and values.
+pub struct KvCache<D: Device> {
+    entries: HashMap<u64, KvEntry<D>>,
+}
+
+impl<D: Device> Default for KvCache<D> {
+    fn default() -> Self {
+        KvCache { entries: HashMap::new() }
+    }
+}
+
+impl<D: Device> KvStore for KvCache<D> {
+    fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
+        for (s, seg) in batch.segments().iter().enumerate() {
+            let have = self.entries.get(&seg.key).map_or(0, |e| e.0);
+            if seg.uses_cache() && have != seg.pos0 {
+                return Err(BackendError::Input {
+                    sample: s,
+                    problem: format!("chunk starts at position {} but {have} earlier positions are cached", seg.pos0),
+                });
+            }
+        }
+        for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
+            self.entries.entry(seg.key).or_insert_with(|| (0, Vec::new())).0 = seg.pos0 + batch.range(s).len();
+        }
+        Ok(())
+    }
+    fn retire(&mut self, batch: &PackedBatch) {
+        for seg in batch.segments().iter().filter(|g| !g.keep) {
+            self.entries.remove(&seg.key);
+        }
+    }
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+/// Working buffers of one rank, reused step to step (grown, never shrunk).
+struct Scratch<D: Device> {
+    /// bf16 GEMM inputs.
+    xb: Bytes<D>,
+    /// A weight expanded from FP8/INT4 (or bf16 widened).
+    wexp: Bytes<D>,
+    /// A row-parallel layer's partial output.
+    partial: Bytes<D>,
+    /// Small tables uploaded per op (ids, positions, segments, tiles).
+    table: Bytes<D>,
+    table2: Bytes<D>,
+    /// MoE: router scratch, grouped rows in and out, gate/up, activation, shared output.
+    moe: [Bytes<D>; 6],
+}
+
+/// The CUDA backend for compute dtype `C` on device `D` (a GPU: [`Driver`]).
+pub struct Cuda<C: ComputeDtype = F32, D: Device = Driver> {
+    dev: Arc<D>,
+    /// The GPUs a group is opened on (rank order).
+    ordinals: Vec<usize>,
+    scratch: Mutex<Option<Scratch<D>>>,
+    failed: Mutex<Option<String>>,
+    _compute: PhantomData<C>,
+}
+
+const ELEMENTWISE_BLOCK: u32 = 256;
+
+fn elementwise(n: usize) -> Launch {
+    Launch {
+        grid: (n.div_ceil(ELEMENTWISE_BLOCK as usize).clamp(1, 65535) as u32, 1),
+        block: ELEMENTWISE_BLOCK,
+        smem: 0,
+    }
+}
+
+impl<C: ComputeDtype, D: Device> Cuda<C, D> {
+    /// The backend on `dev` (rank 0 of a group that `group` opens on `ordinals`).
+    pub fn new(dev: D, ordinals: Vec<usize>) -> Self {
+        Cuda {
+            dev: Arc::new(dev),
+            ordinals,
+            scratch: Mutex::new(None),
+            failed: Mutex::new(None),
+            _compute: PhantomData,
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    fn ok(&self) -> bool {
+        self.failed.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+
+    /// Runs `f` unless an earlier op failed; records its error.
+    fn run(&self, f: impl FnOnce() -> Result<(), CudaError>) {
+        if !self.ok() {
+            return;
+        }
+        if let Err(e) = f() {
+            self.fail(e.to_string());
+        }
+    }
+
+    fn fail(&self, msg: String) {
+        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        if failed.is_none() {
+            tracing::error!("cuda: {msg}");
+            *failed = Some(msg);
+        }
+    }
+
+    fn bytes(&self, data: &[u8]) -> Bytes<D> {
+        let mut b = Bytes { mem: None, ptr: 0, len: data.len() };
+        self.run(|| {
+            let m = self.dev.alloc(data.len())?;
+            b.ptr = self.dev.ptr(&m);
+            b.mem = Some(m);
+            if !data.is_empty() {
+                self.dev.upload(b.ptr, data)?;
+            }
+            Ok(())
+        });
+        b
+    }
+
+    fn f32s(&self, v: &[f32]) -> Bytes<D> {
+        self.bytes(bytemuck::cast_slice(v))
+    }
+
+    /// Grows `b` to at least `bytes` (contents not kept).
+    fn ensure(&self, b: &mut Bytes<D>, bytes: usize) -> Result<(), CudaError> {
+        if b.mem.is_none() || b.len < bytes {
+            b.mem = None; // free before allocating the larger block
+            let m = self.dev.alloc(bytes.max(256))?;
+            b.ptr = self.dev.ptr(&m);
+            b.len = bytes.max(256);
+            b.mem = Some(m);
+        }
+        Ok(())
+    }
+
+    /// Uploads a small host table into scratch slot `which` (0 or 1), returning its address.
+    fn upload_table(&self, which: usize, data: &[u8]) -> Result<DevPtr, CudaError> {
+        let mut s = self.scratch()?;
+        let s = s.as_mut().expect("scratch made");
+        let b = if which == 0 { &mut s.table } else { &mut s.table2 };
+        self.ensure(b, data.len())?;
+        self.dev.upload(b.ptr, data)?;
+        Ok(b.ptr)
+    }
+
+    fn scratch(&self) -> Result<std::sync::MutexGuard<'_, Option<Scratch<D>>>, CudaError> {
+        let mut g = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            let e = || Bytes { mem: None, ptr: 0, len: 0 };
+            *g = Some(Scratch {
+                xb: e(),
+                wexp: e(),
+                partial: e(),
+                table: e(),
+                table2: e(),
+                moe: [e(), e(), e(), e(), e(), e()],
+            });
+        }
+        Ok(g)
+    }
+
+    /// Checks that a buffer of `have` values holds the `need` a kernel touches.
+    fn holds(what: &str, need: usize, have: usize) -> Result<(), CudaError> {
+        if need > have {
+            return Err(CudaError::Shape(ShapeError::new(what, "elements", need, have)));
+        }
+        Ok(())
+    }
+
+    fn linear_in(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel, f32_inputs: bool) -> Linear<D> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let bf16_inputs = C::COMPUTE == crate::backend::Compute::Bf16 && !f32_inputs;
+        let held = match &w {
+            LinearWeight::Dense { .. } | LinearWeight::Mapped(_) => None,
+            LinearWeight::MappedBf16(_) => Some(QuantKind::Bf16),
+            LinearWeight::Quant(q) => Some(q.kind),
+        };
+        let to_bf16 = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect() };
+        let widen = |v: &[u16]| -> Vec<f32> { v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
+        let w = match w {
+            LinearWeight::Dense { w, .. } if bf16_inputs => {
+                Weight::Bf16(self.bytes(bytemuck::cast_slice(&to_bf16(&w))))
+            }
+            LinearWeight::Dense { w, .. } => Weight::F32(self.f32s(&w)),
+            LinearWeight::Mapped(m) if bf16_inputs => {
+                Weight::Bf16(self.bytes(bytemuck::cast_slice(&to_bf16(&m.to_vec()))))
+            }
+            LinearWeight::Mapped(m) => Weight::F32(self.f32s(&m.to_vec())),
+            LinearWeight::MappedBf16(m) if bf16_inputs => Weight::Bf16(self.bytes(bytemuck::cast_slice(&m.to_vec()))),
+            LinearWeight::MappedBf16(m) => Weight::F32(self.f32s(&widen(&m.to_vec()))),
+            LinearWeight::Quant(q) if q.kind == QuantKind::Bf16 => {
+                // bf16 codes with scale 1 (every scale is 1 by construction).
+                let bits: Vec<u16> = q.codes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+                if bf16_inputs {
+                    Weight::Bf16(self.bytes(bytemuck::cast_slice(&bits)))
+                } else {
+                    Weight::F32(self.f32s(&widen(&bits)))
+                }
+            }
+            LinearWeight::Quant(q) => self.quant(&q),
+        };
+        // One rank keeps its bias in the layer; with several, a row-parallel
+        // bias is added once, after the all-reduce.
+        let split = kind == Parallel::Row && self.world_size() > 1;
+        let (inner, post) = if split { (None, bias) } else { (bias, None) };
+        Linear {
+            w,
+            rows,
+            cols,
+            bias: inner.map(|b| self.f32s(&b)),
+            post_bias: post.map(|b| self.f32s(&b)),
+            kind,
+            f32_inputs,
+            held,
+        }
+    }
+
+    fn quant(&self, q: &QuantRows) -> Weight<D> {
+        let ns = q.num_segments();
+        let colseg: Vec<u32> = (0..q.cols).map(|c| (q.seg.partition_point(|&s| s <= c) - 1) as u32).collect();
+        let codes = match q.kind {
+            QuantKind::Int4 => {
+                let half = q.cols.div_ceil(2);
+                let mut packed = vec![0u8; q.rows * half];
+                for r in 0..q.rows {
+                    let row = &q.codes[r * q.cols..(r + 1) * q.cols];
+                    for (i, pair) in row.chunks(2).enumerate() {
+                        packed[r * half + i] = pair[0] | (pair.get(1).copied().unwrap_or(8) << 4);
+                    }
+                }
+                packed
+            }
+            _ => q.codes.clone(),
+        };
+        Weight::Quant {
+            kind: q.kind,
+            codes: self.bytes(&codes),
+            scales: self.f32s(&q.scales),
+            colseg: self.bytes(bytemuck::cast_slice(&colseg)),
+            segments: ns,
+        }
+    }
+
+    /// `y[rows, out] (+)= x[rows, in] · Wᵀ` (no bias, no all-reduce): the
+    /// input rounded to bf16 and FP8/INT4 weights expanded first, as the
+    /// layer's compute dtype asks.
+    fn gemm_rows(&self, l: &Linear<D>, x: DevPtr, rows: usize, y: DevPtr, accumulate: bool) -> Result<(), CudaError> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let (out, inp) = (l.rows, l.cols);
+        let bf16_inputs = C::COMPUTE == crate::backend::Compute::Bf16 && !l.f32_inputs;
+        let mut s = self.scratch()?;
+        let s = s.as_mut().expect("scratch made");
+        let xin = if bf16_inputs {
+            self.ensure(&mut s.xb, rows * inp * 2)?;
+            let args = [Arg::Ptr(x), Arg::int(rows), Arg::int(inp), Arg::I32(0), Arg::int(inp), Arg::Ptr(s.xb.ptr)];
+            self.dev.launch("to_bf16", elementwise(rows * inp), &args)?;
+            (s.xb.ptr, GemmType::Bf16)
+        } else {
+            (x, GemmType::F32)
+        };
+        let w = match &l.w {
+            Weight::F32(b) => (b.ptr, GemmType::F32),
+            Weight::Bf16(b) => (b.ptr, GemmType::Bf16),
+            Weight::Quant { kind, codes, scales, colseg, segments } => {
+                let (ty, es) = if bf16_inputs { (GemmType::Bf16, 2) } else { (GemmType::F32, 4) };
+                self.ensure(&mut s.wexp, out * inp * es)?;
+                let name = match (kind, ty) {
+                    (QuantKind::Fp8, GemmType::Bf16) => "dequant_fp8_bf16",
+                    (QuantKind::Fp8, GemmType::F32) => "dequant_fp8_f32",
+                    (_, GemmType::Bf16) => "dequant_int4_bf16",
+                    (_, GemmType::F32) => "dequant_int4_f32",
+                };
+                let args = [
+                    Arg::Ptr(codes.ptr),
+                    Arg::Ptr(scales.ptr),
+                    Arg::Ptr(colseg.ptr),
+                    Arg::int(out),
+                    Arg::int(inp),
+                    Arg::int(*segments),
+                    Arg::Ptr(s.wexp.ptr),
+                ];
+                self.dev.launch(name, elementwise(out * inp), &args)?;
+                (s.wexp.ptr, ty)
+            }
+        };
+        self.dev.gemm(&Gemm::linear(w, xin, y, rows, out, inp, accumulate))
+    }
+
+    fn add_bias(&self, y: DevPtr, b: &Bytes<D>, rows: usize, width: usize) -> Result<(), CudaError> {
+        let args = [Arg::Ptr(y), Arg::Ptr(b.ptr), Arg::int(rows), Arg::int(width)];
+        self.dev.launch("add_bias", elementwise(rows * width), &args)
+    }
+
+    /// One gated MLP over `rows` rows at `x`, into `y` (`[rows, hidden]`),
+    /// with scratch `gu` and `act`: no all-reduce (the MoE op reduces once).
+    fn gated(&self, m: &GatedLinear<Self>, x: DevPtr, rows: usize, y: DevPtr) -> Result<(), CudaError> {
+        let inter = m.down_proj.cols;
+        let (gu, act) = {
+            let mut s = self.scratch()?;
+            let s = s.as_mut().expect("scratch made");
+            self.ensure(&mut s.moe[3], rows * 2 * inter * 4)?;
+            self.ensure(&mut s.moe[4], rows * inter * 4)?;
+            (s.moe[3].ptr, s.moe[4].ptr)
+        };
+        self.gemm_rows(&m.gate_up_proj, x, rows, gu, false)?;
+        if let Some(b) = &m.gate_up_proj.bias {
+            self.add_bias(gu, b, rows, 2 * inter)?;
+        }
+        self.dev.launch(
+            "swiglu",
+            elementwise(rows * inter),
+            &[Arg::Ptr(gu), Arg::int(rows), Arg::int(inter), Arg::Ptr(act)],
+        )?;
+        self.gemm_rows(&m.down_proj, act, rows, y, false)?;
+        // A row-parallel bias counts once over the group: rank 0 adds it.
+        let bias = m.down_proj.bias.as_ref().or(m.down_proj.post_bias.as_ref()).filter(|_| self.rank() == 0);
+        if let Some(b) = bias {
+            self.add_bias(y, b, rows, m.down_proj.rows)?;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_launch(
+        &self,
+        q: Cols<'_, Self>,
+        k: Cols<'_, Self>,
+        v: Cols<'_, Self>,
+        s: AttnShape,
+        batch: &PackedBatch,
+        cache: &mut KvCache<D>,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    ) -> Result<(), CudaError> {
+        let (kw, vw) = (s.kv_heads * s.head_dim, s.kv_heads * s.v_dim);
+        if s.head_dim > 256 || s.v_dim > 256 {
+            return Err(CudaError::Kernel {
+                name: "attention".into(),
+                log: format!("head dims {}/{} exceed the kernels' 256", s.head_dim, s.v_dim),
+            });
+        }
+        // One 40-byte `Seg` per segment (attention.cu), little-endian.
+        let mut segs = Vec::with_capacity(batch.num_samples() * 40);
+        for (i, seg) in batch.segments().iter().enumerate() {
+            let rows = batch.range(i);
+            let (kp, vp, ks, vs) = if seg.uses_cache() {
+                let entry = cache.entries.get_mut(&seg.key).expect("begin() made the entry");
+                if entry.1.len() <= layer {
+                    entry.1.resize_with(layer + 1, || None);
+                }
+                let need = seg.pos0 + rows.len();
+                let slot = &mut entry.1[layer];
+                if slot.as_ref().is_none_or(|l| l.cap < need) {
+                    // Grow to twice the need, keeping the earlier positions.
+                    let cap = (2 * need).max(64);
+                    let mut fresh =
+                        LayerKv { k: Bytes { mem: None, ptr: 0, len: 0 }, v: Bytes { mem: None, ptr: 0, len: 0 }, cap };
+                    self.ensure(&mut fresh.k, cap * kw * 4)?;
+                    self.ensure(&mut fresh.v, cap * vw * 4)?;
+                    if let Some(old) = slot.as_ref() {
+                        self.dev.copy(fresh.k.ptr, old.k.ptr, seg.pos0 * kw * 4)?;
+                        self.dev.copy(fresh.v.ptr, old.v.ptr, seg.pos0 * vw * 4)?;
+                    }
+                    *slot = Some(fresh);
+                }
+                let l = slot.as_ref().expect("made above");
+                for (src, dst, w) in [(&k, &l.k, kw), (&v, &l.v, vw)] {
+                    let args = [
+                        Arg::Ptr(src.storage.at(rows.start * src.stride)),
+                        Arg::int(rows.len()),
+                        Arg::int(src.stride),
+                        Arg::int(src.offset),
+                        Arg::int(w),
+                        Arg::Ptr(dst.ptr + (seg.pos0 * w * 4) as u64),
+                    ];
+                    self.dev.launch("pack_cols", elementwise(rows.len() * w), &args)?;
+                }
+                (l.k.ptr, l.v.ptr, kw, vw)
+            } else {
+                (
+                    k.storage.at(rows.start * k.stride + k.offset),
+                    v.storage.at(rows.start * v.stride + v.offset),
+                    k.stride,
+                    v.stride,
+                )
+            };
+            segs.extend_from_slice(&kp.to_le_bytes());
+            segs.extend_from_slice(&vp.to_le_bytes());
+            for x in [ks, vs, rows.start, rows.len(), seg.pos0, seg.pos0 + rows.len()] {
+                segs.extend_from_slice(&(x as i32).to_le_bytes());
+            }
+        }
+        let segs = self.upload_table(0, &segs)?;
+        let t = batch.num_tokens();
+        let window = s.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let common = |table: DevPtr| {
+            [
+                Arg::Ptr(q.storage.at(q.offset)),
+                Arg::int(q.stride),
+                Arg::Ptr(segs),
+                Arg::Ptr(table),
+                Arg::int(s.heads),
+                Arg::int(s.kv_heads),
+                Arg::int(s.head_dim),
+                Arg::int(s.v_dim),
+                Arg::I32(window),
+                Arg::F32(s.scale),
+                Arg::Ptr(out.storage().ptr),
+            ]
+        };
+        if C::COMPUTE == crate::backend::Compute::F32 {
+            let seg_of: Vec<u32> =
+                (0..batch.num_samples()).flat_map(|i| batch.range(i).map(move |_| i as u32)).collect();
+            let table = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
+            let cfg = Launch { grid: (t as u32, s.heads.div_ceil(4) as u32), block: 128, smem: 0 };
+            self.dev.launch("attention_f32", cfg, &common(table))
+        } else {
+            let n = [16, 32, 64, 128, 256].into_iter().find(|&n| n >= s.v_dim).expect("v_dim checked above");
+            let tiles: Vec<i32> = (0..batch.num_samples())
+                .flat_map(|i| (0..batch.range(i).len()).step_by(64).flat_map(move |q0| [i as i32, q0 as i32]))
+                .collect();
+            let table = self.upload_table(1, bytemuck::cast_slice(&tiles))?;
+            let dp = s.head_dim.div_ceil(16) * 16;
+            let smem = ((64 * dp + 32 * dp + 32 * n) * 2) as u32;
+            let cfg = Launch { grid: ((tiles.len() / 2) as u32, s.heads as u32), block: 128, smem };
+            self.dev.launch(&format!("attention_bf16_v{n}"), cfg, &common(table))
+        }
+    }
+}
+
+impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
+    type Compute = C;
+    type Storage = Buf<D>;
+    type Vector = Vector<D>;
+    type Embedding = Embedding<D>;
+    type Linear = Linear<D>;
+    type RopeTable = RopeTable<D>;
+    type Routes = Routes<D>;
+    type KvCache = KvCache<D>;
+
+    const NAME: &'static str = "cuda";
+
+    fn rank(&self) -> usize {
+        self.dev.rank().0
+    }
+
+    fn world_size(&self) -> usize {
+        self.dev.rank().1
+    }
+
+    fn group(&self, n: usize) -> Result<Vec<Self>, BackendError> {
+        if n == 0 {
+            return Err(BackendError::Unsupported("--tp must be at least 1".into()));
+        }
+        let ordinals: Vec<usize> =
+            if self.ordinals.len() >= n { self.ordinals[..n].to_vec() } else { (0..n).collect() };
+        let devs = self.dev.group(&ordinals).map_err(|e| BackendError::Device(e.to_string()))?;
+        Ok(devs.into_iter().map(|d| Cuda::new(d, ordinals.clone())).collect())
+    }
+
+    fn alloc(&self, len: usize) -> Buf<D> {
+        let mut b = Buf::empty();
+        self.realloc(&mut b, len);
+        b
+    }
+
+    fn realloc(&self, s: &mut Buf<D>, len: usize) {
+        if len <= s.cap && s.mem.is_some() {
+            s.len = len;
+            return;
+        }
+        self.run(|| {
+            s.mem = None;
+            let m = self.dev.alloc(len * 4)?;
+            s.ptr = self.dev.ptr(&m);
+            s.mem = Some(m);
+            s.cap = len;
+            s.len = len;
+            Ok(())
+        });
+    }
+
+    fn upload(&self, host: &[f32]) -> Buf<D> {
+        let mut b = self.alloc(host.len());
+        self.run(|| self.dev.upload(b.ptr, bytemuck::cast_slice(host)));
+        b.len = host.len();
+        b
+    }
+
+    fn download(&self, s: &Buf<D>, out: &mut [f32]) {
+        self.run(|| {
+            Self::holds("download", out.len(), s.len)?;
+            self.dev.download(s.ptr, bytemuck::cast_slice_mut(out))
+        });
+    }
+
+    fn vector(&self, v: Vec<f32>) -> Vector<D> {
+        Vector(self.f32s(&v))
+    }
+
+    fn embedding(&self, bytes: TensorBytes, dtype: DType, hidden: usize) -> Embedding<D> {
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            self.fail(format!("the CUDA backend reads embedding tables in f32, bf16 or f16, not {dtype}"));
+        }
+        let vocab = bytes.len() / (hidden * dtype.size()).max(1);
+        Embedding { table: self.bytes(&bytes), dtype, hidden, vocab }
+    }
+
+    fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Linear<D> {
+        self.linear_in(w, bias, kind, false)
+    }
+
+    fn linear_f32(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Linear<D> {
+        self.linear_in(w, bias, kind, true)
+    }
+
+    fn embed<H: Dim>(&self, table: &Embedding<D>, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
+        check::embed(batch, table.hidden, out);
+        self.run(|| {
+            if let Some(&bad) = batch.token_ids().iter().find(|&&id| id as usize >= table.vocab) {
+                return Err(CudaError::Shape(ShapeError::new("embed", "token id", table.vocab, bad as usize + 1)));
+            }
+            let ids = self.upload_table(0, bytemuck::cast_slice(batch.token_ids()))?;
+            let name = match table.dtype {
+                DType::BF16 => "embed_bf16",
+                DType::F16 => "embed_f16",
+                _ => "embed_f32",
+            };
+            let t = batch.num_tokens();
+            let args = [
+                Arg::Ptr(table.table.ptr),
+                Arg::Ptr(ids),
+                Arg::int(t),
+                Arg::int(table.hidden),
+                Arg::Ptr(out.storage().ptr),
+            ];
+            self.dev.launch(name, elementwise(t * table.hidden), &args)
+        });
+    }
+
+    fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Vector<D>, eps: f32, out: &mut Tensor<Self, W>) {
+        check::rms_norm(&x, w.0.len / 4, (out.rows(), out.width().size()));
+        self.run(|| {
+            Self::holds("rms_norm input", x.rows * x.stride, x.storage.len)?;
+            let args = [
+                Arg::Ptr(x.storage.ptr),
+                Arg::int(x.stride),
+                Arg::int(x.offset),
+                Arg::int(x.width),
+                Arg::Ptr(w.0.ptr),
+                Arg::F32(eps),
+                Arg::Ptr(out.storage().ptr),
+            ];
+            self.dev.launch("rms_norm", Launch { grid: (x.rows as u32, 1), block: 256, smem: 0 }, &args)
+        });
+    }
+
+    fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vector<D>, eps: f32) {
+        check::rms_norm_heads(x, heads, w.0.len / 4);
+        let args = [
+            Arg::Ptr(x.storage().ptr),
+            Arg::int(x.width()),
+            Arg::int(heads.offset),
+            Arg::int(heads.stride),
+            Arg::int(heads.width),
+            Arg::Ptr(w.0.ptr),
+            Arg::F32(eps),
+        ];
+        let cfg = Launch { grid: (x.rows() as u32, heads.count as u32), block: 64, smem: 0 };
+        self.run(|| self.dev.launch("rms_norm_heads", cfg, &args));
+    }
+
+    fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> RopeTable<D> {
+        // The angle as HF forms it (an f32 product), as the CPU backend does.
+        let half = freqs.inv_freq.len();
+        let (mut cos, mut sin) = (vec![0f32; len * half], vec![0f32; len * half]);
+        for p in 0..len {
+            for (i, f) in freqs.inv_freq.iter().enumerate() {
+                let a = p as f32 * f;
+                cos[p * half + i] = a.cos() * freqs.scale;
+                sin[p * half + i] = a.sin() * freqs.scale;
+            }
+        }
+        RopeTable { cos: self.f32s(&cos), sin: self.f32s(&sin), half, len }
+    }
+
+    fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable<D>, batch: &PackedBatch) {
+        check::rope(x, heads, table.half, batch);
+        self.run(|| {
+            let positions: Vec<u32> = batch
+                .segments()
+                .iter()
+                .enumerate()
+                .flat_map(|(i, g)| (0..batch.range(i).len()).map(move |j| (g.pos0 + j) as u32))
+                .collect();
+            Self::holds("rope table positions", batch.max_position(), table.len)?;
+            let pos = self.upload_table(0, bytemuck::cast_slice(&positions))?;
+            // Heads per block: their rotated columns fit 32 KiB of shared memory.
+            let chunk = (8192 / (2 * table.half).max(1)).clamp(1, heads.count.max(1));
+            let cfg = Launch {
+                grid: (x.rows() as u32, heads.count.div_ceil(chunk) as u32),
+                block: 128,
+                smem: (chunk * 2 * table.half * 4) as u32,
+            };
+            let args = [
+                Arg::Ptr(x.storage().ptr),
+                Arg::int(x.width()),
+                Arg::int(heads.offset),
+                Arg::int(heads.count),
+                Arg::int(heads.stride),
+                Arg::int(table.half),
+                Arg::I32(interleave as i32),
+                Arg::Ptr(table.cos.ptr),
+                Arg::Ptr(table.sin.ptr),
+                Arg::Ptr(pos),
+                Arg::int(chunk),
+            ];
+            self.dev.launch("rope", cfg, &args)
+        });
+    }
+
+    fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+        check::swiglu(gate_up, out);
+        let (rows, inter) = (out.rows(), out.width());
+        let args = [Arg::Ptr(gate_up.storage().ptr), Arg::int(rows), Arg::int(inter), Arg::Ptr(out.storage().ptr)];
+        self.run(|| self.dev.launch("swiglu", elementwise(rows * inter), &args));
+    }
+
+    fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
+        check::add(x, y);
+        let args = [Arg::Ptr(x.storage().ptr), Arg::Ptr(y.storage().ptr), Arg::U64(x.len() as u64)];
+        self.run(|| self.dev.launch("add", elementwise(x.len()), &args));
+    }
+
+    fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
+        check::copy_heads(src, from, dst, to);
+        let args = [
+            Arg::Ptr(src.storage().ptr),
+            Arg::int(src.width()),
+            Arg::int(from.offset),
+            Arg::int(from.stride),
+            Arg::Ptr(dst.storage().ptr),
+            Arg::int(dst.width()),
+            Arg::int(to.offset),
+            Arg::int(to.stride),
+            Arg::int(src.rows()),
+            Arg::int(to.count),
+            Arg::int(to.width),
+        ];
+        let n = src.rows() * to.count * to.width;
+        self.run(|| self.dev.launch("copy_heads", elementwise(n), &args));
+    }
+
+    fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear<D>, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
+        check::linear(l, x, out);
+        let rows = x.rows();
+        self.run(|| {
+            self.gemm_rows(l, x.storage().ptr, rows, out.storage().ptr, false)?;
+            if let Some(b) = &l.bias {
+                self.add_bias(out.storage().ptr, b, rows, l.rows)?;
+            }
+            if l.kind == Parallel::Row {
+                self.dev.all_reduce(out.storage().ptr, rows * l.rows)?;
+                if let Some(b) = &l.post_bias {
+                    self.add_bias(out.storage().ptr, b, rows, l.rows)?;
+                }
+            }
+            Ok(())
+        });
+    }
+
+    fn linear_add<W: Dim, V: Dim>(&self, l: &Linear<D>, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
+        check::linear(l, x, residual);
+        let rows = x.rows();
+        self.run(|| {
+            if l.kind == Parallel::Row && self.world_size() > 1 {
+                let partial = {
+                    let mut s = self.scratch()?;
+                    let s = s.as_mut().expect("scratch made");
+                    self.ensure(&mut s.partial, rows * l.rows * 4)?;
+                    s.partial.ptr
+                };
+                self.gemm_rows(l, x.storage().ptr, rows, partial, false)?;
+                self.dev.all_reduce(partial, rows * l.rows)?;
+                let bias = l.post_bias.as_ref().map_or(0, |b| b.ptr);
+                let args = [
+                    Arg::Ptr(residual.storage().ptr),
+                    Arg::Ptr(partial),
+                    Arg::Ptr(bias),
+                    Arg::int(rows),
+                    Arg::int(l.rows),
+                ];
+                return self.dev.launch("add_bias_residual", elementwise(rows * l.rows), &args);
+            }
+            // One rank: the GEMM adds into the residual (beta = 1).
+            self.gemm_rows(l, x.storage().ptr, rows, residual.storage().ptr, true)?;
+            if let Some(b) = &l.bias {
+                self.add_bias(residual.storage().ptr, b, rows, l.rows)?;
+            }
+            Ok(())
+        });
+    }
+
+    fn attention(
+        &self,
+        q: Cols<'_, Self>,
+        k: Cols<'_, Self>,
+        v: Cols<'_, Self>,
+        shape: AttnShape,
+        batch: &PackedBatch,
+        cache: &mut KvCache<D>,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    ) {
+        check::attention(&q, &k, &v, shape, batch, (out.rows(), out.width()));
+        self.run(|| self.attention_launch(q, k, v, shape, batch, cache, layer, out));
+    }
+
+    fn moe_route(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vector<D>>) -> Routes<D> {
+        let (t, e) = (logits.rows(), logits.width());
+        if let Some(c) = correction {
+            check::shape("moe_route", "experts", e, c.0.len / 4);
+        }
+        let mut routes =
+            Routes { ids: vec![0; t * r.top_k], weights: Bytes { mem: None, ptr: 0, len: 0 }, top_k: r.top_k };
+        self.run(|| {
+            if e > 1024 || r.n_group > 64 || r.top_k > e {
+                return Err(CudaError::Kernel {
+                    name: "moe_route".into(),
+                    log: format!(
+                        "{e} experts, {} groups, top {}: the router kernel takes up to 1024 experts and 64 groups",
+                        r.n_group, r.top_k
+                    ),
+                });
+            }
+            self.ensure(&mut routes.weights, t * r.top_k * 4)?;
+            let (scores, choice, ids) = {
+                let mut s = self.scratch()?;
+                let s = s.as_mut().expect("scratch made");
+                self.ensure(&mut s.moe[0], 2 * t * e * 4)?;
+                self.ensure(&mut s.table2, t * r.top_k * 4)?;
+                (s.moe[0].ptr, s.moe[0].ptr + (t * e * 4) as u64, s.table2.ptr)
+            };
+            let args = [
+                Arg::Ptr(logits.storage().ptr),
+                Arg::Ptr(correction.map_or(0, |c| c.0.ptr)),
+                Arg::int(t),
+                Arg::int(e),
+                Arg::I32(match r.scoring {
+                    Scoring::Softmax => 0,
+                    Scoring::Sigmoid => 1,
+                }),
+                Arg::I32(match r.topk_method {
+                    TopkMethod::Greedy => 0,
+                    TopkMethod::GroupLimitedGreedy => 1,
+                    TopkMethod::NoauxTc => 2,
+                }),
+                Arg::int(r.top_k),
+                Arg::int(r.n_group),
+                Arg::int(r.topk_group),
+                Arg::I32(r.norm_topk_prob as i32),
+                Arg::F32(r.routed_scaling_factor),
+                Arg::Ptr(scores),
+                Arg::Ptr(choice),
+                Arg::Ptr(ids),
+                Arg::Ptr(routes.weights.ptr),
+            ];
+            self.dev.launch("moe_route", Launch { grid: (t.div_ceil(64) as u32, 1), block: 64, smem: 0 }, &args)?;
+            // The host groups rows by expert: the ids come back (a small copy).
+            self.dev.download(ids, bytemuck::cast_slice_mut(&mut routes.ids))
+        });
+        routes
+    }
+
+    fn moe_experts<H: Dim>(
+        &self,
+        experts: &[GatedLinear<Self>],
+        shared: Option<&GatedLinear<Self>>,
+        x: &Tensor<Self, H>,
+        routes: &Routes<D>,
+        out: &mut Tensor<Self, H>,
+    ) {
+        let (t, h, k) = (x.rows(), x.width().size(), routes.top_k);
+        check::shape("moe_experts", "tokens", t * k, routes.ids.len());
+        check::shape("moe_experts", "tokens", t, out.rows());
+        self.run(|| {
+            // Rows grouped by expert, tokens in order within each: src[r] is
+            // the token of grouped row r, slot[t·k + j] the row of token t's j-th expert.
+            let mut count = vec![0usize; experts.len() + 1];
+            for &e in &routes.ids {
+                Self::holds("moe expert index", e as usize + 1, experts.len())?;
+                count[e as usize + 1] += 1;
+            }
+            for e in 0..experts.len() {
+                count[e + 1] += count[e];
+            }
+            let starts = count.clone();
+            let mut src = vec![0u32; t * k];
+            let mut slot = vec![0u32; t * k];
+            for (i, &e) in routes.ids.iter().enumerate() {
+                let row = count[e as usize];
+                count[e as usize] += 1;
+                src[row] = (i / k) as u32;
+                slot[i] = row as u32;
+            }
+            let (xe, ye, sh) = {
+                let mut s = self.scratch()?;
+                let s = s.as_mut().expect("scratch made");
+                self.ensure(&mut s.moe[1], t * k * h * 4)?;
+                self.ensure(&mut s.moe[2], t * k * h * 4)?;
+                self.ensure(&mut s.moe[5], t * h * 4)?;
+                (s.moe[1].ptr, s.moe[2].ptr, s.moe[5].ptr)
+            };
+            let srcp = self.upload_table(0, bytemuck::cast_slice(&src))?;
+            let args = [Arg::Ptr(x.storage().ptr), Arg::Ptr(srcp), Arg::int(t * k), Arg::int(h), Arg::Ptr(xe)];
+            self.dev.launch("gather_rows", elementwise(t * k * h), &args)?;
+            for (e, m) in experts.iter().enumerate() {
+                let (r0, r1) = (starts[e], starts[e + 1]);
+                if r1 > r0 {
+                    let at = ((r0 * h) * 4) as u64;
+                    self.gated(m, xe + at, r1 - r0, ye + at)?;
+                }
+            }
+            if let Some(m) = shared {
+                self.gated(m, x.storage().ptr, t, sh)?;
+            }
+            let slotp = self.upload_table(1, bytemuck::cast_slice(&slot))?;
+            let args = [
+                Arg::Ptr(ye),
+                Arg::Ptr(slotp),
+                Arg::Ptr(routes.weights.ptr),
+                Arg::int(t),
+                Arg::int(k),
+                Arg::int(h),
+                Arg::Ptr(if shared.is_some() { sh } else { 0 }),
+                Arg::Ptr(out.storage().ptr),
+            ];
+            self.dev.launch("moe_combine", elementwise(t * h), &args)?;
+            self.dev.all_reduce(out.storage().ptr, t * h)
+        });
+    }
+
+    fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>) {
+        let (p, n) = (x.storage().ptr, x.len());
+        self.run(|| self.dev.all_reduce(p, n));
+    }
+
+    fn capture<L: Dim, H: Dim>(
+        &self,
+        x: &Tensor<Self, H>,
+        out: &mut CapturedStates<L, H>,
+        slot: usize,
+    ) -> Result<(), ShapeError> {
+        check::capture(x.rows(), x.width().size(), out, slot)?;
+        self.run(|| self.dev.download(x.storage().ptr, bytemuck::cast_slice_mut(out.layer_mut(slot))));
+        Ok(())
+    }
+
+    fn end_step(&self) -> Result<(), BackendError> {
+        self.run(|| self.dev.sync());
+        // A failure stays: later steps would meet buffers the failed op never made.
+        match self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            Some(msg) => Err(BackendError::Device(msg)),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! What the CUDA backend asks of a GPU, as a trait: device memory, copies,
+//! kernel launches (`cuLaunchKernel`'s arguments: a kernel name and its
+//! parameters in order), cuBLAS-style GEMMs and the group's all-reduce.
+//!
+//! [`Driver`](super::driver::Driver) is the real GPU (cudarc). The tests add
+//! a second implementation that runs the same kernel sources on the CPU
+//! (`tests/cuda_emu/`), so the backend's launches — grids, argument order,
+//! segment tables, GEMM transposes — are checked against the reference
+//! backend on machines without a GPU.
+
+use super::CudaError;
+
+/// A device address (`CUdeviceptr`).
+pub type DevPtr = u64;
+
+/// One kernel parameter, as `cuLaunchKernel` passes it (by value).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg {
+    /// A device pointer (null: 0).
+    Ptr(DevPtr),
+    /// `int`.
+    I32(i32),
+    /// `unsigned` / `u32`.
+    U32(u32),
+    /// `u64`.
+    U64(u64),
+    /// `float`.
+    F32(f32),
+}
+
+impl Arg {
+    /// An `int` parameter from a size the caller knows fits (kernel sizes are
+    /// checked against `i32::MAX` where buffers are made).
+    pub fn int(v: usize) -> Arg {
+        Arg::I32(i32::try_from(v).expect("kernel size parameter fits an int"))
+    }
+}
+
+/// A launch: grid `(x, y)` of blocks of `block` threads, `smem` bytes of
+/// dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    /// Blocks along x and y.
+    pub grid: (u32, u32),
+    /// Threads per block (a multiple of 32).
+    pub block: u32,
+    /// Dynamic shared memory, bytes.
+    pub smem: u32,
+}
+
+/// Element types a GEMM reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmType {
+    /// f32.
+    F32,
+    /// bf16 (bits).
+    Bf16,
+}
+
+/// `C = alpha · op(A) · op(B) + beta · C`, column-major, as cublasGemmEx
+/// takes it (f32 accumulation; for f32 inputs no TF32). Row-major `Y[T, out]
+/// = X[T, in] · W[out, in]ᵀ` is `m = out, n = T, k = in, A = W (transposed,
+/// lda = in), B = X (ldb = in), C = Y (ldc = out)`: see [`Gemm::linear`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    /// Transpose A.
+    pub trans_a: bool,
+    /// Transpose B.
+    pub trans_b: bool,
+    /// Rows of op(A) and C.
+    pub m: usize,
+    /// Columns of op(B) and C.
+    pub n: usize,
+    /// Columns of op(A), rows of op(B).
+    pub k: usize,
+    /// A's address, type and leading dimension.
+    pub a: (DevPtr, GemmType, usize),
+    /// B's.
+    pub b: (DevPtr, GemmType, usize),
+    /// C's address and leading dimension (f32).
+    pub c: (DevPtr, usize),
+    /// Factor on the product.
+    pub alpha: f32,
+    /// Factor on C's old values (0: C is overwritten, even if it held NaN).
+    pub beta: f32,
+}
+
+impl Gemm {
+    /// `Y[rows, out] (+)= X[rows, in] · W[out, in]ᵀ` for row-major buffers.
+    pub fn linear(
+        w: (DevPtr, GemmType),
+        x: (DevPtr, GemmType),
+        y: DevPtr,
+        rows: usize,
+        out: usize,
+        inp: usize,
+        accumulate: bool,
+    ) -> Gemm {
+        Gemm {
+            trans_a: true,
+            trans_b: false,
+            m: out,
+            n: rows,
+            k: inp,
+            a: (w.0, w.1, inp),
+            b: (x.0, x.1, inp),
+            c: (y, out),
+            alpha: 1.0,
+            beta: if accumulate { 1.0 } else { 0.0 },
+        }
+    }
+}
+
+/// A GPU as the CUDA backend uses it: one stream, so operations run in the
+/// order they are issued, and a copy back to the host waits for them.
+pub trait Device: Send + Sync + Sized + 'static {
+    /// Device memory that frees itself when dropped.
+    type Mem: Send + Sync;
+
+    /// `bytes` of zeroed device memory.
+    fn alloc(&self, bytes: usize) -> Result<Self::Mem, CudaError>;
+    /// The address of `m`'s first byte.
+    fn ptr(&self, m: &Self::Mem) -> DevPtr;
+    /// Copies host bytes to `dst` (issued in stream order; `src` may be reused on return).
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaError>;
+    /// Copies device bytes to the host, after everything issued before it.
+    fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), CudaError>;
+    /// Copies `bytes` between device addresses, in stream order.
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError>;
+    /// Launches kernel `name` (an `extern "C"` function of `kernels/`) with `args` in order.
+    fn launch(&self, name: &str, cfg: Launch, args: &[Arg]) -> Result<(), CudaError>;
+    /// A GEMM (cuBLAS semantics).
+    fn gemm(&self, g: &Gemm) -> Result<(), CudaError>;
+    /// Sums `count` f32 at `ptr` over the group's ranks, in place (NCCL with a
+    /// fixed algorithm and protocol: the same bits every run).
+    fn all_reduce(&self, ptr: DevPtr, count: usize) -> Result<(), CudaError>;
+    /// Waits for everything issued.
+    fn sync(&self) -> Result<(), CudaError>;
+    /// This rank and the group's size.
+    fn rank(&self) -> (usize, usize);
+    /// Devices for the `n` ranks of a tensor-parallel group on `ordinals`, joined for [`Device::all_reduce`].
+    fn group(&self, ordinals: &[usize]) -> Result<Vec<Self>, CudaError>;
+}

@@ -1,0 +1,336 @@
+//! [`Device`] on a real GPU, through cudarc's dynamically loaded driver,
+//! cuBLAS and NCCL. One context and one stream per GPU; every kernel of
+//! `kernels/` is compiled (or read from the cache) when the device opens.
+//!
+//! Not run in CI (no GPU there); `scripts/gpu-check.sh` runs it.
+
+use super::device::{Arg, DevPtr, Device, Gemm, GemmType, Launch};
+use super::{nvrtc, probe, CudaError};
+use cudarc::cublas::sys as blas;
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nccl::sys as nccl;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+fn driver_err(call: &str, e: impl std::fmt::Debug) -> CudaError {
+    CudaError::Driver { call: call.into(), error: format!("{e:?}") }
+}
+
+/// A raw handle used from one rank's thread at a time (the backend's ops
+/// are issued in order by that thread).
+struct Handle<T>(T);
+// SAFETY: cuBLAS handles and NCCL communicators may be used from any thread
+// as long as calls on one handle do not overlap, which the mutex around each
+// guarantees.
+unsafe impl<T> Send for Handle<T> {}
+unsafe impl<T> Sync for Handle<T> {}
+
+/// One GPU, as one tensor-parallel rank.
+pub struct Driver {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    modules: Vec<Arc<CudaModule>>,
+    functions: Mutex<HashMap<String, (CudaFunction, u32)>>,
+    blas: Mutex<Handle<blas::cublasHandle_t>>,
+    comm: Option<Mutex<Handle<nccl::ncclComm_t>>>,
+    rank: usize,
+    world: usize,
+    /// The GPU's index, name and architecture.
+    pub info: probe::DeviceInfo,
+}
+
+/// Device memory, freed on drop.
+pub struct Mem {
+    ptr: sys::CUdeviceptr,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for Mem {
+    fn drop(&mut self) {
+        // A failed free at drop has no caller to tell; the context is torn down with the process.
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+impl Driver {
+    /// Opens GPU `ordinal`: its context, a stream, cuBLAS, and every kernel
+    /// (compiled for its architecture, or read from the kernel cache).
+    pub fn open(ordinal: usize) -> Result<Driver, CudaError> {
+        let info = probe::probe(&[ordinal])?.remove(0);
+        // SAFETY: only dlopen attempts.
+        if !unsafe { blas::is_culib_present() } {
+            return Err(CudaError::Driver {
+                call: "cuBLAS".into(),
+                error: "libcublas.so could not be loaded: install the CUDA runtime libraries (or the PyPI package nvidia-cublas) and put them on LD_LIBRARY_PATH".into(),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuCtxCreate", e))?;
+        let stream = ctx.new_stream().map_err(|e| driver_err("cuStreamCreate", e))?;
+        let dir = nvrtc::cache_dir();
+        let mut modules = Vec::new();
+        for (name, _) in nvrtc::SOURCES {
+            let ptx = nvrtc::compile_cached(name, &info.arch(), dir.as_deref())?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                .map_err(|e| CudaError::Kernel { name: (*name).into(), log: format!("cuModuleLoadData: {e:?}") })?;
+            modules.push(module);
+        }
+        let handle = cudarc::cublas::result::create_handle().map_err(|e| driver_err("cublasCreate", e))?;
+        // SAFETY: a live handle and stream of this context.
+        unsafe {
+            cudarc::cublas::result::set_stream(handle, stream.cu_stream() as blas::cudaStream_t)
+                .map_err(|e| driver_err("cublasSetStream", e))?;
+            // No TF32 or other reduced precision behind an f32 GEMM's back.
+            blas::cublasSetMathMode(handle, blas::cublasMath_t::CUBLAS_PEDANTIC_MATH)
+                .result()
+                .map_err(|e| driver_err("cublasSetMathMode", e))?;
+        }
+        Ok(Driver {
+            ctx,
+            stream,
+            modules,
+            functions: Mutex::new(HashMap::new()),
+            blas: Mutex::new(Handle(handle)),
+            comm: None,
+            rank: 0,
+            world: 1,
+            info,
+        })
+    }
+
+    fn function(&self, name: &str, smem: u32) -> Result<CudaFunction, CudaError> {
+        let mut fns = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if !fns.contains_key(name) {
+            let f = self
+                .modules
+                .iter()
+                .find_map(|m| m.load_function(name).ok())
+                .ok_or_else(|| CudaError::Kernel { name: name.into(), log: "no such kernel in kernels/".into() })?;
+            fns.insert(name.into(), (f, 48 << 10));
+        }
+        let (f, limit) = fns.get_mut(name).expect("inserted above");
+        if smem > *limit {
+            // Above 48 KiB of dynamic shared memory a kernel must opt in.
+            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(|e| driver_err(&format!("cuFuncSetAttribute({name})"), e))?;
+            *limit = smem;
+        }
+        Ok(f.clone())
+    }
+
+    fn bind(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().map_err(|e| driver_err("cuCtxSetCurrent", e))
+    }
+}
+
+fn data_type(t: GemmType) -> blas::cudaDataType {
+    match t {
+        GemmType::F32 => blas::cudaDataType::CUDA_R_32F,
+        GemmType::Bf16 => blas::cudaDataType::CUDA_R_16BF,
+    }
+}
+
+impl Device for Driver {
+    type Mem = Mem;
+
+    fn alloc(&self, bytes: usize) -> Result<Mem, CudaError> {
+        self.bind()?;
+        // SAFETY: allocation in the bound context; zeroed in stream order before any use.
+        unsafe {
+            let ptr =
+                result::malloc_sync(bytes.max(1)).map_err(|e| driver_err(&format!("cuMemAlloc({bytes} bytes)"), e))?;
+            let mem = Mem { ptr, ctx: self.ctx.clone() };
+            result::memset_d8_async(ptr, 0, bytes.max(1), self.stream.cu_stream())
+                .map_err(|e| driver_err("cuMemsetD8Async", e))?;
+            Ok(mem)
+        }
+    }
+
+    fn ptr(&self, m: &Mem) -> DevPtr {
+        m.ptr
+    }
+
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: `dst` holds `src.len()` bytes (the backend checks sizes before
+        // copying); the copy completes before return, so `src` may be reused.
+        unsafe {
+            result::memcpy_htod_async(dst, src, self.stream.cu_stream())
+                .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))?;
+        }
+        self.sync()
+    }
+
+    fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: `src` holds `dst.len()` bytes; the stream is synchronised before return.
+        unsafe {
+            result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+                .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))?;
+        }
+        self.sync()
+    }
+
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: both ranges are device memory of at least `bytes`.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_err("cuMemcpyDtoDAsync", e))
+    }
+
+    fn launch(&self, name: &str, cfg: Launch, args: &[Arg]) -> Result<(), CudaError> {
+        if cfg.grid.0 == 0 || cfg.grid.1 == 0 {
+            return Ok(()); // nothing to do (an empty batch)
+        }
+        self.bind()?;
+        let f = self.function(name, cfg.smem)?;
+        // Each parameter's value in an 8-byte slot; cuLaunchKernel reads the
+        // parameter's own size from the start of its slot (little-endian).
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) | Arg::U64(p) => p,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::U32(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+        // SAFETY: the function takes exactly these parameters in this order
+        // (each op's wrapper in the backend is written against its kernel).
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                (cfg.grid.0, cfg.grid.1, 1),
+                (cfg.block, 1, 1),
+                cfg.smem,
+                self.stream.cu_stream(),
+                &mut params,
+            )
+        }
+        .map_err(|e| driver_err(&format!("launch {name}"), e))
+    }
+
+    fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let h = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        let op = |t| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
+        let compute = if g.a.1 == GemmType::F32 && g.b.1 == GemmType::F32 {
+            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
+        } else {
+            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let dim =
+            |v: usize| i32::try_from(v).map_err(|_| driver_err("cublasGemmEx", format!("dimension {v} exceeds int")));
+        // SAFETY: A, B and C hold the extents the sizes and leading dimensions
+        // name (checked by the backend before it issues the GEMM).
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                h.0,
+                op(g.trans_a),
+                op(g.trans_b),
+                dim(g.m)?,
+                dim(g.n)?,
+                dim(g.k)?,
+                &g.alpha as *const f32 as *const c_void,
+                g.a.0 as *const c_void,
+                data_type(g.a.1),
+                dim(g.a.2)?,
+                g.b.0 as *const c_void,
+                data_type(g.b.1),
+                dim(g.b.2)?,
+                &g.beta as *const f32 as *const c_void,
+                g.c.0 as *mut c_void,
+                blas::cudaDataType::CUDA_R_32F,
+                dim(g.c.1)?,
+                compute,
+                blas::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| driver_err("cublasGemmEx", e))
+    }
+
+    fn all_reduce(&self, ptr: DevPtr, count: usize) -> Result<(), CudaError> {
+        let Some(comm) = &self.comm else { return Ok(()) };
+        self.bind()?;
+        let c = comm.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: `ptr` holds `count` f32 on this rank's device; in place is allowed.
+        unsafe {
+            cudarc::nccl::result::all_reduce(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                count,
+                nccl::ncclDataType_t::ncclFloat32,
+                nccl::ncclRedOp_t::ncclSum,
+                c.0,
+                self.stream.cu_stream() as nccl::cudaStream_t,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| driver_err("ncclAllReduce", e))
+    }
+
+    fn sync(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(|e| driver_err("cuStreamSynchronize", e))
+    }
+
+    fn rank(&self) -> (usize, usize) {
+        (self.rank, self.world)
+    }
+
+    fn group(&self, ordinals: &[usize]) -> Result<Vec<Driver>, CudaError> {
+        let mut ranks: Vec<Driver> = ordinals.iter().map(|&o| Driver::open(o)).collect::<Result<_, _>>()?;
+        if ranks.len() == 1 {
+            return Ok(ranks);
+        }
+        // SAFETY: only dlopen attempts.
+        if !unsafe { nccl::is_culib_present() } {
+            return Err(CudaError::Driver {
+                call: "NCCL".into(),
+                error: "libnccl.so could not be loaded: --tp over GPUs needs NCCL (the PyPI package nvidia-nccl-cu13) on LD_LIBRARY_PATH".into(),
+            });
+        }
+        // One algorithm and protocol, so sums are the same bits run to run.
+        for (k, v) in [("NCCL_ALGO", "Ring"), ("NCCL_PROTO", "Simple")] {
+            if std::env::var_os(k).is_none() {
+                // SAFETY (edition 2021: safe fn): set before NCCL reads it, from the one thread building the group.
+                std::env::set_var(k, v);
+            }
+        }
+        let mut comms = vec![std::ptr::null_mut(); ranks.len()];
+        let devs: Vec<i32> = ordinals.iter().map(|&o| o as i32).collect();
+        // SAFETY: `comms` has one slot per device.
+        unsafe { cudarc::nccl::result::comm_init_all(comms.as_mut_ptr(), devs.len() as i32, devs.as_ptr()) }
+            .map_err(|e| driver_err("ncclCommInitAll", e))?;
+        let world = ranks.len();
+        for (rank, (d, c)) in ranks.iter_mut().zip(comms).enumerate() {
+            d.comm = Some(Mutex::new(Handle(c)));
+            d.rank = rank;
+            d.world = world;
+        }
+        Ok(ranks)
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.bind();
+        if let Some(c) = self.comm.take() {
+            // SAFETY: the communicator is destroyed once, after its last use.
+            let _ = unsafe { cudarc::nccl::result::comm_destroy(c.into_inner().unwrap_or_else(|e| e.into_inner()).0) };
+        }
+        let h = self.blas.get_mut().unwrap_or_else(|e| e.into_inner()).0;
+        // SAFETY: as above, for the cuBLAS handle.
+        let _ = unsafe { cudarc::cublas::result::destroy_handle(h) };
+    }
+}

@@ -1,0 +1,280 @@
+//! The CUDA kernels on the CPU (see `shim.h` for how this differs from a
+//! GPU), and [`Emulated`]: a `Device` over host memory that launches them, so
+//! the CUDA backend's own code runs in tests without a GPU. GEMMs are plain
+//! loops with cuBLAS's column-major semantics (bf16 inputs read as bits, f32
+//! accumulation); the all-reduce sums in rank order.
+#![allow(dead_code)] // each test file uses part of it
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::sync::{Arc, Barrier, Mutex, OnceLock};
+use strata::backend::cuda::device::{Arg, DevPtr, Device, Gemm, GemmType, Launch};
+use strata::backend::cuda::{nvrtc, CudaError};
+
+const SHIM: &str = include_str!("shim.h");
+
+/// A kernel file compiled for the CPU and loaded.
+pub struct Lib(*mut c_void);
+// SAFETY: the handle is only used to look up symbols; launches are serialised by LAUNCH.
+unsafe impl Send for Lib {}
+unsafe impl Sync for Lib {}
+
+/// The shim's launch state is global: one launch at a time per process.
+static LAUNCH: Mutex<()> = Mutex::new(());
+
+/// Whether g++ is here; skips (with the reason) unless CI requires it.
+pub fn gxx_or_skip(test: &str) -> bool {
+    let ok = std::process::Command::new("g++").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(std::env::var_os("STRATA_REQUIRE_NVRTC").is_none(), "CI runs the kernels on the CPU: g++ is missing");
+        eprintln!("{test}: skipped: g++ not found (the CPU emulation of the kernels compiles them with it)");
+    }
+    ok
+}
+
+/// `emu_call_NAME(void** params)` for every `extern "C" __global__` function
+/// of `src`, reading each parameter from its slot as cuLaunchKernel would.
+fn call_wrappers(src: &str) -> String {
+    let sig = regex::Regex::new(r#"extern "C" __global__ void (\w+)\(([^)]*)\)"#).unwrap();
+    let mut out = String::new();
+    for c in sig.captures_iter(src) {
+        let (name, params) = (&c[1], &c[2]);
+        let types: Vec<String> = params
+            .split(',')
+            .map(|p| {
+                let p = p.trim();
+                let cut = p.rfind(|ch: char| !(ch.is_alphanumeric() || ch == '_')).unwrap();
+                p[..=cut].trim().to_string()
+            })
+            .collect();
+        let args: Vec<String> = types.iter().enumerate().map(|(i, t)| format!("*({t}*)p[{i}]")).collect();
+        out += &format!("extern \"C\" void emu_call_{name}(void** p) {{ {name}({}); }}\n", args.join(", "));
+    }
+    out
+}
+
+/// Kernel file `name` compiled with g++ after the shim, loaded once per process.
+pub fn lib(name: &str) -> &'static Lib {
+    static LIBS: OnceLock<Mutex<HashMap<String, &'static Lib>>> = OnceLock::new();
+    let mut libs = LIBS.get_or_init(Default::default).lock().unwrap();
+    if let Some(l) = libs.get(name) {
+        return l;
+    }
+    let src = nvrtc::source(name).unwrap();
+    // Dynamic shared memory becomes the shim's static buffer.
+    let dynamic = regex::Regex::new(r"extern __shared__ (\w+) (\w+)\[\];").unwrap();
+    let src = dynamic.replace_all(&src, "$1* $2 = ($1*)emu_smem;");
+    let dir = std::env::temp_dir().join(format!("strata-emu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cpp, so) = (dir.join(format!("{name}.cpp")), dir.join(format!("{name}.so")));
+    std::fs::write(&cpp, format!("{SHIM}\n#line 1 \"{name}.cu\"\n{src}\n{}", call_wrappers(&src))).unwrap();
+    let out = std::process::Command::new("g++")
+        .args(["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-DSTRATA_EMULATE", "-w", "-o"])
+        .arg(&so)
+        .arg(&cpp)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "g++ {name}: {}", String::from_utf8_lossy(&out.stderr));
+    let path = CString::new(so.to_str().unwrap()).unwrap();
+    // SAFETY: loading a library we just built.
+    let h = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    assert!(!h.is_null(), "dlopen {name}");
+    let l: &'static Lib = Box::leak(Box::new(Lib(h)));
+    libs.insert(name.into(), l);
+    l
+}
+
+impl Lib {
+    /// The address of symbol `name`, if the library has it.
+    pub fn find(&self, name: &str) -> Option<usize> {
+        let c = CString::new(name).unwrap();
+        // SAFETY: a symbol lookup in a live handle.
+        let p = unsafe { libc::dlsym(self.0, c.as_ptr()) };
+        (!p.is_null()).then_some(p as usize)
+    }
+
+    /// The address of symbol `name`.
+    pub fn sym(&self, name: &str) -> usize {
+        self.find(name).unwrap_or_else(|| panic!("no symbol {name}"))
+    }
+
+    /// Runs `call` as every thread of a `grid` of `block`-thread blocks.
+    pub fn launch<F: Fn() + Sync>(&self, grid: (u32, u32), block: u32, call: F) {
+        extern "C" fn tramp<F: Fn()>(p: *mut *mut c_void) {
+            // SAFETY: `p` is the `&F` passed below, alive for the whole run.
+            unsafe { (*(p as *const F))() }
+        }
+        self.run(grid, block, tramp::<F>, &call as *const F as *mut *mut c_void, 256 << 10);
+    }
+
+    /// Runs `call(params)` as every thread of the grid (the shim's `emu_run`).
+    fn run(
+        &self,
+        grid: (u32, u32),
+        block: u32,
+        call: extern "C" fn(*mut *mut c_void),
+        params: *mut *mut c_void,
+        smem: u32,
+    ) {
+        type Run = unsafe extern "C" fn(u32, u32, u32, extern "C" fn(*mut *mut c_void), *mut *mut c_void, u32);
+        let _one = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the shim's entry point, with its C signature.
+        let run: Run = unsafe { std::mem::transmute::<usize, Run>(self.sym("emu_run")) };
+        unsafe { run(grid.0, grid.1, block, call, params, smem) };
+    }
+}
+
+/// Host memory standing in for device memory (8-byte aligned).
+pub struct Mem(Box<[u64]>);
+
+/// The group an all-reduce runs over: each rank's buffer address, then the sums.
+struct Group {
+    barrier: Barrier,
+    slots: Mutex<Vec<(DevPtr, usize)>>,
+}
+
+/// A CPU standing in for a GPU.
+pub struct Emulated {
+    rank: usize,
+    world: usize,
+    group: Option<Arc<Group>>,
+    /// Launches made, by kernel name (what the tests can assert was used).
+    pub launches: Mutex<HashMap<String, usize>>,
+}
+
+impl Default for Emulated {
+    fn default() -> Self {
+        Emulated { rank: 0, world: 1, group: None, launches: Mutex::new(HashMap::new()) }
+    }
+}
+
+fn bf16_at(p: DevPtr, i: usize) -> f32 {
+    // SAFETY: the backend checked the extents; reading one bf16 value.
+    let bits = unsafe { *(p as *const u16).add(i) };
+    f32::from_bits((bits as u32) << 16)
+}
+
+fn f32_at(p: DevPtr, i: usize) -> f32 {
+    // SAFETY: as above, one f32 value.
+    unsafe { *(p as *const f32).add(i) }
+}
+
+impl Device for Emulated {
+    type Mem = Mem;
+
+    fn alloc(&self, bytes: usize) -> Result<Mem, CudaError> {
+        Ok(Mem(vec![0u64; bytes.div_ceil(8).max(1)].into_boxed_slice()))
+    }
+
+    fn ptr(&self, m: &Mem) -> DevPtr {
+        m.0.as_ptr() as DevPtr
+    }
+
+    fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaError> {
+        // SAFETY: `dst` is emulated device memory of at least `src.len()` bytes.
+        unsafe { std::ptr::copy(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), CudaError> {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
+
+    fn launch(&self, name: &str, cfg: Launch, args: &[Arg]) -> Result<(), CudaError> {
+        *self.launches.lock().unwrap().entry(name.into()).or_default() += 1;
+        if cfg.grid.0 == 0 || cfg.grid.1 == 0 {
+            return Ok(());
+        }
+        let wrapper = format!("emu_call_{name}");
+        let (l, f) = nvrtc::SOURCES
+            .iter()
+            .find_map(|(file, _)| {
+                let l = lib(file);
+                l.find(&wrapper).map(|f| (l, f))
+            })
+            .ok_or_else(|| CudaError::Kernel { name: name.into(), log: "no such kernel".into() })?;
+        assert!(cfg.smem as usize <= 256 << 10, "{name}: {} bytes of shared memory exceed the emulation's", cfg.smem);
+        // Parameters in 8-byte slots, as the driver passes them.
+        let slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) | Arg::U64(p) => p,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::U32(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = slots.iter().map(|s| s as *const u64 as *mut c_void).collect();
+        // SAFETY: the wrapper reads each parameter from its slot.
+        let call: extern "C" fn(*mut *mut c_void) = unsafe { std::mem::transmute(f) };
+        l.run(cfg.grid, cfg.block, call, params.as_mut_ptr(), cfg.smem);
+        Ok(())
+    }
+
+    fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
+        // Column-major: element (i, j) of a matrix with leading dim ld is at i + j·ld;
+        // op(A)(i, p) = A(p, i) when transposed.
+        let read = |m: (DevPtr, GemmType, usize), t: bool, i: usize, j: usize| {
+            let idx = if t { j + i * m.2 } else { i + j * m.2 };
+            match m.1 {
+                GemmType::F32 => f32_at(m.0, idx),
+                GemmType::Bf16 => bf16_at(m.0, idx),
+            }
+        };
+        for j in 0..g.n {
+            for i in 0..g.m {
+                let mut acc = 0f32;
+                for p in 0..g.k {
+                    acc += read(g.a, g.trans_a, i, p) * read(g.b, g.trans_b, p, j);
+                }
+                let c = (g.c.0 as *mut f32).wrapping_add(i + j * g.c.1);
+                // SAFETY: C holds m × n at leading dim ldc (checked by the backend).
+                unsafe { *c = if g.beta == 0.0 { g.alpha * acc } else { g.alpha * acc + g.beta * *c } };
+            }
+        }
+        Ok(())
+    }
+
+    fn all_reduce(&self, ptr: DevPtr, count: usize) -> Result<(), CudaError> {
+        let Some(g) = &self.group else { return Ok(()) };
+        g.slots.lock().unwrap()[self.rank] = (ptr, count);
+        g.barrier.wait();
+        // Every rank sums every rank's buffer in rank order, then all write.
+        let slots = g.slots.lock().unwrap().clone();
+        let sum: Vec<f32> = (0..count).map(|i| slots.iter().map(|&(p, _)| f32_at(p, i)).sum()).collect();
+        g.barrier.wait();
+        // SAFETY: this rank's own buffer of `count` f32.
+        unsafe { std::ptr::copy(sum.as_ptr(), ptr as *mut f32, count) };
+        g.barrier.wait();
+        Ok(())
+    }
+
+    fn sync(&self) -> Result<(), CudaError> {
+        Ok(())
+    }
+
+    fn rank(&self) -> (usize, usize) {
+        (self.rank, self.world)
+    }
+
+    fn group(&self, ordinals: &[usize]) -> Result<Vec<Emulated>, CudaError> {
+        let n = ordinals.len();
+        let g = Arc::new(Group { barrier: Barrier::new(n), slots: Mutex::new(vec![(0, 0); n]) });
+        Ok((0..n)
+            .map(|rank| Emulated {
+                rank,
+                world: n,
+                group: (n > 1).then(|| g.clone()),
+                launches: Mutex::new(HashMap::new()),
+            })
+            .collect())
+    }
+}
