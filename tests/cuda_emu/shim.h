@@ -191,9 +191,12 @@ extern "C" void emu_run(unsigned gx, unsigned gy, unsigned threads, void (*call)
             }
             memset(emu_smem, 0xff, smem < sizeof emu_smem ? smem : sizeof emu_smem);
             for (unsigned t = 0; t < threads; t++) {
-                // A fresh stack whose first switch "returns" into emu_entry
-                // with the ABI's alignment: six zero registers, then the address.
+                // A fresh stack whose first switch "returns" into emu_entry:
+                // six zero registers, the address, and below them a dummy
+                // return slot, so emu_entry starts with rsp = 8 mod 16 as
+                // after a call (the System V ABI's alignment).
                 void** sp = (void**)(emu_stacks + (t + 1) * EMU_STACK - 16);
+                *--sp = nullptr;
                 *--sp = (void*)emu_entry;
                 for (int r = 0; r < 6; r++) *--sp = nullptr;
                 emu_sp[t] = sp;

@@ -895,6 +895,12 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         let mut routes =
             Routes { ids: vec![0; t * r.top_k], weights: Bytes { mem: None, ptr: 0, len: 0 }, top_k: r.top_k };
         self.run(|| {
+            if r.n_group == 0 || r.topk_group > r.n_group || e % r.n_group != 0 {
+                return Err(CudaError::Kernel {
+                    name: "moe_route".into(),
+                    log: format!("{e} experts in {} groups, {} kept: not a valid grouping", r.n_group, r.topk_group),
+                });
+            }
             if e > 1024 || r.n_group > 64 || r.top_k > e {
                 return Err(CudaError::Kernel {
                     name: "moe_route".into(),

@@ -131,8 +131,10 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn launch(&self, name: &str, cfg: Launch, args: &[Arg]) -> Result<(), CudaError>;
     /// A GEMM (cuBLAS semantics).
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError>;
-    /// Sums `count` f32 at `ptr` over the group's ranks, in place (NCCL with a
-    /// fixed algorithm and protocol: the same bits every run).
+    /// Sums `count` f32 at `ptr` over the group's ranks, in place. On GPUs:
+    /// NCCL with its algorithm and protocol fixed, the same bits run to run on
+    /// one machine, but not summed in rank order (unlike the CPU backend), so
+    /// with more than two ranks the bits can differ from the CPU backend's.
     fn all_reduce(&self, ptr: DevPtr, count: usize) -> Result<(), CudaError>;
     /// Waits for everything issued.
     fn sync(&self) -> Result<(), CudaError>;

@@ -2,7 +2,7 @@
 //! cuBLAS and NCCL. One context and one stream per GPU; every kernel of
 //! `kernels/` is compiled (or read from the cache) when the device opens.
 //!
-//! Not run in CI (no GPU there); `scripts/gpu-check.sh` runs it.
+//! Never run in CI (no GPU there), nor yet on any GPU.
 
 use super::device::{Arg, DevPtr, Device, Gemm, GemmType, Launch};
 use super::{nvrtc, probe, CudaError};
@@ -40,18 +40,19 @@ pub struct Driver {
     pub info: probe::DeviceInfo,
 }
 
-/// Device memory, freed on drop.
+/// Device memory, allocated and freed in stream order, so a buffer dropped
+/// while queued kernels still read it is freed after them.
 pub struct Mem {
     ptr: sys::CUdeviceptr,
-    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
 }
 
 impl Drop for Mem {
     fn drop(&mut self) {
         // A failed free at drop has no caller to tell; the context is torn down with the process.
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once.
-            let _ = unsafe { result::free_sync(self.ptr) };
+        if self.stream.context().bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAllocAsync on this stream and is freed once, in stream order.
+            let _ = unsafe { result::free_async(self.ptr, self.stream.cu_stream()) };
         }
     }
 }
@@ -61,6 +62,15 @@ impl Driver {
     /// (compiled for its architecture, or read from the kernel cache).
     pub fn open(ordinal: usize) -> Result<Driver, CudaError> {
         let info = probe::probe(&[ordinal])?.remove(0);
+        if info.capability.0 < 8 {
+            return Err(CudaError::Driver {
+                call: format!("GPU {ordinal} ({})", info.name),
+                error: format!(
+                    "compute capability {}.{}: the CUDA backend needs 8.0 or newer (bf16 tensor cores: A100, H100, H200, ...)",
+                    info.capability.0, info.capability.1
+                ),
+            });
+        }
         // SAFETY: only dlopen attempts.
         if !unsafe { blas::is_culib_present() } {
             return Err(CudaError::Driver {
@@ -84,10 +94,6 @@ impl Driver {
         unsafe {
             cudarc::cublas::result::set_stream(handle, stream.cu_stream() as blas::cudaStream_t)
                 .map_err(|e| driver_err("cublasSetStream", e))?;
-            // No TF32 or other reduced precision behind an f32 GEMM's back.
-            blas::cublasSetMathMode(handle, blas::cublasMath_t::CUBLAS_PEDANTIC_MATH)
-                .result()
-                .map_err(|e| driver_err("cublasSetMathMode", e))?;
         }
         Ok(Driver {
             ctx,
@@ -139,11 +145,11 @@ impl Device for Driver {
 
     fn alloc(&self, bytes: usize) -> Result<Mem, CudaError> {
         self.bind()?;
-        // SAFETY: allocation in the bound context; zeroed in stream order before any use.
+        // SAFETY: allocation in stream order on this context's stream; zeroed before any use.
         unsafe {
-            let ptr =
-                result::malloc_sync(bytes.max(1)).map_err(|e| driver_err(&format!("cuMemAlloc({bytes} bytes)"), e))?;
-            let mem = Mem { ptr, ctx: self.ctx.clone() };
+            let ptr = result::malloc_async(self.stream.cu_stream(), bytes.max(1))
+                .map_err(|e| driver_err(&format!("cuMemAllocAsync({bytes} bytes)"), e))?;
+            let mem = Mem { ptr, stream: self.stream.clone() };
             result::memset_d8_async(ptr, 0, bytes.max(1), self.stream.cu_stream())
                 .map_err(|e| driver_err("cuMemsetD8Async", e))?;
             Ok(mem)
@@ -225,6 +231,7 @@ impl Device for Driver {
         self.bind()?;
         let h = self.blas.lock().unwrap_or_else(|e| e.into_inner());
         let op = |t| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
+        // f32 inputs: pedantic f32 compute (no TF32 behind the exact path's back).
         let compute = if g.a.1 == GemmType::F32 && g.b.1 == GemmType::F32 {
             blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
         } else {
