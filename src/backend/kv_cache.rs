@@ -19,21 +19,28 @@ pub struct KvCache {
     entries: HashMap<u64, (usize, Vec<LayerKv>)>,
 }
 
+/// Checks that every segment of `batch` that uses a cache continues exactly
+/// the positions `cached(key)` says its sample has (any backend's cache).
+pub(crate) fn check_continuations(batch: &PackedBatch, cached: impl Fn(u64) -> usize) -> Result<(), BackendError> {
+    for (s, seg) in batch.segments().iter().enumerate() {
+        let have = cached(seg.key);
+        if seg.uses_cache() && have != seg.pos0 {
+            return Err(BackendError::Input {
+                sample: s,
+                problem: format!("chunk starts at position {} but {have} earlier positions are cached", seg.pos0),
+            });
+        }
+    }
+    Ok(())
+}
+
 impl KvStore for KvCache {
     fn len(&self) -> usize {
         self.entries.len()
     }
 
     fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
-        for (s, seg) in batch.segments().iter().enumerate() {
-            let have = self.entries.get(&seg.key).map_or(0, |e| e.0);
-            if seg.uses_cache() && have != seg.pos0 {
-                return Err(BackendError::Input {
-                    sample: s,
-                    problem: format!("chunk starts at position {} but {have} earlier positions are cached", seg.pos0),
-                });
-            }
-        }
+        check_continuations(batch, |key| self.entries.get(&key).map_or(0, |e| e.0))?;
         for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
             self.entries.entry(seg.key).or_default().0 = seg.pos0 + batch.range(s).len();
         }

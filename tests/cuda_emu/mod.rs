@@ -203,15 +203,7 @@ impl Device for Emulated {
             .ok_or_else(|| CudaError::Kernel { name: name.into(), log: "no such kernel".into() })?;
         assert!(cfg.smem as usize <= 256 << 10, "{name}: {} bytes of shared memory exceed the emulation's", cfg.smem);
         // Parameters in 8-byte slots, as the driver passes them.
-        let slots: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::Ptr(p) | Arg::U64(p) => p,
-                Arg::I32(v) => v as u32 as u64,
-                Arg::U32(v) => v as u64,
-                Arg::F32(v) => v.to_bits() as u64,
-            })
-            .collect();
+        let slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
         let mut params: Vec<*mut c_void> = slots.iter().map(|s| s as *const u64 as *mut c_void).collect();
         // SAFETY: the wrapper reads each parameter from its slot.
         let call: extern "C" fn(*mut *mut c_void) = unsafe { std::mem::transmute(f) };

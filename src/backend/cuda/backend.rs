@@ -174,15 +174,7 @@ impl<D: Device> Default for KvCache<D> {
 
 impl<D: Device> KvStore for KvCache<D> {
     fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
-        for (s, seg) in batch.segments().iter().enumerate() {
-            let have = self.entries.get(&seg.key).map_or(0, |e| e.0);
-            if seg.uses_cache() && have != seg.pos0 {
-                return Err(BackendError::Input {
-                    sample: s,
-                    problem: format!("chunk starts at position {} but {have} earlier positions are cached", seg.pos0),
-                });
-            }
-        }
+        crate::backend::kv_cache::check_continuations(batch, |key| self.entries.get(&key).map_or(0, |e| e.0))?;
         for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
             self.entries.entry(seg.key).or_insert_with(|| (0, Vec::new())).0 = seg.pos0 + batch.range(s).len();
         }

@@ -34,6 +34,17 @@ impl Arg {
     pub fn int(v: usize) -> Arg {
         Arg::I32(i32::try_from(v).expect("kernel size parameter fits an int"))
     }
+
+    /// The 8-byte slot `cuLaunchKernel` reads the parameter from: its value
+    /// at the start (little-endian), as wide as the kernel's parameter type.
+    pub fn slot(self) -> u64 {
+        match self {
+            Arg::Ptr(p) | Arg::U64(p) => p,
+            Arg::I32(v) => v as u32 as u64,
+            Arg::U32(v) => v as u64,
+            Arg::F32(v) => v.to_bits() as u64,
+        }
+    }
 }
 
 /// A launch: grid `(x, y)` of blocks of `block` threads, `smem` bytes of

@@ -199,15 +199,7 @@ impl Device for Driver {
         let f = self.function(name, cfg.smem)?;
         // Each parameter's value in an 8-byte slot; cuLaunchKernel reads the
         // parameter's own size from the start of its slot (little-endian).
-        let mut slots: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::Ptr(p) | Arg::U64(p) => p,
-                Arg::I32(v) => v as u32 as u64,
-                Arg::U32(v) => v as u64,
-                Arg::F32(v) => v.to_bits() as u64,
-            })
-            .collect();
+        let mut slots: Vec<u64> = args.iter().map(|a| a.slot()).collect();
         let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
         // SAFETY: the function takes exactly these parameters in this order
         // (each op's wrapper in the backend is written against its kernel).
