@@ -58,49 +58,6 @@ fn run<C: ComputeDtype>(name: &str, tp: usize, batches: &[PackedBatch]) -> Vec<C
     }
 }
 
-fn whole(name: &str) -> PackedBatch {
-    let samples = samples(name);
-    PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()))
-}
-
-/// Worst relative error against HF f32 over every sample and capture point,
-/// and the relative L2 error over all of them.
-fn errors(name: &str, states: &CapturedStates<usize, usize>, batch: &PackedBatch) -> (f32, f64) {
-    let n = num_layers(name);
-    let points = all_points(n);
-    let exp = read_tensors(&fixture(name).join("expected.safetensors"));
-    let (mut worst, mut sq, mut norm) = (0f32, 0f64, 0f64);
-    for i in 0..batch.num_samples() {
-        let one = states.slice_tokens(batch.range(i)).unwrap();
-        for (slot, p) in points.iter().enumerate() {
-            let want = expected(&exp, i, *p, n);
-            worst = worst.max(max_err(one.layer(slot), want));
-            for (g, w) in one.layer(slot).iter().zip(want) {
-                sq += (*g as f64 - *w as f64).powi(2);
-                norm += (*w as f64).powi(2);
-            }
-        }
-    }
-    (worst, (sq / norm).sqrt())
-}
-
-/// HF's own bf16 run's relative L2 error against its f32 states.
-fn torch_bf16_error(name: &str, batch: &PackedBatch) -> f64 {
-    let n = num_layers(name);
-    let exp = read_tensors(&fixture(name).join("expected.safetensors"));
-    let torch = read_tensors(&fixture(name).join("expected_bf16.safetensors"));
-    let (mut sq, mut norm) = (0f64, 0f64);
-    for i in 0..batch.num_samples() {
-        for p in all_points(n) {
-            for (g, w) in expected(&torch, i, p, n).iter().zip(expected(&exp, i, p, n)) {
-                sq += (*g as f64 - *w as f64).powi(2);
-                norm += (*w as f64).powi(2);
-            }
-        }
-    }
-    (sq / norm).sqrt()
-}
-
 #[test]
 fn every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16() {
     if !gxx_or_skip("every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16") {

@@ -221,6 +221,8 @@ fn cuda_without_a_gpu_or_the_feature_is_a_clear_error() {
             &["built without the CUDA backend", "--features cuda"]
         };
         fails_with(extract(None, GOOD, &["--backend", "cuda"]), needles);
+        // The spelling the CUDA issue and other tools use.
+        fails_with(extract(None, GOOD, &["--device", "cuda"]), needles);
     }
     fails_with(
         extract(None, GOOD, &["--backend", "cuda", "--devices", "0,1"]),

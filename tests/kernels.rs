@@ -23,7 +23,10 @@ fn nvrtc_or_skip(test: &str) -> bool {
 
 /// The kernel files on disk: every `.cu` of `kernels/`.
 fn files_on_disk() -> Vec<String> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    // The checkout the test was built from, or the current directory where
+    // the binary was carried elsewhere (scripts/gpu-check.sh).
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let dir = if built.is_dir() { built } else { std::path::PathBuf::from("kernels") };
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())

@@ -62,8 +62,14 @@ pub struct RunInfo {
     pub tp: usize,
     /// Compute dtype.
     pub compute: String,
-    /// The GEMM kernel path (`avx512`, `avx2`, `portable`, `reference`).
+    /// The GEMM kernel path (`avx512`, `avx2`, `portable`, `reference`, `cublas`).
     pub kernel: String,
+    /// `--max-batch-tokens`, where the backend's output depends on it: on
+    /// `cuda`, cuBLAS picks its GEMM kernels by the number of rows, so a
+    /// resume must pack the same batches to reproduce the files. Absent on the
+    /// CPU backends, whose output is bitwise the same for any budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batch_tokens: Option<usize>,
 }
 
 /// The input data a dataset was made from.
@@ -393,7 +399,8 @@ impl Manifest {
     pub fn same_job(&self, other: &Manifest) -> Result<(), String> {
         let run = |m: &Manifest| {
             m.run.as_ref().map_or("(not recorded)".into(), |r| {
-                format!("backend {}, --tp {}, compute {}, kernel {}", r.backend, r.tp, r.compute, r.kernel)
+                let budget = r.max_batch_tokens.map_or(String::new(), |n| format!(", --max-batch-tokens {n}"));
+                format!("backend {}, --tp {}, compute {}, kernel {}{budget}", r.backend, r.tp, r.compute, r.kernel)
             })
         };
         let prepare = |m: &Manifest| m.prepare.as_ref().map_or(String::new(), |p| format!("{p:?}"));
@@ -432,4 +439,44 @@ impl Manifest {
 /// `xxh3:` + 16 hex digits.
 pub fn hash_hex(h: u64) -> String {
     format!("xxh3:{h:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resume_must_pack_the_batches_a_gpu_run_recorded() {
+        let arch = crate::hf::ArchInfo {
+            architecture: "llama".into(),
+            num_layers: 4,
+            hidden_size: 8,
+            vocab_size: 16,
+            max_position_embeddings: 64,
+            max_position_default: false,
+        };
+        let job = |budget: Option<usize>| {
+            let mut m = Manifest::new(ModelInfo::new("m", &arch, "{}"), &[CapturePoint::FinalPreNorm], DType::BF16, 1);
+            let kernel = if budget.is_some() { "cublas" } else { "avx512" };
+            let backend = if budget.is_some() { "cuda" } else { "cpu" };
+            m.run = Some(RunInfo {
+                backend: backend.into(),
+                tp: 1,
+                compute: "bf16".into(),
+                kernel: kernel.into(),
+                max_batch_tokens: budget,
+            });
+            m
+        };
+        assert_eq!(job(Some(8192)).same_job(&job(Some(8192))), Ok(()));
+        let e = job(Some(8192)).same_job(&job(Some(4096))).unwrap_err();
+        assert!(e.contains("run differs") && e.contains("--max-batch-tokens 8192"), "{e}");
+        assert!(e.contains("--max-batch-tokens 4096"), "{e}");
+        // CPU runs do not record it (their output does not depend on it).
+        assert_eq!(job(None).same_job(&job(None)), Ok(()));
+        let text = serde_json::to_string(&job(None)).unwrap();
+        assert!(!text.contains("max_batch_tokens"), "{text}");
+        let back: Manifest = serde_json::from_str(&serde_json::to_string(&job(Some(512))).unwrap()).unwrap();
+        assert_eq!(back.run.unwrap().max_batch_tokens, Some(512));
+    }
 }

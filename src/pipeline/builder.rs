@@ -11,11 +11,13 @@
 
 use super::capture::CaptureSet;
 use super::gather::Gatherer;
-use super::schedule::Scheduler;
+use super::schedule::{Scheduler, Step};
 use super::source::{Source, SourceError};
 use crate::model::{Model, ModelError};
-use crate::shape::{Dim, ShapeError};
+use crate::shape::{CapturedStates, Dim, ShapeError};
 use crate::sink::{Sink, SinkError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use tracing::info_span;
 
@@ -158,14 +160,24 @@ where
     /// Runs to the end of the source, then finishes the sink. Samples an
     /// earlier run already wrote (the sink's `resume_from`) are read and
     /// skipped; an input that ends before them is an error.
-    pub fn run(mut self) -> Result<(Report, K), PipelineError> {
+    ///
+    /// Gathering and writing run on their own thread, one step behind the
+    /// model: step `k` is written while step `k + 1` runs, so a fast device
+    /// does not wait for the disk. The hand-over is a rendezvous, so at most
+    /// two steps' states are alive (the one being written and the one being
+    /// computed). Samples reach the sink in input order, as before; when a
+    /// step fails, every step before it has been written.
+    pub fn run(self) -> Result<(Report, K), PipelineError>
+    where
+        K: Send,
+    {
         let _span = info_span!("pipeline").entered();
-        self.captures.taps(self.model.num_layers()).map_err(ModelError::from)?;
+        let Ready { mut source, budget, model, captures, mut sink, mut progress } = self;
+        captures.taps(model.num_layers()).map_err(ModelError::from)?;
         let start = Instant::now();
         let mut report = Report::default();
-        let resumed = self.sink.resume_from();
+        let resumed = sink.resume_from();
         report.progress.resumed = resumed;
-        let mut source = self.source;
         for done in 0..resumed {
             match source.next() {
                 Some(Ok(_)) => {}
@@ -173,51 +185,80 @@ where
                 None => return Err(SourceError::Ended { samples: done, expected: resumed }.into()),
             }
         }
-        let mut scheduler = Scheduler::new(self.budget);
-        let mut cache = M::Cache::default();
-        let mut gatherer = Gatherer::default();
-        loop {
-            let t = Instant::now();
-            let step = {
-                let _s = info_span!("schedule").entered();
-                scheduler.next_step(&mut source)?
-            };
-            report.schedule_time += t.elapsed();
-            let Some(step) = step else { break };
+        let written = AtomicUsize::new(0);
+        let parent = tracing::Span::current();
+        let (tx, rx) = mpsc::sync_channel::<(Step, CapturedStates<L, M::Hidden>)>(0);
+        let (ran, wrote) = std::thread::scope(|scope| {
+            let sink = &mut sink;
+            let written = &written;
+            let writer = scope.spawn(move || -> Result<(Duration, Duration), PipelineError> {
+                let mut gatherer = Gatherer::default();
+                let (mut gather_time, mut write_time) = (Duration::ZERO, Duration::ZERO);
+                for (step, states) in rx {
+                    let t = Instant::now();
+                    let mut write = Duration::ZERO;
+                    let _s = info_span!(parent: &parent, "gather").entered();
+                    gatherer.gather(&step, &states, |sample, view| -> Result<(), PipelineError> {
+                        let w = Instant::now();
+                        let _s = info_span!("write", sample = sample.index).entered();
+                        sink.write_sample(sample, view)?;
+                        write += w.elapsed();
+                        written.fetch_add(1, Ordering::Relaxed);
+                        Ok(())
+                    })?;
+                    gather_time += t.elapsed() - write;
+                    write_time += write;
+                }
+                Ok((gather_time, write_time))
+            });
+            let ran = (|| -> Result<(), PipelineError> {
+                let mut scheduler = Scheduler::new(budget);
+                let mut cache = M::Cache::default();
+                loop {
+                    let t = Instant::now();
+                    let step = {
+                        let _s = info_span!("schedule").entered();
+                        scheduler.next_step(&mut source)?
+                    };
+                    report.schedule_time += t.elapsed();
+                    let Some(step) = step else { return Ok(()) };
 
-            let t = Instant::now();
-            let states = self.model.forward_step(&step.batch, &self.captures, &mut cache)?;
-            report.forward_time += t.elapsed();
+                    let t = Instant::now();
+                    let states = model.forward_step(&step.batch, &captures, &mut cache)?;
+                    report.forward_time += t.elapsed();
 
-            let t = Instant::now();
-            let mut write_time = Duration::ZERO;
-            let sink = &mut self.sink;
-            let mut written = 0;
-            {
-                let _s = info_span!("gather").entered();
-                gatherer.gather(&step, &states, |sample, view| -> Result<(), PipelineError> {
-                    let w = Instant::now();
-                    sink.write_sample(sample, view)?;
-                    write_time += w.elapsed();
-                    written += 1;
-                    Ok(())
-                })?;
-            }
-            report.gather_time += t.elapsed() - write_time;
-            report.write_time += write_time;
-            report.steps += 1;
-            report.progress.samples += written;
-            report.progress.tokens += step.batch.num_tokens();
-            report.progress.elapsed = start.elapsed();
-            if let Some(f) = self.progress.as_mut() {
-                f(&report.progress);
-            }
+                    report.steps += 1;
+                    report.progress.tokens += step.batch.num_tokens();
+                    if tx.send((step, states)).is_err() {
+                        // The writer stopped on an error, which `wrote` holds.
+                        return Ok(());
+                    }
+                    report.progress.samples = written.load(Ordering::Relaxed);
+                    report.progress.elapsed = start.elapsed();
+                    if let Some(f) = progress.as_mut() {
+                        f(&report.progress);
+                    }
+                }
+            })();
+            drop(tx);
+            let wrote = writer.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (ran, wrote)
+        });
+        // The writer's error first: it concerns an earlier step than the model's.
+        let (gather_time, write_time) = wrote?;
+        ran?;
+        report.gather_time = gather_time;
+        report.write_time = write_time;
+        report.progress.samples = written.load(Ordering::Relaxed);
+        report.progress.elapsed = start.elapsed();
+        if let Some(f) = progress.as_mut() {
+            f(&report.progress);
         }
         let t = Instant::now();
-        self.sink.finish(source.consumed())?;
+        sink.finish(source.consumed())?;
         report.write_time += t.elapsed();
-        report.bytes = self.sink.bytes_written();
+        report.bytes = sink.bytes_written();
         report.progress.elapsed = start.elapsed();
-        Ok((report, self.sink))
+        Ok((report, sink))
     }
 }

@@ -4,12 +4,12 @@
 use super::schedule::Step;
 use super::source::Sample;
 use crate::shape::{CapturedStates, Dim, ShapeError, StatesView};
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// Reassembles per-sample `[L, T, H]` states from steps.
 #[derive(Debug)]
 pub struct Gatherer<L: Dim, H: Dim> {
-    partial: Option<(Rc<Sample>, CapturedStates<L, H>)>,
+    partial: Option<(Arc<Sample>, CapturedStates<L, H>)>,
 }
 
 impl<L: Dim, H: Dim> Default for Gatherer<L, H> {

@@ -5,13 +5,13 @@
 use super::batch::{PackedBatch, Segment};
 use super::source::Sample;
 use std::ops::Range;
-use std::rc::Rc;
+use std::sync::Arc;
 
 /// One segment of a step: which sample, which of its tokens, and whether it ends the sample.
 #[derive(Clone, Debug)]
 pub struct Part {
     /// The sample.
-    pub sample: Rc<Sample>,
+    pub sample: Arc<Sample>,
     /// Its tokens in this step.
     pub range: Range<usize>,
     /// This part ends the sample.
@@ -31,7 +31,7 @@ pub struct Step {
 #[derive(Debug)]
 pub struct Scheduler {
     budget: usize,
-    in_flight: Option<(Rc<Sample>, usize)>,
+    in_flight: Option<(Arc<Sample>, usize)>,
 }
 
 impl Scheduler {
@@ -49,7 +49,7 @@ impl Scheduler {
                 Some(x) => x,
                 None => match source.next() {
                     None => break,
-                    Some(s) => (Rc::new(s?), 0),
+                    Some(s) => (Arc::new(s?), 0),
                 },
             };
             let take = (sample.len() - done).min(room);

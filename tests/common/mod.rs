@@ -19,9 +19,13 @@ pub const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v
 /// The DeepSeek-family parity fixtures with FP8 or INT4 weights (scripts/make_quant_fixtures.py).
 pub const QUANT: &[&str] = &["deepseek-v3-fp8", "kimi-k2-fp8-sharded", "kimi-k2-int4", "kimi-k25-wrapper"];
 
-/// Path of a fixture directory.
+/// Path of a fixture directory: in the checkout the test was built from, or,
+/// where that is gone (test binaries carried to a GPU machine by
+/// scripts/gpu-check.sh), under the current directory.
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let root = if built.is_dir() { built } else { PathBuf::from("tests/fixtures") };
+    root.join(name)
 }
 
 /// A decoded f32 tensor.
@@ -191,4 +195,52 @@ pub fn chat_model(dir: &Path, template: &str) -> PathBuf {
     }
     std::fs::copy(chat.join(format!("templates/{template}.jinja")), model.join("chat_template.jinja")).unwrap();
     model
+}
+
+/// Every sample of fixture `name`, packed into one batch.
+pub fn whole(name: &str) -> strata::pipeline::batch::PackedBatch {
+    let samples = samples(name);
+    strata::pipeline::batch::PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()))
+}
+
+/// Worst relative error against HF f32 over every sample and capture point,
+/// and the relative L2 error over all of them.
+pub fn errors(
+    name: &str,
+    states: &strata::shape::CapturedStates<usize, usize>,
+    batch: &strata::pipeline::batch::PackedBatch,
+) -> (f32, f64) {
+    let n = num_layers(name);
+    let points = all_points(n);
+    let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+    let (mut worst, mut sq, mut norm) = (0f32, 0f64, 0f64);
+    for i in 0..batch.num_samples() {
+        let one = states.slice_tokens(batch.range(i)).unwrap();
+        for (slot, p) in points.iter().enumerate() {
+            let want = expected(&exp, i, *p, n);
+            worst = worst.max(max_err(one.layer(slot), want));
+            for (g, w) in one.layer(slot).iter().zip(want) {
+                sq += (*g as f64 - *w as f64).powi(2);
+                norm += (*w as f64).powi(2);
+            }
+        }
+    }
+    (worst, (sq / norm).sqrt())
+}
+
+/// HF's own bf16 run's relative L2 error against its f32 states.
+pub fn torch_bf16_error(name: &str, batch: &strata::pipeline::batch::PackedBatch) -> f64 {
+    let n = num_layers(name);
+    let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+    let torch = read_tensors(&fixture(name).join("expected_bf16.safetensors"));
+    let (mut sq, mut norm) = (0f64, 0f64);
+    for i in 0..batch.num_samples() {
+        for p in all_points(n) {
+            for (g, w) in expected(&torch, i, p, n).iter().zip(expected(&exp, i, p, n)) {
+                sq += (*g as f64 - *w as f64).powi(2);
+                norm += (*w as f64).powi(2);
+            }
+        }
+    }
+    (sq / norm).sqrt()
 }

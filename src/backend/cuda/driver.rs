@@ -288,17 +288,29 @@ impl Device for Driver {
     }
 
     fn group(&self, ordinals: &[usize]) -> Result<Vec<Driver>, CudaError> {
-        let mut ranks: Vec<Driver> = ordinals.iter().map(|&o| Driver::open(o)).collect::<Result<_, _>>()?;
-        if ranks.len() == 1 {
-            return Ok(ranks);
+        if let [one] = ordinals {
+            // One rank needs no communicator, so no NCCL either.
+            return Ok(vec![Driver::open(*one)?]);
         }
+        Driver::nccl_group(ordinals)
+    }
+}
+
+impl Driver {
+    /// One rank per GPU of `ordinals`, joined by an NCCL communicator, even
+    /// for one GPU (so a one-GPU machine can test the collective at world
+    /// size 1; NCCL runs no two ranks on one GPU).
+    pub fn nccl_group(ordinals: &[usize]) -> Result<Vec<Driver>, CudaError> {
         // SAFETY: only dlopen attempts.
         if !unsafe { nccl::is_culib_present() } {
             return Err(CudaError::Driver {
                 call: "NCCL".into(),
-                error: "libnccl.so could not be loaded: --tp over GPUs needs NCCL (the PyPI package nvidia-nccl-cu13) on LD_LIBRARY_PATH".into(),
+                error: "libnccl.so could not be loaded: --tp over GPUs needs NCCL (the PyPI package nvidia-nccl-cu13) \
+                        on LD_LIBRARY_PATH, under the name libnccl.so (the package's file is libnccl.so.2: link it)"
+                    .into(),
             });
         }
+        let mut ranks: Vec<Driver> = ordinals.iter().map(|&o| Driver::open(o)).collect::<Result<_, _>>()?;
         // One algorithm and protocol, so sums are the same bits run to run.
         for (k, v) in [("NCCL_ALGO", "Ring"), ("NCCL_PROTO", "Simple")] {
             if std::env::var_os(k).is_none() {

@@ -358,6 +358,8 @@ impl ExtractJob {
             tp: self.tp,
             compute: model.compute().to_string(),
             kernel: kernel.into(),
+            // Only the GPU's GEMMs depend on the batch's row count.
+            max_batch_tokens: (self.backend == BackendKind::Cuda).then_some(self.max_batch_tokens),
         });
         job.on_nonfinite = self.on_nonfinite.as_str().into();
         job.prepare = Some(prepare_info);
@@ -438,7 +440,7 @@ impl ExtractJob {
         Ok(summary)
     }
 
-    fn drive<K: Sink<usize, usize>>(
+    fn drive<K: Sink<usize, usize> + Send>(
         &self,
         model: &AnyModel,
         captures: CaptureSet<usize>,

@@ -359,8 +359,8 @@ struct ExtractArgs {
     /// Tensor-parallel ranks: the model's heads and MLP split over N threads.
     #[arg(long, value_name = "N", default_value_t = 1)]
     tp: usize,
-    /// Where the model runs.
-    #[arg(long, value_enum, default_value = "cpu")]
+    /// Where the model runs. (`--device` is taken as another spelling of it.)
+    #[arg(long, alias = "device", value_enum, default_value = "cpu")]
     backend: BackendArg,
     /// GPUs of --backend cuda, one per tensor-parallel rank in rank order
     /// (`0,1,2,3` with --tp 4). Default: GPUs 0..tp.
@@ -482,7 +482,7 @@ struct VerifyArgs {
     #[arg(long, value_name = "DIR", requires = "recompute")]
     model: Option<PathBuf>,
     /// Where --recompute runs the model.
-    #[arg(long, value_enum, default_value = "cpu", requires = "recompute")]
+    #[arg(long, alias = "device", value_enum, default_value = "cpu", requires = "recompute")]
     backend: BackendArg,
     /// Tensor-parallel ranks of --recompute. For MoE models use the dataset's
     /// own --tp: another split changes the router's last bits and can flip a
