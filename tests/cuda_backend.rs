@@ -13,7 +13,8 @@ mod common;
 mod cuda_emu;
 
 use common::*;
-use cuda_emu::{gxx_or_skip, Emulated};
+use cuda_emu::{gxx_or_skip, Emulated, Faults};
+use std::sync::atomic::AtomicUsize;
 use strata::backend::cuda::Cuda;
 use strata::backend::{Bf16, Compute, ComputeDtype, F32};
 use strata::hf::checkpoint::Checkpoint;
@@ -116,5 +117,60 @@ fn chunks_and_tensor_parallel_ranks_give_the_whole_samples_states() {
         let tp = run::<F32>(name, 2, std::slice::from_ref(&batch)).remove(0);
         let d = max_err(tp.as_slice(), want.as_slice());
         assert!(d <= TOL, "{name}: --tp 2 differs from one rank by {d:e}");
+    }
+}
+
+/// A weight that does not fit in device memory fails the load with the
+/// device's message, rather than the first step after an output was opened.
+#[test]
+fn a_failed_weight_upload_fails_the_load() {
+    let name = "qwen3";
+    let dir = fixture(name);
+    let AnyConfig::Llama(c) = AnyConfig::read(&dir).unwrap() else { panic!("{name} is a Llama-family fixture") };
+    let faults = Faults { memory: Some(AtomicUsize::new(64 << 10)), kernel: None };
+    let b = Emu::<F32>::new(Emulated::with_faults(faults), vec![0]);
+    let err = match Llama::<usize, Emu<F32>>::from_checkpoint_on(b, c, &Checkpoint::open(&dir).unwrap()) {
+        Ok(_) => panic!("a model larger than the device loaded"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("OUT_OF_MEMORY"), "{err}");
+}
+
+/// A rank whose kernel fails mid-step still joins its peers' all-reduces
+/// (NCCL would otherwise wait for it forever): the step fails with the
+/// failing rank's message, in bounded time.
+#[test]
+fn a_rank_failing_mid_step_does_not_hang_its_peers() {
+    if !gxx_or_skip("a_rank_failing_mid_step_does_not_hang_its_peers") {
+        return;
+    }
+    for (name, kernel, failing) in [("qwen3", "swiglu", 0), ("qwen3", "swiglu", 1), ("deepseek-v3", "gather_rows", 1)] {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let dir = fixture(name);
+            let faults = Faults { memory: None, kernel: Some((failing, kernel)) };
+            let b = Emu::<F32>::new(Emulated::with_faults(faults), vec![0, 1]);
+            let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
+            let batch = whole(name);
+            let open = move || Checkpoint::open(&dir);
+            let r = match AnyConfig::read(&fixture(name)).unwrap() {
+                AnyConfig::Llama(c) => TpLlama::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open)
+                    .unwrap()
+                    .forward_step(&batch, &set, &mut ())
+                    .map(drop),
+                AnyConfig::Deepseek(c) => TpDeepseek::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open)
+                    .unwrap()
+                    .forward_step(&batch, &set, &mut ())
+                    .map(drop),
+            };
+            let _ = tx.send(r.map_err(|e| e.to_string()));
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(r) => {
+                let err = r.expect_err("a failed kernel must fail the step");
+                assert!(err.contains(&format!("planted failure on rank {failing}")), "{name} rank {failing}: {err}");
+            }
+            Err(_) => panic!("{name}: a failure on rank {failing} hung the step (its peers waited in an all-reduce)"),
+        }
     }
 }

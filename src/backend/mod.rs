@@ -408,9 +408,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     );
     /// Sums `x` over the ranks of the group, in rank order (deterministic).
     fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>);
-    /// Ends a step: waits for the device and reports the first failure any op
-    /// of the step met (ops cannot return errors; a device backend records
-    /// them). Host backends have nothing to report.
+    /// Ends a step (or a model's load): waits for the device and reports the
+    /// first failure any op met (ops cannot return errors; a device backend
+    /// records them). Host backends have nothing to report.
     fn end_step(&self) -> Result<(), BackendError> {
         Ok(())
     }

@@ -178,6 +178,9 @@ impl<B: Backend, L: Block<B>, H: Dim + Default> Decoder<B, L, H> {
         // packing is most of a dense model's load time).
         let layers = backend.build_many(info.num_layers, |l| L::load(&backend, &config, ckpt, l))?;
         let norm = backend.vector(ckpt.read_f32("model.norm.weight", &[h])?);
+        // A device backend reports a failed upload (out of memory) here, at
+        // load, before any output is opened.
+        backend.end_step()?;
         Ok(Decoder { backend, config, frame, hidden, dtype, embed_tokens, layers, norm })
     }
 }

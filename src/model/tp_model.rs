@@ -231,13 +231,17 @@ where
         _cache: &mut (),
     ) -> Result<CapturedStates<L, M::Hidden>, ModelError> {
         let (batch, captures) = (Arc::new(batch.clone()), captures.clone());
-        let reply = self.exec.rpc_unique(0, move |w: &mut RankWorker<M>| {
+        let replies = self.exec.collective_rpc(move |w: &mut RankWorker<M>| {
             if w.rank == 0 {
                 w.capture(&batch, &captures).map(Some)
             } else {
                 w.run(&batch, &captures).map(|()| None)
             }
         })?;
-        Ok(reply?.expect("rank 0 captures"))
+        // Any rank's failure fails the step (the first, in rank order), not only rank 0's.
+        let mut replies = replies.into_vec().into_iter();
+        let first = replies.next().expect("rank 0 replies");
+        replies.try_for_each(|r| r.map(drop))?;
+        Ok(first?.expect("rank 0 captures"))
     }
 }

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex, OnceLock};
 use strata::backend::cuda::device::{Arg, DevPtr, Device, Gemm, GemmType, Launch};
 use strata::backend::cuda::{nvrtc, CudaError};
@@ -133,18 +134,35 @@ struct Group {
     slots: Mutex<Vec<(DevPtr, usize)>>,
 }
 
+/// Faults a test plants in an emulated device (and the group it opens).
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Device memory left: an allocation beyond it fails as out of memory.
+    pub memory: Option<AtomicUsize>,
+    /// `(rank, kernel)`: that rank's launches of that kernel fail.
+    pub kernel: Option<(usize, &'static str)>,
+}
+
 /// A CPU standing in for a GPU.
 pub struct Emulated {
     rank: usize,
     world: usize,
     group: Option<Arc<Group>>,
+    faults: Arc<Faults>,
     /// Launches made, by kernel name (what the tests can assert was used).
     pub launches: Mutex<HashMap<String, usize>>,
 }
 
 impl Default for Emulated {
     fn default() -> Self {
-        Emulated { rank: 0, world: 1, group: None, launches: Mutex::new(HashMap::new()) }
+        Emulated::with_faults(Faults::default())
+    }
+}
+
+impl Emulated {
+    /// A device (and, through `group`, its peers) that fails as `faults` say.
+    pub fn with_faults(faults: Faults) -> Self {
+        Emulated { rank: 0, world: 1, group: None, faults: Arc::new(faults), launches: Mutex::new(HashMap::new()) }
     }
 }
 
@@ -163,6 +181,14 @@ impl Device for Emulated {
     type Mem = Mem;
 
     fn alloc(&self, bytes: usize) -> Result<Mem, CudaError> {
+        if let Some(left) = &self.faults.memory {
+            if left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(bytes)).is_err() {
+                return Err(CudaError::Driver {
+                    call: "cuMemAllocAsync".into(),
+                    error: format!("CUDA_ERROR_OUT_OF_MEMORY ({bytes} bytes, emulated)"),
+                });
+            }
+        }
         Ok(Mem(vec![0u64; bytes.div_ceil(8).max(1)].into_boxed_slice()))
     }
 
@@ -190,6 +216,9 @@ impl Device for Emulated {
 
     fn launch(&self, name: &str, cfg: Launch, args: &[Arg]) -> Result<(), CudaError> {
         *self.launches.lock().unwrap().entry(name.into()).or_default() += 1;
+        if self.faults.kernel.is_some_and(|(r, k)| r == self.rank && k == name) {
+            return Err(CudaError::Kernel { name: name.into(), log: format!("planted failure on rank {}", self.rank) });
+        }
         if cfg.grid.0 == 0 || cfg.grid.1 == 0 {
             return Ok(());
         }
@@ -265,6 +294,7 @@ impl Device for Emulated {
                 rank,
                 world: n,
                 group: (n > 1).then(|| g.clone()),
+                faults: self.faults.clone(),
                 launches: Mutex::new(HashMap::new()),
             })
             .collect())

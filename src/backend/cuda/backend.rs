@@ -321,6 +321,33 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
     }
 
     /// Checks that a buffer of `have` values holds the `need` a kernel touches.
+    /// The all-reduce of `count` f32 at `ptr`, which every rank must join
+    /// whatever happened before it. A failed rank still joins, or its peers
+    /// would wait in NCCL forever: what it sums is garbage, and the step
+    /// fails at `end_step` anyway. Its buffer may never have been allocated
+    /// (ptr 0), so then it lends a spare one. A device whose context is lost
+    /// (a sticky error) fails even this: that case is left to the launcher's
+    /// timeout.
+    fn join_all_reduce(&self, ptr: DevPtr, count: usize) {
+        if self.ok() {
+            self.run(|| self.dev.all_reduce(ptr, count));
+            return;
+        }
+        let spare;
+        let ptr = if ptr != 0 {
+            ptr
+        } else {
+            match self.dev.alloc(count * 4) {
+                Ok(m) => {
+                    spare = m;
+                    self.dev.ptr(&spare)
+                }
+                Err(_) => return,
+            }
+        };
+        let _ = self.dev.all_reduce(ptr, count);
+    }
+
     fn holds(what: &str, need: usize, have: usize) -> Result<(), CudaError> {
         if need > have {
             return Err(CudaError::Shape(ShapeError::new(what, "elements", need, have)));
@@ -822,39 +849,38 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             if let Some(b) = &l.bias {
                 self.add_bias(out.storage().ptr, b, rows, l.rows)?;
             }
-            if l.kind == Parallel::Row {
-                self.dev.all_reduce(out.storage().ptr, rows * l.rows)?;
-                if let Some(b) = &l.post_bias {
-                    self.add_bias(out.storage().ptr, b, rows, l.rows)?;
-                }
-            }
             Ok(())
         });
+        if l.kind == Parallel::Row {
+            self.join_all_reduce(out.storage().ptr, rows * l.rows);
+            if let Some(b) = &l.post_bias {
+                self.run(|| self.add_bias(out.storage().ptr, b, rows, l.rows));
+            }
+        }
     }
 
     fn linear_add<W: Dim, V: Dim>(&self, l: &Linear<D>, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
         check::linear(l, x, residual);
         let rows = x.rows();
-        self.run(|| {
-            if l.kind == Parallel::Row && self.world_size() > 1 {
-                let partial = {
+        if l.kind == Parallel::Row && self.world_size() > 1 {
+            let mut partial = 0;
+            self.run(|| {
+                partial = {
                     let mut s = self.scratch()?;
                     let s = s.as_mut().expect("scratch made");
                     self.ensure(&mut s.partial, rows * l.rows * 4)?;
                     s.partial.ptr
                 };
-                self.gemm_rows(l, x.storage().ptr, rows, partial, false)?;
-                self.dev.all_reduce(partial, rows * l.rows)?;
-                let bias = l.post_bias.as_ref().map_or(0, |b| b.ptr);
-                let args = [
-                    Arg::Ptr(residual.storage().ptr),
-                    Arg::Ptr(partial),
-                    Arg::Ptr(bias),
-                    Arg::int(rows),
-                    Arg::int(l.rows),
-                ];
-                return self.dev.launch("add_bias_residual", elementwise(rows * l.rows), &args);
-            }
+                self.gemm_rows(l, x.storage().ptr, rows, partial, false)
+            });
+            self.join_all_reduce(partial, rows * l.rows);
+            let bias = l.post_bias.as_ref().map_or(0, |b| b.ptr);
+            let args =
+                [Arg::Ptr(residual.storage().ptr), Arg::Ptr(partial), Arg::Ptr(bias), Arg::int(rows), Arg::int(l.rows)];
+            self.run(|| self.dev.launch("add_bias_residual", elementwise(rows * l.rows), &args));
+            return;
+        }
+        self.run(|| {
             // One rank: the GEMM adds into the residual (beta = 1).
             self.gemm_rows(l, x.storage().ptr, rows, residual.storage().ptr, true)?;
             if let Some(b) = &l.bias {
@@ -1004,14 +1030,13 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 Arg::Ptr(if shared.is_some() { sh } else { 0 }),
                 Arg::Ptr(out.storage().ptr),
             ];
-            self.dev.launch("moe_combine", elementwise(t * h), &args)?;
-            self.dev.all_reduce(out.storage().ptr, t * h)
+            self.dev.launch("moe_combine", elementwise(t * h), &args)
         });
+        self.join_all_reduce(out.storage().ptr, t * h);
     }
 
     fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>) {
-        let (p, n) = (x.storage().ptr, x.len());
-        self.run(|| self.dev.all_reduce(p, n));
+        self.join_all_reduce(x.storage().ptr, x.len());
     }
 
     fn capture<L: Dim, H: Dim>(
