@@ -363,7 +363,8 @@ struct ExtractArgs {
     #[arg(long, alias = "device", value_enum, default_value = "cpu")]
     backend: BackendArg,
     /// GPUs of --backend cuda, one per tensor-parallel rank in rank order
-    /// (`0,1,2,3` with --tp 4). Default: GPUs 0..tp.
+    /// (`0,1,2,3` with --tp 4). Default: from the launcher's local rank r
+    /// (LOCAL_RANK, SLURM_LOCALID), GPUs r·tp..r·tp+tp; else GPUs 0..tp.
     #[arg(long, value_name = "IDS", value_delimiter = ',')]
     devices: Vec<usize>,
     /// The dtype of GEMM and attention inputs. Recorded in the manifest with
@@ -664,6 +665,26 @@ fn print_prepare(s: &Summary) {
     }
 }
 
+/// The GPUs of this process when `--devices` is not given, from the
+/// launcher's local rank: torchrun's `LOCAL_RANK` or Slurm's `SLURM_LOCALID`
+/// (process `r` of a node takes GPUs `r·tp .. r·tp + tp`). `None` (GPUs
+/// `0..tp`) without a local rank, or when `CUDA_VISIBLE_DEVICES` already
+/// shows this process exactly `tp` GPUs (the launcher gave each its own).
+fn launcher_gpus(tp: usize, env: impl Fn(&str) -> Option<String>) -> Result<Option<(Vec<usize>, String)>, String> {
+    if let Some(visible) = env("CUDA_VISIBLE_DEVICES") {
+        if visible.split(',').filter(|g| !g.trim().is_empty()).count() == tp {
+            return Ok(None);
+        }
+    }
+    for var in ["LOCAL_RANK", "SLURM_LOCALID"] {
+        let Some(v) = env(var).filter(|v| !v.trim().is_empty()) else { continue };
+        let r: usize =
+            v.trim().parse().map_err(|_| format!("{var}={v:?} is not a local rank (a non-negative integer)"))?;
+        return Ok(Some(((r * tp..r * tp + tp).collect(), format!("{var}={r}"))));
+    }
+    Ok(None)
+}
+
 fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     strata::backend::cpu::bf16::kernel_override().map_err(anyhow::Error::msg)?;
     if a.tp == 0 {
@@ -674,6 +695,17 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     }
     let part = strata::input::parts::resolve(a.part_index, a.num_parts, |k| std::env::var(k).ok())
         .map_err(|e| anyhow::anyhow!("cannot tell this process's part of the input: {e}"))?;
+    let devices = match (&a.backend, a.devices.is_empty()) {
+        (BackendArg::Cuda, true) => match launcher_gpus(a.tp, |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)? {
+            Some((gpus, from)) => {
+                let list: Vec<String> = gpus.iter().map(|g| g.to_string()).collect();
+                say!("GPUs {} (from {from}; --devices chooses others)", list.join(","));
+                gpus
+            }
+            None => Vec::new(),
+        },
+        _ => a.devices.clone(),
+    };
     let job = ExtractJob {
         model: a.model.clone(),
         data: a.data,
@@ -700,7 +732,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         },
         tp: a.tp,
         backend: a.backend.into(),
-        devices: a.devices,
+        devices,
         compute: a.compute.choice(),
         on_nonfinite: match a.on_nonfinite {
             NonFiniteArg::Fail => OnNonFinite::Fail,
@@ -820,4 +852,30 @@ fn verify(a: VerifyArgs) -> anyhow::Result<()> {
         compute: a.compute.map(ComputeArg::choice),
     };
     job.run()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::launcher_gpus;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn each_local_process_takes_its_own_gpus() {
+        assert_eq!(launcher_gpus(1, env(&[])), Ok(None));
+        assert_eq!(launcher_gpus(1, env(&[("LOCAL_RANK", "3")])), Ok(Some((vec![3], "LOCAL_RANK=3".into()))));
+        assert_eq!(launcher_gpus(2, env(&[("SLURM_LOCALID", "1")])), Ok(Some((vec![2, 3], "SLURM_LOCALID=1".into()))));
+        // torchrun's variable first.
+        let both = [("LOCAL_RANK", "0"), ("SLURM_LOCALID", "5")];
+        assert_eq!(launcher_gpus(1, env(&both)), Ok(Some((vec![0], "LOCAL_RANK=0".into()))));
+        // A launcher that gave each process its own GPUs: they are 0..tp.
+        let own = [("LOCAL_RANK", "3"), ("CUDA_VISIBLE_DEVICES", "6,7")];
+        assert_eq!(launcher_gpus(2, env(&own)), Ok(None));
+        let all = [("LOCAL_RANK", "3"), ("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")];
+        assert_eq!(launcher_gpus(2, env(&all)), Ok(Some((vec![6, 7], "LOCAL_RANK=3".into()))));
+        let e = launcher_gpus(1, env(&[("LOCAL_RANK", "x")])).unwrap_err();
+        assert!(e.contains("LOCAL_RANK=\"x\""), "{e}");
+    }
 }
