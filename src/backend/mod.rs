@@ -414,11 +414,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn end_step(&self) -> Result<(), BackendError> {
         Ok(())
     }
-    /// Copies the whole `[T, H]` buffer into slot `slot` of host `[L, T, H]` states.
+    /// Copies the whole `[T, H]` buffer into slot `slot` of host `[L, T, H]`
+    /// states, by the time [`Backend::capture_finish`] returns (a device
+    /// backend copies asynchronously, while the forward goes on).
     fn capture<L: Dim, H: Dim>(
         &self,
         x: &Tensor<Self, H>,
         out: &mut CapturedStates<L, H>,
         slot: usize,
     ) -> Result<(), ShapeError>;
+    /// Completes a step's captures into `out`: called once per step on a
+    /// capturing rank, after its last [`Backend::capture`]. Host backends
+    /// copied already and have nothing to do.
+    fn capture_finish<L: Dim, H: Dim>(&self, _out: &mut CapturedStates<L, H>) {}
 }

@@ -358,6 +358,9 @@ impl<L: Dim, H: Dim> Captures<L, H> {
             b.rms_norm(x.all(), norm, eps, &mut normed);
             self.record(b, Tap::PostNorm, &normed)?;
         }
+        if let Some(out) = self.out.as_mut() {
+            b.capture_finish(out);
+        }
         Ok(self.out)
     }
 }

@@ -149,6 +149,9 @@ pub struct Emulated {
     world: usize,
     group: Option<Arc<Group>>,
     faults: Arc<Faults>,
+    /// Captures staged since the last collect (copied at once: the emulation
+    /// runs every op as it is issued, which is stream order).
+    staged: Mutex<Vec<Vec<u8>>>,
     /// Launches made, by kernel name (what the tests can assert was used).
     pub launches: Mutex<HashMap<String, usize>>,
 }
@@ -162,7 +165,14 @@ impl Default for Emulated {
 impl Emulated {
     /// A device (and, through `group`, its peers) that fails as `faults` say.
     pub fn with_faults(faults: Faults) -> Self {
-        Emulated { rank: 0, world: 1, group: None, faults: Arc::new(faults), launches: Mutex::new(HashMap::new()) }
+        Emulated {
+            rank: 0,
+            world: 1,
+            group: None,
+            faults: Arc::new(faults),
+            staged: Mutex::new(Vec::new()),
+            launches: Mutex::new(HashMap::new()),
+        }
     }
 }
 
@@ -205,6 +215,20 @@ impl Device for Emulated {
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), CudaError> {
         // SAFETY: as above.
         unsafe { std::ptr::copy(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn stage(&self, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
+        let mut v = vec![0u8; bytes];
+        self.download(src, &mut v)?;
+        self.staged.lock().unwrap().push(v);
+        Ok(())
+    }
+
+    fn collect(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError> {
+        let staged = std::mem::take(&mut *self.staged.lock().unwrap());
+        let parts: Vec<&[u8]> = staged.iter().map(Vec::as_slice).collect();
+        f(&parts);
         Ok(())
     }
 
@@ -295,6 +319,7 @@ impl Device for Emulated {
                 world: n,
                 group: (n > 1).then(|| g.clone()),
                 faults: self.faults.clone(),
+                staged: Mutex::new(Vec::new()),
                 launches: Mutex::new(HashMap::new()),
             })
             .collect())

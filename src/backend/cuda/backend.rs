@@ -212,7 +212,30 @@ pub struct Cuda<C: ComputeDtype = F32, D: Device = Driver> {
     ordinals: Vec<usize>,
     scratch: Mutex<Option<Scratch<D>>>,
     failed: Mutex<Option<String>>,
+    /// The capture slots staged this step, in order (see [`Device::stage`]).
+    staged: Mutex<Vec<usize>>,
     _compute: PhantomData<C>,
+}
+
+/// Copies each `(src, dst)` pair, split over up to 8 threads when large:
+/// host copy bandwidth, and the first touches of a fresh buffer's pages,
+/// scale with threads.
+fn copy_parallel(pairs: Vec<(&[u8], &mut [u8])>) {
+    const PIECE: usize = 8 << 20;
+    let total: usize = pairs.iter().map(|p| p.0.len()).sum();
+    let mut pieces: Vec<(&[u8], &mut [u8])> =
+        pairs.into_iter().flat_map(|(s, d)| s.chunks(PIECE).zip(d.chunks_mut(PIECE))).collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8).min(total.div_ceil(PIECE));
+    if threads <= 1 {
+        pieces.into_iter().for_each(|(s, d)| d.copy_from_slice(s));
+        return;
+    }
+    let per = pieces.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for chunk in pieces.chunks_mut(per) {
+            scope.spawn(move || chunk.iter_mut().for_each(|(s, d)| d.copy_from_slice(s)));
+        }
+    });
 }
 
 const ELEMENTWISE_BLOCK: u32 = 256;
@@ -233,6 +256,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             ordinals,
             scratch: Mutex::new(None),
             failed: Mutex::new(None),
+            staged: Mutex::new(Vec::new()),
             _compute: PhantomData,
         }
     }
@@ -1046,8 +1070,45 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         slot: usize,
     ) -> Result<(), ShapeError> {
         check::capture(x.rows(), x.width().size(), out, slot)?;
-        self.run(|| self.dev.download(x.storage().ptr, bytemuck::cast_slice_mut(out.layer_mut(slot))));
+        // Into pinned staging, in stream order (later ops may overwrite `x`
+        // only after the copy): the host thread goes on issuing the forward.
+        let bytes = out.layer(slot).len() * 4;
+        self.run(|| {
+            self.dev.stage(x.storage().ptr, bytes)?;
+            self.staged.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+            Ok(())
+        });
         Ok(())
+    }
+
+    fn capture_finish<L: Dim, H: Dim>(&self, out: &mut CapturedStates<L, H>) {
+        let slots = std::mem::take(&mut *self.staged.lock().unwrap_or_else(|e| e.into_inner()));
+        let per = out.tokens() * out.hidden().size();
+        if slots.is_empty() || per == 0 {
+            return;
+        }
+        self.run(|| {
+            let mut lost = None;
+            self.dev.collect(&mut |parts| {
+                // Each slot's [T, H] rows of `out`, taken once.
+                let mut layers: Vec<Option<&mut [f32]>> = out.as_mut_slice().chunks_mut(per).map(Some).collect();
+                let mut pairs = Vec::with_capacity(parts.len());
+                for (&slot, part) in slots.iter().zip(parts) {
+                    match layers.get_mut(slot).and_then(Option::take) {
+                        Some(dst) if part.len() == dst.len() * 4 => pairs.push((*part, bytemuck::cast_slice_mut(dst))),
+                        _ => lost = Some(format!("capture slot {slot}: staged {} bytes", part.len())),
+                    }
+                }
+                if parts.len() != slots.len() {
+                    lost = Some(format!("{} captures staged, {} collected", slots.len(), parts.len()));
+                }
+                copy_parallel(pairs);
+            })?;
+            match lost {
+                Some(what) => Err(CudaError::Kernel { name: "capture".into(), log: what }),
+                None => Ok(()),
+            }
+        });
     }
 
     fn end_step(&self) -> Result<(), BackendError> {
@@ -1057,5 +1118,22 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             Some(msg) => Err(BackendError::Device(msg)),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copy_parallel;
+
+    #[test]
+    fn captures_are_copied_whole_over_threads() {
+        // Above one 8 MiB piece per thread, with uneven tails: every byte lands where it belongs.
+        let sizes = [(20 << 20) + 3, 5, (9 << 20) + 1];
+        let src: Vec<Vec<u8>> =
+            sizes.iter().enumerate().map(|(k, &n)| (0..n).map(|i| (i * 31 + k * 7) as u8).collect()).collect();
+        let mut dst: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+        let pairs = src.iter().zip(dst.iter_mut()).map(|(s, d)| (s.as_slice(), d.as_mut_slice())).collect();
+        copy_parallel(pairs);
+        assert!(src == dst, "a piece was lost or misplaced");
     }
 }

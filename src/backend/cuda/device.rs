@@ -136,6 +136,15 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaError>;
     /// Copies device bytes to the host, after everything issued before it.
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), CudaError>;
+    /// Starts copying `bytes` at `src` into host staging memory the device
+    /// keeps (pinned on a GPU), in stream order, without waiting: the
+    /// forward goes on while the copy engine works. [`Device::collect`]
+    /// hands the staged bytes over.
+    fn stage(&self, src: DevPtr, bytes: usize) -> Result<(), CudaError>;
+    /// Waits for every copy [`Device::stage`]d since the last collect and
+    /// hands their bytes to `f`, in the order they were staged; the staging
+    /// memory is reused afterwards.
+    fn collect(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError>;
     /// Copies `bytes` between device addresses, in stream order.
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError>;
     /// Launches kernel `name` (an `extern "C"` function of `kernels/`) with `args` in order.

@@ -34,6 +34,8 @@ pub struct Driver {
     functions: Mutex<HashMap<String, (CudaFunction, u32)>>,
     blas: Mutex<Handle<blas::cublasHandle_t>>,
     comm: Option<Mutex<Handle<nccl::ncclComm_t>>>,
+    /// Pinned host buffers that captures are copied into; reused step to step.
+    staging: Mutex<Staging>,
     rank: usize,
     world: usize,
     /// The GPU's index, name and architecture.
@@ -55,6 +57,34 @@ impl Drop for Mem {
             let _ = unsafe { result::free_async(self.ptr, self.stream.cu_stream()) };
         }
     }
+}
+
+/// Page-locked host memory (`cuMemHostAlloc`): the copy engine writes it
+/// directly, without the driver's bounce buffer, and without holding the
+/// host thread.
+struct Pinned {
+    ptr: *mut u8,
+    cap: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: plain host memory; the pool's mutex serialises its users.
+unsafe impl Send for Pinned {}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by cuMemHostAlloc in this context, freed once, after the copies into it (collect waits).
+            let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+        }
+    }
+}
+
+/// The staging pool: buffers, and which of them this step's captures use (in order).
+#[derive(Default)]
+struct Staging {
+    buffers: Vec<Pinned>,
+    used: Vec<(usize, usize)>,
 }
 
 impl Driver {
@@ -102,6 +132,7 @@ impl Driver {
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(Handle(handle)),
             comm: None,
+            staging: Mutex::new(Staging::default()),
             rank: 0,
             world: 1,
             info,
@@ -179,6 +210,50 @@ impl Device for Driver {
                 .map_err(|e| driver_err("cuMemcpyDtoHAsync", e))?;
         }
         self.sync()
+    }
+
+    fn stage(&self, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        // The smallest free buffer that fits, else a new one (a step's
+        // captures are the same sizes step after step, so this settles).
+        let free = (0..st.buffers.len())
+            .filter(|i| st.buffers[*i].cap >= bytes && !st.used.iter().any(|(u, _)| u == i))
+            .min_by_key(|i| st.buffers[*i].cap);
+        let i = match free {
+            Some(i) => i,
+            None => {
+                // SAFETY: a plain page-locked allocation in this context.
+                let ptr = unsafe { result::malloc_host(bytes.max(1), 0) }
+                    .map_err(|e| driver_err(&format!("cuMemHostAlloc({bytes} bytes)"), e))?;
+                st.buffers.push(Pinned { ptr: ptr as *mut u8, cap: bytes.max(1), ctx: self.ctx.clone() });
+                st.buffers.len() - 1
+            }
+        };
+        let dst = st.buffers[i].ptr;
+        // SAFETY: `dst` is pinned host memory of at least `bytes`, untouched by
+        // the host until `collect` has waited for the stream; `src` holds
+        // `bytes` (the backend checks sizes before staging).
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(dst, bytes);
+            result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+                .map_err(|e| driver_err("cuMemcpyDtoHAsync (capture)", e))?;
+        }
+        st.used.push((i, bytes));
+        Ok(())
+    }
+
+    fn collect(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError> {
+        self.sync()?;
+        let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let used = std::mem::take(&mut st.used);
+        // SAFETY: the stream is synchronised: every staged copy has landed.
+        let parts: Vec<&[u8]> = used
+            .iter()
+            .map(|&(i, n)| unsafe { std::slice::from_raw_parts(st.buffers[i].ptr as *const u8, n) })
+            .collect();
+        f(&parts);
+        Ok(())
     }
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
