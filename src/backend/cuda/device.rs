@@ -132,7 +132,8 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn alloc(&self, bytes: usize) -> Result<Self::Mem, CudaError>;
     /// The address of `m`'s first byte.
     fn ptr(&self, m: &Self::Mem) -> DevPtr;
-    /// Copies host bytes to `dst` (issued in stream order; `src` may be reused on return).
+    /// Copies host bytes to `dst`, in stream order, without waiting for the
+    /// stream; `src` (pageable host memory, never pinned) may be reused on return.
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaError>;
     /// Copies device bytes to the host, after everything issued before it.
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), CudaError>;

@@ -194,12 +194,14 @@ impl Device for Driver {
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaError> {
         self.bind()?;
         // SAFETY: `dst` holds `src.len()` bytes (the backend checks sizes before
-        // copying); the copy completes before return, so `src` may be reused.
+        // copying). `src` is pageable memory (a Vec, a mapped checkpoint), and
+        // from pageable memory cuMemcpyHtoDAsync returns once the bytes are in
+        // the driver's staging memory (CUDA's "API synchronization behavior"),
+        // so `src` may be reused on return without waiting for the stream:
+        // the per-op tables no longer drain the GPU's queue.
         unsafe {
-            result::memcpy_htod_async(dst, src, self.stream.cu_stream())
-                .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))?;
+            result::memcpy_htod_async(dst, src, self.stream.cu_stream()).map_err(|e| driver_err("cuMemcpyHtoDAsync", e))
         }
-        self.sync()
     }
 
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), CudaError> {
