@@ -167,17 +167,19 @@ fn forward_and_pipeline(
         }
     }
     let (bare, one) = (median(bare), median(one));
-    let per_point = (bare - one) / (points.len() - 1) as f64 / batches.len() as f64;
-    println!(
-        "    capture          {:.1} ms per extra capture point per step ({} points: {:.1}% of the forward)",
-        per_point * 1e3,
-        points.len(),
-        100.0 * (bare - one) / bare
-    );
+    if points.len() > 1 {
+        let per_point = (bare - one) / (points.len() - 1) as f64 / batches.len() as f64;
+        println!(
+            "    capture          {:.1} ms per extra capture point per step ({} points: {:.1}% of the forward)",
+            per_point * 1e3,
+            points.len(),
+            100.0 * (bare - one) / bare
+        );
+    }
     (one, bare, median(whole))
 }
 
-fn llama(a: &Args, peak: f64) {
+fn llama(a: &Args, peak: Option<f64>) {
     let spec = LlamaSpec {
         hidden_size: 4096,
         num_layers: a.layers,
@@ -207,8 +209,24 @@ fn llama(a: &Args, peak: f64) {
         ntok / one,
         tflops(one)
     );
-    println!("    MFU              {:.1}% of {:.1} TFLOP/s dense bf16", 100.0 * flops / one / peak, peak / 1e12);
-    println!("    + EAGLE-3 points {bare:.3} s: {:.0} tokens/s, MFU {:.1}%", ntok / bare, 100.0 * flops / bare / peak);
+    match peak {
+        Some(peak) => {
+            println!(
+                "    MFU              {:.1}% of {:.1} TFLOP/s dense bf16",
+                100.0 * flops / one / peak,
+                peak / 1e12
+            );
+            println!(
+                "    + EAGLE-3 points {bare:.3} s: {:.0} tokens/s, MFU {:.1}%",
+                ntok / bare,
+                100.0 * flops / bare / peak
+            );
+        }
+        None => {
+            println!("    MFU              unknown: no dense bf16 peak known for this GPU; pass --peak-tflops");
+            println!("    + EAGLE-3 points {bare:.3} s: {:.0} tokens/s", ntok / bare);
+        }
+    }
     println!(
         "    pipeline         {whole:.3} s: {:.0} tokens/s (capture EAGLE-3 points, bf16 shards, fsync)",
         ntok / whole
@@ -296,10 +314,7 @@ fn main() {
     });
     std::fs::create_dir_all(&a.dir).unwrap();
     if a.only.as_deref() != Some("deepseek") {
-        match peak {
-            Some(p) => llama(&a, p),
-            None => eprintln!("(a) skipped: no dense bf16 peak known for {}; pass --peak-tflops", gpu.name),
-        }
+        llama(&a, peak);
     }
     if a.only.as_deref() != Some("llama") {
         deepseek(&a);

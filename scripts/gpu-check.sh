@@ -52,20 +52,24 @@ build() {
 find_libs() {
   local links=/tmp/strata-cuda-libs dirs=() d
   mkdir -p "$links"
-  local roots=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu)
+  # PyTorch's CUDA 13 wheels first (what the build's cuda-13000 expects), then the toolkit.
+  local roots=()
   if command -v python3 >/dev/null; then
     while read -r d; do roots+=("$d"); done < <(python3 - <<'EOF' 2>/dev/null
 import glob, os, site, sys
+found = set()
 for p in set(site.getsitepackages() + [site.getusersitepackages()] + sys.path):
-    for d in glob.glob(os.path.join(p, "nvidia", "*", "lib")) + glob.glob(os.path.join(p, "nvidia", "cu1*", "lib")):
-        print(d)
+    found.update(glob.glob(os.path.join(p, "nvidia", "*", "lib")))
+print("\n".join(sorted(found)))
 EOF
 )
   fi
+  roots+=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu)
   for lib in nvrtc cublas cublasLt nccl; do
     local found=""
     for r in "${roots[@]}"; do
-      found=$(ls "$r/lib$lib.so" "$r"/lib"$lib".so.[0-9]* 2>/dev/null | head -1)
+      # The newest version in a folder (libcublas.so.13 over .so.12).
+      found=$(ls "$r/lib$lib.so" "$r"/lib"$lib".so.[0-9]* 2>/dev/null | sort -V | tail -1)
       [ -n "$found" ] && break
     done
     if [ -z "$found" ]; then
@@ -96,8 +100,11 @@ run() {
     echo "gpu-check $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null || echo 'no git')"
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "nvidia-smi failed"
     echo "libraries:"
-    find_libs
   } | tee -a "$summary"
+  # In this shell, not a pipeline's subshell: its LD_LIBRARY_PATH must reach the steps.
+  find_libs >"$out/libraries.txt"
+  tee -a "$summary" <"$out/libraries.txt"
+  echo "  LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee -a "$summary"
   local ngpu
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || ngpu=0
   export STRATA_REQUIRE_GPU=1 STRATA_REQUIRE_NVRTC=1 STRATA_KERNEL_CACHE=/tmp/strata-kernel-cache RUST_BACKTRACE=1
@@ -106,10 +113,14 @@ run() {
     local name=$1 limit=$2 t0=$SECONDS
     shift 2
     echo "== $name ($(date -u +%T))"
-    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    timeout --kill-after=5 "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?
     local verdict=passed
-    [ $rc -eq 0 ] || { verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ', timed out after '"$limit"' s'))"; failed=1; }
+    if [ $rc -ne 0 ]; then
+      failed=1
+      verdict="FAILED (exit $rc)"
+      if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="FAILED (timed out after $limit s)"; fi
+    fi
     echo "$name: $verdict in $((SECONDS - t0)) s" | tee -a "$summary"
     tail -n 40 "$out/$name.log"
   }
@@ -121,7 +132,7 @@ run() {
   local tmp=/tmp/strata-gpu-check
   rm -rf "$tmp" && mkdir -p "$tmp"
   step cli 60 bash scripts/gpu-check.sh cli "$tmp" "$ngpu"
-  step bench 330 "$BIN/gpu-bench" --dir "$tmp/bench" --runs 3 --steps 3
+  step bench 290 "$BIN/gpu-bench" --dir "$tmp/bench" --runs 3 --steps 3
   grep -E '^\(|tokens/s|MFU|capture|loaded|wrote' "$out/bench.log" >>"$summary"
   rm -rf "$tmp"
 

@@ -292,7 +292,10 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         let step = Step { batch, rope: &rope };
         let mut scratch = L::scratch(b, &self.config, t, self.hidden);
         for (k, layer) in self.layers.iter().enumerate().take(caps.depth) {
-            caps.record(b, Tap::Residual(k), &x)?;
+            if let Err(e) = caps.record(b, Tap::Residual(k), &x) {
+                caps.complete(b);
+                return Err(e);
+            }
             let _s = debug_span!("layer", k).entered();
             layer.forward(b, &mut x, &step, &mut scratch, cache, k);
         }
@@ -352,15 +355,25 @@ impl<L: Dim, H: Dim> Captures<L, H> {
         norm: &B::Vector,
         eps: f32,
     ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
-        self.record(b, Tap::Residual(self.depth), x)?;
-        if self.post_norm && self.out.is_some() {
+        let recorded = self.record(b, Tap::Residual(self.depth), x).and_then(|()| {
+            if !self.post_norm || self.out.is_none() {
+                return Ok(());
+            }
             let mut normed = Tensor::zeros(b, x.rows(), x.width());
             b.rms_norm(x.all(), norm, eps, &mut normed);
-            self.record(b, Tap::PostNorm, &normed)?;
-        }
+            self.record(b, Tap::PostNorm, &normed)
+        });
+        self.complete(b);
+        recorded?;
+        Ok(self.out)
+    }
+
+    /// Hands over the step's captures (see [`Backend::capture_finish`]); on
+    /// an error path too, so a device backend never carries copies it
+    /// staged for this step into the next.
+    fn complete<B: Backend>(&mut self, b: &B) {
         if let Some(out) = self.out.as_mut() {
             b.capture_finish(out);
         }
-        Ok(self.out)
     }
 }

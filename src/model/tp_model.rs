@@ -240,8 +240,8 @@ where
         })?;
         // Any rank's failure fails the step (the first, in rank order), not only rank 0's.
         let mut replies = replies.into_vec().into_iter();
-        let first = replies.next().expect("rank 0 replies");
+        let states = replies.next().expect("rank 0 replies")?;
         replies.try_for_each(|r| r.map(drop))?;
-        Ok(first?.expect("rank 0 captures"))
+        Ok(states.expect("rank 0 captures"))
     }
 }

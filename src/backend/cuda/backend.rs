@@ -214,6 +214,8 @@ pub struct Cuda<C: ComputeDtype = F32, D: Device = Driver> {
     failed: Mutex<Option<String>>,
     /// The capture slots staged this step, in order (see [`Device::stage`]).
     staged: Mutex<Vec<usize>>,
+    /// What a failed rank sums to keep its peers' all-reduces going, and its length in f32.
+    spare: Mutex<Option<(D::Mem, usize)>>,
     _compute: PhantomData<C>,
 }
 
@@ -257,6 +259,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             scratch: Mutex::new(None),
             failed: Mutex::new(None),
             staged: Mutex::new(Vec::new()),
+            spare: Mutex::new(None),
             _compute: PhantomData,
         }
     }
@@ -344,34 +347,38 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         Ok(g)
     }
 
-    /// Checks that a buffer of `have` values holds the `need` a kernel touches.
-    /// The all-reduce of `count` f32 at `ptr`, which every rank must join
-    /// whatever happened before it. A failed rank still joins, or its peers
-    /// would wait in NCCL forever: what it sums is garbage, and the step
-    /// fails at `end_step` anyway. Its buffer may never have been allocated
-    /// (ptr 0), so then it lends a spare one. A device whose context is lost
-    /// (a sticky error) fails even this: that case is left to the launcher's
-    /// timeout.
-    fn join_all_reduce(&self, ptr: DevPtr, count: usize) {
+    /// The all-reduce of `count` f32 at `ptr` (a buffer of `cap` f32), which
+    /// every rank must join whatever happened before it. A failed rank still
+    /// joins, or its peers would wait in NCCL forever: what it sums is
+    /// garbage, and the step fails at `end_step` anyway. Its own buffer may
+    /// never have been allocated, or not grown (allocations are skipped once
+    /// a rank failed), so then it sums a spare of the right size, kept for
+    /// the next one. Only if even that cannot be allocated, or the device
+    /// itself is lost (a sticky error), can the peers still hang: that is
+    /// left to the launcher's timeout.
+    fn join_all_reduce(&self, ptr: DevPtr, cap: usize, count: usize) {
         if self.ok() {
             self.run(|| self.dev.all_reduce(ptr, count));
             return;
         }
-        let spare;
-        let ptr = if ptr != 0 {
-            ptr
-        } else {
+        if ptr != 0 && cap >= count {
+            let _ = self.dev.all_reduce(ptr, count);
+            return;
+        }
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        if spare.as_ref().is_none_or(|(_, n)| *n < count) {
+            *spare = None;
             match self.dev.alloc(count * 4) {
-                Ok(m) => {
-                    spare = m;
-                    self.dev.ptr(&spare)
-                }
+                Ok(m) => *spare = Some((m, count)),
                 Err(_) => return,
             }
-        };
-        let _ = self.dev.all_reduce(ptr, count);
+        }
+        if let Some((m, _)) = spare.as_ref() {
+            let _ = self.dev.all_reduce(self.dev.ptr(m), count);
+        }
     }
 
+    /// Checks that a buffer of `have` values holds the `need` a kernel touches.
     fn holds(what: &str, need: usize, have: usize) -> Result<(), CudaError> {
         if need > have {
             return Err(CudaError::Shape(ShapeError::new(what, "elements", need, have)));
@@ -876,7 +883,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             Ok(())
         });
         if l.kind == Parallel::Row {
-            self.join_all_reduce(out.storage().ptr, rows * l.rows);
+            self.join_all_reduce(out.storage().ptr, out.storage().cap, rows * l.rows);
             if let Some(b) = &l.post_bias {
                 self.run(|| self.add_bias(out.storage().ptr, b, rows, l.rows));
             }
@@ -887,17 +894,17 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         check::linear(l, x, residual);
         let rows = x.rows();
         if l.kind == Parallel::Row && self.world_size() > 1 {
-            let mut partial = 0;
+            let (mut partial, mut cap) = (0, 0);
             self.run(|| {
-                partial = {
+                (partial, cap) = {
                     let mut s = self.scratch()?;
                     let s = s.as_mut().expect("scratch made");
                     self.ensure(&mut s.partial, rows * l.rows * 4)?;
-                    s.partial.ptr
+                    (s.partial.ptr, s.partial.len / 4)
                 };
                 self.gemm_rows(l, x.storage().ptr, rows, partial, false)
             });
-            self.join_all_reduce(partial, rows * l.rows);
+            self.join_all_reduce(partial, cap, rows * l.rows);
             let bias = l.post_bias.as_ref().map_or(0, |b| b.ptr);
             let args =
                 [Arg::Ptr(residual.storage().ptr), Arg::Ptr(partial), Arg::Ptr(bias), Arg::int(rows), Arg::int(l.rows)];
@@ -1056,11 +1063,11 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             ];
             self.dev.launch("moe_combine", elementwise(t * h), &args)
         });
-        self.join_all_reduce(out.storage().ptr, t * h);
+        self.join_all_reduce(out.storage().ptr, out.storage().cap, t * h);
     }
 
     fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>) {
-        self.join_all_reduce(x.storage().ptr, x.len());
+        self.join_all_reduce(x.storage().ptr, x.storage().cap, x.len());
     }
 
     fn capture<L: Dim, H: Dim>(
@@ -1073,6 +1080,9 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         // Into pinned staging, in stream order (later ops may overwrite `x`
         // only after the copy): the host thread goes on issuing the forward.
         let bytes = out.layer(slot).len() * 4;
+        if bytes == 0 {
+            return Ok(());
+        }
         self.run(|| {
             self.dev.stage(x.storage().ptr, bytes)?;
             self.staged.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
@@ -1084,14 +1094,14 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     fn capture_finish<L: Dim, H: Dim>(&self, out: &mut CapturedStates<L, H>) {
         let slots = std::mem::take(&mut *self.staged.lock().unwrap_or_else(|e| e.into_inner()));
         let per = out.tokens() * out.hidden().size();
-        if slots.is_empty() || per == 0 {
+        if slots.is_empty() {
             return;
         }
         self.run(|| {
             let mut lost = None;
             self.dev.collect(&mut |parts| {
                 // Each slot's [T, H] rows of `out`, taken once.
-                let mut layers: Vec<Option<&mut [f32]>> = out.as_mut_slice().chunks_mut(per).map(Some).collect();
+                let mut layers: Vec<Option<&mut [f32]>> = out.as_mut_slice().chunks_mut(per.max(1)).map(Some).collect();
                 let mut pairs = Vec::with_capacity(parts.len());
                 for (&slot, part) in slots.iter().zip(parts) {
                     match layers.get_mut(slot).and_then(Option::take) {
@@ -1112,7 +1122,13 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     }
 
     fn end_step(&self) -> Result<(), BackendError> {
-        self.run(|| self.dev.sync());
+        if self.ok() {
+            self.run(|| self.dev.sync());
+        } else {
+            // Still wait for what a failed rank queued (the all-reduces it
+            // joined, staged copies), so nothing it frees later is in use.
+            let _ = self.dev.sync();
+        }
         // A failure stays: later steps would meet buffers the failed op never made.
         match self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone() {
             Some(msg) => Err(BackendError::Device(msg)),

@@ -36,6 +36,8 @@ pub struct Driver {
     comm: Option<Mutex<Handle<nccl::ncclComm_t>>>,
     /// Pinned host buffers that captures are copied into; reused step to step.
     staging: Mutex<Staging>,
+    /// Pinned host memory small uploads go through; reset at each stream sync.
+    uploads: Mutex<Arena>,
     rank: usize,
     world: usize,
     /// The GPU's index, name and architecture.
@@ -80,12 +82,54 @@ impl Drop for Pinned {
     }
 }
 
-/// The staging pool: buffers, and which of them this step's captures use (in order).
+impl Pinned {
+    fn new(bytes: usize, ctx: &Arc<CudaContext>) -> Result<Pinned, CudaError> {
+        // SAFETY: a plain page-locked allocation in this context.
+        let ptr = unsafe { result::malloc_host(bytes.max(1), 0) }
+            .map_err(|e| driver_err(&format!("cuMemHostAlloc({bytes} bytes)"), e))?;
+        Ok(Pinned { ptr: ptr as *mut u8, cap: bytes.max(1), ctx: ctx.clone() })
+    }
+}
+
+/// Where one staged capture lies until `collect`.
+enum Staged {
+    /// The first `bytes` of pinned buffer `index`.
+    Pinned { index: usize, bytes: usize },
+    /// Pageable memory, copied synchronously: the fallback when no pinned
+    /// memory could be allocated.
+    Owned(Vec<u8>),
+}
+
+/// The staging pool: buffers, and where this step's captures lie (in order).
 #[derive(Default)]
 struct Staging {
     buffers: Vec<Pinned>,
-    used: Vec<(usize, usize)>,
+    used: Vec<Staged>,
 }
+
+impl Staging {
+    fn in_use(&self, i: usize) -> bool {
+        self.used.iter().any(|u| matches!(u, Staged::Pinned { index, .. } if *index == i))
+    }
+}
+
+/// Pinned chunks that small uploads are copied through, so that
+/// `cuMemcpyHtoDAsync` is asynchronous by definition (from pageable memory
+/// CUDA only says it "might be synchronous"). A chunk's bytes may be
+/// rewritten only once the stream has passed the copies out of it, so the
+/// arena is reset only after a stream sync.
+#[derive(Default)]
+struct Arena {
+    chunks: Vec<Pinned>,
+    /// The chunk being filled, and how far.
+    at: (usize, usize),
+}
+
+/// Uploads up to this size go through the pinned arena; larger ones (weights
+/// at load) are copied from pageable memory and waited for.
+const SMALL_UPLOAD: usize = 1 << 20;
+/// Each arena chunk.
+const ARENA_CHUNK: usize = 4 << 20;
 
 impl Driver {
     /// Opens GPU `ordinal`: its context, a stream, cuBLAS, and every kernel
@@ -133,6 +177,7 @@ impl Driver {
             blas: Mutex::new(Handle(handle)),
             comm: None,
             staging: Mutex::new(Staging::default()),
+            uploads: Mutex::new(Arena::default()),
             rank: 0,
             world: 1,
             info,
@@ -193,14 +238,35 @@ impl Device for Driver {
 
     fn upload(&self, dst: DevPtr, src: &[u8]) -> Result<(), CudaError> {
         self.bind()?;
-        // SAFETY: `dst` holds `src.len()` bytes (the backend checks sizes before
-        // copying). `src` is pageable memory (a Vec, a mapped checkpoint), and
-        // from pageable memory cuMemcpyHtoDAsync returns once the bytes are in
-        // the driver's staging memory (CUDA's "API synchronization behavior"),
-        // so `src` may be reused on return without waiting for the stream:
-        // the per-op tables no longer drain the GPU's queue.
+        if src.len() > SMALL_UPLOAD {
+            // SAFETY: `dst` holds `src.len()` bytes (the backend checks sizes
+            // before copying); the stream is synchronised before return, so
+            // `src` may be reused.
+            unsafe {
+                result::memcpy_htod_async(dst, src, self.stream.cu_stream())
+                    .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))?;
+            }
+            return self.sync();
+        }
+        let mut arena = self.uploads.lock().unwrap_or_else(|e| e.into_inner());
+        let (mut chunk, mut at) = arena.at;
+        if chunk < arena.chunks.len() && at + src.len() > ARENA_CHUNK {
+            (chunk, at) = (chunk + 1, 0);
+        }
+        if chunk == arena.chunks.len() {
+            arena.chunks.push(Pinned::new(ARENA_CHUNK, &self.ctx)?);
+        }
+        arena.at = (chunk, at + src.len().next_multiple_of(256));
+        let host = arena.chunks[chunk].ptr.wrapping_add(at);
+        // SAFETY: `host` has `src.len()` bytes left in a pinned chunk that no
+        // queued copy reads (the arena moves forward until a sync); `dst`
+        // holds `src.len()` bytes. The copy is queued in stream order, and
+        // `src` is no longer needed once copied into the chunk.
         unsafe {
-            result::memcpy_htod_async(dst, src, self.stream.cu_stream()).map_err(|e| driver_err("cuMemcpyHtoDAsync", e))
+            std::ptr::copy_nonoverlapping(src.as_ptr(), host, src.len());
+            let staged = std::slice::from_raw_parts(host as *const u8, src.len());
+            result::memcpy_htod_async(dst, staged, self.stream.cu_stream())
+                .map_err(|e| driver_err("cuMemcpyHtoDAsync", e))
         }
     }
 
@@ -217,22 +283,36 @@ impl Device for Driver {
     fn stage(&self, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
         self.bind()?;
         let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        // The smallest free buffer that fits, else a new one (a step's
-        // captures are the same sizes step after step, so this settles).
+        // The smallest free buffer that fits, else a new one in place of the
+        // free ones too small (a step's captures are the same sizes step
+        // after step, so the pool settles at one buffer per capture point).
         let free = (0..st.buffers.len())
-            .filter(|i| st.buffers[*i].cap >= bytes && !st.used.iter().any(|(u, _)| u == i))
-            .min_by_key(|i| st.buffers[*i].cap);
-        let i = match free {
+            .filter(|&i| st.buffers[i].cap >= bytes && !st.in_use(i))
+            .min_by_key(|&i| st.buffers[i].cap);
+        let index = match free {
             Some(i) => i,
             None => {
-                // SAFETY: a plain page-locked allocation in this context.
-                let ptr = unsafe { result::malloc_host(bytes.max(1), 0) }
-                    .map_err(|e| driver_err(&format!("cuMemHostAlloc({bytes} bytes)"), e))?;
-                st.buffers.push(Pinned { ptr: ptr as *mut u8, cap: bytes.max(1), ctx: self.ctx.clone() });
-                st.buffers.len() - 1
+                if st.used.is_empty() {
+                    st.buffers.clear(); // none in use: all are too small
+                }
+                match Pinned::new(bytes, &self.ctx) {
+                    Ok(p) => {
+                        st.buffers.push(p);
+                        st.buffers.len() - 1
+                    }
+                    Err(e) => {
+                        // No page-locked memory left: copy this one the slow way.
+                        tracing::warn!("cuda: capture staged through pageable memory: {e}");
+                        let mut v = vec![0u8; bytes];
+                        drop(st);
+                        self.download(src, &mut v)?;
+                        self.staging.lock().unwrap_or_else(|e| e.into_inner()).used.push(Staged::Owned(v));
+                        return Ok(());
+                    }
+                }
             }
         };
-        let dst = st.buffers[i].ptr;
+        let dst = st.buffers[index].ptr;
         // SAFETY: `dst` is pinned host memory of at least `bytes`, untouched by
         // the host until `collect` has waited for the stream; `src` holds
         // `bytes` (the backend checks sizes before staging).
@@ -241,7 +321,7 @@ impl Device for Driver {
             result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
                 .map_err(|e| driver_err("cuMemcpyDtoHAsync (capture)", e))?;
         }
-        st.used.push((i, bytes));
+        st.used.push(Staged::Pinned { index, bytes });
         Ok(())
     }
 
@@ -249,10 +329,15 @@ impl Device for Driver {
         self.sync()?;
         let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let used = std::mem::take(&mut st.used);
-        // SAFETY: the stream is synchronised: every staged copy has landed.
         let parts: Vec<&[u8]> = used
             .iter()
-            .map(|&(i, n)| unsafe { std::slice::from_raw_parts(st.buffers[i].ptr as *const u8, n) })
+            .map(|u| match u {
+                // SAFETY: the stream is synchronised: every staged copy has landed.
+                Staged::Pinned { index, bytes } => unsafe {
+                    std::slice::from_raw_parts(st.buffers[*index].ptr as *const u8, *bytes)
+                },
+                Staged::Owned(v) => v.as_slice(),
+            })
             .collect();
         f(&parts);
         Ok(())
@@ -357,7 +442,10 @@ impl Device for Driver {
     }
 
     fn sync(&self) -> Result<(), CudaError> {
-        self.stream.synchronize().map_err(|e| driver_err("cuStreamSynchronize", e))
+        self.stream.synchronize().map_err(|e| driver_err("cuStreamSynchronize", e))?;
+        // Every copy out of the upload arena has run: it can be refilled.
+        self.uploads.lock().unwrap_or_else(|e| e.into_inner()).at = (0, 0);
+        Ok(())
     }
 
     fn rank(&self) -> (usize, usize) {
@@ -413,6 +501,8 @@ impl Driver {
 impl Drop for Driver {
     fn drop(&mut self) {
         let _ = self.bind();
+        // Nothing queued may still read or write what is freed below.
+        let _ = self.stream.synchronize();
         if let Some(c) = self.comm.take() {
             // SAFETY: the communicator is destroyed once, after its last use.
             let _ = unsafe { cudarc::nccl::result::comm_destroy(c.into_inner().unwrap_or_else(|e| e.into_inner()).0) };

@@ -364,7 +364,8 @@ struct ExtractArgs {
     backend: BackendArg,
     /// GPUs of --backend cuda, one per tensor-parallel rank in rank order
     /// (`0,1,2,3` with --tp 4). Default: from the launcher's local rank r
-    /// (LOCAL_RANK, SLURM_LOCALID), GPUs r·tp..r·tp+tp; else GPUs 0..tp.
+    /// (LOCAL_RANK, SLURM_LOCALID), GPUs r·tp..r·tp+tp, unless
+    /// CUDA_VISIBLE_DEVICES shows fewer; else GPUs 0..tp.
     #[arg(long, value_name = "IDS", value_delimiter = ',')]
     devices: Vec<usize>,
     /// The dtype of GEMM and attention inputs. Recorded in the manifest with
@@ -668,18 +669,18 @@ fn print_prepare(s: &Summary) {
 /// The GPUs of this process when `--devices` is not given, from the
 /// launcher's local rank: torchrun's `LOCAL_RANK` or Slurm's `SLURM_LOCALID`
 /// (process `r` of a node takes GPUs `r·tp .. r·tp + tp`). `None` (GPUs
-/// `0..tp`) without a local rank, or when `CUDA_VISIBLE_DEVICES` already
-/// shows this process exactly `tp` GPUs (the launcher gave each its own).
+/// `0..tp`) without a local rank, or when `CUDA_VISIBLE_DEVICES` shows this
+/// process fewer than `(r + 1)·tp` GPUs: then the launcher gave each process
+/// its own (Slurm's `--gpus-per-task`), numbered from 0.
 fn launcher_gpus(tp: usize, env: impl Fn(&str) -> Option<String>) -> Result<Option<(Vec<usize>, String)>, String> {
-    if let Some(visible) = env("CUDA_VISIBLE_DEVICES") {
-        if visible.split(',').filter(|g| !g.trim().is_empty()).count() == tp {
-            return Ok(None);
-        }
-    }
+    let visible = env("CUDA_VISIBLE_DEVICES").map(|v| v.split(',').filter(|g| !g.trim().is_empty()).count());
     for var in ["LOCAL_RANK", "SLURM_LOCALID"] {
         let Some(v) = env(var).filter(|v| !v.trim().is_empty()) else { continue };
         let r: usize =
             v.trim().parse().map_err(|_| format!("{var}={v:?} is not a local rank (a non-negative integer)"))?;
+        if visible.is_some_and(|n| n < (r + 1) * tp) {
+            return Ok(None);
+        }
         return Ok(Some(((r * tp..r * tp + tp).collect(), format!("{var}={r}"))));
     }
     Ok(None)
@@ -875,6 +876,9 @@ mod tests {
         assert_eq!(launcher_gpus(2, env(&own)), Ok(None));
         let all = [("LOCAL_RANK", "3"), ("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")];
         assert_eq!(launcher_gpus(2, env(&all)), Ok(Some((vec![6, 7], "LOCAL_RANK=3".into()))));
+        // Slurm --gpus-per-task=2 with --tp 1: each task sees its own two, from 0.
+        let per_task = [("SLURM_LOCALID", "2"), ("CUDA_VISIBLE_DEVICES", "4,5")];
+        assert_eq!(launcher_gpus(1, env(&per_task)), Ok(None));
         let e = launcher_gpus(1, env(&[("LOCAL_RANK", "x")])).unwrap_err();
         assert!(e.contains("LOCAL_RANK=\"x\""), "{e}");
     }
