@@ -174,3 +174,26 @@ fn a_rank_failing_mid_step_does_not_hang_its_peers() {
         }
     }
 }
+
+/// Experts run in chunks bounded by scratch memory: one expert per chunk (a
+/// budget of one byte) gives the same bits as all in one grouped launch.
+#[test]
+fn expert_chunks_do_not_change_the_states() {
+    if !gxx_or_skip("expert_chunks_do_not_change_the_states") {
+        return;
+    }
+    for name in ["deepseek-v3", "kimi-k2-int4"] {
+        let dir = fixture(name);
+        let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
+        let batch = whole(name);
+        let states = |budget: usize| {
+            let AnyConfig::Deepseek(c) = AnyConfig::read(&dir).unwrap() else { panic!("{name} is a DeepSeek fixture") };
+            let b = Emu::<Bf16>::new(Emulated::default(), vec![0]).moe_scratch(budget);
+            let ckpt = Checkpoint::open_scoped(&dir, AnyConfig::read(&dir).unwrap().tensor_prefix()).unwrap();
+            let m = Deepseek::<usize, Emu<Bf16>>::from_checkpoint_on(b, c, &ckpt).unwrap();
+            m.forward_step(&batch, &set, &mut Default::default()).unwrap()
+        };
+        let (one, each) = (states(1 << 30), states(1));
+        assert!(one.as_slice() == each.as_slice(), "{name}: chunking the experts changed the states");
+    }
+}

@@ -216,6 +216,8 @@ pub struct Cuda<C: ComputeDtype = F32, D: Device = Driver> {
     staged: Mutex<Vec<usize>>,
     /// What a failed rank sums to keep its peers' all-reduces going, and its length in f32.
     spare: Mutex<Option<(D::Mem, usize)>>,
+    /// Scratch bytes a chunk of experts may take (see `experts_grouped`).
+    moe_scratch: usize,
     _compute: PhantomData<C>,
 }
 
@@ -260,8 +262,17 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             failed: Mutex::new(None),
             staged: Mutex::new(Vec::new()),
             spare: Mutex::new(None),
+            moe_scratch: 1 << 30,
             _compute: PhantomData,
         }
+    }
+
+    /// Bounds the scratch one chunk of MoE experts takes (default 1 GiB):
+    /// its rows' activations and its experts' expanded FP8/INT4 weights.
+    /// Smaller chunks mean more, smaller grouped GEMM launches.
+    pub fn moe_scratch(mut self, bytes: usize) -> Self {
+        self.moe_scratch = bytes;
+        self
     }
 
     /// The device.
@@ -480,17 +491,32 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             (x, GemmType::F32)
         };
         let w = match &l.w {
+            Weight::Quant { .. } => {
+                let es = if bf16_inputs { 2 } else { 4 };
+                self.ensure(&mut s.wexp, out * inp * es)?;
+                self.weight_operand(l, bf16_inputs, s.wexp.ptr)?
+            }
+            _ => self.weight_operand(l, bf16_inputs, 0)?,
+        };
+        self.dev.gemm(&Gemm::linear(w, xin, y, rows, out, inp, accumulate))
+    }
+
+    /// Where a GEMM reads `l`'s weight: resident as stored, or (FP8/INT4)
+    /// expanded by a dequantising kernel into `dst`, which holds `rows · cols`
+    /// values of the GEMM's input type.
+    fn weight_operand(&self, l: &Linear<D>, bf16_inputs: bool, dst: DevPtr) -> Result<(DevPtr, GemmType), CudaError> {
+        Ok(match &l.w {
             Weight::F32(b) => (b.ptr, GemmType::F32),
             Weight::Bf16(b) => (b.ptr, GemmType::Bf16),
             Weight::Quant { kind, codes, scales, colseg, segments } => {
-                let (ty, es) = if bf16_inputs { (GemmType::Bf16, 2) } else { (GemmType::F32, 4) };
-                self.ensure(&mut s.wexp, out * inp * es)?;
+                let ty = if bf16_inputs { GemmType::Bf16 } else { GemmType::F32 };
                 let name = match (kind, ty) {
                     (QuantKind::Fp8, GemmType::Bf16) => "dequant_fp8_bf16",
                     (QuantKind::Fp8, GemmType::F32) => "dequant_fp8_f32",
                     (_, GemmType::Bf16) => "dequant_int4_bf16",
                     (_, GemmType::F32) => "dequant_int4_f32",
                 };
+                let (out, inp) = (l.rows, l.cols);
                 let args = [
                     Arg::Ptr(codes.ptr),
                     Arg::Ptr(scales.ptr),
@@ -498,13 +524,115 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     Arg::int(out),
                     Arg::int(inp),
                     Arg::int(*segments),
-                    Arg::Ptr(s.wexp.ptr),
+                    Arg::Ptr(dst),
                 ];
                 self.dev.launch(name, elementwise(out * inp), &args)?;
-                (s.wexp.ptr, ty)
+                (dst, ty)
             }
-        };
-        self.dev.gemm(&Gemm::linear(w, xin, y, rows, out, inp, accumulate))
+        })
+    }
+
+    /// The routed experts' gated MLPs over the rows each received (expert
+    /// `e`'s rows `starts[e]..starts[e + 1]` of `xe`, results into the same
+    /// rows of `ye`): per chunk of experts, their gate/up GEMMs in one grouped
+    /// launch, one SwiGLU over all the chunk's rows, their down GEMMs in
+    /// another. A chunk is bounded by the scratch it needs (its rows'
+    /// activations, and its experts' FP8/INT4 weights expanded), so memory
+    /// does not grow with the number of experts.
+    fn experts_grouped(
+        &self,
+        experts: &[GatedLinear<Self>],
+        starts: &[usize],
+        xe: DevPtr,
+        ye: DevPtr,
+    ) -> Result<(), CudaError> {
+        let budget = self.moe_scratch;
+        let Some(first) = experts.first() else { return Ok(()) };
+        let (h, inter, h_out) = (first.gate_up_proj.cols, first.down_proj.cols, first.down_proj.rows);
+        let bf16_inputs = C::COMPUTE == crate::backend::Compute::Bf16 && !first.gate_up_proj.f32_inputs;
+        let es = if bf16_inputs { 2 } else { 4 };
+        let quant = experts
+            .iter()
+            .any(|m| matches!(m.gate_up_proj.w, Weight::Quant { .. }) || matches!(m.down_proj.w, Weight::Quant { .. }));
+        let per_expert = 2 * inter * h * es; // the larger of gate/up and down, expanded
+        let max_experts = if quant { (budget / per_expert).max(1) } else { usize::MAX };
+        let max_rows = (budget / (3 * inter * 4)).max(1);
+        let active: Vec<usize> = (0..experts.len()).filter(|&e| starts[e + 1] > starts[e]).collect();
+        let mut at = 0;
+        while at < active.len() {
+            // The chunk: at least one expert, then while the budgets hold.
+            let mut end = at + 1;
+            while end < active.len()
+                && end - at < max_experts
+                && starts[active[end] + 1] - starts[active[at]] <= max_rows
+            {
+                end += 1;
+            }
+            let chunk = &active[at..end];
+            at = end;
+            let r0 = starts[chunk[0]];
+            let rows = starts[chunk[chunk.len() - 1] + 1] - r0;
+            let mut s = self.scratch()?;
+            let s = s.as_mut().expect("scratch made");
+            self.ensure(&mut s.moe[3], rows * 2 * inter * 4)?;
+            self.ensure(&mut s.moe[4], rows * inter * 4)?;
+            let (gu, act) = (s.moe[3].ptr, s.moe[4].ptr);
+            if quant {
+                self.ensure(&mut s.wexp, chunk.len() * per_expert)?;
+            }
+            // One projection of every expert in the chunk: `x` holds the
+            // chunk's rows of width `inp`, `y` receives them at width `out`.
+            // `down`: the row-parallel down projection, whose bias rank 0 alone adds.
+            let mut project = |down: bool, x: DevPtr, inp: usize, y: DevPtr, out: usize| -> Result<(), CudaError> {
+                fn pick<B: Backend>(m: &GatedLinear<B>, down: bool) -> &B::Linear {
+                    if down {
+                        &m.down_proj
+                    } else {
+                        &m.gate_up_proj
+                    }
+                }
+                let xin = if bf16_inputs {
+                    self.ensure(&mut s.xb, rows * inp * 2)?;
+                    let args =
+                        [Arg::Ptr(x), Arg::int(rows), Arg::int(inp), Arg::I32(0), Arg::int(inp), Arg::Ptr(s.xb.ptr)];
+                    self.dev.launch("to_bf16", elementwise(rows * inp), &args)?;
+                    (s.xb.ptr, GemmType::Bf16)
+                } else {
+                    (x, GemmType::F32)
+                };
+                let mut gemms = Vec::with_capacity(chunk.len());
+                for (j, &e) in chunk.iter().enumerate() {
+                    let l = pick(&experts[e], down);
+                    let w = self.weight_operand(l, bf16_inputs, s.wexp.ptr + (j * per_expert) as u64)?;
+                    let (off, n) = (starts[e] - r0, starts[e + 1] - starts[e]);
+                    let xe = (xin.0 + (off * inp * if bf16_inputs { 2 } else { 4 }) as u64, xin.1);
+                    gemms.push(Gemm::linear(w, xe, y + (off * out * 4) as u64, n, out, inp, false));
+                }
+                self.dev.gemm_grouped(&gemms)?;
+                for &e in chunk {
+                    let l = pick(&experts[e], down);
+                    // A row-parallel bias counts once over the group: rank 0 adds it (as in `gated`).
+                    let bias = if down {
+                        l.bias.as_ref().or(l.post_bias.as_ref()).filter(|_| self.rank() == 0)
+                    } else {
+                        l.bias.as_ref()
+                    };
+                    if let Some(b) = bias {
+                        let off = starts[e] - r0;
+                        self.add_bias(y + (off * out * 4) as u64, b, starts[e + 1] - starts[e], out)?;
+                    }
+                }
+                Ok(())
+            };
+            project(false, xe + (r0 * h * 4) as u64, h, gu, 2 * inter)?;
+            self.dev.launch(
+                "swiglu",
+                elementwise(rows * inter),
+                &[Arg::Ptr(gu), Arg::int(rows), Arg::int(inter), Arg::Ptr(act)],
+            )?;
+            project(true, act, inter, ye + (r0 * h_out * 4) as u64, h_out)?;
+        }
+        Ok(())
     }
 
     fn add_bias(&self, y: DevPtr, b: &Bytes<D>, rows: usize, width: usize) -> Result<(), CudaError> {
@@ -676,7 +804,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         let ordinals: Vec<usize> =
             if self.ordinals.len() >= n { self.ordinals[..n].to_vec() } else { (0..n).collect() };
         let devs = self.dev.group(&ordinals).map_err(|e| BackendError::Device(e.to_string()))?;
-        Ok(devs.into_iter().map(|d| Cuda::new(d, ordinals.clone())).collect())
+        Ok(devs.into_iter().map(|d| Cuda::new(d, ordinals.clone()).moe_scratch(self.moe_scratch)).collect())
     }
 
     fn alloc(&self, len: usize) -> Buf<D> {
@@ -1040,13 +1168,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             let srcp = self.upload_table(0, bytemuck::cast_slice(&src))?;
             let args = [Arg::Ptr(x.storage().ptr), Arg::Ptr(srcp), Arg::int(t * k), Arg::int(h), Arg::Ptr(xe)];
             self.dev.launch("gather_rows", elementwise(t * k * h), &args)?;
-            for (e, m) in experts.iter().enumerate() {
-                let (r0, r1) = (starts[e], starts[e + 1]);
-                if r1 > r0 {
-                    let at = ((r0 * h) * 4) as u64;
-                    self.gated(m, xe + at, r1 - r0, ye + at)?;
-                }
-            }
+            self.experts_grouped(experts, &starts, xe, ye)?;
             if let Some(m) = shared {
                 self.gated(m, x.storage().ptr, t, sh)?;
             }

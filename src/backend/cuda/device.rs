@@ -152,6 +152,12 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn launch(&self, name: &str, cfg: Launch, args: &[Arg]) -> Result<(), CudaError>;
     /// A GEMM (cuBLAS semantics).
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError>;
+    /// Independent GEMMs of one operand type each (a MoE layer's experts
+    /// over the rows each received), in one launch where the device can;
+    /// the same results as [`Device::gemm`] on each, in any order.
+    fn gemm_grouped(&self, gs: &[Gemm]) -> Result<(), CudaError> {
+        gs.iter().try_for_each(|g| self.gemm(g))
+    }
     /// Sums `count` f32 at `ptr` over the group's ranks, in place. On GPUs:
     /// NCCL with its algorithm and protocol fixed, the same bits run to run on
     /// one machine, but not summed in rank order (unlike the CPU backend), so

@@ -38,6 +38,10 @@ pub struct Driver {
     staging: Mutex<Staging>,
     /// Pinned host memory small uploads go through; reset at each stream sync.
     uploads: Mutex<Arena>,
+    /// Whether `cublasGemmGroupedBatchedEx` is used (cuBLAS 12.5+; off for
+    /// good after it refuses a call), and the device array of its pointers.
+    grouped: std::sync::atomic::AtomicBool,
+    grouped_ptrs: Mutex<Option<(Mem, usize)>>,
     rank: usize,
     world: usize,
     /// The GPU's index, name and architecture.
@@ -164,6 +168,10 @@ impl Driver {
             modules.push(module);
         }
         let handle = cudarc::cublas::result::create_handle().map_err(|e| driver_err("cublasCreate", e))?;
+        // Grouped GEMMs arrived in cuBLAS 12.5 (cudarc panics on a missing symbol, so ask first).
+        let mut version = 0;
+        // SAFETY: a live handle; `version` is a live local.
+        let grouped = unsafe { blas::cublasGetVersion_v2(handle, &mut version) }.result().is_ok() && version >= 120500;
         // SAFETY: a live handle and stream of this context.
         unsafe {
             cudarc::cublas::result::set_stream(handle, stream.cu_stream() as blas::cudaStream_t)
@@ -178,6 +186,8 @@ impl Driver {
             comm: None,
             staging: Mutex::new(Staging::default()),
             uploads: Mutex::new(Arena::default()),
+            grouped: std::sync::atomic::AtomicBool::new(grouped),
+            grouped_ptrs: Mutex::new(None),
             rank: 0,
             world: 1,
             info,
@@ -419,6 +429,85 @@ impl Device for Driver {
             )
         }
         .map_err(|e| driver_err("cublasGemmEx", e))
+    }
+
+    fn gemm_grouped(&self, gs: &[Gemm]) -> Result<(), CudaError> {
+        use std::sync::atomic::Ordering;
+        let gs: Vec<&Gemm> = gs.iter().filter(|g| g.m > 0 && g.n > 0).collect();
+        let one_type = gs.windows(2).all(|w| w[0].a.1 == w[1].a.1 && w[0].b.1 == w[1].b.1);
+        if gs.len() < 2 || !one_type || !self.grouped.load(Ordering::Relaxed) {
+            return gs.iter().try_for_each(|g| self.gemm(g));
+        }
+        self.bind()?;
+        let n = gs.len();
+        let dim = |v: usize| {
+            i32::try_from(v).map_err(|_| driver_err("cublasGemmGroupedBatchedEx", format!("dimension {v} exceeds int")))
+        };
+        // The A, B and C pointers, in device memory as cuBLAS reads them.
+        let ptrs: Vec<u64> =
+            gs.iter().map(|g| g.a.0).chain(gs.iter().map(|g| g.b.0)).chain(gs.iter().map(|g| g.c.0)).collect();
+        let table = {
+            let mut t = self.grouped_ptrs.lock().unwrap_or_else(|e| e.into_inner());
+            if t.as_ref().is_none_or(|(_, cap)| *cap < ptrs.len()) {
+                *t = None; // freed in stream order, after the calls that read it
+                let bytes = ptrs.len().next_power_of_two() * 8;
+                *t = Some((self.alloc(bytes)?, bytes / 8));
+            }
+            t.as_ref().expect("made above").0.ptr
+        };
+        self.upload(table, bytemuck::cast_slice(&ptrs))?;
+        let op = |t| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
+        let ta: Vec<_> = gs.iter().map(|g| op(g.trans_a)).collect();
+        let tb: Vec<_> = gs.iter().map(|g| op(g.trans_b)).collect();
+        let col = |f: &dyn Fn(&Gemm) -> usize| gs.iter().map(|g| dim(f(g))).collect::<Result<Vec<i32>, _>>();
+        let (m, nn, k) = (col(&|g| g.m)?, col(&|g| g.n)?, col(&|g| g.k)?);
+        let (lda, ldb, ldc) = (col(&|g| g.a.2)?, col(&|g| g.b.2)?, col(&|g| g.c.1)?);
+        let alpha: Vec<f32> = gs.iter().map(|g| g.alpha).collect();
+        let beta: Vec<f32> = gs.iter().map(|g| g.beta).collect();
+        let sizes = vec![1i32; n];
+        let compute = if gs[0].a.1 == GemmType::F32 && gs[0].b.1 == GemmType::F32 {
+            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
+        } else {
+            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let h = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: one group per GEMM (`sizes`), every host array of length
+        // `n`; the device table holds the n A, then B, then C pointers, each
+        // to the extents its sizes and leading dimension name (checked by the
+        // backend), and is read in stream order after its upload.
+        let status = unsafe {
+            blas::cublasGemmGroupedBatchedEx(
+                h.0,
+                ta.as_ptr(),
+                tb.as_ptr(),
+                m.as_ptr(),
+                nn.as_ptr(),
+                k.as_ptr(),
+                alpha.as_ptr() as *const c_void,
+                table as *const *const c_void,
+                data_type(gs[0].a.1),
+                lda.as_ptr(),
+                (table + 8 * n as u64) as *const *const c_void,
+                data_type(gs[0].b.1),
+                ldb.as_ptr(),
+                beta.as_ptr() as *const c_void,
+                (table + 16 * n as u64) as *const *mut c_void,
+                blas::cudaDataType::CUDA_R_32F,
+                ldc.as_ptr(),
+                n as i32,
+                sizes.as_ptr(),
+                compute,
+            )
+        };
+        drop(h);
+        if let Err(e) = status.result() {
+            // Refused (this cuBLAS takes no f32 output or pedantic compute
+            // here, say): one GEMM each, from now on.
+            tracing::warn!("cuda: cublasGemmGroupedBatchedEx refused ({e:?}): experts run one GEMM each");
+            self.grouped.store(false, Ordering::Relaxed);
+            return gs.iter().try_for_each(|g| self.gemm(g));
+        }
+        Ok(())
     }
 
     fn all_reduce(&self, ptr: DevPtr, count: usize) -> Result<(), CudaError> {
