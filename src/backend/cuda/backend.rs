@@ -611,7 +611,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 self.dev.gemm_grouped(&gemms)?;
                 for &e in chunk {
                     let l = pick(&experts[e], down);
-                    // A row-parallel bias counts once over the group: rank 0 adds it (as in `gated`).
+                    // A row-parallel bias counts once over the group: rank 0 adds it.
                     let bias = if down {
                         l.bias.as_ref().or(l.post_bias.as_ref()).filter(|_| self.rank() == 0)
                     } else {
@@ -638,35 +638,6 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
     fn add_bias(&self, y: DevPtr, b: &Bytes<D>, rows: usize, width: usize) -> Result<(), CudaError> {
         let args = [Arg::Ptr(y), Arg::Ptr(b.ptr), Arg::int(rows), Arg::int(width)];
         self.dev.launch("add_bias", elementwise(rows * width), &args)
-    }
-
-    /// One gated MLP over `rows` rows at `x`, into `y` (`[rows, hidden]`),
-    /// with scratch `gu` and `act`: no all-reduce (the MoE op reduces once).
-    fn gated(&self, m: &GatedLinear<Self>, x: DevPtr, rows: usize, y: DevPtr) -> Result<(), CudaError> {
-        let inter = m.down_proj.cols;
-        let (gu, act) = {
-            let mut s = self.scratch()?;
-            let s = s.as_mut().expect("scratch made");
-            self.ensure(&mut s.moe[3], rows * 2 * inter * 4)?;
-            self.ensure(&mut s.moe[4], rows * inter * 4)?;
-            (s.moe[3].ptr, s.moe[4].ptr)
-        };
-        self.gemm_rows(&m.gate_up_proj, x, rows, gu, false)?;
-        if let Some(b) = &m.gate_up_proj.bias {
-            self.add_bias(gu, b, rows, 2 * inter)?;
-        }
-        self.dev.launch(
-            "swiglu",
-            elementwise(rows * inter),
-            &[Arg::Ptr(gu), Arg::int(rows), Arg::int(inter), Arg::Ptr(act)],
-        )?;
-        self.gemm_rows(&m.down_proj, act, rows, y, false)?;
-        // A row-parallel bias counts once over the group: rank 0 adds it.
-        let bias = m.down_proj.bias.as_ref().or(m.down_proj.post_bias.as_ref()).filter(|_| self.rank() == 0);
-        if let Some(b) = bias {
-            self.add_bias(y, b, rows, m.down_proj.rows)?;
-        }
-        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1170,7 +1141,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             self.dev.launch("gather_rows", elementwise(t * k * h), &args)?;
             self.experts_grouped(experts, &starts, xe, ye)?;
             if let Some(m) = shared {
-                self.gated(m, x.storage().ptr, t, sh)?;
+                // The shared expert: one more expert, over every token.
+                self.experts_grouped(std::slice::from_ref(m), &[0, t], x.storage().ptr, sh)?;
             }
             let slotp = self.upload_table(1, bytemuck::cast_slice(&slot))?;
             let args = [
