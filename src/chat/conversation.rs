@@ -71,6 +71,8 @@ impl Conversation {
         };
         let list = messages.as_array().ok_or_else(|| format!("`{field}` must be a list of messages"))?;
         let mut c = Conversation::default();
+        // Names already listed in `unknown_roles`: one lookup per message, whatever their number.
+        let mut unknown = std::collections::HashSet::new();
         for (i, m) in list.iter().enumerate() {
             let m = m.as_object().ok_or_else(|| format!("{field}[{i}] must be an object"))?;
             // speculators reads `from` first, then `role`; `value` first, then `content`.
@@ -85,7 +87,7 @@ impl Conversation {
                 other => return Err(format!("{field}[{i}]: the role must be a string, got {}", short(other))),
             };
             let role = Role::parse(role_name).unwrap_or_else(|| {
-                if !c.unknown_roles.iter().any(|r| r == role_name) {
+                if unknown.insert(role_name) {
                     c.unknown_roles.push(role_name.to_string());
                 }
                 Role::Assistant

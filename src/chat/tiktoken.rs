@@ -60,6 +60,11 @@ impl Tiktoken {
         }
         let pattern = fancy_regex::Regex::new(pattern)
             .map_err(|e| ChatError::Tokenizer(format!("pre-tokenisation pattern: {e}")))?;
+        if let Some((_, id)) = specials.iter().find(|(s, _)| s.is_empty()) {
+            return Err(ChatError::Tokenizer(format!(
+                "special token {id} has an empty text: it would match between every two characters; remove it"
+            )));
+        }
         let mut specials = specials;
         // Longest first, so that of two specials starting at one place the longer wins.
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));

@@ -51,7 +51,7 @@ impl Tokenizer {
     pub fn load(dir: &Path, config: &serde_json::Value) -> Result<Self, ChatError> {
         let json = dir.join(FILES[0]);
         if json.is_file() {
-            let text = read(&json)?;
+            let text = checked_json(&read(&json)?, &json.display().to_string())?;
             let mut t = tokenizers::Tokenizer::from_bytes(text.as_bytes())
                 .map_err(|e| ChatError::Tokenizer(format!("{}: {e}", json.display())))?;
             // transformers tokenizes chat text without the file's truncation or padding.
@@ -85,6 +85,9 @@ impl Tokenizer {
                 let content = tok.get("content").and_then(|c| c.as_str()).ok_or_else(|| {
                     ChatError::Tokenizer(format!("added_tokens_decoder[{id}] has no string `content`"))
                 })?;
+                if content.is_empty() {
+                    return Err(empty_special(&format!("tokenizer_config.json: added_tokens_decoder[{id}]")));
+                }
                 named.insert(id, content.to_string());
             }
         }
@@ -118,6 +121,44 @@ impl Tokenizer {
             }
             Tokenizer::Tiktoken(t) => t.encode(text, &mut out.ids, &mut out.spans),
         }
+    }
+}
+
+/// An added token whose text is empty: it would match between every two
+/// characters, putting its id between them.
+fn empty_special(at: &str) -> ChatError {
+    ChatError::Tokenizer(format!(
+        "{at} has an empty `content`: an empty special token would match between every two characters of \
+         the text; remove the entry"
+    ))
+}
+
+/// `tokenizer.json` checked before the `tokenizers` crate reads it: no
+/// empty added token, and no BPE dropout. transformers applies dropout at
+/// every encode, so two runs (or a run and its resume) would tokenize the
+/// same text differently: it is turned off, with one warning naming the value.
+fn checked_json(text: &str, name: &str) -> Result<String, ChatError> {
+    let mut v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| ChatError::Tokenizer(format!("{name}: {e}")))?;
+    if let Some(list) = v.get("added_tokens").and_then(|a| a.as_array()) {
+        for (i, t) in list.iter().enumerate() {
+            if t.get("content").and_then(|c| c.as_str()) == Some("") {
+                let id = t.get("id").map_or_else(|| "?".to_string(), |id| id.to_string());
+                return Err(empty_special(&format!("{name}: added_tokens[{i}] (id {id})")));
+            }
+        }
+    }
+    let dropout = v.pointer_mut("/model/dropout");
+    match dropout {
+        Some(d) if d.as_f64().is_some_and(|p| p > 0.0) => {
+            tracing::warn!(
+                "{name}: the BPE model sets dropout {d}, which makes tokenization random; Strata ignores it \
+                 (an extraction must be reproducible, and a resume must not splice two tokenizations)"
+            );
+            *d = serde_json::Value::Null;
+            Ok(v.to_string())
+        }
+        _ => Ok(text.to_string()),
     }
 }
 

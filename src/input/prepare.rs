@@ -48,9 +48,14 @@ pub struct PrepareStats {
     pub truncated: usize,
     /// Rows left out as longer than the limit (`--skip-long`).
     pub skipped_long: usize,
-    /// Role names not known, counted as assistant.
+    /// The first [`NAMED_ROLES`] role names not known (counted as assistant), in input order.
     pub unknown_roles: Vec<String>,
+    /// Distinct role names not known, all of them.
+    pub unknown_role_count: usize,
 }
+
+/// Unknown role names warned about and listed in the summary at most; the rest are counted.
+pub const NAMED_ROLES: usize = 20;
 
 /// Why a text or conversation record cannot be tokenized.
 fn needs_tokenizer(what: &str, why: &str) -> String {
@@ -99,7 +104,8 @@ impl Prepared {
             .stack_size(64 << 20)
             .spawn(move || {
                 let rendered = opts.after_start;
-                Worker { records, chat, opts, name, stats: s, format: f, tx, row: 0, rendered }.run()
+                let roles_seen = Default::default();
+                Worker { records, chat, opts, name, stats: s, format: f, tx, roles_seen, row: 0, rendered }.run()
             })
             .map_err(|cause| SourceError::Io { path: "(prepare thread)".into(), cause })?;
         Ok(Prepared { rx, consumed: InputPos::default(), stats, format, thread: Some(thread), ended: false })
@@ -175,6 +181,8 @@ struct Worker {
     stats: Arc<Mutex<PrepareStats>>,
     format: Arc<Mutex<InputFormat>>,
     tx: SyncSender<Msg>,
+    // Unknown role names seen (128-bit hashes, 16 bytes a name whatever its length).
+    roles_seen: std::collections::HashSet<u128>,
     // Rows emitted so far: the next sample's index.
     row: usize,
     // Whether a conversation has rendered yet.
@@ -269,13 +277,20 @@ impl Worker {
     fn conversation(&mut self, item: &Item, base: String, conv: Conversation) -> Result<Vec<Sample>, SourceError> {
         let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs_tokenizer("conversations", &why)))?;
         let mut renderer = chat.renderer().map_err(|e| self.line_err(item.line, e.to_string()))?;
-        {
-            let mut st = self.stats();
-            st.conversations += 1;
-            for r in &conv.unknown_roles {
-                if !st.unknown_roles.contains(r) {
-                    tracing::warn!(role = %r, "unknown role, counted as assistant");
-                    st.unknown_roles.push(r.clone());
+        self.stats().conversations += 1;
+        for r in &conv.unknown_roles {
+            if self.roles_seen.insert(xxhash_rust::xxh3::xxh3_128(r.as_bytes())) {
+                let mut st = self.stats();
+                st.unknown_role_count += 1;
+                match st.unknown_role_count {
+                    n if n <= NAMED_ROLES => {
+                        tracing::warn!(role = %crate::quote(r), "unknown role, counted as assistant");
+                        st.unknown_roles.push(crate::clip(r, crate::QUOTE_MAX).into_owned());
+                    }
+                    n if n == NAMED_ROLES + 1 => {
+                        tracing::warn!("more unknown roles, counted as assistant too; the summary counts them")
+                    }
+                    _ => {}
                 }
             }
         }

@@ -662,7 +662,9 @@ fn print_prepare(s: &Summary) {
         );
     }
     if !p.unknown_roles.is_empty() {
-        say!("  roles       counted as assistant: {}", p.unknown_roles.join(", "));
+        let more = p.unknown_role_count - p.unknown_roles.len();
+        let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+        say!("  roles       counted as assistant: {}{more}", p.unknown_roles.join(", "));
     }
 }
 
