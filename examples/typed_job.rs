@@ -28,7 +28,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let points = CapturePoint::eagle3(config.num_layers);
     let info = ModelInfo::new(&dir.display().to_string(), &config.info(), &config_json);
     let manifest = Manifest::new(info, &points, DType::BF16, DEFAULT_SHARD_SIZE);
-    let sink = StrataSink::<Layers<4>, Hidden<64>>::open(out.as_ref(), manifest, Layers, Hidden, OpenMode::Overwrite)?;
+    let sink = StrataSink::<Layers<4>, Hidden<64>>::open(
+        std::path::Path::new(&out),
+        manifest,
+        Layers,
+        Hidden,
+        OpenMode::Overwrite,
+    )?;
     let source = JsonlSource::open(&dir.join("data.jsonl"))?;
     let (report, _) = Pipeline::new(source)
         .max_batch_tokens(16)

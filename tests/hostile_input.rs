@@ -63,6 +63,10 @@ fn strata_in(args: &[&str], limit_kb: Option<u64>, secs: u64, env: &[(&str, &str
         }
         None => Command::new(bin),
     };
+    // The test's own environment may hold a launcher's variables: only the given ones count.
+    for v in LAUNCHER_VARS {
+        cmd.env_remove(v);
+    }
     cmd.args(args).envs(env.iter().copied());
     if let Some(d) = cwd {
         cmd.current_dir(d);
@@ -92,6 +96,21 @@ fn strata_in(args: &[&str], limit_kb: Option<u64>, secs: u64, env: &[(&str, &str
     assert!(!stderr.contains("overflowed its stack"), "strata overflowed its stack:\n{stderr}");
     Run { code: status.code(), stdout, stderr, secs }
 }
+
+const LAUNCHER_VARS: [&str; 12] = [
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_ARRAY_TASK_COUNT",
+    "SLURM_ARRAY_TASK_MIN",
+    "SLURM_ARRAY_TASK_STEP",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "JOB_COMPLETION_INDEX",
+    "STRATA_NUM_PARTS",
+];
 
 fn strata(args: &[&str]) -> Run {
     strata_in(args, None, 120, &[], None)
@@ -187,4 +206,257 @@ fn class4_unknown_roles_are_linear_and_warned_once_each_up_to_a_cap() {
     // One warning per name up to the cap, then one line.
     let warnings = b.stderr.lines().filter(|l| l.contains("unknown role")).count();
     assert!(warnings <= 21, "{warnings} warning lines:\n{}", &b.stderr[..b.stderr.len().min(4000)]);
+}
+
+// ---- 8. Planted directory links under --out ------------------------------------------------
+
+/// Token rows for the embedded model.
+fn tokens(path: &Path, n: usize) {
+    common::write_data(path, n, 3..20, 5);
+}
+
+/// `strata extract` of token rows on the embedded model.
+fn extract_tokens<'a>(data: &'a Path, out: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec!["extract", "--capture", "input:1,final", "--data", s(data), "--out", s(out)];
+    a.extend_from_slice(extra);
+    a
+}
+
+/// Every file under `dir` (links not followed), as relative names.
+fn names_under(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> =
+        walk(dir).into_iter().map(|p| p.strip_prefix(dir).unwrap().display().to_string()).collect();
+    v.sort();
+    v
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![];
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        let t = e.file_type().unwrap();
+        if t.is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out
+}
+
+#[test]
+fn class8_links_planted_at_directories_under_out_are_refused_and_nothing_lands_outside() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("in.jsonl");
+    tokens(&data, 6);
+    let elsewhere = tmp.path().join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+
+    // OUT/hidden_states as a link: the speculators writer refuses to enter it.
+    let out = tmp.path().join("spec");
+    std::fs::create_dir_all(&out).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, out.join("hidden_states")).unwrap();
+    let r = strata(&extract_tokens(&data, &out, &["--format", "speculators", "--overwrite"]));
+    r.assert_fails(&["hidden_states", "symbolic link"]);
+    assert!(names_under(&elsewhere).is_empty(), "{:?}", names_under(&elsewhere));
+    assert!(!out.join("manifest.json").exists() || !strata::dataset::manifest::Manifest::read(&out).unwrap().complete);
+
+    // OUT/part-0000-of-0002 as a link: refused before any work, nothing written there.
+    let out = tmp.path().join("parts");
+    std::fs::create_dir_all(&out).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, out.join("part-0000-of-0002")).unwrap();
+    for mode in [&[][..], &["--resume"], &["--overwrite"]] {
+        let r = strata(&extract_tokens(&data, &out, &[&["--part-index", "0", "--num-parts", "2"][..], mode].concat()));
+        r.assert_fails(&["part-0000-of-0002", "symbolic link"]);
+        assert!(names_under(&elsewhere).is_empty(), "{mode:?}: {:?}", names_under(&elsewhere));
+    }
+    // A link inside a part, at hidden_states.
+    let out = tmp.path().join("parts2");
+    std::fs::create_dir_all(out.join("part-0001-of-0002")).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, out.join("part-0001-of-0002/hidden_states")).unwrap();
+    let args = ["--part-index", "1", "--num-parts", "2", "--format", "speculators", "--overwrite"];
+    let r = strata(&extract_tokens(&data, &out, &args));
+    r.assert_fails(&["hidden_states", "symbolic link"]);
+    assert!(names_under(&elsewhere).is_empty(), "{:?}", names_under(&elsewhere));
+
+    // OUT itself may be a link: the run writes into its target.
+    let real = tmp.path().join("real");
+    std::fs::create_dir_all(&real).unwrap();
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    strata(&extract_tokens(&data, &link, &["--format", "speculators"])).assert_ok();
+    assert!(real.join("hidden_states/hs_5.safetensors").is_file());
+}
+
+// ---- 6 and 7. Merge takes only each part's own files, as listed -----------------------------
+
+/// Runs both parts of a 2-part split of `data` into `out` (`extra` flags), then returns nothing; panics on failure.
+fn two_parts(data: &Path, out: &Path, extra: &[&str]) {
+    for i in ["0", "1"] {
+        let a = extract_tokens(data, out, &[&["--part-index", i, "--num-parts", "2"][..], extra].concat());
+        strata(&a).assert_ok();
+    }
+}
+
+fn merge_run(out: &Path, extra: &[&str]) -> Run {
+    strata(&[&["merge", s(out)][..], extra].concat())
+}
+
+/// Edits a part's manifest.
+fn edit_manifest(dir: &Path, f: impl FnOnce(&mut Value)) {
+    let p = dir.join("manifest.json");
+    let mut m: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut m);
+    std::fs::write(&p, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+}
+
+/// No file under `dir` is a hard link to `secret` (the same inode), and no name there holds its bytes.
+fn no_trace_of(dir: &Path, secret: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata(secret).unwrap().ino();
+    let bytes = std::fs::read(secret).unwrap();
+    for p in walk(dir) {
+        let m = std::fs::symlink_metadata(&p).unwrap();
+        assert!(m.ino() != ino, "{} is a link to the secret", p.display());
+        if m.is_file() && !p.starts_with(dir.join("part-0000-of-0002")) && !p.starts_with(dir.join("part-0001-of-0002"))
+        {
+            assert!(std::fs::read(&p).unwrap() != bytes, "{} holds the secret", p.display());
+        }
+    }
+}
+
+#[test]
+fn class6_merge_follows_no_path_out_of_a_part() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("in.jsonl");
+    tokens(&data, 8);
+    let secret = tmp.path().join("secret.txt");
+    std::fs::write(&secret, "top secret").unwrap();
+
+    for format in ["strata", "speculators"] {
+        let out = tmp.path().join(format!("out-{format}"));
+        two_parts(&data, &out, &["--format", format]);
+        let part = out.join("part-0001-of-0002");
+        let file0 = |m: &Value| m["shards"][0]["file"].as_str().unwrap().to_string();
+        let m: Value = serde_json::from_str(&std::fs::read_to_string(part.join("manifest.json")).unwrap()).unwrap();
+        let listed = file0(&m);
+        let good = m.clone();
+        // A `..` path, and an absolute one, in a part's manifest.
+        for bad in ["../../../secret.txt", "../../secret.txt", secret.to_str().unwrap()] {
+            edit_manifest(&part, |m| {
+                m["shards"][0]["file"] = json!(bad);
+                m["shards"][0]["bytes"] = json!(10);
+            });
+            let r = merge_run(&out, &[]);
+            r.assert_fails(&["part-0001-of-0002/", "cannot merge"]);
+            assert!(!out.join("manifest.json").exists(), "{format} {bad}: a merged manifest was written");
+            no_trace_of(&out, &secret);
+        }
+        std::fs::write(part.join("manifest.json"), serde_json::to_string_pretty(&good).unwrap()).unwrap();
+        // A listed file replaced by a link to an outside file of the same size.
+        let real = part.join(&listed);
+        let size = std::fs::metadata(&real).unwrap().len() as usize;
+        let big_secret = tmp.path().join(format!("secret-{format}.bin"));
+        std::fs::write(&big_secret, vec![b's'; size]).unwrap();
+        std::fs::rename(&real, tmp.path().join("moved")).unwrap();
+        std::os::unix::fs::symlink(&big_secret, &real).unwrap();
+        let r = merge_run(&out, &[]);
+        r.assert_fails(&["symbolic link", &listed]);
+        assert!(!out.join("manifest.json").exists());
+        no_trace_of(&out, &big_secret);
+        // A link at a directory on the way (speculators: hidden_states/ of the part).
+        std::fs::remove_file(&real).unwrap();
+        std::fs::rename(tmp.path().join("moved"), &real).unwrap();
+        if format == "speculators" {
+            let hs = part.join("hidden_states");
+            std::fs::rename(&hs, tmp.path().join("hs-moved")).unwrap();
+            std::os::unix::fs::symlink(tmp.path().join("hs-moved"), &hs).unwrap();
+            merge_run(&out, &[]).assert_fails(&["hidden_states", "symbolic link"]);
+            assert!(!out.join("manifest.json").exists());
+            std::fs::remove_file(&hs).unwrap();
+            std::fs::rename(tmp.path().join("hs-moved"), &hs).unwrap();
+        }
+        // Put right, it merges, and verify agrees.
+        merge_run(&out, &[]).assert_ok().assert_says(&["checked", "strata verify"]);
+        assert!(common::verify(&out, &[]).0);
+    }
+}
+
+#[test]
+fn class7_merge_checks_each_listed_files_presence_and_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("in.jsonl");
+    tokens(&data, 8);
+    for format in ["strata", "speculators"] {
+        let out = tmp.path().join(format!("out-{format}"));
+        two_parts(&data, &out, &["--format", format, "--shard-size", "2KiB"]);
+        let part = out.join("part-0000-of-0002");
+        let m: Value = serde_json::from_str(&std::fs::read_to_string(part.join("manifest.json")).unwrap()).unwrap();
+        let listed = m["shards"][0]["file"].as_str().unwrap().to_string();
+        let path = part.join(&listed);
+        let bytes = std::fs::read(&path).unwrap();
+        // Deleted.
+        std::fs::remove_file(&path).unwrap();
+        merge_run(&out, &[]).assert_fails(&[&format!("{listed} is missing"), "--resume"]);
+        assert!(!out.join("manifest.json").exists());
+        // Truncated.
+        std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+        merge_run(&out, &[]).assert_fails(&[&listed, &format!("has {} bytes", bytes.len() / 2)]);
+        assert!(!out.join("manifest.json").exists());
+        // Symlinked out (to a copy of the very bytes).
+        let copy = tmp.path().join(format!("copy-{format}"));
+        std::fs::write(&copy, &bytes).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink(&copy, &path).unwrap();
+        merge_run(&out, &[]).assert_fails(&[&listed, "symbolic link"]);
+        assert!(!out.join("manifest.json").exists());
+        // Whole again: merged, and a resume of the part redoes a missing file.
+        std::fs::remove_file(&path).unwrap();
+        let r = strata(&extract_tokens(
+            &data,
+            &out,
+            &["--part-index", "0", "--num-parts", "2", "--format", format, "--shard-size", "2KiB", "--resume"],
+        ));
+        r.assert_ok();
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
+        merge_run(&out, &[]).assert_ok();
+        assert!(common::verify(&out, &[]).0);
+    }
+}
+
+#[test]
+fn merge_names_a_linked_part_leaves_no_temporary_links_and_checks_the_input_ranges() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("in.jsonl");
+    tokens(&data, 10);
+    let out = tmp.path().join("out");
+    two_parts(&data, &out, &["--format", "speculators"]);
+    // Merged twice: no hidden temporary link is left.
+    merge_run(&out, &[]).assert_ok().assert_says(&["has the digest the part recorded"]);
+    merge_run(&out, &[]).assert_ok();
+    let temps: Vec<String> = names_under(&out).into_iter().filter(|n| n.contains(".merge-")).collect();
+    assert!(temps.is_empty(), "{temps:?}");
+    assert!(common::verify(&out, &[]).0);
+
+    // The input edited after the parts ran (same length): the part whose bytes changed is named.
+    let text = std::fs::read_to_string(&data).unwrap();
+    let edited = text.replacen("\"s00001\"", "\"s0000X\"", 1);
+    assert_eq!(edited.len(), text.len());
+    std::fs::write(&data, &edited).unwrap();
+    merge_run(&out, &[]).assert_fails(&["part-0000-of-0002", "other bytes than the input holds now"]);
+    // The original given with --data: checked against it.
+    let orig = tmp.path().join("orig.jsonl");
+    std::fs::write(&orig, &text).unwrap();
+    merge_run(&out, &["--data", s(&orig)]).assert_ok();
+    // The input gone: merged, saying it could not be checked.
+    std::fs::remove_file(&data).unwrap();
+    merge_run(&out, &[]).assert_ok().assert_says(&["NOT CHECKED", "--data"]);
+
+    // A part directory that is a link: named as a link, not as missing.
+    let moved = tmp.path().join("p1");
+    std::fs::rename(out.join("part-0001-of-0002"), &moved).unwrap();
+    std::os::unix::fs::symlink(&moved, out.join("part-0001-of-0002")).unwrap();
+    let r = merge_run(&out, &[]);
+    r.assert_fails(&["part-0001-of-0002 is a symbolic link"]);
+    assert!(!r.stderr.contains("is missing"), "{}", r.stderr);
 }

@@ -356,18 +356,49 @@ impl Manifest {
         }
     }
 
-    /// Reads `DIR/manifest.json` (schema 1 or 2) and replays `DIR/journal.jsonl`.
+    /// Reads `DIR/manifest.json` (schema 1 to 3) and replays `DIR/journal.jsonl`.
     pub fn read(dir: &Path) -> Result<Self, String> {
         let path = dir.join(MANIFEST);
         let text = crate::files::read_text(&path, MAX_MANIFEST_BYTES)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let journal = dir.join(JOURNAL);
+        let journal = match crate::files::is_regular(&journal) {
+            Ok(true) => Some(
+                crate::files::read_text(&journal, MAX_MANIFEST_BYTES)
+                    .map_err(|e| format!("cannot read {}: {e}", journal.display()))?,
+            ),
+            Ok(false) => None,
+            Err(e) => return Err(format!("cannot read {}: {e}", journal.display())),
+        };
+        Self::parse(&text, journal.as_deref(), dir)
+    }
+
+    /// [`Manifest::read`] through a directory handle: the manifest and the
+    /// journal are opened in it without following links.
+    pub fn read_in(dir: &crate::files::Dir) -> Result<Self, String> {
+        let read = |name: &str| {
+            dir.read_text(name, MAX_MANIFEST_BYTES)
+                .map_err(|e| format!("cannot read {}: {e}", dir.join(name).display()))
+        };
+        let text = read(MANIFEST)?;
+        let journal =
+            match dir.kind(JOURNAL).map_err(|e| format!("cannot read {}: {e}", dir.join(JOURNAL).display()))? {
+                None => None,
+                Some(_) => Some(read(JOURNAL)?),
+            };
+        Self::parse(&text, journal.as_deref(), dir.path())
+    }
+
+    /// A manifest's text and its journal's, in `dir` (for messages).
+    fn parse(text: &str, journal_text: Option<&str>, dir: &Path) -> Result<Self, String> {
+        let path = dir.join(MANIFEST);
         // The version first, without building the document: then the manifest itself.
         #[derive(Deserialize)]
         struct Version<'a> {
             #[serde(borrow)]
             schema_version: Option<&'a serde_json::value::RawValue>,
         }
-        let v: Version = serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let v: Version = serde_json::from_str(text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
         let version = v.schema_version.map(|r| r.get().trim());
         if !matches!(version, Some("1" | "2" | "3")) {
             return Err(format!(
@@ -376,11 +407,9 @@ impl Manifest {
                 version.map_or("(none)".into(), |v| crate::clip(v, 40))
             ));
         }
-        let mut m: Manifest = serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let mut m: Manifest = serde_json::from_str(text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
         let journal = dir.join(JOURNAL);
-        if crate::files::is_regular(&journal).map_err(|e| format!("cannot read {}: {e}", journal.display()))? {
-            let text = crate::files::read_text(&journal, MAX_MANIFEST_BYTES)
-                .map_err(|e| format!("cannot read {}: {e}", journal.display()))?;
+        if let Some(text) = journal_text {
             let mut lines = text.split_inclusive('\n').enumerate().peekable();
             while let Some((i, line)) = lines.next() {
                 let last = lines.peek().is_none();

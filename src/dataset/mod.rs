@@ -76,10 +76,16 @@ impl MappedFile {
     /// Maps and parses a file; a truncated or corrupt file is an error, and so
     /// is anything but a regular file (a FIFO or a device is refused, not read).
     pub fn open(path: &Path) -> Result<Self, DatasetError> {
+        let f =
+            files::open_regular(path).map_err(|cause| DatasetError::Io { path: path.display().to_string(), cause })?;
+        Self::from_file(&f, path)
+    }
+
+    /// Maps and parses an open regular file; `path` names it in messages.
+    pub fn from_file(f: &std::fs::File, path: &Path) -> Result<Self, DatasetError> {
         let io = |cause| DatasetError::Io { path: path.display().to_string(), cause };
-        let f = files::open_regular(path).map_err(io)?;
         // SAFETY: read-only map of a file this process does not modify.
-        let map = unsafe { Mmap::map(&f) }.map_err(io)?;
+        let map = unsafe { Mmap::map(f) }.map_err(io)?;
         // The parser's message may quote a tensor name or header value of any length.
         let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| DatasetError::BadFile {
             path: path.display().to_string(),

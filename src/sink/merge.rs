@@ -3,7 +3,12 @@
 //!
 //! Every part must be complete and belong to one job (same model and
 //! weights, capture points, dtypes, backend, input, and parts that tile the
-//! input). Then:
+//! input). Every file a part lists must lie inside that part, reached
+//! without following a link, and be a regular file of the listed size (the
+//! checksums of its contents are `strata verify`'s job). Where the input can
+//! be read, each part's byte range is read again and must have the digest
+//! the part recorded. All of this is checked before anything in `OUT`
+//! changes. Then:
 //! - native format: `OUT/manifest.json` indexes every part's shards in place;
 //! - speculators format: `OUT/hidden_states/hs_{i}` are hard links to the
 //!   parts' files, numbered through in part order, and the dataset table is
@@ -14,13 +19,15 @@
 //! Merging is idempotent; a part rerun later with `--resume` (its own files
 //! stay as they are) is picked up by merging again.
 
-use super::output::{persist_manifest, sync_dir, OutputDir};
+use super::output::{persist_manifest, OutputDir, Temp};
 use super::{hf_dataset, io_err, SinkError};
 use crate::dataset::manifest::{
     InputInfo, InputPos, Manifest, MergedPart, PartInfo, SampleInfo, ShardInfo, JOURNAL, MANIFEST,
 };
+use crate::files::{Dir, Kind};
 use crate::input::parts;
 use std::collections::HashMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// What a merge did.
@@ -36,26 +43,52 @@ pub struct MergeReport {
     pub samples: usize,
     /// Samples the parts left out (non-finite states).
     pub skipped: usize,
-    /// Shard files indexed (native) or linked (speculators).
+    /// Shard files indexed (native) or linked (speculators); each was checked
+    /// to be a regular file of its listed size (not its checksum).
     pub files: usize,
     /// Bytes those files hold (none copied).
     pub bytes: u64,
+    /// How the parts were checked against the input.
+    pub input: InputCheck,
+}
+
+/// Whether the parts' byte ranges were read again from the input.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum InputCheck {
+    /// Every part's range has the digest the part recorded; this many bytes were read.
+    Checked {
+        /// The input read.
+        path: String,
+        /// Its bytes.
+        bytes: u64,
+    },
+    /// The input could not be read here: why.
+    Unchecked(String),
+    /// Not looked at (nothing merged).
+    #[default]
+    NotRun,
 }
 
 fn refuse(msg: String) -> SinkError {
     SinkError::Directory(msg)
 }
 
-/// Merges the parts in `dir`; see the module documentation.
-pub fn merge(dir: &Path) -> Result<MergeReport, SinkError> {
+/// Problems quoted at most in one refusal.
+const QUOTED: usize = 20;
+
+/// Merges the parts in `dir`; `input` is where the input lies now (default:
+/// the path the parts recorded). See the module documentation.
+pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError> {
     let _span = tracing::info_span!("merge", dir = %dir.display()).entered();
     if !dir.is_dir() {
         return Err(refuse(format!("{} is not a directory", dir.display())));
     }
+    // OUT itself may be a link; nothing inside it is followed.
+    let root = Dir::open(dir).map_err(io_err(dir))?;
     // One writer at a time: a second merge, or a one-process run into OUT.
-    let (_lock, _) = OutputDir::lock(dir)?;
-    remove_stale_temps(dir)?;
-    match Manifest::read(dir) {
+    let (_lock, _) = OutputDir::lock(&root)?;
+    remove_stale_temps(&root)?;
+    match Manifest::read_in(&root) {
         Ok(m) if m.merged.is_empty() => {
             return Err(refuse(format!(
                 "{} holds a dataset one process wrote ({MANIFEST} lists no parts): merge joins the parts in the \
@@ -63,64 +96,87 @@ pub fn merge(dir: &Path) -> Result<MergeReport, SinkError> {
                 dir.display()
             )))
         }
-        Err(e) if dir.join(MANIFEST).exists() => {
+        Err(e) if root.kind(MANIFEST).ok().flatten().is_some() => {
             return Err(refuse(format!("{e}: move it away to merge the parts in {}", dir.display())))
         }
         _ => {}
     }
-    let (count, found) = list_parts(dir)?;
+    let (count, found) = list_parts(&root)?;
     let mut problems = Vec::new();
     let mut manifests = Vec::with_capacity(found.len());
     // Each part's lock, held through the merge: a part that is being (re)written is not merged.
     let mut locks = Vec::with_capacity(found.len());
-    let mut present = found.iter().copied().peekable();
+    let mut present = found.iter().peekable();
+    let mut missing = 0;
     for i in 0..count {
         let name = parts::dir_name(i, count);
         let rerun = format!("rerun it with the same command and --part-index {i} --num-parts {count} --resume");
-        if present.next_if_eq(&i).is_none() {
-            if problems.len() < 20 {
-                problems.push(format!("{name} is missing: {rerun}"));
-            } else if present.peek().is_none() {
-                break;
+        let kind = match present.next_if(|(j, _)| *j == i) {
+            Some((_, kind)) => *kind,
+            None => {
+                missing += 1;
+                if problems.len() < QUOTED {
+                    problems.push(format!("{name} is missing: {rerun}"));
+                } else if present.peek().is_none() {
+                    break;
+                }
+                continue;
             }
+        };
+        if kind != Kind::Dir {
+            problems.push(format!(
+                "{name} is {}, not a directory: merge reads only part directories that lie inside {} (links are \
+                 not followed); put the part's directory itself there",
+                kind.describe(),
+                dir.display()
+            ));
             continue;
         }
-        match OutputDir::lock(&dir.join(&name)) {
+        let part = match root.sub(&name, false) {
+            Ok(p) => p,
+            Err(e) => {
+                problems.push(format!("{name}: {e}"));
+                continue;
+            }
+        };
+        match OutputDir::lock(&part) {
             Ok((lock, _)) => locks.push(lock),
             Err(e) => {
                 problems.push(format!("{e}"));
                 continue;
             }
         }
-        match Manifest::read(&dir.join(&name)) {
+        match Manifest::read_in(&part) {
             Err(e) => problems.push(format!("{name} has no readable manifest ({e}): {rerun}")),
             Ok(m) if !m.complete => {
                 problems.push(format!("{name} is incomplete ({} samples written so far): {rerun}", m.samples.len()))
             }
-            Ok(m) => manifests.push((name, m)),
+            Ok(m) => manifests.push((name, part, m)),
         }
     }
     if !problems.is_empty() {
-        let missing = count - found.len();
-        let shown = problems.len().min(20);
+        let shown = problems.len().min(QUOTED);
         return Err(refuse(format!(
             "cannot merge {}: of {count} parts, {missing} are missing and {} present ones are not ready \
              (the first {shown} problems):\n  {}",
             dir.display(),
-            problems.len().saturating_sub(missing.min(20)),
+            problems.len() - missing.min(problems.len()),
             problems[..shown].join("\n  ")
         )));
     }
     let infos = check_one_job(&manifests)?;
+    // Every listed file, before anything changes.
+    let files = check_files(dir, &manifests)?;
+    let input_check = check_input(&manifests, &infos, input)?;
 
     // From here on the directory changes: the old merged manifest and the
     // trainer's table go first, so nothing looks complete until the end.
     for f in [MANIFEST, JOURNAL, hf_dataset::DATA_FILE, hf_dataset::INFO_FILE, hf_dataset::STATE_FILE] {
-        remove_if_file(&dir.join(f))?;
+        remove_if_file(&root, f)?;
     }
-    sync_dir(dir);
+    root.sync();
 
-    let first = &manifests[0].1;
+    let first = &manifests[0].2;
     let mut merged = Manifest {
         part: None,
         nonce: String::new(),
@@ -132,22 +188,36 @@ pub fn merge(dir: &Path) -> Result<MergeReport, SinkError> {
         ..first.clone_job()
     };
     let speculators = first.format == "speculators";
-    let mut report =
-        MergeReport { format: first.format.clone(), dtype: first.dtype.clone(), parts: count, ..Default::default() };
+    let mut report = MergeReport {
+        format: first.format.clone(),
+        dtype: first.dtype.clone(),
+        parts: count,
+        input: input_check,
+        ..Default::default()
+    };
+    let hidden = match speculators {
+        true => Some(root.sub("hidden_states", true).map_err(io_err(&dir.join("hidden_states")))?),
+        false => None,
+    };
     // Ids are unique across parts: 64-bit digests, with the strings compared on a hit.
     let mut ids: HashMap<u64, usize> = HashMap::new();
     let mut rows = 0usize;
-    for ((name, m), part) in manifests.iter().zip(infos) {
+    let mut at_file = 0usize;
+    for ((name, _, m), part) in manifests.iter().zip(infos) {
         let first_sample = rows;
         let shard_base = merged.shards.len();
-        for (k, s) in m.shards.iter().enumerate() {
-            let file = if speculators {
-                let to = super::SpeculatorsSink::file_name(shard_base + k);
-                link(&dir.join(name).join(&s.file), &dir.join(&to))?;
-                to
-            } else {
-                format!("{name}/{}", s.file)
+        for s in &m.shards {
+            let file = match &hidden {
+                Some(hs) => {
+                    // Row i of the merged table is file i.
+                    let to = super::SpeculatorsSink::file_name(merged.shards.len());
+                    let (from_dir, from_name) = &files[at_file];
+                    link(from_dir, from_name, hs, to.rsplit('/').next().unwrap_or(&to))?;
+                    to
+                }
+                None => format!("{name}/{}", s.file),
             };
+            at_file += 1;
             report.bytes += s.bytes;
             merged.shards.push(ShardInfo { file, samples: s.samples, bytes: s.bytes, input: None });
         }
@@ -185,46 +255,44 @@ pub fn merge(dir: &Path) -> Result<MergeReport, SinkError> {
     // The whole input's digest would need a full read; each part records its own.
     merged.input =
         Some(InputInfo { path: input, whole: InputPos { samples: rows, bytes: whole, digest: String::new() } });
-    if speculators {
+    if let Some(hs) = &hidden {
         // Links an earlier merge with more rows made past the last row go.
-        let sub = dir.join("hidden_states");
-        std::fs::create_dir_all(&sub).map_err(io_err(&sub))?;
-        for e in std::fs::read_dir(&sub).map_err(io_err(&sub))? {
-            let name = e.map_err(io_err(&sub))?.file_name().to_string_lossy().to_string();
+        for name in hs.names().map_err(io_err(hs.path()))? {
             let row = name.strip_prefix("hs_").and_then(|n| n.strip_suffix(".safetensors"));
             if row.and_then(|r| r.parse::<usize>().ok()).is_some_and(|r| r >= merged.shards.len()) {
-                remove_if_file(&sub.join(&name))?;
+                remove_if_file(hs, &name)?;
             }
         }
         let temp = |name: &str| {
-            let tmp = dir.join(format!(".{name}.merge-{}.tmp", std::process::id()));
-            let _ = std::fs::remove_file(&tmp);
-            let f = crate::files::create_exclusive(&tmp).map_err(io_err(&tmp))?;
-            Ok((tmp, f))
+            let tmp = format!(".{name}.merge-{}.tmp", std::process::id());
+            remove_if_file(&root, &tmp)?;
+            let path = root.join(&tmp);
+            let f = root.create_new(&tmp).map_err(io_err(&path))?;
+            Ok((Temp::new(tmp, path), f))
         };
-        let place = |tmp: &Path, name: &str| {
-            let path = dir.join(name);
-            std::fs::rename(tmp, &path).map_err(io_err(&path))?;
-            Ok(())
+        let place = |tmp: &Temp, name: &str| root.rename(&tmp.name, &root, name).map_err(io_err(&root.join(name)));
+        let discard = |tmp: &Temp| {
+            let _ = root.remove(&tmp.name);
         };
-        super::speculators::write_table(dir, &merged.shards, merged.dtype == "fp8", temp, place)?;
-        sync_dir(&sub);
+        super::speculators::write_table(&root, &merged.shards, merged.dtype == "fp8", temp, place, discard)?;
+        hs.sync();
     }
-    write_manifest(dir, &merged)?;
+    write_manifest(&root, &merged)?;
     Ok(report)
 }
 
-/// The part directories in `dir`: their count and the indices present.
-fn list_parts(dir: &Path) -> Result<(usize, Vec<usize>), SinkError> {
-    let mut counts: HashMap<usize, Vec<usize>> = HashMap::new();
-    for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
-        let e = e.map_err(io_err(dir))?;
-        if let Some((i, n)) = parts::parse_dir_name(&e.file_name().to_string_lossy()) {
-            if e.file_type().map_err(io_err(&e.path()))?.is_dir() {
-                counts.entry(n).or_default().push(i);
+/// The part directories in `root` (their index and what each name is, links
+/// not followed), and the count of parts they say.
+fn list_parts(root: &Dir) -> Result<(usize, Vec<(usize, Kind)>), SinkError> {
+    let mut counts: HashMap<usize, Vec<(usize, Kind)>> = HashMap::new();
+    for name in root.names().map_err(io_err(root.path()))? {
+        if let Some((i, n)) = parts::parse_dir_name(&name) {
+            if let Some(kind) = root.kind(&name).map_err(io_err(&root.join(&name)))? {
+                counts.entry(n).or_default().push((i, kind));
             }
         }
     }
+    let dir = root.path();
     match counts.len() {
         0 => Err(refuse(format!(
             "{} holds no part directories (part-IIII-of-NNNN): nothing to merge. Parts are written by \
@@ -234,9 +302,9 @@ fn list_parts(dir: &Path) -> Result<(usize, Vec<usize>), SinkError> {
         ))),
         1 => {
             let (n, mut found) = counts.into_iter().next().expect("one entry");
-            found.sort_unstable();
-            if let Some(&i) = found.iter().find(|&&i| i >= n) {
-                return Err(refuse(format!("{} is not a part of {n}", parts::dir_name(i, n))));
+            found.sort_unstable_by_key(|(i, _)| *i);
+            if let Some((i, _)) = found.iter().find(|(i, _)| *i >= n) {
+                return Err(refuse(format!("{} is not a part of {n}", parts::dir_name(*i, n))));
             }
             Ok((n, found))
         }
@@ -254,18 +322,23 @@ fn list_parts(dir: &Path) -> Result<(usize, Vec<usize>), SinkError> {
 }
 
 /// Every part describes the same job, and the parts tile one input in order.
-fn check_one_job(manifests: &[(String, Manifest)]) -> Result<Vec<PartInfo>, SinkError> {
-    let (name0, first) = &manifests[0];
+fn check_one_job(manifests: &[(String, Dir, Manifest)]) -> Result<Vec<PartInfo>, SinkError> {
+    let (name0, _, first) = &manifests[0];
     let job = |m: &Manifest| Manifest { part: None, ..m.clone_job() };
     let base = job(first);
     let mut infos = Vec::with_capacity(manifests.len());
     let mut at = 0u64;
-    for (i, (name, m)) in manifests.iter().enumerate() {
+    for (i, (name, _, m)) in manifests.iter().enumerate() {
         let p = m.part.clone().ok_or_else(|| {
             refuse(format!("{name}: its manifest records no part of the input; it was not written as part {i}"))
         })?;
         if i > 0 {
-            base.same_job(&job(m)).map_err(|e| refuse(format!("{name} is not the same job as {name0}: {e}")))?;
+            base.same_job(&job(m)).map_err(|e| {
+                refuse(format!(
+                    "{name} is not the same job as {name0}: {e}. Rerun the parts that differ with the same \
+                     command as the others and --overwrite"
+                ))
+            })?;
         }
         let f = &first.part.as_ref().expect("checked at i = 0");
         let differs = if p.index != i || p.count != manifests.len() {
@@ -299,39 +372,159 @@ fn check_one_job(manifests: &[(String, Manifest)]) -> Result<Vec<PartInfo>, Sink
     Ok(infos)
 }
 
-/// `to` becomes a hard link to `from`, replacing an earlier merge's link
-/// at once (a link under a temporary name, renamed over it).
-fn link(from: &Path, to: &Path) -> Result<(), SinkError> {
-    let parent = to.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(io_err(parent))?;
-    let name = to.file_name().map_or_else(String::new, |n| n.to_string_lossy().to_string());
-    let tmp = parent.join(format!(".{name}.merge-{}.tmp", std::process::id()));
-    remove_if_file(&tmp)?;
-    std::fs::hard_link(from, &tmp).map_err(|e| {
+/// Each file every part lists, in order: it must lie inside its part (no
+/// absolute path, no `..`, no link on the way or at the end) and be a
+/// regular file of the listed size. Its directory and name, in shard order.
+fn check_files(dir: &Path, manifests: &[(String, Dir, Manifest)]) -> Result<Vec<(Dir, String)>, SinkError> {
+    let mut found = Vec::new();
+    let mut problems = Vec::new();
+    let mut bad = 0usize;
+    for (i, (name, part, m)) in manifests.iter().enumerate() {
+        let rerun = format!("rerun the part with --part-index {i} --num-parts {} --resume", manifests.len());
+        for s in &m.shards {
+            let shown = format!("{name}/{}", crate::clip(&s.file, 2 * crate::QUOTE_MAX));
+            let problem = match part.walk(&s.file, false) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(format!("{shown} is missing: {rerun}")),
+                Err(e) => Some(format!("{shown}: {e}")),
+                Ok((sub, file)) => match sub.kind(&file) {
+                    Err(e) => Some(format!("{shown}: {e}")),
+                    Ok(None) => Some(format!("{shown} is missing: {rerun}")),
+                    Ok(Some(Kind::File(len))) if len == s.bytes => {
+                        found.push((sub, file));
+                        None
+                    }
+                    Ok(Some(Kind::File(len))) => Some(format!(
+                        "{shown} has {len} bytes, but the part's manifest lists {} (truncated or replaced): {rerun}",
+                        s.bytes
+                    )),
+                    Ok(Some(k)) => Some(format!(
+                        "{shown} is {}, not a regular file: merge takes only the part's own files, never \
+                         through a link; move it away and {rerun}",
+                        k.describe()
+                    )),
+                },
+            };
+            if let Some(p) = problem {
+                bad += 1;
+                if problems.len() < QUOTED {
+                    problems.push(p);
+                }
+            }
+        }
+    }
+    if bad > 0 {
+        return Err(refuse(format!(
+            "cannot merge {}: {bad} of the files the parts list are not there as listed (the first {}):\n  {}",
+            dir.display(),
+            problems.len(),
+            problems.join("\n  ")
+        )));
+    }
+    Ok(found)
+}
+
+/// Reads the input once and checks each part's byte range against the
+/// digest the part recorded of what it read (its manifest's `input`).
+fn check_input(
+    manifests: &[(String, Dir, Manifest)],
+    infos: &[PartInfo],
+    input: Option<&Path>,
+) -> Result<InputCheck, SinkError> {
+    let recorded = manifests[0].2.input.as_ref().map(|i| i.path.clone()).unwrap_or_default();
+    let path: PathBuf = input.map_or_else(|| PathBuf::from(&recorded), Path::to_path_buf);
+    let total = infos.last().map_or(0, |p| p.input_bytes);
+    let unchecked = |why: String| {
+        tracing::warn!("{why}");
+        Ok(InputCheck::Unchecked(why))
+    };
+    let f = match crate::files::open_regular(&path) {
+        Ok(f) => f,
+        Err(e) => {
+            return unchecked(format!(
+                "could not check the parts against their input: {} cannot be read here ({e}); pass --data FILE \
+                 to say where it is",
+                crate::clip(&path.display().to_string(), 4 * crate::QUOTE_MAX)
+            ))
+        }
+    };
+    let len = f.metadata().map_err(io_err(&path))?.len();
+    if len != total {
+        return Err(refuse(format!(
+            "the input {} is {len} bytes now, but the parts were made from {total} bytes: it changed after the \
+             parts ran (rerun them with --overwrite), or pass --data with the input they were made from",
+            path.display()
+        )));
+    }
+    let mut r = std::io::BufReader::with_capacity(1 << 20, f);
+    let mut buf = vec![0u8; 1 << 20];
+    for ((name, _, m), p) in manifests.iter().zip(infos) {
+        let Some(want) = m.input.as_ref().map(|i| &i.whole.digest).filter(|d| !d.is_empty()) else {
+            continue;
+        };
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        let mut left = p.end - p.start;
+        while left > 0 {
+            let n = (left as usize).min(buf.len());
+            r.read_exact(&mut buf[..n]).map_err(io_err(&path))?;
+            h.update(&buf[..n]);
+            left -= n as u64;
+        }
+        let got = format!("xxh3:{:016x}", h.digest());
+        if &got != want {
+            return Err(refuse(format!(
+                "{name} was made from other bytes than the input holds now: bytes {}..{} of {} have digest {got}, \
+                 the part read {want}. The input changed after that part ran: rerun it with --overwrite (or \
+                 pass --data with the input the parts were made from)",
+                p.start,
+                p.end,
+                path.display()
+            )));
+        }
+    }
+    Ok(InputCheck::Checked { path: path.display().to_string(), bytes: len })
+}
+
+/// `to` in `dir` becomes a hard link to `from` in `from_dir`, replacing an
+/// earlier merge's link at once (a link under a temporary name, renamed
+/// over it); nothing is done when it is that file already.
+fn link(from_dir: &Dir, from: &str, dir: &Dir, to: &str) -> Result<(), SinkError> {
+    let same = match (from_dir.identity(from), dir.identity(to)) {
+        (Ok(Some(a)), Ok(Some(b))) => a == b,
+        _ => false,
+    };
+    if same {
+        return Ok(());
+    }
+    let tmp = format!(".{to}.merge-{}.tmp", std::process::id());
+    remove_if_file(dir, &tmp)?;
+    from_dir.hard_link(from, dir, &tmp).map_err(|e| {
         let why = match e.kind() {
-            std::io::ErrorKind::NotFound => format!("{} is missing: rerun its part with --resume", from.display()),
+            std::io::ErrorKind::NotFound => {
+                format!("{} is missing: rerun its part with --resume", from_dir.join(from).display())
+            }
             _ => format!(
                 "{e}. The merge links the parts' files (it never copies them): the parts must lie on one \
                  filesystem that has hard links"
             ),
         };
-        refuse(format!("cannot link {} to {}: {why}", to.display(), from.display()))
+        refuse(format!("cannot link {} to {}: {why}", dir.join(to).display(), from_dir.join(from).display()))
     })?;
-    std::fs::rename(&tmp, to).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io_err(to)(e)
-    })
+    let r = dir.rename(&tmp, dir, to).map_err(io_err(&dir.join(to)));
+    // A rename between two links to one file does nothing: the temporary name would stay.
+    let _ = dir.remove(&tmp);
+    r
 }
 
 /// Removes the temporary files an interrupted merge left (`.NAME.merge-PID.tmp`).
-fn remove_stale_temps(dir: &Path) -> Result<(), SinkError> {
-    for d in [dir.to_path_buf(), dir.join("hidden_states")] {
-        let Ok(entries) = std::fs::read_dir(&d) else { continue };
-        for e in entries {
-            let name = e.map_err(io_err(&d))?.file_name().to_string_lossy().to_string();
-            let temp = name.starts_with('.') && name.ends_with(".tmp") && name.contains(".merge-");
-            if temp {
-                remove_if_file(&d.join(&name))?;
+fn remove_stale_temps(root: &Dir) -> Result<(), SinkError> {
+    let hidden = match root.kind("hidden_states") {
+        Ok(Some(Kind::Dir)) => Some(root.sub("hidden_states", false).map_err(io_err(&root.join("hidden_states")))?),
+        _ => None,
+    };
+    for d in std::iter::once(root).chain(hidden.as_ref()) {
+        for name in d.names().map_err(io_err(d.path()))? {
+            if name.starts_with('.') && name.ends_with(".tmp") && name.contains(".merge-") {
+                remove_if_file(d, &name)?;
             }
         }
     }
@@ -339,21 +532,19 @@ fn remove_stale_temps(dir: &Path) -> Result<(), SinkError> {
 }
 
 /// Removes a regular file (or a link); `Ok(false)` when there was none.
-fn remove_if_file(p: &Path) -> Result<bool, SinkError> {
-    match std::fs::symlink_metadata(p) {
-        Ok(m) if m.is_dir() => Err(refuse(format!("{} is a directory; move it away", p.display()))),
-        Ok(_) => {
-            std::fs::remove_file(p).map_err(io_err(p))?;
-            Ok(true)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(io_err(p)(e)),
+fn remove_if_file(dir: &Dir, name: &str) -> Result<bool, SinkError> {
+    let path = dir.join(name);
+    match dir.kind(name).map_err(io_err(&path))? {
+        Some(Kind::Dir) => Err(refuse(format!("{} is a directory; move it away", path.display()))),
+        Some(_) => dir.remove(name).map_err(io_err(&path)),
+        None => Ok(false),
     }
 }
 
-fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), SinkError> {
-    let tmp: PathBuf = dir.join(format!(".{MANIFEST}.merge-{}.tmp", std::process::id()));
-    remove_if_file(&tmp)?;
-    let f = crate::files::create_exclusive(&tmp).map_err(io_err(&tmp))?;
-    persist_manifest(m, f, &tmp, dir)
+fn write_manifest(dir: &Dir, m: &Manifest) -> Result<(), SinkError> {
+    let tmp = format!(".{MANIFEST}.merge-{}.tmp", std::process::id());
+    remove_if_file(dir, &tmp)?;
+    let path = dir.join(&tmp);
+    let f = dir.create_new(&tmp).map_err(io_err(&path))?;
+    persist_manifest(m, f, &Temp::new(tmp, path), dir)
 }

@@ -12,21 +12,113 @@
 //!   listed files that are missing or truncated, and never calls a
 //!   directory with a hole complete;
 //! - `--overwrite` removes the old manifest first, so nothing half-deleted
-//!   looks complete, then every file of either format.
+//!   looks complete, then every file of either format;
+//! - the directory is opened once ([`files::Dir`]) and every file is created,
+//!   renamed or removed through that handle; a part directory or
+//!   `hidden_states/` is entered without following a link, so a link planted
+//!   there (before or during the run) is refused, and nothing lands outside
+//!   `--out` (which itself may be a link).
 
 use super::{io_err, OpenMode, SinkError};
 use crate::dataset::manifest::{InputInfo, JournalEntry, Manifest, SampleInfo, ShardInfo, SkippedInfo, JOURNAL};
 use crate::dataset::manifest::{InputPos, MANIFEST};
-use crate::files;
+use crate::files::{Dir, Kind};
 use crate::pipeline::source::Sample;
 use std::fs::File;
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
+/// Where an output directory lies: `--out` (which may be a link, and is
+/// created when missing) and, for one part of a split input, the part's
+/// directory inside it (never a link).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutLoc {
+    /// `--out`.
+    pub root: PathBuf,
+    /// The part directory's name inside it.
+    pub part: Option<String>,
+}
+
+impl OutLoc {
+    /// The directory's path, for messages.
+    pub fn path(&self) -> PathBuf {
+        match &self.part {
+            Some(p) => self.root.join(p),
+            None => self.root.clone(),
+        }
+    }
+
+    /// Opens the directory, creating it when `create`; `None` when it is
+    /// missing and not created. The part directory is entered without following a link.
+    pub fn open(&self, create: bool) -> Result<Option<Dir>, SinkError> {
+        let root = if create {
+            Dir::create(&self.root).map_err(io_err(&self.root))?
+        } else {
+            match Dir::open(&self.root) {
+                Ok(d) => d,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) if self.root.exists() && !self.root.is_dir() => {
+                    return Err(dir_err(format!("{} is not a directory ({e})", self.root.display())))
+                }
+                Err(e) => return Err(io_err(&self.root)(e)),
+            }
+        };
+        match &self.part {
+            None => Ok(Some(root)),
+            Some(p) => match root.sub(p, create) {
+                Ok(d) => Ok(Some(d)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(io_err(&self.path())(e)),
+            },
+        }
+    }
+}
+
+impl From<&Path> for OutLoc {
+    fn from(p: &Path) -> Self {
+        OutLoc { root: p.to_path_buf(), part: None }
+    }
+}
+
+impl From<PathBuf> for OutLoc {
+    fn from(p: PathBuf) -> Self {
+        OutLoc { root: p, part: None }
+    }
+}
+
+impl From<&PathBuf> for OutLoc {
+    fn from(p: &PathBuf) -> Self {
+        OutLoc { root: p.clone(), part: None }
+    }
+}
+
+/// A temporary file at the top of an output directory, named by the run's
+/// nonce; it derefs to its path, for messages.
+#[derive(Clone, Debug)]
+pub struct Temp {
+    /// Its name in the directory.
+    pub name: String,
+    path: PathBuf,
+}
+
+impl Temp {
+    /// The temporary file `name` at `path`.
+    pub(crate) fn new(name: String, path: PathBuf) -> Self {
+        Temp { name, path }
+    }
+}
+
+impl std::ops::Deref for Temp {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
 /// A fsynced temporary file to become a shard: see [`Output::commit`].
 pub struct Commit {
     /// The temporary file.
-    pub tmp: PathBuf,
+    pub tmp: Temp,
     /// The shard it becomes (`file` is its final name).
     pub info: ShardInfo,
     /// The samples it holds.
@@ -98,19 +190,12 @@ fn strata_named(name: &str) -> bool {
 }
 
 /// The nonce `.strata.lock` records (empty when none).
-fn recorded_nonce(dir: &Path) -> String {
+fn recorded_nonce(dir: &Dir) -> String {
     let mut s = String::new();
-    if let Ok(f) = files::open_regular_nofollow(&dir.join(LOCK)) {
+    if let Ok(f) = dir.open_file(LOCK) {
         let _ = f.take(64).read_to_string(&mut s);
     }
     s.trim().to_string()
-}
-
-/// fsyncs a directory so renames in it are durable (a no-op where the filesystem refuses).
-pub(crate) fn sync_dir(dir: &Path) {
-    if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
-        tracing::debug!("fsync of directory {}: {e}", dir.display());
-    }
 }
 
 fn dir_err(msg: String) -> SinkError {
@@ -125,16 +210,13 @@ fn not_empty(dir: &Path) -> SinkError {
 }
 
 /// Removes a file that must be ours; absent is fine.
-fn remove(path: &Path) -> Result<(), SinkError> {
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io_err(path)(e)),
-        _ => Ok(()),
-    }
+fn remove(dir: &Dir, name: &str) -> Result<(), SinkError> {
+    dir.remove(name).map(|_| ()).map_err(io_err(&dir.join(name)))
 }
 
 /// An output directory, locked, with its manifest as written so far.
 pub struct OutputDir {
-    dir: PathBuf,
+    dir: Dir,
     // Held for the run: the advisory lock lives as long as the descriptor.
     lock: File,
     nonce: String,
@@ -150,7 +232,7 @@ pub struct OutputDir {
 /// [`Plan::apply`], so that a `--resume` refused on the input (checked while
 /// its head streams past) leaves the output exactly as it was.
 pub struct Plan {
-    dir: PathBuf,
+    dir: Dir,
     lock: File,
     mode: OpenMode,
     // Every entry but the lock file.
@@ -159,34 +241,28 @@ pub struct Plan {
     nonces: Vec<String>,
     // The manifest the run continues (the job's for a fresh run).
     manifest: Manifest,
-    // Listed files to delete and redo (from the first hole on).
-    redo: Vec<PathBuf>,
+    // Listed files to delete and redo (from the first hole on): their directory and name.
+    redo: Vec<(Dir, String)>,
 }
 
 impl Plan {
     /// Locks `dir` and works out how to open it for `job` (its `shards` and
     /// `samples` empty). With [`OpenMode::Resume`] an existing manifest must
     /// describe the same job; its sound files are kept.
-    pub fn new(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
-        let _s = tracing::info_span!("plan_output", dir = %dir.display()).entered();
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-        let (lock, last) = OutputDir::lock(dir)?;
-        let mut names = Vec::new();
-        for e in std::fs::read_dir(dir).map_err(io_err(dir))? {
-            let name = e.map_err(io_err(dir))?.file_name().to_string_lossy().to_string();
-            if name != LOCK {
-                names.push(name);
-            }
-        }
+    pub fn new(loc: &OutLoc, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
+        let _s = tracing::info_span!("plan_output", dir = %loc.path().display()).entered();
+        let dir = loc.open(true)?.expect("created");
+        let (lock, last) = OutputDir::lock(&dir)?;
+        let names: Vec<String> = dir.names().map_err(io_err(dir.path()))?.into_iter().filter(|n| n != LOCK).collect();
+        let shown = dir.path().display().to_string();
         // Parts of a split input live in subdirectories; a one-process run there
         // would mix with them (a resume of a merged dataset is refused below, more precisely).
         let merged_resume = mode == OpenMode::Resume && names.iter().any(|n| n == MANIFEST);
         if job.part.is_none() && !merged_resume {
             if let Some(n) = names.iter().find(|n| crate::input::parts::parse_dir_name(n).is_some()) {
                 return Err(dir_err(format!(
-                    "{} holds the parts of a split input ({n}, ...): run the parts with --part-index/--num-parts \
-                     or under their launcher, join them with `strata merge`, or give this run another --out",
-                    dir.display()
+                    "{shown} holds the parts of a split input ({n}, ...): run the parts with --part-index/--num-parts \
+                     or under their launcher, join them with `strata merge`, or give this run another --out"
                 )));
             }
         }
@@ -194,27 +270,26 @@ impl Plan {
         let mut redo = Vec::new();
         let theirs = |nonces: &[String], n: &str| !nonces.iter().any(|x| temp_of(n, x));
         let manifest = match mode {
-            OpenMode::Create if names.iter().any(|n| theirs(&nonces, n)) => return Err(not_empty(dir)),
+            OpenMode::Create if names.iter().any(|n| theirs(&nonces, n)) => return Err(not_empty(dir.path())),
             OpenMode::Create | OpenMode::Overwrite => job,
             OpenMode::Resume if !names.iter().any(|n| n == MANIFEST) => {
                 if let Some(n) = names.iter().find(|n| strata_named(n) && theirs(&nonces, n)) {
                     return Err(dir_err(format!(
-                        "cannot resume in {}: it holds {} but no {MANIFEST} (written by another tool or an \
+                        "cannot resume in {shown}: it holds {} but no {MANIFEST} (written by another tool or an \
                          older strata); use --overwrite to start over",
-                        dir.display(),
                         crate::quote(n)
                     )));
                 }
                 job
             }
             OpenMode::Resume => {
-                let (old, files) = Self::resume(dir, job)?;
+                let (old, files) = Self::resume(&dir, job)?;
                 nonces.push(old.nonce.clone());
                 redo = files;
                 old
             }
         };
-        Ok(Plan { dir: dir.to_path_buf(), lock, mode, names, nonces, manifest, redo })
+        Ok(Plan { dir, lock, mode, names, nonces, manifest, redo })
     }
 
     /// The manifest the run continues.
@@ -225,29 +300,45 @@ impl Plan {
     /// `--resume`: the old manifest (with its journal) must describe the
     /// same job. Listed files are checked in order; from the first missing
     /// or truncated one on, the listing is cut back (those files are redone).
-    fn resume(dir: &Path, job: Manifest) -> Result<(Manifest, Vec<PathBuf>), SinkError> {
-        let refuse =
-            |e: String| dir_err(format!("cannot resume in {}: {e}; use --overwrite to start over", dir.display()));
-        let mut old = Manifest::read(dir).map_err(refuse)?;
+    fn resume(dir: &Dir, job: Manifest) -> Result<(Manifest, Vec<(Dir, String)>), SinkError> {
+        let shown = dir.path().display().to_string();
+        let refuse = |e: String| dir_err(format!("cannot resume in {shown}: {e}; use --overwrite to start over"));
+        let mut old = Manifest::read_in(dir).map_err(refuse)?;
         if !old.merged.is_empty() {
             return Err(dir_err(format!(
-                "cannot resume in {}: it is a merged dataset of {} parts. Rerun a part in it with \
+                "cannot resume in {shown}: it is a merged dataset of {} parts. Rerun a part in it with \
                     --part-index/--num-parts and --resume, then `strata merge` again",
-                dir.display(),
                 old.merged.len()
             )));
         }
-        old.same_job(&job).map_err(refuse)?;
+        old.same_job(&job).map_err(|e| refuse(e.to_string()))?;
         let mut keep = old.shards.len();
+        // A listed file, without following links; a subdirectory not created.
+        // `None`: missing (its subdirectory too).
+        let find = |i: usize, file: &str| -> Result<Option<(Dir, String, Option<Kind>)>, SinkError> {
+            let (sub, name) = match dir.walk(file, false) {
+                Ok(x) => x,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(refuse(format!("manifest lists shard {i} as {}: {e}", crate::quote(file)))),
+            };
+            let kind = sub.kind(&name).map_err(io_err(&sub.join(&name)))?;
+            Ok(Some((sub, name, kind)))
+        };
         for (i, s) in old.shards.iter().enumerate() {
-            let p = files::inside(dir, &s.file).map_err(|e| refuse(format!("manifest lists shard {i} as {e}")))?;
-            let problem = match std::fs::symlink_metadata(&p) {
-                Err(_) => Some("is missing".to_string()),
-                Ok(m) if m.file_type().is_symlink() || !m.is_file() => {
-                    return Err(refuse(format!("{} is not a regular file; move it away", p.display())))
+            let kind = find(i, &s.file)?.and_then(|f| f.2);
+            let problem = match kind {
+                None => Some("is missing".to_string()),
+                Some(Kind::File(len)) if len != s.bytes => {
+                    Some(format!("has {len} bytes, the manifest says {}", s.bytes))
                 }
-                Ok(m) if m.len() != s.bytes => Some(format!("has {} bytes, the manifest says {}", m.len(), s.bytes)),
-                Ok(_) => None,
+                Some(Kind::File(_)) => None,
+                Some(k) => {
+                    return Err(refuse(format!(
+                        "{} is {}, not a regular file; move it away",
+                        dir.join(&s.file).display(),
+                        k.describe()
+                    )))
+                }
             };
             if let Some(problem) = problem {
                 tracing::warn!(
@@ -261,19 +352,16 @@ impl Plan {
         }
         let mut redo = Vec::new();
         if keep < old.shards.len() {
-            for s in &old.shards[keep..] {
-                let p = files::inside(dir, &s.file).map_err(refuse)?;
+            for (i, s) in old.shards.iter().enumerate().skip(keep) {
+                let Some((sub, name, Some(_))) = find(i, &s.file)? else { continue };
                 // Only a name Strata writes is ever deleted, whatever a manifest says.
-                let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
                 if !strata_named(&name) {
                     return Err(refuse(format!(
                         "the manifest lists {}, which is not a name Strata writes",
                         crate::quote(&s.file)
                     )));
                 }
-                if p.exists() {
-                    redo.push(p);
-                }
+                redo.push((sub, name));
             }
             old.shards.truncate(keep);
             old.samples.retain(|s| s.shard < keep);
@@ -291,15 +379,14 @@ impl Plan {
     /// manifest (compacted with any journal), before any temporary file exists.
     pub fn apply(self) -> Result<OutputDir, SinkError> {
         let Plan { dir, mut lock, mode, names, nonces, mut manifest, redo } = self;
-        let dir = dir.as_path();
         if mode == OpenMode::Overwrite {
-            OutputDir::clear(dir, &names)?;
+            OutputDir::clear(&dir, &names)?;
         }
         for n in names.iter().filter(|n| nonces.iter().any(|x| temp_of(n, x))) {
-            remove(&dir.join(n))?;
+            remove(&dir, n)?;
         }
-        for p in &redo {
-            remove(p)?;
+        for (sub, name) in &redo {
+            remove(sub, name)?;
         }
         let nonce = new_nonce();
         let path = dir.join(LOCK);
@@ -312,44 +399,32 @@ impl Plan {
         manifest.complete = false;
         manifest.input = None;
         manifest.nonce = nonce.clone();
-        let out = OutputDir {
-            dir: dir.to_path_buf(),
-            lock,
-            nonce,
-            manifest,
-            journal: None,
-            skipped: vec![],
-            skipped_end: None,
-        };
+        let out = OutputDir { dir, lock, nonce, manifest, journal: None, skipped: vec![], skipped_end: None };
         out.write_manifest()?;
-        remove(&dir.join(JOURNAL))?;
-        sync_dir(dir);
+        remove(&out.dir, JOURNAL)?;
+        out.dir.sync();
         Ok(out)
     }
 }
 
 impl OutputDir {
     /// Locks and prepares `dir` at once; see [`Plan`].
-    pub fn open(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
-        Plan::new(dir, mode, job)?.apply()
+    pub fn open(dir: impl Into<OutLoc>, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
+        Plan::new(&dir.into(), mode, job)?.apply()
     }
 
     /// Locks `dir`; returns the lock and the nonce the last holder recorded.
     /// The lock file must be a regular file: opened without following a link
     /// and without blocking on a FIFO.
-    pub(crate) fn lock(dir: &Path) -> Result<(File, String), SinkError> {
+    pub(crate) fn lock(dir: &Dir) -> Result<(File, String), SinkError> {
         let path = dir.join(LOCK);
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .custom_flags_nofollow()
-            .open(&path)
-            .map_err(io_err(&path))?;
-        if !f.metadata().map_err(io_err(&path))?.is_file() {
-            return Err(dir_err(format!("{} is not a regular file; remove it", path.display())));
-        }
+        let f = match dir.open_rw(LOCK, false) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                return Err(dir_err(format!("{} is not a regular file ({e}); remove it", path.display())))
+            }
+            Err(e) => return Err(io_err(&path)(e)),
+        };
         match f.try_lock() {
             Ok(()) => {
                 let mut old = String::new();
@@ -359,7 +434,7 @@ impl OutputDir {
             Err(std::fs::TryLockError::WouldBlock) => Err(dir_err(format!(
                 "another strata run is writing {} (it holds the lock on {}); wait for it to finish, \
                  or choose another --out",
-                dir.display(),
+                dir.path().display(),
                 path.display()
             ))),
             Err(std::fs::TryLockError::Error(e)) => Err(io_err(&path)(e)),
@@ -370,30 +445,28 @@ impl OutputDir {
     /// leaves old files under a manifest; then the journal, the files the
     /// old manifest lists (inside the directory, with names Strata writes),
     /// and every Strata-named file.
-    fn clear(dir: &Path, names: &[String]) -> Result<(), SinkError> {
-        let old = names.iter().any(|n| n == MANIFEST).then(|| Manifest::read(dir).ok()).flatten();
-        remove(&dir.join(MANIFEST))?;
-        sync_dir(dir);
+    fn clear(dir: &Dir, names: &[String]) -> Result<(), SinkError> {
+        let old = names.iter().any(|n| n == MANIFEST).then(|| Manifest::read_in(dir).ok()).flatten();
+        remove(dir, MANIFEST)?;
+        dir.sync();
         failpoint("overwrite-cleared");
-        remove(&dir.join(JOURNAL))?;
+        remove(dir, JOURNAL)?;
         if let Some(old) = old {
             // A merged dataset's shards belong to its parts: only its own links go.
             for s in old.shards.iter().filter(|s| !s.file.starts_with("part-")) {
-                if let Ok(p) = files::inside(dir, &s.file) {
-                    let ours = p.file_name().is_some_and(|n| strata_named(&n.to_string_lossy()));
-                    if ours && std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file()) {
-                        remove(&p)?;
+                if let Ok((sub, name)) = dir.walk(&s.file, false) {
+                    if strata_named(&name) && matches!(sub.kind(&name), Ok(Some(Kind::File(_)))) {
+                        remove(&sub, &name)?;
                     }
                 }
             }
         }
         for n in names.iter().filter(|n| strata_named(n)) {
-            let p = dir.join(n);
-            if std::fs::symlink_metadata(&p).is_ok_and(|m| m.is_file() || m.file_type().is_symlink()) {
-                remove(&p)?;
+            if matches!(dir.kind(n), Ok(Some(Kind::File(_) | Kind::Link))) {
+                remove(dir, n)?;
             }
         }
-        sync_dir(dir);
+        dir.sync();
         Ok(())
     }
 
@@ -403,17 +476,23 @@ impl OutputDir {
     }
 
     /// The directory.
-    pub fn dir(&self) -> &Path {
+    pub fn dir(&self) -> &Dir {
         &self.dir
     }
 
     /// Creates the temporary file that will become `name` (which may lie in
     /// a subdirectory: the temporary file is at the top, where a resume finds it).
-    pub fn create_temp(&self, name: &str) -> Result<(PathBuf, File), SinkError> {
+    pub fn create_temp(&self, name: &str) -> Result<(Temp, File), SinkError> {
         let base = name.rsplit('/').next().unwrap_or(name);
-        let tmp = self.dir.join(format!(".{base}.{}.tmp", self.nonce));
-        let f = files::create_exclusive(&tmp).map_err(io_err(&tmp))?;
-        Ok((tmp, f))
+        let tmp = format!(".{base}.{}.tmp", self.nonce);
+        let path = self.dir.join(&tmp);
+        let f = self.dir.create_new(&tmp).map_err(io_err(&path))?;
+        Ok((Temp::new(tmp, path), f))
+    }
+
+    /// Removes a temporary file of this run (a failed write's); errors are ignored: a resume removes it.
+    pub fn discard(&self, tmp: &Temp) {
+        let _ = self.dir.remove(&tmp.name);
     }
 
     fn write_manifest(&self) -> Result<(), SinkError> {
@@ -432,12 +511,12 @@ impl OutputDir {
     /// after its last sample.
     pub fn commit(
         &mut self,
-        tmp: &Path,
+        tmp: Temp,
         info: ShardInfo,
         samples: Vec<SampleInfo>,
         end: InputPos,
     ) -> Result<(), SinkError> {
-        self.commit_all(vec![Commit { tmp: tmp.to_path_buf(), info, samples, end }])
+        self.commit_all(vec![Commit { tmp, info, samples, end }])
     }
 
     /// [`commit`](Self::commit) for several fsynced files, in order, at the
@@ -450,8 +529,16 @@ impl OutputDir {
         let mut entries = Vec::with_capacity(commits.len());
         for (i, mut c) in commits.into_iter().enumerate() {
             let path = self.dir.join(&c.info.file);
-            if std::fs::symlink_metadata(&path).is_ok() {
-                let _ = std::fs::remove_file(&c.tmp);
+            // The file's directory (`hidden_states/`), created here, never entered through a link.
+            let (sub, name) = match self.dir.walk(&c.info.file, true) {
+                Ok(x) => x,
+                Err(e) => {
+                    self.discard(&c.tmp);
+                    return Err(io_err(&path)(e));
+                }
+            };
+            if sub.kind(&name).map_err(io_err(&path))?.is_some() {
+                self.discard(&c.tmp);
                 return Err(dir_err(format!(
                     "{} exists but no manifest lists it: it is not this run's to replace; move it away and --resume",
                     path.display()
@@ -471,41 +558,33 @@ impl OutputDir {
             };
             lines.push_str(&serde_json::to_string(&entry).map_err(|e| dir_err(format!("journal: {e}")))?);
             lines.push('\n');
-            entries.push((c.tmp, path, entry));
+            entries.push((c.tmp, (sub, name, path), entry));
         }
         if entries.is_empty() {
             return Ok(());
         }
         let jpath = self.dir.join(JOURNAL);
         if self.journal.is_none() {
-            let f = std::fs::OpenOptions::new()
-                .append(true)
-                .create(true)
-                .custom_flags_nofollow()
-                .open(&jpath)
-                .map_err(io_err(&jpath))?;
+            let f = self.dir.open_rw(JOURNAL, true).map_err(io_err(&jpath))?;
             // The journal's directory entry must be durable before any rename it lists.
-            sync_dir(&self.dir);
+            self.dir.sync();
             self.journal = Some(f);
         }
         let j = self.journal.as_mut().expect("opened above");
         j.write_all(lines.as_bytes()).and_then(|()| j.sync_data()).map_err(io_err(&jpath))?;
         entries.iter().for_each(|_| failpoint("journaled"));
-        let mut parents = Vec::new();
-        for (tmp, path, _) in &entries {
-            let parent = path.parent().unwrap_or(&self.dir).to_path_buf();
-            if parent != self.dir && !parent.is_dir() {
-                std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
-                sync_dir(&self.dir);
-            }
-            std::fs::rename(tmp, path).map_err(io_err(path))?;
+        // A new subdirectory's entry must be durable before the renames into it.
+        self.dir.sync();
+        let mut synced: Vec<PathBuf> = Vec::new();
+        for (tmp, (sub, name, path), _) in &entries {
+            self.dir.rename(&tmp.name, sub, name).map_err(io_err(path))?;
             failpoint("renamed");
-            if parent != self.dir && !parents.contains(&parent) {
-                parents.push(parent);
+            if sub.path() != self.dir.path() && !synced.iter().any(|p| p == sub.path()) {
+                synced.push(sub.path().to_path_buf());
+                sub.sync();
             }
         }
-        parents.iter().for_each(|p| sync_dir(p));
-        sync_dir(&self.dir);
+        self.dir.sync();
         for (_, _, entry) in entries {
             self.manifest.apply(entry).map_err(dir_err)?;
         }
@@ -515,10 +594,9 @@ impl OutputDir {
     /// Makes the fsynced temporary file `tmp` the file `name` at the top of
     /// the directory, replacing one an earlier try of this run left: files
     /// derived from the listed ones (the dataset table), not listed themselves.
-    pub fn place(&self, tmp: &Path, name: &str) -> Result<(), SinkError> {
-        let path = self.dir.join(name);
-        std::fs::rename(tmp, &path).map_err(io_err(&path))?;
-        sync_dir(&self.dir);
+    pub fn place(&self, tmp: &Temp, name: &str) -> Result<(), SinkError> {
+        self.dir.rename(&tmp.name, &self.dir, name).map_err(io_err(&self.dir.join(name)))?;
+        self.dir.sync();
         Ok(())
     }
 
@@ -534,10 +612,10 @@ impl OutputDir {
         self.write_manifest()?;
         failpoint("compacted");
         self.journal = None;
-        remove(&self.dir.join(JOURNAL))?;
+        remove(&self.dir, JOURNAL)?;
         // No temporary file is left to find by its nonce.
         self.lock.set_len(0).map_err(io_err(&self.dir.join(LOCK)))?;
-        sync_dir(&self.dir);
+        self.dir.sync();
         Ok(())
     }
 
@@ -550,7 +628,7 @@ impl OutputDir {
 /// Writes `m` to the fresh temporary file `f` at `tmp`, fsyncs it and renames
 /// it to `dir/manifest.json` (the temporary file goes on failure). Streamed:
 /// a million samples' manifest is never one string in memory.
-pub(crate) fn persist_manifest(m: &Manifest, f: File, tmp: &Path, dir: &Path) -> Result<(), SinkError> {
+pub(crate) fn persist_manifest(m: &Manifest, f: File, tmp: &Temp, dir: &Dir) -> Result<(), SinkError> {
     let path = dir.join(MANIFEST);
     let r = (|| {
         let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
@@ -558,13 +636,13 @@ pub(crate) fn persist_manifest(m: &Manifest, f: File, tmp: &Path, dir: &Path) ->
         let f = w.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;
         failpoint("manifest-temp");
-        std::fs::rename(tmp, &path)
+        dir.rename(&tmp.name, dir, MANIFEST)
     })();
     if let Err(e) = r {
-        let _ = std::fs::remove_file(tmp);
+        let _ = dir.remove(&tmp.name);
         return Err(io_err(&path)(e));
     }
-    sync_dir(dir);
+    dir.sync();
     Ok(())
 }
 
@@ -576,7 +654,7 @@ pub enum Output {
     /// Not touched yet.
     Pending {
         /// The directory.
-        dir: PathBuf,
+        dir: OutLoc,
         /// How to open it.
         mode: OpenMode,
         /// The job.
@@ -592,32 +670,32 @@ pub enum Output {
 
 impl Output {
     /// Prepares to write `dir`; see [`OutputDir::open`].
-    pub fn new(dir: &Path, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
+    pub fn new(dir: impl Into<OutLoc>, mode: OpenMode, job: Manifest) -> Result<Self, SinkError> {
+        let dir = dir.into();
         match mode {
-            OpenMode::Resume => return Ok(Output::Planned(Box::new(Plan::new(dir, mode, job)?))),
+            OpenMode::Resume => return Ok(Output::Planned(Box::new(Plan::new(&dir, mode, job)?))),
             OpenMode::Create => {
-                let nonce = recorded_nonce(dir);
-                if let Ok(rd) = std::fs::read_dir(dir) {
-                    for e in rd {
-                        let name = e.map_err(io_err(dir))?.file_name().to_string_lossy().to_string();
-                        if name != LOCK && !temp_of(&name, &nonce) {
-                            return Err(not_empty(dir));
-                        }
+                if let Some(d) = dir.open(false)? {
+                    let nonce = recorded_nonce(&d);
+                    let names = d.names().map_err(io_err(d.path()))?;
+                    if names.iter().any(|n| n != LOCK && !temp_of(n, &nonce)) {
+                        return Err(not_empty(d.path()));
                     }
-                } else if dir.exists() {
-                    return Err(dir_err(format!("{} is not a directory", dir.display())));
                 }
             }
-            OpenMode::Overwrite => {}
+            // Checked now too, so a link in place of a part directory is refused before any work.
+            OpenMode::Overwrite => {
+                dir.open(false)?;
+            }
         }
-        Ok(Output::Pending { dir: dir.to_path_buf(), mode, job: Box::new(job) })
+        Ok(Output::Pending { dir, mode, job: Box::new(job) })
     }
 
     /// The directory, opened now if it was not yet.
     pub fn get(&mut self) -> Result<&mut OutputDir, SinkError> {
         let open = match std::mem::replace(self, Output::Gone) {
             // The job has no samples yet: a small clone.
-            Output::Pending { dir, mode, job } => OutputDir::open(&dir, mode, *job)?,
+            Output::Pending { dir, mode, job } => OutputDir::open(dir, mode, *job)?,
             Output::Planned(plan) => plan.apply()?,
             Output::Open(o) => *o,
             Output::Gone => return Err(dir_err("the output failed to open earlier".into())),
@@ -647,19 +725,6 @@ impl Output {
                 &EMPTY
             }
         }
-    }
-}
-
-/// `O_NOFOLLOW` on an `OpenOptions`: a link planted at a name is never followed.
-trait NoFollow {
-    fn custom_flags_nofollow(&mut self) -> &mut Self;
-}
-
-impl NoFollow for std::fs::OpenOptions {
-    fn custom_flags_nofollow(&mut self) -> &mut Self {
-        use std::os::unix::fs::OpenOptionsExt;
-        // Non-blocking too: a FIFO planted at the name must not stall the open.
-        self.custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
     }
 }
 

@@ -7,15 +7,15 @@
 //! file as a one-sample shard, so resume and verify work alike; the table is
 //! built from the listed files when the run finishes.
 
-use super::output::{Commit, Output};
+use super::output::{Commit, OutLoc, Output, Temp};
 use super::{hf_dataset, io_err, OpenMode, Sink, SinkError};
 use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
 use crate::dataset::MappedFile;
+use crate::files::Dir;
 use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{DType, Dim, StatesView};
 use std::collections::VecDeque;
 use std::io::Write;
-use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;
 
 /// Writes one file per sample, named by the sample's index. Each file is
@@ -48,7 +48,7 @@ const IN_FLIGHT_BYTES: u64 = 512 << 20;
 
 /// A sample whose file is being written and fsynced on a thread.
 struct Pending {
-    tmp: PathBuf,
+    tmp: Temp,
     shard: ShardInfo,
     sample: SampleInfo,
     end: InputPos,
@@ -59,7 +59,7 @@ struct Pending {
 
 impl SpeculatorsSink {
     /// Opens `dir` for the run `manifest` describes (its dtype is the stored one).
-    pub fn open(dir: &Path, manifest: Manifest, mode: OpenMode) -> Result<Self, SinkError> {
+    pub fn open(dir: impl Into<OutLoc>, manifest: Manifest, mode: OpenMode) -> Result<Self, SinkError> {
         let dtype: DType = manifest.dtype.parse().map_err(SinkError::Directory)?;
         let input_path = manifest.input.as_ref().map_or_else(String::new, |i| i.path.clone());
         let job = Manifest { format: "speculators".into(), layout: "TLH".into(), shard_size: 0, ..manifest };
@@ -95,6 +95,7 @@ impl SpeculatorsSink {
             fp8,
             |name| out.create_temp(name),
             |tmp, name| out.place(tmp, name),
+            |tmp| out.discard(tmp),
         )
     }
 
@@ -131,10 +132,11 @@ impl SpeculatorsSink {
                     commits.push(Commit { tmp: p.tmp, info: p.shard, samples: vec![p.sample], end: p.end });
                 }
                 Err(e) => {
-                    let _ = std::fs::remove_file(&p.tmp);
+                    let out = self.out.get()?;
+                    out.discard(&p.tmp);
                     for later in self.pending.drain(..) {
                         let _ = later.write.join();
-                        let _ = std::fs::remove_file(&later.tmp);
+                        out.discard(&later.tmp);
                     }
                     failed = Some(io_err(&p.tmp)(e));
                     break;
@@ -251,7 +253,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
         let write = match write {
             Ok(w) => w,
             Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
+                out.discard(&tmp);
                 return Err(io_err(&tmp)(e));
             }
         };
@@ -296,11 +298,12 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
 /// file is written to a temporary file from `temp`, fsynced and put in
 /// place by `place`.
 pub(crate) fn write_table(
-    dir: &Path,
+    dir: &Dir,
     shards: &[ShardInfo],
     fp8: bool,
-    mut temp: impl FnMut(&str) -> Result<(PathBuf, std::fs::File), SinkError>,
-    mut place: impl FnMut(&Path, &str) -> Result<(), SinkError>,
+    mut temp: impl FnMut(&str) -> Result<(Temp, std::fs::File), SinkError>,
+    mut place: impl FnMut(&Temp, &str) -> Result<(), SinkError>,
+    discard: impl Fn(&Temp),
 ) -> Result<(), SinkError> {
     let _span = tracing::info_span!("dataset_table", rows = shards.len()).entered();
     let (tmp, f) = temp(hf_dataset::DATA_FILE)?;
@@ -309,8 +312,11 @@ pub(crate) fn write_table(
         let mut table =
             hf_dataset::TableWriter::new(std::io::BufWriter::with_capacity(1 << 20, f)).map_err(table_err)?;
         for shard in shards {
+            // Read back through the directory's handle, links not followed.
             let path = dir.join(&shard.file);
-            let file = MappedFile::open(&path).map_err(|e| SinkError::Directory(e.to_string()))?;
+            let opened = dir.walk(&shard.file, false).and_then(|(sub, name)| sub.open_file(&name));
+            let opened = opened.map_err(io_err(&path))?;
+            let file = MappedFile::from_file(&opened, &path).map_err(|e| SinkError::Directory(e.to_string()))?;
             let tensor = |name: &str| {
                 file.tensors
                     .get(name)
@@ -330,7 +336,7 @@ pub(crate) fn write_table(
     let fingerprint = match r {
         Ok(fp) => fp,
         Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
+            discard(&tmp);
             return Err(e);
         }
     };

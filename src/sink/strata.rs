@@ -6,7 +6,7 @@
 //! in memory; on close the header is filled in, the file fsynced, journaled
 //! and renamed ([`OutputDir::commit`]).
 
-use super::output::Output;
+use super::output::{OutLoc, Output, Temp};
 use super::spool::Spool;
 use super::{io_err, OpenMode, OutputDir, Sink, SinkError};
 use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
@@ -14,7 +14,6 @@ use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{check_dim, fp8, DType, Dim, StatesView};
 use std::collections::BTreeMap;
 use std::io::{Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::Xxh3;
 
 /// Default target shard size: 1 GiB.
@@ -50,7 +49,7 @@ fn quoted_len(name: &str) -> usize {
 struct ShardWriter {
     index: usize,
     name: String,
-    tmp: PathBuf,
+    tmp: Temp,
     // The data, written on its own thread.
     file: Spool,
     reserve: usize,
@@ -99,7 +98,7 @@ impl ShardWriter {
     /// Fills in the header and fsyncs; returns the temporary file to commit.
     /// When the unused part of the reserved header region would be more than
     /// 1/16 of the data (small shards), the data is copied behind a tight header instead.
-    fn close(self, out: &OutputDir) -> Result<(PathBuf, ShardInfo, Vec<SampleInfo>, InputPos), SinkError> {
+    fn close(self, out: &OutputDir) -> Result<(Temp, ShardInfo, Vec<SampleInfo>, InputPos), SinkError> {
         let mut header = String::with_capacity(self.reserve);
         header.push('{');
         header.push_str(SHARD_METADATA);
@@ -136,9 +135,9 @@ impl ShardWriter {
                 w.sync_all()
             })();
             drop(f);
-            let _ = std::fs::remove_file(&tmp);
+            out.discard(&tmp);
             if let Err(e) = r {
-                let _ = std::fs::remove_file(&tight_tmp);
+                out.discard(&tight_tmp);
                 return Err(io_err(&tight_tmp)(e));
             }
             tight_tmp
@@ -150,7 +149,7 @@ impl ShardWriter {
                 f.sync_all()
             })()
             .map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
+                out.discard(&tmp);
                 io_err(&tmp)(e)
             })?;
             tmp
@@ -186,7 +185,13 @@ impl<L: Dim, H: Dim> StrataSink<L, H> {
     /// Opens `dir` for a run described by `manifest` (its `shards` and
     /// `samples` empty). With [`OpenMode::Resume`] an existing manifest must
     /// describe the same job; its finished shards are kept and their samples skipped.
-    pub fn open(dir: &Path, manifest: Manifest, layers: L, hidden: H, mode: OpenMode) -> Result<Self, SinkError> {
+    pub fn open(
+        dir: impl Into<OutLoc>,
+        manifest: Manifest,
+        layers: L,
+        hidden: H,
+        mode: OpenMode,
+    ) -> Result<Self, SinkError> {
         check_dim("manifest capture list", "layers", layers, manifest.capture.len())?;
         check_dim("manifest hidden_size", "hidden", hidden, manifest.model.hidden_size)?;
         let dtype: DType = manifest.dtype.parse().map_err(SinkError::Directory)?;
@@ -221,7 +226,7 @@ impl<L: Dim, H: Dim> StrataSink<L, H> {
             let out = self.out.get()?;
             let (tmp, info, samples, end) = shard.close(out)?;
             self.bytes_written += info.bytes;
-            out.commit(&tmp, info, samples, end)?;
+            out.commit(tmp, info, samples, end)?;
         }
         Ok(())
     }

@@ -21,6 +21,7 @@ use strata::pipeline::capture::{CaptureError, CapturePoint, CaptureSet};
 use strata::pipeline::source::{Checked, Expected, InputPos, JsonlSource, Limits, SourceError};
 use strata::pipeline::{Pipeline, PipelineError, Progress, Report};
 use strata::shape::DType;
+use strata::sink::output::OutLoc;
 use strata::sink::{FiniteCheck, OnNonFinite, OpenMode, Sink, SinkError, SpeculatorsSink, StrataSink};
 
 /// Output formats.
@@ -191,10 +192,13 @@ impl ExtractJob {
 
     /// Where this run writes: `--out`, or its part's directory inside it.
     pub fn out_dir(&self) -> PathBuf {
-        match &self.part {
-            Some(p) => self.out.join(p.dir_name()),
-            None => self.out.clone(),
-        }
+        self.out_loc().path()
+    }
+
+    /// [`ExtractJob::out_dir`] as the sinks open it: `--out` (which may be a
+    /// link) and the part directory inside it (which may not).
+    fn out_loc(&self) -> OutLoc {
+        OutLoc { root: self.out.clone(), part: self.part.as_ref().map(PartSpec::dir_name) }
     }
 
     /// This process's part of the input: a regular file (or the embedded
@@ -419,13 +423,13 @@ impl ExtractJob {
         let mut report_progress = |p: &Progress, i: &InputProgress| progress(p, i);
         let (report, skipped, format) = match self.format {
             Format::Strata => {
-                let sink = StrataSink::open(&self.out_dir(), job, points.len(), info.hidden_size, self.mode)?;
+                let sink = StrataSink::open(self.out_loc(), job, points.len(), info.hidden_size, self.mode)?;
                 let expect = expected(sink.manifest())?;
                 let sink = FiniteCheck::new(sink, self.on_nonfinite, names, dtype);
                 self.drive(&model, captures, input, expect, sink, &mut report_progress)?
             }
             Format::Speculators => {
-                let sink = SpeculatorsSink::open(&self.out_dir(), job, self.mode)?;
+                let sink = SpeculatorsSink::open(self.out_loc(), job, self.mode)?;
                 let expect = expected(sink.manifest())?;
                 let sink = FiniteCheck::new(sink, self.on_nonfinite, names, dtype);
                 self.drive(&model, captures, input, expect, sink, &mut report_progress)?

@@ -78,6 +78,11 @@ EXAMPLES:
 struct MergeArgs {
     /// The --out directory the parts were written into.
     dir: PathBuf,
+    /// Where the input the parts were made from lies now (default: the
+    /// --data path the parts recorded). Each part's byte range is read again
+    /// and checked against the digest the part recorded.
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
 }
 
 const EXTRACT_HELP: &str = "\
@@ -810,7 +815,7 @@ fn main() -> ExitCode {
             .map(|text| say!("{}", text.trim_end()))
             .with_context(|| format!("strata inspect {}", a.path.display())),
         Command::Verify(a) => verify(a),
-        Command::Merge(a) => merge(&a.dir),
+        Command::Merge(a) => merge(&a.dir, a.data.as_deref()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -821,10 +826,23 @@ fn main() -> ExitCode {
     }
 }
 
-fn merge(dir: &std::path::Path) -> anyhow::Result<()> {
-    let r = strata::sink::merge::merge(dir).with_context(|| format!("strata merge {}", dir.display()))?;
+fn merge(dir: &std::path::Path, data: Option<&std::path::Path>) -> anyhow::Result<()> {
+    use strata::sink::merge::InputCheck;
+    let r = strata::sink::merge::merge(dir, data).with_context(|| format!("strata merge {}", dir.display()))?;
     let skipped = if r.skipped > 0 { format!(", {} skipped (non-finite)", r.skipped) } else { String::new() };
     say!("merged {} parts ({} format): {} samples{skipped}", r.parts, r.format, r.samples);
+    say!(
+        "  checked     every listed file is the part's own regular file of its listed size; `strata verify {}` \
+         checks their contents (checksums)",
+        dir.display()
+    );
+    match &r.input {
+        InputCheck::Checked { path, bytes } => {
+            say!("  input       each part's byte range of {path} ({bytes} bytes) has the digest the part recorded")
+        }
+        InputCheck::Unchecked(why) => say!("  input       NOT CHECKED: {why}"),
+        InputCheck::NotRun => {}
+    }
     if r.format == "speculators" {
         say!(
             "  {} files linked as {}/hidden_states/hs_{{i}}.safetensors ({} bytes, none copied), and the dataset table",
