@@ -460,3 +460,41 @@ fn merge_names_a_linked_part_leaves_no_temporary_links_and_checks_the_input_rang
     r.assert_fails(&["part-0001-of-0002 is a symbolic link"]);
     assert!(!r.stderr.contains("is missing"), "{}", r.stderr);
 }
+
+// ---- Launchers: torchrun's variables describe the process ----------------------------------
+
+#[test]
+fn torchrun_inside_a_one_task_sbatch_splits_by_rank_and_inconsistent_launches_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("in.jsonl");
+    tokens(&data, 12);
+    let out = tmp.path().join("out");
+    for rank in ["0", "1", "2", "3"] {
+        let env = [
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_PROCID", "0"),
+            ("RANK", rank),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_WORLD_SIZE", "4"),
+        ];
+        let r = strata_in(&extract_tokens(&data, &out, &[]), None, 120, &env, None);
+        r.assert_ok().assert_says(&[&format!("part        {rank} of 4 (from RANK/WORLD_SIZE)")]);
+    }
+    merge_run(&out, &[]).assert_ok().assert_says(&["merged 4 parts", "12 samples"]);
+    // Inconsistent or half-set: refused before anything is written, naming the variables.
+    let cases: [(&[(&str, &str)], &[&str]); 4] = [
+        (&[("RANK", "1")], &["RANK=1 is set without WORLD_SIZE"]),
+        (&[("RANK", ""), ("WORLD_SIZE", "4")], &["RANK is set but empty"]),
+        (
+            &[("SLURM_ARRAY_TASK_ID", "2"), ("SLURM_ARRAY_TASK_COUNT", "4"), ("RANK", "1"), ("WORLD_SIZE", "4")],
+            &["SLURM_ARRAY_TASK_ID=2", "RANK=1/WORLD_SIZE=4"],
+        ),
+        (&[("JOB_COMPLETION_INDEX", "1"), ("STRATA_NUM_PARTS", "4")], &["--num-parts 3", "STRATA_NUM_PARTS=4"]),
+    ];
+    for (i, (env, needles)) in cases.iter().enumerate() {
+        let o = tmp.path().join(format!("bad{i}"));
+        let extra: &[&str] = if i == 3 { &["--num-parts", "3"] } else { &[] };
+        strata_in(&extract_tokens(&data, &o, extra), None, 120, env, None).assert_fails(needles);
+        assert!(!o.exists(), "case {i} wrote {}", o.display());
+    }
+}

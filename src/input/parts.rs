@@ -89,10 +89,13 @@ pub fn parse_dir_name(name: &str) -> Option<(usize, usize)> {
 pub const NUM_PARTS_VAR: &str = "STRATA_NUM_PARTS";
 
 /// Works out this process's part from the flags, else from the launcher's
-/// environment (`env` reads a variable); first match wins:
-/// Slurm job arrays, Slurm steps, torchrun (`RANK`/`WORLD_SIZE`),
-/// Kubernetes Indexed Jobs (`JOB_COMPLETION_INDEX`, with `--num-parts` or
-/// `STRATA_NUM_PARTS`). `None`: one process does the whole input.
+/// environment (`env` reads a variable). The flags win. Then torchrun
+/// (`RANK`/`WORLD_SIZE`: they describe this very process, so they win over
+/// a Slurm allocation they run inside, and must agree with it), Slurm job
+/// arrays, Slurm steps (`SLURM_PROCID`/`SLURM_NTASKS`), Kubernetes Indexed
+/// Jobs (`JOB_COMPLETION_INDEX`, with `--num-parts` or `STRATA_NUM_PARTS`).
+/// What is half-set or inconsistent is refused, naming every variable
+/// involved. `None`: one process does the whole input.
 pub fn resolve(
     part_index: Option<usize>,
     num_parts: Option<usize>,
@@ -126,16 +129,28 @@ pub fn resolve(
     Ok((spec.count > 1).then_some(spec))
 }
 
-fn from_env(env: &impl Fn(&str) -> Option<String>, flag_count: Option<usize>) -> Result<Option<PartSpec>, String> {
-    let num = |name: &str| -> Result<Option<usize>, String> {
-        match env(name) {
+/// The launcher variables read, by name: set and non-empty, or absent.
+struct Vars<'a, E: Fn(&str) -> Option<String>> {
+    env: &'a E,
+}
+
+impl<E: Fn(&str) -> Option<String>> Vars<'_, E> {
+    /// A variable's number; an empty or non-numeric value is an error naming it.
+    fn num(&self, name: &str) -> Result<Option<usize>, String> {
+        match (self.env)(name) {
             None => Ok(None),
-            Some(v) if v.trim().is_empty() => Ok(None),
+            Some(v) if v.trim().is_empty() => {
+                Err(format!("{name} is set but empty: unset it, or give it the launcher's value"))
+            }
             Some(v) => {
                 v.trim().parse::<usize>().map(Some).map_err(|_| format!("{name}={v:?} is not a non-negative integer"))
             }
         }
-    };
+    }
+}
+
+fn from_env(env: &impl Fn(&str) -> Option<String>, flag_count: Option<usize>) -> Result<Option<PartSpec>, String> {
+    let v = Vars { env };
     // The count from the flag wins over the environment's, but they must agree.
     let count = |found: usize, from: &str| -> Result<usize, String> {
         match flag_count {
@@ -145,16 +160,61 @@ fn from_env(env: &impl Fn(&str) -> Option<String>, flag_count: Option<usize>) ->
             _ => Ok(found),
         }
     };
+    let (rank, world) = (v.num("RANK")?, v.num("WORLD_SIZE")?);
+    let (array_id, array_count) = (v.num("SLURM_ARRAY_TASK_ID")?, v.num("SLURM_ARRAY_TASK_COUNT")?);
+    let (procid, ntasks) = (v.num("SLURM_PROCID")?, v.num("SLURM_NTASKS")?);
+    match (rank, world) {
+        (Some(r), None) => return Err(format!("RANK={r} is set without WORLD_SIZE: a launcher sets both, or neither")),
+        (None, Some(w)) => return Err(format!("WORLD_SIZE={w} is set without RANK: a launcher sets both, or neither")),
+        _ => {}
+    }
+    if let (Some(rank), Some(world)) = (rank, world) {
+        // torchrun (or any launcher that sets RANK/WORLD_SIZE) describes this process.
+        if let Some(id) = array_id {
+            return Err(format!(
+                "SLURM_ARRAY_TASK_ID={id} and RANK={rank}/WORLD_SIZE={world} are both set: a Slurm array task \
+                 running torchrun would split the input twice. Run one launcher per split, or pass \
+                 --part-index/--num-parts"
+            ));
+        }
+        match (procid, ntasks) {
+            (Some(p), Some(n)) => {
+                // torchrun inside an sbatch: SLURM_NTASKS nodes (tasks) of LOCAL_WORLD_SIZE workers each.
+                let lws = match v.num("LOCAL_WORLD_SIZE")? {
+                    Some(l) => l,
+                    None if n > 0 => world / n,
+                    None => 0,
+                };
+                let ok = n > 0 && world % n == 0 && lws > 0 && rank / lws == p;
+                if !ok {
+                    let local = env("LOCAL_WORLD_SIZE").map_or(String::new(), |l| format!(", LOCAL_WORLD_SIZE={l}"));
+                    return Err(format!(
+                        "RANK={rank}, WORLD_SIZE={world}{local} disagree with SLURM_PROCID={p}, SLURM_NTASKS={n}: \
+                         WORLD_SIZE must be a multiple of SLURM_NTASKS and RANK / LOCAL_WORLD_SIZE must be \
+                         SLURM_PROCID (one torchrun per Slurm task). Fix the launch, or pass --part-index/--num-parts"
+                    ));
+                }
+            }
+            (Some(p), None) => return Err(format!("SLURM_PROCID={p} is set without SLURM_NTASKS")),
+            (None, Some(n)) => return Err(format!("SLURM_NTASKS={n} is set without SLURM_PROCID")),
+            (None, None) => {}
+        }
+        return Ok(Some(PartSpec {
+            index: rank,
+            count: count(world, "WORLD_SIZE")?,
+            source: "RANK/WORLD_SIZE".into(),
+        }));
+    }
     // Slurm job arrays: every array task sees SLURM_PROCID=0, so the array comes first.
-    if let (Some(id), None) = (num("SLURM_ARRAY_TASK_ID")?, num("SLURM_ARRAY_TASK_COUNT")?) {
+    if let (Some(id), None) = (array_id, array_count) {
         return Err(format!(
             "SLURM_ARRAY_TASK_ID={id} is set without SLURM_ARRAY_TASK_COUNT (a Slurm older than 17.11?): \
              pass --part-index and --num-parts"
         ));
     }
-    if let (Some(id), Some(n)) = (num("SLURM_ARRAY_TASK_ID")?, num("SLURM_ARRAY_TASK_COUNT")?) {
-        let min = num("SLURM_ARRAY_TASK_MIN")?.unwrap_or(0);
-        let step = num("SLURM_ARRAY_TASK_STEP")?.unwrap_or(1).max(1);
+    if let (Some(id), Some(n)) = (array_id, array_count) {
+        let min = v.num("SLURM_ARRAY_TASK_MIN")?.unwrap_or(0);
+        let step = v.num("SLURM_ARRAY_TASK_STEP")?.unwrap_or(1).max(1);
         let off = id
             .checked_sub(min)
             .ok_or_else(|| format!("SLURM_ARRAY_TASK_ID={id} is below SLURM_ARRAY_TASK_MIN={min}"))?;
@@ -164,15 +224,23 @@ fn from_env(env: &impl Fn(&str) -> Option<String>, flag_count: Option<usize>) ->
         let source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT".to_string();
         return Ok(Some(PartSpec { index: off / step, count: count(n, "SLURM_ARRAY_TASK_COUNT")?, source }));
     }
-    if let (Some(index), Some(n)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
-        let source = "SLURM_PROCID/SLURM_NTASKS".to_string();
-        return Ok(Some(PartSpec { index, count: count(n, "SLURM_NTASKS")?, source }));
+    match (procid, ntasks) {
+        (Some(index), Some(n)) => {
+            let source = "SLURM_PROCID/SLURM_NTASKS".to_string();
+            return Ok(Some(PartSpec { index, count: count(n, "SLURM_NTASKS")?, source }));
+        }
+        (Some(p), None) => return Err(format!("SLURM_PROCID={p} is set without SLURM_NTASKS")),
+        (None, Some(n)) => return Err(format!("SLURM_NTASKS={n} is set without SLURM_PROCID")),
+        (None, None) => {}
     }
-    if let (Some(index), Some(n)) = (num("RANK")?, num("WORLD_SIZE")?) {
-        return Ok(Some(PartSpec { index, count: count(n, "WORLD_SIZE")?, source: "RANK/WORLD_SIZE".into() }));
+    let strata_count = v.num(NUM_PARTS_VAR)?;
+    if let (Some(f), Some(e)) = (flag_count, strata_count) {
+        if f != e {
+            return Err(format!("--num-parts {f} disagrees with {NUM_PARTS_VAR}={e}: give one, or make them agree"));
+        }
     }
-    if let Some(index) = num("JOB_COMPLETION_INDEX")? {
-        let (n, from) = match (flag_count, num(NUM_PARTS_VAR)?) {
+    if let Some(index) = v.num("JOB_COMPLETION_INDEX")? {
+        let (n, from) = match (flag_count, strata_count) {
             (Some(c), _) => (c, "JOB_COMPLETION_INDEX, --num-parts".to_string()),
             (None, Some(c)) => (c, format!("JOB_COMPLETION_INDEX/{NUM_PARTS_VAR}")),
             (None, None) => {
@@ -319,12 +387,63 @@ mod tests {
             ("SLURM_ARRAY_TASK_STEP", "2"),
         ];
         assert_eq!(r(None, None, &v).unwrap().unwrap().index, 2);
-        let s = r(None, None, &[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("RANK", "0"), ("WORLD_SIZE", "2")])
-            .unwrap()
-            .unwrap();
+        let s = r(None, None, &[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4")]).unwrap().unwrap();
         assert_eq!((s.index, s.count, s.source.as_str()), (3, 4, "SLURM_PROCID/SLURM_NTASKS"));
         let s = r(None, None, &[("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")]).unwrap().unwrap();
         assert_eq!((s.index, s.count), (1, 2));
+        // torchrun inside an sbatch: its variables describe the process, and must agree with Slurm's.
+        let one_task = |rank: &'static str| {
+            vec![
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "1"),
+                ("RANK", rank),
+                ("WORLD_SIZE", "4"),
+                ("LOCAL_WORLD_SIZE", "4"),
+            ]
+        };
+        for (i, rank) in ["0", "1", "2", "3"].into_iter().enumerate() {
+            let s = r(None, None, &one_task(rank)).unwrap().unwrap();
+            assert_eq!((s.index, s.count, s.source.as_str()), (i, 4, "RANK/WORLD_SIZE"));
+        }
+        let two_nodes = [
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "2"),
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_WORLD_SIZE", "4"),
+        ];
+        assert_eq!(r(None, None, &two_nodes).unwrap().unwrap().index, 5);
+        let wrong_node = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_WORLD_SIZE", "4"),
+        ];
+        let e = r(None, None, &wrong_node).unwrap_err();
+        assert!(
+            ["RANK=5", "WORLD_SIZE=8", "LOCAL_WORLD_SIZE=4", "SLURM_PROCID=0", "SLURM_NTASKS=2"]
+                .iter()
+                .all(|v| e.contains(v)),
+            "{e}"
+        );
+        let e = r(None, None, &[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("RANK", "0"), ("WORLD_SIZE", "2")])
+            .unwrap_err();
+        assert!(e.contains("multiple of SLURM_NTASKS"), "{e}");
+        // Half-set, empty, or two launchers at once: refused, naming the variables.
+        assert!(r(None, None, &[("RANK", "1")]).unwrap_err().contains("RANK=1 is set without WORLD_SIZE"));
+        assert!(r(None, None, &[("WORLD_SIZE", "2")]).unwrap_err().contains("without RANK"));
+        assert!(r(None, None, &[("RANK", ""), ("WORLD_SIZE", "2")]).unwrap_err().contains("RANK is set but empty"));
+        let e = r(
+            None,
+            None,
+            &[("SLURM_ARRAY_TASK_ID", "1"), ("SLURM_ARRAY_TASK_COUNT", "4"), ("RANK", "0"), ("WORLD_SIZE", "2")],
+        )
+        .unwrap_err();
+        assert!(e.contains("SLURM_ARRAY_TASK_ID=1") && e.contains("RANK=0/WORLD_SIZE=2"), "{e}");
+        assert!(r(None, None, &[("SLURM_PROCID", "1")]).unwrap_err().contains("without SLURM_NTASKS"));
+        let e = r(None, Some(3), &[("JOB_COMPLETION_INDEX", "1"), (NUM_PARTS_VAR, "4")]).unwrap_err();
+        assert!(e.contains("--num-parts 3") && e.contains("STRATA_NUM_PARTS=4"), "{e}");
         // Kubernetes: the count from the flag or STRATA_NUM_PARTS, never guessed.
         assert!(r(None, None, &[("JOB_COMPLETION_INDEX", "2")]).unwrap_err().contains("--num-parts"));
         assert_eq!(r(None, Some(4), &[("JOB_COMPLETION_INDEX", "2")]).unwrap().unwrap().index, 2);

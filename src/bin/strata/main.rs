@@ -144,11 +144,16 @@ PARTS (many processes, one input): each process takes a contiguous part of --dat
 (a regular file; about equal bytes, whole lines) and writes OUT/part-IIII-of-NNNN/
 with its own manifest; `strata merge OUT` then joins them without copying. The part
 is --part-index I --num-parts N, else the launcher's environment, first match wins:
+  torchrun & co.    RANK, WORLD_SIZE (they describe this process: inside an sbatch they
+                    win, and must agree: WORLD_SIZE a multiple of SLURM_NTASKS, and
+                    RANK / LOCAL_WORLD_SIZE = SLURM_PROCID)
   Slurm job array   SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT (less _MIN, over _STEP)
   Slurm steps       SLURM_PROCID, SLURM_NTASKS
-  torchrun & co.    RANK, WORLD_SIZE
   Kubernetes        JOB_COMPLETION_INDEX, with --num-parts N or STRATA_NUM_PARTS=N
                     (an Indexed Job exposes no count: set it to the Job's completions)
+A half-set or inconsistent launch is refused, naming the variables: RANK without
+WORLD_SIZE, an empty variable, a Slurm array task running torchrun, --num-parts
+against STRATA_NUM_PARTS.
 A count of 1 is the whole input, written to OUT itself. The summary says which source
 was used. A part that died is rerun, on any machine with the same backend and kernel
 path, with the same command and --resume (which also starts a part that has nothing
