@@ -260,7 +260,7 @@ fn extract_writes_the_reference_rows_and_counts_them() {
     let (ok, stdout, stderr) = extract(&model, &fixtures().join("conversations.openai.jsonl"), &out, &date);
     assert!(ok, "{stderr}");
     assert_eq!(native_rows(&out), expected_rows("qwen3.openai", "auto"));
-    assert!(stdout.contains("errors      1 conversations could not be rendered"), "{stdout}");
+    assert!(stdout.contains("errors      1 records could not be rendered or tokenized"), "{stdout}");
     assert!(stdout.contains("the renders diverge"), "{stdout}");
     // --rows per-turn everywhere.
     let out = tmp.path().join("qwen3-per-turn");
@@ -286,9 +286,15 @@ fn limits_generation_masks_and_resume_through_the_cli() {
     assert_eq!(native_rows(&out), expected_rows("chatml.openai.max48", "auto"));
     assert!(stdout.contains("rows cut,") && stdout.contains("turns left out"), "{stdout}");
     let out = tmp.path().join("skip");
-    let (ok, stdout, _) = extract(&model, &data, &out, &[&date[..], &["--max-seq-len", "48", "--skip-long"]].concat());
-    assert!(ok && stdout.contains("0 rows cut"), "{stdout}");
-    assert!(native_rows(&out).iter().all(|r| r.1.len() <= 48));
+    let (ok, stdout, stderr) =
+        extract(&model, &data, &out, &[&date[..], &["--max-seq-len", "48", "--skip-long"]].concat());
+    // Every row is too long and left out: no sample, so the run fails, saying why.
+    assert!(!ok && stdout.contains("0 rows cut"), "{stdout}");
+    assert!(
+        stderr.contains("none of the 14 input records gave a sample") && stderr.contains("--skip-long"),
+        "{stderr}"
+    );
+    assert!(native_rows(&out).is_empty());
 
     // Generation blocks, through --chat-template.
     let out = tmp.path().join("gen");
@@ -319,7 +325,9 @@ fn limits_generation_masks_and_resume_through_the_cli() {
     assert!(ok, "{stderr}");
     assert_eq!(std::fs::read(out.join("manifest.json")).unwrap(), before);
     let (ok, _, stderr) = extract(&llama, &data, &out, &["--resume", "--chat-date", "2026-02-01"]);
-    assert!(!ok && stderr.contains("prepare differs"), "{stderr}");
+    assert!(!ok && stderr.contains("prepare.chat_date differs"), "{stderr}");
+    assert!(stderr.contains("has 2026-01-15, this run has 2026-02-01"), "{stderr}");
+    assert!(stderr.contains("run with --chat-date 2026-01-15 as it did") && stderr.contains("--overwrite"), "{stderr}");
 }
 
 #[test]

@@ -498,3 +498,194 @@ fn torchrun_inside_a_one_task_sbatch_splits_by_rank_and_inconsistent_launches_ar
         assert!(!o.exists(), "case {i} wrote {}", o.display());
     }
 }
+
+// ---- The weak cases ------------------------------------------------------------------------
+
+/// A template that refuses every conversation.
+const REFUSING: &str = "{{ raise_exception('no: ' ~ messages[0].content) }}";
+
+#[test]
+fn a_run_whose_every_record_is_refused_fails_but_an_empty_part_or_a_finished_resume_does_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let refusing = tmp.path().join("refusing.jinja");
+    std::fs::write(&refusing, REFUSING).unwrap();
+    let data = tmp.path().join("c.jsonl");
+    write_jsonl(&data, (0..3).map(|i| hello(&format!("c{i}"))));
+    let out = tmp.path().join("o");
+    let r = strata(&extract_args(&model, &data, &out, &["--chat-template", s(&refusing)]));
+    r.assert_fails(&["none of the 3 input records gave a sample", "3 could not be rendered or tokenized"]);
+    // Every conversation without an assistant turn: the same.
+    write_jsonl(&data, (0..2).map(|i| json!({"id": i.to_string(), "messages": [{"role": "user", "content": "x"}]})));
+    let r = strata(&extract_args(&model, &data, &tmp.path().join("o2"), &[]));
+    r.assert_fails(&["none of the 2 input records", "2 had no assistant turn"]);
+    // A part with no records, and a resume that finds the work done: exit 0.
+    write_jsonl(&data, [hello("only")]);
+    let out = tmp.path().join("parts");
+    for i in ["0", "1"] {
+        let r = strata(&extract_args(&model, &data, &out, &["--part-index", i, "--num-parts", "2"]));
+        r.assert_ok();
+    }
+    let out = tmp.path().join("done");
+    strata(&extract_args(&model, &data, &out, &[])).assert_ok();
+    strata(&extract_args(&model, &data, &out, &["--resume"])).assert_ok();
+}
+
+#[test]
+fn tiktoken_text_the_pattern_does_not_cover_or_cannot_match_fails_that_record_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kimi = tmp.path().join("kimi");
+    common::tiny_llama(&kimi, 700);
+    std::fs::copy(fixtures().join("tiktoken/tiktoken.model"), kimi.join("tiktoken.model")).unwrap();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("tiktoken/tokenizer_config.json")).unwrap())
+            .unwrap();
+    // A pattern of letters only: spaces and punctuation are not covered.
+    config["pat_str"] = json!("[a-zA-Z]+");
+    std::fs::write(kimi.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let data = tmp.path().join("t.jsonl");
+    write_jsonl(&data, [json!({"id": "a", "text": "hello"}), json!({"id": "b", "text": "hello world"})]);
+    let r = strata(&extract_args(&kimi, &data, &tmp.path().join("o"), &[]));
+    r.assert_ok().assert_says(&["wrote 1 samples", "(id \"b\")", "does not match byte 5 of the text"]);
+}
+
+#[test]
+fn verify_recompute_with_other_weights_says_the_digest_differs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = tmp.path().join("t.jsonl");
+    write_jsonl(&data, [json!({"input_ids": [1, 2, 3, 4, 5]}), json!({"input_ids": [7, 8, 9]})]);
+    let out = tmp.path().join("o");
+    strata(&extract_args(&model, &data, &out, &[])).assert_ok();
+    let other = tmp.path().join("other");
+    let spec = strata_testkit::LlamaSpec {
+        hidden_size: 32,
+        num_layers: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        intermediate_size: 64,
+        vocab_size: 512,
+    };
+    strata_testkit::write_llama(&other, &spec, strata::shape::DType::F32, 99).unwrap();
+    let r = strata(&["verify", s(&out), "--recompute", "2", "--model", s(&other)]);
+    r.assert_fails(&["(digest xxh3:", "are not the ones the dataset was written with", "differ from a fresh forward"]);
+    strata(&["verify", s(&out), "--recompute", "2", "--model", s(&model)]).assert_ok();
+}
+
+#[test]
+fn template_messages_say_what_is_wrong_and_noncharacters_are_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    std::fs::remove_file(model.join("chat_template.jinja")).unwrap();
+    let data = tmp.path().join("c.jsonl");
+    write_jsonl(&data, [hello("a")]);
+    let cfg_path = model.join("tokenizer_config.json");
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let with = |t: Value| {
+        let mut c = cfg.clone();
+        c["chat_template"] = t;
+        std::fs::write(&cfg_path, c.to_string()).unwrap();
+    };
+    with(json!([{"name": "tool_use", "template": "x"}, {"name": "rag", "template": "y"}]));
+    let r = strata(&extract_args(&model, &data, &tmp.path().join("o1"), &[]));
+    r.assert_fails(&["without \"default\"", "\"tool_use\", \"rag\"", "--chat-template"]);
+    assert!(!r.stderr.contains("no chat template"), "{}", r.stderr);
+    with(json!(42));
+    let r = strata(&extract_args(&model, &data, &tmp.path().join("o2"), &[]));
+    r.assert_fails(&["must be a string or a list", "not a number"]);
+    // U+FDD0 in a conversation is text, also under a template with generation blocks.
+    let gen = fixtures().join("templates/generation.jinja");
+    write_jsonl(
+        &data,
+        [
+            json!({"messages": [{"role": "user", "content": "a\u{FDD0}b"}, {"role": "assistant", "content": "c\u{FDD1}d\u{FDD0}"}]}),
+        ],
+    );
+    for mask in ["boundary", "generation"] {
+        let out = tmp.path().join(format!("nc-{mask}"));
+        let r = strata(&extract_args(&model, &data, &out, &["--chat-template", s(&gen), "--loss-mask", mask]));
+        r.assert_ok().assert_says(&["wrote 1 samples"]);
+    }
+    // A 1 MB raise_exception message is clipped, in the log and the summary.
+    let big = tmp.path().join("big.jinja");
+    std::fs::write(&big, "{{ raise_exception('x' * 1000000) }}").unwrap();
+    write_jsonl(&data, [hello("a"), hello("b"), hello("c")]);
+    let r = strata(&extract_args(&model, &data, &tmp.path().join("o3"), &["--chat-template", s(&big)]));
+    r.assert_fails(&["refused the conversation"]);
+    assert!(r.stderr.len() + r.stdout.len() < 20_000, "{} bytes of output", r.stderr.len() + r.stdout.len());
+}
+
+#[test]
+fn duplicate_ids_are_refused_in_every_row_mode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = tmp.path().join("c.jsonl");
+    let two_turns = |id: &str| {
+        json!({"id": id, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                      {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]})
+    };
+    write_jsonl(&data, [two_turns("x"), hello("x")]);
+    for rows in ["auto", "per-turn", "per-conversation"] {
+        let out = tmp.path().join(rows);
+        strata(&extract_args(&model, &data, &out, &["--rows", rows])).assert_fails(&["duplicate id \"x\""]);
+    }
+}
+
+#[test]
+fn a_refused_resume_names_the_field_both_values_and_the_remedy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = tmp.path().join("c.jsonl");
+    write_jsonl(&data, [hello("a"), hello("b")]);
+    let out = tmp.path().join("o");
+    strata(&extract_args(&model, &data, &out, &["--max-seq-len", "100", "--rows", "per-turn"])).assert_ok();
+    let r = strata(&extract_args(&model, &data, &out, &["--max-seq-len", "200", "--rows", "per-turn", "--resume"]));
+    r.assert_fails(&[
+        "prepare.max_seq_len differs",
+        "has 100, this run has 200",
+        "run with --max-seq-len 100",
+        "--overwrite",
+    ]);
+    let r = strata(&extract_args(&model, &data, &out, &["--max-seq-len", "100", "--resume"]));
+    r.assert_fails(&["prepare.rows differs", "has per-turn, this run has auto", "--rows per-turn"]);
+}
+
+#[test]
+fn datasets_directories_take_no_other_input_format_and_a_dataset_dict_names_its_splits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("in.jsonl");
+    tokens(&data, 4);
+    let ds = tmp.path().join("ds");
+    strata(&extract_tokens(&data, &ds, &["--format", "speculators"])).assert_ok();
+    strata(&extract_tokens(&ds, &tmp.path().join("o1"), &[])).assert_ok().assert_says(&["wrote 4 samples"]);
+    let r = strata(&extract_tokens(&ds, &tmp.path().join("o2"), &["--input-format", "text"]));
+    r.assert_fails(&["--input-format text does not apply", "datasets directory"]);
+    // A DatasetDict: its splits are named.
+    let dict = tmp.path().join("dict");
+    std::fs::create_dir_all(&dict).unwrap();
+    std::fs::write(dict.join("dataset_dict.json"), "{\"splits\": [\"train\"]}").unwrap();
+    std::fs::rename(&ds, dict.join("train")).unwrap();
+    let r = strata(&extract_tokens(&dict, &tmp.path().join("o3"), &[]));
+    r.assert_fails(&["is a DatasetDict", "train", "dict/train"]);
+    assert!(!r.stderr.contains("Is a directory"), "{}", r.stderr);
+}
+
+#[test]
+fn bpe_dropout_is_ignored_with_one_warning_so_runs_are_reproducible() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let path = model.join("tokenizer.json");
+    let mut tok: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    tok["model"]["dropout"] = json!(0.5);
+    std::fs::write(&path, tok.to_string()).unwrap();
+    let data = tmp.path().join("t.jsonl");
+    write_jsonl(&data, (0..4).map(|i| json!({"text": format!("the quick brown fox jumps over the lazy dog {i}")})));
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let r = strata(&extract_args(&model, &data, &a, &[]));
+    r.assert_ok();
+    assert_eq!(r.stderr.matches("dropout 0.5").count(), 1, "{}", r.stderr);
+    strata(&extract_args(&model, &data, &b, &[])).assert_ok();
+    let files =
+        |d: &Path| common::dir_contents(d).into_iter().filter(|(n, _)| n.ends_with(".safetensors")).collect::<Vec<_>>();
+    assert_eq!(files(&a), files(&b));
+}

@@ -24,6 +24,10 @@ pub enum ChatError {
     /// The chat template.
     #[error("{0}")]
     Template(String),
+    /// This one text cannot be tokenized (the pre-tokenisation pattern fails
+    /// on it or does not cover it): that record is refused, the run goes on.
+    #[error("{0}")]
+    Text(String),
 }
 
 /// Where a run's chat template and variables come from.
@@ -84,16 +88,44 @@ impl Chat {
             crate::files::read_text(p, 16 << 20)
                 .map_err(|e| ChatError::Template(format!("chat template {}: {e}", p.display())))
         };
-        let from_config = |v: Option<&serde_json::Value>| -> Option<String> {
-            match v? {
-                serde_json::Value::String(s) => Some(s.clone()),
-                serde_json::Value::Array(list) => list
-                    .iter()
-                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                    .and_then(|t| t.get("template"))
-                    .and_then(|t| t.as_str())
-                    .map(String::from),
-                _ => None,
+        // A `chat_template` field: a string, or transformers' list of named
+        // templates, of which `default` is the one `apply_chat_template` renders.
+        let from_config = |v: Option<&serde_json::Value>, file: &str| -> Result<Option<String>, ChatError> {
+            let bad = |why: String| {
+                ChatError::Template(format!(
+                    "{}/{file}: `chat_template` {why}; pass --chat-template FILE to choose one",
+                    dir.display()
+                ))
+            };
+            match v {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+                Some(serde_json::Value::Array(list)) => {
+                    let name = |t: &serde_json::Value| t.get("name").and_then(|n| n.as_str()).map(String::from);
+                    match list.iter().find(|t| name(t).as_deref() == Some("default")) {
+                        Some(t) => match t.get("template").and_then(|t| t.as_str()) {
+                            Some(t) => Ok(Some(t.to_string())),
+                            None => Err(bad("lists a \"default\" entry without a string `template`".into())),
+                        },
+                        None => {
+                            let names: Vec<String> =
+                                list.iter().map(|t| name(t).map_or("(unnamed)".into(), |n| crate::quote(&n))).collect();
+                            Err(bad(format!(
+                                "is a list of named templates without \"default\" (it has {}), as transformers \
+                                 refuses too",
+                                crate::clip(&names.join(", "), 200)
+                            )))
+                        }
+                    }
+                }
+                Some(other) => Err(bad(format!(
+                    "must be a string or a list of {{\"name\", \"template\"}} entries, not {}",
+                    match other {
+                        serde_json::Value::Bool(_) => "a boolean",
+                        serde_json::Value::Number(_) => "a number",
+                        _ => "an object",
+                    }
+                ))),
             }
         };
         let jinja = dir.join("chat_template.jinja");
@@ -101,11 +133,14 @@ impl Chat {
             (Some(read(f)?), f.display().to_string())
         } else if jinja.is_file() {
             (Some(read(&jinja)?), jinja.display().to_string())
-        } else if let Some(t) = from_config(config.get("chat_template")) {
+        } else if let Some(t) = from_config(config.get("chat_template"), "tokenizer_config.json")? {
             (Some(t), format!("{}/tokenizer_config.json", dir.display()))
         } else {
             let j = read_json(&dir.join("chat_template.json"))?;
-            let t = j.as_ref().and_then(|j| from_config(j.get("chat_template")));
+            let t = match &j {
+                Some(j) => from_config(j.get("chat_template"), "chat_template.json")?,
+                None => None,
+            };
             (t, format!("{}/chat_template.json", dir.display()))
         };
         let mut globals: Vec<(String, serde_json::Value)> = Vec::new();

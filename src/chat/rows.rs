@@ -101,6 +101,14 @@ pub enum RowsError {
     Fatal(#[from] ChatError),
 }
 
+/// A tokenizer error: this conversation's text, or the tokenizer as a whole.
+fn token_err(e: ChatError) -> RowsError {
+    match e {
+        ChatError::Text(m) => RowsError::Conversation(m),
+        e => RowsError::Fatal(e),
+    }
+}
+
 fn render_err(e: RenderError) -> RowsError {
     match e {
         RenderError::Unsupported(m) => RowsError::Fatal(ChatError::Template(m)),
@@ -153,7 +161,7 @@ impl<'a> Renderer<'a> {
                 c.messages.len()
             )));
         }
-        self.tokenizer.encode(&r.text, false, &mut self.enc)?;
+        self.tokenizer.encode(&r.text, false, &mut self.enc).map_err(token_err)?;
         Ok(std::mem::take(&mut self.enc.ids))
     }
 
@@ -263,7 +271,7 @@ impl<'a> Renderer<'a> {
         let msgs = json_value(&serde_json::Value::Array(c.messages.clone()));
         let tools = c.tools.as_ref().map(json_value);
         let r = self.template.render(&msgs, tools.as_ref(), false).map_err(render_err)?;
-        self.tokenizer.encode(&r.text, false, &mut self.enc)?;
+        self.tokenizer.encode(&r.text, false, &mut self.enc).map_err(token_err)?;
         let n = self.enc.ids.len();
         let mut loss_mask = vec![0u8; n];
         for span in &r.generation {

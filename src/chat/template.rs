@@ -8,10 +8,9 @@ use super::ChatError;
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, ErrorKind};
 
-// Output markers for `{% generation %}` blocks: noncharacters, which no text should hold.
-const GEN_OPEN: char = '\u{FDD0}';
-const GEN_CLOSE: char = '\u{FDD1}';
 const NAME: &str = "chat_template";
+/// The longest message of a failed render quoted (a `raise_exception` message can be megabytes).
+const MESSAGE_MAX: usize = 400;
 /// Template instructions one render may run: a hostile template or
 /// conversation stops with an error instead of running for ever.
 const FUEL: u64 = 200_000_000;
@@ -46,6 +45,9 @@ pub struct Template {
     env: Environment<'static>,
     origin: String,
     generation: bool,
+    // What `{% generation %}` and `{% endgeneration %}` print: noncharacters
+    // around a nonce of this template, so text in a conversation cannot forge them.
+    markers: (String, String),
     globals: Vec<(String, Value)>,
     // Whether the source calls `strftime_now`: then the date is part of the output.
     dated: bool,
@@ -126,11 +128,13 @@ impl Template {
             strftime(&midnight, &fmt)
         });
         env.add_filter("tojson", tojson);
-        env.add_filter("__strata_generation_open", |_: String| GEN_OPEN.to_string());
-        env.add_filter("__strata_generation_close", |_: String| GEN_CLOSE.to_string());
+        let markers = markers();
+        let (open, close) = markers.clone();
+        env.add_filter("__strata_generation_open", move |_: String| open.clone());
+        env.add_filter("__strata_generation_close", move |_: String| close.clone());
         env.add_template_owned(NAME, source).map_err(|e| ChatError::Template(describe(origin, &e)))?;
         let globals = globals.into_iter().map(|(k, v)| (k, json_value(&v))).collect();
-        Ok(Template { env, origin: origin.into(), generation, globals, dated })
+        Ok(Template { env, origin: origin.into(), generation, markers, globals, dated })
     }
 
     /// Whether renders depend on the date (the template calls `strftime_now`).
@@ -169,8 +173,17 @@ impl Template {
         if !self.generation {
             return Ok(Rendered { text, generation: vec![] });
         }
-        split_markers(&text).map_err(RenderError::Rejected)
+        split_markers(&text, &self.markers).map_err(RenderError::Rejected)
     }
+}
+
+/// A template's generation markers: U+FDD0/U+FDD1 around 16 hex digits from
+/// the clock, the process and an address, unknown to the data rendered.
+fn markers() -> (String, String) {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let local = 0u8;
+    let nonce = xxhash_rust::xxh3::xxh3_64(format!("{t}:{}:{:p}", std::process::id(), &local).as_bytes());
+    (format!("\u{FDD0}{nonce:016x}\u{FDD1}"), format!("\u{FDD1}{nonce:016x}\u{FDD0}"))
 }
 
 /// Python's string methods: minijinja-contrib's, plus the padding and
@@ -304,22 +317,36 @@ impl std::io::Write for Bounded {
 }
 
 /// Removes the generation markers, returning the clean text and the byte ranges between them.
-fn split_markers(marked: &str) -> Result<Rendered, String> {
+fn split_markers(marked: &str, (open_m, close_m): &(String, String)) -> Result<Rendered, String> {
     let mut out = Rendered { text: String::with_capacity(marked.len()), generation: vec![] };
     let mut open: Option<usize> = None;
-    for c in marked.chars() {
-        match c {
-            GEN_OPEN if open.is_some() => return Err("nested {% generation %} blocks".into()),
-            GEN_OPEN => open = Some(out.text.len()),
-            GEN_CLOSE => match open.take() {
+    let mut rest = marked;
+    // Markers start with a noncharacter: search for those, then compare.
+    while let Some(at) = rest.find(['\u{FDD0}', '\u{FDD1}']) {
+        out.text.push_str(&rest[..at]);
+        rest = &rest[at..];
+        if let Some(r) = rest.strip_prefix(open_m.as_str()) {
+            if open.is_some() {
+                return Err("the template opens a {% generation %} block inside another one".into());
+            }
+            open = Some(out.text.len());
+            rest = r;
+        } else if let Some(r) = rest.strip_prefix(close_m.as_str()) {
+            match open.take() {
                 Some(s) => out.generation.push(s..out.text.len()),
-                None => return Err(format!("the text holds {:?}, which marks generation blocks", GEN_CLOSE)),
-            },
-            c => out.text.push(c),
+                None => return Err("the template closes a {% generation %} block it did not open".into()),
+            }
+            rest = r;
+        } else {
+            // A noncharacter in the conversation itself: plain text.
+            let c = rest.chars().next().expect("found above");
+            out.text.push(c);
+            rest = &rest[c.len_utf8()..];
         }
     }
+    out.text.push_str(rest);
     if open.is_some() {
-        return Err(format!("the text holds {:?}, which marks generation blocks", GEN_OPEN));
+        return Err("the template leaves a {% generation %} block open".into());
     }
     Ok(out)
 }
@@ -339,6 +366,14 @@ fn describe(origin: &str, e: &minijinja::Error) -> String {
 }
 
 fn classify(origin: &str, e: &minijinja::Error) -> RenderError {
+    match classify_unclipped(origin, e) {
+        RenderError::Unsupported(m) => RenderError::Unsupported(crate::clip(&m, MESSAGE_MAX).into_owned()),
+        RenderError::Rejected(m) => RenderError::Rejected(crate::clip(&m, MESSAGE_MAX).into_owned()),
+        RenderError::Failed(m) => RenderError::Failed(crate::clip(&m, MESSAGE_MAX).into_owned()),
+    }
+}
+
+fn classify_unclipped(origin: &str, e: &minijinja::Error) -> RenderError {
     match e.kind() {
         ErrorKind::SyntaxError
         | ErrorKind::UnknownFilter
@@ -616,6 +651,16 @@ mod tests {
                 .unwrap();
         assert_eq!(r.text, "<user>hé<assistant>ok");
         assert_eq!(r.generation, vec![20..22]);
+    }
+
+    #[test]
+    fn noncharacters_in_the_conversation_are_text_not_generation_markers() {
+        let src = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}|{% endfor %}";
+        let r = render(src, serde_json::json!([{"content": "a\u{FDD0}b"}, {"content": "\u{FDD1}c\u{FDD0}"}])).unwrap();
+        assert_eq!(r.text, "a\u{FDD0}b|\u{FDD1}c\u{FDD0}|");
+        assert_eq!(r.generation, vec![0..5, 6..13]);
+        let e = render("{{ raise_exception('x' * 100000) }}", serde_json::json!([])).unwrap_err().to_string();
+        assert!(e.len() < 1000 && e.ends_with(" bytes)"), "{}", e.len());
     }
 
     #[test]

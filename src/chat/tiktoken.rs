@@ -121,8 +121,21 @@ impl Tiktoken {
     ) -> Result<(), ChatError> {
         let part = &text[from..to];
         let mut parts: Vec<(usize, u32)> = Vec::new();
+        // tiktoken drops what its pattern does not match, silently: here the record is refused.
+        let uncovered = |at: usize| {
+            ChatError::Text(format!(
+                "the pre-tokenisation pattern (pat_str) does not match byte {at} of the text ({}), so tiktoken \
+                 would drop it silently; the record is refused",
+                crate::quote(&part[at - from..].chars().take(12).collect::<String>())
+            ))
+        };
+        let mut covered = from;
         for m in self.pattern.find_iter(part) {
-            let m = m.map_err(|e| ChatError::Tokenizer(format!("pre-tokenisation: {e}")))?;
+            let m = m.map_err(|e| ChatError::Text(format!("the pre-tokenisation pattern fails on this text: {e}")))?;
+            if from + m.start() != covered {
+                return Err(uncovered(covered));
+            }
+            covered = from + m.end();
             let piece = m.as_str().as_bytes();
             let base = from + m.start();
             if let Some(&r) = self.ranks.get(piece) {
@@ -133,12 +146,16 @@ impl Tiktoken {
             self.merge(piece, &mut parts)?;
             for w in 0..parts.len() - 1 {
                 let (s, e) = (parts[w].0, parts[w + 1].0);
-                let r = *self.ranks.get(&piece[s..e]).ok_or_else(|| {
-                    ChatError::Tokenizer(format!("byte {:#04x} has no rank in the BPE file", piece[s]))
-                })?;
+                let r = *self
+                    .ranks
+                    .get(&piece[s..e])
+                    .ok_or_else(|| ChatError::Text(format!("byte {:#04x} has no rank in the BPE file", piece[s])))?;
                 ids.push(r);
                 spans.push((base + s, base + e));
             }
+        }
+        if covered != to {
+            return Err(uncovered(covered));
         }
         Ok(())
     }

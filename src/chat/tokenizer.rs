@@ -114,7 +114,9 @@ impl Tokenizer {
         out.spans.clear();
         match self {
             Tokenizer::Hf(t) => {
-                let e = t.encode(text, add_special).map_err(|e| ChatError::Tokenizer(e.to_string()))?;
+                let e = t
+                    .encode(text, add_special)
+                    .map_err(|e| ChatError::Text(format!("the tokenizer fails on this text: {e}")))?;
                 out.ids.extend_from_slice(e.get_ids());
                 out.spans.extend_from_slice(e.get_offsets());
                 Ok(())

@@ -424,44 +424,147 @@ impl Manifest {
         Ok(m)
     }
 
-    /// The fields that say what a run writes (everything but progress).
-    pub fn same_job(&self, other: &Manifest) -> Result<(), String> {
+    /// The fields that say what a run writes (everything but progress): the
+    /// first that differs, with both values and how to make it agree.
+    pub fn same_job(&self, other: &Manifest) -> Result<(), JobDiff> {
         let run = |m: &Manifest| {
-            m.run.as_ref().map_or("(not recorded)".into(), |r| {
+            m.run.as_ref().map_or(String::new(), |r| {
                 let budget = r.max_batch_tokens.map_or(String::new(), |n| format!(", --max-batch-tokens {n}"));
                 format!("backend {}, --tp {}, compute {}, kernel {}{budget}", r.backend, r.tp, r.compute, r.kernel)
             })
         };
-        let prepare = |m: &Manifest| m.prepare.as_ref().map_or(String::new(), |p| format!("{p:?}"));
         let part = |m: &Manifest| m.part.as_ref().map_or("the whole input".into(), PartInfo::key);
-        let pairs: [(&str, String, String); 12] = [
-            ("format", self.format.clone(), other.format.clone()),
-            ("strata_version", self.strata_version.clone(), other.strata_version.clone()),
-            ("model.config_hash", self.model.config_hash.clone(), other.model.config_hash.clone()),
-            ("model.weights_digest", self.model.weights_digest.clone(), other.model.weights_digest.clone()),
-            ("run", run(self), run(other)),
-            ("on_nonfinite", self.on_nonfinite.clone(), other.on_nonfinite.clone()),
-            ("capture", format!("{:?}", self.capture), format!("{:?}", other.capture)),
-            ("dtype", self.dtype.clone(), other.dtype.clone()),
-            ("shard_size", self.shard_size.to_string(), other.shard_size.to_string()),
-            ("layout", self.layout.clone(), other.layout.clone()),
-            ("prepare", prepare(self), prepare(other)),
-            ("part", part(self), part(other)),
+        let capture = |m: &Manifest| m.capture.iter().map(|c| c.point.as_str()).collect::<Vec<_>>().join(",");
+        let model = format!("--model {}", self.model.path);
+        let mut pairs: Vec<(&str, String, String, String)> = vec![
+            ("format", self.format.clone(), other.format.clone(), format!("--format {}", self.format)),
+            (
+                "strata_version",
+                self.strata_version.clone(),
+                other.strata_version.clone(),
+                format!("strata {} (the version that wrote it)", self.strata_version),
+            ),
+            ("model.config_hash", self.model.config_hash.clone(), other.model.config_hash.clone(), model.clone()),
+            (
+                "model.weights_digest",
+                self.model.weights_digest.clone(),
+                other.model.weights_digest.clone(),
+                format!("{model} with the weights it had"),
+            ),
+            (
+                "run",
+                run(self),
+                run(other),
+                "the same --backend, --tp and --compute, on a machine with the same kernel path \
+                 (STRATA_BF16_KERNEL picks a slower one the CPU also has)"
+                    .into(),
+            ),
+            (
+                "on_nonfinite",
+                self.on_nonfinite.clone(),
+                other.on_nonfinite.clone(),
+                format!("--on-nonfinite {}", self.on_nonfinite),
+            ),
+            ("capture", capture(self), capture(other), format!("--capture {}", capture(self))),
+            ("dtype", self.dtype.clone(), other.dtype.clone(), format!("--dtype {}", self.dtype)),
+            (
+                "shard_size",
+                self.shard_size.to_string(),
+                other.shard_size.to_string(),
+                format!("--shard-size {}", self.shard_size),
+            ),
+            ("layout", self.layout.clone(), other.layout.clone(), format!("--format {}", self.format)),
         ];
-        for (field, a, b) in pairs {
+        let none = PrepareInfo::default();
+        let (a, b) = (self.prepare.as_ref(), other.prepare.as_ref());
+        if a.is_some() != b.is_some() {
+            let show = |p: Option<&PrepareInfo>| p.map_or(String::new(), |p| format!("{p:?}"));
+            pairs.push(("prepare", show(a), show(b), "the strata version that wrote it".into()));
+        } else {
+            pairs.extend(prepare_pairs(a.unwrap_or(&none), b.unwrap_or(&none)));
+        }
+        pairs.push((
+            "part",
+            part(self),
+            part(other),
+            "the same input file and --part-index/--num-parts (or launcher)".into(),
+        ));
+        for (field, a, b, remedy) in pairs {
             if a != b {
-                let show = |v: &str| {
-                    if v.is_empty() {
-                        "(not recorded)".to_string()
-                    } else {
-                        crate::clip(v, 200).into_owned()
-                    }
-                };
-                let (a, b) = (show(&a), show(&b));
-                return Err(format!("{field} differs: the existing run has {a}, this run {b}"));
+                return Err(JobDiff { field: field.to_string(), existing: a, this: b, remedy });
             }
         }
         Ok(())
+    }
+}
+
+/// The fields of [`PrepareInfo`], each with the option that sets it.
+fn prepare_pairs(a: &PrepareInfo, b: &PrepareInfo) -> Vec<(&'static str, String, String, String)> {
+    let opt = |v: &Option<String>| v.clone().unwrap_or_default();
+    let flag = |name: &str, v: &str| if v.is_empty() { format!("no {name}") } else { format!("{name} {v}") };
+    let len = |n: Option<usize>| n.map_or(String::new(), |n| n.to_string());
+    vec![
+        (
+            "prepare.input_format",
+            a.input_format.clone(),
+            b.input_format.clone(),
+            flag("--input-format", &a.input_format),
+        ),
+        (
+            "prepare.tokenizer",
+            opt(&a.tokenizer),
+            opt(&b.tokenizer),
+            "the model's tokenizer files as they were (tokenizer.json or tiktoken.model, tokenizer_config.json)".into(),
+        ),
+        (
+            "prepare.chat_template",
+            opt(&a.chat_template),
+            opt(&b.chat_template),
+            "the chat template the run rendered with (its digest is recorded; --chat-template FILE)".into(),
+        ),
+        (
+            "prepare.chat_template_kwargs",
+            a.chat_template_kwargs.clone(),
+            b.chat_template_kwargs.clone(),
+            flag("--chat-template-kwargs", &a.chat_template_kwargs),
+        ),
+        ("prepare.chat_date", a.chat_date.clone(), b.chat_date.clone(), flag("--chat-date", &a.chat_date)),
+        ("prepare.loss_mask", a.loss_mask.clone(), b.loss_mask.clone(), flag("--loss-mask", &a.loss_mask)),
+        ("prepare.rows", a.rows.clone(), b.rows.clone(), flag("--rows", &a.rows)),
+        ("prepare.max_seq_len", len(a.max_seq_len), len(b.max_seq_len), flag("--max-seq-len", &len(a.max_seq_len))),
+        (
+            "prepare.skip_long",
+            a.skip_long.to_string(),
+            b.skip_long.to_string(),
+            if a.skip_long { "--skip-long".into() } else { "no --skip-long".into() },
+        ),
+    ]
+}
+
+/// The first field in which two runs' manifests differ.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobDiff {
+    /// The manifest field (`dtype`, `prepare.chat_date`, ...).
+    pub field: String,
+    /// Its value in the existing output.
+    pub existing: String,
+    /// Its value for this run.
+    pub this: String,
+    /// What makes this run agree with the existing one (the option and its value).
+    pub remedy: String,
+}
+
+impl JobDiff {
+    /// "FIELD differs: A has X, B has Y", naming the two sides.
+    pub fn between(&self, a: &str, b: &str) -> String {
+        let show = |v: &str| if v.is_empty() { "(not recorded)".to_string() } else { crate::clip(v, 300).into_owned() };
+        format!("{} differs: {a} has {}, {b} has {}", self.field, show(&self.existing), show(&self.this))
+    }
+}
+
+impl std::fmt::Display for JobDiff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.between("the existing output", "this run"))
     }
 }
 
@@ -498,7 +601,7 @@ mod tests {
             m
         };
         assert_eq!(job(Some(8192)).same_job(&job(Some(8192))), Ok(()));
-        let e = job(Some(8192)).same_job(&job(Some(4096))).unwrap_err();
+        let e = job(Some(8192)).same_job(&job(Some(4096))).unwrap_err().to_string();
         assert!(e.contains("run differs") && e.contains("--max-batch-tokens 8192"), "{e}");
         assert!(e.contains("--max-batch-tokens 4096"), "{e}");
         // CPU runs do not record it (their output does not depend on it).

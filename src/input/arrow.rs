@@ -16,6 +16,34 @@ pub fn is_dataset_dir(dir: &Path) -> bool {
     dir.is_dir() && dir.join("state.json").is_file()
 }
 
+/// Why `dir`, a directory, is not an input: a `DatasetDict` (name its
+/// splits), or not a `datasets` directory at all.
+pub fn not_a_dataset(dir: &Path) -> String {
+    if dir.join("dataset_dict.json").is_file() {
+        let mut splits: Vec<String> = std::fs::read_dir(dir)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .filter(|e| is_dataset_dir(&e.path()))
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        splits.sort();
+        let example = splits.first().map_or("train".to_string(), |s| s.clone());
+        return format!(
+            "{} is a DatasetDict (save_to_disk of several splits: {}): give one split's directory, e.g. --data {}",
+            dir.display(),
+            if splits.is_empty() { "none found".to_string() } else { splits.join(", ") },
+            dir.join(example).display()
+        );
+    }
+    format!(
+        "{} is a directory, but not a datasets directory (it has no state.json): --data takes a JSON Lines file, \
+         a pipe, - for stdin, or a directory written by datasets' save_to_disk",
+        dir.display()
+    )
+}
+
 /// Rows of a `datasets` directory as token records.
 pub struct DatasetRecords {
     name: String,

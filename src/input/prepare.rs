@@ -38,7 +38,7 @@ pub struct PrepareStats {
     pub skipped_empty: usize,
     /// Conversations without an assistant turn after the first message.
     pub skipped_no_assistant: usize,
-    /// Conversations that could not be rendered into rows (counted, reported, left out).
+    /// Records that could not be rendered or tokenized (counted, reported, left out).
     pub errors: usize,
     /// The first few of those errors.
     pub first_errors: Vec<String>,
@@ -104,8 +104,9 @@ impl Prepared {
             .stack_size(64 << 20)
             .spawn(move || {
                 let rendered = opts.after_start;
-                let roles_seen = Default::default();
-                Worker { records, chat, opts, name, stats: s, format: f, tx, roles_seen, row: 0, rendered }.run()
+                let (roles_seen, ids_seen) = Default::default();
+                Worker { records, chat, opts, name, stats: s, format: f, tx, roles_seen, ids_seen, row: 0, rendered }
+                    .run()
             })
             .map_err(|cause| SourceError::Io { path: "(prepare thread)".into(), cause })?;
         Ok(Prepared { rx, consumed: InputPos::default(), stats, format, thread: Some(thread), ended: false })
@@ -183,6 +184,9 @@ struct Worker {
     tx: SyncSender<Msg>,
     // Unknown role names seen (128-bit hashes, 16 bytes a name whatever its length).
     roles_seen: std::collections::HashSet<u128>,
+    // Record ids seen, likewise: a conversation's per-turn rows get `{id}#{turn}`,
+    // so two records with one id would not collide as samples.
+    ids_seen: std::collections::HashSet<u128>,
     // Rows emitted so far: the next sample's index.
     row: usize,
     // Whether a conversation has rendered yet.
@@ -242,6 +246,9 @@ impl Worker {
     /// A record's samples: none (a skipped conversation), one, or one per assistant turn.
     fn samples(&mut self, mut item: Item) -> Result<Vec<Sample>, SourceError> {
         let base = item.id.clone().unwrap_or_else(|| item.index.to_string());
+        if !self.ids_seen.insert(xxhash_rust::xxh3::xxh3_128(base.as_bytes())) {
+            return Err(self.line_err(item.line, format!("duplicate id {}: ids must be unique", crate::quote(&base))));
+        }
         // Token records move on as they are: no copy of their ids.
         let record = std::mem::replace(&mut item.record, Record::Text(String::new()));
         let limit = self.opts.rows.max_len;
@@ -250,7 +257,14 @@ impl Worker {
             Record::Text(text) => {
                 let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs_tokenizer("text", &why)))?;
                 let mut enc = crate::chat::Encoded::default();
-                chat.tokenizer.encode(&text, true, &mut enc).map_err(|e| self.line_err(item.line, e.to_string()))?;
+                match chat.tokenizer.encode(&text, true, &mut enc) {
+                    Ok(()) => {}
+                    Err(crate::chat::ChatError::Text(m)) => {
+                        self.refuse(&item, &base, &m);
+                        return Ok(vec![]);
+                    }
+                    Err(e) => return Err(self.line_err(item.line, e.to_string())),
+                }
                 if enc.ids.is_empty() {
                     return Err(self.line_err(item.line, "the text gives no tokens".into()));
                 }
@@ -271,6 +285,23 @@ impl Worker {
             self.stats().truncated += 1;
         }
         Ok(vec![self.sample(&item, base, ids, mask)])
+    }
+
+    /// Counts and reports a record left out (the first few are warned about and quoted).
+    fn refuse(&mut self, item: &Item, id: &str, why: &str) {
+        let msg = format!("{}:{} (id {}): {why}", self.name, item.line, crate::quote(id));
+        let mut st = self.stats();
+        st.errors += 1;
+        match st.errors {
+            n if n <= WARNED_ERRORS => tracing::warn!("{msg}"),
+            n if n == WARNED_ERRORS + 1 => {
+                tracing::warn!("more records could not be rendered or tokenized; the summary counts them")
+            }
+            _ => {}
+        }
+        if st.first_errors.len() < QUOTED_ERRORS {
+            st.first_errors.push(msg);
+        }
     }
 
     /// A conversation's rows, or none when it is skipped or cannot be rendered.
@@ -310,19 +341,7 @@ impl Worker {
                 return Err(self.line_err(item.line, m));
             }
             Err(RowsError::Conversation(m) | RowsError::Render(m)) => {
-                let msg = format!("{}:{} (id {}): {m}", self.name, item.line, crate::quote(&base));
-                let mut st = self.stats();
-                st.errors += 1;
-                match st.errors {
-                    n if n <= WARNED_ERRORS => tracing::warn!("{msg}"),
-                    n if n == WARNED_ERRORS + 1 => {
-                        tracing::warn!("more conversations could not be rendered; the summary counts them")
-                    }
-                    _ => {}
-                }
-                if st.first_errors.len() < QUOTED_ERRORS {
-                    st.first_errors.push(msg);
-                }
+                self.refuse(item, &base, &m);
                 return Ok(vec![]);
             }
             Err(RowsError::Fatal(e)) => return Err(self.line_err(item.line, e.to_string())),

@@ -333,10 +333,12 @@ fn check_one_job(manifests: &[(String, Dir, Manifest)]) -> Result<Vec<PartInfo>,
             refuse(format!("{name}: its manifest records no part of the input; it was not written as part {i}"))
         })?;
         if i > 0 {
-            base.same_job(&job(m)).map_err(|e| {
+            base.same_job(&job(m)).map_err(|d| {
                 refuse(format!(
-                    "{name} is not the same job as {name0}: {e}. Rerun the parts that differ with the same \
-                     command as the others and --overwrite"
+                    "{name} is not the same job as {name0}: {}. Rerun {name} with {} like {name0} and \
+                     --overwrite (or rerun every part that differs so)",
+                    d.between(name0, name),
+                    d.remedy
                 ))
             })?;
         }

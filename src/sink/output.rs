@@ -311,7 +311,13 @@ impl Plan {
                 old.merged.len()
             )));
         }
-        old.same_job(&job).map_err(|e| refuse(e.to_string()))?;
+        old.same_job(&job).map_err(|d| {
+            dir_err(format!(
+                "cannot resume in {shown}: {d}. To continue it, run with {} as it did; or start over with \
+                 --overwrite (which deletes its files)",
+                d.remedy
+            ))
+        })?;
         let mut keep = old.shards.len();
         // A listed file, without following links; a subdirectory not created.
         // `None`: missing (its subdirectory too).

@@ -291,6 +291,19 @@ impl ExtractJob {
                 self.data_name()
             )));
         }
+        if let Some(d) = &dataset_dir {
+            if !matches!(self.prepare.input_format, InputFormat::Auto | InputFormat::HfDataset) {
+                return Err(ExtractError::Usage(format!(
+                    "--input-format {} does not apply to {}: it is a datasets directory (save_to_disk), whose \
+                     rows are token ids (input_ids, loss_mask); drop --input-format, or give a JSON Lines file",
+                    self.prepare.input_format.name(),
+                    d.display()
+                )));
+            }
+        }
+        if let Some(d) = self.data.as_deref().filter(|d| dataset_dir.is_none() && d.is_dir()) {
+            return Err(ExtractError::Usage(strata::input::arrow::not_a_dataset(d)));
+        }
         let mut part_info = None;
         let mut part_format = self.prepare.input_format;
         let (reader, input_len) = match (&dataset_dir, &self.part) {

@@ -658,7 +658,7 @@ fn print_prepare(s: &Summary) {
         );
     }
     if p.errors > 0 {
-        say!("  errors      {} conversations could not be rendered into rows and were left out:", p.errors);
+        say!("  errors      {} records could not be rendered or tokenized and were left out:", p.errors);
         for e in &p.first_errors {
             say!("                {e}");
         }
@@ -786,10 +786,36 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     if let Some(bar) = reporter.bar.take() {
         bar.finish_and_clear();
     }
-    if summary.report.progress.samples + summary.report.progress.resumed + summary.skipped == 0 {
+    let produced = summary.report.progress.samples + summary.report.progress.resumed + summary.skipped;
+    print_summary(&summary, &out);
+    let p = &summary.prepare;
+    if produced == 0 && p.records > 0 {
+        // Every record was refused or skipped: an empty dataset is not a result.
+        let mut why = Vec::new();
+        for (n, what) in [
+            (p.errors, "could not be rendered or tokenized"),
+            (p.skipped_empty, "were empty conversations"),
+            (p.skipped_no_assistant, "had no assistant turn after the first message"),
+            (p.skipped_long, "were longer than the limit (--skip-long)"),
+        ] {
+            if n > 0 {
+                why.push(format!("{n} {what}"));
+            }
+        }
+        if p.long_prompts > 0 {
+            why.push(format!("{} assistant turns had a prompt that alone fills the limit", p.long_prompts));
+        }
+        anyhow::bail!(
+            "none of the {} input records gave a sample ({}); the output in {} holds none. See the summary \
+             above for the first errors",
+            p.records,
+            if why.is_empty() { "see above".to_string() } else { why.join(", ") },
+            out.display()
+        );
+    }
+    if produced == 0 {
         eprintln!("warning: the input holds no samples; the output is empty");
     }
-    print_summary(&summary, &out);
     Ok(())
 }
 

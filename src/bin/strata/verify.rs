@@ -63,16 +63,23 @@ impl VerifyJob {
             Some(n) => Some(self.recompute(&ds, n).with_context(|| format!("strata verify --recompute {n}"))?),
             None => None,
         };
-        let failed_points = recomputed.as_ref().map_or(0, |r| r.points.iter().filter(|p| !p.passed()).count());
-        match (problems.len(), failed_points) {
-            (0, 0) => Ok(()),
-            (0, f) => bail!("{f} capture point(s) of {} differ from a fresh forward", dir.display()),
-            (p, _) => bail!("{p} problem(s) in {}", dir.display()),
+        let failed_points = recomputed.as_ref().map_or(0, |r| r.0.points.iter().filter(|p| !p.passed()).count());
+        let other_weights = recomputed.and_then(|r| r.1);
+        match (problems.len(), failed_points, other_weights) {
+            (0, 0, _) => Ok(()),
+            (0, f, Some(w)) => {
+                bail!("{f} capture point(s) of {} differ from a fresh forward, as expected: {w}", dir.display())
+            }
+            (0, f, None) => bail!("{f} capture point(s) of {} differ from a fresh forward", dir.display()),
+            (p, _, _) => bail!("{p} problem(s) in {}", dir.display()),
         }
     }
 
-    /// Loads the model and compares `n` samples; prints the table.
-    fn recompute(&self, ds: &Dataset, n: usize) -> anyhow::Result<Recompute> {
+    /// Loads the model and compares `n` samples; prints the table. Also
+    /// returns, when the model's weights digest is not the one the manifest
+    /// records, a sentence saying so (checked first: other weights give
+    /// other states, and that is the finding, not the states).
+    fn recompute(&self, ds: &Dataset, n: usize) -> anyhow::Result<(Recompute, Option<String>)> {
         let m = &ds.manifest;
         // The model: --model, else the manifest's path (or the embedded demo model).
         let source = match &self.model {
@@ -110,6 +117,17 @@ impl VerifyJob {
             Some(dir) => Checkpoint::open_scoped(dir, &prefix),
             None => embedded::checkpoint(),
         };
+        let digest = open().with_context(|| format!("model {name}"))?.digest();
+        let recorded = &m.model.weights_digest;
+        let other_weights = (!recorded.is_empty() && digest != *recorded).then(|| {
+            format!(
+                "the weights of {name} (digest {digest}) are not the ones the dataset was written with (digest \
+                 {recorded}, in its manifest)"
+            )
+        });
+        if let Some(w) = &other_weights {
+            say!("weights: {w}; the states are compared anyway");
+        }
         let stored: Option<Compute> = m.run.as_ref().and_then(|r| r.compute.parse().ok());
         let compute = match (self.compute, self.backend) {
             (Some(c), _) => c.resolve(self.backend, config.quantization().is_some()),
@@ -163,6 +181,6 @@ impl VerifyJob {
                 width = width
             );
         }
-        Ok(report)
+        Ok((report, other_weights))
     }
 }
