@@ -482,7 +482,8 @@ fn torchrun_inside_a_one_task_sbatch_splits_by_rank_and_inconsistent_launches_ar
     }
     merge_run(&out, &[]).assert_ok().assert_says(&["merged 4 parts", "12 samples"]);
     // Inconsistent or half-set: refused before anything is written, naming the variables.
-    let cases: [(&[(&str, &str)], &[&str]); 4] = [
+    type Env<'a> = &'a [(&'a str, &'a str)];
+    let cases: [(Env, &[&str]); 4] = [
         (&[("RANK", "1")], &["RANK=1 is set without WORLD_SIZE"]),
         (&[("RANK", ""), ("WORLD_SIZE", "4")], &["RANK is set but empty"]),
         (
