@@ -899,14 +899,19 @@ def common_prefix(p, s):
     return n
 
 
-def boundary_rows(r, msgs, tools):
-    """-> ([(j, row_ids, boundary)], error). One row per assistant turn at index j > 0."""
-    rows = []
+def boundary_rows(r, msgs, tools, max_len=None):
+    """-> ([(j, row_ids, boundary, prompt_len)], long_turns, error). One row per assistant turn at index j > 0.
+    With max_len, a turn whose prompt (its generation-prompt render) has >= max_len tokens is left out before its
+    row is rendered or checked, as speculators skips it; it is listed in long_turns."""
+    rows, long_turns = [], []
     for j, m in enumerate(msgs):
         if m["role"] != "assistant" or j == 0:
             continue
         try:
             prompt = r.ids(msgs[:j], True, tools)
+            if max_len is not None and len(prompt) >= max_len:
+                long_turns.append(j)
+                continue
             row = r.ids(msgs[:j + 1], False, tools)
             if is_prefix(prompt, row):
                 boundary = len(prompt)
@@ -916,11 +921,11 @@ def boundary_rows(r, msgs, tools):
                 boundary = common_prefix(prompt, row)
                 hist = r.ids(msgs[:j], False, tools)
                 if not is_prefix(hist, row) or boundary < len(hist):
-                    return [], f"turn {j}: neither the prompt nor the rendered history is a token prefix of the row"
+                    return [], [], f"turn {j}: neither the prompt nor the rendered history is a token prefix of the row"
         except jinja2.TemplateError as e:
-            return [], f"turn {j}: template error: {e}"
+            return [], [], f"turn {j}: template error: {e}"
         rows.append((j, row, boundary, len(prompt)))
-    return rows, None
+    return rows, long_turns, None
 
 
 def mask_of(row, boundary):
@@ -956,24 +961,28 @@ def record(conv_id, skip, rows, error):
     return rec
 
 
-def max_len_record(conv_id, skip, rows, error, max_len):
+def max_len_record(conv_id, skip, r, msgs, tools, max_len):
     """Length-limited variant: a turn whose prompt (its generation-prompt render) has >= max_len tokens gives no row
-    (listed in long_prompt_turns), as speculators skips it; rows and masks are cut on the right to max_len tokens.
-    Stability is judged on all untruncated rows; per_conversation is the last turn's untruncated
-    row with the union of the kept turns' untruncated masks, both then cut to max_len (null when
-    no turn is kept)."""
-    rec = {"id": conv_id, "skip": skip, "error": error, "long_prompt_turns": [], "stable": False, "per_turn": [],
+    (listed in long_prompt_turns) and is not rendered further, as speculators skips it; rows and masks are cut on the
+    right to max_len tokens. The rows are stable when every kept turn's row, cut to max_len, starts the whole
+    conversation's row (through its last assistant turn) cut to max_len: past the limit nothing is stored.
+    per_conversation is that cut row with the union of the kept turns' masks (null when no turn is kept)."""
+    rec = {"id": conv_id, "skip": skip, "error": None, "long_prompt_turns": [], "stable": False, "per_turn": [],
            "per_conversation": None, "auto": []}
-    if skip or error or not rows:
+    if skip:
         return rec
-    kept = [(j, row, b, p) for j, row, b, p in rows if p < max_len]
-    rec["long_prompt_turns"] = [j for j, _, _, p in rows if p >= max_len]
+    kept, long_turns, error = boundary_rows(r, msgs, tools, max_len)
+    rec["error"] = error
+    if error or not (kept or long_turns):
+        return rec
+    rec["long_prompt_turns"] = long_turns
     per_turn = [{"turn": j, "input_ids": row[:max_len], "loss_mask": mask_of(row, b)[:max_len]}
                 for j, row, b, _ in kept]
-    stable = is_stable(rows)
+    last_turn = max(j for j, m in enumerate(msgs) if m["role"] == "assistant")
+    last = r.ids(msgs[:last_turn + 1], False, tools)
+    stable = all(is_prefix(row[:max_len], last[:max_len]) for _, row, _, _ in kept)
     per_conv = None
     if stable and kept:
-        last = rows[-1][1]
         per_conv = {"input_ids": last[:max_len], "loss_mask": union(kept, len(last))[:max_len]}
     rec.update(stable=stable, per_turn=per_turn, per_conversation=per_conv,
                auto=[per_conv] if stable else per_turn)
@@ -1072,7 +1081,7 @@ def main():
             r = Renderer(tok, raw, TEMPLATES[name])
             out, out48 = [], []
             for conv_id, msgs, tools, skip in normalised:
-                brows, error = boundary_rows(r, msgs, tools) if not skip else ([], None)
+                brows, _, error = boundary_rows(r, msgs, tools) if not skip else ([], [], None)
                 rec = record(conv_id, skip, brows, error)
                 if name == "generation":
                     gen = {"id": conv_id, "skip": skip, "input_ids": None, "loss_mask": None}
@@ -1085,7 +1094,7 @@ def main():
                     rec = {**gen, **{k: v for k, v in rec.items() if k not in ("id", "skip")}}
                 out.append(rec)
                 if name == "chatml" and style == "openai":
-                    out48.append(max_len_record(conv_id, skip, brows, error, MAX_SEQ_LEN))
+                    out48.append(max_len_record(conv_id, skip, r, msgs, tools, MAX_SEQ_LEN))
                 lens = [len(row) for _, row, _, _ in brows]
                 summary.append((name, style, conv_id, skip, error, rec["stable"], lens))
             write_jsonl(OUT / "expected" / f"{name}.{style}.jsonl", out)

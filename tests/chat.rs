@@ -462,3 +462,231 @@ fn the_tokenizer_files_truncation_and_padding_are_not_applied_and_limits_are_che
     let (ok, _, stderr) = extract(&model, &data, &tmp.path().join("o2"), &["--max-seq-len", "1000000"]);
     assert!(!ok && stderr.contains("--max-seq-len 1000000 is more than the model takes"), "{stderr}");
 }
+
+// ---- Long texts in pieces ------------------------------------------------------------------
+
+/// Texts of every kind the fixtures hold, and long ones made of them.
+fn long_texts() -> Vec<String> {
+    let mut texts: Vec<String> = Vec::new();
+    let mut rendered = String::new();
+    for t in ["chatml", "llama3", "qwen3"] {
+        let chat = chat(t);
+        let tmpl = chat.template.as_ref().unwrap();
+        for line in jsonl(&fixtures().join("conversations.openai.jsonl")) {
+            let c = conversation("openai", &line);
+            let msgs = strata::chat::template::json_value(&Value::Array(c.messages.clone()));
+            if let Ok(r) = tmpl.render(&msgs, None, false) {
+                rendered.push_str(&r.text);
+            }
+        }
+    }
+    texts.push(rendered);
+    let tik: Vec<String> = jsonl(&fixtures().join("tiktoken/expected.jsonl"))
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect();
+    texts.push(tik.join("\n").repeat(4));
+    texts.push(tik.join(" ").repeat(4));
+    texts.push("The quick brown fox, jumps over the lazy dog! ".repeat(300));
+    texts.push(format!("{}x{}", " ".repeat(3000), "\n\n  def f(x):\n        return x  # é ".repeat(200)));
+    texts.push("日本語のテキストと中文文本混合".repeat(400));
+    texts
+}
+
+fn tiktoken_fixture() -> strata::chat::Tokenizer {
+    let dir = fixtures().join("tiktoken");
+    let model = std::fs::read_to_string(dir.join("tiktoken.model")).unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap()).unwrap();
+    strata::chat::Tokenizer::tiktoken(&model, "tiktoken.model", &config).unwrap()
+}
+
+#[test]
+fn texts_tokenized_in_pieces_give_the_whole_texts_tokens() {
+    let hf = chat("chatml").tokenizer;
+    let tik = tiktoken_fixture();
+    let mut compared = 0;
+    for (name, tok) in [("tokenizer.json", &hf), ("tiktoken", &tik)] {
+        for text in long_texts() {
+            let mut whole = strata::chat::Encoded::default();
+            tok.encode(&text, false, &mut whole).unwrap();
+            assert!(whole.ids.len() > 1000, "{name}: a short text");
+            for chunk in [97, 512, 4000, 1 << 16] {
+                // A stretch with no place to cut (a run of spaces, or a tokenizer.json's one
+                // pre-token piece of CJK text) is refused when it is longer than the pieces.
+                let p = match tok.prefix_in(&text, usize::MAX, chunk) {
+                    Ok(p) => p,
+                    Err(strata::chat::ChatError::Text(m)) if chunk < (1 << 16) && m.contains("no place") => continue,
+                    Err(e) => panic!("{name}, pieces of {chunk} bytes: {e}"),
+                };
+                assert!(!p.more);
+                assert_eq!(p.enc.ids, whole.ids, "{name}, pieces of {chunk} bytes: {:?}", &text[..60]);
+                assert_eq!(p.enc.spans, whole.spans, "{name}, pieces of {chunk} bytes");
+                // Cut to a limit: the whole text's first tokens, and it says there are more.
+                let cap = whole.ids.len() / 3;
+                let p = tok.prefix_in(&text, cap, chunk).unwrap();
+                assert!(p.more);
+                assert_eq!(p.enc.ids, whole.ids[..cap], "{name}, pieces of {chunk} bytes, cap {cap}");
+                compared += 1;
+            }
+            // With a BOS where the tokenizer adds one.
+            let mut with = strata::chat::Encoded::default();
+            tok.encode(&text, true, &mut with).unwrap();
+            let mut limited = strata::chat::Encoded::default();
+            assert!(!tok.encode_limited(&text, true, usize::MAX, &mut limited).unwrap());
+            assert_eq!(limited.ids, with.ids, "{name}: add_special");
+            assert!(tok.encode_limited(&text, true, 10, &mut limited).unwrap());
+            assert_eq!(limited.ids, with.ids[..10], "{name}: add_special, cut");
+        }
+    }
+    assert!(compared >= 40, "{compared}");
+}
+
+#[test]
+fn a_second_text_reuses_the_first_ones_tokens_before_they_part() {
+    let hf = chat("chatml").tokenizer;
+    let tik = tiktoken_fixture();
+    for tok in [&hf, &tik] {
+        for base in long_texts() {
+            let mut cuts: Vec<usize> = [0, 1, 100, base.len() / 3, base.len() / 2, base.len() - 1, base.len()]
+                .into_iter()
+                .filter(|&c| base.is_char_boundary(c))
+                .collect();
+            cuts.dedup();
+            for cap in [usize::MAX, 700] {
+                let Ok(p) = tok.prefix_in(&base, cap, 300) else { continue };
+                for &c in &cuts {
+                    // The base cut short, and the base cut there then going on otherwise.
+                    for other in [
+                        base[..c].to_string(),
+                        format!("{}<|im_end|>\n<|im_start|>user\nand then{}", &base[..c], "!".repeat(c % 7)),
+                    ] {
+                        let want = tok.prefix(&other, cap).unwrap();
+                        let got = p.derive(tok, &base, &other).unwrap();
+                        assert_eq!((p.ids(&got), got.more), (want.enc.ids.clone(), want.more), "cut at {c}, cap {cap}");
+                        assert_eq!(got.tail.spans, want.enc.spans[got.shared..]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---- Long conversations: one render, tokens reused -----------------------------------------
+
+/// `turns` messages alternating user and assistant, with reasoning on some assistant turns.
+fn long_conversation(turns: usize, reasoning: bool) -> Conversation {
+    let msgs: Vec<Value> = (0..turns)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            let mut m = serde_json::json!({"role": role, "content": format!("turn {i}: {}", "lorem ipsum dolor sit amet, ".repeat(1 + i % 5))});
+            if reasoning && i % 4 == 1 {
+                m["reasoning_content"] = Value::from(format!("thinking about {i}"));
+            }
+            m
+        })
+        .collect();
+    Conversation::parse(Style::OpenAi, &Value::Array(msgs), None).unwrap()
+}
+
+/// A row's token ids and loss mask.
+type IdsAndMask = (Vec<u32>, Vec<u8>);
+
+/// The rows as the speculators stack makes them, each render tokenized whole
+/// (the definition the fast path must meet): a turn whose prompt has at
+/// least `max_len` tokens is left out; rows and masks are cut to `max_len`;
+/// one row when every kept turn's cut row starts the whole conversation's cut row.
+fn reference_rows(chat: &Chat, c: &Conversation, mode: RowMode, max_len: usize) -> Result<Vec<IdsAndMask>, String> {
+    let t = chat.template.as_ref().unwrap();
+    let mut c = c.clone();
+    c.drop_trailing();
+    let ids = |upto: usize, gen: bool| {
+        let v = strata::chat::template::json_value(&Value::Array(c.messages[..upto].to_vec()));
+        let r = t.render(&v, None, gen).map_err(|e| e.to_string())?;
+        let mut e = strata::chat::Encoded::default();
+        chat.tokenizer.encode(&r.text, false, &mut e).unwrap();
+        Ok::<_, String>(e.ids)
+    };
+    let cut = |v: &[u32]| v[..v.len().min(max_len)].to_vec();
+    let mut kept = vec![];
+    for (j, role) in c.roles.iter().enumerate() {
+        if *role != strata::chat::Role::Assistant || j == 0 {
+            continue;
+        }
+        let prompt = ids(j, true)?;
+        if prompt.len() >= max_len {
+            continue;
+        }
+        let row = ids(j + 1, false)?;
+        let b = if row.starts_with(&prompt) {
+            prompt.len()
+        } else {
+            let common = prompt.iter().zip(&row).take_while(|(a, b)| a == b).count();
+            let hist = ids(j, false)?;
+            if !row.starts_with(&hist) || common < hist.len() {
+                return Err(format!("turn {j} diverges"));
+            }
+            common
+        };
+        kept.push((row, b));
+    }
+    let last = cut(&ids(c.messages.len(), false)?);
+    let stable = kept.iter().all(|(r, _)| last.starts_with(&cut(r)));
+    if mode == RowMode::PerTurn || !stable {
+        let mask = |r: &[u32], b: usize| {
+            let n = r.len().min(max_len);
+            let mut m = vec![0u8; n];
+            m[b.min(n)..].fill(1);
+            m
+        };
+        return Ok(kept.iter().map(|(r, b)| (cut(r), mask(r, *b))).collect());
+    }
+    let mut mask = vec![0u8; last.len()];
+    for (r, b) in &kept {
+        for m in &mut mask[(*b).min(last.len())..r.len().min(last.len())] {
+            *m = 1;
+        }
+    }
+    Ok(if kept.is_empty() { vec![] } else { vec![(last, mask)] })
+}
+
+#[test]
+fn long_conversations_give_the_rows_of_rendering_and_tokenizing_every_turn() {
+    let mut compared = 0;
+    for template in ["chatml", "llama3", "qwen3"] {
+        let chat = chat(template);
+        let mut r = chat.renderer().unwrap();
+        for (turns, reasoning) in [(40, false), (41, true), (7, true)] {
+            let c = long_conversation(turns, reasoning);
+            for max_len in [usize::MAX, 2000, 300, 40] {
+                for mode in [RowMode::Auto, RowMode::PerTurn] {
+                    let opts = RowOptions { mask: MaskSource::Boundary, rows: mode, max_len, long: LongRows::Truncate };
+                    let want = reference_rows(&chat, &c, mode, max_len);
+                    let got = r.rows(&c, &opts);
+                    let ctx = format!("{template}, {turns} turns, max {max_len}, {mode:?}");
+                    match (want, got) {
+                        (Ok(want), Ok(got)) => {
+                            let got: Vec<_> =
+                                got.rows.iter().map(|r| (r.input_ids.clone(), r.loss_mask.clone())).collect();
+                            if got != want {
+                                let lens = |v: &[IdsAndMask]| v.iter().map(|r| r.0.len()).collect::<Vec<_>>();
+                                let first = got.iter().zip(&want).position(|(a, b)| a != b);
+                                panic!(
+                                    "{ctx}: rows of {:?} tokens, the reference {:?}; first differing row {first:?}",
+                                    lens(&got),
+                                    lens(&want)
+                                );
+                            }
+                            compared += 1;
+                        }
+                        (Err(_), Err(RowsError::Conversation(_))) => {}
+                        (w, g) => {
+                            panic!("{ctx}: reference {:?}, fast path {:?}", w.map(|r| r.len()), g.map(|r| r.rows.len()))
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(compared >= 60, "{compared}");
+}

@@ -690,3 +690,199 @@ fn bpe_dropout_is_ignored_with_one_warning_so_runs_are_reproducible() {
         |d: &Path| common::dir_contents(d).into_iter().filter(|(n, _)| n.ends_with(".safetensors")).collect::<Vec<_>>();
     assert_eq!(files(&a), files(&b));
 }
+
+// ---- 3. Long conversations ------------------------------------------------------------------
+
+/// One conversation of `turns` messages of about 650 bytes (1500 turns: about 1 MB).
+fn long_conversation(path: &Path, turns: usize) {
+    let msgs: Vec<Value> = (0..turns)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            json!({"role": role, "content": format!("turn {i} {}", "lorem ipsum dolor sit amet, ".repeat(22))})
+        })
+        .collect();
+    write_jsonl(path, [json!({"id": "long", "messages": msgs})]);
+}
+
+#[test]
+fn class3_a_long_conversation_is_rendered_once_and_scales_linearly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let (a, b) = (tmp.path().join("a.jsonl"), tmp.path().join("b.jsonl"));
+    long_conversation(&a, 1500);
+    long_conversation(&b, 3000);
+    assert!(std::fs::metadata(&a).unwrap().len() > 900_000);
+    let ra = strata(&extract_args(&model, &a, &tmp.path().join("oa"), &[]));
+    ra.assert_ok().assert_says(&["wrote 1 samples (4096 tokens)", "turns left out"]);
+    let rb = strata(&extract_args(&model, &b, &tmp.path().join("ob"), &[]));
+    rb.assert_ok().assert_says(&["wrote 1 samples (4096 tokens)"]);
+    // 1500 turns within 10 s (50 s with the margin); twice the turns at most 2.5x the time.
+    assert!(ra.secs < 50.0, "1500 turns took {:.1} s", ra.secs);
+    assert!(rb.secs < 2.5 * ra.secs.max(1.0), "1500 turns took {:.2} s, 3000 {:.2} s", ra.secs, rb.secs);
+    // The same rows as the conversation cut to its first turns, which every render path gives alike.
+    let short = tmp.path().join("s.jsonl");
+    let text = std::fs::read_to_string(&a).unwrap();
+    let mut v: Value = serde_json::from_str(&text).unwrap();
+    v["messages"].as_array_mut().unwrap().truncate(20);
+    write_jsonl(&short, [v]);
+    strata(&extract_args(&model, &short, &tmp.path().join("os"), &["--max-seq-len", "4096"])).assert_ok();
+    let rows = |d: &Path| {
+        let ds = strata::dataset::Dataset::open(d).unwrap();
+        let s = &ds.manifest.samples[0];
+        let shard = ds.shard(s.shard).unwrap();
+        let r = ds.sample(&shard, &s.id, s.tokens).unwrap();
+        (r.input_ids.clone(), r.loss_mask.to_vec())
+    };
+    let (long_ids, long_mask) = rows(&tmp.path().join("oa"));
+    let (short_ids, short_mask) = rows(&tmp.path().join("os"));
+    assert_eq!(long_ids[..short_ids.len()], short_ids[..]);
+    assert_eq!(long_mask[..short_mask.len()], short_mask[..]);
+}
+
+#[test]
+fn class3_every_turn_fitting_tokenizes_each_render_once_only_past_the_shared_start() {
+    // No limit: every turn is kept, every prompt and row rendered; the
+    // tokenization reuses the whole conversation's tokens up to where a render parts from it.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let chat = strata::chat::Chat::load(
+        &model,
+        &strata::chat::ChatOptions { template_file: None, date: Default::default(), kwargs: Default::default() },
+    )
+    .unwrap();
+    let conv = |turns: usize| {
+        let msgs: Vec<Value> = (0..turns)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                json!({"role": role, "content": format!("turn {i} {}", "lorem ipsum dolor sit amet, ".repeat(22))})
+            })
+            .collect();
+        strata::chat::Conversation::parse(strata::chat::Style::OpenAi, &Value::Array(msgs), None).unwrap()
+    };
+    let opts = strata::chat::RowOptions {
+        mask: strata::chat::MaskSource::Boundary,
+        rows: strata::chat::RowMode::Auto,
+        max_len: usize::MAX,
+        long: strata::chat::LongRows::Truncate,
+    };
+    let mut r = chat.renderer().unwrap();
+    let t = Instant::now();
+    let rows = r.rows(&conv(1500), &opts).unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    assert_eq!(rows.rows.len(), 1);
+    assert!(rows.rows[0].loss_mask.iter().filter(|&&m| m == 1).count() > 100_000);
+    assert!(secs < 50.0, "1500 turns, every one kept, took {secs:.1} s");
+}
+
+// ---- 5. Tokenizing whole texts ---------------------------------------------------------------
+
+/// The lowest of a few address-space limits (KiB) under which `args` succeeds: what an ordinary run needs.
+fn ordinary_limit(args: &[&str]) -> u64 {
+    for mb in [600u64, 800, 1000, 1250, 1500, 2000, 2500, 3000, 4000] {
+        if strata_in(args, Some(mb * 1024), 120, &[], None).ok() {
+            return mb * 1024;
+        }
+    }
+    panic!("an ordinary run fails even under a 4 GB address-space limit");
+}
+
+/// A `{"text": ...}` line of about `mb` MiB of words.
+fn huge_text_line(path: &Path, mb: usize) {
+    let words = "lorem ipsum dolor sit amet, consectetur adipiscing elit; ";
+    let text = words.repeat((mb << 20) / words.len());
+    std::fs::write(path, format!("{{\"id\": \"huge\", \"text\": \"{text}\"}}\n")).unwrap();
+}
+
+#[test]
+fn class5_a_line_near_64_mib_is_tokenized_in_pieces_within_bounds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let small = tmp.path().join("small.jsonl");
+    write_jsonl(&small, [json!({"id": "s", "text": "lorem ipsum dolor sit amet"})]);
+    let ordinary = ordinary_limit(&extract_args(&model, &small, &tmp.path().join("o0"), &["--overwrite"]));
+    let huge = tmp.path().join("huge.jsonl");
+    huge_text_line(&huge, 60);
+    // Cut to --max-seq-len, within 60 s and 1 GiB more address space than an ordinary run.
+    let out = tmp.path().join("o1");
+    let r = strata_in(
+        &extract_args(&model, &huge, &out, &["--max-seq-len", "4096"]),
+        Some(ordinary + (1 << 20)),
+        60,
+        &[],
+        None,
+    );
+    r.assert_ok().assert_says(&["wrote 1 samples (4096 tokens)", "1 rows cut"]);
+    // The tokens are the whole text's first 4096 (the text is many copies of one sentence,
+    // whose tokens the tokenizer gives for a few of them at once).
+    let chat = strata::chat::Chat::load(
+        &model,
+        &strata::chat::ChatOptions { template_file: None, date: Default::default(), kwargs: Default::default() },
+    )
+    .unwrap();
+    let line: Value = serde_json::from_str(&std::fs::read_to_string(&huge).unwrap()[..]).unwrap();
+    let head = &line["text"].as_str().unwrap()[..64 << 10];
+    let mut want = strata::chat::Encoded::default();
+    chat.tokenizer.encode(head, true, &mut want).unwrap();
+    let ds = strata::dataset::Dataset::open(&out).unwrap();
+    let s = &ds.manifest.samples[0];
+    let shard = ds.shard(s.shard).unwrap();
+    let got = ds.sample(&shard, &s.id, s.tokens).unwrap().input_ids.clone();
+    assert_eq!(got, want.ids[..4096].iter().map(|&t| t as i64).collect::<Vec<_>>());
+    // Without --max-seq-len a text must fit the model: a clear error, as fast.
+    let r =
+        strata_in(&extract_args(&model, &huge, &tmp.path().join("o2"), &[]), Some(ordinary + (1 << 20)), 60, &[], None);
+    r.assert_fails(&["the text gives more than 4096 tokens", "max_position_embeddings 4096"]);
+}
+
+#[test]
+fn class5_a_hostile_normalizer_or_a_template_printing_50_mb_stays_within_bounds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let small = tmp.path().join("small.jsonl");
+    write_jsonl(&small, [hello("s")]);
+    let ordinary = ordinary_limit(&extract_args(&model, &small, &tmp.path().join("o0"), &["--overwrite"]));
+    // A normalizer that deletes every letter: 20 MB of text give almost no token, so
+    // no bytes-per-token bound holds; the text is still tokenized piece by piece.
+    let deleting = tmp.path().join("deleting");
+    std::fs::create_dir_all(&deleting).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer_config.json", "chat_template.jinja"] {
+        std::fs::copy(model.join(f), deleting.join(f)).unwrap();
+    }
+    let mut tok: Value = serde_json::from_str(&std::fs::read_to_string(model.join("tokenizer.json")).unwrap()).unwrap();
+    tok["normalizer"] = json!({"type": "Replace", "pattern": {"Regex": "[a-z ,;]+"}, "content": ""});
+    std::fs::write(deleting.join("tokenizer.json"), tok.to_string()).unwrap();
+    let huge = tmp.path().join("huge.jsonl");
+    // 20 MB of which the normalizer keeps one letter a megabyte: every piece must be read.
+    let mb = "lorem ipsum dolor sit amet, consectetur adipiscing elit; ".repeat((1 << 20) / 58);
+    let text: String = (0..20).map(|_| format!("{mb}Z")).collect();
+    std::fs::write(&huge, format!("{{\"id\": \"huge\", \"text\": \"{text}\"}}\n")).unwrap();
+    let r = strata_in(
+        &extract_args(&deleting, &huge, &tmp.path().join("o1"), &["--max-seq-len", "4096"]),
+        Some(ordinary + (1 << 20)),
+        120,
+        &[],
+        None,
+    );
+    r.assert_ok().assert_says(&["wrote 1 samples (20 tokens)"]);
+    // A template that prints 50 MB of words: cut to the limit. 50 MB of one letter are
+    // one pre-tokenizer piece, which has no place to cut: that conversation is refused.
+    for (what, ok) in [("'lorem ipsum ' * 4200000", true), ("'x' * 50000000", false)] {
+        let loud = tmp.path().join("loud.jinja");
+        std::fs::write(
+            &loud,
+            format!(
+                "{{% for m in messages %}}<|im_start|>{{{{ m.role }}}}\n{{{{ m.content }}}}{{% if m.role == 'assistant' %}}{{{{ {what} }}}}\
+                 {{% endif %}}<|im_end|>\n{{% endfor %}}{{% if add_generation_prompt %}}<|im_start|>assistant\n{{% endif %}}"
+            ),
+        )
+        .unwrap();
+        let out = tmp.path().join(format!("loud-{ok}"));
+        let args = extract_args(&model, &small, &out, &["--chat-template", s(&loud)]);
+        let r = strata_in(&args, Some(ordinary + (1 << 20)), 60, &[], None);
+        if ok {
+            r.assert_ok().assert_says(&["wrote 1 samples (4096 tokens)"]);
+        } else {
+            r.assert_fails(&["no place between bytes", "none of the 1 input records gave a sample"]);
+        }
+    }
+}

@@ -3,6 +3,7 @@
 //! or `{% generation %}` blocks. No server, no Python.
 
 pub mod conversation;
+pub mod pieces;
 pub mod rows;
 pub mod template;
 pub mod tiktoken;
@@ -11,6 +12,7 @@ pub mod tokenizer;
 use std::path::{Path, PathBuf};
 
 pub use conversation::{Conversation, Role, Style};
+pub use pieces::Prefix;
 pub use rows::{LongRows, MaskSource, Row, RowMode, RowOptions, Rows, RowsError};
 pub use template::Template;
 pub use tokenizer::{Encoded, Tokenizer};

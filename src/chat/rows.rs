@@ -3,9 +3,11 @@
 //! `{% generation %}` blocks (as transformers' `return_assistant_tokens_mask`).
 
 use super::conversation::{Conversation, Role};
-use super::template::{json_value, RenderError, Template};
+use super::pieces::{Derived, Prefix};
+use super::template::{json_value, Against, RenderError, Template};
 use super::tokenizer::{Encoded, Tokenizer};
 use super::ChatError;
+use minijinja::Value;
 
 /// Where the loss mask comes from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -70,7 +72,7 @@ pub struct Rows {
     pub rows: Vec<Row>,
     /// Whether the rows are per-turn (or one per conversation).
     pub per_turn: bool,
-    /// Tokens a per-turn run would have computed and stored beyond these rows.
+    /// Tokens a per-turn run would have stored beyond these rows (each row cut to the limit).
     pub saved_tokens: usize,
     /// Turns left out because their prompt alone fills the length limit.
     pub long_prompts: usize,
@@ -117,12 +119,11 @@ fn render_err(e: RenderError) -> RowsError {
     }
 }
 
-/// A per-turn row before limits: its tokens, boundary and prompt length.
+/// A kept assistant turn: its row's first tokens and where its supervised part starts.
 struct Turn {
     at: usize,
-    ids: Vec<u32>,
+    row: Derived,
     boundary: usize,
-    prompt: usize,
 }
 
 /// Renders and tokenizes conversations.
@@ -131,73 +132,76 @@ pub struct Renderer<'a> {
     pub tokenizer: &'a Tokenizer,
     /// The chat template.
     pub template: &'a Template,
-    // Scratch.
-    enc: Encoded,
     // Bytes of text rendered for the current conversation, and the most allowed.
     spent: usize,
     budget: usize,
 }
 
-/// Text one conversation's renders may produce in all: the per-turn renders
-/// of a long conversation grow with the square of its turns.
+/// Text one conversation's renders may produce in all: a conversation of n
+/// turns renders n prompts and n rows.
 pub const RENDER_BUDGET: usize = 1 << 30;
 
 impl<'a> Renderer<'a> {
     /// A renderer over a tokenizer and template.
     pub fn new(tokenizer: &'a Tokenizer, template: &'a Template) -> Self {
-        Renderer { tokenizer, template, enc: Encoded::default(), spent: 0, budget: RENDER_BUDGET }
+        Renderer { tokenizer, template, spent: 0, budget: RENDER_BUDGET }
     }
 
-    fn ids(&mut self, c: &Conversation, upto: usize, prompt: bool) -> Result<Vec<u32>, RowsError> {
-        let msgs = json_value(&serde_json::Value::Array(c.messages[..upto].to_vec()));
-        let tools = c.tools.as_ref().map(json_value);
-        let r = self.template.render(&msgs, tools.as_ref(), prompt).map_err(render_err)?;
-        // Per-turn renders cost the square of the turns: a conversation gets a budget.
-        self.spent += r.text.len();
+    fn charge(&mut self, bytes: usize, c: &Conversation) -> Result<(), RowsError> {
+        self.spent += bytes;
         if self.spent > self.budget {
             return Err(RowsError::Conversation(format!(
-                "its per-turn renders pass {} MiB of text (turn {upto} of {}): too many turns to render one by one",
+                "its renders pass {} MiB of text ({} messages): too many turns to render one by one",
                 self.budget >> 20,
                 c.messages.len()
             )));
         }
-        self.tokenizer.encode(&r.text, false, &mut self.enc).map_err(token_err)?;
-        Ok(std::mem::take(&mut self.enc.ids))
+        Ok(())
     }
 
-    /// The per-turn rows by render boundaries, untruncated.
-    fn turns(&mut self, c: &Conversation) -> Result<Vec<Turn>, RowsError> {
-        let mut turns = Vec::new();
-        for (j, role) in c.roles.iter().enumerate() {
-            // An assistant turn that opens the conversation is context only.
-            if *role != Role::Assistant || j == 0 {
-                continue;
+    /// The first tokens of the render of `msgs` (with the generation prompt
+    /// when `gen`), from those of `base` up to where the two texts part. A
+    /// render that is `base`'s text past `long_from` is stopped there: it
+    /// has more tokens than the limit, and its first ones are `base`'s.
+    fn tokens(
+        &mut self,
+        c: &Conversation,
+        msgs: &[Value],
+        gen: bool,
+        base_text: &str,
+        base: &Prefix,
+    ) -> Result<Derived, RowsError> {
+        let tools = c.tools.as_ref().map(json_value);
+        let v = Value::from(msgs.to_vec());
+        let stop = base.long_from();
+        match self.template.render_against(&v, tools.as_ref(), gen, base_text, stop).map_err(render_err)? {
+            Against::Stopped => {
+                self.charge(stop.unwrap_or(0), c)?;
+                Ok(Derived { shared: base.enc.ids.len(), more: true, ..Default::default() })
             }
-            let prompt = self.ids(c, j, true)?;
-            let row = self.ids(c, j + 1, false)?;
-            let boundary = if row.starts_with(&prompt) {
-                prompt.len()
-            } else {
-                // The template changes the text at the boundary (a space or
-                // newline merged into the next token): the common prefix,
-                // valid only when the history without the generation prompt
-                // starts the row and ends within it.
-                let common = prompt.iter().zip(&row).take_while(|(a, b)| a == b).count();
-                let hist = self.ids(c, j, false)?;
-                if !row.starts_with(&hist) || common < hist.len() {
-                    return Err(RowsError::Conversation(format!(
-                        "turn {j}: the renders diverge: neither the prompt nor the history is a token prefix of \
-                         the conversation through this turn (the template rewrites earlier turns)"
-                    )));
-                }
-                common
-            };
-            turns.push(Turn { at: j, ids: row, boundary, prompt: prompt.len() });
+            Against::Prefix(n) => {
+                self.charge(n, c)?;
+                base.derive(self.tokenizer, base_text, &base_text[..n]).map_err(token_err)
+            }
+            Against::Text(t) => {
+                self.charge(t.len(), c)?;
+                base.derive(self.tokenizer, base_text, &t).map_err(token_err)
+            }
         }
-        Ok(turns)
     }
 
     /// A conversation's rows under `opts`.
+    ///
+    /// The whole conversation is rendered once and tokenized up to the
+    /// limit. Each assistant turn's prompt and row are rendered against that
+    /// text: a render that is its beginning is not copied, and one that is
+    /// still its beginning where it has more tokens than the limit is
+    /// stopped there; the tokens up to the last special token before a
+    /// render parts from it are reused, the rest is tokenized. A turn whose
+    /// prompt alone fills the limit is left out before its row is rendered
+    /// (as the speculators stack skips it). The rows are prefix-stable when
+    /// every kept turn's row, cut to the limit, is the start of the whole
+    /// conversation's, cut to the limit: then one row holds every turn.
     pub fn rows(&mut self, c: &Conversation, opts: &RowOptions) -> Result<Rows, RowsError> {
         self.spent = 0;
         if c.messages.is_empty() {
@@ -211,15 +215,63 @@ impl<'a> Renderer<'a> {
         if c.roles.is_empty() {
             return Err(RowsError::NoAssistant);
         }
+        let msgs: Vec<Value> = c.messages.iter().map(json_value).collect();
         let mut out = Rows::default();
         if opts.mask == MaskSource::Generation {
-            let row = self.generation_row(&c)?;
-            push_limited(&mut out, row, opts);
+            let (row, more) = self.generation_row(&c, &msgs, opts.max_len)?;
+            push_limited(&mut out, row, more, opts);
             return Ok(out);
         }
-        let turns = self.turns(&c)?;
-        let last = &turns.last().expect("an assistant turn after the first message").ids;
-        let stable = turns.iter().all(|t| last.starts_with(&t.ids));
+        let cap = opts.max_len;
+        // The whole conversation: the last row, and the text every render is compared with.
+        let text = match self
+            .template
+            .render_against(&Value::from(msgs.clone()), c.tools.as_ref().map(json_value).as_ref(), false, "", None)
+            .map_err(render_err)?
+        {
+            Against::Text(t) => t,
+            _ => String::new(),
+        };
+        self.charge(text.len(), &c)?;
+        let whole = self.tokenizer.prefix(&text, cap).map_err(token_err)?;
+        let mut turns = Vec::new();
+        for (j, role) in c.roles.iter().enumerate() {
+            // An assistant turn that opens the conversation is context only.
+            if *role != Role::Assistant || j == 0 {
+                continue;
+            }
+            let prompt = self.tokens(&c, &msgs[..j], true, &text, &whole)?;
+            if prompt.more || prompt.len() >= cap {
+                // A prompt that alone fills the limit leaves that turn out.
+                out.long_prompts += 1;
+                continue;
+            }
+            let row = self.tokens(&c, &msgs[..=j], false, &text, &whole)?;
+            let boundary = if whole.starts_with(&row, &prompt) {
+                prompt.len()
+            } else {
+                // The template changes the text at the boundary (a space or
+                // newline merged into the next token): the common prefix,
+                // valid only when the history without the generation prompt
+                // starts the row and ends within it.
+                let common = whole.common(&prompt, &row);
+                let hist = self.tokens(&c, &msgs[..j], false, &text, &whole)?;
+                if !whole.starts_with(&row, &hist) || common < hist.len() {
+                    return Err(RowsError::Conversation(format!(
+                        "turn {j}: the renders diverge: neither the prompt nor the history is a token prefix of \
+                         the conversation through this turn (the template rewrites earlier turns)"
+                    )));
+                }
+                common
+            };
+            turns.push(Turn { at: j, row, boundary });
+        }
+        if turns.is_empty() {
+            return Ok(out);
+        }
+        // Judged on the tokens a row keeps: past the limit nothing is stored.
+        let all = whole.whole();
+        let stable = turns.iter().all(|t| whole.starts_with(&all, &t.row));
         let per_turn = match opts.rows {
             RowMode::PerTurn => true,
             RowMode::Auto => !stable,
@@ -232,52 +284,51 @@ impl<'a> Renderer<'a> {
                 ))
             }
         };
-        // A prompt that alone fills the limit leaves that turn out.
-        let kept = turns.iter().filter(|t| t.prompt < opts.max_len);
-        out.long_prompts = turns.len() - kept.clone().count();
         if per_turn {
-            for t in kept {
-                let mut loss_mask = vec![0u8; t.ids.len()];
-                loss_mask[t.boundary..].fill(1);
-                push_limited(&mut out, Row { input_ids: t.ids.clone(), loss_mask, turn: Some(t.at) }, opts);
+            for t in turns {
+                let n = t.row.len();
+                let mut loss_mask = vec![0u8; n];
+                loss_mask[t.boundary.min(n)..].fill(1);
+                let row = Row { input_ids: whole.ids(&t.row), loss_mask, turn: Some(t.at) };
+                push_limited(&mut out, row, t.row.more, opts);
             }
             out.per_turn = true;
         } else {
-            let mut loss_mask = vec![0u8; last.len()];
-            let mut any = false;
-            for t in kept {
+            let ids = whole.ids(&all);
+            let mut loss_mask = vec![0u8; ids.len()];
+            for t in &turns {
                 // Prefix-stable: this turn's supervised tokens sit at the same places in the last row.
-                loss_mask[t.boundary..t.ids.len()].fill(1);
-                any = true;
+                loss_mask[t.boundary.min(ids.len())..t.row.len()].fill(1);
             }
-            if any {
-                out.saved_tokens = turns[..turns.len() - 1].iter().map(|t| t.ids.len()).sum();
-                push_limited(&mut out, Row { input_ids: last.clone(), loss_mask, turn: None }, opts);
-            }
+            let per_turn_tokens: usize = turns.iter().map(|t| t.row.len()).sum();
+            out.saved_tokens = per_turn_tokens.saturating_sub(ids.len());
+            push_limited(&mut out, Row { input_ids: ids, loss_mask, turn: None }, whole.more, opts);
         }
         Ok(out)
     }
 
     /// The whole conversation, masked by its `{% generation %}` blocks: a
     /// token is supervised from the one holding a block's first byte through
-    /// the one holding its last, as transformers marks them.
-    fn generation_row(&mut self, c: &Conversation) -> Result<Row, RowsError> {
+    /// the one holding its last, as transformers marks them. Its first `cap`
+    /// tokens, and whether there are more.
+    fn generation_row(&mut self, c: &Conversation, msgs: &[Value], cap: usize) -> Result<(Row, bool), RowsError> {
         if !self.template.has_generation() {
             return Err(RowsError::Fatal(ChatError::Template(
                 "--loss-mask generation needs a chat template with {% generation %} blocks, and this one has none"
                     .into(),
             )));
         }
-        let msgs = json_value(&serde_json::Value::Array(c.messages.clone()));
         let tools = c.tools.as_ref().map(json_value);
-        let r = self.template.render(&msgs, tools.as_ref(), false).map_err(render_err)?;
-        self.tokenizer.encode(&r.text, false, &mut self.enc).map_err(token_err)?;
-        let n = self.enc.ids.len();
+        let r = self.template.render(&Value::from(msgs.to_vec()), tools.as_ref(), false).map_err(render_err)?;
+        self.charge(r.text.len(), c)?;
+        let mut enc = Encoded::default();
+        let more = self.tokenizer.encode_limited(&r.text, false, cap, &mut enc).map_err(token_err)?;
+        let n = enc.ids.len();
         let mut loss_mask = vec![0u8; n];
         for span in &r.generation {
-            let Some(start) = self.enc.token_at(span.start) else { break };
+            let Some(start) = enc.token_at(span.start) else { break };
             // transformers: no token at the last byte (or token 0) runs the mask to the end.
-            let last = span.end.checked_sub(1).and_then(|b| self.enc.token_at(b));
+            let last = span.end.checked_sub(1).and_then(|b| enc.token_at(b));
             let end = match last {
                 Some(e) if e > 0 => e + 1,
                 _ => n,
@@ -286,18 +337,17 @@ impl<'a> Renderer<'a> {
                 loss_mask[start..end].fill(1);
             }
         }
-        Ok(Row { input_ids: std::mem::take(&mut self.enc.ids), loss_mask, turn: None })
+        Ok((Row { input_ids: enc.ids, loss_mask, turn: None }, more))
     }
 }
 
-fn push_limited(out: &mut Rows, mut row: Row, opts: &RowOptions) {
-    if row.input_ids.len() > opts.max_len {
+/// Adds `row` (its first `opts.max_len` tokens; `more` when it had more) under the limit's rule.
+fn push_limited(out: &mut Rows, row: Row, more: bool, opts: &RowOptions) {
+    if more {
         if opts.long == LongRows::Skip {
             out.skipped_long += 1;
             return;
         }
-        row.input_ids.truncate(opts.max_len);
-        row.loss_mask.truncate(opts.max_len);
         out.truncated += 1;
     }
     out.rows.push(row);

@@ -130,8 +130,15 @@ impl Template {
         env.add_filter("tojson", tojson);
         let markers = markers();
         let (open, close) = markers.clone();
-        env.add_filter("__strata_generation_open", move |_: String| open.clone());
-        env.add_filter("__strata_generation_close", move |_: String| close.clone());
+        let print = |state: &minijinja::State, m: &str| {
+            if state.lookup(MARKERS).is_some_and(|v| v.is_true()) {
+                m.to_string()
+            } else {
+                String::new()
+            }
+        };
+        env.add_filter("__strata_generation_open", move |state: &minijinja::State, _: String| print(state, &open));
+        env.add_filter("__strata_generation_close", move |state: &minijinja::State, _: String| print(state, &close));
         env.add_template_owned(NAME, source).map_err(|e| ChatError::Template(describe(origin, &e)))?;
         let globals = globals.into_iter().map(|(k, v)| (k, json_value(&v))).collect();
         Ok(Template { env, origin: origin.into(), generation, markers, globals, dated })
@@ -154,26 +161,117 @@ impl Template {
         tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<Rendered, RenderError> {
+        let mut buf = Bounded(Vec::new());
+        self.run(messages, tools, add_generation_prompt, self.generation, &mut buf)?;
+        let text = String::from_utf8(buf.0).map_err(|_| RenderError::Rejected("the render is not UTF-8".into()))?;
+        if !self.generation {
+            return Ok(Rendered { text, generation: vec![] });
+        }
+        split_markers(&text, &self.markers).map_err(RenderError::Rejected)
+    }
+
+    /// Renders `messages` without generation markers, comparing the text
+    /// with `base` as it is written: a render that is `base`'s first bytes
+    /// is not copied, and one still `base`'s at byte `stop` is stopped there.
+    pub fn render_against(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        base: &str,
+        stop: Option<usize>,
+    ) -> Result<Against, RenderError> {
+        let mut w = AgainstWriter { base: base.as_bytes(), stop, matched: 0, own: None, stopped: false };
+        match self.run(messages, tools, add_generation_prompt, false, &mut w) {
+            Err(_) if w.stopped => return Ok(Against::Stopped),
+            r => r?,
+        }
+        Ok(match w.own {
+            None => Against::Prefix(w.matched),
+            Some(v) => Against::Text(
+                String::from_utf8(v).map_err(|_| RenderError::Rejected("the render is not UTF-8".into()))?,
+            ),
+        })
+    }
+
+    /// Renders into `out`; `markers`: whether `{% generation %}` blocks print their markers.
+    fn run(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        markers: bool,
+        out: &mut impl std::io::Write,
+    ) -> Result<(), RenderError> {
         let tmpl = self.env.get_template(NAME).expect("added in new");
         let mut ctx: Vec<(String, Value)> = self.globals.clone();
         ctx.push(("messages".into(), messages.clone()));
         ctx.push(("tools".into(), tools.cloned().unwrap_or(Value::from(()))));
         ctx.push(("documents".into(), Value::from(())));
         ctx.push(("add_generation_prompt".into(), Value::from(add_generation_prompt)));
+        ctx.push((MARKERS.into(), Value::from(markers)));
         let ctx: Value = ctx.into_iter().collect::<std::collections::BTreeMap<_, _>>().into();
-        let mut buf = Bounded(Vec::new());
-        match tmpl.render_captured_to(ctx, &mut buf) {
-            Ok(_) => {}
+        match tmpl.render_captured_to(ctx, out) {
+            Ok(_) => Ok(()),
             Err(e) if e.kind() == ErrorKind::WriteFailure => {
-                return Err(RenderError::Rejected(format!("the rendered text is over {MAX_RENDER} bytes")))
+                Err(RenderError::Rejected(format!("the rendered text is over {MAX_RENDER} bytes")))
             }
-            Err(e) => return Err(classify(&self.origin, &e)),
+            Err(e) => Err(classify(&self.origin, &e)),
         }
-        let text = String::from_utf8(buf.0).map_err(|_| RenderError::Rejected("the render is not UTF-8".into()))?;
-        if !self.generation {
-            return Ok(Rendered { text, generation: vec![] });
+    }
+}
+
+/// What [`Template::render_against`] gave.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Against {
+    /// The base's first bytes, this many.
+    Prefix(usize),
+    /// Another text.
+    Text(String),
+    /// Still the base's at the stop byte: stopped there.
+    Stopped,
+}
+
+/// The context variable that tells `{% generation %}` blocks whether to print their markers.
+const MARKERS: &str = "__strata_markers";
+
+/// A render's output compared with a base text as it comes; kept only from
+/// where it differs (with the base's bytes before that).
+struct AgainstWriter<'a> {
+    base: &'a [u8],
+    stop: Option<usize>,
+    matched: usize,
+    own: Option<Vec<u8>>,
+    stopped: bool,
+}
+
+impl std::io::Write for AgainstWriter<'_> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if let Some(v) = &mut self.own {
+            if v.len() + b.len() > MAX_RENDER {
+                return Err(std::io::Error::other("render too long"));
+            }
+            v.extend_from_slice(b);
+            return Ok(b.len());
         }
-        split_markers(&text, &self.markers).map_err(RenderError::Rejected)
+        let rest = &self.base[self.matched..];
+        let n = super::pieces::common_start(rest, b);
+        if n == b.len() {
+            self.matched += n;
+            if self.stop.is_some_and(|s| self.matched >= s) {
+                self.stopped = true;
+                return Err(std::io::Error::other("stopped"));
+            }
+        } else {
+            let mut v = Vec::with_capacity(self.matched + b.len());
+            v.extend_from_slice(&self.base[..self.matched]);
+            v.extend_from_slice(b);
+            self.own = Some(v);
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 

@@ -85,6 +85,29 @@ impl Tiktoken {
         self.vocab
     }
 
+    /// Where special tokens start in `text` (after its first byte), in order.
+    pub fn special_starts(&self, text: &str) -> Vec<usize> {
+        match &self.special_re {
+            Some(re) => re.find_iter(text).map(|m| m.start()).filter(|&s| s > 0).collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// The pre-tokenisation pattern's pieces of `text`, as byte ranges.
+    pub fn pieces(&self, text: &str) -> Result<Vec<(usize, usize)>, ChatError> {
+        let mut out = Vec::new();
+        for m in self.pattern.find_iter(text) {
+            let m = m.map_err(|e| ChatError::Text(format!("the pre-tokenisation pattern fails on this text: {e}")))?;
+            out.push((m.start(), m.end()));
+        }
+        Ok(out)
+    }
+
+    /// The longest special token, in bytes.
+    pub fn longest_special(&self) -> usize {
+        self.specials.iter().map(|(s, _)| s.len()).max().unwrap_or(0)
+    }
+
     /// The id of a special token.
     pub fn special_id(&self, text: &str) -> Option<u32> {
         self.specials.iter().find(|(s, _)| s == text).map(|&(_, id)| id)

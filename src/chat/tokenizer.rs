@@ -10,9 +10,59 @@ use std::path::Path;
 /// A loaded tokenizer.
 pub enum Tokenizer {
     /// `tokenizer.json`.
-    Hf(Box<tokenizers::Tokenizer>),
+    Hf(Box<Hf>),
     /// A tiktoken BPE.
     Tiktoken(Box<Tiktoken>),
+}
+
+/// A `tokenizer.json` tokenizer, with what tokenizing in pieces needs.
+pub struct Hf {
+    /// The `tokenizers` crate's tokenizer.
+    pub inner: tokenizers::Tokenizer,
+    // The added tokens `tokenizers` splits out of the raw text first
+    // (those not normalized), matched as it matches them (leftmost-longest),
+    // and for each whether a match starts a segment whose tokens depend on
+    // nothing before it (not lstrip, which eats the spaces before it, and
+    // not single_word, which looks at its neighbours).
+    specials: Option<(aho_corasick::AhoCorasick, Vec<bool>)>,
+    // The longest of them, in bytes.
+    longest_special: usize,
+    // What `add_special` puts before and after a text (a BOS, an EOS).
+    around: (Vec<u32>, Vec<u32>),
+}
+
+impl Hf {
+    fn new(inner: tokenizers::Tokenizer, name: &str) -> Result<Self, ChatError> {
+        let mut added: Vec<tokenizers::AddedToken> =
+            inner.get_added_tokens_decoder().into_values().filter(|t| !t.normalized).collect();
+        // The crate lists special tokens first, then the others; a content twice matches as one.
+        added.sort_by(|a, b| b.special.cmp(&a.special).then(a.content.cmp(&b.content)));
+        added.dedup_by(|a, b| a.content == b.content);
+        let longest_special = added.iter().map(|t| t.content.len()).max().unwrap_or(0);
+        let specials = if added.is_empty() {
+            None
+        } else {
+            let ac = aho_corasick::AhoCorasick::builder()
+                .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                .build(added.iter().map(|t| t.content.as_str()))
+                .map_err(|e| ChatError::Tokenizer(format!("{name}: added tokens: {e}")))?;
+            Some((ac, added.iter().map(|t| !t.lstrip && !t.single_word).collect()))
+        };
+        // The tokens add_special adds around a text: those around a probe's own.
+        let enc = |add| {
+            inner
+                .encode("a", add)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| ChatError::Tokenizer(format!("{name}: {e}")))
+        };
+        let (plain, with) = (enc(false)?, enc(true)?);
+        let at = with.windows(plain.len().max(1)).position(|w| w == plain.as_slice());
+        let around = match at {
+            Some(i) if !plain.is_empty() => (with[..i].to_vec(), with[i + plain.len()..].to_vec()),
+            _ => (Vec::new(), Vec::new()),
+        };
+        Ok(Hf { inner, specials, longest_special, around })
+    }
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -57,7 +107,7 @@ impl Tokenizer {
             // transformers tokenizes chat text without the file's truncation or padding.
             t.with_padding(None);
             t.with_truncation(None).map_err(|e| ChatError::Tokenizer(format!("{}: {e}", json.display())))?;
-            return Ok(Tokenizer::Hf(Box::new(t)));
+            return Ok(Tokenizer::Hf(Box::new(Hf::new(t, &json.display().to_string())?)));
         }
         let bpe = dir.join(FILES[1]);
         if bpe.is_file() {
@@ -101,20 +151,23 @@ impl Tokenizer {
     /// One past the largest id the tokenizer can produce.
     pub fn vocab_size(&self) -> usize {
         match self {
-            Tokenizer::Hf(t) => t.get_vocab_size(true),
+            Tokenizer::Hf(t) => t.inner.get_vocab_size(true),
             Tokenizer::Tiktoken(t) => t.vocab_size(),
         }
     }
 
-    /// Tokenizes `text`; special tokens written in it are recognised.
-    /// `add_special` adds what the tokenizer's post-processor adds (a BOS):
-    /// `false` for rendered chat text, which carries its own.
+    /// Tokenizes the whole of `text` at once; special tokens written in it
+    /// are recognised. `add_special` adds what the tokenizer's
+    /// post-processor adds (a BOS): `false` for rendered chat text, which
+    /// carries its own. Memory grows with the text (about 170 bytes a byte
+    /// for `tokenizer.json`): [`Tokenizer::encode_limited`] is what runs on input.
     pub fn encode(&self, text: &str, add_special: bool, out: &mut Encoded) -> Result<(), ChatError> {
         out.ids.clear();
         out.spans.clear();
         match self {
             Tokenizer::Hf(t) => {
                 let e = t
+                    .inner
                     .encode(text, add_special)
                     .map_err(|e| ChatError::Text(format!("the tokenizer fails on this text: {e}")))?;
                 out.ids.extend_from_slice(e.get_ids());
@@ -122,6 +175,86 @@ impl Tokenizer {
                 Ok(())
             }
             Tokenizer::Tiktoken(t) => t.encode(text, &mut out.ids, &mut out.spans),
+        }
+    }
+
+    /// Appends the tokens of `text` (no added BOS or EOS) to `out`, their
+    /// spans moved by `at`: one piece of a longer text.
+    pub(crate) fn append(&self, text: &str, at: usize, out: &mut Encoded) -> Result<(), ChatError> {
+        let (ids, spans) = (out.ids.len(), out.spans.len());
+        match self {
+            Tokenizer::Hf(t) => {
+                let e = t
+                    .inner
+                    .encode(text, false)
+                    .map_err(|e| ChatError::Text(format!("the tokenizer fails on this text: {e}")))?;
+                out.ids.extend_from_slice(e.get_ids());
+                out.spans.extend(e.get_offsets().iter().map(|&(s, e)| (s + at, e + at)));
+            }
+            Tokenizer::Tiktoken(t) => {
+                t.encode(text, &mut out.ids, &mut out.spans)?;
+                out.spans[spans..].iter_mut().for_each(|(s, e)| (*s, *e) = (*s + at, *e + at));
+            }
+        }
+        debug_assert_eq!(out.ids.len() - ids, out.spans.len() - spans);
+        Ok(())
+    }
+
+    /// Where special tokens start in `text`: places where it splits into
+    /// parts tokenized independently of each other (the tokens before one
+    /// depend on nothing after it), in order.
+    pub(crate) fn special_starts(&self, text: &str) -> Vec<usize> {
+        match self {
+            Tokenizer::Hf(t) => match &t.specials {
+                Some((ac, anchor)) => ac
+                    .find_iter(text)
+                    .filter(|m| anchor[m.pattern().as_usize()])
+                    .map(|m| m.start())
+                    .filter(|&s| s > 0)
+                    .collect(),
+                None => Vec::new(),
+            },
+            Tokenizer::Tiktoken(t) => t.special_starts(text),
+        }
+    }
+
+    /// The pre-tokenizer's pieces of `text` as byte ranges of it, in order
+    /// (the tokenizer's normalizer and pre-tokenizer, or the tiktoken
+    /// pattern): tokens never span two pieces, and text the normalizer
+    /// deletes lies in no piece.
+    pub(crate) fn pieces(&self, text: &str) -> Result<Vec<(usize, usize)>, ChatError> {
+        use tokenizers::{Normalizer, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+        match self {
+            Tokenizer::Hf(t) => {
+                let fail = |e: tokenizers::Error| ChatError::Text(format!("the tokenizer fails on this text: {e}"));
+                let mut pts = PreTokenizedString::from(text);
+                if let Some(n) = t.inner.get_normalizer() {
+                    pts.normalize(|s| n.normalize(s)).map_err(fail)?;
+                }
+                if let Some(p) = t.inner.get_pre_tokenizer() {
+                    p.pre_tokenize(&mut pts).map_err(fail)?;
+                }
+                let splits = pts.get_splits(OffsetReferential::Original, OffsetType::Byte);
+                Ok(splits.iter().map(|s| s.1).filter(|(s, e)| e > s).collect())
+            }
+            Tokenizer::Tiktoken(t) => t.pieces(text),
+        }
+    }
+
+    /// The longest special token, in bytes: how far past a special token's
+    /// start two texts must agree for it to be a special token in both.
+    pub(crate) fn longest_special(&self) -> usize {
+        match self {
+            Tokenizer::Hf(t) => t.longest_special,
+            Tokenizer::Tiktoken(t) => t.longest_special(),
+        }
+    }
+
+    /// The tokens `add_special` puts before and after a text.
+    pub(crate) fn around(&self) -> (&[u32], &[u32]) {
+        match self {
+            Tokenizer::Hf(t) => (&t.around.0, &t.around.1),
+            Tokenizer::Tiktoken(_) => (&[], &[]),
         }
     }
 }

@@ -8,13 +8,15 @@ use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 
 /// How records become samples.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct PrepareOptions {
     /// Masks, row mode, and the limit for conversations (`max_len`).
     pub rows: RowOptions,
     /// `--max-seq-len`, when given: token and text records are cut or skipped
     /// by it too (without it they must fit the model, or the run stops).
     pub limit_all: bool,
+    /// Where the limit comes from, for messages (`max_position_embeddings 4096`).
+    pub limit_from: String,
     /// Records precede this input (it is a part of a larger one): a render
     /// failure on its first conversation is that conversation's, as it would
     /// be for one process, not the template's.
@@ -257,16 +259,23 @@ impl Worker {
             Record::Text(text) => {
                 let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs_tokenizer("text", &why)))?;
                 let mut enc = crate::chat::Encoded::default();
-                match chat.tokenizer.encode(&text, true, &mut enc) {
-                    Ok(()) => {}
+                // In pieces, and no further than one token past the limit.
+                let more = match chat.tokenizer.encode_limited(&text, true, limit.saturating_add(1), &mut enc) {
+                    Ok(more) => more,
                     Err(crate::chat::ChatError::Text(m)) => {
                         self.refuse(&item, &base, &m);
                         return Ok(vec![]);
                     }
                     Err(e) => return Err(self.line_err(item.line, e.to_string())),
-                }
+                };
                 if enc.ids.is_empty() {
-                    return Err(self.line_err(item.line, "the text gives no tokens".into()));
+                    self.refuse(&item, &base, "the text gives no tokens");
+                    return Ok(vec![]);
+                }
+                if (more || enc.ids.len() > limit) && !self.opts.limit_all {
+                    let m =
+                        format!("the text gives more than {limit} tokens, the limit set by {}", self.opts.limit_from);
+                    return Err(self.line_err(item.line, m));
                 }
                 (enc.ids, None)
             }

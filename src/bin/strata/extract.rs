@@ -426,6 +426,7 @@ impl ExtractJob {
         let opts = PrepareOptions {
             rows: RowOptions { mask: p.mask, rows: p.rows, max_len: limit, long },
             limit_all: p.max_seq_len.is_some(),
+            limit_from: from.clone(),
             after_start: part_info.as_ref().is_some_and(|i| i.first_record > 0),
         };
         let source = Prepared::spawn(records, chat, opts, self.data_name())?;
