@@ -48,7 +48,7 @@ fn main() {
         let opts = ChatOptions {
             template_file: Some(fixtures.join(format!("templates/{template}.jinja"))),
             date: chrono::NaiveDate::from_ymd_opt(2026, 1, 15).unwrap(),
-            kwargs: Default::default(),
+            ..Default::default()
         };
         let chat = Chat::load(&fixtures, &opts).unwrap();
         let mut r = chat.renderer().unwrap();

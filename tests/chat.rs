@@ -23,7 +23,7 @@ fn chat(template: &str) -> Chat {
     let opts = ChatOptions {
         template_file: Some(fixtures().join(format!("templates/{template}.jinja"))),
         date: chrono::NaiveDate::from_ymd_opt(2026, 1, 15).unwrap(),
-        kwargs: Default::default(),
+        ..Default::default()
     };
     Chat::load(&fixtures(), &opts).unwrap()
 }
@@ -81,7 +81,8 @@ fn check(template: &str, style: &str, expected: &str, max_len: usize) -> usize {
                 continue;
             }
             (_, Value::String(_)) => {
-                let failed = matches!(auto, Err(RowsError::Conversation(_) | RowsError::Render(_)));
+                let failed =
+                    matches!(auto, Err(RowsError::Conversation(_) | RowsError::Refused(_) | RowsError::Render(_)));
                 assert!(failed, "{ctx}: expected an error, got {auto:?}");
                 continue;
             }
@@ -361,9 +362,7 @@ fn text_and_a_tiktoken_model_directory() {
     let (ok, stdout, stderr) = extract(&model, &data, &out, &[]);
     assert!(ok && stdout.contains("2 records (text)"), "{stdout}{stderr}");
     let rows = native_rows(&out);
-    let tok =
-        Chat::load(&model, &ChatOptions { template_file: None, date: Default::default(), kwargs: Default::default() })
-            .unwrap();
+    let tok = Chat::load(&model, &ChatOptions::default()).unwrap();
     let mut enc = strata::chat::Encoded::default();
     tok.tokenizer.encode("Hello, world!", true, &mut enc).unwrap();
     assert_eq!(rows[0].1, enc.ids.iter().map(|&v| v as i64).collect::<Vec<_>>());
@@ -679,7 +678,7 @@ fn long_conversations_give_the_rows_of_rendering_and_tokenizing_every_turn() {
                             }
                             compared += 1;
                         }
-                        (Err(_), Err(RowsError::Conversation(_))) => {}
+                        (Err(_), Err(RowsError::Conversation(_) | RowsError::Refused(_))) => {}
                         (w, g) => {
                             panic!("{ctx}: reference {:?}, fast path {:?}", w.map(|r| r.len()), g.map(|r| r.rows.len()))
                         }

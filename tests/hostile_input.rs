@@ -49,7 +49,7 @@ impl Run {
 
 /// Runs `strata ARGS` killing it after `secs` (a test failure), under
 /// `ulimit -v KB` when given; stdout and stderr go to files, so a chatty run
-/// cannot block on a full pipe. A panic or an allocation abort fails the test.
+/// cannot block on a full pipe. A panic, an abort or any signal fails the test.
 fn strata_in(args: &[&str], limit_kb: Option<u64>, secs: u64, env: &[(&str, &str)], cwd: Option<&Path>) -> Run {
     let tmp = tempfile::tempdir().unwrap();
     let bin = env!("CARGO_BIN_EXE_strata");
@@ -91,9 +91,9 @@ fn strata_in(args: &[&str], limit_kb: Option<u64>, secs: u64, env: &[(&str, &str
     let secs = start.elapsed().as_secs_f64();
     let stdout = std::fs::read_to_string(&out_path).unwrap();
     let stderr = String::from_utf8_lossy(&std::fs::read(&err_path).unwrap()).into_owned();
-    assert!(!stderr.contains("panicked"), "strata panicked:\n{stderr}");
-    assert!(!stderr.contains("memory allocation of"), "strata aborted on an allocation:\n{stderr}");
-    assert!(!stderr.contains("overflowed its stack"), "strata overflowed its stack:\n{stderr}");
+    // Exit 0 or 1: not a panic (101), an abort on an allocation or a stack overflow (a signal).
+    // (A render process's death is quoted in messages; strata itself must not die so.)
+    assert!(matches!(status.code(), Some(0 | 1)), "strata died ({status}):\n{stderr}");
     Run { code: status.code(), stdout, stderr, secs }
 }
 
@@ -745,11 +745,7 @@ fn class3_every_turn_fitting_tokenizes_each_render_once_only_past_the_shared_sta
     // tokenization reuses the whole conversation's tokens up to where a render parts from it.
     let tmp = tempfile::tempdir().unwrap();
     let model = chat_model(tmp.path(), "chatml");
-    let chat = strata::chat::Chat::load(
-        &model,
-        &strata::chat::ChatOptions { template_file: None, date: Default::default(), kwargs: Default::default() },
-    )
-    .unwrap();
+    let chat = strata::chat::Chat::load(&model, &strata::chat::ChatOptions::default()).unwrap();
     let conv = |turns: usize| {
         let msgs: Vec<Value> = (0..turns)
             .map(|i| {
@@ -814,11 +810,7 @@ fn class5_a_line_near_64_mib_is_tokenized_in_pieces_within_bounds() {
     r.assert_ok().assert_says(&["wrote 1 samples (4096 tokens)", "1 rows cut"]);
     // The tokens are the whole text's first 4096 (the text is many copies of one sentence,
     // whose tokens the tokenizer gives for a few of them at once).
-    let chat = strata::chat::Chat::load(
-        &model,
-        &strata::chat::ChatOptions { template_file: None, date: Default::default(), kwargs: Default::default() },
-    )
-    .unwrap();
+    let chat = strata::chat::Chat::load(&model, &strata::chat::ChatOptions::default()).unwrap();
     let line: Value = serde_json::from_str(&std::fs::read_to_string(&huge).unwrap()[..]).unwrap();
     let head = &line["text"].as_str().unwrap()[..64 << 10];
     let mut want = strata::chat::Encoded::default();
@@ -885,4 +877,117 @@ fn class5_a_hostile_normalizer_or_a_template_printing_50_mb_stays_within_bounds(
             r.assert_fails(&["no place between bytes", "none of the 1 input records gave a sample"]);
         }
     }
+}
+
+// ---- 1 and 2. A template's memory and nesting, in a render process of its own ----------------
+
+/// ChatML that first does `evil` when the first message says "boom".
+fn evil_template(dir: &Path, name: &str, evil: &str) -> PathBuf {
+    let p = dir.join(format!("{name}.jinja"));
+    let chatml = std::fs::read_to_string(fixtures().join("templates/chatml.jinja")).unwrap();
+    std::fs::write(&p, format!("{{% if messages[0].content == 'boom' %}}{evil}{{% endif %}}{chatml}")).unwrap();
+    p
+}
+
+fn boom_and_fine(path: &Path) {
+    let boom =
+        json!({"id": "boom", "messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]});
+    write_jsonl(path, [boom, hello("fine")]);
+}
+
+#[test]
+fn class1_a_renders_memory_is_bounded_and_that_conversation_alone_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = tmp.path().join("c.jsonl");
+    boom_and_fine(&data);
+    let ordinary = ordinary_limit(&extract_args(&model, &data, &tmp.path().join("o0"), &["--overwrite"]));
+    let cases = [
+        // A join of one 50 MB string repeated: about 100 GB asked at once.
+        ("join", "{% set ns = namespace(s='x' * 50000000) %}{{ ([ns.s] * 2000) | join('') | length }}", "needed more memory"),
+        // A string doubled in a loop.
+        ("double", "{% set ns = namespace(s='xy') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}", "--template-memory 1024 MiB"),
+        // A list of a long string repeated, printed: the 256 MiB output cap.
+        ("print", "{{ ['x' * 10000000] * 1000 }}", "the rendered text is over 268435456 bytes"),
+    ];
+    for (name, evil, says) in cases {
+        let t = evil_template(tmp.path(), name, evil);
+        let out = tmp.path().join(name);
+        // The run's own memory: an ordinary run's and 1 GiB more (the render process has its own).
+        let r = strata_in(
+            &extract_args(&model, &data, &out, &["--chat-template", s(&t)]),
+            Some(ordinary + (2 << 20)),
+            60,
+            &[],
+            None,
+        );
+        r.assert_ok().assert_says(&["wrote 1 samples", "1 records could not be rendered", "(id \"boom\")", says]);
+    }
+    // --template-memory sets the bound.
+    let t = evil_template(tmp.path(), "hundred", "{{ ('x' * 100000000) | length }}");
+    let r = strata(&extract_args(
+        &model,
+        &data,
+        &tmp.path().join("small"),
+        &["--chat-template", s(&t), "--template-memory", "64MiB"],
+    ));
+    r.assert_ok().assert_says(&["wrote 1 samples", "--template-memory 64 MiB"]);
+    strata(&extract_args(
+        &model,
+        &data,
+        &tmp.path().join("big"),
+        &["--chat-template", s(&t), "--template-memory", "2GiB"],
+    ))
+    .assert_ok()
+    .assert_says(&["wrote 2 samples"]);
+}
+
+#[test]
+fn class2_values_nested_millions_deep_fail_that_conversation_not_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = tmp.path().join("c.jsonl");
+    boom_and_fine(&data);
+    // Two million levels: printed, compared, or only dropped at the end of the render.
+    let build = "{% set ns = namespace(x=[], y=[]) %}{% for i in range(200) %}{% for j in range(1000) %}\
+                 {% set ns.x = [[[[[[[[[[ns.x]]]]]]]]]] %}{% endfor %}{% endfor %}";
+    for (name, use_it) in [("print", "{{ ns.x }}"), ("compare", "{{ ns.x == [ns.x] }}"), ("drop", "")] {
+        let t = evil_template(tmp.path(), name, &format!("{build}{use_it}"));
+        let out = tmp.path().join(name);
+        let r = strata_in(&extract_args(&model, &data, &out, &["--chat-template", s(&t)]), None, 120, &[], None);
+        assert_ne!(r.code, Some(134), "{name}: aborted:\n{}", r.stderr);
+        r.assert_ok().assert_says(&["wrote 1 samples", "(id \"boom\")"]);
+        let all = format!("{}{}", r.stdout, r.stderr);
+        assert!(all.contains("nested too deep") || all.contains("--template-memory"), "{name}:\n{all}");
+    }
+}
+
+#[test]
+fn a_template_that_fails_on_every_conversation_stops_the_run_after_max_template_failures() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = tmp.path().join("c.jsonl");
+    write_jsonl(&data, (0..12).map(|i| hello(&format!("c{i}"))));
+    // Each render runs out of instructions.
+    let burn = tmp.path().join("burn.jinja");
+    std::fs::write(&burn, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}").unwrap();
+    let r = strata_in(
+        &extract_args(&model, &data, &tmp.path().join("a"), &["--chat-template", s(&burn)]),
+        None,
+        120,
+        &[],
+        None,
+    );
+    r.assert_fails(&["none of the 12 input records gave a sample", "ran out of its budget"]);
+    assert!(r.secs < 60.0, "12 renders that burn their budget took {:.1} s", r.secs);
+    let args = ["--chat-template", s(&burn), "--max-template-failures", "5"];
+    let r = strata(&extract_args(&model, &data, &tmp.path().join("b"), &args));
+    r.assert_fails(&[
+        "failed on 5 conversations in a row",
+        "burn.jinja",
+        "ran out of its budget",
+        "--max-template-failures",
+    ]);
+    let args = ["--chat-template", s(&burn), "--max-template-failures", "0"];
+    strata(&extract_args(&model, &data, &tmp.path().join("c"), &args)).assert_fails(&["none of the 12 input records"]);
 }

@@ -5,7 +5,7 @@
 use serde_json::{Map, Value};
 
 /// The roles a template sees.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Role {
     /// `human`, `user`.
     User,
@@ -50,7 +50,7 @@ pub enum Style {
 }
 
 /// A normalised conversation: messages as the template sees them.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Conversation {
     /// `{role, content, ...}` objects, roles canonical.
     pub messages: Vec<Value>,

@@ -3,6 +3,7 @@
 //! or `{% generation %}` blocks. No server, no Python.
 
 pub mod conversation;
+pub mod isolate;
 pub mod pieces;
 pub mod rows;
 pub mod template;
@@ -41,6 +42,22 @@ pub struct ChatOptions {
     pub date: chrono::NaiveDate,
     /// Extra template variables (`--chat-template-kwargs`, e.g. `enable_thinking`).
     pub kwargs: serde_json::Map<String, serde_json::Value>,
+    /// The bytes one render may make (`--template-memory`); see [`template::Template::new`].
+    pub template_memory: u64,
+}
+
+/// `--template-memory`'s default: 1 GiB per render.
+pub const DEFAULT_TEMPLATE_MEMORY: u64 = 1 << 30;
+
+impl Default for ChatOptions {
+    fn default() -> Self {
+        ChatOptions {
+            template_file: None,
+            date: chrono::NaiveDate::default(),
+            kwargs: Default::default(),
+            template_memory: DEFAULT_TEMPLATE_MEMORY,
+        }
+    }
 }
 
 /// The model's tokenizer and chat template, loaded once per run.
@@ -54,6 +71,8 @@ pub struct Chat {
     pub template_origin: Option<String>,
     /// `xxh3:` of the template text, for the manifest.
     pub template_digest: Option<String>,
+    /// The model directory and options it was loaded from (a render process loads them again).
+    pub loaded_from: (PathBuf, ChatOptions),
 }
 
 /// Special-token variables every render gets, from `tokenizer_config.json`.
@@ -162,11 +181,18 @@ impl Chat {
         let (template, template_origin, template_digest) = match source {
             Some(src) => {
                 let digest = format!("xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(src.as_bytes()));
-                (Some(Template::new(&src, &origin, opts.date, globals)?), Some(origin), Some(digest))
+                let t = Template::new(&src, &origin, opts.date, globals, opts.template_memory)?;
+                (Some(t), Some(origin), Some(digest))
             }
             None => (None, None, None),
         };
-        Ok(Chat { tokenizer, template, template_origin, template_digest })
+        Ok(Chat {
+            tokenizer,
+            template,
+            template_origin,
+            template_digest,
+            loaded_from: (dir.to_path_buf(), opts.clone()),
+        })
     }
 
     /// A renderer for conversations; an error when the model has no chat template.

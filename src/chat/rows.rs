@@ -10,7 +10,7 @@ use super::ChatError;
 use minijinja::Value;
 
 /// Where the loss mask comes from.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum MaskSource {
     /// Each assistant turn from where its generation prompt ends.
     #[default]
@@ -20,7 +20,7 @@ pub enum MaskSource {
 }
 
 /// How a conversation becomes rows.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum RowMode {
     /// One row per conversation where that is exact (prefix-stable), else one per assistant turn.
     #[default]
@@ -32,7 +32,7 @@ pub enum RowMode {
 }
 
 /// How rows are cut to a length limit.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum LongRows {
     /// Cut on the right.
     #[default]
@@ -42,7 +42,7 @@ pub enum LongRows {
 }
 
 /// Options of the conversion.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct RowOptions {
     /// Where masks come from.
     pub mask: MaskSource,
@@ -55,7 +55,7 @@ pub struct RowOptions {
 }
 
 /// One row: tokens and their loss mask.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Row {
     /// Token ids.
     pub input_ids: Vec<u32>,
@@ -66,7 +66,7 @@ pub struct Row {
 }
 
 /// What one conversation gave.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Rows {
     /// The rows, in turn order.
     pub rows: Vec<Row>,
@@ -91,9 +91,15 @@ pub enum RowsError {
     /// No assistant turn after the first message.
     #[error("no assistant turn")]
     NoAssistant,
-    /// This conversation cannot be turned into rows; the run goes on.
+    /// This conversation cannot be turned into rows (its renders diverge, its
+    /// text cannot be tokenized); the run goes on.
     #[error("{0}")]
     Conversation(String),
+    /// The template did not render this conversation: it refused it
+    /// (`raise_exception`), ran out of its budget, or its render process
+    /// died; the run goes on (unless that happens to every conversation).
+    #[error("{0}")]
+    Refused(String),
     /// The template failed on this conversation in a way that may be the
     /// template's (see [`RenderError::Failed`]): the caller decides.
     #[error("{0}")]
@@ -101,6 +107,21 @@ pub enum RowsError {
     /// The template or tokenizer cannot be used at all: the run stops.
     #[error(transparent)]
     Fatal(#[from] ChatError),
+}
+
+/// Why a conversation gives no row before anything is rendered: it is
+/// empty, or has no assistant turn after its first message (with
+/// generation masks: none at all) once trailing turns are dropped.
+pub fn skipped(c: &Conversation, mask: MaskSource) -> Option<RowsError> {
+    if c.messages.is_empty() {
+        return Some(RowsError::Empty);
+    }
+    let last = c.roles.iter().rposition(|r| *r == Role::Assistant);
+    let first = if mask == MaskSource::Boundary { 1 } else { 0 };
+    match last {
+        Some(i) if i >= first => None,
+        _ => Some(RowsError::NoAssistant),
+    }
 }
 
 /// A tokenizer error: this conversation's text, or the tokenizer as a whole.
@@ -114,7 +135,7 @@ fn token_err(e: ChatError) -> RowsError {
 fn render_err(e: RenderError) -> RowsError {
     match e {
         RenderError::Unsupported(m) => RowsError::Fatal(ChatError::Template(m)),
-        RenderError::Rejected(m) => RowsError::Conversation(m),
+        RenderError::Rejected(m) => RowsError::Refused(m),
         RenderError::Failed(m) => RowsError::Render(m),
     }
 }
@@ -150,7 +171,7 @@ impl<'a> Renderer<'a> {
     fn charge(&mut self, bytes: usize, c: &Conversation) -> Result<(), RowsError> {
         self.spent += bytes;
         if self.spent > self.budget {
-            return Err(RowsError::Conversation(format!(
+            return Err(RowsError::Refused(format!(
                 "its renders pass {} MiB of text ({} messages): too many turns to render one by one",
                 self.budget >> 20,
                 c.messages.len()
@@ -204,17 +225,11 @@ impl<'a> Renderer<'a> {
     /// conversation's, cut to the limit: then one row holds every turn.
     pub fn rows(&mut self, c: &Conversation, opts: &RowOptions) -> Result<Rows, RowsError> {
         self.spent = 0;
-        if c.messages.is_empty() {
-            return Err(RowsError::Empty);
+        if let Some(skip) = skipped(c, opts.mask) {
+            return Err(skip);
         }
         let mut c = c.clone();
         c.drop_trailing();
-        if !c.roles.iter().skip(1).any(|r| *r == Role::Assistant) && opts.mask == MaskSource::Boundary {
-            return Err(RowsError::NoAssistant);
-        }
-        if c.roles.is_empty() {
-            return Err(RowsError::NoAssistant);
-        }
         let msgs: Vec<Value> = c.messages.iter().map(json_value).collect();
         let mut out = Rows::default();
         if opts.mask == MaskSource::Generation {

@@ -11,9 +11,12 @@ use minijinja::{Environment, ErrorKind};
 const NAME: &str = "chat_template";
 /// The longest message of a failed render quoted (a `raise_exception` message can be megabytes).
 const MESSAGE_MAX: usize = 400;
-/// Template instructions one render may run: a hostile template or
+/// Template instructions one render may run at most: a hostile template or
 /// conversation stops with an error instead of running for ever.
 const FUEL: u64 = 200_000_000;
+/// minijinja charges a byte a template makes one unit of fuel and an
+/// instruction this many: a render of `memory` bytes gets `memory / 64` fuel.
+const UNITS_PER_FUEL: u64 = 64;
 
 /// Why one render failed.
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +54,8 @@ pub struct Template {
     globals: Vec<(String, Value)>,
     // Whether the source calls `strftime_now`: then the date is part of the output.
     dated: bool,
+    // The bytes one render may make.
+    memory: u64,
 }
 
 impl std::fmt::Debug for Template {
@@ -103,12 +108,16 @@ fn rewrite_generation(source: &str, origin: &str) -> Result<(String, bool), Chat
 
 impl Template {
     /// Compiles `source`; `origin` names it in messages; `date` is what
-    /// `strftime_now` formats; `globals` (special tokens, extra variables) go to every render.
+    /// `strftime_now` formats; `globals` (special tokens, extra variables) go
+    /// to every render. `memory` bounds the bytes one render makes (strings,
+    /// lists, maps and output, as minijinja's fuel counts them, an
+    /// instruction weighing 64 bytes), and so its instructions too.
     pub fn new(
         source: &str,
         origin: &str,
         date: chrono::NaiveDate,
         globals: Vec<(String, serde_json::Value)>,
+        memory: u64,
     ) -> Result<Self, ChatError> {
         let dated = source.contains("strftime_now");
         let (source, generation) = rewrite_generation(source, origin)?;
@@ -117,7 +126,7 @@ impl Template {
         syntax.trim_blocks(true).lstrip_blocks(true).keep_trailing_newline(false);
         env.set_syntax(syntax.build().expect("the default delimiters"));
         env.set_unknown_method_callback(python_methods);
-        env.set_fuel(Some(FUEL));
+        env.set_fuel(Some(FUEL.min(memory / UNITS_PER_FUEL).max(1)));
         env.set_debug(true);
         env.set_recursion_limit(100);
         env.add_function("raise_exception", |msg: String| -> Result<Value, minijinja::Error> {
@@ -141,7 +150,7 @@ impl Template {
         env.add_filter("__strata_generation_close", move |state: &minijinja::State, _: String| print(state, &close));
         env.add_template_owned(NAME, source).map_err(|e| ChatError::Template(describe(origin, &e)))?;
         let globals = globals.into_iter().map(|(k, v)| (k, json_value(&v))).collect();
-        Ok(Template { env, origin: origin.into(), generation, markers, globals, dated })
+        Ok(Template { env, origin: origin.into(), generation, markers, globals, dated, memory })
     }
 
     /// Whether renders depend on the date (the template calls `strftime_now`).
@@ -216,6 +225,12 @@ impl Template {
             Err(e) if e.kind() == ErrorKind::WriteFailure => {
                 Err(RenderError::Rejected(format!("the rendered text is over {MAX_RENDER} bytes")))
             }
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(RenderError::Rejected(format!(
+                "the chat template ran out of its budget for one render: --template-memory {} MiB (the bytes its \
+                 strings, lists and output take, an instruction counting 64), at {}",
+                self.memory >> 20,
+                describe(&self.origin, &e)
+            ))),
             Err(e) => Err(classify(&self.origin, &e)),
         }
     }
@@ -688,7 +703,7 @@ mod tests {
     }
 
     fn render(src: &str, msgs: serde_json::Value) -> Result<Rendered, RenderError> {
-        let t = Template::new(src, "t", date(), vec![("bos_token".into(), "<s>".into())]).unwrap();
+        let t = Template::new(src, "t", date(), vec![("bos_token".into(), "<s>".into())], 1 << 30).unwrap();
         t.render(&json_value(&msgs), None, false)
     }
 
@@ -770,7 +785,7 @@ mod tests {
         );
         let e = render("{{ messages | frobnicate }}", serde_json::json!([])).unwrap_err();
         assert!(matches!(&e, RenderError::Unsupported(m) if m.contains("frobnicate")), "{e}");
-        let e = Template::new("{% for %}", "x.jinja", date(), vec![]).unwrap_err().to_string();
+        let e = Template::new("{% for %}", "x.jinja", date(), vec![], 1 << 30).unwrap_err().to_string();
         assert!(e.contains("chat template x.jinja, line 1"), "{e}");
     }
 }

@@ -2,7 +2,8 @@
 //! run while the model computes earlier samples.
 
 use super::{InputFormat, Item, Record, Records};
-use crate::chat::{Chat, Conversation, LongRows, RowOptions, RowsError};
+use crate::chat::isolate::{Isolation, RenderProcess};
+use crate::chat::{Chat, ChatError, Conversation, LongRows, RowOptions, Rows, RowsError};
 use crate::pipeline::source::{InputPos, Sample, Source, SourceError};
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
@@ -17,6 +18,12 @@ pub struct PrepareOptions {
     pub limit_all: bool,
     /// Where the limit comes from, for messages (`max_position_embeddings 4096`).
     pub limit_from: String,
+    /// Render and tokenize in a child process (see [`crate::chat::isolate`]);
+    /// `None`: in this one, where only the template's fuel bounds a render.
+    pub isolation: Option<Isolation>,
+    /// Conversations the template may fail on in a row before the run stops
+    /// (`--max-template-failures`; 0: never).
+    pub max_template_failures: usize,
     /// Records precede this input (it is a part of a larger one): a render
     /// failure on its first conversation is that conversation's, as it would
     /// be for one process, not the template's.
@@ -107,8 +114,23 @@ impl Prepared {
             .spawn(move || {
                 let rendered = opts.after_start;
                 let (roles_seen, ids_seen) = Default::default();
-                Worker { records, chat, opts, name, stats: s, format: f, tx, roles_seen, ids_seen, row: 0, rendered }
-                    .run()
+                let (process, failures, row) = (None, 0, 0);
+                let w = Worker {
+                    records,
+                    chat,
+                    opts,
+                    name,
+                    stats: s,
+                    format: f,
+                    tx,
+                    roles_seen,
+                    ids_seen,
+                    process,
+                    failures,
+                    row,
+                    rendered,
+                };
+                w.run()
             })
             .map_err(|cause| SourceError::Io { path: "(prepare thread)".into(), cause })?;
         Ok(Prepared { rx, consumed: InputPos::default(), stats, format, thread: Some(thread), ended: false })
@@ -189,6 +211,10 @@ struct Worker {
     // Record ids seen, likewise: a conversation's per-turn rows get `{id}#{turn}`,
     // so two records with one id would not collide as samples.
     ids_seen: std::collections::HashSet<u128>,
+    // The render process, once started.
+    process: Option<RenderProcess>,
+    // Conversations the template failed on since it last rendered one.
+    failures: usize,
     // Rows emitted so far: the next sample's index.
     row: usize,
     // Whether a conversation has rendered yet.
@@ -260,7 +286,7 @@ impl Worker {
                 let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs_tokenizer("text", &why)))?;
                 let mut enc = crate::chat::Encoded::default();
                 // In pieces, and no further than one token past the limit.
-                let more = match chat.tokenizer.encode_limited(&text, true, limit.saturating_add(1), &mut enc) {
+                let more = match self.encode(&chat, &text, limit.saturating_add(1), &mut enc) {
                     Ok(more) => more,
                     Err(crate::chat::ChatError::Text(m)) => {
                         self.refuse(&item, &base, &m);
@@ -313,10 +339,49 @@ impl Worker {
         }
     }
 
+    /// The render process, started when first needed (and again after a request killed it).
+    fn process(&mut self, chat: &Chat) -> Option<&mut RenderProcess> {
+        let how = self.opts.isolation.clone()?;
+        let (dir, opts) = &chat.loaded_from;
+        Some(self.process.get_or_insert_with(|| RenderProcess::new(how, dir, opts)))
+    }
+
+    /// A text's first `cap` tokens (with BOS), in the render process when there is one; whether it has more.
+    fn encode(
+        &mut self,
+        chat: &Chat,
+        text: &str,
+        cap: usize,
+        out: &mut crate::chat::Encoded,
+    ) -> Result<bool, ChatError> {
+        match self.process(chat) {
+            Some(p) => {
+                let (ids, more) = p.encode_limited(text, true, cap)?;
+                out.ids = ids;
+                out.spans.clear();
+                Ok(more)
+            }
+            None => chat.tokenizer.encode_limited(text, true, cap, out),
+        }
+    }
+
+    /// A conversation's rows, in the render process when there is one.
+    fn rows(&mut self, chat: &Chat, conv: &Conversation) -> Result<Rows, RowsError> {
+        let opts = self.opts.rows;
+        // What is skipped unrendered is told here, without a round trip.
+        if let Some(skip) = crate::chat::rows::skipped(conv, opts.mask) {
+            return Err(skip);
+        }
+        match self.process(chat) {
+            Some(p) => p.rows(conv, &opts),
+            None => chat.renderer()?.rows(conv, &opts),
+        }
+    }
+
     /// A conversation's rows, or none when it is skipped or cannot be rendered.
     fn conversation(&mut self, item: &Item, base: String, conv: Conversation) -> Result<Vec<Sample>, SourceError> {
         let chat = self.chat.clone().map_err(|why| self.line_err(item.line, needs_tokenizer("conversations", &why)))?;
-        let mut renderer = chat.renderer().map_err(|e| self.line_err(item.line, e.to_string()))?;
+        chat.renderer().map_err(|e| self.line_err(item.line, e.to_string()))?;
         self.stats().conversations += 1;
         for r in &conv.unknown_roles {
             if self.roles_seen.insert(xxhash_rust::xxh3::xxh3_128(r.as_bytes())) {
@@ -334,7 +399,7 @@ impl Worker {
                 }
             }
         }
-        let rows = match renderer.rows(&conv, &self.opts.rows) {
+        let rows = match self.rows(&chat, &conv) {
             Ok(rows) => rows,
             Err(RowsError::Empty) => {
                 self.stats().skipped_empty += 1;
@@ -349,13 +414,33 @@ impl Worker {
                 let m = format!("{m}; Strata cannot render this template (it failed on the first conversation)");
                 return Err(self.line_err(item.line, m));
             }
-            Err(RowsError::Conversation(m) | RowsError::Render(m)) => {
+            Err(RowsError::Conversation(m)) => {
+                self.refuse(item, &base, &m);
+                return Ok(vec![]);
+            }
+            Err(RowsError::Refused(m) | RowsError::Render(m)) => {
+                // A template that fails on every conversation (each one burning its budget) stops the run.
+                self.failures += 1;
+                let most = self.opts.max_template_failures;
+                if most > 0 && self.failures >= most {
+                    let origin = chat.template_origin.clone().unwrap_or_default();
+                    return Err(self.line_err(
+                        item.line,
+                        format!(
+                            "the chat template {origin} failed on {} conversations in a row; the last: {m}. Fix \
+                             the template or pass another (--chat-template), or raise --max-template-failures \
+                             (0: never stop)",
+                            self.failures
+                        ),
+                    ));
+                }
                 self.refuse(item, &base, &m);
                 return Ok(vec![]);
             }
             Err(RowsError::Fatal(e)) => return Err(self.line_err(item.line, e.to_string())),
         };
         self.rendered = true;
+        self.failures = 0;
         {
             let mut st = self.stats();
             if rows.per_turn {

@@ -89,6 +89,12 @@ pub struct PrepareArgs {
     pub max_seq_len: Option<usize>,
     /// `--skip-long`.
     pub skip_long: bool,
+    /// `--template-memory`: the bytes one render may make.
+    pub template_memory: u64,
+    /// `--max-template-failures` (0: never stop).
+    pub max_template_failures: usize,
+    /// Where renders run: a child process (the binary's `__render`), or this one.
+    pub isolation: Option<strata::chat::isolate::Isolation>,
 }
 
 impl PrepareArgs {
@@ -427,6 +433,8 @@ impl ExtractJob {
             rows: RowOptions { mask: p.mask, rows: p.rows, max_len: limit, long },
             limit_all: p.max_seq_len.is_some(),
             limit_from: from.clone(),
+            isolation: p.isolation.clone(),
+            max_template_failures: p.max_template_failures,
             after_start: part_info.as_ref().is_some_and(|i| i.first_record > 0),
         };
         let source = Prepared::spawn(records, chat, opts, self.data_name())?;
@@ -543,7 +551,12 @@ impl ExtractJob {
             let why = format!("{} has neither tokenizer.json nor tiktoken.model", dir.display());
             return Ok((Err(why), info));
         }
-        let opts = ChatOptions { template_file: p.chat_template.clone(), date, kwargs: p.kwargs.clone() };
+        let opts = ChatOptions {
+            template_file: p.chat_template.clone(),
+            date,
+            kwargs: p.kwargs.clone(),
+            template_memory: p.template_memory,
+        };
         let chat = match Chat::load(dir, &opts) {
             Ok(c) => c,
             // Token ids need no tokenizer: a broken one matters only if text or conversations come.

@@ -410,6 +410,17 @@ struct ExtractArgs {
     /// Leave rows longer than the limit out instead of cutting them.
     #[arg(long, help_heading = "Input")]
     skip_long: bool,
+    /// The memory one render of the chat template may take (its strings,
+    /// lists and output; an instruction counts 64 bytes), e.g. 1GiB, 256MiB.
+    /// Renders run in a process of their own held to it: a conversation
+    /// that needs more is refused, saying so, and the run goes on.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size, help_heading = "Input")]
+    template_memory: u64,
+    /// Stop once the chat template fails on this many conversations in a
+    /// row (refused, out of memory or instructions), naming the template
+    /// and the last error; 0: never stop.
+    #[arg(long, value_name = "N", default_value_t = 100, help_heading = "Input")]
+    max_template_failures: usize,
     /// This process's part of the input (0-based), with --num-parts: the
     /// input is split into contiguous parts of about equal bytes and this
     /// run writes OUT/part-IIII-of-NNNN/. Default: from the launcher's
@@ -774,6 +785,9 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
             },
             max_seq_len: a.max_seq_len.map(|n| n as usize),
             skip_long: a.skip_long,
+            template_memory: a.template_memory,
+            max_template_failures: a.max_template_failures,
+            isolation: render_process(),
         },
         part,
     };
@@ -833,7 +847,33 @@ fn keep_freed_memory() {
     }
 }
 
+/// Renders and tokenizing run in a child process: this binary's hidden
+/// subcommand. Without a path to this binary, in this process (with a warning).
+fn render_process() -> Option<strata::chat::isolate::Isolation> {
+    match std::env::current_exe() {
+        Ok(program) => Some(strata::chat::isolate::Isolation { program, args: vec![RENDER_COMMAND.into()] }),
+        Err(e) => {
+            tracing::warn!("renders run in this process, bounded by their instructions only: {e}");
+            None
+        }
+    }
+}
+
+/// The hidden subcommand a render process runs.
+const RENDER_COMMAND: &str = "__render";
+
 fn main() -> ExitCode {
+    if std::env::args().nth(1).as_deref() == Some(RENDER_COMMAND) {
+        // A render process (see strata::chat::isolate): requests on stdin, replies on stdout.
+        // Its allocator keeps glibc's defaults: large blocks are mapped and returned at once.
+        return match strata::chat::isolate::serve(std::io::stdin(), std::io::BufWriter::new(std::io::stdout())) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: render process: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
