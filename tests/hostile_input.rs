@@ -52,7 +52,9 @@ impl Run {
 /// cannot block on a full pipe. A panic, an abort or any signal fails the test.
 fn strata_in(args: &[&str], limit_kb: Option<u64>, secs: u64, env: &[(&str, &str)], cwd: Option<&Path>) -> Run {
     let tmp = tempfile::tempdir().unwrap();
-    let bin = env!("CARGO_BIN_EXE_strata");
+    // STRATA_BIN runs these tests against another build (an earlier commit's, to show what they catch).
+    let built = std::env::var("STRATA_BIN").ok();
+    let bin = built.as_deref().unwrap_or(env!("CARGO_BIN_EXE_strata"));
     let mut cmd = match limit_kb {
         Some(kb) => {
             let mut c = Command::new("sh");
@@ -548,6 +550,17 @@ fn tiktoken_text_the_pattern_does_not_cover_or_cannot_match_fails_that_record_on
     write_jsonl(&data, [json!({"id": "a", "text": "hello"}), json!({"id": "b", "text": "hello world"})]);
     let r = strata(&extract_args(&kimi, &data, &tmp.path().join("o"), &[]));
     r.assert_ok().assert_says(&["wrote 1 samples", "(id \"b\")", "does not match byte 5 of the text"]);
+    // Kimi's own pattern on a megabyte of spaces, and of Han characters: those records fail, not the run.
+    config["pat_str"] = json!(strata::chat::tiktoken::KIMI_PATTERN);
+    std::fs::write(kimi.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let spaces = format!("x{}y", " ".repeat(1 << 20));
+    let han = "漢字".repeat(1 << 18);
+    write_jsonl(
+        &data,
+        [json!({"id": "a", "text": "hello"}), json!({"id": "s", "text": spaces}), json!({"id": "h", "text": han})],
+    );
+    let r = strata(&extract_args(&kimi, &data, &tmp.path().join("o2"), &["--max-seq-len", "600"]));
+    r.assert_ok().assert_says(&["wrote 1 samples", "2 records could not be rendered", "(id \"s\")", "(id \"h\")"]);
 }
 
 #[test]
@@ -649,6 +662,16 @@ fn a_refused_resume_names_the_field_both_values_and_the_remedy() {
     ]);
     let r = strata(&extract_args(&model, &data, &out, &["--max-seq-len", "100", "--resume"]));
     r.assert_fails(&["prepare.rows differs", "has per-turn, this run has auto", "--rows per-turn"]);
+    // Two parts made with other options: merge names the field, both parts' values and the remedy.
+    let out = tmp.path().join("parts");
+    for (i, n) in [("0", "100"), ("1", "200")] {
+        strata(&extract_args(&model, &data, &out, &["--part-index", i, "--num-parts", "2", "--max-seq-len", n]))
+            .assert_ok();
+    }
+    merge_run(&out, &[]).assert_fails(&[
+        "prepare.max_seq_len differs: part-0000-of-0002 has 100, part-0001-of-0002 has 200",
+        "Rerun part-0001-of-0002 with --max-seq-len 100",
+    ]);
 }
 
 #[test]

@@ -123,7 +123,13 @@ Empty conversations and ones without an assistant turn are skipped; one whose
 renders diverge is reported and left out; the summary counts them all.
 --max-seq-len N cuts rows (conversations default: max_position_embeddings);
 --skip-long drops them; a turn whose prompt alone fills the limit is left out.
+A conversation is rendered once and tokenized up to the limit, each turn's prompt
+and row against it; long texts are tokenized in pieces and left once the limit is
+passed, so a long input costs what the limit keeps.
 strftime_now renders --chat-date (default today), recorded for --resume.
+Renders run in a child process bounded by --template-memory (default 1GiB): a
+conversation the template needs more for (or nests values too deep in) is refused,
+saying so; --max-template-failures N in a row (default 100) stops the run.
 
 OUTPUT (--format strata, the default): OUT/shard-NNNNN.safetensors holding per sample
   {id}.hidden_states [L, T, H], {id}.input_ids [T] i64, {id}.loss_mask [T] u8,
