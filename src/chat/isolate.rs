@@ -44,10 +44,18 @@ struct Init {
     template_memory: u64,
 }
 
-#[derive(serde::Serialize, serde::Deserialize)]
+/// A request, as the child reads it.
+#[derive(serde::Deserialize)]
 enum Request {
     Rows { conversation: Conversation, opts: RowOptions },
     Text { text: String, add_special: bool, cap: usize },
+}
+
+/// The same, as the parent writes it (borrowed: a 64 MiB conversation is not copied first).
+#[derive(serde::Serialize)]
+enum RequestRef<'a> {
+    Rows { conversation: &'a Conversation, opts: &'a RowOptions },
+    Text { text: &'a str, add_special: bool, cap: usize },
 }
 
 /// [`RowsError`] and [`ChatError`] as they cross the pipe.
@@ -245,39 +253,54 @@ impl RenderProcess {
         Ok(self.running.as_mut().expect("started above"))
     }
 
-    /// Sends `req`; the reply, or why the child died (it is then gone).
-    fn call(&mut self, req: &Request) -> Result<Reply, String> {
+    /// Sends `req`: the reply, or why there is none.
+    fn call(&mut self, req: &RequestRef<'_>) -> Result<Reply, Failed> {
         let memory = self.init.template_memory;
-        let r = self.start().map_err(|e| e.to_string())?;
+        let r = self.start().map_err(Failed::Start)?;
         let answer = write_frame(&mut r.stdin, req).and_then(|()| read_frame::<Reply>(&mut r.stdout));
         match answer {
             Ok(Some(reply)) => Ok(reply),
+            // The request killed the child: it is gone, and the next request starts another.
             _ => {
                 let mut r = self.running.take().expect("started");
-                Err(describe_death(&r.died(), memory))
+                Err(Failed::Died(describe_death(&r.died(), memory)))
             }
         }
     }
 
     /// A conversation's rows, rendered and tokenized in the child.
     pub fn rows(&mut self, conversation: &Conversation, opts: &RowOptions) -> Result<Rows, RowsError> {
-        let req = Request::Rows { conversation: conversation.clone(), opts: *opts };
+        let req = RequestRef::Rows { conversation, opts };
         match self.call(&req) {
             Ok(Reply::Rows(r)) => r.map_err(RowsError::from),
-            Ok(_) => Err(RowsError::Fatal(ChatError::Template("the render process answered out of turn".into()))),
-            Err(why) => Err(RowsError::Refused(why)),
+            Ok(_) => Err(RowsError::Fatal(out_of_turn())),
+            Err(Failed::Start(e)) => Err(RowsError::Fatal(e)),
+            Err(Failed::Died(why)) => Err(RowsError::Refused(why)),
         }
     }
 
     /// [`super::Tokenizer::encode_limited`] in the child: the ids, and whether there are more.
     pub fn encode_limited(&mut self, text: &str, add_special: bool, cap: usize) -> Result<(Vec<u32>, bool), ChatError> {
-        let req = Request::Text { text: text.to_string(), add_special, cap };
+        let req = RequestRef::Text { text, add_special, cap };
         match self.call(&req) {
             Ok(Reply::Text(r)) => r.map_err(ChatError::from),
-            Ok(_) => Err(ChatError::Template("the render process answered out of turn".into())),
-            Err(why) => Err(ChatError::Text(why)),
+            Ok(_) => Err(out_of_turn()),
+            Err(Failed::Start(e)) => Err(e),
+            Err(Failed::Died(why)) => Err(ChatError::Text(why)),
         }
     }
+}
+
+/// Why a request got no reply.
+enum Failed {
+    /// The child could not be started (or load the tokenizer and template): the run cannot go on.
+    Start(ChatError),
+    /// The request killed it: that record's.
+    Died(String),
+}
+
+fn out_of_turn() -> ChatError {
+    ChatError::Template("the render process answered out of turn".into())
 }
 
 impl Running {

@@ -184,18 +184,19 @@ impl<'a> Renderer<'a> {
     /// when `gen`), from those of `base` up to where the two texts part. A
     /// render that is `base`'s text past `long_from` is stopped there: it
     /// has more tokens than the limit, and its first ones are `base`'s.
+    #[allow(clippy::too_many_arguments)]
     fn tokens(
         &mut self,
         c: &Conversation,
         msgs: &[Value],
+        tools: Option<&Value>,
         gen: bool,
         base_text: &str,
         base: &Prefix,
     ) -> Result<Derived, RowsError> {
-        let tools = c.tools.as_ref().map(json_value);
         let v = Value::from(msgs.to_vec());
         let stop = base.long_from();
-        match self.template.render_against(&v, tools.as_ref(), gen, base_text, stop).map_err(render_err)? {
+        match self.template.render_against(&v, tools, gen, base_text, stop).map_err(render_err)? {
             Against::Stopped => {
                 self.charge(stop.unwrap_or(0), c)?;
                 Ok(Derived { shared: base.enc.ids.len(), more: true, ..Default::default() })
@@ -228,12 +229,15 @@ impl<'a> Renderer<'a> {
         if let Some(skip) = skipped(c, opts.mask) {
             return Err(skip);
         }
-        let mut c = c.clone();
-        c.drop_trailing();
-        let msgs: Vec<Value> = c.messages.iter().map(json_value).collect();
+        // The turns after the last assistant turn supervise nothing.
+        let keep = c.roles.iter().rposition(|r| *r == Role::Assistant).map_or(0, |i| i + 1);
+        let msgs: Vec<Value> = c.messages[..keep].iter().map(json_value).collect();
+        let roles = &c.roles[..keep];
+        let tools = c.tools.as_ref().map(json_value);
+        let tools = tools.as_ref();
         let mut out = Rows::default();
         if opts.mask == MaskSource::Generation {
-            let (row, more) = self.generation_row(&c, &msgs, opts.max_len)?;
+            let (row, more) = self.generation_row(c, &msgs, opts.max_len)?;
             push_limited(&mut out, row, more, opts);
             return Ok(out);
         }
@@ -241,27 +245,27 @@ impl<'a> Renderer<'a> {
         // The whole conversation: the last row, and the text every render is compared with.
         let text = match self
             .template
-            .render_against(&Value::from(msgs.clone()), c.tools.as_ref().map(json_value).as_ref(), false, "", None)
+            .render_against(&Value::from(msgs.clone()), tools, false, "", None)
             .map_err(render_err)?
         {
             Against::Text(t) => t,
             _ => String::new(),
         };
-        self.charge(text.len(), &c)?;
+        self.charge(text.len(), c)?;
         let whole = self.tokenizer.prefix(&text, cap).map_err(token_err)?;
         let mut turns = Vec::new();
-        for (j, role) in c.roles.iter().enumerate() {
+        for (j, role) in roles.iter().enumerate() {
             // An assistant turn that opens the conversation is context only.
             if *role != Role::Assistant || j == 0 {
                 continue;
             }
-            let prompt = self.tokens(&c, &msgs[..j], true, &text, &whole)?;
+            let prompt = self.tokens(c, &msgs[..j], tools, true, &text, &whole)?;
             if prompt.more || prompt.len() >= cap {
                 // A prompt that alone fills the limit leaves that turn out.
                 out.long_prompts += 1;
                 continue;
             }
-            let row = self.tokens(&c, &msgs[..=j], false, &text, &whole)?;
+            let row = self.tokens(c, &msgs[..=j], tools, false, &text, &whole)?;
             let boundary = if whole.starts_with(&row, &prompt) {
                 prompt.len()
             } else {
@@ -270,7 +274,7 @@ impl<'a> Renderer<'a> {
                 // valid only when the history without the generation prompt
                 // starts the row and ends within it.
                 let common = whole.common(&prompt, &row);
-                let hist = self.tokens(&c, &msgs[..j], false, &text, &whole)?;
+                let hist = self.tokens(c, &msgs[..j], tools, false, &text, &whole)?;
                 if !whole.starts_with(&row, &hist) || common < hist.len() {
                     return Err(RowsError::Conversation(format!(
                         "turn {j}: the renders diverge: neither the prompt nor the history is a token prefix of \
