@@ -211,8 +211,8 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
                 Some(hs) => {
                     // Row i of the merged table is file i.
                     let to = super::SpeculatorsSink::file_name(merged.shards.len());
-                    let (from_dir, from_name) = &files[at_file];
-                    link(from_dir, from_name, hs, to.rsplit('/').next().unwrap_or(&to))?;
+                    let (d, from_name) = &files.files[at_file];
+                    link(&files.dirs[*d], from_name, hs, to.rsplit('/').next().unwrap_or(&to))?;
                     to
                 }
                 None => format!("{name}/{}", s.file),
@@ -374,25 +374,43 @@ fn check_one_job(manifests: &[(String, Dir, Manifest)]) -> Result<Vec<PartInfo>,
     Ok(infos)
 }
 
+/// The files the parts list, found: each by its directory (one handle per
+/// directory, not per file: a speculators part lists a file per row) and name.
+struct Found {
+    dirs: Vec<Dir>,
+    files: Vec<(usize, String)>,
+}
+
 /// Each file every part lists, in order: it must lie inside its part (no
 /// absolute path, no `..`, no link on the way or at the end) and be a
-/// regular file of the listed size. Its directory and name, in shard order.
-fn check_files(dir: &Path, manifests: &[(String, Dir, Manifest)]) -> Result<Vec<(Dir, String)>, SinkError> {
-    let mut found = Vec::new();
+/// regular file of the listed size.
+fn check_files(dir: &Path, manifests: &[(String, Dir, Manifest)]) -> Result<Found, SinkError> {
+    let mut found = Found { dirs: Vec::new(), files: Vec::new() };
+    // (part, directory path inside it) -> its handle in `found.dirs`.
+    let mut opened: HashMap<(usize, String), usize> = HashMap::new();
     let mut problems = Vec::new();
     let mut bad = 0usize;
     for (i, (name, part, m)) in manifests.iter().enumerate() {
         let rerun = format!("rerun the part with --part-index {i} --num-parts {} --resume", manifests.len());
         for s in &m.shards {
             let shown = format!("{name}/{}", crate::clip(&s.file, 2 * crate::QUOTE_MAX));
-            let problem = match part.walk(&s.file, false) {
+            let parent = s.file.rsplit_once('/').map_or("", |(d, _)| d).to_string();
+            let at = match opened.get(&(i, parent.clone())) {
+                Some(&k) => Ok((k, s.file.rsplit('/').next().unwrap_or_default().to_string())),
+                None => part.walk(&s.file, false).map(|(sub, file)| {
+                    found.dirs.push(sub);
+                    opened.insert((i, parent), found.dirs.len() - 1);
+                    (found.dirs.len() - 1, file)
+                }),
+            };
+            let problem = match at {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(format!("{shown} is missing: {rerun}")),
                 Err(e) => Some(format!("{shown}: {e}")),
-                Ok((sub, file)) => match sub.kind(&file) {
+                Ok((k, file)) => match found.dirs[k].kind(&file) {
                     Err(e) => Some(format!("{shown}: {e}")),
                     Ok(None) => Some(format!("{shown} is missing: {rerun}")),
                     Ok(Some(Kind::File(len))) if len == s.bytes => {
-                        found.push((sub, file));
+                        found.files.push((k, file));
                         None
                     }
                     Ok(Some(Kind::File(len))) => Some(format!(
