@@ -317,13 +317,22 @@ impl Dir {
     /// appending when `append`), never through a link and without blocking
     /// on a FIFO; it must be a regular file.
     pub fn open_rw(&self, name: &str, append: bool) -> io::Result<File> {
+        use rustix::fs::OFlags;
+        let flags = OFlags::RDWR | OFlags::CREATE | if append { OFlags::APPEND } else { OFlags::empty() };
+        self.open_regular(name, flags)
+    }
+
+    /// Opens `name` for reading: a regular file, not a link, without blocking on a FIFO.
+    pub fn open_file(&self, name: &str) -> io::Result<File> {
+        self.open_regular(name, rustix::fs::OFlags::RDONLY)
+    }
+
+    /// `openat` with `flags`, never through a link and without blocking on a
+    /// FIFO; what it opens must be a regular file.
+    fn open_regular(&self, name: &str, flags: rustix::fs::OFlags) -> io::Result<File> {
         use rustix::fs::{Mode, OFlags};
         let name = one_name(name)?;
-        let mut flags = OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
-        if append {
-            flags |= OFlags::APPEND;
-        }
-        let path = self.join(name);
+        let flags = flags | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
         let fd = rustix::fs::openat(&self.fd, name, flags, Mode::from_raw_mode(0o644)).map_err(|e| match e {
             rustix::io::Errno::LOOP => linked(),
             e => e.into(),
@@ -331,25 +340,7 @@ impl Dir {
         let f = File::from(fd);
         let meta = f.metadata()?;
         if !meta.is_file() {
-            return Err(not_regular(&path, kind(&meta)));
-        }
-        Ok(f)
-    }
-
-    /// Opens `name` for reading: a regular file, not a link, without blocking on a FIFO.
-    pub fn open_file(&self, name: &str) -> io::Result<File> {
-        use rustix::fs::{Mode, OFlags};
-        let name = one_name(name)?;
-        let path = self.join(name);
-        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
-        let fd = rustix::fs::openat(&self.fd, name, flags, Mode::empty()).map_err(|e| match e {
-            rustix::io::Errno::LOOP => linked(),
-            e => e.into(),
-        })?;
-        let f = File::from(fd);
-        let meta = f.metadata()?;
-        if !meta.is_file() {
-            return Err(not_regular(&path, kind(&meta)));
+            return Err(not_regular(&self.join(name), kind(&meta)));
         }
         Ok(f)
     }

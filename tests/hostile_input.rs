@@ -572,15 +572,7 @@ fn verify_recompute_with_other_weights_says_the_digest_differs() {
     let out = tmp.path().join("o");
     strata(&extract_args(&model, &data, &out, &[])).assert_ok();
     let other = tmp.path().join("other");
-    let spec = strata_testkit::LlamaSpec {
-        hidden_size: 32,
-        num_layers: 2,
-        num_heads: 2,
-        num_kv_heads: 1,
-        intermediate_size: 64,
-        vocab_size: 512,
-    };
-    strata_testkit::write_llama(&other, &spec, strata::shape::DType::F32, 99).unwrap();
+    common::tiny_llama_seeded(&other, 512, 99);
     let r = strata(&["verify", s(&out), "--recompute", "2", "--model", s(&other)]);
     r.assert_fails(&["(digest xxh3:", "are not the ones the dataset was written with", "differ from a fresh forward"]);
     strata(&["verify", s(&out), "--recompute", "2", "--model", s(&model)]).assert_ok();

@@ -172,6 +172,11 @@ pub fn run_embedded(data: &Path, out: &Path, extra: &[&str]) -> (bool, String, S
 
 /// A tiny random-weight Llama (hidden 32, 2 layers) with `vocab` tokens, in `dir`.
 pub fn tiny_llama(dir: &Path, vocab: usize) {
+    tiny_llama_seeded(dir, vocab, 3);
+}
+
+/// [`tiny_llama`] with the weights of another seed.
+pub fn tiny_llama_seeded(dir: &Path, vocab: usize, seed: u64) {
     std::fs::create_dir_all(dir).unwrap();
     let spec = strata_testkit::LlamaSpec {
         hidden_size: 32,
@@ -181,7 +186,7 @@ pub fn tiny_llama(dir: &Path, vocab: usize) {
         intermediate_size: 64,
         vocab_size: vocab,
     };
-    strata_testkit::write_llama(dir, &spec, strata::shape::DType::F32, 3).unwrap();
+    strata_testkit::write_llama(dir, &spec, strata::shape::DType::F32, seed).unwrap();
 }
 
 /// [`tiny_llama`] in `dir/model-{template}` with the chat fixtures' tokenizer
