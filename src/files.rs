@@ -318,8 +318,17 @@ impl Dir {
     /// on a FIFO; it must be a regular file.
     pub fn open_rw(&self, name: &str, append: bool) -> io::Result<File> {
         use rustix::fs::OFlags;
+        use std::os::unix::fs::MetadataExt;
         let flags = OFlags::RDWR | OFlags::CREATE | if append { OFlags::APPEND } else { OFlags::empty() };
-        self.open_regular(name, flags)
+        let f = self.open_regular(name, flags)?;
+        // A hard link planted at the name would have writes land in another file too.
+        if f.metadata()?.nlink() > 1 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "it is a hard link to another file (written here, it would change that one too); move it away",
+            ));
+        }
+        Ok(f)
     }
 
     /// Opens `name` for reading: a regular file, not a link, without blocking on a FIFO.

@@ -354,6 +354,12 @@ fn class6_merge_follows_no_path_out_of_a_part() {
             assert!(!out.join("manifest.json").exists(), "{format} {bad}: a merged manifest was written");
             no_trace_of(&out, &secret);
         }
+        // A part's range of the input that is not one (start past end): refused, not a wrapped subtraction.
+        edit_manifest(&part, |m| {
+            let end = m["part"]["end"].as_u64().unwrap();
+            m["part"]["start"] = json!(end + 5);
+        });
+        merge_run(&out, &[]).assert_fails(&["part-0001-of-0002", "does not fit the split"]);
         std::fs::write(part.join("manifest.json"), serde_json::to_string_pretty(&good).unwrap()).unwrap();
         // A listed file replaced by a link to an outside file of the same size.
         let real = part.join(&listed);
@@ -550,7 +556,8 @@ fn tiktoken_text_the_pattern_does_not_cover_or_cannot_match_fails_that_record_on
     write_jsonl(&data, [json!({"id": "a", "text": "hello"}), json!({"id": "b", "text": "hello world"})]);
     let r = strata(&extract_args(&kimi, &data, &tmp.path().join("o"), &[]));
     r.assert_ok().assert_says(&["wrote 1 samples", "(id \"b\")", "does not match byte 5 of the text"]);
-    // Kimi's own pattern on a megabyte of spaces, and of Han characters: those records fail, not the run.
+    // Kimi's own pattern on a megabyte of spaces fails (tiktoken's regex gives up on it, as tiktoken
+    // itself does): that record, not the run. A megabyte of Han characters is one piece, tokenized whole.
     config["pat_str"] = json!(strata::chat::tiktoken::KIMI_PATTERN);
     std::fs::write(kimi.join("tokenizer_config.json"), config.to_string()).unwrap();
     let spaces = format!("x{}y", " ".repeat(1 << 20));
@@ -560,7 +567,7 @@ fn tiktoken_text_the_pattern_does_not_cover_or_cannot_match_fails_that_record_on
         [json!({"id": "a", "text": "hello"}), json!({"id": "s", "text": spaces}), json!({"id": "h", "text": han})],
     );
     let r = strata(&extract_args(&kimi, &data, &tmp.path().join("o2"), &["--max-seq-len", "600"]));
-    r.assert_ok().assert_says(&["wrote 1 samples", "2 records could not be rendered", "(id \"s\")", "(id \"h\")"]);
+    r.assert_ok().assert_says(&["wrote 2 samples", "1 records could not be rendered", "(id \"s\")", "pattern fails"]);
 }
 
 #[test]
@@ -752,6 +759,26 @@ fn class3_a_long_conversation_is_rendered_once_and_scales_linearly() {
     let (short_ids, short_mask) = rows(&tmp.path().join("os"));
     assert_eq!(long_ids[..short_ids.len()], short_ids[..]);
     assert_eq!(long_mask[..short_mask.len()], short_mask[..]);
+}
+
+#[test]
+fn class3_a_line_of_many_tiny_turns_is_bounded_too() {
+    // Each turn's render is given every message before it: a render budget charged per
+    // message bounds turns times messages, so the conversation is refused in bounded time.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = tmp.path().join("tiny.jsonl");
+    // 50k messages: the whole conversation renders, its turns then pass the budget; 500k: the
+    // whole conversation's one render runs out of its own.
+    for (n, says) in [(50_000, "too many turns to render one by one"), (500_000, "ran out of its budget")] {
+        let msgs: Vec<Value> =
+            (0..n).map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": "x"})).collect();
+        write_jsonl(&data, [json!({"id": "tiny", "messages": msgs}), hello("fine")]);
+        let out = tmp.path().join(format!("o{n}"));
+        let r = strata_in(&extract_args(&model, &data, &out, &["--max-seq-len", "512"]), None, 120, &[], None);
+        r.assert_ok().assert_says(&["wrote 1 samples", "(id \"tiny\")", says]);
+        assert!(r.secs < 60.0, "{n} tiny turns: {:.1} s", r.secs);
+    }
 }
 
 #[test]

@@ -19,8 +19,8 @@
 
 use super::rows::{RowOptions, Rows, RowsError};
 use super::{Chat, ChatError, ChatOptions, Conversation};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::{BufReader, Read, Write};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Arc, Mutex};
 
@@ -42,6 +42,8 @@ struct Init {
     date: String,
     kwargs: serde_json::Map<String, serde_json::Value>,
     template_memory: u64,
+    /// [`Chat::digest`] of what the parent loaded: the child must read the same files.
+    digest: String,
 }
 
 /// A request, as the child reads it.
@@ -165,11 +167,46 @@ fn read_frame<T: serde::de::DeserializeOwned>(r: &mut impl Read) -> std::io::Res
     serde_json::from_slice(&body).map(Some).map_err(std::io::Error::other)
 }
 
+/// The longest one request may take before its process is killed: fuel
+/// bounds a render's instructions and the limit its tokenizing, so this is
+/// a backstop, never reached by a template that renders.
+const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// The child's stdout, read no later than a deadline.
+struct Deadline {
+    inner: ChildStdout,
+    until: Option<std::time::Instant>,
+}
+
+impl Read for Deadline {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        if let Some(until) = self.until {
+            loop {
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "no reply in time"));
+                }
+                let mut fd = libc::pollfd { fd: self.inner.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                let ms = left.as_millis().min(i32::MAX as u128) as i32;
+                // SAFETY: poll reads and writes the one pollfd given.
+                match unsafe { libc::poll(&mut fd, 1, ms) } {
+                    n if n > 0 => break,
+                    0 => continue,
+                    _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => continue,
+                    _ => return Err(std::io::Error::last_os_error()),
+                }
+            }
+        }
+        self.inner.read(buf)
+    }
+}
+
 /// A running render process.
 struct Running {
     child: Child,
     stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    stdout: BufReader<Deadline>,
     stderr: Arc<Mutex<Vec<u8>>>,
     reader: Option<std::thread::JoinHandle<()>>,
 }
@@ -189,14 +226,16 @@ impl std::fmt::Debug for RenderProcess {
 }
 
 impl RenderProcess {
-    /// A render process for the model in `model` with `opts` (nothing starts yet).
-    pub fn new(how: Isolation, model: &Path, opts: &ChatOptions) -> Self {
+    /// A render process for what `chat` was loaded from (nothing starts yet).
+    pub fn new(how: Isolation, chat: &Chat) -> Self {
+        let (model, opts) = &chat.loaded_from;
         let init = Init {
-            model: model.to_path_buf(),
+            model: model.clone(),
             template_file: opts.template_file.clone(),
             date: opts.date.format("%Y-%m-%d").to_string(),
             kwargs: opts.kwargs.clone(),
             template_memory: opts.template_memory,
+            digest: chat.digest.clone(),
         };
         RenderProcess { how, init, running: None }
     }
@@ -225,26 +264,30 @@ impl RenderProcess {
             let reader = std::thread::Builder::new()
                 .name("strata-render-stderr".into())
                 .spawn(move || {
-                    let mut r = BufReader::new(err);
-                    let mut line = Vec::new();
-                    while r.read_until(b'\n', &mut line).is_ok_and(|n| n > 0) {
+                    let mut err = err;
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n @ 1..) = err.read(&mut buf) {
                         let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
-                        t.extend_from_slice(&line);
+                        t.extend_from_slice(&buf[..n]);
                         if t.len() > STDERR_TAIL {
                             let cut = t.len() - STDERR_TAIL;
                             t.drain(..cut);
                         }
-                        line.clear();
                     }
                 })
                 .map_err(fail)?;
-            let mut r = Running { child, stdin, stdout: BufReader::new(stdout), stderr, reader: Some(reader) };
-            write_frame(&mut r.stdin, &self.init).map_err(fail)?;
-            match read_frame::<Reply>(&mut r.stdout) {
+            let stdout = BufReader::new(Deadline { inner: stdout, until: None });
+            let mut r = Running { child, stdin, stdout, stderr, reader: Some(reader) };
+            r.stdout.get_mut().until = Some(std::time::Instant::now() + REQUEST_TIMEOUT);
+            let ready = write_frame(&mut r.stdin, &self.init).and_then(|()| read_frame::<Reply>(&mut r.stdout));
+            match ready {
                 Ok(Some(Reply::Ready)) => {}
-                Ok(Some(Reply::Failed(f))) => return Err(f.into()),
-                _ => {
-                    let why = r.died();
+                Ok(Some(Reply::Failed(f))) => {
+                    r.stop(None, true);
+                    return Err(f.into());
+                }
+                answer => {
+                    let why = r.stop(answer.err(), true);
                     return Err(ChatError::Template(format!("the render process did not start: {why}")));
                 }
             }
@@ -257,13 +300,15 @@ impl RenderProcess {
     fn call(&mut self, req: &RequestRef<'_>) -> Result<Reply, Failed> {
         let memory = self.init.template_memory;
         let r = self.start().map_err(Failed::Start)?;
+        r.stdout.get_mut().until = Some(std::time::Instant::now() + REQUEST_TIMEOUT);
         let answer = write_frame(&mut r.stdin, req).and_then(|()| read_frame::<Reply>(&mut r.stdout));
         match answer {
             Ok(Some(reply)) => Ok(reply),
-            // The request killed the child: it is gone, and the next request starts another.
-            _ => {
+            // The request killed the child (or took too long, or its reply cannot be
+            // read): it is gone, and the next request starts another.
+            answer => {
                 let mut r = self.running.take().expect("started");
-                Err(Failed::Died(describe_death(&r.died(), memory)))
+                Err(Failed::Died(describe_death(&r.stop(answer.err(), true), memory)))
             }
         }
     }
@@ -304,8 +349,20 @@ fn out_of_turn() -> ChatError {
 }
 
 impl Running {
-    /// Waits for the child and says how it ended, with the last line it wrote.
-    fn died(&mut self) -> String {
+    /// Ends the child (killed if it is still running: then `error` says why
+    /// its reply was not read) and says how it ended, with the telling line it wrote.
+    fn stop(&mut self, error: Option<std::io::Error>, grace: bool) -> String {
+        // A child that closed its pipes is on its way out: a moment to exit by itself, unless it timed out.
+        let timed_out = error.as_ref().is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut);
+        let mut waited = 0;
+        while grace && !timed_out && waited < 100 && matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            waited += 1;
+        }
+        let alive = matches!(self.child.try_wait(), Ok(None));
+        if alive {
+            let _ = self.child.kill();
+        }
         let status = self.child.wait();
         if let Some(r) = self.reader.take() {
             let _ = r.join();
@@ -318,15 +375,20 @@ impl Running {
         let why =
             telling.iter().find_map(|t| lines.iter().find(|l| l.contains(t))).or(lines.last()).copied().unwrap_or("");
         let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
-        format!("{status}; {}", crate::clip(why, 300))
+        match (alive, error) {
+            (true, Some(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
+                format!("it took more than {} s and was killed", REQUEST_TIMEOUT.as_secs())
+            }
+            (true, Some(e)) => format!("its reply could not be read ({e}) and it was killed"),
+            _ => format!("{status}; {}", crate::clip(why, 300)),
+        }
     }
 }
 
 impl Drop for RenderProcess {
     fn drop(&mut self) {
         if let Some(mut r) = self.running.take() {
-            let _ = r.child.kill();
-            let _ = r.child.wait();
+            r.stop(None, false);
         }
     }
 }
@@ -340,6 +402,8 @@ fn describe_death(how: &str, memory: u64) -> String {
             memory >> 20,
             SLACK >> 20
         )
+    } else if how.contains("took more than") || how.contains("could not be read") {
+        format!("its render process failed: {how}")
     } else if how.contains("overflowed its stack") {
         format!(
             "the chat template built values nested too deep: its render overflowed the stack (its render process \
@@ -372,7 +436,14 @@ pub fn serve(mut input: impl Read + Send, mut output: impl Write + Send) -> Resu
         template_memory: init.template_memory,
     };
     let chat = match Chat::load(&init.model, &opts) {
-        Ok(c) => c,
+        Ok(c) if c.digest == init.digest => c,
+        Ok(_) => {
+            let why = format!(
+                "the tokenizer or chat template in {} changed since the run loaded them; rerun it",
+                init.model.display()
+            );
+            return write_frame(&mut output, &Reply::Failed(Failure::Template(why))).map_err(|e| e.to_string());
+        }
         Err(e) => return write_frame(&mut output, &Reply::Failed(e.into())).map_err(|e| e.to_string()),
     };
     write_frame(&mut output, &Reply::Ready).map_err(|e| e.to_string())?;
@@ -404,7 +475,26 @@ pub fn serve(mut input: impl Read + Send, mut output: impl Write + Send) -> Resu
                     }
                 };
                 limit_address_space(None);
-                write_frame(&mut output, &reply).map_err(|e| e.to_string())?;
+                let body = serde_json::to_vec(&reply).map_err(|e| e.to_string())?;
+                if body.len() > MAX_FRAME {
+                    // Rows of more than a GiB to send: that conversation's, said so.
+                    let why = format!(
+                        "its rows take {} MiB to send, more than the {} MiB a reply may",
+                        body.len() >> 20,
+                        MAX_FRAME >> 20
+                    );
+                    let reply = match reply {
+                        Reply::Text(_) => Reply::Text(Err(Failure::Text(why))),
+                        _ => Reply::Rows(Err(Failure::Refused(why))),
+                    };
+                    write_frame(&mut output, &reply).map_err(|e| e.to_string())?;
+                    continue;
+                }
+                output
+                    .write_all(&(body.len() as u64).to_le_bytes())
+                    .and_then(|()| output.write_all(&body))
+                    .and_then(|()| output.flush())
+                    .map_err(|e| e.to_string())?;
             }
         });
         match worker {

@@ -73,6 +73,8 @@ pub struct Chat {
     pub template_digest: Option<String>,
     /// The model directory and options it was loaded from (a render process loads them again).
     pub loaded_from: (PathBuf, ChatOptions),
+    /// `xxh3:` of what was read: the tokenizer file, `tokenizer_config.json` and the template.
+    pub digest: String,
 }
 
 /// Special-token variables every render gets, from `tokenizer_config.json`.
@@ -104,7 +106,7 @@ impl Chat {
     /// else `chat_template.json`'s.
     pub fn load(dir: &Path, opts: &ChatOptions) -> Result<Self, ChatError> {
         let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(serde_json::Value::Null);
-        let tokenizer = Tokenizer::load(dir, &config)?;
+        let (tokenizer, tokenizer_digest) = Tokenizer::load_digest(dir, &config)?;
         let read = |p: &Path| {
             crate::files::read_text(p, 16 << 20)
                 .map_err(|e| ChatError::Template(format!("chat template {}: {e}", p.display())))
@@ -186,11 +188,19 @@ impl Chat {
             }
             None => (None, None, None),
         };
+        // What was read: a render process that loads the model again must find the same.
+        let digest = format!(
+            "xxh3:{:016x}",
+            xxhash_rust::xxh3::xxh3_64(
+                format!("{tokenizer_digest:016x} {config} {}", template_digest.as_deref().unwrap_or("")).as_bytes()
+            )
+        );
         Ok(Chat {
             tokenizer,
             template,
             template_origin,
             template_digest,
+            digest,
             loaded_from: (dir.to_path_buf(), opts.clone()),
         })
     }

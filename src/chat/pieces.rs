@@ -30,6 +30,9 @@ const SEARCH: usize = 64 << 10;
 const WINDOW: usize = 2 << 10;
 /// Candidate cuts checked before a stretch is given up on.
 const TRIES: usize = 24;
+/// A stretch with no place to cut is tokenized at once up to this size
+/// (a tokenizer without a pre-tokenizer has no pieces); past it, refused.
+const WHOLE_MAX: usize = 2 << 20;
 
 /// A place a text splits at: the tokens before it depend on nothing after it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,7 +94,7 @@ impl Tokenizer {
         let mut p = Prefix { cap, ..Default::default() };
         let margin = self.longest_special() + 1;
         let mut start = 0;
-        for end in self.special_starts(text).into_iter().chain([text.len()]) {
+        for end in self.special_starts(text).chain([text.len()]) {
             if start > 0 {
                 p.marks.push(Mark { at: start, before: p.enc.ids.len(), margin });
             }
@@ -124,7 +127,12 @@ impl Tokenizer {
             let cut = if end - at <= chunk + search {
                 end
             } else {
-                self.find_cut(text, start, end, at + chunk, at + chunk + search)?
+                match self.find_cut(text, start, end, at + chunk, at + chunk + search) {
+                    Ok(q) => q,
+                    // Nowhere to cut: the rest at once, when it is not too long for that.
+                    Err(_) if end - at <= WHOLE_MAX => end,
+                    Err(e) => return Err(e),
+                }
             };
             self.append(&text[at..cut], at, &mut p.enc)?;
             at = cut;
@@ -167,11 +175,14 @@ impl Tokenizer {
         };
         let mut scratch = [Encoded::default(), Encoded::default()];
         let mut tried = 0;
+        let mut last = 0;
         for r in places {
             let q = ceil_boundary(text, (lo + r).max(from));
-            if q >= to || q <= start || inside(q - lo) {
+            // Places before `from` all come to `from`: each place is tried once.
+            if q >= to || q <= start || q <= last || inside(q - lo) {
                 continue;
             }
+            last = q;
             if self.cut_holds(text, start, end, q, &mut scratch)? {
                 return Ok(q);
             }
@@ -183,8 +194,8 @@ impl Tokenizer {
         Err(ChatError::Text(format!(
             "the text has no place between bytes {from} and {to} where it can be cut into pieces that tokenize \
              apart (a single pre-tokenizer piece longer than that, such as a run of spaces, or a tokenizer \
-             without a pre-tokenizer), and Strata tokenizes at most {} KiB at once",
-            (CHUNK + SEARCH) >> 10
+             without a pre-tokenizer), and Strata tokenizes at most {} MiB at once",
+            WHOLE_MAX >> 20
         )))
     }
 

@@ -159,8 +159,12 @@ pub struct Renderer<'a> {
 }
 
 /// Text one conversation's renders may produce in all: a conversation of n
-/// turns renders n prompts and n rows.
+/// turns renders n prompts and n rows. Each render is also charged
+/// [`MESSAGE_COST`] per message it is given (a render stopped early still
+/// took them all), so turns times messages is bounded too.
 pub const RENDER_BUDGET: usize = 1 << 30;
+/// What one message given to a render costs of [`RENDER_BUDGET`], in bytes.
+pub const MESSAGE_COST: usize = 64;
 
 impl<'a> Renderer<'a> {
     /// A renderer over a tokenizer and template.
@@ -194,6 +198,8 @@ impl<'a> Renderer<'a> {
         base_text: &str,
         base: &Prefix,
     ) -> Result<Derived, RowsError> {
+        // Charged first: the messages are copied into the render's context.
+        self.charge(MESSAGE_COST * msgs.len(), c)?;
         let v = Value::from(msgs.to_vec());
         let stop = base.long_from();
         match self.template.render_against(&v, tools, gen, base_text, stop).map_err(render_err)? {

@@ -86,10 +86,10 @@ impl Tiktoken {
     }
 
     /// Where special tokens start in `text` (after its first byte), in order.
-    pub fn special_starts(&self, text: &str) -> Vec<usize> {
+    pub fn special_starts<'t>(&'t self, text: &'t str) -> Box<dyn Iterator<Item = usize> + 't> {
         match &self.special_re {
-            Some(re) => re.find_iter(text).map(|m| m.start()).filter(|&s| s > 0).collect(),
-            None => Vec::new(),
+            Some(re) => Box::new(re.find_iter(text).map(|m| m.start()).filter(|&s| s > 0)),
+            None => Box::new(std::iter::empty()),
         }
     }
 

@@ -99,20 +99,28 @@ impl Tokenizer {
     /// Loads the tokenizer of a model directory: `tokenizer.json`, else `tiktoken.model`
     /// (with the special tokens of `tokenizer_config.json`).
     pub fn load(dir: &Path, config: &serde_json::Value) -> Result<Self, ChatError> {
+        Ok(Self::load_digest(dir, config)?.0)
+    }
+
+    /// [`Tokenizer::load`], with an `xxh3` digest of the file's bytes as read.
+    pub fn load_digest(dir: &Path, config: &serde_json::Value) -> Result<(Self, u64), ChatError> {
         let json = dir.join(FILES[0]);
         if json.is_file() {
-            let text = checked_json(&read(&json)?, &json.display().to_string())?;
+            let raw = read(&json)?;
+            let digest = xxhash_rust::xxh3::xxh3_64(raw.as_bytes());
+            let text = checked_json(&raw, &json.display().to_string())?;
             let mut t = tokenizers::Tokenizer::from_bytes(text.as_bytes())
                 .map_err(|e| ChatError::Tokenizer(format!("{}: {e}", json.display())))?;
             // transformers tokenizes chat text without the file's truncation or padding.
             t.with_padding(None);
             t.with_truncation(None).map_err(|e| ChatError::Tokenizer(format!("{}: {e}", json.display())))?;
-            return Ok(Tokenizer::Hf(Box::new(Hf::new(t, &json.display().to_string())?)));
+            return Ok((Tokenizer::Hf(Box::new(Hf::new(t, &json.display().to_string())?)), digest));
         }
         let bpe = dir.join(FILES[1]);
         if bpe.is_file() {
             let text = read(&bpe)?;
-            return Self::tiktoken(&text, &bpe.display().to_string(), config);
+            let digest = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
+            return Ok((Self::tiktoken(&text, &bpe.display().to_string(), config)?, digest));
         }
         Err(ChatError::Tokenizer(format!(
             "{} has neither {} nor {}: conversations and text need the model's tokenizer",
@@ -203,16 +211,13 @@ impl Tokenizer {
     /// Where special tokens start in `text`: places where it splits into
     /// parts tokenized independently of each other (the tokens before one
     /// depend on nothing after it), in order.
-    pub(crate) fn special_starts(&self, text: &str) -> Vec<usize> {
+    pub(crate) fn special_starts<'t>(&'t self, text: &'t str) -> Box<dyn Iterator<Item = usize> + 't> {
         match self {
             Tokenizer::Hf(t) => match &t.specials {
-                Some((ac, anchor)) => ac
-                    .find_iter(text)
-                    .filter(|m| anchor[m.pattern().as_usize()])
-                    .map(|m| m.start())
-                    .filter(|&s| s > 0)
-                    .collect(),
-                None => Vec::new(),
+                Some((ac, anchor)) => Box::new(
+                    ac.find_iter(text).filter(|m| anchor[m.pattern().as_usize()]).map(|m| m.start()).filter(|&s| s > 0),
+                ),
+                None => Box::new(std::iter::empty()),
             },
             Tokenizer::Tiktoken(t) => t.special_starts(text),
         }

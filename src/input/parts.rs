@@ -177,27 +177,22 @@ fn from_env(env: &impl Fn(&str) -> Option<String>, flag_count: Option<usize>) ->
                  --part-index/--num-parts"
             ));
         }
-        match (procid, ntasks) {
-            (Some(p), Some(n)) => {
-                // torchrun inside an sbatch: SLURM_NTASKS nodes (tasks) of LOCAL_WORLD_SIZE workers each.
-                let lws = match v.num("LOCAL_WORLD_SIZE")? {
-                    Some(l) => l,
-                    None if n > 0 => world / n,
-                    None => 0,
-                };
-                let ok = n > 0 && world % n == 0 && lws > 0 && rank / lws == p;
-                if !ok {
-                    let local = env("LOCAL_WORLD_SIZE").map_or(String::new(), |l| format!(", LOCAL_WORLD_SIZE={l}"));
-                    return Err(format!(
-                        "RANK={rank}, WORLD_SIZE={world}{local} disagree with SLURM_PROCID={p}, SLURM_NTASKS={n}: \
-                         WORLD_SIZE must be a multiple of SLURM_NTASKS and RANK / LOCAL_WORLD_SIZE must be \
-                         SLURM_PROCID (one torchrun per Slurm task). Fix the launch, or pass --part-index/--num-parts"
-                    ));
-                }
+        if let (Some(p), Some(n)) = (procid, ntasks) {
+            // torchrun inside an sbatch: SLURM_NTASKS nodes (tasks) of LOCAL_WORLD_SIZE workers each.
+            let lws = match v.num("LOCAL_WORLD_SIZE")? {
+                Some(l) => l,
+                None if n > 0 => world / n,
+                None => 0,
+            };
+            let ok = n > 0 && world % n == 0 && lws > 0 && rank / lws == p;
+            if !ok {
+                let local = env("LOCAL_WORLD_SIZE").map_or(String::new(), |l| format!(", LOCAL_WORLD_SIZE={l}"));
+                return Err(format!(
+                    "RANK={rank}, WORLD_SIZE={world}{local} disagree with SLURM_PROCID={p}, SLURM_NTASKS={n}: \
+                     WORLD_SIZE must be a multiple of SLURM_NTASKS and RANK / LOCAL_WORLD_SIZE must be \
+                     SLURM_PROCID (one torchrun per Slurm task). Fix the launch, or pass --part-index/--num-parts"
+                ));
             }
-            (Some(p), None) => return Err(format!("SLURM_PROCID={p} is set without SLURM_NTASKS")),
-            (None, Some(n)) => return Err(format!("SLURM_NTASKS={n} is set without SLURM_PROCID")),
-            (None, None) => {}
         }
         return Ok(Some(PartSpec {
             index: rank,
@@ -224,14 +219,10 @@ fn from_env(env: &impl Fn(&str) -> Option<String>, flag_count: Option<usize>) ->
         let source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT".to_string();
         return Ok(Some(PartSpec { index: off / step, count: count(n, "SLURM_ARRAY_TASK_COUNT")?, source }));
     }
-    match (procid, ntasks) {
-        (Some(index), Some(n)) => {
-            let source = "SLURM_PROCID/SLURM_NTASKS".to_string();
-            return Ok(Some(PartSpec { index, count: count(n, "SLURM_NTASKS")?, source }));
-        }
-        (Some(p), None) => return Err(format!("SLURM_PROCID={p} is set without SLURM_NTASKS")),
-        (None, Some(n)) => return Err(format!("SLURM_NTASKS={n} is set without SLURM_PROCID")),
-        (None, None) => {}
+    // A batch script run without --ntasks may see SLURM_PROCID alone: one process.
+    if let (Some(index), Some(n)) = (procid, ntasks) {
+        let source = "SLURM_PROCID/SLURM_NTASKS".to_string();
+        return Ok(Some(PartSpec { index, count: count(n, "SLURM_NTASKS")?, source }));
     }
     let strata_count = v.num(NUM_PARTS_VAR)?;
     if let (Some(f), Some(e)) = (flag_count, strata_count) {
@@ -441,7 +432,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("SLURM_ARRAY_TASK_ID=1") && e.contains("RANK=0/WORLD_SIZE=2"), "{e}");
-        assert!(r(None, None, &[("SLURM_PROCID", "1")]).unwrap_err().contains("without SLURM_NTASKS"));
+        // SLURM_PROCID alone (an sbatch script without --ntasks): one process, as before.
+        assert_eq!(r(None, None, &[("SLURM_PROCID", "0")]), Ok(None));
         let e = r(None, Some(3), &[("JOB_COMPLETION_INDEX", "1"), (NUM_PARTS_VAR, "4")]).unwrap_err();
         assert!(e.contains("--num-parts 3") && e.contains("STRATA_NUM_PARTS=4"), "{e}");
         // Kubernetes: the count from the flag or STRATA_NUM_PARTS, never guessed.

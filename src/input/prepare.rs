@@ -342,8 +342,7 @@ impl Worker {
     /// The render process, started when first needed (and again after a request killed it).
     fn process(&mut self, chat: &Chat) -> Option<&mut RenderProcess> {
         let how = self.opts.isolation.clone()?;
-        let (dir, opts) = &chat.loaded_from;
-        Some(self.process.get_or_insert_with(|| RenderProcess::new(how, dir, opts)))
+        Some(self.process.get_or_insert_with(|| RenderProcess::new(how, chat)))
     }
 
     /// A text's first `cap` tokens (with BOS), in the render process when there is one; whether it has more.

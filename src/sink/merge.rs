@@ -169,6 +169,23 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
     let files = check_files(dir, &manifests)?;
     let input_check = check_input(&manifests, &infos, input)?;
 
+    let speculators = manifests[0].2.format == "speculators";
+    // The speculators rows' directory, entered (never through a link) before anything changes;
+    // a directory where a row's link goes would stop the merge half-way: refused now.
+    let hidden = match speculators {
+        true => Some(root.sub("hidden_states", true).map_err(io_err(&dir.join("hidden_states")))?),
+        false => None,
+    };
+    if let Some(hs) = &hidden {
+        for row in 0..files.files.len() {
+            let name = super::SpeculatorsSink::file_name(row);
+            let name = name.rsplit('/').next().unwrap_or(&name);
+            if hs.kind(name).map_err(io_err(&hs.join(name)))? == Some(Kind::Dir) {
+                return Err(refuse(format!("{} is a directory; move it away", hs.join(name).display())));
+            }
+        }
+    }
+
     // From here on the directory changes: the old merged manifest and the
     // trainer's table go first, so nothing looks complete until the end.
     for f in [MANIFEST, JOURNAL, hf_dataset::DATA_FILE, hf_dataset::INFO_FILE, hf_dataset::STATE_FILE] {
@@ -187,7 +204,6 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
         merged: Vec::with_capacity(count),
         ..first.clone_job()
     };
-    let speculators = first.format == "speculators";
     let mut report = MergeReport {
         format: first.format.clone(),
         dtype: first.dtype.clone(),
@@ -195,12 +211,8 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
         input: input_check,
         ..Default::default()
     };
-    let hidden = match speculators {
-        true => Some(root.sub("hidden_states", true).map_err(io_err(&dir.join("hidden_states")))?),
-        false => None,
-    };
-    // Ids are unique across parts: 64-bit digests, with the strings compared on a hit.
-    let mut ids: HashMap<u64, usize> = HashMap::new();
+    // Ids are unique across parts (the strings themselves: a digest could be made to collide).
+    let mut ids: std::collections::HashSet<&str> = std::collections::HashSet::new();
     let mut rows = 0usize;
     let mut at_file = 0usize;
     for ((name, _, m), part) in manifests.iter().zip(infos) {
@@ -211,8 +223,8 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
                 Some(hs) => {
                     // Row i of the merged table is file i.
                     let to = super::SpeculatorsSink::file_name(merged.shards.len());
-                    let (d, from_name) = &files.files[at_file];
-                    link(&files.dirs[*d], from_name, hs, to.rsplit('/').next().unwrap_or(&to))?;
+                    let (d, from_name, id) = &files.files[at_file];
+                    link(&files.dirs[*d], from_name, *id, hs, to.rsplit('/').next().unwrap_or(&to))?;
                     to
                 }
                 None => format!("{name}/{}", s.file),
@@ -222,29 +234,26 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
             merged.shards.push(ShardInfo { file, samples: s.samples, bytes: s.bytes, input: None });
         }
         for s in &m.samples {
-            let at = merged.samples.len();
-            if let Some(&other) = ids.get(&xxhash_rust::xxh3::xxh3_64(s.id.as_bytes())) {
-                if merged.samples[other].id == s.id {
-                    return Err(refuse(format!(
-                        "sample id {} is in two parts (the second is {name}): the parts are not one input's",
-                        crate::quote(&s.id)
-                    )));
-                }
+            if !ids.insert(&s.id) {
+                return Err(refuse(format!(
+                    "sample id {} is in two parts (the second is {name}): the parts are not one input's",
+                    crate::quote(&s.id)
+                )));
             }
-            ids.insert(xxhash_rust::xxh3::xxh3_64(s.id.as_bytes()), at);
             merged.samples.push(SampleInfo {
                 id: s.id.clone(),
-                shard: shard_base + s.shard,
+                shard: shard_base.saturating_add(s.shard),
                 tokens: s.tokens,
                 checksum: s.checksum.clone(),
-                index: Some(first_sample + s.index.unwrap_or(0)),
+                index: Some(first_sample.saturating_add(s.index.unwrap_or(0))),
             });
         }
         for s in &m.skipped {
-            merged.skipped.push(crate::dataset::manifest::SkippedInfo { index: first_sample + s.index, ..s.clone() });
+            let index = first_sample.saturating_add(s.index);
+            merged.skipped.push(crate::dataset::manifest::SkippedInfo { index, ..s.clone() });
         }
         let samples = m.consumed();
-        rows += samples;
+        rows = rows.saturating_add(samples);
         merged.merged.push(MergedPart { dir: name.clone(), part, samples, first_sample });
     }
     report.samples = merged.samples.len();
@@ -343,7 +352,9 @@ fn check_one_job(manifests: &[(String, Dir, Manifest)]) -> Result<Vec<PartInfo>,
             })?;
         }
         let f = &first.part.as_ref().expect("checked at i = 0");
-        let differs = if p.index != i || p.count != manifests.len() {
+        let differs = if !(p.start <= p.end && p.end <= p.input_bytes) {
+            Some(format!("its bytes {}..{} are not a range of the input's {}", p.start, p.end, p.input_bytes))
+        } else if p.index != i || p.count != manifests.len() {
             Some(format!("it is part {} of {}", p.index, p.count))
         } else if (p.input_bytes, &p.input_fingerprint) != (f.input_bytes, &f.input_fingerprint) {
             Some(format!(
@@ -375,10 +386,11 @@ fn check_one_job(manifests: &[(String, Dir, Manifest)]) -> Result<Vec<PartInfo>,
 }
 
 /// The files the parts list, found: each by its directory (one handle per
-/// directory, not per file: a speculators part lists a file per row) and name.
+/// directory, not per file: a speculators part lists a file per row), name,
+/// and identity (device, inode) when it was checked.
 struct Found {
     dirs: Vec<Dir>,
-    files: Vec<(usize, String)>,
+    files: Vec<(usize, String, (u64, u64))>,
 }
 
 /// Each file every part lists, in order: it must lie inside its part (no
@@ -395,7 +407,8 @@ fn check_files(dir: &Path, manifests: &[(String, Dir, Manifest)]) -> Result<Foun
         for s in &m.shards {
             let shown = format!("{name}/{}", crate::clip(&s.file, 2 * crate::QUOTE_MAX));
             let parent = s.file.rsplit_once('/').map_or("", |(d, _)| d).to_string();
-            let at = match opened.get(&(i, parent.clone())) {
+            let cached = opened.get(&(i, parent.clone())).filter(|_| !s.file.starts_with('/'));
+            let at = match cached {
                 Some(&k) => Ok((k, s.file.rsplit('/').next().unwrap_or_default().to_string())),
                 None => part.walk(&s.file, false).map(|(sub, file)| {
                     found.dirs.push(sub);
@@ -409,10 +422,14 @@ fn check_files(dir: &Path, manifests: &[(String, Dir, Manifest)]) -> Result<Foun
                 Ok((k, file)) => match found.dirs[k].kind(&file) {
                     Err(e) => Some(format!("{shown}: {e}")),
                     Ok(None) => Some(format!("{shown} is missing: {rerun}")),
-                    Ok(Some(Kind::File(len))) if len == s.bytes => {
-                        found.files.push((k, file));
-                        None
-                    }
+                    Ok(Some(Kind::File(len))) if len == s.bytes => match found.dirs[k].identity(&file) {
+                        Ok(Some(id)) => {
+                            found.files.push((k, file, id));
+                            None
+                        }
+                        Ok(None) => Some(format!("{shown} is missing: {rerun}")),
+                        Err(e) => Some(format!("{shown}: {e}")),
+                    },
                     Ok(Some(Kind::File(len))) => Some(format!(
                         "{shown} has {len} bytes, but the part's manifest lists {} (truncated or replaced): {rerun}",
                         s.bytes
@@ -477,10 +494,9 @@ fn check_input(
     }
     let mut r = std::io::BufReader::with_capacity(1 << 20, f);
     let mut buf = vec![0u8; 1 << 20];
+    let mut unrecorded = Vec::new();
     for ((name, _, m), p) in manifests.iter().zip(infos) {
-        let Some(want) = m.input.as_ref().map(|i| &i.whole.digest).filter(|d| !d.is_empty()) else {
-            continue;
-        };
+        // Every range is read, so the next one starts where it should.
         let mut h = xxhash_rust::xxh3::Xxh3::new();
         let mut left = p.end - p.start;
         while left > 0 {
@@ -489,6 +505,10 @@ fn check_input(
             h.update(&buf[..n]);
             left -= n as u64;
         }
+        let Some(want) = m.input.as_ref().map(|i| &i.whole.digest).filter(|d| !d.is_empty()) else {
+            unrecorded.push(name.as_str());
+            continue;
+        };
         let got = format!("xxh3:{:016x}", h.digest());
         if &got != want {
             return Err(refuse(format!(
@@ -501,18 +521,21 @@ fn check_input(
             )));
         }
     }
+    if !unrecorded.is_empty() {
+        return unchecked(format!(
+            "could not check {} against the input: their manifests record no digest of what they read \
+             (written by an older strata)",
+            unrecorded.join(", ")
+        ));
+    }
     Ok(InputCheck::Checked { path: path.display().to_string(), bytes: len })
 }
 
 /// `to` in `dir` becomes a hard link to `from` in `from_dir`, replacing an
 /// earlier merge's link at once (a link under a temporary name, renamed
 /// over it); nothing is done when it is that file already.
-fn link(from_dir: &Dir, from: &str, dir: &Dir, to: &str) -> Result<(), SinkError> {
-    let same = match (from_dir.identity(from), dir.identity(to)) {
-        (Ok(Some(a)), Ok(Some(b))) => a == b,
-        _ => false,
-    };
-    if same {
+fn link(from_dir: &Dir, from: &str, checked: (u64, u64), dir: &Dir, to: &str) -> Result<(), SinkError> {
+    if dir.identity(to).ok().flatten() == Some(checked) {
         return Ok(());
     }
     let tmp = format!(".{to}.merge-{}.tmp", std::process::id());
@@ -529,6 +552,14 @@ fn link(from_dir: &Dir, from: &str, dir: &Dir, to: &str) -> Result<(), SinkError
         };
         refuse(format!("cannot link {} to {}: {why}", dir.join(to).display(), from_dir.join(from).display()))
     })?;
+    // What was linked must be the file checked, not one put in its place since.
+    if dir.identity(&tmp).ok().flatten() != Some(checked) {
+        let _ = dir.remove(&tmp);
+        return Err(refuse(format!(
+            "{} changed after merge checked it (another file, or a link, was put in its place); merge again",
+            from_dir.join(from).display()
+        )));
+    }
     let r = dir.rename(&tmp, dir, to).map_err(io_err(&dir.join(to)));
     // A rename between two links to one file does nothing: the temporary name would stay.
     let _ = dir.remove(&tmp);

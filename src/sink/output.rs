@@ -241,8 +241,9 @@ pub struct Plan {
     nonces: Vec<String>,
     // The manifest the run continues (the job's for a fresh run).
     manifest: Manifest,
-    // Listed files to delete and redo (from the first hole on): their directory and name.
-    redo: Vec<(Dir, String)>,
+    // Listed files to delete and redo (from the first hole on), as the manifest names them
+    // (a handle each would be a descriptor per file: a speculators output lists one per row).
+    redo: Vec<String>,
 }
 
 impl Plan {
@@ -300,7 +301,7 @@ impl Plan {
     /// `--resume`: the old manifest (with its journal) must describe the
     /// same job. Listed files are checked in order; from the first missing
     /// or truncated one on, the listing is cut back (those files are redone).
-    fn resume(dir: &Dir, job: Manifest) -> Result<(Manifest, Vec<(Dir, String)>), SinkError> {
+    fn resume(dir: &Dir, job: Manifest) -> Result<(Manifest, Vec<String>), SinkError> {
         let shown = dir.path().display().to_string();
         let refuse = |e: String| dir_err(format!("cannot resume in {shown}: {e}; use --overwrite to start over"));
         let mut old = Manifest::read_in(dir).map_err(refuse)?;
@@ -359,7 +360,7 @@ impl Plan {
         let mut redo = Vec::new();
         if keep < old.shards.len() {
             for (i, s) in old.shards.iter().enumerate().skip(keep) {
-                let Some((sub, name, Some(_))) = find(i, &s.file)? else { continue };
+                let Some((_, name, Some(_))) = find(i, &s.file)? else { continue };
                 // Only a name Strata writes is ever deleted, whatever a manifest says.
                 if !strata_named(&name) {
                     return Err(refuse(format!(
@@ -367,7 +368,7 @@ impl Plan {
                         crate::quote(&s.file)
                     )));
                 }
-                redo.push((sub, name));
+                redo.push(s.file.clone());
             }
             old.shards.truncate(keep);
             old.samples.retain(|s| s.shard < keep);
@@ -391,8 +392,12 @@ impl Plan {
         for n in names.iter().filter(|n| nonces.iter().any(|x| temp_of(n, x))) {
             remove(&dir, n)?;
         }
-        for (sub, name) in &redo {
-            remove(sub, name)?;
+        for file in &redo {
+            match dir.walk(file, false) {
+                Ok((sub, name)) => remove(&sub, &name)?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(&dir.join(file))(e)),
+            }
         }
         let nonce = new_nonce();
         let path = dir.join(LOCK);
@@ -427,7 +432,7 @@ impl OutputDir {
         let f = match dir.open_rw(LOCK, false) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
-                return Err(dir_err(format!("{} is not a regular file ({e}); remove it", path.display())))
+                return Err(dir_err(format!("{} cannot be the lock file: {e}; remove it", path.display())))
             }
             Err(e) => return Err(io_err(&path)(e)),
         };

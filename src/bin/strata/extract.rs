@@ -510,8 +510,9 @@ impl ExtractJob {
         }
         // A resumed run renders the date the run it continues rendered.
         let recorded = match self.mode {
-            strata::sink::OpenMode::Resume => Manifest::read(&self.out_dir())
-                .ok()
+            // Read through the directory's handle: a link planted at the part directory is not followed.
+            strata::sink::OpenMode::Resume => (self.out_loc().open(false).ok().flatten())
+                .and_then(|d| Manifest::read_in(&d).ok())
                 .and_then(|m| m.prepare)
                 .and_then(|p| chrono::NaiveDate::parse_from_str(&p.chat_date, "%Y-%m-%d").ok()),
             _ => None,
