@@ -6,9 +6,14 @@
 //!     of the same bytes to the same disk.
 //!
 //! Runs are interleaved (A, B, A, B, ...) so machine noise hits both sides;
-//! medians and their ratio are printed.
+//! medians and their ratio are printed. Each writer case also prints the
+//! time its encoding takes alone on the caller's thread (no disk), the part
+//! that does not overlap the writes.
 //!
-//!     cargo bench --bench pipeline [-- --runs N]
+//!     cargo bench --bench pipeline [-- --runs N] [--only pipeline,native,speculators:fp8,...]
+//!
+//! `--only` keeps the listed parts: `pipeline` is (a); a writer case is
+//! named by its format (`native`, `speculators`) or `format:dtype`.
 
 /// Large buffers on cache lines, as the `strata` binary has them.
 #[global_allocator]
@@ -19,11 +24,11 @@ use std::path::Path;
 use std::time::Instant;
 use strata::dataset::manifest::{Manifest, ModelInfo};
 use strata::hf::llama::LlamaConfig;
+use strata::job::Pipeline;
 use strata::model::Llama;
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::{JsonlSource, Sample};
-use strata::pipeline::Pipeline;
 use strata::shape::DType;
 use strata::sink::{OpenMode, Sink, SpeculatorsSink, StrataSink, DEFAULT_SHARD_SIZE};
 
@@ -50,6 +55,9 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         return; // `cargo test --benches` lists benches; nothing to list here
     }
+    let only: Option<Vec<String>> =
+        args.iter().position(|a| a == "--only").map(|i| args[i + 1].split(',').map(str::to_string).collect());
+    let wanted = |names: &[String]| only.as_ref().is_none_or(|o| o.iter().any(|w| names.contains(w)));
     let dir = strata_testkit::bench_small_dir().unwrap();
     let config_text = std::fs::read_to_string(dir.join("config.json")).unwrap();
     let config = LlamaConfig::from_json(&config_text).unwrap();
@@ -64,7 +72,8 @@ fn main() {
     // (a) pipeline vs bare forward.
     let batch = PackedBatch::from_samples(samples.iter().map(|s| s.input_ids.as_slice()));
     let (mut fwd, mut e2e) = (Vec::new(), Vec::new());
-    for _ in 0..runs {
+    let part_a = wanted(&["pipeline".to_string()]);
+    for _ in 0..if part_a { runs } else { 0 } {
         let t = Instant::now();
         std::hint::black_box(model.forward(&batch, &set).unwrap());
         fwd.push(t.elapsed().as_secs_f64());
@@ -74,11 +83,13 @@ fn main() {
         Pipeline::new(source).max_batch_tokens(ntok).model(&model).capture(set.clone()).sink(s).run().unwrap();
         e2e.push(t.elapsed().as_secs_f64());
     }
-    let (f, e) = (median(fwd), median(e2e));
-    println!("(a) {ntok} tokens, {} capture points, bf16, {runs} interleaved runs", points.len());
-    println!("    bare forward     {f:.3} s  ({:.0} tokens/s)", ntok as f64 / f);
-    println!("    pipeline         {e:.3} s  ({:.0} tokens/s)", ntok as f64 / e);
-    println!("    overhead         {:+.2}%", (e / f - 1.0) * 100.0);
+    if part_a {
+        let (f, e) = (median(fwd), median(e2e));
+        println!("(a) {ntok} tokens, {} capture points, bf16, {runs} interleaved runs", points.len());
+        println!("    bare forward     {f:.3} s  ({:.0} tokens/s)", ntok as f64 / f);
+        println!("    pipeline         {e:.3} s  ({:.0} tokens/s)", ntok as f64 / e);
+        println!("    overhead         {:+.2}%", (e / f - 1.0) * 100.0);
+    }
 
     // (b) writer vs plain sequential write of the same bytes.
     let states = model.forward(&batch, &set).unwrap();
@@ -92,6 +103,9 @@ fn main() {
         ("speculators", DType::F8E4M3),
     ];
     for (format, dtype) in cases {
+        if !wanted(&[format.to_string(), format!("{format}:{dtype}")]) {
+            continue;
+        }
         let (mut sink_t, mut plain_t) = (Vec::new(), Vec::new());
         let mut bytes = 0u64;
         let per_sample = 4 * 512 * 1024 * dtype.size();
@@ -147,6 +161,36 @@ fn main() {
                 std::fs::remove_dir_all(&target).unwrap();
             }
         }
+        // The encoding alone, as the sink does it on the caller's thread (the
+        // native one a layer at a time, `[L, T, H]`; speculators `[T, L, H]`).
+        let mut enc_t = Vec::new();
+        let (mut buf, mut scales) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            let t = Instant::now();
+            for _ in 0..reps {
+                for i in 0..samples.len() {
+                    let v = states.view_tokens(batch.range(i)).unwrap();
+                    buf.clear();
+                    scales.clear();
+                    if format == "native" {
+                        for l in 0..v.layers() {
+                            let src = v.layer(l);
+                            match dtype {
+                                DType::F8E4M3 => scales.extend(
+                                    src.chunks_exact(v.hidden()).map(|row| strata::shape::fp8::quantize_row(row, &mut buf)),
+                                ),
+                                _ => dtype.encode_into(src, &mut buf),
+                            }
+                        }
+                    } else {
+                        v.encode_tlh(dtype, &mut buf, &mut scales);
+                    }
+                    std::hint::black_box((&buf, &scales));
+                }
+            }
+            enc_t.push(t.elapsed().as_secs_f64());
+        }
+        let enc = median(enc_t);
         let (s, p) = (median(sink_t), median(plain_t));
         let plain_bytes = (reps * samples.len() * per_sample) as f64;
         println!(
@@ -157,5 +201,10 @@ fn main() {
         println!("    strata sink      {:.0} MiB/s", bytes as f64 / s / (1 << 20) as f64);
         println!("    plain write      {:.0} MiB/s", plain_bytes / p / (1 << 20) as f64);
         println!("    ratio            {:.2}", (bytes as f64 / s) / (plain_bytes / p));
+        println!(
+            "    encoding alone   {:.0} MiB/s  ({:.0}% of the sink's time)",
+            bytes as f64 / enc / (1 << 20) as f64,
+            enc / s * 100.0
+        );
     }
 }

@@ -27,11 +27,11 @@ static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAl
 
 use std::path::Path;
 use strata::dataset::manifest::{Manifest, ModelInfo};
+use strata::job::{Pipeline, Report};
 use strata::model::TpDeepseek;
 use strata::parallel::{HiddenU, ShardDim, Tp, TpSize};
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::JsonlSource;
-use strata::pipeline::{Pipeline, Report};
 use strata::shape::{DType, Layers};
 use strata::sink::{OpenMode, StrataSink, DEFAULT_SHARD_SIZE};
 use strata_testkit::{write_deepseek_stored, write_tokens, DeepseekSpec, Storage};

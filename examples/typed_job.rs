@@ -12,10 +12,10 @@ static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAl
 use std::path::Path;
 use strata::dataset::manifest::{Manifest, ModelInfo};
 use strata::hf::{Checkpoint, LlamaConfig};
+use strata::job::Pipeline;
 use strata::model::Llama;
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::JsonlSource;
-use strata::pipeline::Pipeline;
 use strata::shape::{DType, Hidden, Layers};
 use strata::sink::{OpenMode, StrataSink, DEFAULT_SHARD_SIZE};
 

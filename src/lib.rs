@@ -34,6 +34,7 @@ pub mod dataset;
 pub mod files;
 pub mod hf;
 pub mod input;
+pub mod job;
 pub mod model;
 pub mod parallel;
 pub mod pipeline;

@@ -12,13 +12,10 @@
 //!   reassembled from its chunks;
 //! - the sink ([`crate::sink`]) writes them.
 //!
-//! [`builder`] composes the stages generically: [`Pipeline`].
+//! `crate::job::Pipeline` composes the stages with a model and a sink.
 
 pub mod batch;
-pub mod builder;
 pub mod capture;
 pub mod gather;
 pub mod schedule;
 pub mod source;
-
-pub use builder::{Pipeline, PipelineError, Progress, Report};

@@ -1,7 +1,7 @@
 // A writer declared for hidden 7168 behind a model whose hidden size is 4096.
 use strata::pipeline::capture::CaptureSet;
 use strata::model::Llama;
-use strata::pipeline::Pipeline;
+use strata::job::Pipeline;
 use strata::shape::{Hidden, Layers};
 use strata::sink::StrataSink;
 use strata::pipeline::source::JsonlSource;

@@ -1,7 +1,7 @@
 // Four capture points feeding a writer declared for three layers.
 use strata::pipeline::capture::CaptureSet;
 use strata::model::Llama;
-use strata::pipeline::Pipeline;
+use strata::job::Pipeline;
 use strata::shape::{Hidden, Layers};
 use strata::sink::StrataSink;
 use strata::pipeline::source::JsonlSource;

@@ -12,7 +12,10 @@ pub const DATA_JSONL: &str = include_str!("../../../tests/fixtures/llama-default
 /// How messages name the embedded model.
 pub const NAME: &str = "<embedded llama-default>";
 
-/// Opens the embedded weights as a checkpoint.
-pub fn checkpoint() -> Result<strata::hf::Checkpoint, strata::hf::CheckpointError> {
-    strata::hf::Checkpoint::from_static(NAME, MODEL_SAFETENSORS)
+/// How messages name the embedded data.
+pub const DATA_NAME: &str = "<embedded data>";
+
+/// The embedded model as a job's model source.
+pub fn source() -> strata::job::ModelSource {
+    strata::job::ModelSource::Static { name: NAME, config_json: CONFIG_JSON, weights: MODEL_SAFETENSORS }
 }

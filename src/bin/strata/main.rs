@@ -14,12 +14,10 @@ macro_rules! say {
 static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
 
 mod embedded;
-mod extract;
 mod verify;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use extract::{ExtractJob, Format, InputProgress, PrepareArgs, Summary};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,8 +25,10 @@ use std::time::{Duration, Instant};
 use strata::backend::Compute;
 use strata::chat::{MaskSource, RowMode};
 use strata::input::InputFormat;
+use strata::job::extract::{DataSource, ExtractJob, Format, InputProgress, PrepareArgs, Summary};
+use strata::job::Progress;
+use strata::job::{ModelRequest, ModelSource};
 use strata::model::{BackendKind, ComputeChoice};
-use strata::pipeline::Progress;
 use strata::shape::DType;
 use strata::sink::{OnNonFinite, OpenMode};
 
@@ -736,9 +736,21 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         },
         _ => a.devices.clone(),
     };
+    if a.model.is_some() && a.data.is_none() {
+        anyhow::bail!("--model needs --data FILE.jsonl (the embedded demo data is made for the embedded model)");
+    }
     let job = ExtractJob {
-        model: a.model.clone(),
-        data: a.data,
+        model: ModelRequest {
+            source: model_source(a.model.clone()),
+            backend: a.backend.into(),
+            compute: a.compute.choice(),
+            tp: a.tp,
+            devices,
+        },
+        data: match a.data {
+            Some(p) => DataSource::File(p),
+            None => DataSource::Static { name: embedded::DATA_NAME, text: embedded::DATA_JSONL },
+        },
         capture: a.capture,
         out: a.out.clone(),
         dtype: a.dtype.map(|d| match d {
@@ -760,10 +772,6 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         } else {
             OpenMode::Create
         },
-        tp: a.tp,
-        backend: a.backend.into(),
-        devices,
-        compute: a.compute.choice(),
         on_nonfinite: match a.on_nonfinite {
             NonFiniteArg::Fail => OnNonFinite::Fail,
             NonFiniteArg::Skip => OnNonFinite::Skip,
@@ -837,6 +845,14 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         eprintln!("warning: the input holds no samples; the output is empty");
     }
     Ok(())
+}
+
+/// `--model DIR`, or the embedded demo model.
+fn model_source(dir: Option<PathBuf>) -> ModelSource {
+    match dir {
+        Some(d) => ModelSource::Dir(d),
+        None => embedded::source(),
+    }
 }
 
 /// Keeps freed memory in the process for reuse. glibc returns large blocks to

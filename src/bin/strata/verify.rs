@@ -11,8 +11,8 @@ use strata::dataset::manifest::hash_hex;
 use strata::dataset::recompute::{recompute, Recompute};
 use strata::dataset::verify::{clip, verify, Layout, QUOTE_MAX};
 use strata::dataset::Dataset;
-use strata::hf::Checkpoint;
-use strata::model::{AnyConfig, BackendKind, ComputeChoice, LoadOptions};
+use strata::job::{ModelRequest, ModelSource};
+use strata::model::{BackendKind, ComputeChoice};
 
 /// Everything `strata verify` needs.
 pub struct VerifyJob {
@@ -83,8 +83,8 @@ impl VerifyJob {
         let m = &ds.manifest;
         // The model: --model, else the manifest's path (or the embedded demo model).
         let source = match &self.model {
-            Some(dir) => Some(dir.clone()),
-            None if m.model.path == embedded::NAME => None,
+            Some(dir) => ModelSource::Dir(dir.clone()),
+            None if m.model.path == embedded::NAME => embedded::source(),
             None => {
                 let dir = PathBuf::from(&m.model.path);
                 if !dir.join("config.json").is_file() {
@@ -92,18 +92,21 @@ impl VerifyJob {
                     let shown = clip(&m.model.path, 4 * QUOTE_MAX);
                     bail!("the dataset's model {shown} has no config.json here; pass --model DIR");
                 }
-                Some(dir)
+                ModelSource::Dir(dir)
             }
         };
-        let (name, config_text) = match &source {
-            Some(dir) => {
-                // A regular file only: a FIFO named config.json would block the read.
-                let text = strata::model::AnyConfig::read_text(dir)?;
-                (dir.display().to_string(), text)
-            }
-            None => (embedded::NAME.to_string(), embedded::CONFIG_JSON.to_string()),
+        let name = source.name();
+        let stored: Option<Compute> = m.run.as_ref().and_then(|r| r.compute.parse().ok());
+        // --compute as extract and serve resolve it; by default the dataset's own (CPU), f32 elsewhere.
+        let compute = match (self.compute, self.backend) {
+            (Some(c), _) => c,
+            (None, BackendKind::Cpu) => ComputeChoice::Fixed(stored.unwrap_or(Compute::F32)),
+            (None, _) => ComputeChoice::Fixed(Compute::F32),
         };
-        let hash = hash_hex(xxhash_rust::xxh3::xxh3_64(config_text.as_bytes()));
+        let request =
+            ModelRequest { source, backend: self.backend, compute, tp: self.tp, devices: self.devices.clone() };
+        let checked = request.check().with_context(|| format!("model {name}"))?;
+        let hash = hash_hex(xxhash_rust::xxh3::xxh3_64(checked.text.as_bytes()));
         if hash != m.model.config_hash {
             eprintln!(
                 "warning: the config.json of {name} ({hash}) is not the one the dataset was written with ({}); \
@@ -111,15 +114,10 @@ impl VerifyJob {
                 m.model.config_hash
             );
         }
-        let config = AnyConfig::parse(&config_text).with_context(|| format!("model {name}"))?;
-        let prefix = config.tensor_prefix().to_string();
-        let open = move || match &source {
-            Some(dir) => Checkpoint::open_scoped(dir, &prefix),
-            None => embedded::checkpoint(),
-        };
-        let digest = open().with_context(|| format!("model {name}"))?.digest();
+        let opened = request.open(checked).with_context(|| format!("model {name}"))?;
+        let digest = &opened.weights_digest;
         let recorded = &m.model.weights_digest;
-        let other_weights = (!recorded.is_empty() && digest != *recorded).then(|| {
+        let other_weights = (!recorded.is_empty() && digest != recorded).then(|| {
             format!(
                 "the weights of {name} (digest {digest}) are not the ones the dataset was written with (digest \
                  {recorded}, in its manifest)"
@@ -128,18 +126,12 @@ impl VerifyJob {
         if let Some(w) = &other_weights {
             say!("weights: {w}; the states are compared anyway");
         }
-        let stored: Option<Compute> = m.run.as_ref().and_then(|r| r.compute.parse().ok());
-        let compute = match (self.compute, self.backend) {
-            (Some(c), _) => c.resolve(self.backend, config.quantization().is_some()),
-            (None, BackendKind::Cpu) => stored.unwrap_or(Compute::F32),
-            (None, _) => Compute::F32,
-        };
-        let opts = LoadOptions { backend: self.backend, compute, tp: self.tp, devices: self.devices.clone() };
-        let model = config.load(opts, open).with_context(|| format!("model {name}"))?;
+        let model = &opened.model;
+        let compute = model.compute();
         // States written or recomputed in bf16 are compared at bf16's tolerance.
         let tolerance_of = if stored == Some(Compute::Bf16) { Compute::Bf16 } else { compute };
         let bar = std::io::stderr().is_terminal().then(|| indicatif::ProgressBar::new(n.min(m.samples.len()) as u64));
-        let report = recompute(ds, &model, tolerance_of, n, self.seed, |done, _| {
+        let report = recompute(ds, model, tolerance_of, n, self.seed, |done, _| {
             if let Some(b) = &bar {
                 b.set_position(done as u64);
             }

@@ -9,11 +9,11 @@
 //! job a writer for another hidden size or capture count does not compile.
 //! With `usize` dims the same checks run once, at the sink's boundary.
 
-use super::capture::CaptureSet;
-use super::gather::Gatherer;
-use super::schedule::{Scheduler, Step};
-use super::source::{Source, SourceError};
 use crate::model::{Model, ModelError};
+use crate::pipeline::capture::CaptureSet;
+use crate::pipeline::gather::Gatherer;
+use crate::pipeline::schedule::{Scheduler, Step};
+use crate::pipeline::source::{Source, SourceError};
 use crate::shape::{CapturedStates, Dim, ShapeError};
 use crate::sink::{Sink, SinkError};
 use std::sync::atomic::{AtomicUsize, Ordering};

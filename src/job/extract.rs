@@ -2,27 +2,57 @@
 //! output, then stream the input once through the checks, the model and
 //! the chosen format.
 
-use crate::embedded;
+use super::{ModelRequest, Pipeline, PipelineError, Progress, Report};
+use crate::chat::{Chat, ChatOptions, LongRows, MaskSource, RowMode, RowOptions};
+use crate::dataset::manifest::{InputInfo, Manifest, PrepareInfo};
+use crate::input::arrow::DatasetRecords;
+use crate::input::jsonl::JsonlRecords;
+use crate::input::parts::{self, PartInfo, PartSpec};
+use crate::input::prepare::{PrepareOptions, PrepareStats, Prepared};
+use crate::input::{InputFormat, Records};
+use crate::model::{AnyModel, Model, ModelError};
+use crate::pipeline::capture::{CaptureError, CapturePoint, CaptureSet};
+use crate::pipeline::source::{Checked, Expected, InputPos, JsonlSource, Limits, SourceError};
+use crate::shape::DType;
+use crate::sink::output::OutLoc;
+use crate::sink::{FiniteCheck, OnNonFinite, OpenMode, Sink, SinkError, SpeculatorsSink, StrataSink};
 use std::io::BufRead;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-use strata::chat::{Chat, ChatOptions, LongRows, MaskSource, RowMode, RowOptions};
-use strata::dataset::manifest::{InputInfo, Manifest, ModelInfo, PrepareInfo, RunInfo};
-use strata::hf::Checkpoint;
-use strata::input::arrow::DatasetRecords;
-use strata::input::jsonl::JsonlRecords;
-use strata::input::parts::{self, PartInfo, PartSpec};
-use strata::input::prepare::{PrepareOptions, PrepareStats, Prepared};
-use strata::input::{InputFormat, Records};
-use strata::model::{AnyConfig, AnyModel, BackendKind, ComputeChoice, LoadOptions, Model, ModelError};
-use strata::pipeline::capture::{CaptureError, CapturePoint, CaptureSet};
-use strata::pipeline::source::{Checked, Expected, InputPos, JsonlSource, Limits, SourceError};
-use strata::pipeline::{Pipeline, PipelineError, Progress, Report};
-use strata::shape::DType;
-use strata::sink::output::OutLoc;
-use strata::sink::{FiniteCheck, OnNonFinite, OpenMode, Sink, SinkError, SpeculatorsSink, StrataSink};
+use std::time::Duration;
+
+/// Where the input records come from.
+#[derive(Clone, Debug)]
+pub enum DataSource {
+    /// A JSON Lines file, a pipe or FIFO, `-` (stdin), or a `datasets` directory.
+    File(PathBuf),
+    /// JSON Lines compiled into the program (a demo), with its name in messages.
+    Static {
+        /// How messages and the manifest name it.
+        name: &'static str,
+        /// The records.
+        text: &'static str,
+    },
+}
+
+impl DataSource {
+    /// How messages and the manifest name the input.
+    pub fn name(&self) -> String {
+        match self {
+            DataSource::File(p) => p.display().to_string(),
+            DataSource::Static { name, .. } => name.to_string(),
+        }
+    }
+
+    /// The path, for a file or directory.
+    pub fn path(&self) -> Option<&std::path::Path> {
+        match self {
+            DataSource::File(p) => Some(p),
+            DataSource::Static { .. } => None,
+        }
+    }
+}
 
 /// Output formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,10 +66,10 @@ pub enum Format {
 /// Everything `strata extract` needs to run.
 #[derive(Clone, Debug)]
 pub struct ExtractJob {
-    /// Checkpoint directory; `None` runs the embedded default model.
-    pub model: Option<PathBuf>,
-    /// JSON Lines input; `None` uses the embedded sample data.
-    pub data: Option<PathBuf>,
+    /// The model, and where and how it runs.
+    pub model: ModelRequest,
+    /// The input.
+    pub data: DataSource,
     /// Capture list as on the CLI (`eagle3`, `input:2,final`, ...).
     pub capture: String,
     /// Output directory.
@@ -54,14 +84,6 @@ pub struct ExtractJob {
     pub shard_size: u64,
     /// What to do with an output directory that has content.
     pub mode: OpenMode,
-    /// Tensor-parallel ranks (threads); 1 runs the model whole.
-    pub tp: usize,
-    /// The backend the model runs on.
-    pub backend: BackendKind,
-    /// GPU indices, one per rank (`--devices`); empty: the first `tp`.
-    pub devices: Vec<usize>,
-    /// The compute dtype asked for.
-    pub compute: ComputeChoice,
     /// What to do with a sample whose states hold NaN or Inf.
     pub on_nonfinite: OnNonFinite,
     /// How records become token rows.
@@ -94,7 +116,7 @@ pub struct PrepareArgs {
     /// `--max-template-failures` (0: never stop).
     pub max_template_failures: usize,
     /// Where renders run: a child process (the binary's `__render`), or this one.
-    pub isolation: Option<strata::chat::isolate::Isolation>,
+    pub isolation: Option<crate::chat::isolate::Isolation>,
 }
 
 impl PrepareArgs {
@@ -126,12 +148,9 @@ pub enum ExtractError {
     /// Output.
     #[error(transparent)]
     Sink(#[from] SinkError),
-    /// A checkpoint without data: the embedded samples fit only the embedded model.
-    #[error("--model needs --data FILE.jsonl (the embedded demo data is made for the embedded model)")]
-    DataRequired,
     /// The tokenizer or chat template.
     #[error(transparent)]
-    Chat(#[from] strata::chat::ChatError),
+    Chat(#[from] crate::chat::ChatError),
     /// Options that do not go together.
     #[error("{0}")]
     Usage(String),
@@ -174,6 +193,8 @@ pub struct Summary {
     pub input_format: InputFormat,
     /// What preparing the input did (rows, skips, errors).
     pub prepare: PrepareStats,
+    /// The compute dtype the model ran in.
+    pub compute: Option<crate::backend::Compute>,
     /// The chat template used, when the model has one.
     pub chat_template: Option<String>,
     /// The date `strftime_now` rendered.
@@ -193,7 +214,7 @@ pub struct InputProgress {
 
 impl ExtractJob {
     fn data_name(&self) -> String {
-        self.data.as_ref().map_or("<embedded data>".into(), |p| p.display().to_string())
+        self.data.name()
     }
 
     /// Where this run writes: `--out`, or its part's directory inside it.
@@ -220,7 +241,7 @@ impl ExtractJob {
             if format == InputFormat::Auto {
                 r.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
                 let head = std::io::BufReader::new(&mut r);
-                let first = strata::input::jsonl::detect_first(head, strata::pipeline::source::DEFAULT_MAX_LINE)
+                let first = crate::input::jsonl::detect_first(head, crate::pipeline::source::DEFAULT_MAX_LINE)
                     .map_err(|problem| SourceError::Input { path: name.clone(), problem })?;
                 format = first.unwrap_or(InputFormat::Auto);
             }
@@ -230,11 +251,10 @@ impl ExtractJob {
             Ok::<_, ExtractError>((reader, info, format))
         };
         match &self.data {
-            None => part_of(
-                Box::new(std::io::Cursor::new(embedded::DATA_JSONL.as_bytes())),
-                embedded::DATA_JSONL.len() as u64,
-            ),
-            Some(p) => {
+            DataSource::Static { text, .. } => {
+                part_of(Box::new(std::io::Cursor::new(text.as_bytes())), text.len() as u64)
+            }
+            DataSource::File(p) => {
                 // The type first: opening a FIFO would wait for its writer.
                 let regular = p.as_os_str() != "-" && std::fs::metadata(p).map_err(io)?.is_file();
                 let f = regular.then(|| std::fs::File::open(p)).transpose().map_err(io)?;
@@ -257,39 +277,25 @@ impl ExtractJob {
     /// The input, opened once: a file, a pipe or a FIFO (`-` is stdin).
     fn open_input(&self) -> Result<(Box<dyn BufRead + Send>, Option<u64>), ExtractError> {
         Ok(match &self.data {
-            Some(p) => {
-                let (r, len) = strata::files::open_stream(p)
+            DataSource::File(p) => {
+                let (r, len) = crate::files::open_stream(p)
                     .map_err(|cause| SourceError::Io { path: p.display().to_string(), cause })?;
                 (Box::new(std::io::BufReader::with_capacity(1 << 20, r)), len)
             }
-            None => (Box::new(embedded::DATA_JSONL.as_bytes()), Some(embedded::DATA_JSONL.len() as u64)),
+            DataSource::Static { text, .. } => (Box::new(text.as_bytes()), Some(text.len() as u64)),
         })
-    }
-
-    fn config_text(&self) -> Result<String, ExtractError> {
-        match &self.model {
-            Some(dir) => Ok(AnyConfig::read_text(dir).map_err(ModelError::from)?),
-            None => Ok(embedded::CONFIG_JSON.to_string()),
-        }
     }
 
     /// Runs the job, calling `progress` after every forward step with how far through the input it is.
     pub fn run(&self, mut progress: impl FnMut(&Progress, &InputProgress)) -> Result<Summary, ExtractError> {
         let _span = tracing::info_span!("extract", out = %self.out_dir().display()).entered();
-        if self.model.is_some() && self.data.is_none() {
-            return Err(ExtractError::DataRequired);
-        }
         let mut summary = Summary::default();
-        let config_text = self.config_text()?;
-        let config = AnyConfig::parse(&config_text).map_err(ModelError::from)?;
-        let info = config.info();
-        let points = CapturePoint::parse_list(&self.capture, info.num_layers)?;
-        let captures = CaptureSet::<usize>::try_new(points.clone())?;
-        let compute = self.compute.resolve(self.backend, false);
         // Checked before the input is read or any weight is touched.
-        config.check(&LoadOptions { backend: self.backend, compute, tp: self.tp, devices: self.devices.clone() })?;
-        let dataset_dir =
-            self.data.as_deref().filter(|d| strata::input::arrow::is_dataset_dir(d)).map(|d| d.to_path_buf());
+        let checked = self.model.check()?;
+        let info = checked.info();
+        let (points, captures) = super::captures(&self.capture, info.num_layers)?;
+        let data = self.data.path();
+        let dataset_dir = data.filter(|d| crate::input::arrow::is_dataset_dir(d)).map(|d| d.to_path_buf());
         if self.prepare.input_format == InputFormat::HfDataset && dataset_dir.is_none() {
             return Err(ExtractError::Usage(format!(
                 "--input-format hf-dataset needs a directory written by datasets' save_to_disk (with state.json), \
@@ -307,8 +313,8 @@ impl ExtractJob {
                 )));
             }
         }
-        if let Some(d) = self.data.as_deref().filter(|d| dataset_dir.is_none() && d.is_dir()) {
-            return Err(ExtractError::Usage(strata::input::arrow::not_a_dataset(d)));
+        if let Some(d) = data.filter(|d| dataset_dir.is_none() && d.is_dir()) {
+            return Err(ExtractError::Usage(crate::input::arrow::not_a_dataset(d)));
         }
         let mut part_info = None;
         let mut part_format = self.prepare.input_format;
@@ -337,53 +343,18 @@ impl ExtractJob {
             }
         };
 
-        let t = Instant::now();
-        summary.weight_storage = config.quantization().unwrap_or_default();
-        let model_dir = self.model.clone();
-        let prefix = config.tensor_prefix().to_string();
-        let open = move || match &model_dir {
-            Some(dir) => Checkpoint::open_scoped(dir, &prefix),
-            None => embedded::checkpoint(),
-        };
-        let ckpt = open().map_err(ModelError::from)?;
-        let weights_digest = ckpt.digest();
-        // `auto` computes in bf16 only for weights that carry no more than bf16's bits.
-        let low_precision =
-            config.quantization().is_some() || ckpt.dtype("model.embed_tokens.weight") == Some(DType::BF16);
-        drop(ckpt);
-        let opts = LoadOptions {
-            backend: self.backend,
-            compute: self.compute.resolve(self.backend, low_precision),
-            tp: self.tp,
-            devices: self.devices.clone(),
-        };
-        let model = config.load(opts, open)?;
-        summary.load_time = t.elapsed();
-        summary.weight_bytes = model.weight_bytes();
-        if summary.weight_storage.is_empty() {
-            summary.weight_storage = model.dtype().to_string();
-        }
+        let opened = self.model.open(checked)?;
+        summary.load_time = opened.load_time;
+        summary.weight_bytes = opened.model.weight_bytes();
+        summary.weight_storage = opened.storage.clone();
+        summary.compute = Some(opened.model.compute());
+        let model = &opened.model;
         let dtype = self.dtype.unwrap_or(model.dtype());
         summary.dtype = Some(dtype);
 
         let (chat, prepare_info) = self.load_chat(&mut summary)?;
 
-        let path = self.model.as_ref().map_or(embedded::NAME.into(), |p| p.display().to_string());
-        let mut job = Manifest::new(ModelInfo::new(&path, &info, &config_text), &points, dtype, self.shard_size);
-        job.model.weights_digest = weights_digest;
-        let kernel = match self.backend {
-            BackendKind::Cpu => strata::backend::cpu::gemm::kernel_name_for(model.compute()),
-            BackendKind::Reference => "reference",
-            BackendKind::Cuda => "cublas",
-        };
-        job.run = Some(RunInfo {
-            backend: self.backend.name().into(),
-            tp: self.tp,
-            compute: model.compute().to_string(),
-            kernel: kernel.into(),
-            // Only the GPU's GEMMs depend on the batch's row count.
-            max_batch_tokens: (self.backend == BackendKind::Cuda).then_some(self.max_batch_tokens),
-        });
+        let mut job = super::layout(&opened, &points, dtype, self.shard_size, self.max_batch_tokens);
         job.on_nonfinite = self.on_nonfinite.as_str().into();
         job.prepare = Some(prepare_info);
         job.input = Some(InputInfo { path: self.data_name(), whole: InputPos::default() });
@@ -399,8 +370,8 @@ impl ExtractJob {
         // Never more than DEFAULT_MAX_LINE, whatever the config claims.
         // Conversation and text lines are not token lists: the whole default bound.
         let max_line = match chat {
-            Ok(_) => strata::pipeline::source::DEFAULT_MAX_LINE,
-            Err(_) => max.saturating_mul(32).clamp(1 << 20, strata::pipeline::source::DEFAULT_MAX_LINE),
+            Ok(_) => crate::pipeline::source::DEFAULT_MAX_LINE,
+            Err(_) => max.saturating_mul(32).clamp(1 << 20, crate::pipeline::source::DEFAULT_MAX_LINE),
         };
         let p = &self.prepare;
         if let Some(n) = p.max_seq_len.filter(|&n| n > max) {
@@ -448,13 +419,13 @@ impl ExtractJob {
                 let sink = StrataSink::open(self.out_loc(), job, points.len(), info.hidden_size, self.mode)?;
                 let expect = expected(sink.manifest())?;
                 let sink = FiniteCheck::new(sink, self.on_nonfinite, names, dtype);
-                self.drive(&model, captures, input, expect, sink, &mut report_progress)?
+                self.drive(model, captures, input, expect, sink, &mut report_progress)?
             }
             Format::Speculators => {
                 let sink = SpeculatorsSink::open(self.out_loc(), job, self.mode)?;
                 let expect = expected(sink.manifest())?;
                 let sink = FiniteCheck::new(sink, self.on_nonfinite, names, dtype);
-                self.drive(&model, captures, input, expect, sink, &mut report_progress)?
+                self.drive(model, captures, input, expect, sink, &mut report_progress)?
             }
         };
         summary.report = report;
@@ -511,7 +482,7 @@ impl ExtractJob {
         // A resumed run renders the date the run it continues rendered.
         let recorded = match self.mode {
             // Read through the directory's handle: a link planted at the part directory is not followed.
-            strata::sink::OpenMode::Resume => (self.out_loc().open(false).ok().flatten())
+            crate::sink::OpenMode::Resume => (self.out_loc().open(false).ok().flatten())
                 .and_then(|d| Manifest::read_in(&d).ok())
                 .and_then(|m| m.prepare)
                 .and_then(|p| chrono::NaiveDate::parse_from_str(&p.chat_date, "%Y-%m-%d").ok()),
@@ -533,7 +504,7 @@ impl ExtractJob {
             skip_long: p.skip_long,
             ..Default::default()
         };
-        let dir = match &self.model {
+        let dir = match self.model.source.dir() {
             Some(dir) if !matches!(p.input_format, InputFormat::Tokens | InputFormat::HfDataset) => dir,
             Some(_) => return Ok((Err("the input format is token ids".into()), info)),
             None => {
@@ -546,7 +517,7 @@ impl ExtractJob {
                 return Ok((Err("the embedded demo model has none; pass --model DIR".into()), info));
             }
         };
-        let has_tokenizer = strata::chat::tokenizer::FILES.iter().any(|f| dir.join(f).is_file());
+        let has_tokenizer = crate::chat::tokenizer::FILES.iter().any(|f| dir.join(f).is_file());
         if !has_tokenizer && !p.input_format.needs_tokenizer() && p.chat_template.is_none() {
             // Token ids need no tokenizer; text and conversations say so when they come.
             let why = format!("{} has neither tokenizer.json nor tiktoken.model", dir.display());
@@ -591,7 +562,7 @@ impl ExtractJob {
 fn tokenizer_digest(dir: &std::path::Path) -> String {
     let digest =
         |f: &str| std::fs::read(dir.join(f)).ok().map(|b| format!("{f} xxh3:{:016x}", xxhash_rust::xxh3::xxh3_64(&b)));
-    let file = strata::chat::tokenizer::FILES.iter().find_map(|f| digest(f)).unwrap_or_default();
+    let file = crate::chat::tokenizer::FILES.iter().find_map(|f| digest(f)).unwrap_or_default();
     match digest("tokenizer_config.json") {
         Some(c) => format!("{file}, {c}"),
         None => file,
