@@ -371,6 +371,24 @@ impl Dir {
             .map_err(io::Error::from)
     }
 
+    /// When `name` (not followed if a link) was last modified, and whether it
+    /// is a regular file; `None` when there is nothing by that name.
+    pub fn modified(&self, name: &str) -> io::Result<Option<(std::time::SystemTime, bool)>> {
+        match rustix::fs::statat(&self.fd, one_name(name)?, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => {
+                let at = std::time::UNIX_EPOCH
+                    + std::time::Duration::new(
+                        st.st_mtime.max(0) as u64,
+                        st.st_mtime_nsec.clamp(0, 999_999_999) as u32,
+                    );
+                let regular = rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile;
+                Ok(Some((at, regular)))
+            }
+            Err(rustix::io::Errno::NOENT) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Removes the file (or link) `name`; `Ok(false)` when there was none.
     pub fn remove(&self, name: &str) -> io::Result<bool> {
         match rustix::fs::unlinkat(&self.fd, one_name(name)?, rustix::fs::AtFlags::empty()) {

@@ -38,6 +38,7 @@ pub mod job;
 pub mod model;
 pub mod parallel;
 pub mod pipeline;
+pub mod serve;
 pub mod shape;
 pub mod sink;
 

@@ -36,6 +36,26 @@ fn overflow(dtype: DType) -> f32 {
     }
 }
 
+/// The first capture point (index on the `L` axis) of `states` that holds
+/// NaN, Inf or a value that is Inf once stored as `dtype`, with its NaN and
+/// Inf counts; `None` when every value is finite.
+pub fn nonfinite<L: Dim, H: Dim>(states: &StatesView<'_, L, H>, dtype: DType) -> Option<(usize, usize, usize)> {
+    first_nonfinite(states, overflow(dtype))
+}
+
+fn first_nonfinite<L: Dim, H: Dim>(states: &StatesView<'_, L, H>, limit: f32) -> Option<(usize, usize, usize)> {
+    // False for NaN, Inf and what rounds to Inf once stored.
+    let fits = |x: &f32| x.abs() < limit;
+    // Branch-free within a chunk so it vectorises.
+    let bad = |xs: &[f32]| xs.chunks(256).any(|c| c.iter().fold(false, |a, x| a | !fits(x)));
+    (0..states.shape()[0]).find(|&l| bad(states.layer(l))).map(|l| {
+        let xs = states.layer(l);
+        let nan = xs.iter().filter(|x| x.is_nan()).count();
+        let inf = xs.iter().filter(|x| !x.is_nan() && !fits(x)).count();
+        (l, nan, inf)
+    })
+}
+
 /// Wraps a sink with the non-finite check.
 pub struct FiniteCheck<K> {
     inner: K,
@@ -64,39 +84,28 @@ impl<K> FiniteCheck<K> {
 
 impl<L: Dim, H: Dim, K: Sink<L, H>> Sink<L, H> for FiniteCheck<K> {
     fn write_sample(&mut self, sample: &Sample, states: StatesView<'_, L, H>) -> Result<(), SinkError> {
-        let limit = self.limit;
-        // False for NaN, Inf and what rounds to Inf once stored.
-        let fits = |x: &f32| x.abs() < limit;
-        // Branch-free within a chunk so it vectorises.
-        let bad = |xs: &[f32]| xs.chunks(256).any(|c| c.iter().fold(false, |a, x| a | !fits(x)));
-        for l in 0..states.shape()[0] {
-            let xs = states.layer(l);
-            if !bad(xs) {
-                continue;
+        let Some((l, nan, inf)) = first_nonfinite(&states, self.limit) else {
+            return self.inner.write_sample(sample, states);
+        };
+        let point = self.points.get(l).cloned().unwrap_or_else(|| format!("#{l}"));
+        match self.policy {
+            OnNonFinite::Fail => Err(SinkError::NonFinite {
+                id: crate::clip(&sample.id, 80).into_owned(),
+                line: sample.line,
+                point,
+                nan,
+                inf,
+            }),
+            OnNonFinite::Skip => {
+                tracing::warn!(
+                    "sample {} (line {}) skipped: {point} holds {nan} NaN and {inf} Inf values",
+                    crate::clip(&sample.id, 80),
+                    sample.line
+                );
+                self.skipped += 1;
+                self.inner.skip_sample(sample, format!("{point}: {nan} NaN, {inf} Inf"))
             }
-            let nan = xs.iter().filter(|x| x.is_nan()).count();
-            let inf = xs.iter().filter(|x| !x.is_nan() && !fits(x)).count();
-            let point = self.points.get(l).cloned().unwrap_or_else(|| format!("#{l}"));
-            return match self.policy {
-                OnNonFinite::Fail => Err(SinkError::NonFinite {
-                    id: crate::clip(&sample.id, 80).into_owned(),
-                    line: sample.line,
-                    point,
-                    nan,
-                    inf,
-                }),
-                OnNonFinite::Skip => {
-                    tracing::warn!(
-                        "sample {} (line {}) skipped: {point} holds {nan} NaN and {inf} Inf values",
-                        crate::clip(&sample.id, 80),
-                        sample.line
-                    );
-                    self.skipped += 1;
-                    self.inner.skip_sample(sample, format!("{point}: {nan} NaN, {inf} Inf"))
-                }
-            };
         }
-        self.inner.write_sample(sample, states)
     }
 
     fn skip_sample(&mut self, sample: &Sample, reason: String) -> Result<(), SinkError> {

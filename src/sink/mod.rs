@@ -11,9 +11,9 @@ mod speculators;
 mod spool;
 mod strata;
 
-pub use finite::{FiniteCheck, OnNonFinite};
+pub use finite::{nonfinite, FiniteCheck, OnNonFinite};
 pub use output::OutputDir;
-pub use speculators::SpeculatorsSink;
+pub use speculators::{SpeculatorsEncoder, SpeculatorsSink};
 pub use strata::{StrataSink, DEFAULT_SHARD_SIZE};
 
 use crate::pipeline::source::{InputPos, Sample};

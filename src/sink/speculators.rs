@@ -29,9 +29,7 @@ pub struct SpeculatorsSink {
     // Encoding buffers: a sample's hidden states `[T, L, H]` go to a spare
     // one; those in flight come back when their writes are done.
     spare: Vec<Vec<u8>>,
-    ids: Vec<u8>,
-    // FP8 scales of the sample being encoded, `[T, L]`.
-    scales: Vec<f32>,
+    encoder: SpeculatorsEncoder,
     // Files being written, oldest first.
     pending: VecDeque<Pending>,
     // A write or commit failed: nothing more is committed.
@@ -70,8 +68,7 @@ impl SpeculatorsSink {
             dtype,
             input_path,
             spare: Vec::new(),
-            ids: Vec::new(),
-            scales: Vec::new(),
+            encoder: SpeculatorsEncoder::new(dtype),
             pending: VecDeque::new(),
             failed: false,
             done,
@@ -187,49 +184,15 @@ impl Drop for SpeculatorsSink {
 impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
     fn write_sample(&mut self, sample: &Sample, states: StatesView<'_, L, H>) -> Result<(), SinkError> {
         let _span = tracing::debug_span!("write", index = sample.index).entered();
-        let [l, t, h] = states.shape();
+        let t = states.shape()[1];
         // Encoded while earlier samples' files are still being written.
         let mut buf = self.spare.pop().unwrap_or_default();
-        buf.clear();
-        self.scales.clear();
-        states.encode_tlh(self.dtype, &mut buf, &mut self.scales);
-        // FP8: the scales `[T, L, 1]` follow the codes in the same buffer.
-        let n_codes = buf.len();
-        buf.extend_from_slice(bytemuck::cast_slice(&self.scales));
-        // token_ids, then loss_mask: the lead of the file.
-        self.ids.clear();
-        self.ids.extend(sample.input_ids.iter().flat_map(|&v| (v as i64).to_le_bytes()));
-        let n_ids = self.ids.len();
-        match &sample.loss_mask {
-            Some(m) => self.ids.extend_from_slice(m),
-            None => self.ids.resize(n_ids + t, 1),
-        }
+        let (lead, ids_at) = self.encoder.encode(&sample.input_ids, sample.loss_mask.as_deref(), states, &mut buf);
+        let bytes = (lead.len() + buf.len()) as u64;
         let out = self.out.get()?;
         // Row `i` of the table is file `i`: rows are numbered as they are written.
         let row = out.manifest().shards.len() + self.pending.len();
         let name = Self::file_name(row);
-        let (n_lead, n_hs) = (self.ids.len(), buf.len());
-        let mut header = serde_json::json!({
-            "token_ids": {"dtype": "I64", "shape": [t], "data_offsets": [0, n_ids]},
-            "loss_mask": {"dtype": "U8", "shape": [t], "data_offsets": [n_ids, n_lead]},
-            "hidden_states": {"dtype": self.dtype.to_safetensors().to_string(), "shape": [t, l, h],
-                              "data_offsets": [n_lead, n_lead + n_codes]},
-        });
-        if self.dtype.scaled() {
-            // The layout of the speculators stack's FP8 hidden-states reader
-            // (hs_connectors' FP8Transfer): `hidden_states * hidden_states_scales`.
-            header["hidden_states_scales"] = serde_json::json!({"dtype": "F32", "shape": [t, l, 1], "data_offsets": [n_lead + n_codes, n_lead + n_hs]});
-        }
-        let mut head = header.to_string().into_bytes();
-        // The safetensors header is padded with spaces so the data starts 8-byte aligned.
-        head.resize(head.len().next_multiple_of(8), b' ');
-        let bytes = (8 + head.len() + n_lead + n_hs) as u64;
-        // The header, ids and mask lead the file; the hidden states follow from their own buffer.
-        let mut lead = Vec::with_capacity(8 + head.len() + n_lead);
-        lead.extend_from_slice(&(head.len() as u64).to_le_bytes());
-        lead.extend_from_slice(&head);
-        let ids_at = lead.len();
-        lead.extend_from_slice(&self.ids);
         // Room for this one: at most IN_FLIGHT files, and IN_FLIGHT_BYTES
         // between them (one file alone may be larger).
         self.settle(IN_FLIGHT - 1, IN_FLIGHT_BYTES.saturating_sub(bytes))?;
@@ -290,6 +253,84 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
     fn bytes_written(&self) -> u64 {
         // Counted when a file is committed: the one in flight is not yet.
         self.bytes_written
+    }
+}
+
+/// Encodes one sample's file of the speculators format, as the trainer
+/// reads it (`safetensors.torch.load_file`): `token_ids` (I64 `[T]`),
+/// `loss_mask` (U8 `[T]`, all ones without a mask), `hidden_states`
+/// (`[T, L, H]`) and, in FP8, `hidden_states_scales` (F32 `[T, L, 1]`), in
+/// that order, the header padded with spaces to 8 bytes. The offline sink and
+/// `strata serve` share it, so a served file is byte for byte an offline one.
+#[derive(Debug)]
+pub struct SpeculatorsEncoder {
+    dtype: DType,
+    // The sample's token ids (I64) and mask, `[T]` each.
+    ids: Vec<u8>,
+    // FP8 scales of the sample being encoded, `[T, L]`.
+    scales: Vec<f32>,
+}
+
+impl SpeculatorsEncoder {
+    /// An encoder storing the states as `dtype`.
+    pub fn new(dtype: DType) -> Self {
+        SpeculatorsEncoder { dtype, ids: Vec::new(), scales: Vec::new() }
+    }
+
+    /// Encodes the states (and FP8 scales) into `body` (cleared first) and
+    /// returns the file's lead (length, header, ids and mask), which goes
+    /// before `body`, with where its ids start (the checksum covers the lead
+    /// from there, then `body`).
+    pub fn encode<L: Dim, H: Dim>(
+        &mut self,
+        ids: &[u32],
+        mask: Option<&[u8]>,
+        states: StatesView<'_, L, H>,
+        body: &mut Vec<u8>,
+    ) -> (Vec<u8>, usize) {
+        let [l, t, h] = states.shape();
+        body.clear();
+        self.scales.clear();
+        states.encode_tlh(self.dtype, body, &mut self.scales);
+        // FP8: the scales `[T, L, 1]` follow the codes in the same buffer.
+        let n_codes = body.len();
+        body.extend_from_slice(bytemuck::cast_slice(&self.scales));
+        // token_ids, then loss_mask: the lead of the file.
+        self.ids.clear();
+        self.ids.extend(ids.iter().flat_map(|&v| (v as i64).to_le_bytes()));
+        let n_ids = self.ids.len();
+        match mask {
+            Some(m) => self.ids.extend_from_slice(m),
+            None => self.ids.resize(n_ids + t, 1),
+        }
+        let (n_lead, n_hs) = (self.ids.len(), body.len());
+        let mut header = serde_json::json!({
+            "token_ids": {"dtype": "I64", "shape": [t], "data_offsets": [0, n_ids]},
+            "loss_mask": {"dtype": "U8", "shape": [t], "data_offsets": [n_ids, n_lead]},
+            "hidden_states": {"dtype": self.dtype.to_safetensors().to_string(), "shape": [t, l, h],
+                              "data_offsets": [n_lead, n_lead + n_codes]},
+        });
+        if self.dtype.scaled() {
+            // The layout of the speculators stack's FP8 hidden-states reader
+            // (hs_connectors' FP8Transfer): `hidden_states * hidden_states_scales`.
+            header["hidden_states_scales"] = serde_json::json!({"dtype": "F32", "shape": [t, l, 1], "data_offsets": [n_lead + n_codes, n_lead + n_hs]});
+        }
+        let mut head = header.to_string().into_bytes();
+        // The safetensors header is padded with spaces so the data starts 8-byte aligned.
+        head.resize(head.len().next_multiple_of(8), b' ');
+        let mut lead = Vec::with_capacity(8 + head.len() + n_lead);
+        lead.extend_from_slice(&(head.len() as u64).to_le_bytes());
+        lead.extend_from_slice(&head);
+        let ids_at = lead.len();
+        lead.extend_from_slice(&self.ids);
+        (lead, ids_at)
+    }
+
+    /// The bytes of a file of `t` tokens of `l` points of width `h`: what a served request reserves.
+    pub fn file_bytes(&self, t: usize, l: usize, h: usize) -> u64 {
+        let scales = if self.dtype.scaled() { t * l * 4 } else { 0 };
+        // The header is at most a few hundred bytes; 512 bounds it.
+        (512 + t * 9 + t * l * h * self.dtype.size() + scales) as u64
     }
 }
 

@@ -50,6 +50,9 @@ enum Command {
     /// Check every sample of a native-format output against its manifest; exit 1 on any problem.
     #[command(after_long_help = VERIFY_HELP)]
     Verify(VerifyArgs),
+    /// Serve hidden states to the speculators trainer online (its vLLM protocol): no dataset on disk.
+    #[command(after_long_help = SERVE_HELP)]
+    Serve(ServeArgs),
     /// Join the parts many processes wrote into OUT/part-IIII-of-NNNN/ into one dataset, copying nothing.
     #[command(after_long_help = MERGE_HELP)]
     Merge(MergeArgs),
@@ -73,6 +76,104 @@ EXAMPLES:
   # 16 Slurm array tasks, then one merge:
   sbatch --array=0-15 examples/slurm/extract.sbatch
   strata merge /scratch/run1 && strata verify /scratch/run1";
+
+const SERVE_HELP: &str = "\
+The speculators trainer trains online against a vLLM server by default (--on-missing
+generate): for each sample it has no file for, it sends the token ids to
+POST /v1/completions (max_tokens 1), loads the safetensors file named in the reply's
+kv_transfer_params.hidden_states_path, checks it and deletes it. strata serve is
+that server. Each file is the one `strata extract --format speculators` writes for
+the same ids (token_ids, loss_mask of ones, hidden_states [T, L, H]), byte for byte
+on the cpu and reference backends, whatever else shared its forward step.
+
+ROUTES: GET /health (200 once loaded), GET /v1/models, POST /v1/completions (token
+ids), POST /v1/chat/completions (text parts, rendered with the chat template), GET
+/metrics (Prometheus).
+
+LAYER IDS: the file's last slot must be `final` (the trainer normalises it itself),
+so --capture ends with final. At start the server prints the ids it serves (input:K
+is id K, final is id N) and the trainer's --target-layer-ids: the ids before the
+final one. Nothing in the protocol checks them: other ids train on the wrong states.
+
+FILES: written whole under a temporary name and renamed before the reply, named
+unguessably (strata-<128 bits>.safetensors) in --hidden-states-dir, which the
+trainer must be able to read and delete in (the same path on its machine).
+--max-pending-bytes bounds the files served and not yet deleted plus those being
+made: a request waits for room (the trainer deletes each file once loaded); one
+larger than the cap is served alone. A file whose client hung up is removed at
+once; one nobody deletes within --pending-ttl is removed then.
+
+BATCHING: requests from all connections are packed into forward steps of
+--max-batch-tokens; a longer prompt is split across steps. A request whose client
+hung up while queued is dropped before its forward. The queue holds about 60 s of
+work at the measured throughput (never less than four steps), then answers 503.
+
+STOPPING: SIGTERM or SIGINT stops accepting, lets requests in a step finish within
+--shutdown-grace, answers the rest 503 (removing their files) and exits 0.
+
+EXAMPLES:
+  # One server per node, the trainer's ranks on the same node:
+  strata serve --model ./Llama-3.1-8B --capture eagle3 --dtype bf16 \\
+      --hidden-states-dir /dev/shm/hs --port 8000
+  speculators train --verifier-name-or-path ./Llama-3.1-8B --data-path ./data \\
+      --vllm-endpoint http://127.0.0.1:8000/v1 --on-missing generate --target-layer-ids 2 16 29";
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    run: ModelArgs,
+    #[command(flatten)]
+    template: TemplateArgs,
+    /// The longest prompt served, in tokens; longer ones get a 400. Default:
+    /// the model's max_position_embeddings.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    max_seq_len: Option<u64>,
+    /// Where the hidden-state files go (created if missing). The trainer reads
+    /// each file at the absolute path in the reply, then deletes it: use a
+    /// directory both see at the same path (local disk or /dev/shm for one
+    /// node, a shared filesystem across nodes).
+    #[arg(long, value_name = "DIR")]
+    hidden_states_dir: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The model name /v1/models lists: the trainer's --verifier-name-or-path
+    /// must be exactly this string. Default: --model as given (as vLLM does).
+    #[arg(long, value_name = "NAME")]
+    served_model_name: Option<String>,
+    /// Bytes of files served and not yet deleted, plus those being made, at
+    /// most (a request waits for room; one larger is served alone).
+    #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = parse_size)]
+    max_pending_bytes: u64,
+    /// A served file not deleted this long after its reply is removed (its
+    /// reader is gone), e.g. 300s, 10m.
+    #[arg(long, value_name = "TIME", default_value = "300s", value_parser = parse_duration)]
+    pending_ttl: Duration,
+    /// After SIGTERM, how long requests already in a forward step may finish.
+    #[arg(long, value_name = "TIME", default_value = "5s", value_parser = parse_duration)]
+    shutdown_grace: Duration,
+    /// Connections open at once at most; more wait to be accepted.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    max_connections: usize,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("{s:?} is not a duration (e.g. 5s, 300s, 10m)"))?;
+    let secs = match unit.trim() {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        other => return Err(format!("unknown time unit {other:?} in {s:?} (ms, s, m, h)")),
+    };
+    Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"))
+}
 
 #[derive(clap::Args)]
 struct MergeArgs {
@@ -335,40 +436,21 @@ enum FormatArg {
     Speculators,
 }
 
+/// The model and how it runs: the flags `extract` and `serve` share (one contract).
 #[derive(clap::Args)]
-struct ExtractArgs {
+struct ModelArgs {
     /// HF checkpoint directory (config.json + *.safetensors). Default: the embedded demo model.
     #[arg(long, value_name = "DIR")]
     model: Option<PathBuf>,
-    /// JSON Lines of token ids, conversations or text (see INPUT below): a
-    /// file, a pipe or FIFO, or - for stdin; or a datasets directory
-    /// (save_to_disk). Read once, checked as it streams. Default: the embedded demo data.
-    #[arg(long, value_name = "FILE.jsonl|DIR")]
-    data: Option<PathBuf>,
     /// Comma list of capture points (see below), in output order.
     #[arg(long, value_name = "LIST", default_value = "eagle3")]
     capture: String,
-    /// Output directory (created if missing; must be empty unless --resume or --overwrite).
-    #[arg(long, value_name = "DIR")]
-    out: PathBuf,
     /// Storage dtype of hidden states. Default: the checkpoint's dtype.
     #[arg(long, value_enum)]
     dtype: Option<DTypeArg>,
-    /// Output format.
-    #[arg(long, value_enum, default_value = "strata")]
-    format: FormatArg,
     /// Tokens per forward step; longer samples are split across steps.
     #[arg(long, value_name = "N", default_value_t = 8192)]
     max_batch_tokens: usize,
-    /// Target size of each shard (native format), e.g. 1GiB, 256MiB, 1000000.
-    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
-    shard_size: u64,
-    /// Continue an interrupted run in --out: keep finished files, skip their samples.
-    #[arg(long, conflicts_with = "overwrite")]
-    resume: bool,
-    /// Replace the output an earlier run (of either format) left in --out.
-    #[arg(long)]
-    overwrite: bool,
     /// What to do with a sample whose captured states hold NaN or Inf.
     #[arg(long, value_enum, value_name = "WHAT", default_value = "fail")]
     on_nonfinite: NonFiniteArg,
@@ -388,10 +470,11 @@ struct ExtractArgs {
     /// the kernel path; --resume refuses a run that would mix them.
     #[arg(long, value_enum, value_name = "DTYPE", default_value = "auto")]
     compute: ComputeArg,
-    /// What the --data records are. Default: detected from the first line
-    /// (`input_ids`, `conversations`, `messages` or `text`).
-    #[arg(long, value_enum, value_name = "FORMAT", default_value = "auto", help_heading = "Input")]
-    input_format: InputFormatArg,
+}
+
+/// The chat template and its variables: shared by `extract` and `serve`.
+#[derive(clap::Args)]
+struct TemplateArgs {
     /// Chat template (Jinja) to render conversations with, instead of the
     /// model's chat_template.jinja or tokenizer_config.json's.
     #[arg(long, value_name = "FILE", help_heading = "Input")]
@@ -402,6 +485,44 @@ struct ExtractArgs {
     /// The date strftime_now renders, YYYY-MM-DD (recorded; a resume reuses it). Default: today.
     #[arg(long, value_name = "DATE", value_parser = parse_date, help_heading = "Input")]
     chat_date: Option<chrono::NaiveDate>,
+    /// The memory one render of the chat template may take (its strings,
+    /// lists and output; an instruction counts 64 bytes), e.g. 1GiB, 256MiB.
+    /// Renders run in a process of their own held to it: a conversation
+    /// that needs more is refused, saying so, and the run goes on.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size, help_heading = "Input")]
+    template_memory: u64,
+}
+
+#[derive(clap::Args)]
+struct ExtractArgs {
+    #[command(flatten)]
+    run: ModelArgs,
+    /// JSON Lines of token ids, conversations or text (see INPUT below): a
+    /// file, a pipe or FIFO, or - for stdin; or a datasets directory
+    /// (save_to_disk). Read once, checked as it streams. Default: the embedded demo data.
+    #[arg(long, value_name = "FILE.jsonl|DIR")]
+    data: Option<PathBuf>,
+    /// Output directory (created if missing; must be empty unless --resume or --overwrite).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "strata")]
+    format: FormatArg,
+    /// Target size of each shard (native format), e.g. 1GiB, 256MiB, 1000000.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
+    shard_size: u64,
+    /// Continue an interrupted run in --out: keep finished files, skip their samples.
+    #[arg(long, conflicts_with = "overwrite")]
+    resume: bool,
+    /// Replace the output an earlier run (of either format) left in --out.
+    #[arg(long)]
+    overwrite: bool,
+    /// What the --data records are. Default: detected from the first line
+    /// (`input_ids`, `conversations`, `messages` or `text`).
+    #[arg(long, value_enum, value_name = "FORMAT", default_value = "auto", help_heading = "Input")]
+    input_format: InputFormatArg,
+    #[command(flatten)]
+    template: TemplateArgs,
     /// Where conversations' loss masks come from.
     #[arg(long, value_enum, value_name = "FROM", default_value = "boundary", help_heading = "Input")]
     loss_mask: LossMaskArg,
@@ -416,12 +537,6 @@ struct ExtractArgs {
     /// Leave rows longer than the limit out instead of cutting them.
     #[arg(long, help_heading = "Input")]
     skip_long: bool,
-    /// The memory one render of the chat template may take (its strings,
-    /// lists and output; an instruction counts 64 bytes), e.g. 1GiB, 256MiB.
-    /// Renders run in a process of their own held to it: a conversation
-    /// that needs more is refused, saying so, and the run goes on.
-    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size, help_heading = "Input")]
-    template_memory: u64,
     /// Stop once the chat template fails on this many conversations in a
     /// row (refused, out of memory or instructions), naming the template
     /// and the last error; 0: never stop.
@@ -715,55 +830,77 @@ fn launcher_gpus(tp: usize, env: impl Fn(&str) -> Option<String>) -> Result<Opti
     Ok(None)
 }
 
-fn extract(a: ExtractArgs) -> anyhow::Result<()> {
-    strata::backend::cpu::bf16::kernel_override().map_err(anyhow::Error::msg)?;
-    if a.tp == 0 {
-        anyhow::bail!("--tp must be at least 1");
-    }
-    if a.max_batch_tokens == 0 {
-        anyhow::bail!("--max-batch-tokens must be at least 1");
-    }
-    let part = strata::input::parts::resolve(a.part_index, a.num_parts, |k| std::env::var(k).ok())
-        .map_err(|e| anyhow::anyhow!("cannot tell this process's part of the input: {e}"))?;
-    let devices = match (&a.backend, a.devices.is_empty()) {
-        (BackendArg::Cuda, true) => match launcher_gpus(a.tp, |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)? {
-            Some((gpus, from)) => {
-                let list: Vec<String> = gpus.iter().map(|g| g.to_string()).collect();
-                say!("GPUs {} (from {from}; --devices chooses others)", list.join(","));
-                gpus
+impl ModelArgs {
+    /// The model request these flags make, checked; GPUs from the launcher when --devices is not given.
+    fn request(&self) -> anyhow::Result<ModelRequest> {
+        strata::backend::cpu::bf16::kernel_override().map_err(anyhow::Error::msg)?;
+        if self.tp == 0 {
+            anyhow::bail!("--tp must be at least 1");
+        }
+        if self.max_batch_tokens == 0 {
+            anyhow::bail!("--max-batch-tokens must be at least 1");
+        }
+        let devices = match (&self.backend, self.devices.is_empty()) {
+            (BackendArg::Cuda, true) => {
+                match launcher_gpus(self.tp, |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)? {
+                    Some((gpus, from)) => {
+                        let list: Vec<String> = gpus.iter().map(|g| g.to_string()).collect();
+                        say!("GPUs {} (from {from}; --devices chooses others)", list.join(","));
+                        gpus
+                    }
+                    None => Vec::new(),
+                }
             }
-            None => Vec::new(),
-        },
-        _ => a.devices.clone(),
-    };
-    if a.model.is_some() && a.data.is_none() {
-        anyhow::bail!("--model needs --data FILE.jsonl (the embedded demo data is made for the embedded model)");
-    }
-    let job = ExtractJob {
-        model: ModelRequest {
-            source: model_source(a.model.clone()),
-            backend: a.backend.into(),
-            compute: a.compute.choice(),
-            tp: a.tp,
+            _ => self.devices.clone(),
+        };
+        Ok(ModelRequest {
+            source: model_source(self.model.clone()),
+            backend: self.backend.into(),
+            compute: self.compute.choice(),
+            tp: self.tp,
             devices,
-        },
-        data: match a.data {
-            Some(p) => DataSource::File(p),
-            None => DataSource::Static { name: embedded::DATA_NAME, text: embedded::DATA_JSONL },
-        },
-        capture: a.capture,
-        out: a.out.clone(),
-        dtype: a.dtype.map(|d| match d {
+        })
+    }
+
+    fn dtype(&self) -> Option<DType> {
+        self.dtype.map(|d| match d {
             DTypeArg::F32 => DType::F32,
             DTypeArg::Bf16 => DType::BF16,
             DTypeArg::F16 => DType::F16,
             DTypeArg::Fp8 => DType::F8E4M3,
-        }),
+        })
+    }
+
+    fn on_nonfinite(&self) -> OnNonFinite {
+        match self.on_nonfinite {
+            NonFiniteArg::Fail => OnNonFinite::Fail,
+            NonFiniteArg::Skip => OnNonFinite::Skip,
+        }
+    }
+}
+
+fn extract(a: ExtractArgs) -> anyhow::Result<()> {
+    let request = a.run.request()?;
+    let part = strata::input::parts::resolve(a.part_index, a.num_parts, |k| std::env::var(k).ok())
+        .map_err(|e| anyhow::anyhow!("cannot tell this process's part of the input: {e}"))?;
+    if a.run.model.is_some() && a.data.is_none() {
+        anyhow::bail!("--model needs --data FILE.jsonl (the embedded demo data is made for the embedded model)");
+    }
+    let r = &a.run;
+    let job = ExtractJob {
+        model: request,
+        data: match a.data {
+            Some(p) => DataSource::File(p),
+            None => DataSource::Static { name: embedded::DATA_NAME, text: embedded::DATA_JSONL },
+        },
+        capture: r.capture.clone(),
+        out: a.out.clone(),
+        dtype: r.dtype(),
         format: match a.format {
             FormatArg::Strata => Format::Strata,
             FormatArg::Speculators => Format::Speculators,
         },
-        max_batch_tokens: a.max_batch_tokens,
+        max_batch_tokens: r.max_batch_tokens,
         shard_size: a.shard_size,
         mode: if a.resume {
             OpenMode::Resume
@@ -772,10 +909,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         } else {
             OpenMode::Create
         },
-        on_nonfinite: match a.on_nonfinite {
-            NonFiniteArg::Fail => OnNonFinite::Fail,
-            NonFiniteArg::Skip => OnNonFinite::Skip,
-        },
+        on_nonfinite: r.on_nonfinite(),
         prepare: PrepareArgs {
             input_format: match a.input_format {
                 InputFormatArg::Auto => InputFormat::Auto,
@@ -785,9 +919,9 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
                 InputFormatArg::Openai => InputFormat::OpenAi,
                 InputFormatArg::HfDataset => InputFormat::HfDataset,
             },
-            chat_template: a.chat_template,
-            kwargs: a.chat_template_kwargs.unwrap_or_default(),
-            date: a.chat_date,
+            chat_template: a.template.chat_template,
+            kwargs: a.template.chat_template_kwargs.unwrap_or_default(),
+            date: a.template.chat_date,
             mask: match a.loss_mask {
                 LossMaskArg::Boundary => MaskSource::Boundary,
                 LossMaskArg::Generation => MaskSource::Generation,
@@ -799,14 +933,14 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
             },
             max_seq_len: a.max_seq_len.map(|n| n as usize),
             skip_long: a.skip_long,
-            template_memory: a.template_memory,
+            template_memory: a.template.template_memory,
             max_template_failures: a.max_template_failures,
             isolation: render_process(),
         },
         part,
     };
     let out = job.out_dir();
-    let model = a.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
+    let model = a.run.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
     let mut reporter = Reporter::new();
     let summary = job
         .run(|p, input| reporter.update(p, input))
@@ -909,6 +1043,7 @@ fn main() -> ExitCode {
             .with_context(|| format!("strata inspect {}", a.path.display())),
         Command::Verify(a) => verify(a),
         Command::Merge(a) => merge(&a.dir, a.data.as_deref()),
+        Command::Serve(a) => serve(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -916,6 +1051,118 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    use strata::serve::Event;
+    let request = a.run.request()?;
+    let name = a.served_model_name.clone().unwrap_or_else(|| strata::serve::default_model_name(&request));
+    let opts = strata::serve::ServeOptions {
+        model: request,
+        capture: a.run.capture.clone(),
+        dtype: a.run.dtype(),
+        max_batch_tokens: a.run.max_batch_tokens,
+        max_seq_len: a.max_seq_len.map(|n| n as usize),
+        chat: strata::chat::ChatOptions {
+            template_file: a.template.chat_template.clone(),
+            date: a.template.chat_date.unwrap_or_else(|| chrono::Local::now().date_naive()),
+            kwargs: a.template.chat_template_kwargs.clone().unwrap_or_default(),
+            template_memory: a.template.template_memory,
+        },
+        states_dir: a.hidden_states_dir.clone(),
+        host: a.host.clone(),
+        port: a.port,
+        served_model_name: name.clone(),
+        max_pending_bytes: a.max_pending_bytes,
+        pending_ttl: a.pending_ttl,
+        shutdown_grace: a.shutdown_grace,
+        max_connections: a.max_connections,
+        header_timeout: Duration::from_secs(10),
+    };
+    if a.run.on_nonfinite() == OnNonFinite::Skip {
+        eprintln!("note: a served prompt whose states hold NaN or Inf gets a 500 either way (--on-nonfinite skip has nothing to skip)");
+    }
+    let mut addr = None;
+    strata::serve::serve(opts, |event| match event {
+        Event::Listening(at) => {
+            addr = Some(at);
+            say!("listening on http://{at} (GET /health answers 503 until the model is loaded)");
+        }
+        Event::Ready(r) => {
+            let at = addr.map_or("HOST:PORT".into(), |a| a.to_string());
+            let points: Vec<String> = r.points.iter().map(|p| p.to_string()).collect();
+            let ids = |v: &[usize]| v.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" ");
+            let fp8 = if r.dtype == DType::F8E4M3 { " --hidden-states-backend fp8" } else { "" };
+            say!(
+                "serving {:?} on http://{at}/v1 ({} backend, {} compute, loaded in {:.1}s)",
+                r.served_model_name,
+                r.backend,
+                r.compute,
+                r.load_time.as_secs_f64()
+            );
+            say!(
+                "  capture     {} ({}), files [T, {}, H] in {}",
+                points.join(","),
+                r.dtype,
+                r.points.len(),
+                r.states_dir.display()
+            );
+            say!(
+                "  layer ids   {} (input:K is id K; the last, {}, is final: the trainer's verifier_last_hidden_states)",
+                ids(&r.layer_ids),
+                r.layer_ids.last().copied().unwrap_or(0)
+            );
+            say!(
+                "  trainer     --target-layer-ids {} : the ids before the final one, in this order. Nothing in the \
+                 protocol checks them: other ids train silently on the wrong states",
+                ids(&r.target_layer_ids)
+            );
+            say!(
+                "  command     speculators train --verifier-name-or-path {} --vllm-endpoint http://{at}/v1 \
+                 --on-missing generate --target-layer-ids {}{fp8} --data-path DIR",
+                shell_quote(&r.served_model_name),
+                ids(&r.target_layer_ids)
+            );
+            say!("  prompts     at most {} tokens", r.max_tokens);
+            if let Some(why) = &r.no_chat {
+                say!("  chat        /v1/chat/completions is off: {why}");
+            }
+        }
+        Event::Progress(p) => {
+            if p.served + p.errors + p.steps > 0 || p.queued > 0 {
+                eprintln!(
+                    "served {} requests ({} tokens) in {:.0}s: {:.0} tokens/s; {} steps, {:.0}% full; queue {}; \
+                     pending {} files ({:.1} MiB); {} errors",
+                    p.served,
+                    p.tokens,
+                    p.secs,
+                    p.tokens as f64 / p.secs.max(1e-9),
+                    p.steps,
+                    100.0 * p.fill,
+                    p.queued,
+                    p.pending.0,
+                    p.pending.1 as f64 / (1 << 20) as f64,
+                    p.errors
+                );
+            }
+        }
+        Event::Stopping => {
+            eprintln!("stopping: no new requests; those in a forward step finish within --shutdown-grace")
+        }
+        Event::Stopped { abandoned } => {
+            eprintln!("stopped ({abandoned} requests still in a step were answered 503; their files are removed)")
+        }
+    })
+    .with_context(|| format!("strata serve failed (model {name})"))
+}
+
+/// `s` as a shell word.
+fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./:@+=".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
     }
 }
 

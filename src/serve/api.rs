@@ -1,0 +1,414 @@
+//! The OpenAI-compatible requests and replies `strata serve` speaks, as the
+//! speculators trainer's client sends and reads them (vLLM's shapes): token
+//! ids in, `prompt_token_ids` and `kv_transfer_params.hidden_states_path`
+//! out. Every malformed request is a 4xx whose body names the problem.
+
+use serde_json::{json, Value};
+
+/// An error reply: an HTTP status and an OpenAI-style body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: u16,
+    /// The error's `type` (OpenAI's class names, as vLLM sends them).
+    pub kind: &'static str,
+    /// What is wrong, in a sentence.
+    pub message: String,
+    /// The request field at fault, if one is.
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    /// 400: the request is wrong.
+    pub fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        ApiError { status: 400, kind: "BadRequestError", message: message.into(), param }
+    }
+    /// 404.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        ApiError { status: 404, kind: "NotFoundError", message: message.into(), param: None }
+    }
+    /// 405.
+    pub fn method(message: impl Into<String>) -> Self {
+        ApiError { status: 405, kind: "MethodNotAllowed", message: message.into(), param: None }
+    }
+    /// 408: the body did not arrive in time.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        ApiError { status: 408, kind: "RequestTimeout", message: message.into(), param: None }
+    }
+    /// 413: the body is larger than any valid request.
+    pub fn too_large(message: impl Into<String>) -> Self {
+        ApiError { status: 413, kind: "RequestEntityTooLarge", message: message.into(), param: None }
+    }
+    /// 500: the server failed this request (and goes on).
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError { status: 500, kind: "InternalServerError", message: message.into(), param: None }
+    }
+    /// 503: not now (loading, full, stopping).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError { status: 503, kind: "ServiceUnavailableError", message: message.into(), param: None }
+    }
+
+    /// The JSON body: `{"error": {"message", "type", "param", "code"}}`.
+    pub fn body(&self) -> String {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}})
+            .to_string()
+    }
+}
+
+/// What requests are checked against.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// The name `/v1/models` lists; a request naming another model is a 404.
+    pub model: String,
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+    /// A prompt may have at most this many tokens.
+    pub max_tokens: usize,
+    /// Where that limit comes from, for messages.
+    pub max_tokens_from: String,
+}
+
+fn parse_object(body: &[u8]) -> Result<serde_json::Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(other) => Err(ApiError::bad(format!("the request body must be a JSON object, got {}", kind(&other)), None)),
+        Err(e) => Err(ApiError::bad(format!("the request body is not JSON: {e}"), None)),
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The fields both endpoints check alike: the model, one completion of one token, no stream.
+fn check_common(m: &serde_json::Map<String, Value>, limits: &Limits) -> Result<(), ApiError> {
+    match m.get("model") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if *s == limits.model => {}
+        Some(Value::String(s)) => {
+            return Err(ApiError::not_found(format!(
+                "The model `{}` does not exist: this server serves `{}` (its --served-model-name)",
+                crate::clip(s, crate::QUOTE_MAX),
+                limits.model
+            )))
+        }
+        Some(other) => {
+            return Err(ApiError::bad(format!("`model` must be a string, got {}", kind(other)), Some("model")))
+        }
+    }
+    let generation = "generation is not served: strata serve computes a prompt's hidden states and writes them to \
+                      the file named in kv_transfer_params.hidden_states_path; send max_tokens 1, as the \
+                      speculators trainer does";
+    match m.get("max_tokens").or_else(|| m.get("max_completion_tokens")) {
+        Some(v) if v.as_u64() == Some(1) => {}
+        Some(v) => return Err(ApiError::bad(format!("max_tokens is {v}: {generation}"), Some("max_tokens"))),
+        None => {
+            return Err(ApiError::bad(
+                format!("max_tokens is not given (OpenAI's default is 16): {generation}"),
+                Some("max_tokens"),
+            ))
+        }
+    }
+    if m.get("stream").is_some_and(|v| v.as_bool() == Some(true)) {
+        return Err(ApiError::bad("streaming is not served: send stream false (or leave it out)", Some("stream")));
+    }
+    if let Some(n) = m.get("n").filter(|v| !v.is_null() && v.as_u64() != Some(1)) {
+        return Err(ApiError::bad(format!("n is {n}: one completion per request is served"), Some("n")));
+    }
+    Ok(())
+}
+
+/// Checks token ids against the vocabulary and the length limit.
+pub fn check_ids(ids: &[u32], limits: &Limits, field: &'static str) -> Result<(), ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::bad(format!("the {field} is empty: send at least one token id"), Some(field)));
+    }
+    if ids.len() > limits.max_tokens {
+        return Err(ApiError::bad(
+            format!(
+                "the {field} has {} tokens, more than the model takes: at most {} ({})",
+                ids.len(),
+                limits.max_tokens,
+                limits.max_tokens_from
+            ),
+            Some(field),
+        ));
+    }
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= limits.vocab_size) {
+        return Err(ApiError::bad(
+            format!(
+                "token id {id} at {field}[{i}] is outside the vocabulary (vocab_size {}: ids 0 to {})",
+                limits.vocab_size,
+                limits.vocab_size - 1
+            ),
+            Some(field),
+        ));
+    }
+    Ok(())
+}
+
+/// A `POST /v1/completions` body: its prompt's token ids, checked.
+pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<u32>, ApiError> {
+    let m = parse_object(body)?;
+    check_common(&m, limits)?;
+    let prompt = match m.get("prompt") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::bad("the request has no prompt: send token ids", Some("prompt")))
+        }
+        Some(Value::String(_)) => {
+            return Err(ApiError::bad(
+                "a string prompt is not served: send the prompt as token ids (a list of integers), as the \
+                 speculators trainer does; text goes through /v1/chat/completions or `strata extract`",
+                Some("prompt"),
+            ))
+        }
+        Some(Value::Array(a)) => a,
+        Some(other) => {
+            return Err(ApiError::bad(
+                format!("the prompt must be a list of token ids, got {}", kind(other)),
+                Some("prompt"),
+            ))
+        }
+    };
+    if let Some(first) = prompt.first().filter(|v| v.is_array() || v.is_string()) {
+        return Err(ApiError::bad(
+            format!(
+                "a batch of prompts ({} {}) is not served: send one prompt of token ids per request",
+                prompt.len(),
+                if first.is_array() { "lists of token ids" } else { "strings" }
+            ),
+            Some("prompt"),
+        ));
+    }
+    let mut ids = Vec::with_capacity(prompt.len());
+    for (i, v) in prompt.iter().enumerate() {
+        match v.as_u64() {
+            Some(id) if id <= u32::MAX as u64 => ids.push(id as u32),
+            Some(id) => {
+                return Err(ApiError::bad(
+                    format!(
+                        "token id {id} at prompt[{i}] is outside the vocabulary (vocab_size {})",
+                        limits.vocab_size
+                    ),
+                    Some("prompt"),
+                ))
+            }
+            None => {
+                return Err(ApiError::bad(
+                    format!(
+                        "prompt[{i}] is not a token id (a non-negative integer): got {}",
+                        crate::clip(&v.to_string(), 40)
+                    ),
+                    Some("prompt"),
+                ))
+            }
+        }
+    }
+    check_ids(&ids, limits, "prompt")?;
+    Ok(ids)
+}
+
+/// A `POST /v1/chat/completions` body, its text parts joined.
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    /// `{role, content}` messages with string contents (and any other fields).
+    pub messages: Value,
+    /// `tools`, when given.
+    pub tools: Option<Value>,
+    /// `add_generation_prompt` (default true, as vLLM).
+    pub add_generation_prompt: bool,
+    /// `continue_final_message` (default false).
+    pub continue_final_message: bool,
+}
+
+/// Parses a chat request: text parts only (joined with newlines, as vLLM
+/// joins them for a template that takes string contents); an image, audio
+/// or video part is a 400 naming its type.
+pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, ApiError> {
+    let mut m = parse_object(body)?;
+    check_common(&m, limits)?;
+    let flag = |m: &serde_json::Map<String, Value>, k: &'static str, default: bool| match m.get(k) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(ApiError::bad(format!("`{k}` must be a boolean, got {}", kind(other)), Some(k))),
+    };
+    let add_generation_prompt = flag(&m, "add_generation_prompt", true)?;
+    let continue_final_message = flag(&m, "continue_final_message", false)?;
+    if add_generation_prompt && continue_final_message {
+        return Err(ApiError::bad(
+            "continue_final_message and add_generation_prompt cannot both be true: a final message is either \
+             continued or followed by a new turn's prompt",
+            Some("continue_final_message"),
+        ));
+    }
+    let Some(Value::Array(mut messages)) = m.remove("messages") else {
+        return Err(ApiError::bad("`messages` must be a list of {role, content} objects", Some("messages")));
+    };
+    if messages.is_empty() {
+        return Err(ApiError::bad("`messages` is empty", Some("messages")));
+    }
+    for (i, msg) in messages.iter_mut().enumerate() {
+        let Value::Object(msg) = msg else {
+            return Err(ApiError::bad(format!("messages[{i}] must be an object"), Some("messages")));
+        };
+        let text = match msg.get("content") {
+            None | Some(Value::Null) | Some(Value::String(_)) => continue,
+            Some(Value::Array(parts)) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for (j, part) in parts.iter().enumerate() {
+                    let ty = part.get("type").and_then(Value::as_str).unwrap_or("");
+                    match (ty, part.get("text")) {
+                        ("text", Some(Value::String(t))) => texts.push(t.as_str()),
+                        ("text", _) => {
+                            return Err(ApiError::bad(
+                                format!("messages[{i}].content[{j}] is a text part without a string `text`"),
+                                Some("messages"),
+                            ))
+                        }
+                        ("", _) => {
+                            return Err(ApiError::bad(
+                                format!("messages[{i}].content[{j}] has no `type`"),
+                                Some("messages"),
+                            ))
+                        }
+                        (other, _) => {
+                            return Err(ApiError::bad(
+                                format!(
+                                    "messages[{i}].content[{j}] is a `{}` part: only text is served (the models \
+                                     strata runs read no images, audio or video)",
+                                    crate::clip(other, 40)
+                                ),
+                                Some("messages"),
+                            ))
+                        }
+                    }
+                }
+                texts.join("\n")
+            }
+            Some(other) => {
+                return Err(ApiError::bad(
+                    format!("messages[{i}].content must be a string or a list of parts, got {}", kind(other)),
+                    Some("messages"),
+                ))
+            }
+        };
+        msg.insert("content".into(), Value::String(text));
+    }
+    let tools = m.remove("tools").filter(|t| !t.is_null());
+    Ok(ChatRequest { messages: Value::Array(messages), tools, add_generation_prompt, continue_final_message })
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// `GET /v1/models`.
+pub fn models_reply(model: &str, max_model_len: usize) -> String {
+    json!({"object": "list", "data": [{
+        "id": model, "object": "model", "created": now_secs(), "owned_by": "strata", "root": model,
+        "parent": null, "max_model_len": max_model_len
+    }]})
+    .to_string()
+}
+
+/// A completion's reply: vLLM's shape, with `choices[0].prompt_token_ids`
+/// and the file in `kv_transfer_params.hidden_states_path`.
+pub fn completion_reply(id: &str, model: &str, ids: &[u32], path: &str) -> String {
+    json!({
+        "id": format!("cmpl-{id}"), "object": "text_completion", "created": now_secs(), "model": model,
+        "choices": [{"index": 0, "text": "", "logprobs": null, "finish_reason": "length", "stop_reason": null,
+                     "token_ids": [], "prompt_logprobs": null, "prompt_token_ids": ids}],
+        "usage": {"prompt_tokens": ids.len(), "total_tokens": ids.len(), "completion_tokens": 0},
+        "kv_transfer_params": {"hidden_states_path": path},
+    })
+    .to_string()
+}
+
+/// A chat completion's reply: `prompt_token_ids` at the top level (where vLLM puts it for chat).
+pub fn chat_reply(id: &str, model: &str, ids: &[u32], path: &str) -> String {
+    json!({
+        "id": format!("chatcmpl-{id}"), "object": "chat.completion", "created": now_secs(), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "logprobs": null,
+                     "finish_reason": "length", "stop_reason": null, "token_ids": []}],
+        "usage": {"prompt_tokens": ids.len(), "total_tokens": ids.len(), "completion_tokens": 0},
+        "prompt_token_ids": ids,
+        "kv_transfer_params": {"hidden_states_path": path},
+    })
+    .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits { model: "m".into(), vocab_size: 100, max_tokens: 8, max_tokens_from: "--max-seq-len 8".into() }
+    }
+
+    fn err(body: &str) -> ApiError {
+        parse_completion(body.as_bytes(), &limits()).unwrap_err()
+    }
+
+    #[test]
+    fn completions_are_checked_and_each_error_names_its_problem() {
+        let ok =
+            parse_completion(br#"{"model":"m","prompt":[1,2,99],"max_tokens":1,"return_token_ids":true}"#, &limits());
+        assert_eq!(ok.unwrap(), vec![1, 2, 99]);
+        let cases = [
+            ("{", 400, "not JSON"),
+            ("[1]", 400, "JSON object"),
+            (r#"{"model":"x","prompt":[1],"max_tokens":1}"#, 404, "`x` does not exist"),
+            (r#"{"prompt":"hi","max_tokens":1}"#, 400, "string prompt"),
+            (r#"{"prompt":[[1],[2]],"max_tokens":1}"#, 400, "batch of prompts"),
+            (r#"{"prompt":["a","b"],"max_tokens":1}"#, 400, "batch of prompts"),
+            (r#"{"prompt":[1,100],"max_tokens":1}"#, 400, "token id 100 at prompt[1] is outside the vocabulary"),
+            (r#"{"prompt":[1,-3],"max_tokens":1}"#, 400, "prompt[1] is not a token id"),
+            (r#"{"prompt":[],"max_tokens":1}"#, 400, "empty"),
+            (r#"{"prompt":[1,1,1,1,1,1,1,1,1],"max_tokens":1}"#, 400, "9 tokens, more than the model takes: at most 8"),
+            (r#"{"prompt":[1],"max_tokens":16}"#, 400, "generation is not served"),
+            (r#"{"prompt":[1]}"#, 400, "generation is not served"),
+            (r#"{"prompt":[1],"max_tokens":1,"stream":true}"#, 400, "streaming"),
+        ];
+        for (body, status, words) in cases {
+            let e = err(body);
+            assert_eq!(e.status, status, "{body}: {e:?}");
+            assert!(e.message.contains(words), "{body}: {}", e.message);
+            let v: Value = serde_json::from_str(&e.body()).unwrap();
+            assert_eq!(v["error"]["code"], status);
+            assert_eq!(v["error"]["message"], e.message);
+        }
+    }
+
+    #[test]
+    fn chat_text_parts_are_joined_and_media_parts_refused_by_type() {
+        let body = br#"{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"add_generation_prompt":false}"#;
+        let c = parse_chat(body, &limits()).unwrap();
+        assert_eq!(c.messages[0]["content"], "a\nb");
+        assert!(!c.add_generation_prompt && !c.continue_final_message);
+        let body = br#"{"max_tokens":1,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"file:///x.png"}}]}]}"#;
+        let e = parse_chat(body, &limits()).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.message.contains("`image_url` part"), "{}", e.message);
+        let body = br#"{"max_tokens":1,"messages":[{"role":"user","content":"x"}],"add_generation_prompt":true,"continue_final_message":true}"#;
+        assert_eq!(parse_chat(body, &limits()).unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn the_reply_carries_what_the_trainer_reads() {
+        let v: Value = serde_json::from_str(&completion_reply("1", "m", &[5, 6], "/d/f.safetensors")).unwrap();
+        assert_eq!(v["choices"][0]["prompt_token_ids"], json!([5, 6]));
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(v["choices"][0]["text"], "");
+        assert_eq!(v["usage"]["prompt_tokens"], 2);
+        assert_eq!(v["kv_transfer_params"]["hidden_states_path"], "/d/f.safetensors");
+        let v: Value = serde_json::from_str(&chat_reply("1", "m", &[5], "/p")).unwrap();
+        assert_eq!(v["prompt_token_ids"], json!([5]));
+    }
+}

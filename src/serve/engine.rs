@@ -1,0 +1,334 @@
+//! Continuous batching: requests from any number of connections wait in one
+//! queue; the model's thread packs them into forward steps of up to
+//! `--max-batch-tokens` (a long prompt is split across steps, as offline),
+//! and the writer's thread cuts each finished prompt's states out of its
+//! step, checks and encodes them, writes the file and answers its request.
+//!
+//! ```text
+//! HTTP tasks ─submit─► queue ─► model thread (Scheduler, forward) ─► writer thread (Gatherer, file, reply)
+//! ```
+//!
+//! A request whose client hung up while it waited is dropped before its
+//! forward; one whose client hung up during it gets its file removed at once.
+
+use super::api::ApiError;
+use super::metrics::Metrics;
+use super::store::{Reservation, Served, Store};
+use crate::model::{AnyCache, AnyModel, Model};
+use crate::pipeline::capture::CaptureSet;
+use crate::pipeline::gather::Gatherer;
+use crate::pipeline::schedule::{Scheduler, Step};
+use crate::pipeline::source::Sample;
+use crate::shape::{CapturedStates, DType, ShapeError};
+use crate::sink::SpeculatorsEncoder;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+/// What a request gets back: its file, or why not.
+pub type Outcome = Result<Served, ApiError>;
+
+/// A request admitted to the queue.
+#[derive(Debug)]
+pub struct Job {
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// The bytes its file may take, reserved in the states directory.
+    pub reservation: Reservation,
+    /// Where its outcome goes; closed when its client hung up.
+    pub reply: oneshot::Sender<Outcome>,
+    /// When it was admitted.
+    pub admitted: Instant,
+    /// Its request's span.
+    pub span: tracing::Span,
+}
+
+/// Seconds of work the queue may hold at the measured throughput: the
+/// trainer's client waits 120 s for a reply before it asks again, so a full
+/// queue still answers its last request well within that.
+pub const QUEUE_SECONDS: f64 = 60.0;
+/// Requests the queue holds at most, whatever their tokens (bounds the
+/// memory of their ids and reservations).
+pub const QUEUE_REQUESTS: usize = 4096;
+
+#[derive(Debug, Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    tokens: usize,
+    closed: bool,
+}
+
+/// The queue, the requests in steps, and what both threads share.
+#[derive(Debug)]
+pub struct Engine {
+    queue: Mutex<Queue>,
+    work: Condvar,
+    /// Requests taken into a step, by sample index, until answered.
+    running: Mutex<HashMap<usize, Job>>,
+    next_index: AtomicUsize,
+    budget: usize,
+    /// Tokens per second of forward, measured (0 until the first step).
+    throughput: Mutex<f64>,
+    /// The model thread is between steps with nothing in flight.
+    idle: AtomicBool,
+    store: Arc<Store>,
+    metrics: Arc<Metrics>,
+}
+
+impl Engine {
+    /// An engine packing steps of `budget` tokens, writing into `store`.
+    pub fn new(budget: usize, store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
+        metrics.budget.store(budget as u64, Relaxed);
+        Engine {
+            queue: Mutex::new(Queue::default()),
+            work: Condvar::new(),
+            running: Mutex::new(HashMap::new()),
+            next_index: AtomicUsize::new(0),
+            budget,
+            throughput: Mutex::new(0.0),
+            idle: AtomicBool::new(true),
+            store,
+            metrics,
+        }
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, HashMap<usize, Job>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tokens the queue may hold: [`QUEUE_SECONDS`] of the measured
+    /// throughput, and never less than four steps.
+    pub fn queue_bound(&self) -> usize {
+        let tps = *self.throughput.lock().unwrap_or_else(|e| e.into_inner());
+        ((tps * QUEUE_SECONDS) as usize).max(4 * self.budget)
+    }
+
+    /// Whether a request of `tokens` would be admitted now (checked before
+    /// its bytes are reserved, so a full queue answers at once).
+    pub fn has_room(&self, tokens: usize) -> Result<(), ApiError> {
+        let q = self.queue();
+        self.room_in(&q, tokens)
+    }
+
+    fn room_in(&self, q: &Queue, tokens: usize) -> Result<(), ApiError> {
+        if q.closed {
+            return Err(ApiError::unavailable("the server is stopping"));
+        }
+        let bound = self.queue_bound();
+        // An empty queue takes any one request (a prompt may be longer than the bound).
+        if !q.jobs.is_empty() && (q.tokens + tokens > bound || q.jobs.len() >= QUEUE_REQUESTS) {
+            return Err(ApiError::unavailable(format!(
+                "the queue is full ({} requests, {} tokens: about {QUEUE_SECONDS:.0} s of work); try again",
+                q.jobs.len(),
+                q.tokens
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queues a request; a 503 when the queue is full or the server stopping.
+    pub fn submit(&self, job: Job) -> Result<(), (Job, ApiError)> {
+        let mut q = self.queue();
+        if let Err(e) = self.room_in(&q, job.ids.len()) {
+            return Err((job, e));
+        }
+        q.tokens += job.ids.len();
+        q.jobs.push_back(job);
+        self.metrics.queue_depth.store(q.jobs.len() as u64, Relaxed);
+        self.metrics.queue_tokens.store(q.tokens as u64, Relaxed);
+        drop(q);
+        self.work.notify_one();
+        Ok(())
+    }
+
+    /// The next queued request whose client still waits, as a sample; the
+    /// others are dropped here, before their forward.
+    fn pop_live(&self) -> Option<Sample> {
+        let mut q = self.queue();
+        while let Some(job) = q.jobs.pop_front() {
+            q.tokens -= job.ids.len();
+            self.metrics.queue_depth.store(q.jobs.len() as u64, Relaxed);
+            self.metrics.queue_tokens.store(q.tokens as u64, Relaxed);
+            if job.reply.is_closed() {
+                self.metrics.dropped_queued.fetch_add(1, Relaxed);
+                self.metrics.reply(499);
+                continue;
+            }
+            let index = self.next_index.fetch_add(1, Relaxed);
+            let sample = Sample {
+                index,
+                line: 0,
+                id: format!("request {index}"),
+                input_ids: job.ids.clone(),
+                loss_mask: None,
+                end: Default::default(),
+            };
+            self.running().insert(index, job);
+            return Some(sample);
+        }
+        None
+    }
+
+    /// Stops admitting: every queued request is answered 503 now.
+    pub fn close(&self) {
+        let jobs: Vec<Job> = {
+            let mut q = self.queue();
+            q.closed = true;
+            q.tokens = 0;
+            self.metrics.queue_depth.store(0, Relaxed);
+            self.metrics.queue_tokens.store(0, Relaxed);
+            q.jobs.drain(..).collect()
+        };
+        for job in jobs {
+            let _ = job.reply.send(Err(ApiError::unavailable("the server is stopping; ask another")));
+        }
+        self.work.notify_all();
+    }
+
+    /// Whether every request taken into a step has been answered and the model thread is idle.
+    pub fn drained(&self) -> bool {
+        self.running().is_empty() && self.idle.load(Relaxed)
+    }
+
+    /// Requests taken into a step and not yet answered.
+    pub fn running_count(&self) -> usize {
+        self.running().len()
+    }
+
+    /// Answers every request still in a step 503 (the shutdown grace ran out).
+    pub fn abandon_running(&self) {
+        let jobs: Vec<Job> = self.running().drain().map(|(_, j)| j).collect();
+        for job in jobs {
+            let _ = job.reply.send(Err(ApiError::unavailable("the server is stopping; ask another")));
+        }
+    }
+
+    fn fail_step(&self, step: &Step, error: &ApiError) {
+        let mut running = self.running();
+        for part in &step.parts {
+            if let Some(job) = running.remove(&part.sample.index) {
+                let _ = job.reply.send(Err(error.clone()));
+            }
+        }
+    }
+
+    /// The model's loop: waits for requests, packs steps, runs the forward,
+    /// hands states to the writer. Returns once closed and drained, or when
+    /// the writer is gone.
+    pub fn run_model(
+        &self,
+        model: &AnyModel,
+        captures: &CaptureSet<usize>,
+        to_writer: mpsc::SyncSender<(Step, CapturedStates<usize, usize>)>,
+    ) {
+        let mut scheduler = Scheduler::new(self.budget);
+        let mut cache = AnyCache::default();
+        // A prompt split across steps is mid-way: the next step continues it first.
+        let mut chunked = false;
+        loop {
+            {
+                let mut q = self.queue();
+                while q.jobs.is_empty() && !chunked {
+                    if q.closed {
+                        self.idle.store(true, Relaxed);
+                        return;
+                    }
+                    self.idle.store(true, Relaxed);
+                    q = self.work.wait_timeout(q, Duration::from_millis(500)).unwrap_or_else(|e| e.into_inner()).0;
+                }
+                self.idle.store(false, Relaxed);
+            }
+            let mut source = std::iter::from_fn(|| self.pop_live().map(Ok::<_, std::convert::Infallible>));
+            let Ok(Some(step)) = scheduler.next_step(&mut source) else { continue };
+            chunked = step.parts.last().is_some_and(|p| !p.last);
+            let tokens = step.batch.num_tokens();
+            let span = tracing::info_span!("step", tokens, requests = step.parts.len());
+            let _s = span.enter();
+            let t = Instant::now();
+            match model.forward_step(&step.batch, captures, &mut cache) {
+                Ok(states) => {
+                    let secs = t.elapsed().as_secs_f64();
+                    self.metrics.step(tokens, (secs * 1e6) as u64);
+                    {
+                        let mut tps = self.throughput.lock().unwrap_or_else(|e| e.into_inner());
+                        let now = tokens as f64 / secs.max(1e-6);
+                        *tps = if *tps == 0.0 { now } else { 0.8 * *tps + 0.2 * now };
+                    }
+                    if to_writer.send((step, states)).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("forward step failed: {e}");
+                    let error = ApiError::internal(format!("the forward step failed: {e}"));
+                    self.fail_step(&step, &error);
+                    // A prompt split across steps cannot continue without its cache.
+                    scheduler = Scheduler::new(self.budget);
+                    cache = AnyCache::default();
+                    chunked = false;
+                }
+            }
+        }
+    }
+
+    /// The writer's loop: each finished prompt's states checked (NaN, Inf),
+    /// encoded as the speculators file, written and answered.
+    pub fn run_writer(
+        &self,
+        from_model: mpsc::Receiver<(Step, CapturedStates<usize, usize>)>,
+        dtype: DType,
+        points: &[String],
+    ) {
+        let mut gatherer = Gatherer::<usize, usize>::default();
+        let mut encoder = SpeculatorsEncoder::new(dtype);
+        let mut body = Vec::new();
+        for (step, states) in from_model {
+            let t = Instant::now();
+            let r = gatherer.gather(&step, &states, |sample, view| -> Result<(), ShapeError> {
+                let Some(Job { reservation, reply, span, .. }) = self.running().remove(&sample.index) else {
+                    return Ok(());
+                };
+                let _s = span.enter();
+                if reply.is_closed() {
+                    // Its client hung up during the forward: no file.
+                    self.metrics.reply(499);
+                    return Ok(());
+                }
+                if let Some((l, nan, inf)) = crate::sink::nonfinite(&view, dtype) {
+                    let point = points.get(l).map_or("?", |p| p.as_str());
+                    let msg = format!(
+                        "capture point {point} holds {nan} NaN and {inf} Inf values for this prompt \
+                         (of {} tokens); no file was written",
+                        sample.len()
+                    );
+                    tracing::warn!("{msg}");
+                    let _ = reply.send(Err(ApiError::internal(msg)));
+                    return Ok(());
+                }
+                let (lead, _) = encoder.encode(&sample.input_ids, None, view, &mut body);
+                let outcome = self.store.write(reservation, &lead, &body).map_err(|e| {
+                    tracing::error!("cannot write into {}: {e}", self.store.path().display());
+                    ApiError::internal(format!("cannot write the hidden states file: {e}"))
+                });
+                if let Err(Ok(served)) = reply.send(outcome) {
+                    // Its client hung up while the file was made.
+                    self.store.remove(&served.name);
+                    self.metrics.removed_unclaimed.fetch_add(1, Relaxed);
+                    self.metrics.reply(499);
+                }
+                Ok(())
+            });
+            if let Err(e) = r {
+                tracing::error!("gathering a step failed: {e}");
+                self.fail_step(&step, &ApiError::internal(format!("gathering the step's states failed: {e}")));
+            }
+            self.metrics.write_us.fetch_add(t.elapsed().as_micros() as u64, Relaxed);
+        }
+    }
+}
