@@ -103,9 +103,14 @@ impl Engine {
     }
 
     /// Tokens the queue may hold: [`QUEUE_SECONDS`] of the measured
-    /// throughput, and never less than four steps.
+    /// throughput, and never less than four steps. Before the first step
+    /// there is no measure, and waiting is preferred to refusing: only
+    /// [`QUEUE_REQUESTS`] bounds the queue then.
     pub fn queue_bound(&self) -> usize {
         let tps = *self.throughput.lock().unwrap_or_else(|e| e.into_inner());
+        if tps == 0.0 {
+            return usize::MAX;
+        }
         ((tps * QUEUE_SECONDS) as usize).max(4 * self.budget)
     }
 
@@ -122,7 +127,7 @@ impl Engine {
         }
         let bound = self.queue_bound();
         // An empty queue takes any one request (a prompt may be longer than the bound).
-        if !q.jobs.is_empty() && (q.tokens + tokens > bound || q.jobs.len() >= QUEUE_REQUESTS) {
+        if !q.jobs.is_empty() && (q.tokens.saturating_add(tokens) > bound || q.jobs.len() >= QUEUE_REQUESTS) {
             return Err(ApiError::unavailable(format!(
                 "the queue is full ({} requests, {} tokens: about {QUEUE_SECONDS:.0} s of work); try again",
                 q.jobs.len(),
