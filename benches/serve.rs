@@ -1,0 +1,212 @@
+//! `strata serve` under 1, 16 and 64 concurrent clients against offline
+//! `strata extract --format speculators` on the same prompts, the same
+//! model (the bench `small` Llama), capture points, storage dtype and step
+//! budget. Each client does what the trainer does: one request at a time on
+//! a keep-alive connection, then it reads the file whole and deletes it.
+//!
+//! Served tokens/s is steady state: the server is loaded and warmed before
+//! the clock starts (model load excluded), and the clock stops at the last
+//! reply. Offline tokens/s is the pipeline's own figure (load excluded), the
+//! faster of two runs, one before and one after the served ones.
+//!
+//!     cargo bench --bench serve [-- --prompts N --max-batch-tokens B]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_strata"))
+}
+
+fn arg(args: &[String], name: &str, default: usize) -> usize {
+    args.iter().position(|a| a == name).map_or(default, |i| args[i + 1].parse().unwrap())
+}
+
+/// A keep-alive HTTP/1.1 connection, as the openai client keeps one per worker.
+struct Conn {
+    r: BufReader<TcpStream>,
+    addr: String,
+}
+
+impl Conn {
+    fn new(addr: &str) -> Conn {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_nodelay(true).unwrap();
+        Conn { r: BufReader::new(s), addr: addr.into() }
+    }
+
+    fn post(&mut self, path: &str, body: &str) -> (u16, String) {
+        let req = format!(
+            "POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            self.addr,
+            body.len()
+        );
+        self.r.get_mut().write_all(req.as_bytes()).unwrap();
+        let mut line = String::new();
+        self.r.read_line(&mut line).unwrap();
+        let status: u16 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let mut len = 0;
+        loop {
+            line.clear();
+            self.r.read_line(&mut line).unwrap();
+            if line == "\r\n" {
+                break;
+            }
+            if let Some((k, v)) = line.split_once(':') {
+                if k.eq_ignore_ascii_case("content-length") {
+                    len = v.trim().parse().unwrap();
+                }
+            }
+        }
+        let mut body = vec![0; len];
+        self.r.read_exact(&mut body).unwrap();
+        (status, String::from_utf8(body).unwrap())
+    }
+}
+
+fn offline(model: &Path, data: &Path, out: &Path, budget: usize) -> f64 {
+    let _ = std::fs::remove_dir_all(out);
+    let o = Command::new(bin())
+        .args(["extract", "--capture", "eagle3", "--dtype", "bf16", "--format", "speculators"])
+        .arg("--model")
+        .arg(model)
+        .arg("--data")
+        .arg(data)
+        .arg("--out")
+        .arg(out)
+        .args(["--max-batch-tokens", &budget.to_string()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{text}{}", String::from_utf8_lossy(&o.stderr));
+    let _ = std::fs::remove_dir_all(out);
+    // "  throughput  1234 tokens/s over 5.00s (20 steps)"
+    let line = text.lines().find(|l| l.trim_start().starts_with("throughput")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+struct Served {
+    tps: f64,
+    p50: f64,
+    p99: f64,
+}
+
+fn served(addr: &str, model: &str, prompts: &Arc<Vec<Vec<u32>>>, clients: usize) -> Served {
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            let (addr, model, prompts, next) = (addr.to_string(), model.to_string(), prompts.clone(), next.clone());
+            std::thread::spawn(move || {
+                let mut conn = Conn::new(&addr);
+                let mut lat = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(ids) = prompts.get(i) else { return lat };
+                    let body = serde_json::json!({"model": model, "prompt": ids, "max_tokens": 1,
+                                                  "return_token_ids": true})
+                    .to_string();
+                    let t = Instant::now();
+                    let (status, reply) = conn.post("/v1/completions", &body);
+                    assert_eq!(status, 200, "{reply}");
+                    let v: serde_json::Value = serde_json::from_str(&reply).unwrap();
+                    let path = v["kv_transfer_params"]["hidden_states_path"].as_str().unwrap();
+                    // As the trainer: the whole file read, then deleted.
+                    std::hint::black_box(std::fs::read(path).unwrap());
+                    std::fs::remove_file(path).unwrap();
+                    lat.push(t.elapsed().as_secs_f64());
+                }
+            })
+        })
+        .collect();
+    let mut lat: Vec<f64> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let secs = start.elapsed().as_secs_f64();
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let q = |f: f64| lat[((lat.len() - 1) as f64 * f).round() as usize];
+    let tokens: usize = prompts.iter().map(Vec::len).sum();
+    Served { tps: tokens as f64 / secs, p50: q(0.5), p99: q(0.99) }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--list") {
+        return; // `cargo test --benches` lists benches; nothing to list here
+    }
+    let n = arg(&args, "--prompts", 256);
+    let budget = arg(&args, "--max-batch-tokens", 2048);
+    let model = strata_testkit::bench_small_dir().unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let vocab = config["vocab_size"].as_u64().unwrap();
+    let work = std::env::current_dir().unwrap().join("target/bench-serve");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).unwrap();
+    // Prompts of 64 to 512 tokens, as chat turns are.
+    let mut rng = strata_testkit::Rng::new(5);
+    let prompts: Vec<Vec<u32>> =
+        (0..n).map(|_| (0..64 + rng.below(449)).map(|_| rng.below(vocab) as u32).collect()).collect();
+    let tokens: usize = prompts.iter().map(Vec::len).sum();
+    let data = work.join("prompts.jsonl");
+    let text: String = prompts.iter().map(|p| serde_json::json!({"input_ids": p}).to_string() + "\n").collect();
+    std::fs::write(&data, text).unwrap();
+    let prompts = Arc::new(prompts);
+
+    let off_a = offline(&model, &data, &work.join("offline"), budget);
+
+    let mut child = Command::new(bin())
+        .args(["serve", "--capture", "eagle3", "--dtype", "bf16", "--port", "0", "--served-model-name", "bench"])
+        .arg("--model")
+        .arg(&model)
+        .arg("--hidden-states-dir")
+        .arg(work.join("hs"))
+        .args(["--max-batch-tokens", &budget.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut addr = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "strata serve exited");
+        if let Some(rest) = line.strip_prefix("listening on http://") {
+            addr = rest.split_whitespace().next().unwrap().to_string();
+        }
+        if line.trim_start().starts_with("prompts") {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in out.lines() {});
+    // Warm-up: the first steps allocate the working buffers.
+    let warm = Arc::new(prompts[..8].to_vec());
+    served(&addr, "bench", &warm, 8);
+    let mut rows = Vec::new();
+    for clients in [1, 16, 64] {
+        rows.push((clients, served(&addr, "bench", &prompts, clients)));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    let off_b = offline(&model, &data, &work.join("offline"), budget);
+    let off = off_a.max(off_b);
+    let _ = std::fs::remove_dir_all(&work);
+
+    println!(
+        "serve vs extract: bench small Llama, {n} prompts ({tokens} tokens, 64 to 512 each), eagle3, bf16 storage, \
+         --max-batch-tokens {budget}"
+    );
+    println!("  offline extract  {off:.0} tokens/s  (runs: {off_a:.0}, {off_b:.0}; the faster is the baseline)");
+    println!("  clients  tokens/s  vs offline  p50 latency  p99 latency");
+    for (clients, s) in rows {
+        println!(
+            "  {clients:>7}  {:>8.0}  {:>9.2}  {:>9.0} ms  {:>9.0} ms",
+            s.tps,
+            s.tps / off,
+            s.p50 * 1e3,
+            s.p99 * 1e3
+        );
+    }
+}
