@@ -9,14 +9,16 @@
 //! - [`input`]: records (token ids, text, conversations, `datasets` directories) made samples on their own thread;
 //! - [`chat`]: tokenizers, chat templates, loss masks by render boundaries;
 //! - [`shape`]: the vocabulary: named dims, dtypes, typed `[L, T, H]` storage, [`shape::ShapeError`];
-//! - [`pipeline`]: the stages' data (samples, packed batches, capture points)
-//!   and the [`pipeline::Pipeline`] builder that composes them;
+//! - [`pipeline`]: the stages' data (samples, packed batches, capture points);
 //! - [`hf`]: Hugging Face checkpoints: safetensors, configs, quantisation;
 //! - [`model`]: the decoders, written once over a backend; tensor parallelism from outside;
 //! - [`backend`]: where the arithmetic runs: `cpu` (fast) and `reference` (the oracle);
 //! - [`parallel`]: ranks, collectives, the typed RPC, shard arithmetic;
 //! - [`sink`]: writers of the native and speculators formats;
-//! - [`dataset`]: datasets once written: manifest, reading, verify, recompute, inspect.
+//! - [`dataset`]: datasets once written: manifest, reading, verify, recompute, inspect;
+//! - [`job`]: what the jobs share (a model opened once, `--compute auto`, the
+//!   output's layout), the [`job::Pipeline`] builder, and the extraction job;
+//! - [`serve`]: `strata serve`, the hidden-states server of online training.
 //! - [`files`]: opening files without trusting them (regular files only, bounded, inside a directory).
 //!
 //! See docs/ARCHITECTURE.md.

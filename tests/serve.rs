@@ -382,7 +382,10 @@ fn the_chat_endpoint_renders_text_parts_as_transformers_does_and_refuses_images_
     let got: Vec<u32> = serde_json::from_value(reply["prompt_token_ids"].clone()).unwrap();
     assert_eq!(got, want, "the chat render differs from transformers' apply_chat_template");
     let path = reply["kv_transfer_params"]["hidden_states_path"].as_str().unwrap();
-    assert_eq!(offline(&model, &[want.clone()], &["--capture", "input:1,final"])[0], std::fs::read(path).unwrap());
+    assert_eq!(
+        offline(&model, std::slice::from_ref(&want), &["--capture", "input:1,final"])[0],
+        std::fs::read(path).unwrap()
+    );
     std::fs::remove_file(path).unwrap();
     let body = json!({"model": name, "max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "file:///x.png"}}]}]});
@@ -629,7 +632,12 @@ fn the_openai_client_called_as_the_speculators_trainer_calls_it_gets_files_it_ca
     std::fs::write(&file, serde_json::to_string(&all).unwrap()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop/serve_client.py");
     let base = format!("http://{}/v1", server.addr);
-    let o = Command::new(&py).arg(script).args([base.as_str(), "meta-llama/Llama-3.1-8B-Instruct"]).arg(&file).output().unwrap();
+    let o = Command::new(&py)
+        .arg(script)
+        .args([base.as_str(), "meta-llama/Llama-3.1-8B-Instruct"])
+        .arg(&file)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{text}");
     assert!(text.contains("ok 6 prompts, [T, L, H] with (L, H) = (4, 64)"), "{text}");

@@ -137,12 +137,11 @@ impl Engine {
         Ok(())
     }
 
-    /// Queues a request; a 503 when the queue is full or the server stopping.
-    pub fn submit(&self, job: Job) -> Result<(), (Job, ApiError)> {
+    /// Queues a request; a 503 when the queue is full or the server
+    /// stopping (the job is dropped: its bytes are released).
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
         let mut q = self.queue();
-        if let Err(e) = self.room_in(&q, job.ids.len()) {
-            return Err((job, e));
-        }
+        self.room_in(&q, job.ids.len())?;
         q.tokens += job.ids.len();
         q.jobs.push_back(job);
         self.metrics.queue_depth.store(q.jobs.len() as u64, Relaxed);

@@ -221,7 +221,7 @@ async fn run(ready: &Ready, shared: &Shared, ids: &[u32], span: tracing::Span) -
     };
     let (tx, rx) = oneshot::channel();
     let job = Job { ids: ids.to_vec(), reservation, reply: tx, admitted: Instant::now(), span };
-    ready.engine.submit(job).map_err(|(_, e)| e)?;
+    ready.engine.submit(job)?;
     match rx.await {
         Ok(outcome) => outcome,
         Err(_) => Err(ApiError::unavailable("the server is stopping")),

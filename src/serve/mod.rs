@@ -290,12 +290,12 @@ pub fn serve(opts: ServeOptions, mut events: impl FnMut(Event<'_>)) -> Result<()
                 _ = tick.tick() => {
                     seconds += 1;
                     let s = store.clone();
-                    let orphans = seconds % 10 == 0;
+                    let orphans = seconds.is_multiple_of(10);
                     let _ = tokio::task::spawn_blocking(move || {
                         s.sweep_tracked();
                         if orphans { s.sweep_orphans(); }
                     }).await;
-                    if seconds % 10 == 0 {
+                    if seconds.is_multiple_of(10) {
                         let now = Snapshot::take(&metrics);
                         let period = now.since(&last, last_at.elapsed().as_secs_f64(), &metrics, &store);
                         events(Event::Progress(&period));

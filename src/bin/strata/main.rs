@@ -245,7 +245,8 @@ FP8 (--dtype fp8): one byte per value, e4m3 codes with an f32 scale per token an
   [T, L, 1] (speculators); the states are hidden_states * hidden_states_scales. About
   2.5% relative L2 error against f32 (bf16: 0.17%). The speculators layout is that of
   the speculators stack's FP8 hidden-states backend: train with it, since the stack's
-  default reader does not dequantise and would train on raw codes.
+  default reader does not dequantise (speculators 0.9's check_hidden_states fails on
+  FP8, so each sample is skipped, and 20 in a row stop training).
 
 PARTS (many processes, one input): each process takes a contiguous part of --data
 (a regular file; about equal bytes, whole lines) and writes OUT/part-IIII-of-NNNN/
@@ -424,7 +425,7 @@ enum DTypeArg {
     F16,
     /// 1 byte: e4m3 codes with an f32 scale per token and capture point
     /// (hidden_states_scales). The speculators trainer must read it with its
-    /// FP8 hidden-states backend: its default reader would train on raw codes.
+    /// FP8 hidden-states backend (--hidden-states-backend fp8): its default reader fails on FP8.
     Fp8,
 }
 
@@ -744,7 +745,8 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
     if s.dtype == Some(DType::F8E4M3) {
         say!(
             "  fp8         e4m3 codes with hidden_states_scales (one per token and capture point); the speculators \
-             trainer must read them with its FP8 hidden-states backend: its default reader would train on raw codes"
+             trainer must read them with its FP8 hidden-states backend (--hidden-states-backend fp8): its default \
+             reader does not dequantise and fails on them"
         );
     }
     say!("  weights     {:.1} MiB in memory ({})", s.weight_bytes as f64 / (1 << 20) as f64, s.weight_storage);
