@@ -132,6 +132,13 @@ fn served(addr: &str, model: &str, prompts: &Arc<Vec<Vec<u32>>>, clients: usize)
     Served { tps: tokens as f64 / secs, p50: q(0.5), p99: q(0.99) }
 }
 
+/// The server's peak resident memory so far (`VmHWM`).
+fn peak_rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kb = status.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1));
+    kb.and_then(|k| k.parse::<f64>().ok()).map_or(f64::NAN, |k| k / 1024.0)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--list") {
@@ -186,7 +193,8 @@ fn main() {
     served(&addr, "bench", &warm, 8);
     let mut rows = Vec::new();
     for clients in [1, 16, 64] {
-        rows.push((clients, served(&addr, "bench", &prompts, clients)));
+        let s = served(&addr, "bench", &prompts, clients);
+        rows.push((clients, s, peak_rss_mib(child.id())));
     }
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
@@ -199,14 +207,15 @@ fn main() {
          --max-batch-tokens {budget}"
     );
     println!("  offline extract  {off:.0} tokens/s  (runs: {off_a:.0}, {off_b:.0}; the faster is the baseline)");
-    println!("  clients  tokens/s  vs offline  p50 latency  p99 latency");
-    for (clients, s) in rows {
+    println!("  clients  tokens/s  vs offline  p50 latency  p99 latency  server peak RSS so far");
+    for (clients, s, rss) in rows {
         println!(
-            "  {clients:>7}  {:>8.0}  {:>9.2}  {:>9.0} ms  {:>9.0} ms",
+            "  {clients:>7}  {:>8.0}  {:>9.2}  {:>9.0} ms  {:>9.0} ms  {:>10.0} MiB",
             s.tps,
             s.tps / off,
             s.p50 * 1e3,
-            s.p99 * 1e3
+            s.p99 * 1e3,
+            rss
         );
     }
 }
