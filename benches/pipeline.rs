@@ -177,7 +177,8 @@ fn main() {
                             let src = v.layer(l);
                             match dtype {
                                 DType::F8E4M3 => scales.extend(
-                                    src.chunks_exact(v.hidden()).map(|row| strata::shape::fp8::quantize_row(row, &mut buf)),
+                                    src.chunks_exact(v.hidden())
+                                        .map(|row| strata::shape::fp8::quantize_row(row, &mut buf)),
                                 ),
                                 _ => dtype.encode_into(src, &mut buf),
                             }
