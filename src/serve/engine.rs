@@ -155,7 +155,7 @@ impl Engine {
     /// others are dropped here, before their forward.
     fn pop_live(&self) -> Option<Sample> {
         let mut q = self.queue();
-        while let Some(job) = q.jobs.pop_front() {
+        while let Some(mut job) = q.jobs.pop_front() {
             q.tokens -= job.ids.len();
             self.metrics.queue_depth.store(q.jobs.len() as u64, Relaxed);
             self.metrics.queue_tokens.store(q.tokens as u64, Relaxed);
@@ -169,7 +169,8 @@ impl Engine {
                 index,
                 line: 0,
                 id: format!("request {index}"),
-                input_ids: job.ids.clone(),
+                // Moved, not copied: the job needs its ids no more.
+                input_ids: std::mem::take(&mut job.ids),
                 loss_mask: None,
                 end: Default::default(),
             };

@@ -125,11 +125,9 @@ impl Store {
             if let Some(r) = self.try_reserve(bytes) {
                 return r;
             }
-            // A reader's delete is seen by the sweep; look again every so often.
-            let _ = tokio::time::timeout(Duration::from_millis(200), woken).await;
-            if self.try_reserve(bytes).is_none() {
-                self.sweep_tracked();
-            }
+            // A reader's delete is seen by the server's sweep (every second),
+            // which wakes this; the timeout only guards against a missed wake.
+            let _ = tokio::time::timeout(Duration::from_secs(1), woken).await;
         }
     }
 
