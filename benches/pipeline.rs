@@ -7,10 +7,16 @@
 //!
 //! Runs are interleaved (A, B, A, B, ...) so machine noise hits both sides;
 //! medians and their ratio are printed. Each writer case also prints the
-//! time its encoding takes alone on the caller's thread (no disk), the part
-//! that does not overlap the writes.
+//! time its `finish` took (the sink's time includes it) and the time its
+//! encoding takes alone on the caller's thread (no disk). The ratio is the
+//! median of the runs' paired ratios (each sink run against the plain write
+//! next to it); the medians of each side are printed as well.
 //!
-//!     cargo bench --bench pipeline [-- --runs N] [--only pipeline,native,speculators:fp8,...]
+//!     cargo bench --bench pipeline [-- --runs N] [--reps R] [--only pipeline,native,speculators:fp8,...]
+//!
+//! `--reps R` writes the 4 samples R times per run (16: 256 MiB of bf16).
+//! A burst of a few hundred MiB measures the writer against the disk's
+//! write cache; some virtual disks sustain a fraction of that over GiBs.
 //!
 //! `--only` keeps the listed parts: `pipeline` is (a); a writer case is
 //! named by its format (`native`, `speculators`) or `format:dtype`.
@@ -93,7 +99,8 @@ fn main() {
 
     // (b) writer vs plain sequential write of the same bytes.
     let states = model.forward(&batch, &set).unwrap();
-    let reps = 16; // 16 × 4 samples of [4, 512, 1024]
+    // R × 4 samples of [4, 512, 1024]
+    let reps: usize = args.iter().position(|a| a == "--reps").map_or(16, |i| args[i + 1].parse().unwrap());
     let cases = [
         ("native", DType::BF16),
         ("native", DType::F32),
@@ -106,7 +113,7 @@ fn main() {
         if !wanted(&[format.to_string(), format!("{format}:{dtype}")]) {
             continue;
         }
-        let (mut sink_t, mut plain_t) = (Vec::new(), Vec::new());
+        let (mut sink_t, mut plain_t, mut finish_t) = (Vec::new(), Vec::new(), Vec::new());
         let mut bytes = 0u64;
         let per_sample = 4 * 512 * 1024 * dtype.size();
         // The exact hidden-state bytes the sink stores for each sample, [L, T, H].
@@ -144,7 +151,9 @@ fn main() {
                             s.write_sample(&sample, states.view_tokens(batch.range(i)).unwrap()).unwrap();
                         }
                     }
+                    let f = Instant::now();
                     s.finish(Default::default()).unwrap();
+                    finish_t.push(f.elapsed().as_secs_f64());
                     sink_t.push(t.elapsed().as_secs_f64());
                     bytes = s.bytes_written();
                 } else {
@@ -192,8 +201,9 @@ fn main() {
             enc_t.push(t.elapsed().as_secs_f64());
         }
         let enc = median(enc_t);
-        let (s, p) = (median(sink_t), median(plain_t));
         let plain_bytes = (reps * samples.len() * per_sample) as f64;
+        let paired = median(sink_t.iter().zip(&plain_t).map(|(s, p)| (bytes as f64 / s) / (plain_bytes / p)).collect());
+        let (s, p, fin) = (median(sink_t), median(plain_t), median(finish_t));
         println!(
             "(b) {format} writer, {dtype}: {} samples, {:.0} MiB, {runs} interleaved runs",
             reps * samples.len(),
@@ -201,7 +211,8 @@ fn main() {
         );
         println!("    strata sink      {:.0} MiB/s", bytes as f64 / s / (1 << 20) as f64);
         println!("    plain write      {:.0} MiB/s", plain_bytes / p / (1 << 20) as f64);
-        println!("    ratio            {:.2}", (bytes as f64 / s) / (plain_bytes / p));
+        println!("    ratio            {paired:.2}  (of medians {:.2})", (bytes as f64 / s) / (plain_bytes / p));
+        println!("    finish           {:.1} ms  ({:.0}% of the sink's time)", fin * 1e3, fin / s * 100.0);
         println!(
             "    encoding alone   {:.0} MiB/s  ({:.0}% of the sink's time)",
             bytes as f64 / enc / (1 << 20) as f64,

@@ -9,7 +9,10 @@
 //! reply. Offline tokens/s is the pipeline's own figure (load excluded), the
 //! faster of two runs, one before and one after the served ones.
 //!
-//!     cargo bench --bench serve [-- --prompts N --max-batch-tokens B]
+//!     cargo bench --bench serve [-- --prompts N --max-batch-tokens B --dtype D]
+//!
+//! `--dtype` is the stored dtype on both sides (bf16 by default; fp8 puts
+//! the FP8 encoding on the server's writer thread and in the offline sink).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -69,10 +72,10 @@ impl Conn {
     }
 }
 
-fn offline(model: &Path, data: &Path, out: &Path, budget: usize) -> f64 {
+fn offline(model: &Path, data: &Path, out: &Path, budget: usize, dtype: &str) -> f64 {
     let _ = std::fs::remove_dir_all(out);
     let o = Command::new(bin())
-        .args(["extract", "--capture", "eagle3", "--dtype", "bf16", "--format", "speculators"])
+        .args(["extract", "--capture", "eagle3", "--dtype", dtype, "--format", "speculators"])
         .arg("--model")
         .arg(model)
         .arg("--data")
@@ -146,6 +149,7 @@ fn main() {
     }
     let n = arg(&args, "--prompts", 256);
     let budget = arg(&args, "--max-batch-tokens", 2048);
+    let dtype = args.iter().position(|a| a == "--dtype").map_or("bf16", |i| args[i + 1].as_str());
     let model = strata_testkit::bench_small_dir().unwrap();
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
@@ -163,10 +167,10 @@ fn main() {
     std::fs::write(&data, text).unwrap();
     let prompts = Arc::new(prompts);
 
-    let off_a = offline(&model, &data, &work.join("offline"), budget);
+    let off_a = offline(&model, &data, &work.join("offline"), budget, dtype);
 
     let mut child = Command::new(bin())
-        .args(["serve", "--capture", "eagle3", "--dtype", "bf16", "--port", "0", "--served-model-name", "bench"])
+        .args(["serve", "--capture", "eagle3", "--dtype", dtype, "--port", "0", "--served-model-name", "bench"])
         .arg("--model")
         .arg(&model)
         .arg("--hidden-states-dir")
@@ -198,12 +202,12 @@ fn main() {
     }
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let _ = child.wait();
-    let off_b = offline(&model, &data, &work.join("offline"), budget);
+    let off_b = offline(&model, &data, &work.join("offline"), budget, dtype);
     let off = off_a.max(off_b);
     let _ = std::fs::remove_dir_all(&work);
 
     println!(
-        "serve vs extract: bench small Llama, {n} prompts ({tokens} tokens, 64 to 512 each), eagle3, bf16 storage, \
+        "serve vs extract: bench small Llama, {n} prompts ({tokens} tokens, 64 to 512 each), eagle3, {dtype} storage, \
          --max-batch-tokens {budget}"
     );
     println!("  offline extract  {off:.0} tokens/s  (runs: {off_a:.0}, {off_b:.0}; the faster is the baseline)");

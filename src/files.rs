@@ -398,6 +398,11 @@ impl Dir {
         }
     }
 
+    /// A second handle on the same directory (for another thread).
+    pub fn try_clone(&self) -> io::Result<Dir> {
+        Ok(Dir { fd: self.fd.try_clone()?, path: self.path.clone() })
+    }
+
     /// fsyncs the directory so renames in it are durable (a no-op where the filesystem refuses).
     pub fn sync(&self) {
         if let Err(e) = rustix::fs::fsync(&self.fd) {

@@ -127,6 +127,28 @@ pub struct Commit {
     pub end: InputPos,
 }
 
+/// Creates this run's temporary files, as [`OutputDir::create_temp`] does,
+/// on whichever thread holds it.
+pub struct Temps {
+    dir: Dir,
+    nonce: String,
+}
+
+impl Temps {
+    /// See [`OutputDir::create_temp`].
+    pub fn create(&self, name: &str) -> Result<(Temp, File), SinkError> {
+        create_temp(&self.dir, &self.nonce, name)
+    }
+}
+
+fn create_temp(dir: &Dir, nonce: &str, name: &str) -> Result<(Temp, File), SinkError> {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    let tmp = format!(".{base}.{nonce}.tmp");
+    let path = dir.join(&tmp);
+    let f = dir.create_new(&tmp).map_err(io_err(&path))?;
+    Ok((Temp::new(tmp, path), f))
+}
+
 /// The lock file's name.
 pub const LOCK: &str = ".strata.lock";
 
@@ -494,11 +516,13 @@ impl OutputDir {
     /// Creates the temporary file that will become `name` (which may lie in
     /// a subdirectory: the temporary file is at the top, where a resume finds it).
     pub fn create_temp(&self, name: &str) -> Result<(Temp, File), SinkError> {
-        let base = name.rsplit('/').next().unwrap_or(name);
-        let tmp = format!(".{base}.{}.tmp", self.nonce);
-        let path = self.dir.join(&tmp);
-        let f = self.dir.create_new(&tmp).map_err(io_err(&path))?;
-        Ok((Temp::new(tmp, path), f))
+        create_temp(&self.dir, &self.nonce, name)
+    }
+
+    /// A handle that creates this run's temporary files from another thread.
+    pub fn temps(&self) -> Result<Temps, SinkError> {
+        let dir = self.dir.try_clone().map_err(io_err(self.dir.path()))?;
+        Ok(Temps { dir, nonce: self.nonce.clone() })
     }
 
     /// Removes a temporary file of this run (a failed write's); errors are ignored: a resume removes it.
