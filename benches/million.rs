@@ -151,6 +151,7 @@ fn run(n: usize, base: &Path, shard_size: u64, states: &[CapturedStates<usize, u
         weights_digest: String::new(),
         num_layers: 2,
         hidden_size: HIDDEN,
+        vocab_size: VOCAB as usize,
     };
     let manifest = Manifest::new(model, &points, DType::BF16, shard_size);
     let limits = Limits { vocab_size: VOCAB as usize, max_tokens: MAX_TOKENS, max_tokens_from: "the bench".into() };

@@ -411,19 +411,20 @@ fn repeated_capture_points_are_refused() {
     // Two layers: eagle3's input:2 does not exist.
     let r = extract(&fixture("deepseek-v3-nolora"), &data("deepseek-v3-nolora"), &["--capture", "eagle3"], false);
     r.fails_with(&["eagle3 preset", "needs at least 3 decoder layers, but the model has 2", "--capture"]);
-    // Four layers: input:2 twice; each point is kept once, with a warning.
+    // Four layers: input:2 twice, then input:1, which the trainer refuses as
+    // layer ids: three distinct points are spread instead, with a warning.
     let out = tempfile::tempdir().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_strata"));
     cmd.arg("extract").arg("--model").arg(fixture("llama-gqa-sharded"));
     cmd.arg("--data").arg(data("llama-gqa-sharded")).arg("--out").arg(out.path());
     let r = run_for(cmd, 120);
     assert_eq!(r.code, Some(0), "{}", r.stderr);
-    assert!(r.stderr.contains("3 points are captured (input:2,input:1,final), not 4"), "{}", r.stderr);
+    assert!(r.stderr.contains("input:1,input:2,input:3,final are captured instead"), "{}", r.stderr);
     let manifest: Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("manifest.json")).unwrap()).unwrap();
     let points: Vec<&str> =
         manifest["capture"].as_array().unwrap().iter().map(|c| c["point"].as_str().unwrap()).collect();
-    assert_eq!(points, ["input:2", "input:1", "final"]);
+    assert_eq!(points, ["input:1", "input:2", "input:3", "final"]);
 }
 
 #[test]

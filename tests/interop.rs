@@ -168,3 +168,43 @@ fn fp8_states_read_by_python_equal_strata_decoding() {
     assert!(o.status.success(), "{text}");
     println!("{}", text.trim());
 }
+
+/// `--draft-vocab-size`: the trainer's `token_freq.pt`, `d2t-N.npy` and
+/// `t2d-N.npy` against tests/interop/draft_vocab_check.py, which computes
+/// them from the input rows itself. The rows have masked-out tokens, ties
+/// in every count, and fewer distinct tokens than the largest N.
+#[test]
+fn draft_vocab_files_match_an_independent_computation() {
+    let Some(py) = python_with("numpy, datasets") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut rng = strata_testkit::Rng::new(36);
+    let mut text = String::new();
+    // Hand-made ties first: 10, 11, 12 and 13 twice each under the mask, 200 and 201 only outside it.
+    text += "{\"input_ids\": [10, 10, 11, 11, 12, 200, 201], \"loss_mask\": [1, 1, 1, 1, 1, 0, 0]}\n";
+    text += "{\"input_ids\": [12, 13, 13, 200], \"loss_mask\": [1, 1, 1, 0]}\n";
+    // Then rows drawing from 40 ids, so counts repeat; one row has no mask (all tokens count).
+    for i in 0..12 {
+        let len = 5 + rng.below(30) as usize;
+        let ids: Vec<u64> = (0..len).map(|_| 20 + rng.below(40)).collect();
+        let row = if i == 3 {
+            serde_json::json!({"input_ids": ids})
+        } else {
+            serde_json::json!({"input_ids": ids, "loss_mask": (0..len).map(|t| (t % 3 != 0) as u8).collect::<Vec<_>>()})
+        };
+        text += &(row.to_string() + "\n");
+    }
+    let data = tmp.path().join("rows.jsonl");
+    std::fs::write(&data, text).unwrap();
+    let out = tmp.path().join("out");
+    // The llama-default fixture: 256 tokens, 8 layers.
+    let sizes = "2,3,30,100,256";
+    extract_spec(&fixture("llama-default"), &data, &out, &["--draft-vocab-size", sizes]);
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop/draft_vocab_check.py");
+    let o = Command::new(&py).arg(script).arg(&out).arg(&data).args(["256", sizes, "1,8"]).output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{text}");
+    // The check must have seen ties and a fill.
+    assert!(text.contains("filled") && !text.contains(" 0 tied counts"), "{text}");
+    assert!(text.contains("N=100: ") && !text.contains("N=100: 44 tokens seen, 0"), "{text}");
+    println!("{}", text.trim());
+}

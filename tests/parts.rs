@@ -131,7 +131,11 @@ fn every_launcher_splits_the_input_and_the_merge_equals_one_process() {
     let data = tmp.path().join("in.jsonl");
     write_input(&data, 41);
     for format in ["strata", "speculators"] {
-        let extra = ["--format", format, "--shard-size", "20000"];
+        let mut extra = vec!["--format", format, "--shard-size", "20000"];
+        if format == "speculators" {
+            // The trainer's draft-vocabulary files, counted over every part's rows at the merge.
+            extra.extend(["--draft-vocab-size", "7,250"]);
+        }
         let one = tmp.path().join(format!("one-{format}"));
         let (ok, text) = finish(spawn(&data, &one, &extra, &[]));
         assert!(ok, "{text}");
@@ -162,9 +166,18 @@ fn every_launcher_splits_the_input_and_the_merge_equals_one_process() {
             assert_eq!(a.merged.len(), n);
             if format == "speculators" {
                 // The trainer's table and files are the one-process run's, byte for byte.
-                for f in
-                    ["data-00000-of-00001.arrow", "hidden_states/hs_0.safetensors", "hidden_states/hs_40.safetensors"]
-                {
+                for f in [
+                    "data-00000-of-00001.arrow",
+                    "dataset_info.json",
+                    "state.json",
+                    "token_freq.pt",
+                    "d2t-7.npy",
+                    "t2d-7.npy",
+                    "d2t-250.npy",
+                    "t2d-250.npy",
+                    "hidden_states/hs_0.safetensors",
+                    "hidden_states/hs_40.safetensors",
+                ] {
                     assert!(std::fs::read(out.join(f)).unwrap() == std::fs::read(one.join(f)).unwrap(), "{kind}: {f}");
                 }
                 assert!(!out.join("hidden_states/hs_41.safetensors").exists());

@@ -287,7 +287,11 @@ fn resume_redoes_missing_or_truncated_shards_and_never_calls_a_hole_complete() {
 fn a_kill_at_every_write_stage_resumes_to_the_uninterrupted_output() {
     let st = setup(24);
     for format in ["strata", "speculators"] {
-        let opts = [&["--data", s(&st.data), "--format", format][..], &SMALL].concat();
+        let mut opts = [&["--data", s(&st.data), "--format", format][..], &SMALL].concat();
+        if format == "speculators" {
+            // The resumed run's trainer files count every row, the first run's too.
+            opts.extend(["--draft-vocab-size", "7,40"]);
+        }
         let whole = st.out(&format!("whole-{format}"));
         assert!(extract(&[&opts[..], &["--out", s(&whole)]].concat()).ok);
         // The manifest is written at the start (hit 1) and when compacted at the end (hit 2).
@@ -698,4 +702,97 @@ fn long_lines_are_bounded_whatever_the_models_context() {
     let o = limited(&long, &format!("cat {}", s(&big)), "b");
     assert!(!o.ok && o.stderr.contains("sample has more than 8000000 tokens"), "{}", o.stderr);
     assert!(!o.stderr.contains("memory allocation"), "{}", o.stderr);
+}
+
+/// The speculators trainer writes into the data directory itself: its
+/// draft-vocabulary cache (`d2t-N.npy`, `t2d-N.npy`), `token_freq.pt`, and
+/// checkpoints when `--save-path` points inside. verify and inspect leave
+/// them alone; --resume, --overwrite and merge remove the vocabulary files
+/// (they describe the rows as they were) and say so, and never touch a
+/// checkpoint directory.
+#[test]
+fn the_trainers_own_files_in_the_data_directory_are_known_to_every_command() {
+    let st = setup(12);
+    let opts = ["--data", s(&st.data), "--format", "speculators", "--draft-vocab-size", "16"];
+    let out = st.out("spec");
+    let o = extract(&[&opts[..], &["--out", s(&out)]].concat());
+    assert!(o.ok, "{}", o.stderr);
+    assert!(o.stdout.contains("--target-layer-ids 2 4 5 --draft-vocab-size 16"), "{}", o.stdout);
+    let plant = |dir: &Path| {
+        for f in ["d2t-32.npy", "t2d-32.npy"] {
+            std::fs::write(dir.join(f), b"the trainer's cache").unwrap();
+        }
+        std::fs::create_dir_all(dir.join("checkpoints/0")).unwrap();
+        std::fs::write(dir.join("checkpoints/0/model.safetensors"), b"a draft").unwrap();
+    };
+    plant(&out);
+    let (ok, text) = verify(&out, &[]);
+    assert!(ok, "{text}");
+    let (ok, text, err) = strata(&[os("inspect"), out.as_os_str()]);
+    assert!(ok, "{text}{err}");
+
+    let o = extract(&[&opts[..], &["--out", s(&out), "--resume"]].concat());
+    assert!(o.ok, "{}", o.stderr);
+    assert!(o.stderr.contains("removed d2t-16.npy, d2t-32.npy, t2d-16.npy, t2d-32.npy, token_freq.pt"), "{}", o.stderr);
+    assert!(!out.join("d2t-32.npy").exists() && out.join("d2t-16.npy").exists());
+    assert!(out.join("checkpoints/0/model.safetensors").exists());
+
+    plant(&out);
+    let o = extract(&["--data", s(&st.data), "--format", "speculators", "--out", s(&out), "--overwrite"]);
+    assert!(o.ok, "{}", o.stderr);
+    for f in ["d2t-32.npy", "t2d-32.npy", "d2t-16.npy", "t2d-16.npy", "token_freq.pt"] {
+        assert!(!out.join(f).exists(), "{f} survived --overwrite");
+    }
+    assert_eq!(std::fs::read(out.join("checkpoints/0/model.safetensors")).unwrap(), b"a draft");
+    let (ok, text) = verify(&out, &[]);
+    assert!(ok, "{text}");
+
+    // Parts: the merged directory's cache goes, and the merge writes the parts' sizes.
+    let root = st.out("parts");
+    for i in ["0", "1"] {
+        let o = extract(&[&opts[..], &["--out", s(&root), "--part-index", i, "--num-parts", "2"]].concat());
+        assert!(o.ok, "{}", o.stderr);
+    }
+    plant(&root);
+    let (ok, o, e) = strata(&[os("merge"), root.as_os_str()]);
+    assert!(ok, "{o}{e}");
+    assert!(!root.join("d2t-32.npy").exists() && root.join("d2t-16.npy").exists(), "{o}{e}");
+    assert!(root.join("checkpoints/0/model.safetensors").exists());
+    let one = st.out("one");
+    assert!(extract(&[&opts[..], &["--out", s(&one)]].concat()).ok);
+    for f in ["token_freq.pt", "d2t-16.npy", "t2d-16.npy"] {
+        assert!(std::fs::read(root.join(f)).unwrap() == std::fs::read(one.join(f)).unwrap(), "{f}");
+    }
+    let (ok, text) = verify(&root, &[]);
+    assert!(ok, "{text}");
+}
+
+#[test]
+fn draft_vocab_size_needs_the_speculators_format_and_a_size_within_the_vocabulary() {
+    let st = setup(3);
+    let o = extract(&["--data", s(&st.data), "--out", s(&st.out("a")), "--draft-vocab-size", "16"]);
+    assert!(!o.ok && o.stderr.contains("needs --format speculators"), "{}", o.stderr);
+    let o = extract(&[
+        "--data",
+        s(&st.data),
+        "--out",
+        s(&st.out("b")),
+        "--format",
+        "speculators",
+        "--draft-vocab-size",
+        "257",
+    ]);
+    assert!(!o.ok && o.stderr.contains("between 1 and the model's vocabulary size 256"), "{}", o.stderr);
+    let o = extract(&[
+        "--data",
+        s(&st.data),
+        "--out",
+        s(&st.out("c")),
+        "--format",
+        "speculators",
+        "--draft-vocab-size",
+        "0",
+    ]);
+    assert!(!o.ok && o.stderr.contains("between 1 and"), "{}", o.stderr);
+    assert!(!st.out("a").exists() && !st.out("b").exists() && !st.out("c").exists());
 }

@@ -41,6 +41,14 @@ pub struct ModelInfo {
     pub num_layers: usize,
     /// Hidden width `H`.
     pub hidden_size: usize,
+    /// Vocabulary size `V` (the length of the trainer's `t2d-N.npy`); 0 in
+    /// manifests written before it was recorded.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub vocab_size: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// One captured layer of the `L` axis.
@@ -50,6 +58,10 @@ pub struct CaptureInfo {
     pub point: String,
     /// Index into HF `output_hidden_states`; `null` for `final` (not in HF's tuple).
     pub hf_index: Option<usize>,
+    /// The speculators trainer's layer id of the point (`input:k` is k,
+    /// `final` is N); absent where it has none, and in older manifests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_id: Option<usize>,
 }
 
 /// How the states were computed: a resume must match all of it, since each
@@ -224,6 +236,11 @@ pub struct Manifest {
     pub dtype: String,
     /// Target shard size in bytes.
     pub shard_size: u64,
+    /// `--draft-vocab-size` (speculators format): the sizes whose
+    /// `d2t-N.npy`/`t2d-N.npy` (and `token_freq.pt`) the run writes when it
+    /// finishes. Not part of the job: a resume may change them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub draft_vocab_sizes: Vec<usize>,
     /// False while a run is writing (or was interrupted); true once it finished.
     pub complete: bool,
     /// Shard files, in order.
@@ -249,6 +266,7 @@ impl ModelInfo {
             weights_digest: String::new(),
             num_layers: config.num_layers,
             hidden_size: config.hidden_size,
+            vocab_size: config.vocab_size,
         }
     }
 }
@@ -258,7 +276,11 @@ impl Manifest {
     pub fn new(model: ModelInfo, points: &[CapturePoint], dtype: DType, shard_size: u64) -> Self {
         let capture = points
             .iter()
-            .map(|p| CaptureInfo { point: p.to_string(), hf_index: p.hf_index(model.num_layers) })
+            .map(|p| CaptureInfo {
+                point: p.to_string(),
+                hf_index: p.hf_index(model.num_layers),
+                layer_id: p.speculators_id(model.num_layers),
+            })
             .collect();
         Manifest {
             schema_version: SCHEMA_VERSION,
@@ -276,6 +298,7 @@ impl Manifest {
             capture,
             dtype: dtype.to_string(),
             shard_size,
+            draft_vocab_sizes: vec![],
             complete: false,
             shards: vec![],
             samples: vec![],
@@ -303,6 +326,7 @@ impl Manifest {
             capture,
             dtype,
             shard_size,
+            draft_vocab_sizes,
             complete,
             shards: _,
             samples: _,
@@ -324,11 +348,39 @@ impl Manifest {
             capture: capture.clone(),
             dtype: dtype.clone(),
             shard_size: *shard_size,
+            draft_vocab_sizes: draft_vocab_sizes.clone(),
             complete: *complete,
             shards: vec![],
             samples: vec![],
             skipped: vec![],
         }
+    }
+
+    /// The speculators trainer's `--target-layer-ids` for this capture: the
+    /// layer ids of every point before the last, which must be `final` (the
+    /// trainer reads the last slot of `[T, L, H]` as the final layer's
+    /// state), or why the trainer cannot read this capture.
+    pub fn target_layer_ids(&self) -> Result<Vec<usize>, String> {
+        let Some((last, aux)) = self.capture.split_last() else { return Err("nothing is captured".into()) };
+        if last.point != "final" {
+            return Err(format!(
+                "the trainer reads the last capture point as the final layer's state (before the norm), \
+                 but this capture ends with {}; end --capture with final",
+                last.point
+            ));
+        }
+        let mut ids = Vec::with_capacity(aux.len());
+        for c in aux {
+            match c.layer_id {
+                Some(id) if !ids.contains(&id) => ids.push(id),
+                Some(id) => return Err(format!("layer id {id} is captured twice; the trainer's ids must be distinct")),
+                None if self.capture.iter().all(|c| c.layer_id.is_none()) => {
+                    return Err("the manifest records no layer ids (written by an older strata)".into())
+                }
+                None => return Err(format!("{} has no layer id in the trainer's numbering", c.point)),
+            }
+        }
+        Ok(ids)
     }
 
     /// Input samples (written or skipped) the listed shards account for: a resume skips them.

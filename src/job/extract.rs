@@ -90,6 +90,9 @@ pub struct ExtractJob {
     pub prepare: PrepareArgs,
     /// The part of the input this process handles (`None`: all of it).
     pub part: Option<PartSpec>,
+    /// `--draft-vocab-size` (speculators format): the sizes of the trainer's
+    /// draft-vocabulary files to write at the end, with `token_freq.pt`.
+    pub draft_vocab_sizes: Vec<usize>,
 }
 
 /// How input records become token rows: formats, chat template, masks, limits.
@@ -201,6 +204,11 @@ pub struct Summary {
     pub chat_date: Option<chrono::NaiveDate>,
     /// The part of the input this run handled, and who chose it.
     pub part: Option<PartInfo>,
+    /// Speculators format: the trainer's `--target-layer-ids` for this
+    /// capture, or why the trainer cannot read it.
+    pub target_layer_ids: Option<Result<Vec<usize>, String>>,
+    /// The `--draft-vocab-size` files written (speculators format).
+    pub draft_vocab_sizes: Vec<usize>,
 }
 
 /// How far through the input a run is, for progress.
@@ -294,6 +302,18 @@ impl ExtractJob {
         let checked = self.model.check()?;
         let info = checked.info();
         let (points, captures) = super::captures(&self.capture, info.num_layers)?;
+        if !self.draft_vocab_sizes.is_empty() && self.format != Format::Speculators {
+            return Err(ExtractError::Usage(
+                "--draft-vocab-size writes the speculators trainer's d2t/t2d files: it needs --format speculators"
+                    .into(),
+            ));
+        }
+        if let Some(&n) = self.draft_vocab_sizes.iter().find(|&&n| n == 0 || n > info.vocab_size) {
+            return Err(ExtractError::Usage(format!(
+                "--draft-vocab-size {n} must be between 1 and the model's vocabulary size {}",
+                info.vocab_size
+            )));
+        }
         let data = self.data.path();
         let dataset_dir = data.filter(|d| crate::input::arrow::is_dataset_dir(d)).map(|d| d.to_path_buf());
         if self.prepare.input_format == InputFormat::HfDataset && dataset_dir.is_none() {
@@ -359,6 +379,15 @@ impl ExtractJob {
         job.prepare = Some(prepare_info);
         job.input = Some(InputInfo { path: self.data_name(), whole: InputPos::default() });
         job.part = part_info.clone();
+        job.draft_vocab_sizes = self.draft_vocab_sizes.clone();
+        if self.format == Format::Speculators {
+            let ids = job.target_layer_ids();
+            if let Err(why) = &ids {
+                tracing::warn!("the speculators trainer cannot read this capture as it is: {why}");
+            }
+            summary.target_layer_ids = Some(ids);
+            summary.draft_vocab_sizes = self.draft_vocab_sizes.clone();
+        }
 
         let max = info.max_position_embeddings;
         let from = if info.max_position_default {

@@ -246,15 +246,7 @@ pub fn layout(
 /// `hidden_states[K]`) is id K, and `final` (the last layer's pre-norm
 /// output) is id N. `None` for a point the trainer has no id for.
 pub fn speculators_layer_ids(points: &[CapturePoint], num_layers: usize) -> Vec<Option<usize>> {
-    points
-        .iter()
-        .map(|p| match *p {
-            CapturePoint::LayerInput(k) => Some(k),
-            CapturePoint::LayerOutput(k) if k + 1 < num_layers => Some(k + 1),
-            CapturePoint::FinalPreNorm => Some(num_layers),
-            _ => None,
-        })
-        .collect()
+    points.iter().map(|p| p.speculators_id(num_layers)).collect()
 }
 
 /// A shared handle on an opened model: the server's scheduler and its

@@ -137,30 +137,49 @@ impl CapturePoint {
     }
 
     /// [`eagle3`](Self::eagle3) for a model of `num_layers`, refused below 3
-    /// layers (no `input:2`); on 4 to 6 layers, where its layers coincide,
-    /// each point is kept once and a warning names what is captured.
+    /// layers. Below 7 layers its three `input:` points coincide or run
+    /// backwards (4 layers: `input:2, input:2, input:1`), which the
+    /// speculators trainer refuses as layer ids (they must be distinct; it
+    /// has no fallback). There the points are spread instead, distinct and
+    /// in order: `input:1, input:N/2, input:N-1` (3 layers: `input:0, 1, 2`),
+    /// and a warning names them.
     pub fn eagle3_for(num_layers: usize) -> Result<Vec<CapturePoint>, CaptureError> {
         if num_layers < 3 {
             return Err(CaptureError::Eagle3TooShallow { num_layers });
         }
-        let mut points = CapturePoint::eagle3(num_layers);
-        let all = points.len();
-        let mut seen = Vec::with_capacity(all);
-        points.retain(|p| {
-            let fresh = !seen.contains(p);
-            seen.push(*p);
-            fresh
-        });
-        if points.len() < all {
-            let list: Vec<String> = points.iter().map(ToString::to_string).collect();
-            tracing::warn!(
-                "eagle3 on a {num_layers}-layer model: input:2, input:N/2 and input:N-3 coincide, so {} points \
-                 are captured ({}), not 4; pass --capture to choose them",
-                points.len(),
-                list.join(",")
-            );
+        let points = CapturePoint::eagle3(num_layers);
+        let ids: Vec<usize> = points.iter().filter_map(|p| p.speculators_id(num_layers)).collect();
+        if ids.windows(2).all(|w| w[0] < w[1]) {
+            return Ok(points);
         }
+        let spread = if num_layers == 3 { [0, 1, 2] } else { [1, num_layers / 2, num_layers - 1] };
+        let mut points: Vec<CapturePoint> = spread.iter().map(|&k| CapturePoint::LayerInput(k)).collect();
+        points.push(CapturePoint::FinalPreNorm);
+        let list: Vec<String> = points.iter().map(ToString::to_string).collect();
+        tracing::warn!(
+            "eagle3 on a {num_layers}-layer model: input:2, input:N/2 and input:N-3 are not distinct, so {} are \
+             captured instead (the trainer then needs --target-layer-ids {} {} {}); pass --capture to choose others",
+            list.join(","),
+            spread[0],
+            spread[1],
+            spread[2]
+        );
         Ok(points)
+    }
+
+    /// The speculators trainer's layer id of this point on a model of
+    /// `num_layers`: `input:k` is id k (the input of layer k), the output of
+    /// layer k is id k + 1, `final` (before the norm) is id N; `None` for
+    /// points the trainer has no id for (`final-norm`, and `output:N-1`,
+    /// which is the `final` state).
+    pub fn speculators_id(&self, num_layers: usize) -> Option<usize> {
+        match *self {
+            CapturePoint::Embeddings => Some(0),
+            CapturePoint::LayerInput(k) => Some(k),
+            CapturePoint::LayerOutput(k) if k + 1 < num_layers => Some(k + 1),
+            CapturePoint::FinalPreNorm => Some(num_layers),
+            _ => None,
+        }
     }
 
     /// Parses a comma list (`embeddings,input:2,eagle3,...`); `eagle3` expands
@@ -317,6 +336,27 @@ mod tests {
     }
 
     #[test]
+    fn eagle3_gives_three_distinct_increasing_layer_ids_on_every_depth() {
+        for n in 3..=80 {
+            let points = CapturePoint::eagle3_for(n).unwrap();
+            let ids: Vec<usize> = points.iter().map(|p| p.speculators_id(n).unwrap()).collect();
+            assert_eq!(ids.len(), 4, "{n} layers");
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "{n} layers: {ids:?}");
+            assert_eq!(ids[3], n);
+            if n >= 7 {
+                // speculators' own default there: [2, N/2, N-3]
+                assert_eq!(&ids[..3], &[2, n / 2, n - 3]);
+            }
+        }
+        let ids = |n| {
+            CapturePoint::eagle3_for(n).unwrap()[..3].iter().map(|p| p.speculators_id(n).unwrap()).collect::<Vec<_>>()
+        };
+        assert_eq!(ids(3), [0, 1, 2]);
+        assert_eq!(ids(4), [1, 2, 3]);
+        assert_eq!(ids(6), [1, 3, 5]);
+    }
+
+    #[test]
     fn duplicates_and_shallow_eagle3() {
         let e = CapturePoint::parse_list("input:2,input:2", 8).unwrap_err();
         assert_eq!(e.to_string(), "capture point input:2 is listed twice; list each point once");
@@ -326,8 +366,10 @@ mod tests {
         assert_eq!(CapturePoint::parse_list("output:0,input:1", 8).unwrap().len(), 2);
         let e = CapturePoint::parse_list("eagle3", 2).unwrap_err();
         assert!(e.to_string().contains("needs at least 3 decoder layers, but the model has 2"), "{e}");
+        // input:2, input:2, input:1 would be ids the trainer refuses: spread instead.
         let four = CapturePoint::parse_list("eagle3", 4).unwrap();
-        assert_eq!(four, [CapturePoint::LayerInput(2), CapturePoint::LayerInput(1), CapturePoint::FinalPreNorm]);
+        let want = [1, 2, 3].map(CapturePoint::LayerInput);
+        assert_eq!(four, [&want[..], &[CapturePoint::FinalPreNorm]].concat());
         assert_eq!(CapturePoint::parse_list("eagle3", 7).unwrap().len(), 4);
     }
 

@@ -118,9 +118,12 @@ impl<W: Write> TableWriter<W> {
     }
 }
 
-/// `dataset_info.json`; `fp8` says the files hold FP8 codes and scales (the
-/// trainer must read them with its FP8 backend).
-pub fn info_json(fp8: bool) -> String {
+/// `dataset_info.json` of the run `manifest` describes: with FP8 storage its
+/// description says the files hold codes and scales (the trainer must read
+/// them with its FP8 backend); a `strata` entry records the capture points
+/// and their speculators layer ids.
+pub fn info_json(manifest: &crate::dataset::manifest::Manifest) -> String {
+    let fp8 = manifest.dtype == "fp8";
     let description = match fp8 {
         false => "Token rows of a Strata extraction; hidden states in hidden_states/hs_{i}.safetensors",
         true => {
@@ -136,6 +139,13 @@ pub fn info_json(fp8: bool) -> String {
         "features": features(),
         "homepage": "",
         "license": "",
+        // The layer ids of the `[T, L, H]` axis, for the trainer's
+        // --target-layer-ids (datasets ignores keys it does not know).
+        "strata": {
+            "capture": manifest.capture.iter().map(|c| c.point.as_str()).collect::<Vec<_>>(),
+            "layer_ids": manifest.capture.iter().map(|c| c.layer_id).collect::<Vec<_>>(),
+            "target_layer_ids": manifest.target_layer_ids().ok(),
+        },
     });
     serde_json::to_string_pretty(&info).expect("JSON values serialize")
 }

@@ -191,6 +191,14 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
     for f in [MANIFEST, JOURNAL, hf_dataset::DATA_FILE, hf_dataset::INFO_FILE, hf_dataset::STATE_FILE] {
         remove_if_file(&root, f)?;
     }
+    // The trainer's vocabulary files (its cache, or an earlier merge's) were
+    // counted from the rows as they were: they go too, and are written anew
+    // from every part's rows where the parts asked for them.
+    for name in root.names().map_err(io_err(root.path()))? {
+        if super::draft_vocab::is_trainer_file(&name) {
+            remove_if_file(&root, &name)?;
+        }
+    }
     root.sync();
 
     let first = &manifests[0].2;
@@ -204,6 +212,11 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
         merged: Vec::with_capacity(count),
         ..first.clone_job()
     };
+    // Every size a part asked for (`--draft-vocab-size` does not change the files).
+    let mut sizes: Vec<usize> = manifests.iter().flat_map(|(_, _, m)| m.draft_vocab_sizes.iter().copied()).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    merged.draft_vocab_sizes = sizes;
     let mut report = MergeReport {
         format: first.format.clone(),
         dtype: first.dtype.clone(),
@@ -283,7 +296,7 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
         let discard = |tmp: &Temp| {
             let _ = root.remove(&tmp.name);
         };
-        super::speculators::write_table(&root, &merged.shards, merged.dtype == "fp8", temp, place, discard)?;
+        super::speculators::write_table(&root, &merged, temp, place, discard)?;
         hs.sync();
     }
     write_manifest(&root, &merged)?;

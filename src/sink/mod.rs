@@ -3,6 +3,7 @@
 //! file is written under a temporary name, fsynced, journaled and renamed,
 //! so a final name never holds a partial file.
 
+pub mod draft_vocab;
 mod finite;
 pub mod hf_dataset;
 pub mod merge;

@@ -19,6 +19,7 @@
 //!   there (before or during the run) is refused, and nothing lands outside
 //!   `--out` (which itself may be a link).
 
+use super::draft_vocab::is_trainer_file;
 use super::{io_err, OpenMode, SinkError};
 use crate::dataset::manifest::{InputInfo, JournalEntry, Manifest, SampleInfo, ShardInfo, SkippedInfo, JOURNAL};
 use crate::dataset::manifest::{InputPos, MANIFEST};
@@ -341,6 +342,16 @@ impl Plan {
                 d.remedy
             ))
         })?;
+        // What does not change the files comes from this run: the sizes of
+        // the trainer's draft-vocabulary files it writes at the end, and what
+        // an older manifest did not record (layer ids, vocabulary size).
+        old.draft_vocab_sizes = job.draft_vocab_sizes.clone();
+        if old.model.vocab_size == 0 {
+            old.model.vocab_size = job.model.vocab_size;
+        }
+        for (o, j) in old.capture.iter_mut().zip(&job.capture) {
+            o.layer_id = o.layer_id.or(j.layer_id);
+        }
         let mut keep = old.shards.len();
         // A listed file, without following links; a subdirectory not created.
         // `None`: missing (its subdirectory too).
@@ -410,6 +421,26 @@ impl Plan {
         let Plan { dir, mut lock, mode, names, nonces, mut manifest, redo } = self;
         if mode == OpenMode::Overwrite {
             OutputDir::clear(&dir, &names)?;
+        }
+        if mode != OpenMode::Create {
+            // The trainer's own files (its draft-vocabulary cache, or ours from
+            // an earlier run) were counted from the rows as they were; this run
+            // changes them, and writes its own at the end where asked.
+            let mut trainer: Vec<&String> = names.iter().filter(|n| is_trainer_file(n)).collect();
+            trainer.sort();
+            for n in &trainer {
+                if matches!(dir.kind(n), Ok(Some(Kind::File(_) | Kind::Link))) {
+                    remove(&dir, n)?;
+                }
+            }
+            if !trainer.is_empty() {
+                tracing::warn!(
+                    "removed {} from {}: the trainer's vocabulary files describe the rows before this run \
+                     (--draft-vocab-size writes them anew at its end)",
+                    trainer.iter().map(|n| n.as_str()).collect::<Vec<_>>().join(", "),
+                    dir.path().display()
+                );
+            }
         }
         for n in names.iter().filter(|n| nonces.iter().any(|x| temp_of(n, x))) {
             remove(&dir, n)?;

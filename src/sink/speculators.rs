@@ -7,6 +7,7 @@
 //! file as a one-sample shard, so resume and verify work alike; the table is
 //! built from the listed files when the run finishes.
 
+use super::draft_vocab::{d2t_file, t2d_file, TokenCounts, TOKEN_FREQ_FILE};
 use super::output::{Commit, OutLoc, Output, Temp, Temps};
 use super::{hf_dataset, io_err, OpenMode, Sink, SinkError};
 use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
@@ -26,7 +27,6 @@ use std::thread::JoinHandle;
 /// renamed in sample order, in groups, on the caller's thread.
 pub struct SpeculatorsSink {
     out: Output,
-    dtype: DType,
     input_path: String,
     // Encoding buffers: a sample's hidden states `[T, L, H]` go to a spare
     // one; those in flight come back when their writes are done.
@@ -143,7 +143,6 @@ impl SpeculatorsSink {
         let done = out.manifest().consumed();
         Ok(SpeculatorsSink {
             out,
-            dtype,
             input_path,
             spare: Vec::new(),
             encoder: SpeculatorsEncoder::new(dtype),
@@ -165,11 +164,9 @@ impl SpeculatorsSink {
     /// holds the rows of every run that wrote files).
     fn write_table(&mut self) -> Result<(), SinkError> {
         let out = &*self.out.get()?;
-        let fp8 = self.dtype.scaled();
         write_table(
             out.dir(),
-            &out.manifest().shards,
-            fp8,
+            out.manifest(),
             |name| out.create_temp(name),
             |tmp, name| out.place(tmp, name),
             |tmp| out.discard(tmp),
@@ -424,19 +421,23 @@ impl SpeculatorsEncoder {
     }
 }
 
-/// Writes the dataset table of `dir` from the files `shards` lists, in row
-/// order: each file's `token_ids` and `loss_mask`, read back. Each table
-/// file is written to a temporary file from `temp`, fsynced and put in
-/// place by `place`.
+/// Writes the dataset table of `dir` from the files `manifest` lists, in
+/// row order: each file's `token_ids` and `loss_mask`, read back. With
+/// `--draft-vocab-size`, the loss-masked tokens of those rows are counted on
+/// the way, and the trainer's `token_freq.pt` and each size's
+/// `d2t-N.npy`/`t2d-N.npy` follow the table. Each file is written to a
+/// temporary file from `temp`, fsynced and put in place by `place`.
 pub(crate) fn write_table(
     dir: &Dir,
-    shards: &[ShardInfo],
-    fp8: bool,
+    manifest: &Manifest,
     mut temp: impl FnMut(&str) -> Result<(Temp, std::fs::File), SinkError>,
     mut place: impl FnMut(&Temp, &str) -> Result<(), SinkError>,
     discard: impl Fn(&Temp),
 ) -> Result<(), SinkError> {
+    let shards = &manifest.shards;
     let _span = tracing::info_span!("dataset_table", rows = shards.len()).entered();
+    let count = !manifest.draft_vocab_sizes.is_empty();
+    let mut counts = TokenCounts::default();
     let (tmp, f) = temp(hf_dataset::DATA_FILE)?;
     let table_err = |e: arrow_schema::ArrowError| SinkError::Directory(format!("{}: {e}", tmp.display()));
     let r = (|| {
@@ -456,8 +457,11 @@ pub(crate) fn write_table(
             };
             let ids = tensor("token_ids")?;
             let mask = tensor("loss_mask")?;
-            let ids = ids.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")));
-            table.push(ids, mask.iter().map(|&m| m as i64)).map_err(table_err)?;
+            let ids = || ids.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")));
+            if count {
+                counts.add_row(ids(), mask.iter().map(|&m| m as i64));
+            }
+            table.push(ids(), mask.iter().map(|&m| m as i64)).map_err(table_err)?;
         }
         let (w, fingerprint) = table.finish().map_err(table_err)?;
         let f = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
@@ -472,13 +476,29 @@ pub(crate) fn write_table(
         }
     };
     place(&tmp, hf_dataset::DATA_FILE)?;
-    for (name, text) in [
-        (hf_dataset::INFO_FILE, hf_dataset::info_json(fp8)),
-        (hf_dataset::STATE_FILE, hf_dataset::state_json(&fingerprint)),
-    ] {
-        let (tmp, mut f) = temp(name)?;
-        f.write_all(text.as_bytes()).and_then(|()| f.sync_all()).map_err(io_err(&tmp))?;
-        place(&tmp, name)?;
+    let mut files = vec![
+        (hf_dataset::INFO_FILE.to_string(), hf_dataset::info_json(manifest).into_bytes()),
+        (hf_dataset::STATE_FILE.to_string(), hf_dataset::state_json(&fingerprint).into_bytes()),
+    ];
+    if count {
+        let v = manifest.model.vocab_size;
+        if v == 0 {
+            return Err(SinkError::Directory(
+                "--draft-vocab-size: the manifest records no vocabulary size (written by an older strata)".into(),
+            ));
+        }
+        let _span = tracing::info_span!("draft_vocab", tokens = counts.len()).entered();
+        files.push((TOKEN_FREQ_FILE.to_string(), counts.token_freq_pt()));
+        for &n in &manifest.draft_vocab_sizes {
+            let (d2t, t2d) = counts.mapping_files(n, v).map_err(SinkError::Directory)?;
+            files.push((d2t_file(n), d2t));
+            files.push((t2d_file(n), t2d));
+        }
+    }
+    for (name, bytes) in files {
+        let (tmp, mut f) = temp(&name)?;
+        f.write_all(&bytes).and_then(|()| f.sync_all()).map_err(io_err(&tmp))?;
+        place(&tmp, &name)?;
     }
     Ok(())
 }

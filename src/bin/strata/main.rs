@@ -239,6 +239,11 @@ OUTPUT (--format speculators): OUT is the dataset directory the speculators trai
   loads: a datasets table (data-00000-of-00001.arrow, dataset_info.json, state.json;
   input_ids, loss_mask, seq_len; torch format) and OUT/hidden_states/hs_{i}.safetensors
   for row i with token_ids [T] i64, loss_mask [T] u8 and hidden_states [T, L, H].
+  At the end it prints the trainer's --target-layer-ids (the points before final;
+  the capture must end with final). --draft-vocab-size N adds the trainer's
+  d2t-N.npy, t2d-N.npy and token_freq.pt: then `speculators train --draft-vocab-size N`
+  needs no prepare-data step. --resume, --overwrite and merge remove the vocabulary
+  files the trainer cached there (they describe the rows as they were).
 
 FP8 (--dtype fp8): one byte per value, e4m3 codes with an f32 scale per token and
   capture point: {id}.hidden_states_scales [L, T, 1] (native), hidden_states_scales
@@ -518,6 +523,13 @@ struct ExtractArgs {
     /// Replace the output an earlier run (of either format) left in --out.
     #[arg(long)]
     overwrite: bool,
+    /// With --format speculators: count the loss-masked tokens of the rows
+    /// and write the trainer's draft-vocabulary files for each size, as
+    /// `speculators prepare-data` would: d2t-N.npy, t2d-N.npy and
+    /// token_freq.pt (from which the trainer builds any other size). Then
+    /// `speculators train --draft-vocab-size N` needs no prepare step.
+    #[arg(long, value_name = "N[,N...]", value_delimiter = ',')]
+    draft_vocab_size: Vec<usize>,
     /// What the --data records are. Default: detected from the first line
     /// (`input_ids`, `conversations`, `messages` or `text`).
     #[arg(long, value_enum, value_name = "FORMAT", default_value = "auto", help_heading = "Input")]
@@ -762,6 +774,39 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
     if let Some(m) = peak_rss_mib() {
         say!("  peak memory {m:.0} MiB");
     }
+    print_trainer_flags(s);
+}
+
+/// Speculators format: the trainer's flags for this output, or why it cannot read it.
+fn print_trainer_flags(s: &Summary) {
+    let Some(ids) = &s.target_layer_ids else { return };
+    match ids {
+        Ok(ids) => {
+            let list: Vec<String> = ids.iter().map(usize::to_string).collect();
+            let vocab = match s.draft_vocab_sizes.as_slice() {
+                [] => String::new(),
+                [n] => format!(" --draft-vocab-size {n}"),
+                _ => " --draft-vocab-size N".into(),
+            };
+            let fp8 = if s.dtype == Some(DType::F8E4M3) { " --hidden-states-backend fp8" } else { "" };
+            say!("  trainer     speculators train --target-layer-ids {}{vocab}{fp8} ...", list.join(" "));
+            if !s.draft_vocab_sizes.is_empty() {
+                say!(
+                    "  vocab       token_freq.pt, and d2t-N.npy and t2d-N.npy for N = {}: the trainer loads them",
+                    s.draft_vocab_sizes.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+                );
+            }
+            if ids.len() != 3 {
+                say!(
+                    "  note        EAGLE-3 drafts read three layers besides the final one; this capture gives {}, \
+                     so a draft trained on it takes these {} ids",
+                    ids.len(),
+                    ids.len()
+                );
+            }
+        }
+        Err(why) => say!("  trainer     the speculators trainer cannot read this capture: {why}"),
+    }
 }
 
 /// What preparing the input did: rows of each kind, skips, errors, cuts.
@@ -940,6 +985,12 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
             isolation: render_process(),
         },
         part,
+        draft_vocab_sizes: {
+            let mut v = a.draft_vocab_size.clone();
+            v.sort_unstable();
+            v.dedup();
+            v
+        },
     };
     let out = job.out_dir();
     let model = a.run.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
