@@ -13,6 +13,9 @@
 //!
 //! `--dtype` is the stored dtype on both sides (bf16 by default; fp8 puts
 //! the FP8 encoding on the server's writer thread and in the offline sink).
+//! Each row also gives the share of its wall time the server spent in
+//! forward steps and on its writer thread (from `/metrics`): a writer busy
+//! far below 100% does not hold the steps back.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -49,6 +52,15 @@ impl Conn {
             self.addr,
             body.len()
         );
+        self.send(&req)
+    }
+
+    fn get(&mut self, path: &str) -> (u16, String) {
+        let req = format!("GET {path} HTTP/1.1\r\nHost: {}\r\n\r\n", self.addr);
+        self.send(&req)
+    }
+
+    fn send(&mut self, req: &str) -> (u16, String) {
         self.r.get_mut().write_all(req.as_bytes()).unwrap();
         let mut line = String::new();
         self.r.read_line(&mut line).unwrap();
@@ -97,10 +109,23 @@ struct Served {
     tps: f64,
     p50: f64,
     p99: f64,
+    // Of the wall time: the server's writer thread (gather, check, encode,
+    // write) and its forward steps, from `/metrics`.
+    writer_busy: f64,
+    forward_busy: f64,
+}
+
+/// A counter of the server's `/metrics`.
+fn metric(addr: &str, name: &str) -> f64 {
+    let (status, text) = Conn::new(addr).get("/metrics");
+    assert_eq!(status, 200, "{text}");
+    let line = text.lines().find(|l| l.split_whitespace().next() == Some(name)).unwrap_or_else(|| panic!("no {name}"));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
 fn served(addr: &str, model: &str, prompts: &Arc<Vec<Vec<u32>>>, clients: usize) -> Served {
     let next = Arc::new(AtomicUsize::new(0));
+    let (write0, forward0) = (metric(addr, "strata_write_seconds_total"), metric(addr, "strata_forward_seconds_total"));
     let start = Instant::now();
     let threads: Vec<_> = (0..clients)
         .map(|_| {
@@ -129,10 +154,12 @@ fn served(addr: &str, model: &str, prompts: &Arc<Vec<Vec<u32>>>, clients: usize)
         .collect();
     let mut lat: Vec<f64> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
     let secs = start.elapsed().as_secs_f64();
+    let writer_busy = (metric(addr, "strata_write_seconds_total") - write0) / secs;
+    let forward_busy = (metric(addr, "strata_forward_seconds_total") - forward0) / secs;
     lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let q = |f: f64| lat[((lat.len() - 1) as f64 * f).round() as usize];
     let tokens: usize = prompts.iter().map(Vec::len).sum();
-    Served { tps: tokens as f64 / secs, p50: q(0.5), p99: q(0.99) }
+    Served { tps: tokens as f64 / secs, p50: q(0.5), p99: q(0.99), writer_busy, forward_busy }
 }
 
 /// The server's peak resident memory so far (`VmHWM`).
@@ -211,15 +238,23 @@ fn main() {
          --max-batch-tokens {budget}"
     );
     println!("  offline extract  {off:.0} tokens/s  (runs: {off_a:.0}, {off_b:.0}; the faster is the baseline)");
-    println!("  clients  tokens/s  vs offline  p50 latency  p99 latency  server peak RSS so far");
+    println!(
+        "  clients  tokens/s  vs offline  p50 latency  p99 latency  server peak RSS so far  forward busy  writer busy"
+    );
     for (clients, s, rss) in rows {
         println!(
-            "  {clients:>7}  {:>8.0}  {:>9.2}  {:>9.0} ms  {:>9.0} ms  {:>10.0} MiB",
+            "  {clients:>7}  {:>8.0}  {:>9.2}  {:>9.0} ms  {:>9.0} ms  {:>10.0} MiB  {:>19.0}%  {:>10.0}%",
             s.tps,
             s.tps / off,
             s.p50 * 1e3,
             s.p99 * 1e3,
-            rss
+            rss,
+            s.forward_busy * 100.0,
+            s.writer_busy * 100.0
         );
     }
+    println!(
+        "  (busy: the share of the wall time the server spent in forward steps, and on its writer thread \
+         gathering, encoding and writing files, which runs beside the steps)"
+    );
 }

@@ -616,6 +616,53 @@ fn a_full_disk_leaves_no_partial_file_and_resumes_to_the_uninterrupted_output() 
     assert!(dir_contents(&whole) == dir_contents(&out), "resumed output differs from the uninterrupted run");
 }
 
+/// The same for the speculators writer, whose files are written on writer
+/// threads and committed on another: the first file past the limit fails
+/// the run with the write's error, the files before it are committed, none
+/// after it is, and a resume completes the same output.
+#[test]
+fn a_full_disk_under_the_speculators_writer_fails_cleanly_and_resumes() {
+    let st = setup(60);
+    let whole = st.out("whole");
+    let opts = ["--format", "speculators", "--max-batch-tokens", "64"];
+    assert!(extract(&[&["--data", s(&st.data), "--out", s(&whole)][..], &opts].concat()).ok);
+    let m = Manifest::read(&whole).unwrap();
+    // A limit (in KiB) that the first files fit and a later one does not.
+    let sizes: Vec<u64> = m.shards.iter().map(|s| s.bytes).collect();
+    let limit_kib = (4..60).find(|k| sizes[..4].iter().all(|&b| b <= k << 10) && sizes.iter().any(|&b| b > k << 10));
+    let limit_kib = limit_kib.unwrap_or_else(|| panic!("no limit splits the files: {sizes:?}"));
+    let first_over = sizes.iter().position(|&b| b > limit_kib << 10).unwrap();
+    let out = st.out("full");
+    let script = format!(
+        "trap '' XFSZ; ulimit -f {limit_kib}; exec \"$0\" extract --data \"$1\" --out \"$2\" {}",
+        opts.join(" ")
+    );
+    let c = Command::new("bash")
+        .args(["-c", &script, env!("CARGO_BIN_EXE_strata"), s(&st.data), s(&out)])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let o = wait(c, 120);
+    assert!(!o.ok && o.stderr.contains("cannot write") && o.stderr.contains("File too large"), "{}", o.stderr);
+    // The files before the failed one are listed, whole; nothing else is in place.
+    let listed = Manifest::read(&out).unwrap().shards;
+    assert_eq!(listed.len(), first_over, "the file of row {first_over} failed");
+    let hs = out.join("hidden_states");
+    let mut names: Vec<String> =
+        if hs.exists() { dir_contents(&hs).into_iter().map(|(n, _)| n).collect() } else { Vec::new() };
+    names.sort();
+    let mut expect: Vec<String> =
+        listed.iter().map(|s| s.file.trim_start_matches("hidden_states/").to_string()).collect();
+    expect.sort();
+    assert_eq!(names, expect, "files in place that no manifest lists, or listed files missing");
+    let temps: Vec<String> = dir_contents(&out).into_iter().map(|(n, _)| n).filter(|n| n.ends_with(".tmp")).collect();
+    assert!(temps.is_empty(), "temporary files left: {temps:?}");
+    let o = extract(&[&["--data", s(&st.data), "--out", s(&out), "--resume"][..], &opts].concat());
+    assert!(o.ok, "{}", o.stderr);
+    assert!(dir_contents(&whole) == dir_contents(&out), "resumed output differs from the uninterrupted run");
+}
+
 #[test]
 fn schema_1_datasets_are_still_read_by_inspect_and_verify() {
     let st = setup(12);

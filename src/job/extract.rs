@@ -452,7 +452,7 @@ impl ExtractJob {
             }
             Format::Speculators => {
                 let sink = SpeculatorsSink::open(self.out_loc(), job, self.mode)?;
-                let expect = expected(sink.manifest())?;
+                let expect = expected(&sink.manifest())?;
                 let sink = FiniteCheck::new(sink, self.on_nonfinite, names, dtype);
                 self.drive(model, captures, input, expect, sink, &mut report_progress)?
             }

@@ -17,46 +17,56 @@ use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{DType, Dim, StatesView};
 use std::collections::VecDeque;
 use std::io::Write;
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 /// Writes one file per sample, named by the sample's index. The caller's
 /// thread only encodes: each file is created, written and fsynced by one of
 /// a fixed set of writer threads while the next samples are encoded, a few
-/// files at a time (their fsyncs overlap on the disk), and journaled and
-/// renamed in sample order, in groups, on the caller's thread.
+/// files at a time (their fsyncs overlap on the disk), and a committer
+/// thread journals and renames them in sample order, each time taking every
+/// file whose write is done (one journal sync and one directory sync for the
+/// group, paid while the caller goes on encoding).
 pub struct SpeculatorsSink {
-    out: Output,
+    // Shared with the committer thread, which holds it only to commit.
+    out: Arc<Mutex<Output>>,
     input_path: String,
     // Encoding buffers: a sample's hidden states `[T, L, H]` go to a spare
-    // one; those in flight come back when their writes are done.
-    spare: Vec<Vec<u8>>,
+    // one; a writer thread hands each back once its bytes are in the file
+    // (before the fsync), so a few buffers, warm in cache, go round.
+    spare: Option<mpsc::Receiver<Vec<u8>>>,
     encoder: SpeculatorsEncoder,
-    // Files being written, oldest first.
-    pending: VecDeque<Pending>,
-    // The writer threads, started with the first file. File `k` goes to
-    // thread `k % IN_FLIGHT`, which has handed back file `k - IN_FLIGHT`
-    // by then (files settle in order, at most IN_FLIGHT in flight).
-    writers: Vec<(mpsc::Sender<Job>, JoinHandle<()>)>,
-    submitted: usize,
+    // The bytes of each file in flight (handed over, not yet settled), oldest first.
+    in_flight: VecDeque<u64>,
+    // The writer and committer threads, started with the first file.
+    threads: Option<Threads>,
+    // The row (and file, and manifest shard) index of the next sample.
+    next_index: usize,
     // A write or commit failed: nothing more is committed.
     failed: bool,
     done: usize,
     bytes_written: u64,
 }
 
-/// Files written at once at most, and writer threads: their fsyncs overlap
-/// on the disk (8 against 4 took the bf16 writer from 0.85 to 1.0 of a
-/// plain write; 16 leave 8 in flight while a group commits).
+/// Files in flight at most, and writer threads: their fsyncs overlap on the
+/// disk (8 against 4 took the bf16 writer from 0.85 to 1.0 of a plain write;
+/// 16 leave files being written while a group commits).
 const IN_FLIGHT: usize = 16;
-/// When `IN_FLIGHT` files are in flight, the oldest are committed until this
-/// many are left: files are journaled and renamed in groups of at least
-/// `IN_FLIGHT - COMMIT_DOWN_TO`, so the four syncs of a commit, which run on
-/// the caller's thread between encodings, are paid once per group (the fp8
-/// bench spent 2.6 times as long in commits with groups of one or two).
-const COMMIT_DOWN_TO: usize = 8;
 /// Bytes of files in flight at most (bounds the memory held by their buffers).
 const IN_FLIGHT_BYTES: u64 = 512 << 20;
+
+/// The threads behind the sink.
+struct Threads {
+    // File `k` goes to writer `k % IN_FLIGHT`, which has handed back file
+    // `k - IN_FLIGHT` by then (files settle in order, at most IN_FLIGHT in flight).
+    writers: Vec<(mpsc::Sender<Job>, JoinHandle<()>)>,
+    submitted: usize,
+    // Each file handed to a writer, in order, for the committer.
+    flights: Option<mpsc::Sender<Flight>>,
+    // One answer per file, in order.
+    settled: mpsc::Receiver<Settled>,
+    committer: Option<JoinHandle<()>>,
+}
 
 /// One file for a writer thread: `lead` then `body`, checksummed from `lead[ids_at..]`.
 struct Job {
@@ -67,51 +77,50 @@ struct Job {
     done: mpsc::SyncSender<Written>,
 }
 
-/// A writer thread's answer: the temporary file (when it was created), the
-/// body buffer for reuse, and the sample's checksum or why there is none.
+/// A writer thread's answer: the temporary file (when it was created) and
+/// the sample's checksum or why there is none.
 struct Written {
     tmp: Option<Temp>,
-    body: Vec<u8>,
     digest: Result<u64, SinkError>,
 }
 
-/// A sample whose file a writer thread is writing.
-struct Pending {
+/// A sample whose file a writer thread is writing, on its way to the committer.
+struct Flight {
     shard: ShardInfo,
     sample: SampleInfo,
     end: InputPos,
     done: mpsc::Receiver<Written>,
-    // The answer, once polled.
-    written: Option<Written>,
 }
 
-impl Pending {
-    /// Whether the file is written (or failed).
-    fn is_finished(&mut self) -> bool {
-        if self.written.is_none() {
-            self.written = self.done.try_recv().ok();
-        }
-        self.written.is_some()
-    }
-
+impl Flight {
     /// Waits for the writer's answer.
-    fn wait(mut self) -> (Self, Written) {
-        let w = self.written.take().unwrap_or_else(|| {
-            self.done.recv().unwrap_or_else(|_| Written {
-                tmp: None,
-                body: Vec::new(),
-                digest: Err(SinkError::Directory(format!("{}: the writer thread stopped", self.shard.file))),
-            })
+    fn wait(self) -> (Self, Written) {
+        let w = self.done.recv().unwrap_or_else(|_| Written {
+            tmp: None,
+            digest: Err(SinkError::Directory(format!("{}: the writer thread stopped", self.shard.file))),
         });
         (self, w)
     }
 }
 
-/// A writer thread: creates, writes and fsyncs each file it is given.
-fn writer(temps: Arc<Temps>, jobs: mpsc::Receiver<Job>) {
+/// The committer's answer for one file.
+enum Settled {
+    /// Journaled and renamed, with its bytes.
+    Committed { bytes: u64 },
+    /// Given up: with the error for the file that failed, without it for
+    /// the files after it (they took their places after it).
+    Failed(Option<SinkError>),
+}
+
+/// A writer thread: creates, writes and fsyncs each file it is given, and
+/// hands the buffer back to `spare` once written.
+fn writer(temps: Arc<Temps>, jobs: mpsc::Receiver<Job>, spare: mpsc::Sender<Vec<u8>>) {
     for Job { name, lead, ids_at, body, done } in jobs {
         let written = match temps.create(&name) {
-            Err(e) => Written { tmp: None, body, digest: Err(e) },
+            Err(e) => {
+                let _ = spare.send(body);
+                Written { tmp: None, digest: Err(e) }
+            }
             Ok((tmp, mut f)) => {
                 // The checksum (ids, mask, then the states) is taken a chunk
                 // at a time just before the chunk is written.
@@ -119,17 +128,86 @@ fn writer(temps: Arc<Temps>, jobs: mpsc::Receiver<Job>) {
                     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
                     hasher.update(&lead[ids_at..]);
                     f.write_all(&lead)?;
-                    for chunk in body.chunks(1 << 20) {
+                    let wrote = body.chunks(1 << 20).try_for_each(|chunk| {
                         hasher.update(chunk);
-                        f.write_all(chunk)?;
-                    }
+                        f.write_all(chunk)
+                    });
+                    // The bytes are in the page cache: the buffer is free.
+                    let _ = spare.send(body);
+                    wrote?;
                     f.sync_all()?;
                     Ok(hasher.digest())
                 })();
-                Written { digest: digest.map_err(io_err(&tmp)), tmp: Some(tmp), body }
+                Written { digest: digest.map_err(io_err(&tmp)), tmp: Some(tmp) }
             }
         };
         let _ = done.send(written);
+    }
+}
+
+/// Locks the output (a panic elsewhere while holding it leaves it as it was).
+fn lock(out: &Mutex<Output>) -> MutexGuard<'_, Output> {
+    out.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The committer thread: takes the files in order as their writes finish and
+/// commits each run of finished files as one group. After a failed write or
+/// commit, it discards every later file. It ends when the sink closes the
+/// channel, having settled every file it was given.
+fn committer(out: Arc<Mutex<Output>>, flights: mpsc::Receiver<Flight>, settled: mpsc::Sender<Settled>) {
+    let mut failed = false;
+    // A file taken from the channel whose write was not done yet.
+    let mut next: Option<Flight> = None;
+    loop {
+        // The oldest file, waited for, then every one behind it already written.
+        let Some(first) = next.take().or_else(|| flights.recv().ok()) else { return };
+        let mut group = vec![first.wait()];
+        while let Ok(f) = flights.try_recv() {
+            match f.done.try_recv() {
+                Ok(w) => group.push((f, w)),
+                Err(_) => {
+                    next = Some(f);
+                    break;
+                }
+            }
+        }
+        let _span = tracing::debug_span!("commit", files = group.len()).entered();
+        let mut out = lock(&out);
+        let mut answers = Vec::with_capacity(group.len());
+        let mut commits = Vec::with_capacity(group.len());
+        for (mut f, w) in group {
+            let ok = !failed && w.digest.is_ok();
+            match (w.digest, w.tmp) {
+                (Ok(digest), Some(tmp)) if ok => {
+                    f.sample.checksum = hash_hex(digest);
+                    answers.push(Settled::Committed { bytes: f.shard.bytes });
+                    commits.push(Commit { tmp, info: f.shard, samples: vec![f.sample], end: f.end });
+                }
+                (digest, tmp) => {
+                    if let (Some(tmp), Ok(o)) = (tmp, out.get()) {
+                        o.discard(&tmp);
+                    }
+                    answers.push(Settled::Failed(digest.err().filter(|_| !failed)));
+                    failed = true;
+                }
+            }
+        }
+        if !commits.is_empty() {
+            let n = commits.len();
+            if let Err(e) = out.get().and_then(|o| o.commit_all(commits)) {
+                // The group is not in the manifest (a resume finds what the
+                // journal lists); the error is told with its first file.
+                failed = true;
+                let mut e = Some(e);
+                for a in answers.iter_mut().take(n) {
+                    *a = Settled::Failed(e.take());
+                }
+            }
+        }
+        drop(out);
+        for a in answers {
+            let _ = settled.send(a);
+        }
     }
 }
 
@@ -142,13 +220,13 @@ impl SpeculatorsSink {
         let out = Output::new(dir, mode, job)?;
         let done = out.manifest().consumed();
         Ok(SpeculatorsSink {
-            out,
+            out: Arc::new(Mutex::new(out)),
             input_path,
-            spare: Vec::new(),
+            spare: None,
             encoder: SpeculatorsEncoder::new(dtype),
-            pending: VecDeque::new(),
-            writers: Vec::new(),
-            submitted: 0,
+            in_flight: VecDeque::new(),
+            threads: None,
+            next_index: 0,
             failed: false,
             done,
             bytes_written: 0,
@@ -163,122 +241,135 @@ impl SpeculatorsSink {
     /// Writes the dataset table from the listed files (a resumed run's table
     /// holds the rows of every run that wrote files).
     fn write_table(&mut self) -> Result<(), SinkError> {
-        let out = &*self.out.get()?;
+        let mut out = lock(&self.out);
+        let out = &*out.get()?;
+        let dir = out.dir();
         write_table(
-            out.dir(),
+            dir,
             out.manifest(),
             |name| out.create_temp(name),
-            |tmp, name| out.place(tmp, name),
+            |tmp, name| dir.rename(&tmp.name, dir, name).map_err(io_err(&dir.join(name))),
             |tmp| out.discard(tmp),
-        )
+        )?;
+        // The renames are durable before the manifest says the run is complete.
+        dir.sync();
+        Ok(())
     }
 
     /// The manifest as written so far.
-    pub fn manifest(&self) -> &Manifest {
-        self.out.manifest()
+    pub fn manifest(&self) -> impl std::ops::Deref<Target = Manifest> + '_ {
+        ManifestGuard(lock(&self.out))
     }
 
-    /// Starts the writer threads (once).
-    fn start_writers(&mut self) -> Result<(), SinkError> {
-        if !self.writers.is_empty() {
-            return Ok(());
+    /// Starts the writer and committer threads (once).
+    fn start_threads(&mut self) -> Result<&mut Threads, SinkError> {
+        if self.threads.is_none() {
+            let mut out = lock(&self.out);
+            let out = out.get()?;
+            self.next_index = out.manifest().shards.len();
+            let temps = Arc::new(out.temps()?);
+            let (spare_tx, spare) = mpsc::channel();
+            let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+                std::thread::Builder::new().name(name).spawn(f).map_err(io_err(out.dir().path()))
+            };
+            let mut writers = Vec::with_capacity(IN_FLIGHT);
+            for i in 0..IN_FLIGHT {
+                let (tx, rx) = mpsc::channel();
+                let (temps, spare) = (temps.clone(), spare_tx.clone());
+                let run = Box::new(move || writer(temps, rx, spare));
+                writers.push((tx, spawn(format!("strata-sample-writer-{i}"), run)?));
+            }
+            let (flights, flights_rx) = mpsc::channel();
+            let (settled_tx, settled) = mpsc::channel();
+            let shared = self.out.clone();
+            let committer =
+                spawn("strata-committer".into(), Box::new(move || committer(shared, flights_rx, settled_tx)))?;
+            self.spare = Some(spare);
+            self.threads =
+                Some(Threads { writers, submitted: 0, flights: Some(flights), settled, committer: Some(committer) });
         }
-        let out = self.out.get()?;
-        let temps = Arc::new(out.temps()?);
-        for i in 0..IN_FLIGHT {
-            let (tx, rx) = mpsc::channel();
-            let temps = temps.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("strata-sample-writer-{i}"))
-                .spawn(move || writer(temps, rx))
-                .map_err(io_err(out.dir().path()))?;
-            self.writers.push((tx, spawned));
+        Ok(self.threads.as_mut().expect("started above"))
+    }
+
+    /// Takes the committer's answer for the oldest file in flight, waiting
+    /// for it when `wait`; false when there was none to take.
+    fn take_settled(&mut self, wait: bool) -> Result<bool, SinkError> {
+        let Some(threads) = &self.threads else { return Ok(false) };
+        if self.in_flight.is_empty() {
+            return Ok(false);
+        }
+        let answer = if wait {
+            threads.settled.recv().map_err(|_| ())
+        } else {
+            match threads.settled.try_recv() {
+                Ok(a) => Ok(a),
+                Err(mpsc::TryRecvError::Empty) => return Ok(false),
+                Err(mpsc::TryRecvError::Disconnected) => Err(()),
+            }
+        };
+        self.in_flight.pop_front();
+        match answer {
+            Ok(Settled::Committed { bytes }) => {
+                self.bytes_written += bytes;
+                Ok(true)
+            }
+            Ok(Settled::Failed(e)) => {
+                self.failed = true;
+                Err(e.unwrap_or_else(|| SinkError::Directory("given up after an earlier failed write".into())))
+            }
+            Err(()) => {
+                self.failed = true;
+                Err(SinkError::Directory("the committer thread stopped".into()))
+            }
+        }
+    }
+
+    /// Waits until at most `files` files are in flight holding at most
+    /// `bytes` between them, and takes the answers already there.
+    fn settle(&mut self, files: usize, bytes: u64) -> Result<(), SinkError> {
+        while self.take_settled(false)? {}
+        while self.in_flight.len() > files || (self.in_flight.iter().sum::<u64>() > bytes && !self.in_flight.is_empty())
+        {
+            self.take_settled(true)?;
         }
         Ok(())
     }
 
-    /// Waits for the `n` oldest files in flight, then journals and renames
-    /// them together (one journal sync and one directory sync for all).
-    /// If a write failed, the files before it are still committed, and it
-    /// and every later file in flight are given up (they took their places
-    /// after it); the error names the failed file.
-    fn settle_front(&mut self, n: usize) -> Result<(), SinkError> {
-        let r = self.try_settle_front(n);
-        self.failed |= r.is_err();
-        r
+    /// Fails at once once a write or commit has failed (that error was
+    /// returned): the files after it are not this run's to list.
+    fn check(&self) -> Result<(), SinkError> {
+        if self.failed {
+            return Err(SinkError::Directory("an earlier write failed; nothing more is written".into()));
+        }
+        Ok(())
     }
+}
 
-    fn try_settle_front(&mut self, n: usize) -> Result<(), SinkError> {
-        let mut commits = Vec::with_capacity(n);
-        let mut failed = None;
-        for _ in 0..n {
-            let Some(p) = self.pending.pop_front() else { break };
-            let (mut p, written) = p.wait();
-            match written.digest {
-                Ok(digest) => {
-                    p.sample.checksum = hash_hex(digest);
-                    let buf = written.body;
-                    // One spare buffer is always kept; more only within the in-flight budget.
-                    let kept: usize = self.spare.iter().map(Vec::capacity).sum();
-                    if self.spare.is_empty() || (kept + buf.capacity()) as u64 <= IN_FLIGHT_BYTES {
-                        self.spare.push(buf);
-                    }
-                    let tmp = written.tmp.expect("a written file has its temporary file");
-                    commits.push(Commit { tmp, info: p.shard, samples: vec![p.sample], end: p.end });
-                }
-                Err(e) => {
-                    let out = self.out.get()?;
-                    written.tmp.iter().for_each(|t| out.discard(t));
-                    for later in self.pending.drain(..) {
-                        let (_, w) = later.wait();
-                        w.tmp.iter().for_each(|t| out.discard(t));
-                    }
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        let bytes: u64 = commits.iter().map(|c| c.info.bytes).sum();
-        self.out.get()?.commit_all(commits)?;
-        self.bytes_written += bytes;
-        failed.map_or(Ok(()), Err)
-    }
+/// The manifest inside the locked output.
+struct ManifestGuard<'a>(MutexGuard<'a, Output>);
 
-    /// Settles files until at most `files` are in flight holding at most
-    /// `bytes` between them, taking along those right behind them whose
-    /// writes are already done.
-    fn settle(&mut self, files: usize, bytes: u64) -> Result<(), SinkError> {
-        let mut n = 0;
-        let mut held: u64 = self.pending.iter().map(|p| p.shard.bytes).sum();
-        while self.pending.len() - n > files.min(self.pending.len()) || held > bytes {
-            held -= self.pending[n].shard.bytes;
-            n += 1;
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        while n < self.pending.len() && self.pending[n].is_finished() {
-            n += 1;
-        }
-        self.settle_front(n)
+impl std::ops::Deref for ManifestGuard<'_> {
+    type Target = Manifest;
+    fn deref(&self) -> &Manifest {
+        self.0.manifest()
     }
 }
 
 impl Drop for SpeculatorsSink {
     fn drop(&mut self) {
         // A run that stops early (an error elsewhere) still commits the
-        // samples it handed over whose files were written, unless this sink
-        // itself failed; what is not committed stays a temporary file (resume
-        // removes it). No writer thread is left running.
-        if !self.failed {
-            let _ = self.settle_front(self.pending.len());
-        }
-        for p in self.pending.drain(..) {
-            let _ = p.wait();
-        }
-        for (jobs, thread) in self.writers.drain(..) {
-            drop(jobs);
-            let _ = thread.join();
+        // samples it handed over whose files were written, unless a write or
+        // commit failed; what is not committed stays a temporary file (resume
+        // removes it). No thread is left running.
+        if let Some(mut t) = self.threads.take() {
+            drop(t.flights.take());
+            if let Some(c) = t.committer.take() {
+                let _ = c.join();
+            }
+            for (jobs, thread) in t.writers.drain(..) {
+                drop(jobs);
+                let _ = thread.join();
+            }
         }
     }
 }
@@ -286,51 +377,57 @@ impl Drop for SpeculatorsSink {
 impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
     fn write_sample(&mut self, sample: &Sample, states: StatesView<'_, L, H>) -> Result<(), SinkError> {
         let _span = tracing::debug_span!("write", index = sample.index).entered();
+        self.check()?;
         let t = states.shape()[1];
-        self.start_writers()?;
+        self.start_threads()?;
+        // Buffers of files committed meanwhile come back first.
+        self.settle(usize::MAX, u64::MAX)?;
         // Encoded while earlier samples' files are still being written.
-        let mut body = self.spare.pop().unwrap_or_default();
+        let mut body = self.spare.as_ref().and_then(|s| s.try_recv().ok()).unwrap_or_default();
         let (lead, ids_at) = self.encoder.encode(&sample.input_ids, sample.loss_mask.as_deref(), states, &mut body);
         let bytes = (lead.len() + body.len()) as u64;
         // Room for this one: at most IN_FLIGHT files, and IN_FLIGHT_BYTES
         // between them (one file alone may be larger).
-        let files = if self.pending.len() >= IN_FLIGHT { COMMIT_DOWN_TO } else { usize::MAX };
-        self.settle(files, IN_FLIGHT_BYTES.saturating_sub(bytes))?;
-        // Row `i` of the table is file `i`, and its place in the manifest:
-        // rows are numbered as they are written, after the files still in
-        // flight, which commit first.
-        let index = self.out.get()?.manifest().shards.len() + self.pending.len();
+        self.settle(IN_FLIGHT - 1, IN_FLIGHT_BYTES.saturating_sub(bytes))?;
+        // Row `i` of the table is file `i`, and its place in the manifest.
+        let index = self.next_index;
         let name = Self::file_name(index);
         let (done, answer) = mpsc::sync_channel(1);
         let job = Job { name: name.clone(), lead, ids_at, body, done };
-        let (jobs, _) = &self.writers[self.submitted % IN_FLIGHT];
-        if jobs.send(job).is_err() {
-            self.failed = true;
-            return Err(SinkError::Directory(format!("{name}: a writer thread stopped")));
-        }
-        self.submitted += 1;
+        let threads = self.start_threads()?;
+        let (jobs, _) = &threads.writers[threads.submitted % IN_FLIGHT];
+        let sent = jobs.send(job).is_ok();
         let info = SampleInfo {
             id: sample.id.clone(),
             shard: index,
             tokens: t,
-            checksum: String::new(), // set when the writer thread returns it
+            checksum: String::new(), // set by the committer from the writer's answer
             index: Some(sample.index),
         };
-        let shard = ShardInfo { file: name, samples: 1, bytes, input: None };
-        self.pending.push_back(Pending { shard, sample: info, end: sample.end.clone(), done: answer, written: None });
+        let shard = ShardInfo { file: name.clone(), samples: 1, bytes, input: None };
+        let flight = Flight { shard, sample: info, end: sample.end.clone(), done: answer };
+        if !sent || threads.flights.as_ref().is_none_or(|f| f.send(flight).is_err()) {
+            self.failed = true;
+            return Err(SinkError::Directory(format!("{name}: a writer thread stopped")));
+        }
+        threads.submitted += 1;
+        self.next_index += 1;
+        self.in_flight.push_back(bytes);
         Ok(())
     }
 
     fn skip_sample(&mut self, sample: &Sample, reason: String) -> Result<(), SinkError> {
+        self.check()?;
         // The skip belongs after the samples in flight.
         self.settle(0, 0)?;
-        self.out.skip_sample(sample, reason)
+        lock(&self.out).skip_sample(sample, reason)
     }
 
     fn finish(&mut self, input: InputPos) -> Result<(), SinkError> {
+        self.check()?;
         self.settle(0, 0)?;
         self.write_table()?;
-        self.out.get()?.finish(InputInfo { path: self.input_path.clone(), whole: input })
+        lock(&self.out).get()?.finish(InputInfo { path: self.input_path.clone(), whole: input })
     }
 
     fn resume_from(&self) -> usize {
@@ -338,7 +435,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
     }
 
     fn bytes_written(&self) -> u64 {
-        // Counted when a file is committed: the one in flight is not yet.
+        // Counted when a file is committed: those in flight are not yet.
         self.bytes_written
     }
 }
@@ -426,7 +523,9 @@ impl SpeculatorsEncoder {
 /// `--draft-vocab-size`, the loss-masked tokens of those rows are counted on
 /// the way, and the trainer's `token_freq.pt` and each size's
 /// `d2t-N.npy`/`t2d-N.npy` follow the table. Each file is written to a
-/// temporary file from `temp`, fsynced and put in place by `place`.
+/// temporary file from `temp`; they are fsynced together (their syncs
+/// overlap on the disk) and then put in place by `place`, which need not
+/// sync the directory: the caller does, once.
 pub(crate) fn write_table(
     dir: &Dir,
     manifest: &Manifest,
@@ -436,11 +535,13 @@ pub(crate) fn write_table(
 ) -> Result<(), SinkError> {
     let shards = &manifest.shards;
     let _span = tracing::info_span!("dataset_table", rows = shards.len()).entered();
-    let count = !manifest.draft_vocab_sizes.is_empty();
-    let mut counts = TokenCounts::default();
-    let (tmp, f) = temp(hf_dataset::DATA_FILE)?;
-    let table_err = |e: arrow_schema::ArrowError| SinkError::Directory(format!("{}: {e}", tmp.display()));
+    // The temporary files written so far, with their names.
+    let mut written: Vec<(Temp, std::fs::File, String)> = Vec::new();
     let r = (|| {
+        let count = !manifest.draft_vocab_sizes.is_empty();
+        let mut counts = TokenCounts::default();
+        let (tmp, f) = temp(hf_dataset::DATA_FILE)?;
+        let table_err = |e: arrow_schema::ArrowError| SinkError::Directory(format!("{}: {e}", tmp.display()));
         let mut table =
             hf_dataset::TableWriter::new(std::io::BufWriter::with_capacity(1 << 20, f)).map_err(table_err)?;
         for shard in shards {
@@ -465,40 +566,45 @@ pub(crate) fn write_table(
         }
         let (w, fingerprint) = table.finish().map_err(table_err)?;
         let f = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
-        f.sync_all().map_err(io_err(&tmp))?;
-        Ok(fingerprint)
+        written.push((tmp, f, hf_dataset::DATA_FILE.to_string()));
+        let mut files = vec![
+            (hf_dataset::INFO_FILE.to_string(), hf_dataset::info_json(manifest).into_bytes()),
+            (hf_dataset::STATE_FILE.to_string(), hf_dataset::state_json(&fingerprint).into_bytes()),
+        ];
+        if count {
+            let v = manifest.model.vocab_size;
+            if v == 0 {
+                return Err(SinkError::Directory(
+                    "--draft-vocab-size: the manifest records no vocabulary size (written by an older strata)".into(),
+                ));
+            }
+            let _span = tracing::info_span!("draft_vocab", tokens = counts.len()).entered();
+            files.push((TOKEN_FREQ_FILE.to_string(), counts.token_freq_pt()));
+            for &n in &manifest.draft_vocab_sizes {
+                let (d2t, t2d) = counts.mapping_files(n, v).map_err(SinkError::Directory)?;
+                files.push((d2t_file(n), d2t));
+                files.push((t2d_file(n), t2d));
+            }
+        }
+        for (name, bytes) in files {
+            let (tmp, mut f) = temp(&name)?;
+            let w = f.write_all(&bytes).map_err(io_err(&tmp));
+            written.push((tmp, f, name));
+            w?;
+        }
+        // Every file fsynced, each on its own thread.
+        std::thread::scope(|s| {
+            let syncs: Vec<_> =
+                written.iter().map(|(tmp, f, _)| s.spawn(move || f.sync_all().map_err(io_err(tmp)))).collect();
+            syncs.into_iter().try_for_each(|h| {
+                h.join().unwrap_or_else(|_| Err(SinkError::Directory("an fsync thread panicked".into())))
+            })
+        })?;
+        written.iter().try_for_each(|(tmp, _, name)| place(tmp, name))
     })();
-    let fingerprint = match r {
-        Ok(fp) => fp,
-        Err(e) => {
-            discard(&tmp);
-            return Err(e);
-        }
-    };
-    place(&tmp, hf_dataset::DATA_FILE)?;
-    let mut files = vec![
-        (hf_dataset::INFO_FILE.to_string(), hf_dataset::info_json(manifest).into_bytes()),
-        (hf_dataset::STATE_FILE.to_string(), hf_dataset::state_json(&fingerprint).into_bytes()),
-    ];
-    if count {
-        let v = manifest.model.vocab_size;
-        if v == 0 {
-            return Err(SinkError::Directory(
-                "--draft-vocab-size: the manifest records no vocabulary size (written by an older strata)".into(),
-            ));
-        }
-        let _span = tracing::info_span!("draft_vocab", tokens = counts.len()).entered();
-        files.push((TOKEN_FREQ_FILE.to_string(), counts.token_freq_pt()));
-        for &n in &manifest.draft_vocab_sizes {
-            let (d2t, t2d) = counts.mapping_files(n, v).map_err(SinkError::Directory)?;
-            files.push((d2t_file(n), d2t));
-            files.push((t2d_file(n), t2d));
-        }
+    if r.is_err() {
+        // Those placed already are gone from their temporary names; the rest go.
+        written.iter().for_each(|(tmp, _, _)| discard(tmp));
     }
-    for (name, bytes) in files {
-        let (tmp, mut f) = temp(&name)?;
-        f.write_all(&bytes).and_then(|()| f.sync_all()).map_err(io_err(&tmp))?;
-        place(&tmp, &name)?;
-    }
-    Ok(())
+    r
 }
