@@ -245,6 +245,8 @@ pub struct OutputDir {
     nonce: String,
     manifest: Manifest,
     journal: Option<File>,
+    // Subdirectories (`hidden_states/`) whose entry this run has made durable.
+    durable_subs: Vec<PathBuf>,
     // Samples skipped since the last journaled file, and the input position after them.
     skipped: Vec<SkippedInfo>,
     skipped_end: Option<InputPos>,
@@ -463,7 +465,16 @@ impl Plan {
         manifest.complete = false;
         manifest.input = None;
         manifest.nonce = nonce.clone();
-        let out = OutputDir { dir, lock, nonce, manifest, journal: None, skipped: vec![], skipped_end: None };
+        let out = OutputDir {
+            dir,
+            lock,
+            nonce,
+            manifest,
+            journal: None,
+            durable_subs: vec![],
+            skipped: vec![],
+            skipped_end: None,
+        };
         out.write_manifest()?;
         remove(&out.dir, JOURNAL)?;
         out.dir.sync();
@@ -639,18 +650,32 @@ impl OutputDir {
         let j = self.journal.as_mut().expect("opened above");
         j.write_all(lines.as_bytes()).and_then(|()| j.sync_data()).map_err(io_err(&jpath))?;
         entries.iter().for_each(|_| failpoint("journaled"));
-        // A new subdirectory's entry must be durable before the renames into it.
-        self.dir.sync();
-        let mut synced: Vec<PathBuf> = Vec::new();
+        // A subdirectory's entry must be durable before the renames into it:
+        // synced at its first use in this run (it may have just been created).
+        let top = self.dir.path();
+        let new_subs: Vec<PathBuf> = entries
+            .iter()
+            .map(|(_, (sub, _, _), _)| sub.path())
+            .filter(|p| *p != top && !self.durable_subs.iter().any(|d| d == p))
+            .map(Path::to_path_buf)
+            .collect();
+        if !new_subs.is_empty() {
+            self.dir.sync();
+            self.durable_subs.extend(new_subs);
+        }
+        // Then each directory renamed into is synced once. The temporary
+        // names' removal from the top need not be durable: a resume removes
+        // what is left of this run's temporary names (a second link to a
+        // listed file, at worst), so only the top's own renames sync it.
+        let mut targets: Vec<&Dir> = Vec::new();
         for (tmp, (sub, name, path), _) in &entries {
             self.dir.rename(&tmp.name, sub, name).map_err(io_err(path))?;
             failpoint("renamed");
-            if sub.path() != self.dir.path() && !synced.iter().any(|p| p == sub.path()) {
-                synced.push(sub.path().to_path_buf());
-                sub.sync();
+            if !targets.iter().any(|d| d.path() == sub.path()) {
+                targets.push(sub);
             }
         }
-        self.dir.sync();
+        targets.iter().for_each(|d| d.sync());
         for (_, _, entry) in entries {
             self.manifest.apply(entry).map_err(dir_err)?;
         }

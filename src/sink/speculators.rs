@@ -52,7 +52,9 @@ pub struct SpeculatorsSink {
 /// disk (8 against 4 took the bf16 writer from 0.85 to 1.0 of a plain write;
 /// 16 leave files being written while a group commits).
 const IN_FLIGHT: usize = 16;
-/// Bytes of files in flight at most (bounds the memory held by their buffers).
+/// Bytes of files in flight at most: their buffers until written, then
+/// their dirty pages until fsynced. It also bounds how many large buffers
+/// go round (each huge file leaves fewer in flight).
 const IN_FLIGHT_BYTES: u64 = 512 << 20;
 
 /// The threads behind the sink.
