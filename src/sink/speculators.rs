@@ -4,8 +4,10 @@
 //! `hidden_states/hs_{i}.safetensors`, file `i` for row `i`, each holding
 //! `token_ids` (I64 `[T]`), `loss_mask` (U8 `[T]`) and `hidden_states`
 //! (`[T, L, H]`). The same `manifest.json` as the native format lists each
-//! file as a one-sample shard, so resume and verify work alike; the table is
-//! built from the listed files when the run finishes.
+//! file as a one-sample shard, so resume and verify work alike. The table
+//! gets a row as each file is handed over (a resumed run's table first reads
+//! back the rows of the files earlier runs listed; `merge` reads back every
+//! part's) and is put in place when the run finishes.
 
 use super::draft_vocab::{d2t_file, t2d_file, TokenCounts, TOKEN_FREQ_FILE};
 use super::output::{Commit, OutLoc, Output, Temp, Temps};
@@ -42,6 +44,10 @@ pub struct SpeculatorsSink {
     threads: Option<Threads>,
     // The row (and file, and manifest shard) index of the next sample.
     next_index: usize,
+    // The dataset table, a row pushed as each file is handed over (after
+    // the rows of the files earlier runs listed), so that `finish` reads
+    // nothing back.
+    table: Option<Table>,
     // A write or commit failed: nothing more is committed.
     failed: bool,
     done: usize,
@@ -229,6 +235,7 @@ impl SpeculatorsSink {
             in_flight: VecDeque::new(),
             threads: None,
             next_index: 0,
+            table: None,
             failed: false,
             done,
             bytes_written: 0,
@@ -240,14 +247,30 @@ impl SpeculatorsSink {
         format!("hidden_states/hs_{i}.safetensors")
     }
 
-    /// Writes the dataset table from the listed files (a resumed run's table
-    /// holds the rows of every run that wrote files).
+    /// Starts the dataset table (once, before this run commits a file)
+    /// with the rows of the files earlier runs listed: a resumed run's table
+    /// holds the rows of every run that wrote files.
+    fn start_table(&mut self) -> Result<&mut Table, SinkError> {
+        if self.table.is_none() {
+            let mut out = lock(&self.out);
+            let out = out.get()?;
+            let _span = tracing::info_span!("dataset_table", listed = out.manifest().shards.len()).entered();
+            let (tmp, f) = out.create_temp(hf_dataset::DATA_FILE)?;
+            let mut table = Table::new(tmp.clone(), f, out.manifest()).inspect_err(|_| out.discard(&tmp))?;
+            table.push_listed(out.dir(), &out.manifest().shards).inspect_err(|_| out.discard(&tmp))?;
+            self.table = Some(table);
+        }
+        Ok(self.table.as_mut().expect("started above"))
+    }
+
+    /// Ends the dataset table and puts it and the files that go with it in place.
     fn write_table(&mut self) -> Result<(), SinkError> {
+        self.start_table()?;
+        let table = self.table.take().expect("started above");
         let mut out = lock(&self.out);
         let out = &*out.get()?;
         let dir = out.dir();
-        write_table(
-            dir,
+        table.finish(
             out.manifest(),
             |name| out.create_temp(name),
             |tmp, name| dir.rename(&tmp.name, dir, name).map_err(io_err(&dir.join(name))),
@@ -362,7 +385,12 @@ impl Drop for SpeculatorsSink {
         // A run that stops early (an error elsewhere) still commits the
         // samples it handed over whose files were written, unless a write or
         // commit failed; what is not committed stays a temporary file (resume
-        // removes it). No thread is left running.
+        // removes it). No thread is left running, and no unfinished table.
+        if let Some(table) = self.table.take() {
+            if let Ok(o) = lock(&self.out).get() {
+                o.discard(&table.tmp);
+            }
+        }
         if let Some(mut t) = self.threads.take() {
             drop(t.flights.take());
             if let Some(c) = t.committer.take() {
@@ -381,6 +409,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
         let _span = tracing::debug_span!("write", index = sample.index).entered();
         self.check()?;
         let t = states.shape()[1];
+        self.start_table()?;
         self.start_threads()?;
         // Buffers of files committed meanwhile come back first.
         self.settle(usize::MAX, u64::MAX)?;
@@ -415,7 +444,13 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
         threads.submitted += 1;
         self.next_index += 1;
         self.in_flight.push_back(bytes);
-        Ok(())
+        // The row, as the file holds it (a mask of ones without one).
+        let ones = if sample.loss_mask.is_none() { t } else { 0 };
+        let mask = sample.loss_mask.as_deref().unwrap_or_default().iter().map(|&m| m as i64);
+        let ids = sample.input_ids.iter().map(|&v| v as i64);
+        let pushed = self.start_table()?.push(ids, mask.chain(std::iter::repeat_n(1, ones)));
+        self.failed |= pushed.is_err();
+        pushed
     }
 
     fn skip_sample(&mut self, sample: &Sample, reason: String) -> Result<(), SinkError> {
@@ -520,34 +555,39 @@ impl SpeculatorsEncoder {
     }
 }
 
-/// Writes the dataset table of `dir` from the files `manifest` lists, in
-/// row order: each file's `token_ids` and `loss_mask`, read back. With
-/// `--draft-vocab-size`, the loss-masked tokens of those rows are counted on
-/// the way, and the trainer's `token_freq.pt` and each size's
-/// `d2t-N.npy`/`t2d-N.npy` follow the table. Each file is written to a
-/// temporary file from `temp`; they are fsynced together (their syncs
-/// overlap on the disk) and then put in place by `place`, which need not
-/// sync the directory: the caller does, once.
-pub(crate) fn write_table(
-    dir: &Dir,
-    manifest: &Manifest,
-    mut temp: impl FnMut(&str) -> Result<(Temp, std::fs::File), SinkError>,
-    mut place: impl FnMut(&Temp, &str) -> Result<(), SinkError>,
-    discard: impl Fn(&Temp),
-) -> Result<(), SinkError> {
-    let shards = &manifest.shards;
-    let _span = tracing::info_span!("dataset_table", rows = shards.len()).entered();
-    // The temporary files written so far, with their names.
-    let mut written: Vec<(Temp, std::fs::File, String)> = Vec::new();
-    let r = (|| {
-        let count = !manifest.draft_vocab_sizes.is_empty();
-        let mut counts = TokenCounts::default();
-        let (tmp, f) = temp(hf_dataset::DATA_FILE)?;
-        let table_err = |e: arrow_schema::ArrowError| SinkError::Directory(format!("{}: {e}", tmp.display()));
-        let mut table =
-            hf_dataset::TableWriter::new(std::io::BufWriter::with_capacity(1 << 20, f)).map_err(table_err)?;
+/// The dataset table being written, a row per file, with the loss-masked
+/// token counts when the run writes the trainer's vocabulary files.
+pub(crate) struct Table {
+    tmp: Temp,
+    rows: hf_dataset::TableWriter<std::io::BufWriter<std::fs::File>>,
+    counts: Option<TokenCounts>,
+}
+
+impl Table {
+    /// A table for `manifest`'s run in the fresh temporary file `tmp`.
+    fn new(tmp: Temp, f: std::fs::File, manifest: &Manifest) -> Result<Self, SinkError> {
+        let rows = hf_dataset::TableWriter::new(std::io::BufWriter::with_capacity(1 << 20, f))
+            .map_err(|e| SinkError::Directory(format!("{}: {e}", tmp.display())))?;
+        let counts = (!manifest.draft_vocab_sizes.is_empty()).then(TokenCounts::default);
+        Ok(Table { tmp, rows, counts })
+    }
+
+    /// Appends a row: token ids and loss mask, as the row's file holds them.
+    fn push(
+        &mut self,
+        ids: impl ExactSizeIterator<Item = i64> + Clone,
+        mask: impl Iterator<Item = i64> + Clone,
+    ) -> Result<(), SinkError> {
+        if let Some(c) = &mut self.counts {
+            c.add_row(ids.clone(), mask.clone());
+        }
+        self.rows.push(ids, mask).map_err(|e| SinkError::Directory(format!("{}: {e}", self.tmp.display())))
+    }
+
+    /// Appends the rows of the files `shards` lists, read back from `dir`
+    /// (through its handle, links not followed).
+    fn push_listed(&mut self, dir: &Dir, shards: &[ShardInfo]) -> Result<(), SinkError> {
         for shard in shards {
-            // Read back through the directory's handle, links not followed.
             let path = dir.join(&shard.file);
             let opened = dir.walk(&shard.file, false).and_then(|(sub, name)| sub.open_file(&name));
             let opened = opened.map_err(io_err(&path))?;
@@ -560,53 +600,107 @@ pub(crate) fn write_table(
             };
             let ids = tensor("token_ids")?;
             let mask = tensor("loss_mask")?;
-            let ids = || ids.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")));
-            if count {
-                counts.add_row(ids(), mask.iter().map(|&m| m as i64));
-            }
-            table.push(ids(), mask.iter().map(|&m| m as i64)).map_err(table_err)?;
+            let ids = ids.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")));
+            self.push(ids, mask.iter().map(|&m| m as i64))?;
         }
-        let (w, fingerprint) = table.finish().map_err(table_err)?;
-        let f = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
-        written.push((tmp, f, hf_dataset::DATA_FILE.to_string()));
-        let mut files = vec![
-            (hf_dataset::INFO_FILE.to_string(), hf_dataset::info_json(manifest).into_bytes()),
-            (hf_dataset::STATE_FILE.to_string(), hf_dataset::state_json(&fingerprint).into_bytes()),
-        ];
-        if count {
-            let v = manifest.model.vocab_size;
-            if v == 0 {
-                return Err(SinkError::Directory(
-                    "--draft-vocab-size: the manifest records no vocabulary size (written by an older strata)".into(),
-                ));
-            }
-            let _span = tracing::info_span!("draft_vocab", tokens = counts.len()).entered();
-            files.push((TOKEN_FREQ_FILE.to_string(), counts.token_freq_pt()));
-            for &n in &manifest.draft_vocab_sizes {
-                let (d2t, t2d) = counts.mapping_files(n, v).map_err(SinkError::Directory)?;
-                files.push((d2t_file(n), d2t));
-                files.push((t2d_file(n), t2d));
-            }
-        }
-        for (name, bytes) in files {
-            let (tmp, mut f) = temp(&name)?;
-            let w = f.write_all(&bytes).map_err(io_err(&tmp));
-            written.push((tmp, f, name));
-            w?;
-        }
-        // Every file fsynced, each on its own thread.
-        std::thread::scope(|s| {
-            let syncs: Vec<_> =
-                written.iter().map(|(tmp, f, _)| s.spawn(move || f.sync_all().map_err(io_err(tmp)))).collect();
-            syncs.into_iter().try_for_each(|h| {
-                h.join().unwrap_or_else(|_| Err(SinkError::Directory("an fsync thread panicked".into())))
-            })
-        })?;
-        written.iter().try_for_each(|(tmp, _, name)| place(tmp, name))
-    })();
-    if r.is_err() {
-        // Those placed already are gone from their temporary names; the rest go.
-        written.iter().for_each(|(tmp, _, _)| discard(tmp));
+        Ok(())
     }
-    r
+
+    /// Ends the table and writes the files that go with it (`dataset_info.json`,
+    /// `state.json` and, with `--draft-vocab-size`, `token_freq.pt` and each
+    /// size's `d2t-N.npy`/`t2d-N.npy`), each to a temporary file from `temp`;
+    /// they are fsynced together (their syncs overlap on the disk) and then
+    /// put in place by `place`, which need not sync the directory: the
+    /// caller does, once. On failure every temporary file goes to `discard`.
+    fn finish(
+        self,
+        manifest: &Manifest,
+        mut temp: impl FnMut(&str) -> Result<(Temp, std::fs::File), SinkError>,
+        mut place: impl FnMut(&Temp, &str) -> Result<(), SinkError>,
+        discard: impl Fn(&Temp),
+    ) -> Result<(), SinkError> {
+        let Table { tmp, rows, counts } = self;
+        let table_err = |e: arrow_schema::ArrowError| SinkError::Directory(format!("{}: {e}", tmp.display()));
+        let finished = rows
+            .finish()
+            .map_err(table_err)
+            .and_then(|(w, fp)| Ok((w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?, fp)));
+        let (f, fingerprint) = match finished {
+            Ok(x) => x,
+            Err(e) => {
+                discard(&tmp);
+                return Err(e);
+            }
+        };
+        // The temporary files written so far, with their names.
+        let mut written: Vec<(Temp, std::fs::File, String)> = vec![(tmp, f, hf_dataset::DATA_FILE.to_string())];
+        let r = (|| {
+            let mut files = vec![
+                (hf_dataset::INFO_FILE.to_string(), hf_dataset::info_json(manifest).into_bytes()),
+                (hf_dataset::STATE_FILE.to_string(), hf_dataset::state_json(&fingerprint).into_bytes()),
+            ];
+            if let Some(counts) = counts {
+                let v = manifest.model.vocab_size;
+                if v == 0 {
+                    return Err(SinkError::Directory(
+                        "--draft-vocab-size: the manifest records no vocabulary size (written by an older strata)"
+                            .into(),
+                    ));
+                }
+                let _span = tracing::info_span!("draft_vocab", tokens = counts.len()).entered();
+                files.push((TOKEN_FREQ_FILE.to_string(), counts.token_freq_pt()));
+                for &n in &manifest.draft_vocab_sizes {
+                    let (d2t, t2d) = counts.mapping_files(n, v).map_err(SinkError::Directory)?;
+                    files.push((d2t_file(n), d2t));
+                    files.push((t2d_file(n), t2d));
+                }
+            }
+            for (name, bytes) in files {
+                let (tmp, mut f) = temp(&name)?;
+                let w = f.write_all(&bytes).map_err(io_err(&tmp));
+                written.push((tmp, f, name));
+                w?;
+            }
+            // Every file fsynced, each on its own thread.
+            std::thread::scope(|s| {
+                let syncs: Vec<_> =
+                    written.iter().map(|(tmp, f, _)| s.spawn(move || f.sync_all().map_err(io_err(tmp)))).collect();
+                syncs.into_iter().try_for_each(|h| {
+                    h.join().unwrap_or_else(|_| Err(SinkError::Directory("an fsync thread panicked".into())))
+                })
+            })?;
+            written.iter().try_for_each(|(tmp, _, name)| place(tmp, name))
+        })();
+        if r.is_err() {
+            // Those placed already are gone from their temporary names; the rest go.
+            written.iter().for_each(|(tmp, _, _)| discard(tmp));
+        }
+        r
+    }
+}
+
+/// Writes the dataset table of `dir` from the files `manifest` lists, in
+/// row order: each file's `token_ids` and `loss_mask`, read back, and the
+/// files that go with it (see [`Table::finish`]).
+pub(crate) fn write_table(
+    dir: &Dir,
+    manifest: &Manifest,
+    mut temp: impl FnMut(&str) -> Result<(Temp, std::fs::File), SinkError>,
+    place: impl FnMut(&Temp, &str) -> Result<(), SinkError>,
+    discard: impl Fn(&Temp),
+) -> Result<(), SinkError> {
+    let _span = tracing::info_span!("dataset_table", rows = manifest.shards.len()).entered();
+    let (tmp, f) = temp(hf_dataset::DATA_FILE)?;
+    let mut table = match Table::new(tmp.clone(), f, manifest) {
+        Ok(t) => t,
+        Err(e) => {
+            discard(&tmp);
+            return Err(e);
+        }
+    };
+    if let Err(e) = table.push_listed(dir, &manifest.shards) {
+        discard(&table.tmp);
+        return Err(e);
+    }
+    table.finish(manifest, temp, place, discard)
 }
