@@ -817,29 +817,15 @@ fn the_trainers_own_files_in_the_data_directory_are_known_to_every_command() {
 #[test]
 fn draft_vocab_size_needs_the_speculators_format_and_a_size_within_the_vocabulary() {
     let st = setup(3);
-    let o = extract(&["--data", s(&st.data), "--out", s(&st.out("a")), "--draft-vocab-size", "16"]);
-    assert!(!o.ok && o.stderr.contains("needs --format speculators"), "{}", o.stderr);
-    let o = extract(&[
-        "--data",
-        s(&st.data),
-        "--out",
-        s(&st.out("b")),
-        "--format",
-        "speculators",
-        "--draft-vocab-size",
-        "257",
-    ]);
-    assert!(!o.ok && o.stderr.contains("between 1 and the model's vocabulary size 256"), "{}", o.stderr);
-    let o = extract(&[
-        "--data",
-        s(&st.data),
-        "--out",
-        s(&st.out("c")),
-        "--format",
-        "speculators",
-        "--draft-vocab-size",
-        "0",
-    ]);
-    assert!(!o.ok && o.stderr.contains("between 1 and"), "{}", o.stderr);
+    let cases = [
+        ("a", "strata", "16", "needs --format speculators"),
+        ("b", "speculators", "257", "between 1 and the model's vocabulary size 256"),
+        ("c", "speculators", "0", "between 1 and"),
+    ];
+    for (out, format, size, says) in cases {
+        let out = st.out(out);
+        let o = extract(&["--data", s(&st.data), "--out", s(&out), "--format", format, "--draft-vocab-size", size]);
+        assert!(!o.ok && o.stderr.contains(says), "{format} {size}: {}", o.stderr);
+    }
     assert!(!st.out("a").exists() && !st.out("b").exists() && !st.out("c").exists());
 }
