@@ -302,6 +302,19 @@ fn main() {
     };
     let gpu = &gpus[0];
     println!("GPU 0: {} ({}, {:.0} GiB)", gpu.name, gpu.arch(), gpu.memory as f64 / (1u64 << 30) as f64);
+    println!("CUDA libraries: {}", probe::versions());
+    match strata::backend::cuda::Driver::open(0) {
+        Ok(d) => {
+            use strata::backend::cuda::Device;
+            println!(
+                "kernels loaded as {}; MoE experts' bf16 GEMMs: {:?} (manifest kernel `{}`)",
+                d.image.name(),
+                d.gemm_path(),
+                d.gemm_path().kernel(strata::backend::Compute::Bf16)
+            );
+        }
+        Err(e) => println!("GPU 0 did not open: {e}"),
+    }
     let peak = a.peak.or_else(|| {
         let n = gpu.name.to_uppercase();
         if (n.contains("H100") || n.contains("H200")) && !n.contains("PCIE") && !n.contains("NVL") {

@@ -105,3 +105,44 @@ extern "C" __global__ void moe_combine(const float* ye, const u32* slot, const f
         out[i] = acc;
     }
 }
+
+// The bf16 twins of the MoE row ops, for experts whose GEMMs read and write
+// bf16 (cublasGemmGroupedBatchedEx takes bf16 inputs only with bf16 output):
+// the gathered rows go to the gate/up GEMM as bf16, SwiGLU reads its bf16
+// output and writes the down GEMM's bf16 input, and the combine reads the
+// down GEMM's bf16 rows. No separate f32→bf16 pass.
+
+// xe[r] = bf16(x[src[r]]): [n, hidden].
+extern "C" __global__ void gather_rows_bf16(const float* x, const u32* src, int n, int hidden, u16* xe) {
+    GRID_STRIDE(i, (u64)n * hidden) {
+        u64 r = i / hidden, c = i % hidden;
+        xe[i] = f32_to_bf16(x[(u64)src[r] * hidden + c]);
+    }
+}
+
+// out [T, inter] = bf16(silu(gate) · up), gate_up [T, 2·inter] bf16, the product in f32.
+extern "C" __global__ void swiglu_bf16(const u16* gate_up, int rows, int inter, u16* out) {
+    GRID_STRIDE(i, (u64)rows * inter) {
+        u64 t = i / inter, c = i % inter;
+        const u16* gu = gate_up + t * 2 * inter;
+        out[i] = f32_to_bf16(silu(bf16_to_f32(gu[c])) * bf16_to_f32(gu[inter + c]));
+    }
+}
+
+// y [rows, width] bf16 = bf16(y + bias [width]).
+extern "C" __global__ void add_bias_bf16(u16* y, const float* bias, int rows, int width) {
+    GRID_STRIDE(i, (u64)rows * width) { y[i] = f32_to_bf16(bf16_to_f32(y[i]) + bias[i % width]); }
+}
+
+// moe_combine over bf16 rows: out[t] = Σ_k weight[t][k] · ye[slot[t][k]] (+ shared[t]), in f32, k in order.
+extern "C" __global__ void moe_combine_bf16(const u16* ye, const u32* slot, const float* weight, int tokens,
+                                            int top_k, int hidden, const u16* shared, float* out) {
+    GRID_STRIDE(i, (u64)tokens * hidden) {
+        u64 t = i / hidden, c = i % hidden;
+        float acc = 0.0f;
+        for (int k = 0; k < top_k; k++)
+            acc += weight[t * top_k + k] * bf16_to_f32(ye[(u64)slot[t * top_k + k] * hidden + c]);
+        if (shared) acc += bf16_to_f32(shared[i]);
+        out[i] = acc;
+    }
+}

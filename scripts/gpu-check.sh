@@ -14,11 +14,15 @@
 # (default: gpu-check-out). Exit status: 0 when every step passed.
 #
 # Steps of `run`:
-#   1. kernels   every kernel compiles with the machine's NVRTC (sm_80, sm_90);
+#   0. versions  driver, NVRTC, cuBLAS, NCCL and the wheels (pip show); the
+#                disk's fsynced write bandwidth;
+#   1. kernels   every kernel compiles with the machine's NVRTC (sm_80, sm_90),
+#                to cubins;
 #   2. parity    every parity fixture through the CUDA backend: f32 against the
 #                reference backend at 1e-4, bf16 against PyTorch bf16's error;
 #                chunked prefill; batch invariance measured; NCCL at world size
-#                1; --tp 2 when there are two GPUs;
+#                1; --tp 2 when there are two GPUs; the kernel image (cubin)
+#                and the MoE GEMM path; bf16 attention at head dims 64-256;
 #   3. cli       `strata extract --backend cuda` on the embedded model and on a
 #                fixture, then `strata verify --recompute` on the GPU;
 #   4. bench     Llama-3-8B shape: tokens/s, MFU, capture+writer overhead;
@@ -105,6 +109,14 @@ run() {
   find_libs >"$out/libraries.txt"
   tee -a "$summary" <"$out/libraries.txt"
   echo "  LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee -a "$summary"
+  {
+    echo "wheels:"
+    python3 -m pip show nvidia-cuda-nvrtc nvidia-cuda-nvrtc-cu12 nvidia-cublas nvidia-cublas-cu12 nvidia-nccl-cu13 \
+      nvidia-nccl-cu12 torch 2>/dev/null | awk '/^Name:/ {n = $2} /^Version:/ {printf "  %s %s\n", n, $2}'
+    echo "disk (fsynced write, 1 GiB, to this directory's filesystem):"
+    dd if=/dev/zero of=gpu-check-dd.tmp bs=16M count=64 conv=fsync 2>&1 | tail -1 | sed 's/^/  /'
+    rm -f gpu-check-dd.tmp
+  } 2>&1 | tee -a "$summary"
   local ngpu
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || ngpu=0
   export STRATA_REQUIRE_GPU=1 STRATA_REQUIRE_NVRTC=1 STRATA_KERNEL_CACHE=/tmp/strata-kernel-cache RUST_BACKTRACE=1
@@ -127,13 +139,13 @@ run() {
 
   step kernels 45 "$BIN/kernels" --test-threads=1 --nocapture
   step parity 150 "$BIN/cuda_gpu" --test-threads=1 --nocapture
-  grep -E '^(fixture|[a-z0-9-]+ +[0-9.e+-]+ )|alone vs packed|--tp 2' "$out/parity.log" >>"$summary"
+  grep -E '^(fixture|[a-z0-9-]+ +[0-9.e+-]+ )|alone vs packed|--tp 2|^CUDA libraries|^kernels loaded|^head dims' "$out/parity.log" >>"$summary"
 
   local tmp=/tmp/strata-gpu-check
   rm -rf "$tmp" && mkdir -p "$tmp"
   step cli 60 bash scripts/gpu-check.sh cli "$tmp" "$ngpu"
   step bench 290 "$BIN/gpu-bench" --dir "$tmp/bench" --runs 3 --steps 3
-  grep -E '^\(|tokens/s|MFU|capture|loaded|wrote' "$out/bench.log" >>"$summary"
+  grep -E '^\(|tokens/s|MFU|capture|loaded|wrote|TFLOP/s|GEMMs' "$out/bench.log" >>"$summary"
   rm -rf "$tmp"
 
   echo "total $((SECONDS - start)) s; $([ $failed -eq 0 ] && echo 'every step passed' || echo 'SOME STEP FAILED')" | tee -a "$summary"

@@ -11,6 +11,7 @@
 
 mod common;
 mod cuda_emu;
+mod cuda_shapes;
 
 use common::*;
 use cuda_emu::{gxx_or_skip, Emulated, Faults};
@@ -127,7 +128,7 @@ fn a_failed_weight_upload_fails_the_load() {
     let name = "qwen3";
     let dir = fixture(name);
     let AnyConfig::Llama(c) = AnyConfig::read(&dir).unwrap() else { panic!("{name} is a Llama-family fixture") };
-    let faults = Faults { memory: Some(AtomicUsize::new(64 << 10)), kernel: None };
+    let faults = Faults { memory: Some(AtomicUsize::new(64 << 10)), ..Default::default() };
     let b = Emu::<F32>::new(Emulated::with_faults(faults), vec![0]);
     let err = match Llama::<usize, Emu<F32>>::from_checkpoint_on(b, c, &Checkpoint::open(&dir).unwrap()) {
         Ok(_) => panic!("a model larger than the device loaded"),
@@ -148,7 +149,7 @@ fn a_rank_failing_mid_step_does_not_hang_its_peers() {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let dir = fixture(name);
-            let faults = Faults { memory: None, kernel: Some((failing, kernel)) };
+            let faults = Faults { kernel: Some((failing, kernel)), ..Default::default() };
             let b = Emu::<F32>::new(Emulated::with_faults(faults), vec![0, 1]);
             let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
             let batch = whole(name);
@@ -175,6 +176,51 @@ fn a_rank_failing_mid_step_does_not_hang_its_peers() {
     }
 }
 
+/// A rank that panics mid-step (a bug, not a device error) cannot join its
+/// peers' next all-reduce: the executor catches the panic and aborts the
+/// group's collectives (on GPUs `ncclCommAbort`; here the emulated NCCL's
+/// abortable barrier), so the step ends with an error naming the panic, the
+/// model drops, and nothing hangs. A watchdog bounds the whole of it.
+#[test]
+fn a_rank_panicking_mid_step_ends_the_step_with_an_error() {
+    if !gxx_or_skip("a_rank_panicking_mid_step_ends_the_step_with_an_error") {
+        return;
+    }
+    for (name, kernel, panicking) in
+        [("qwen3", "swiglu", 1), ("qwen3", "rms_norm", 0), ("deepseek-v3", "moe_combine", 1)]
+    {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let dir = fixture(name);
+            let faults = Faults { panic: Some((panicking, kernel)), ..Default::default() };
+            let b = Emu::<F32>::new(Emulated::with_faults(faults), vec![0, 1]);
+            let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
+            let batch = whole(name);
+            let open = move || Checkpoint::open(&dir);
+            let (first, second) = match AnyConfig::read(&fixture(name)).unwrap() {
+                AnyConfig::Llama(c) => {
+                    let m = TpLlama::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
+                    (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
+                }
+                AnyConfig::Deepseek(c) => {
+                    let m = TpDeepseek::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
+                    (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
+                }
+            }; // the model (and its rank threads) dropped here, inside the watchdog's bound
+            let _ = tx.send((first.map_err(|e| e.to_string()), second.map_err(|e| e.to_string())));
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok((first, second)) => {
+                let err = first.expect_err("a panic must fail the step");
+                let want = format!("planted panic on rank {panicking} in {kernel}");
+                assert!(err.contains(&want) && err.contains(&format!("rank {panicking}")), "{name}: {err}");
+                assert!(second.is_err(), "{name}: a group with a dead rank ran another step");
+            }
+            Err(_) => panic!("{name}: a panic on rank {panicking} hung the step or the teardown"),
+        }
+    }
+}
+
 /// Experts run in chunks bounded by scratch memory: one expert per chunk (a
 /// budget of one byte) gives the same bits as all in one grouped launch.
 #[test]
@@ -195,5 +241,58 @@ fn expert_chunks_do_not_change_the_states() {
         };
         let (one, each) = (states(1 << 30), states(1));
         assert!(one.as_slice() == each.as_slice(), "{name}: chunking the experts changed the states");
+    }
+}
+
+/// The MoE experts' bf16 GEMMs take `cublasGemmGroupedBatchedEx` on a device
+/// whose cuBLAS has it (the emulated one, unless told otherwise) and one call
+/// each elsewhere; f32 compute (pedantic, which the grouped call does not
+/// take) always runs one call each. The emulator computes both paths with the
+/// same loops, so the states agree here; on a GPU they can differ in the last
+/// bits, which is why the manifest's kernel field names the path.
+#[test]
+fn the_experts_take_the_grouped_gemm_where_cublas_has_it() {
+    use strata::backend::cuda::device::GemmPath;
+    if !gxx_or_skip("the_experts_take_the_grouped_gemm_where_cublas_has_it") {
+        return;
+    }
+    fn run_on<C: ComputeDtype>(name: &str, dev: Emulated) -> (CapturedStates<usize, usize>, usize, &'static str) {
+        let dir = fixture(name);
+        let AnyConfig::Deepseek(c) = AnyConfig::read(&dir).unwrap() else { panic!("{name} is a DeepSeek fixture") };
+        let kernel = strata::backend::cuda::Device::gemm_path(&dev).kernel(C::COMPUTE);
+        let ckpt = Checkpoint::open_scoped(&dir, AnyConfig::read(&dir).unwrap().tensor_prefix()).unwrap();
+        let m = Deepseek::<usize, Emu<C>>::from_checkpoint_on(Emu::<C>::new(dev, vec![0]), c, &ckpt).unwrap();
+        let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
+        let states = m.forward_step(&whole(name), &set, &mut Default::default()).unwrap();
+        (states, m.backend().device().count("cublasGemmGroupedBatchedEx"), kernel)
+    }
+    for name in ["deepseek-v3", "kimi-k2-int4"] {
+        let (grouped, calls, kernel) = run_on::<Bf16>(name, Emulated::default());
+        assert!(calls > 0, "{name}: bf16 experts never took the grouped call");
+        assert_eq!(kernel, "cublas-grouped");
+        let (each, calls, kernel) = run_on::<Bf16>(name, Emulated::default().per_expert());
+        assert_eq!((calls, kernel), (0, "cublas"), "{name}: the per-expert path");
+        assert!(grouped.as_slice() == each.as_slice(), "{name}: the two paths differ in the emulator");
+        let (_, calls, kernel) = run_on::<F32>(name, Emulated::default());
+        assert_eq!((calls, kernel), (0, "cublas"), "{name}: f32 (pedantic) GEMMs are never grouped");
+    }
+    assert_ne!(GemmPath::Grouped.kernel(Compute::Bf16), GemmPath::PerExpert.kernel(Compute::Bf16));
+}
+
+/// The tensor-core attention kernel against the exact one at the head dims
+/// real models use (64, 128, MLA's 192/128, 256/256), on inputs both see
+/// alike (bf16-exact): the only difference left is the bf16 rounding of the
+/// probabilities before P·V. Any output left unwritten is NaN (the emulated
+/// device fills new memory with it).
+#[test]
+fn the_bf16_attention_kernel_matches_the_f32_one_at_real_head_dims() {
+    if !gxx_or_skip("the_bf16_attention_kernel_matches_the_f32_one_at_real_head_dims") {
+        return;
+    }
+    let dev = Emulated::default();
+    for (hd, vd) in cuda_shapes::HEAD_DIMS {
+        let (worst, largest) = cuda_shapes::bf16_against_f32(&dev, hd, vd);
+        println!("head dims {hd}/{vd}: bf16 kernel vs f32 kernel, worst {worst:.2e} (outputs up to {largest:.2})");
+        assert!(worst <= 2e-2 * largest.max(0.1), "head dims {hd}/{vd}: the bf16 kernel is off by {worst:e}");
     }
 }

@@ -16,6 +16,7 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+mod cuda_shapes;
 
 use common::*;
 use strata::backend::cuda::{probe, Device, Driver};
@@ -168,4 +169,36 @@ fn tensor_parallel_over_two_gpus_matches_one() {
         println!("{name:14} --tp 2 vs one GPU: {d:.2e}");
         assert!(d <= TOL, "{name}: --tp 2 differs from one GPU by {d:e}");
     }
+}
+
+/// The tensor-core attention kernel against the exact one on the GPU, at the
+/// head dims real models use (see `tests/cuda_shapes`), 256/256 being the one
+/// above 48 KiB of shared memory; the emulator runs the same check in CI.
+#[test]
+fn the_bf16_attention_kernel_matches_the_f32_one_at_real_head_dims_on_the_gpu() {
+    if !gpus_or_skip("the_bf16_attention_kernel_matches_the_f32_one_at_real_head_dims_on_the_gpu", 1) {
+        return;
+    }
+    let dev = Driver::open(0).unwrap();
+    for (hd, vd) in cuda_shapes::HEAD_DIMS {
+        let (worst, largest) = cuda_shapes::bf16_against_f32(&dev, hd, vd);
+        println!(
+            "head dims {hd}/{vd}: bf16 kernel vs f32 kernel on the GPU, worst {worst:.2e} (outputs up to {largest:.2})"
+        );
+        assert!(worst <= 2e-2 * largest.max(0.1), "head dims {hd}/{vd}: the bf16 kernel is off by {worst:e}");
+    }
+}
+
+/// What the first GPU run must report before anything else: the library
+/// versions, how the kernels loaded (a cubin unless NVRTC could not make one),
+/// and the MoE experts' GEMM path (the grouped call, if the probe passed).
+#[test]
+fn versions_kernel_image_and_gemm_path() {
+    println!("CUDA libraries: {}", probe::versions());
+    if !gpus_or_skip("versions_kernel_image_and_gemm_path", 1) {
+        return;
+    }
+    let dev = Driver::open(0).unwrap();
+    println!("kernels loaded as {}; MoE experts' bf16 GEMMs: {:?}", dev.image.name(), dev.gemm_path());
+    assert_eq!(dev.image, strata::backend::cuda::nvrtc::ImageKind::Cubin, "the kernels fell back to PTX (see the log)");
 }

@@ -88,25 +88,55 @@ fn the_attention_kernels_use_tensor_cores() {
     assert!(ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"));
 }
 
+/// What the driver's module loader is handed is machine code for the GPU's
+/// own architecture (an ELF cubin), not PTX: a CUDA 13.0 driver refuses the
+/// PTX ISA of a newer NVRTC wheel, while it loads that wheel's cubins.
 #[test]
-fn compiled_kernels_are_cached_by_source_arch_version_and_options() {
-    if !nvrtc_or_skip("compiled_kernels_are_cached_by_source_arch_version_and_options") {
+fn the_loader_gets_an_elf_cubin_for_the_requested_arch() {
+    if !nvrtc_or_skip("the_loader_gets_an_elf_cubin_for_the_requested_arch") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let first = nvrtc::compile_cached("norm", "sm_90", Some(dir.path())).unwrap();
-    let key = nvrtc::cache_key("norm", "sm_90", nvrtc::version().unwrap()).unwrap();
+    for (name, _) in nvrtc::SOURCES {
+        for (arch, sm) in [("sm_80", 80), ("sm_90", 90)] {
+            let image = nvrtc::image_for(name, arch, Some(dir.path())).unwrap_or_else(|e| panic!("{e}"));
+            let nvrtc::Image::Cubin(bytes) = &image else { panic!("{name} for {arch}: PTX, not a cubin") };
+            assert_eq!(&bytes[..4], b"\x7fELF", "{name} for {arch}: not an ELF image");
+            assert_eq!(nvrtc::cubin_arch(bytes), Some(sm), "{name}: the cubin is not for {arch}");
+            // From the cache the second time: the same bytes.
+            assert_eq!(nvrtc::image_for(name, arch, Some(dir.path())).unwrap(), image);
+        }
+    }
+    assert_eq!(nvrtc::cubin_arch(b"not an elf image at all, fifty-two bytes or more...."), None);
+}
+
+#[test]
+fn compiled_kernels_are_cached_by_source_arch_version_options_and_kind() {
+    if !nvrtc_or_skip("compiled_kernels_are_cached_by_source_arch_version_options_and_kind") {
+        return;
+    }
+    use nvrtc::{Image, ImageKind};
+    let dir = tempfile::tempdir().unwrap();
+    let version = nvrtc::version().unwrap();
+    let first = nvrtc::compile_cached("norm", "sm_90", Some(dir.path()), ImageKind::Ptx).unwrap();
+    let key = nvrtc::cache_key("norm", "sm_90", version, ImageKind::Ptx).unwrap();
     let entry = dir.path().join(&key);
-    assert_eq!(std::fs::read_to_string(&entry).unwrap(), first);
+    assert_eq!(std::fs::read(&entry).unwrap(), first.bytes());
     // A second call reads the entry: mark it and see the mark come back.
-    let marked = format!("{first}\n// cached");
+    let Image::Ptx(text) = &first else { panic!("PTX was asked for") };
+    let marked = format!("{text}\n// cached");
     std::fs::write(&entry, &marked).unwrap();
-    assert_eq!(nvrtc::compile_cached("norm", "sm_90", Some(dir.path())).unwrap(), marked);
-    // Another architecture or NVRTC version is another key.
-    assert_ne!(nvrtc::cache_key("norm", "sm_80", nvrtc::version().unwrap()).unwrap(), key);
-    assert_ne!(nvrtc::cache_key("norm", "sm_90", (1, 0)).unwrap(), key);
-    // A corrupt entry (no entry points) is compiled afresh and replaced.
+    assert_eq!(nvrtc::compile_cached("norm", "sm_90", Some(dir.path()), ImageKind::Ptx).unwrap(), Image::Ptx(marked));
+    // Another architecture, NVRTC version or image kind is another key.
+    assert_ne!(nvrtc::cache_key("norm", "sm_80", version, ImageKind::Ptx).unwrap(), key);
+    assert_ne!(nvrtc::cache_key("norm", "sm_90", (1, 0), ImageKind::Ptx).unwrap(), key);
+    assert_ne!(nvrtc::cache_key("norm", "sm_90", version, ImageKind::Cubin).unwrap(), key);
+    // A corrupt entry (no entry points; no ELF header) is compiled afresh and replaced.
     std::fs::write(&entry, "garbage").unwrap();
-    assert_eq!(nvrtc::compile_cached("norm", "sm_90", Some(dir.path())).unwrap(), first);
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary files left");
+    assert_eq!(nvrtc::compile_cached("norm", "sm_90", Some(dir.path()), ImageKind::Ptx).unwrap(), first);
+    let cubin = nvrtc::compile_cached("norm", "sm_90", Some(dir.path()), ImageKind::Cubin).unwrap();
+    let cubin_entry = dir.path().join(nvrtc::cache_key("norm", "sm_90", version, ImageKind::Cubin).unwrap());
+    std::fs::write(&cubin_entry, b"\x7fELF truncated").unwrap();
+    assert_eq!(nvrtc::compile_cached("norm", "sm_90", Some(dir.path()), ImageKind::Cubin).unwrap(), cubin);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "no temporary files left");
 }

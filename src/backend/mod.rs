@@ -272,6 +272,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Backends for the `n` ranks of a tensor-parallel group, rank order,
     /// joined by this backend's collective.
     fn group(&self, n: usize) -> Result<Vec<Self>, BackendError>;
+    /// Stops this rank's group after a failure that leaves the rank unable to
+    /// join its peers' collectives (a panic): every rank waiting in one, or
+    /// entering one later, fails instead of waiting forever. One rank has no
+    /// peers to stop.
+    fn abort_group(&self, _why: &str) {}
     /// The compute dtype.
     fn compute(&self) -> Compute {
         <Self::Compute as ComputeDtype>::COMPUTE

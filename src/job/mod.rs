@@ -204,7 +204,7 @@ impl OpenedModel {
         match self.request.backend {
             BackendKind::Cpu => crate::backend::cpu::gemm::kernel_name_for(self.model.compute()),
             BackendKind::Reference => "reference",
-            BackendKind::Cuda => "cublas",
+            BackendKind::Cuda => self.model.cuda_kernel().unwrap_or("cublas"),
         }
     }
 }

@@ -227,9 +227,12 @@ impl AnyConfig {
             (BackendKind::Cpu, Compute::F32) => self.load_cpu::<F32>(opts.tp, open)?,
             (BackendKind::Cpu, Compute::Bf16) => self.load_cpu::<Bf16>(opts.tp, open)?,
             (BackendKind::Reference, _) => self.load_reference(open)?,
-            (BackendKind::Cuda, compute) => self.load_cuda(compute, &opts, open)?,
+            (BackendKind::Cuda, compute) => {
+                let (inner, kernel) = self.load_cuda(compute, &opts, open)?;
+                return Ok(AnyModel { inner, info, options: opts, compute, cuda_kernel: Some(kernel) });
+            }
         };
-        Ok(AnyModel { inner, info, options: opts, compute })
+        Ok(AnyModel { inner, info, options: opts, compute, cuda_kernel: None })
     }
 
     fn load_cpu<C: ComputeDtype>(
@@ -255,17 +258,19 @@ impl AnyConfig {
         compute: Compute,
         opts: &LoadOptions,
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
-    ) -> Result<Box<dyn ErasedModel>, ModelError> {
-        use crate::backend::cuda::{Cuda, Driver};
+    ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
+        use crate::backend::cuda::{Cuda, Device, Driver};
         fn on<C: ComputeDtype>(
             config: AnyConfig,
             opts: &LoadOptions,
             open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
-        ) -> Result<Box<dyn ErasedModel>, ModelError> {
+        ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
             let devices = opts.rank_devices();
             let first = Driver::open(devices[0]).map_err(|e| ModelError::Backend(e.to_string()))?;
+            let kernel = first.gemm_path().kernel(C::COMPUTE);
+            tracing::info!(kernels = first.image.name(), gemm = kernel, "GPU {} opened", devices[0]);
             let b = Cuda::<C>::new(first, devices);
-            Ok(match (config, opts.tp) {
+            let model: Box<dyn ErasedModel> = match (config, opts.tp) {
                 (AnyConfig::Llama(c), 1) => Box::new(Llama::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?),
                 (AnyConfig::Llama(c), tp) => Box::new(TpLlama::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?),
                 (AnyConfig::Deepseek(c), 1) => {
@@ -274,7 +279,8 @@ impl AnyConfig {
                 (AnyConfig::Deepseek(c), tp) => {
                     Box::new(TpDeepseek::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?)
                 }
-            })
+            };
+            Ok((model, kernel))
         }
         match compute {
             Compute::F32 => on::<F32>(self, opts, open),
@@ -288,7 +294,7 @@ impl AnyConfig {
         _compute: Compute,
         _opts: &LoadOptions,
         _open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
-    ) -> Result<Box<dyn ErasedModel>, ModelError> {
+    ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
         // Refused by `check` already; the same error if called another way.
         probe_cuda(&[]).and(Err(ModelError::Backend("built without --features cuda".into())))
     }
@@ -334,6 +340,7 @@ fn check_devices(opts: &LoadOptions) -> Result<(), ModelError> {
 #[cfg(feature = "cuda")]
 fn probe_cuda(devices: &[usize]) -> Result<(), ModelError> {
     let found = crate::backend::cuda::probe::probe(devices).map_err(|e| ModelError::Backend(e.to_string()))?;
+    tracing::info!("CUDA libraries: {}", crate::backend::cuda::probe::versions());
     for d in &found {
         tracing::info!(ordinal = d.ordinal, name = %d.name, arch = %d.arch(), memory = d.memory, "GPU");
     }
@@ -363,9 +370,17 @@ pub struct AnyModel {
     info: ArchInfo,
     options: LoadOptions,
     compute: Compute,
+    /// On the CUDA backend, the GEMM path (see `GemmPath::kernel`).
+    cuda_kernel: Option<&'static str>,
 }
 
 impl AnyModel {
+    /// The CUDA backend's GEMM path for the manifest's kernel field
+    /// (`cublas`, or `cublas-grouped` where the MoE experts' GEMMs are
+    /// grouped); `None` on other backends.
+    pub fn cuda_kernel(&self) -> Option<&'static str> {
+        self.cuda_kernel
+    }
     /// The compute dtype of its GEMMs and attention.
     pub fn compute(&self) -> Compute {
         self.compute

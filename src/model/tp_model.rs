@@ -26,6 +26,9 @@ pub trait RankModel: Model + Send + 'static {
         cache: &mut Self::Cache,
         capture: bool,
     ) -> Result<Option<CapturedStates<L, Self::Hidden>>, ModelError>;
+
+    /// Stops the group's collectives after this rank panicked (see [`Backend::abort_group`]).
+    fn abort_group(&self, why: &str);
 }
 
 impl<B: Backend, L: Block<B>, H: Dim> RankModel for Decoder<B, L, H> {
@@ -37,6 +40,10 @@ impl<B: Backend, L: Block<B>, H: Dim> RankModel for Decoder<B, L, H> {
         capture: bool,
     ) -> Result<Option<CapturedStates<LD, H>>, ModelError> {
         Decoder::forward_rank(self, batch, captures, cache, capture)
+    }
+
+    fn abort_group(&self, why: &str) {
+        self.backend().abort_group(why);
     }
 }
 
@@ -134,11 +141,14 @@ where
         hidden.shard(tp)?;
         let ranks: Vec<Mutex<Option<B>>> = backend.group(tp.get())?.into_iter().map(|b| Mutex::new(Some(b))).collect();
         let open: Arc<Opener> = Arc::new(open);
-        let exec = Executor::spawn(tp.get(), move |rank| {
+        let build = move |rank: usize| {
             let b = ranks[rank].lock().expect("rank backend").take().expect("each rank built once");
             let model = Decoder::<B, L, H>::from_checkpoint_on(b, config.clone(), &open()?)?;
             Ok::<_, ModelError>(RankWorker { rank, model, cache: Default::default() })
-        })?;
+        };
+        // A rank that panics stops the group's collectives, so its peers fail the step instead of waiting.
+        let abort = |w: &RankWorker<Decoder<B, L, H>>, why: &str| w.model.abort_group(why);
+        let exec = Executor::spawn_with_abort(tp.get(), build, abort)?;
         let dtype = exec.rpc_unique(0, |w: &mut RankWorker<Decoder<B, L, H>>| w.model.dtype())?;
         let weight_bytes = exec
             .collective_rpc(|w: &mut RankWorker<Decoder<B, L, H>>| w.model.resident_bytes())?

@@ -5,7 +5,8 @@
 //! tests); the CUDA backend implements the same trait over NCCL with device
 //! buffers as `Buf`, so model code does not change.
 
-use std::sync::{Arc, Barrier, Mutex};
+use super::barrier::AbortableBarrier;
+use std::sync::{Arc, Mutex};
 
 /// One rank's view of a communicator.
 pub trait Collective: Send + Sync {
@@ -23,10 +24,13 @@ pub trait Collective: Send + Sync {
     fn broadcast(&self, buf: &mut Self::Buf, root: usize);
     /// Waits until every rank arrives.
     fn barrier(&self);
+    /// Stops the group: every rank waiting in a collective, or entering one
+    /// later, stops instead of waiting for a rank that will never come.
+    fn abort(&self, why: &str);
 }
 
 struct Shared {
-    barrier: Barrier,
+    barrier: AbortableBarrier,
     slots: Vec<Mutex<Vec<f32>>>,
 }
 
@@ -40,9 +44,20 @@ impl LocalGroup {
     /// Handles for `n` ranks, one per rank thread.
     pub fn new(n: usize) -> Vec<LocalGroup> {
         assert!(n > 0, "a group needs at least one rank");
-        let shared =
-            Arc::new(Shared { barrier: Barrier::new(n), slots: (0..n).map(|_| Mutex::new(Vec::new())).collect() });
+        let shared = Arc::new(Shared {
+            barrier: AbortableBarrier::new(n),
+            slots: (0..n).map(|_| Mutex::new(Vec::new())).collect(),
+        });
         (0..n).map(|rank| LocalGroup { rank, shared: shared.clone() }).collect()
+    }
+
+    /// Waits for the group. The CPU collectives return nothing, so an abort
+    /// unwinds this rank's step (without the panic hook's message) to the
+    /// executor, which turns it into the rank's error.
+    fn wait(&self) {
+        if let Err(e) = self.shared.barrier.wait() {
+            std::panic::resume_unwind(Box::new(e.to_string()));
+        }
     }
 
     fn deposit(&self, data: &[f32]) {
@@ -68,7 +83,7 @@ impl Collective for LocalGroup {
             return;
         }
         self.deposit(buf);
-        self.shared.barrier.wait();
+        self.wait();
         // Sum in rank order on every rank: all ranks get bitwise the same result.
         buf.copy_from_slice(&self.shared.slots[0].lock().expect("collective slot"));
         for slot in &self.shared.slots[1..] {
@@ -76,32 +91,36 @@ impl Collective for LocalGroup {
             assert_eq!(s.len(), buf.len(), "all_reduce: ranks disagree on the buffer size");
             buf.iter_mut().zip(s.iter()).for_each(|(b, v)| *b += v);
         }
-        self.shared.barrier.wait();
+        self.wait();
     }
 
     fn all_gather(&self, local: &[f32], out: &mut [f32]) {
         assert_eq!(out.len(), local.len() * self.world_size(), "all_gather: output size");
         self.deposit(local);
-        self.shared.barrier.wait();
+        self.wait();
         for (slot, dst) in self.shared.slots.iter().zip(out.chunks_exact_mut(local.len().max(1))) {
             dst.copy_from_slice(&slot.lock().expect("collective slot"));
         }
-        self.shared.barrier.wait();
+        self.wait();
     }
 
     fn broadcast(&self, buf: &mut [f32], root: usize) {
         if self.rank == root {
             self.deposit(buf);
         }
-        self.shared.barrier.wait();
+        self.wait();
         if self.rank != root {
             buf.copy_from_slice(&self.shared.slots[root].lock().expect("collective slot"));
         }
-        self.shared.barrier.wait();
+        self.wait();
     }
 
     fn barrier(&self) {
-        self.shared.barrier.wait();
+        self.wait();
+    }
+
+    fn abort(&self, why: &str) {
+        self.shared.barrier.abort(why);
     }
 }
 

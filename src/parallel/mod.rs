@@ -7,9 +7,11 @@
 //! [`crate::backend::Parallel`] kind); how a split model is driven is
 //! [`crate::model::TpModel`].
 
+pub mod barrier;
 pub mod collective;
 pub mod executor;
 
+pub use barrier::{AbortableBarrier, Aborted};
 pub use collective::{Collective, LocalGroup};
 pub use executor::{Executor, PerRank, RpcError};
 

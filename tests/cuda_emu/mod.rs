@@ -8,9 +8,10 @@
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Mutex, OnceLock};
-use strata::backend::cuda::device::{Arg, DevPtr, Device, Gemm, GemmType, Launch};
+use std::sync::{Arc, Mutex, OnceLock};
+use strata::backend::cuda::device::{grouped_takes, Arg, DevPtr, Device, Gemm, GemmPath, GemmType, Launch};
 use strata::backend::cuda::{nvrtc, CudaError};
+use strata::parallel::AbortableBarrier;
 
 const SHIM: &str = include_str!("shim.h");
 
@@ -128,9 +129,10 @@ impl Lib {
 /// Host memory standing in for device memory (8-byte aligned).
 pub struct Mem(Box<[u64]>);
 
-/// The group an all-reduce runs over: each rank's buffer address, then the sums.
+/// The group an all-reduce runs over: each rank's buffer address, then the
+/// sums. Its barrier can be aborted, as NCCL's communicators can.
 struct Group {
-    barrier: Barrier,
+    barrier: AbortableBarrier,
     slots: Mutex<Vec<(DevPtr, usize)>>,
 }
 
@@ -141,6 +143,8 @@ pub struct Faults {
     pub memory: Option<AtomicUsize>,
     /// `(rank, kernel)`: that rank's launches of that kernel fail.
     pub kernel: Option<(usize, &'static str)>,
+    /// `(rank, kernel)`: that rank panics when it launches that kernel.
+    pub panic: Option<(usize, &'static str)>,
 }
 
 /// A CPU standing in for a GPU.
@@ -149,11 +153,16 @@ pub struct Emulated {
     world: usize,
     group: Option<Arc<Group>>,
     faults: Arc<Faults>,
-    /// Captures staged since the last collect (copied at once: the emulation
-    /// runs every op as it is issued, which is stream order).
-    staged: Mutex<Vec<Vec<u8>>>,
-    /// Launches made, by kernel name (what the tests can assert was used).
+    /// Captures staged since the last collect, and how many of them a sync
+    /// has completed. The bytes are taken when staged (the emulation runs
+    /// every op as it is issued, which is stream order), but, as on a GPU,
+    /// they count as landed only after the next sync.
+    staged: Mutex<(Vec<Vec<u8>>, usize)>,
+    /// Launches made, by kernel name (what the tests can assert was used);
+    /// grouped GEMM calls count under `cublasGemmGroupedBatchedEx`.
     pub launches: Mutex<HashMap<String, usize>>,
+    /// The experts' GEMM path: grouped (as cuBLAS 12.5+), unless a test asks for one GEMM each.
+    path: GemmPath,
 }
 
 impl Default for Emulated {
@@ -170,9 +179,22 @@ impl Emulated {
             world: 1,
             group: None,
             faults: Arc::new(faults),
-            staged: Mutex::new(Vec::new()),
+            staged: Mutex::new((Vec::new(), 0)),
             launches: Mutex::new(HashMap::new()),
+            path: GemmPath::Grouped,
         }
+    }
+
+    /// The same device, with its experts' GEMMs run one call each (a cuBLAS
+    /// without grouped GEMMs, or one that refused the probe).
+    pub fn per_expert(mut self) -> Self {
+        self.path = GemmPath::PerExpert;
+        self
+    }
+
+    /// How many times kernel (or cuBLAS call) `name` was launched.
+    pub fn count(&self, name: &str) -> usize {
+        self.launches.lock().unwrap().get(name).copied().unwrap_or(0)
     }
 }
 
@@ -199,7 +221,14 @@ impl Device for Emulated {
                 });
             }
         }
-        Ok(Mem(vec![0u64; bytes.div_ceil(8).max(1)].into_boxed_slice()))
+        // NaN in every f32 and bf16 (all bits set): a read before a write shows.
+        Ok(Mem(vec![u64::MAX; bytes.div_ceil(8).max(1)].into_boxed_slice()))
+    }
+
+    fn alloc_zeroed(&self, bytes: usize) -> Result<Mem, CudaError> {
+        let mut m = self.alloc(bytes)?;
+        m.0.fill(0);
+        Ok(m)
     }
 
     fn ptr(&self, m: &Mem) -> DevPtr {
@@ -221,12 +250,22 @@ impl Device for Emulated {
     fn stage(&self, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
         let mut v = vec![0u8; bytes];
         self.download(src, &mut v)?;
-        self.staged.lock().unwrap().push(v);
+        self.staged.lock().unwrap().0.push(v);
         Ok(())
     }
 
     fn collect(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError> {
-        let staged = std::mem::take(&mut *self.staged.lock().unwrap());
+        let (staged, landed) = std::mem::take(&mut *self.staged.lock().unwrap());
+        if landed < staged.len() {
+            return Err(CudaError::Kernel {
+                name: "collect (emulated)".into(),
+                log: format!(
+                    "{} of {} staged copies read before a sync completed them",
+                    staged.len() - landed,
+                    staged.len()
+                ),
+            });
+        }
         let parts: Vec<&[u8]> = staged.iter().map(Vec::as_slice).collect();
         f(&parts);
         Ok(())
@@ -240,6 +279,9 @@ impl Device for Emulated {
 
     fn launch(&self, name: &str, cfg: Launch, args: &[Arg]) -> Result<(), CudaError> {
         *self.launches.lock().unwrap().entry(name.into()).or_default() += 1;
+        if self.faults.panic.is_some_and(|(r, k)| r == self.rank && k == name) {
+            panic!("planted panic on rank {} in {name}", self.rank);
+        }
         if self.faults.kernel.is_some_and(|(r, k)| r == self.rank && k == name) {
             return Err(CudaError::Kernel { name: name.into(), log: format!("planted failure on rank {}", self.rank) });
         }
@@ -280,30 +322,75 @@ impl Device for Emulated {
                 for p in 0..g.k {
                     acc += read(g.a, g.trans_a, i, p) * read(g.b, g.trans_b, p, j);
                 }
-                let c = (g.c.0 as *mut f32).wrapping_add(i + j * g.c.1);
+                let at = i + j * g.c.1;
                 // SAFETY: C holds m × n at leading dim ldc (checked by the backend).
-                unsafe { *c = if g.beta == 0.0 { g.alpha * acc } else { g.alpha * acc + g.beta * *c } };
+                unsafe {
+                    match g.c_type {
+                        GemmType::F32 => {
+                            let c = (g.c.0 as *mut f32).add(at);
+                            *c = if g.beta == 0.0 { g.alpha * acc } else { g.alpha * acc + g.beta * *c };
+                        }
+                        GemmType::Bf16 => {
+                            let c = (g.c.0 as *mut u16).add(at);
+                            let old = f32::from_bits((*c as u32) << 16);
+                            let v = if g.beta == 0.0 { g.alpha * acc } else { g.alpha * acc + g.beta * old };
+                            *c = half::bf16::from_f32(v).to_bits();
+                        }
+                    }
+                }
             }
         }
         Ok(())
     }
 
+    /// As cuBLAS: one grouped call where the path and the types allow (the
+    /// same loops, so the same results; a GPU's may differ in the last bits),
+    /// else one GEMM each. Every GEMM of a call must be of one type combination.
+    fn gemm_grouped(&self, gs: &[Gemm]) -> Result<(), CudaError> {
+        let gs: Vec<&Gemm> = gs.iter().filter(|g| g.m > 0 && g.n > 0).collect();
+        let one_type = gs.windows(2).all(|w| (w[0].a.1, w[0].b.1, w[0].c_type) == (w[1].a.1, w[1].b.1, w[1].c_type));
+        assert!(one_type, "a grouped GEMM call mixes type combinations");
+        if gs.len() >= 2 && self.path == GemmPath::Grouped && grouped_takes(gs[0]) {
+            *self.launches.lock().unwrap().entry("cublasGemmGroupedBatchedEx".into()).or_default() += 1;
+        }
+        gs.iter().try_for_each(|g| self.gemm(g))
+    }
+
+    fn gemm_path(&self) -> GemmPath {
+        self.path
+    }
+
     fn all_reduce(&self, ptr: DevPtr, count: usize) -> Result<(), CudaError> {
         let Some(g) = &self.group else { return Ok(()) };
+        let aborted = |e: strata::parallel::Aborted| CudaError::Driver {
+            call: "ncclAllReduce (emulated)".into(),
+            error: e.to_string(),
+        };
         g.slots.lock().unwrap()[self.rank] = (ptr, count);
-        g.barrier.wait();
+        g.barrier.wait().map_err(aborted)?;
         // Every rank sums every rank's buffer in rank order, then all write.
         let slots = g.slots.lock().unwrap().clone();
         let sum: Vec<f32> = (0..count).map(|i| slots.iter().map(|&(p, _)| f32_at(p, i)).sum()).collect();
-        g.barrier.wait();
+        g.barrier.wait().map_err(aborted)?;
         // SAFETY: this rank's own buffer of `count` f32.
         unsafe { std::ptr::copy(sum.as_ptr(), ptr as *mut f32, count) };
-        g.barrier.wait();
+        g.barrier.wait().map_err(aborted)?;
         Ok(())
     }
 
     fn sync(&self) -> Result<(), CudaError> {
-        Ok(())
+        let mut st = self.staged.lock().unwrap();
+        st.1 = st.0.len();
+        match self.group.as_ref().and_then(|g| g.barrier.aborted()) {
+            Some(why) => Err(CudaError::Driver { call: "cuStreamSynchronize (emulated)".into(), error: why }),
+            None => Ok(()),
+        }
+    }
+
+    fn abort(&self, why: &str) {
+        if let Some(g) = &self.group {
+            g.barrier.abort(why);
+        }
     }
 
     fn rank(&self) -> (usize, usize) {
@@ -312,15 +399,16 @@ impl Device for Emulated {
 
     fn group(&self, ordinals: &[usize]) -> Result<Vec<Emulated>, CudaError> {
         let n = ordinals.len();
-        let g = Arc::new(Group { barrier: Barrier::new(n), slots: Mutex::new(vec![(0, 0); n]) });
+        let g = Arc::new(Group { barrier: AbortableBarrier::new(n), slots: Mutex::new(vec![(0, 0); n]) });
         Ok((0..n)
             .map(|rank| Emulated {
                 rank,
                 world: n,
                 group: (n > 1).then(|| g.clone()),
                 faults: self.faults.clone(),
-                staged: Mutex::new(Vec::new()),
+                staged: Mutex::new((Vec::new(), 0)),
                 launches: Mutex::new(HashMap::new()),
+                path: self.path,
             })
             .collect())
     }

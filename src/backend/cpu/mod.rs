@@ -139,6 +139,12 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
             .collect())
     }
 
+    fn abort_group(&self, why: &str) {
+        if let Some(c) = &self.comm {
+            c.abort(why);
+        }
+    }
+
     fn alloc(&self, len: usize) -> Vec<f32> {
         panels::zeroed(len)
     }

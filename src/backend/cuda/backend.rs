@@ -214,8 +214,6 @@ pub struct Cuda<C: ComputeDtype = F32, D: Device = Driver> {
     failed: Mutex<Option<String>>,
     /// The capture slots staged this step, in order (see [`Device::stage`]).
     staged: Mutex<Vec<usize>>,
-    /// What a failed rank sums to keep its peers' all-reduces going, and its length in f32.
-    spare: Mutex<Option<(D::Mem, usize)>>,
     /// Scratch bytes a chunk of experts may take (see `experts_grouped`).
     moe_scratch: usize,
     _compute: PhantomData<C>,
@@ -261,7 +259,6 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             scratch: Mutex::new(None),
             failed: Mutex::new(None),
             staged: Mutex::new(Vec::new()),
-            spare: Mutex::new(None),
             moe_scratch: 1 << 30,
             _compute: PhantomData,
         }
@@ -294,10 +291,17 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         }
     }
 
+    /// Records the rank's first failure, and aborts its group: a failed rank
+    /// cannot be trusted to join the next all-reduce (its buffers may never
+    /// have been made), and its peers must not wait for it.
     fn fail(&self, msg: String) {
         let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
         if failed.is_none() {
             tracing::error!("cuda: {msg}");
+            let (rank, world) = self.dev.rank();
+            if world > 1 {
+                self.dev.abort(&format!("rank {rank} failed: {msg}"));
+            }
             *failed = Some(msg);
         }
     }
@@ -358,35 +362,11 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         Ok(g)
     }
 
-    /// The all-reduce of `count` f32 at `ptr` (a buffer of `cap` f32), which
-    /// every rank must join whatever happened before it. A failed rank still
-    /// joins, or its peers would wait in NCCL forever: what it sums is
-    /// garbage, and the step fails at `end_step` anyway. Its own buffer may
-    /// never have been allocated, or not grown (allocations are skipped once
-    /// a rank failed), so then it sums a spare of the right size, kept for
-    /// the next one. Only if even that cannot be allocated, or the device
-    /// itself is lost (a sticky error), can the peers still hang: that is
-    /// left to the launcher's timeout.
-    fn join_all_reduce(&self, ptr: DevPtr, cap: usize, count: usize) {
-        if self.ok() {
-            self.run(|| self.dev.all_reduce(ptr, count));
-            return;
-        }
-        if ptr != 0 && cap >= count {
-            let _ = self.dev.all_reduce(ptr, count);
-            return;
-        }
-        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
-        if spare.as_ref().is_none_or(|(_, n)| *n < count) {
-            *spare = None;
-            match self.dev.alloc(count * 4) {
-                Ok(m) => *spare = Some((m, count)),
-                Err(_) => return,
-            }
-        }
-        if let Some((m, _)) = spare.as_ref() {
-            let _ = self.dev.all_reduce(self.dev.ptr(m), count);
-        }
+    /// The all-reduce of `count` f32 at `ptr`. A rank that failed has
+    /// aborted the group (see `fail`), so its peers' all-reduces fail rather
+    /// than wait for it, and it joins none.
+    fn join_all_reduce(&self, ptr: DevPtr, count: usize) {
+        self.run(|| self.dev.all_reduce(ptr, count));
     }
 
     /// Checks that a buffer of `have` values holds the `need` a kernel touches.
@@ -539,6 +519,10 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
     /// another. A chunk is bounded by the scratch it needs (its rows'
     /// activations, and its experts' FP8/INT4 weights expanded), so memory
     /// does not grow with the number of experts.
+    ///
+    /// `xe` and `ye` are in the experts' activation type: bf16 under bf16
+    /// compute (the grouped GEMM takes bf16 inputs only with bf16 output,
+    /// see [`grouped_takes`](super::device::grouped_takes)), else f32.
     fn experts_grouped(
         &self,
         experts: &[GatedLinear<Self>],
@@ -549,8 +533,8 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         let budget = self.moe_scratch;
         let Some(first) = experts.first() else { return Ok(()) };
         let (h, inter, h_out) = (first.gate_up_proj.cols, first.down_proj.cols, first.down_proj.rows);
-        let bf16_inputs = C::COMPUTE == crate::backend::Compute::Bf16 && !first.gate_up_proj.f32_inputs;
-        let es = if bf16_inputs { 2 } else { 4 };
+        let bf16 = self.experts_bf16(first);
+        let (ty, es) = if bf16 { (GemmType::Bf16, 2) } else { (GemmType::F32, 4) };
         let quant = experts
             .iter()
             .any(|m| matches!(m.gate_up_proj.w, Weight::Quant { .. }) || matches!(m.down_proj.w, Weight::Quant { .. }));
@@ -574,16 +558,17 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             let rows = starts[chunk[chunk.len() - 1] + 1] - r0;
             let mut s = self.scratch()?;
             let s = s.as_mut().expect("scratch made");
-            self.ensure(&mut s.moe[3], rows * 2 * inter * 4)?;
-            self.ensure(&mut s.moe[4], rows * inter * 4)?;
+            self.ensure(&mut s.moe[3], rows * 2 * inter * es)?;
+            self.ensure(&mut s.moe[4], rows * inter * es)?;
             let (gu, act) = (s.moe[3].ptr, s.moe[4].ptr);
             if quant {
                 self.ensure(&mut s.wexp, chunk.len() * per_expert)?;
             }
             // One projection of every expert in the chunk: `x` holds the
-            // chunk's rows of width `inp`, `y` receives them at width `out`.
-            // `down`: the row-parallel down projection, whose bias rank 0 alone adds.
-            let mut project = |down: bool, x: DevPtr, inp: usize, y: DevPtr, out: usize| -> Result<(), CudaError> {
+            // chunk's rows of width `inp`, `y` receives them at width `out`,
+            // both of type `ty`. `down`: the row-parallel down projection,
+            // whose bias rank 0 alone adds.
+            let project = |down: bool, x: DevPtr, inp: usize, y: DevPtr, out: usize| -> Result<(), CudaError> {
                 fn pick<B: Backend>(m: &GatedLinear<B>, down: bool) -> &B::Linear {
                     if down {
                         &m.down_proj
@@ -591,22 +576,14 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                         &m.gate_up_proj
                     }
                 }
-                let xin = if bf16_inputs {
-                    self.ensure(&mut s.xb, rows * inp * 2)?;
-                    let args =
-                        [Arg::Ptr(x), Arg::int(rows), Arg::int(inp), Arg::I32(0), Arg::int(inp), Arg::Ptr(s.xb.ptr)];
-                    self.dev.launch("to_bf16", elementwise(rows * inp), &args)?;
-                    (s.xb.ptr, GemmType::Bf16)
-                } else {
-                    (x, GemmType::F32)
-                };
                 let mut gemms = Vec::with_capacity(chunk.len());
                 for (j, &e) in chunk.iter().enumerate() {
                     let l = pick(&experts[e], down);
-                    let w = self.weight_operand(l, bf16_inputs, s.wexp.ptr + (j * per_expert) as u64)?;
+                    let w = self.weight_operand(l, bf16, s.wexp.ptr + (j * per_expert) as u64)?;
                     let (off, n) = (starts[e] - r0, starts[e + 1] - starts[e]);
-                    let xe = (xin.0 + (off * inp * if bf16_inputs { 2 } else { 4 }) as u64, xin.1);
-                    gemms.push(Gemm::linear(w, xe, y + (off * out * 4) as u64, n, out, inp, false));
+                    let xe = (x + (off * inp * es) as u64, ty);
+                    let y = y + (off * out * es) as u64;
+                    gemms.push(Gemm { c_type: ty, ..Gemm::linear(w, xe, y, n, out, inp, false) });
                 }
                 self.dev.gemm_grouped(&gemms)?;
                 for &e in chunk {
@@ -618,21 +595,26 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                         l.bias.as_ref()
                     };
                     if let Some(b) = bias {
-                        let off = starts[e] - r0;
-                        self.add_bias(y + (off * out * 4) as u64, b, starts[e + 1] - starts[e], out)?;
+                        let (off, n) = (starts[e] - r0, starts[e + 1] - starts[e]);
+                        let name = if bf16 { "add_bias_bf16" } else { "add_bias" };
+                        let args = [Arg::Ptr(y + (off * out * es) as u64), Arg::Ptr(b.ptr), Arg::int(n), Arg::int(out)];
+                        self.dev.launch(name, elementwise(n * out), &args)?;
                     }
                 }
                 Ok(())
             };
-            project(false, xe + (r0 * h * 4) as u64, h, gu, 2 * inter)?;
-            self.dev.launch(
-                "swiglu",
-                elementwise(rows * inter),
-                &[Arg::Ptr(gu), Arg::int(rows), Arg::int(inter), Arg::Ptr(act)],
-            )?;
-            project(true, act, inter, ye + (r0 * h_out * 4) as u64, h_out)?;
+            project(false, xe + (r0 * h * es) as u64, h, gu, 2 * inter)?;
+            let swiglu = if bf16 { "swiglu_bf16" } else { "swiglu" };
+            let args = [Arg::Ptr(gu), Arg::int(rows), Arg::int(inter), Arg::Ptr(act)];
+            self.dev.launch(swiglu, elementwise(rows * inter), &args)?;
+            project(true, act, inter, ye + (r0 * h_out * es) as u64, h_out)?;
         }
         Ok(())
+    }
+
+    /// Whether an expert MLP's activations and GEMMs are bf16 (bf16 compute), not f32.
+    fn experts_bf16(&self, m: &GatedLinear<Self>) -> bool {
+        C::COMPUTE == crate::backend::Compute::Bf16 && !m.gate_up_proj.f32_inputs
     }
 
     fn add_bias(&self, y: DevPtr, b: &Bytes<D>, rows: usize, width: usize) -> Result<(), CudaError> {
@@ -768,6 +750,10 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         self.dev.rank().1
     }
 
+    fn abort_group(&self, why: &str) {
+        self.dev.abort(why);
+    }
+
     fn group(&self, n: usize) -> Result<Vec<Self>, BackendError> {
         if n == 0 {
             return Err(BackendError::Unsupported("--tp must be at least 1".into()));
@@ -780,7 +766,12 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
 
     fn alloc(&self, len: usize) -> Buf<D> {
         let mut b = Buf::empty();
-        self.realloc(&mut b, len);
+        self.run(|| {
+            let m = self.dev.alloc_zeroed(len * 4)?;
+            (b.ptr, b.cap, b.len) = (self.dev.ptr(&m), len, len);
+            b.mem = Some(m);
+            Ok(())
+        });
         b
     }
 
@@ -801,7 +792,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     }
 
     fn upload(&self, host: &[f32]) -> Buf<D> {
-        let mut b = self.alloc(host.len());
+        let mut b = Buf::empty();
+        self.realloc(&mut b, host.len());
         self.run(|| self.dev.upload(b.ptr, bytemuck::cast_slice(host)));
         b.len = host.len();
         b
@@ -982,7 +974,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             Ok(())
         });
         if l.kind == Parallel::Row {
-            self.join_all_reduce(out.storage().ptr, out.storage().cap, rows * l.rows);
+            self.join_all_reduce(out.storage().ptr, rows * l.rows);
             if let Some(b) = &l.post_bias {
                 self.run(|| self.add_bias(out.storage().ptr, b, rows, l.rows));
             }
@@ -993,17 +985,17 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         check::linear(l, x, residual);
         let rows = x.rows();
         if l.kind == Parallel::Row && self.world_size() > 1 {
-            let (mut partial, mut cap) = (0, 0);
+            let mut partial = 0;
             self.run(|| {
-                (partial, cap) = {
+                partial = {
                     let mut s = self.scratch()?;
                     let s = s.as_mut().expect("scratch made");
                     self.ensure(&mut s.partial, rows * l.rows * 4)?;
-                    (s.partial.ptr, s.partial.len / 4)
+                    s.partial.ptr
                 };
                 self.gemm_rows(l, x.storage().ptr, rows, partial, false)
             });
-            self.join_all_reduce(partial, cap, rows * l.rows);
+            self.join_all_reduce(partial, rows * l.rows);
             let bias = l.post_bias.as_ref().map_or(0, |b| b.ptr);
             let args =
                 [Arg::Ptr(residual.storage().ptr), Arg::Ptr(partial), Arg::Ptr(bias), Arg::int(rows), Arg::int(l.rows)];
@@ -1128,21 +1120,34 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 src[row] = (i / k) as u32;
                 slot[i] = row as u32;
             }
-            let (xe, ye, sh) = {
+            let bf16 = experts.first().or(shared).is_some_and(|m| self.experts_bf16(m));
+            let (xe, ye, sh, xs) = {
                 let mut s = self.scratch()?;
                 let s = s.as_mut().expect("scratch made");
                 self.ensure(&mut s.moe[1], t * k * h * 4)?;
                 self.ensure(&mut s.moe[2], t * k * h * 4)?;
                 self.ensure(&mut s.moe[5], t * h * 4)?;
-                (s.moe[1].ptr, s.moe[2].ptr, s.moe[5].ptr)
+                if bf16 && shared.is_some() {
+                    self.ensure(&mut s.xb, t * h * 2)?;
+                }
+                (s.moe[1].ptr, s.moe[2].ptr, s.moe[5].ptr, s.xb.ptr)
             };
             let srcp = self.upload_table(0, bytemuck::cast_slice(&src))?;
             let args = [Arg::Ptr(x.storage().ptr), Arg::Ptr(srcp), Arg::int(t * k), Arg::int(h), Arg::Ptr(xe)];
-            self.dev.launch("gather_rows", elementwise(t * k * h), &args)?;
+            let gather = if bf16 { "gather_rows_bf16" } else { "gather_rows" };
+            self.dev.launch(gather, elementwise(t * k * h), &args)?;
             self.experts_grouped(experts, &starts, xe, ye)?;
             if let Some(m) = shared {
                 // The shared expert: one more expert, over every token.
-                self.experts_grouped(std::slice::from_ref(m), &[0, t], x.storage().ptr, sh)?;
+                let xin = if bf16 {
+                    let args =
+                        [Arg::Ptr(x.storage().ptr), Arg::int(t), Arg::int(h), Arg::I32(0), Arg::int(h), Arg::Ptr(xs)];
+                    self.dev.launch("to_bf16", elementwise(t * h), &args)?;
+                    xs
+                } else {
+                    x.storage().ptr
+                };
+                self.experts_grouped(std::slice::from_ref(m), &[0, t], xin, sh)?;
             }
             let slotp = self.upload_table(1, bytemuck::cast_slice(&slot))?;
             let args = [
@@ -1155,13 +1160,13 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 Arg::Ptr(if shared.is_some() { sh } else { 0 }),
                 Arg::Ptr(out.storage().ptr),
             ];
-            self.dev.launch("moe_combine", elementwise(t * h), &args)
+            self.dev.launch(if bf16 { "moe_combine_bf16" } else { "moe_combine" }, elementwise(t * h), &args)
         });
-        self.join_all_reduce(out.storage().ptr, out.storage().cap, t * h);
+        self.join_all_reduce(out.storage().ptr, t * h);
     }
 
     fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>) {
-        self.join_all_reduce(x.storage().ptr, x.storage().cap, x.len());
+        self.join_all_reduce(x.storage().ptr, x.len());
     }
 
     fn capture<L: Dim, H: Dim>(
@@ -1193,6 +1198,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         }
         self.run(|| {
             let mut lost = None;
+            // The staged copies are complete only once the stream has passed them.
+            self.dev.sync()?;
             self.dev.collect(&mut |parts| {
                 // Each slot's [T, H] rows of `out`, taken once.
                 let mut layers: Vec<Option<&mut [f32]>> = out.as_mut_slice().chunks_mut(per.max(1)).map(Some).collect();
@@ -1219,8 +1226,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         if self.ok() {
             self.run(|| self.dev.sync());
         } else {
-            // Still wait for what a failed rank queued (the all-reduces it
-            // joined, staged copies), so nothing it frees later is in use.
+            // Still wait for what a failed rank queued (staged copies), so
+            // nothing it frees later is in use.
             let _ = self.dev.sync();
         }
         // A failure stays: later steps would meet buffers the failed op never made.

@@ -88,8 +88,10 @@ pub struct Gemm {
     pub a: (DevPtr, GemmType, usize),
     /// B's.
     pub b: (DevPtr, GemmType, usize),
-    /// C's address and leading dimension (f32).
+    /// C's address and leading dimension.
     pub c: (DevPtr, usize),
+    /// C's type: f32, or bf16 for the MoE experts' GEMMs (see [`grouped_takes`]).
+    pub c_type: GemmType,
     /// Factor on the product.
     pub alpha: f32,
     /// Factor on C's old values (0: C is overwritten, even if it held NaN).
@@ -116,8 +118,50 @@ impl Gemm {
             a: (w.0, w.1, inp),
             b: (x.0, x.1, inp),
             c: (y, out),
+            c_type: GemmType::F32,
             alpha: 1.0,
             beta: if accumulate { 1.0 } else { 0.0 },
+        }
+    }
+}
+
+impl Gemm {
+    /// Whether this GEMM runs with pedantic f32 compute: f32 inputs, the
+    /// exact path (no TF32, no reduced-precision reductions).
+    pub fn pedantic(&self) -> bool {
+        self.a.1 == GemmType::F32 && self.b.1 == GemmType::F32
+    }
+}
+
+/// Whether `cublasGemmGroupedBatchedEx` takes these types. Its table
+/// (cuBLAS 12.5+, "cublasGemmGroupedBatchedEx") is far shorter than
+/// `cublasGemmEx`'s: with `CUBLAS_COMPUTE_32F` (f32 scale) it takes A/B/C of
+/// f16/f16/f16, bf16/bf16/bf16 or f32/f32/f32 (and TF32 and f64 variants).
+/// bf16 inputs with f32 output are not there, nor is pedantic compute: so
+/// the experts' bf16 GEMMs write bf16, and f32 GEMMs (the exact path, which
+/// is pedantic) run one call each.
+pub fn grouped_takes(g: &Gemm) -> bool {
+    matches!((g.a.1, g.b.1, g.c_type), (GemmType::Bf16, GemmType::Bf16, GemmType::Bf16))
+}
+
+/// How a device runs a MoE layer's expert GEMMs. The two paths can differ in
+/// the last bits (cuBLAS picks other kernels), so the path is recorded in the
+/// manifest's kernel field, and a resume refuses a part begun on the other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPath {
+    /// One `cublasGemmGroupedBatchedEx` per projection of a chunk of experts.
+    Grouped,
+    /// One `cublasGemmEx` per expert.
+    PerExpert,
+}
+
+impl GemmPath {
+    /// The manifest's kernel field for a run with `compute`: grouped GEMMs
+    /// are taken only by bf16 compute (see [`grouped_takes`]).
+    pub fn kernel(self, compute: crate::backend::Compute) -> &'static str {
+        match (self, compute) {
+            (GemmPath::Grouped, crate::backend::Compute::Bf16) => "cublas-grouped",
+            _ => "cublas",
         }
     }
 }
@@ -128,8 +172,12 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// Device memory that frees itself when dropped.
     type Mem: Send + Sync;
 
-    /// `bytes` of zeroed device memory.
+    /// `bytes` of device memory whose contents are undefined: for buffers the
+    /// next op overwrites whole (zeroing several GB a step costs bandwidth).
+    /// The emulated device fills it with NaN, so a read before a write shows.
     fn alloc(&self, bytes: usize) -> Result<Self::Mem, CudaError>;
+    /// `bytes` of zeroed device memory.
+    fn alloc_zeroed(&self, bytes: usize) -> Result<Self::Mem, CudaError>;
     /// The address of `m`'s first byte.
     fn ptr(&self, m: &Self::Mem) -> DevPtr;
     /// Copies host bytes to `dst`, in stream order, without waiting for the
@@ -142,9 +190,11 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// forward goes on while the copy engine works. [`Device::collect`]
     /// hands the staged bytes over.
     fn stage(&self, src: DevPtr, bytes: usize) -> Result<(), CudaError>;
-    /// Waits for every copy [`Device::stage`]d since the last collect and
-    /// hands their bytes to `f`, in the order they were staged; the staging
-    /// memory is reused afterwards.
+    /// Hands the bytes of every copy [`Device::stage`]d since the last
+    /// collect to `f`, in the order they were staged; the staging memory is
+    /// reused afterwards. The caller [`Device::sync`]s first: a copy is
+    /// complete only then (the emulated device refuses a collect of copies
+    /// no sync has completed; a GPU waits for them, to be safe).
     fn collect(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError>;
     /// Copies `bytes` between device addresses, in stream order.
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError>;
@@ -153,18 +203,31 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// A GEMM (cuBLAS semantics).
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError>;
     /// Independent GEMMs of one operand type each (a MoE layer's experts
-    /// over the rows each received), in one launch where the device can;
-    /// the same results as [`Device::gemm`] on each, in any order.
+    /// over the rows each received), in one launch where the device can
+    /// ([`Device::gemm_path`]; only types [`grouped_takes`] allows); the same
+    /// results as [`Device::gemm`] on each up to the last bits, in any order.
     fn gemm_grouped(&self, gs: &[Gemm]) -> Result<(), CudaError> {
         gs.iter().try_for_each(|g| self.gemm(g))
+    }
+    /// The path [`Device::gemm_grouped`] takes for the types it allows,
+    /// decided once when the device opens (a GPU probes cuBLAS with a small
+    /// grouped call).
+    fn gemm_path(&self) -> GemmPath {
+        GemmPath::PerExpert
     }
     /// Sums `count` f32 at `ptr` over the group's ranks, in place. On GPUs:
     /// NCCL with its algorithm and protocol fixed, the same bits run to run on
     /// one machine, but not summed in rank order (unlike the CPU backend), so
     /// with more than two ranks the bits can differ from the CPU backend's.
     fn all_reduce(&self, ptr: DevPtr, count: usize) -> Result<(), CudaError>;
-    /// Waits for everything issued.
+    /// Waits for everything issued. In a group, it fails (rather than waits
+    /// forever) once the group is aborted.
     fn sync(&self) -> Result<(), CudaError>;
+    /// Stops the group's collectives: every rank's all-reduce, queued or
+    /// later, fails instead of waiting for a rank that will not join (on GPUs
+    /// `ncclCommAbort` on every communicator of the group). Idempotent; a
+    /// device with no group ignores it.
+    fn abort(&self, why: &str);
     /// This rank and the group's size.
     fn rank(&self) -> (usize, usize);
     /// Devices for the `n` ranks of a tensor-parallel group on `ordinals`, joined for [`Device::all_reduce`].

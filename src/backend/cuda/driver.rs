@@ -4,7 +4,7 @@
 //!
 //! Never run in CI (no GPU there), nor yet on any GPU.
 
-use super::device::{Arg, DevPtr, Device, Gemm, GemmType, Launch};
+use super::device::{grouped_takes, Arg, DevPtr, Device, Gemm, GemmPath, GemmType, Launch};
 use super::{nvrtc, probe, CudaError};
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
@@ -33,20 +33,61 @@ pub struct Driver {
     modules: Vec<Arc<CudaModule>>,
     functions: Mutex<HashMap<String, (CudaFunction, u32)>>,
     blas: Mutex<Handle<blas::cublasHandle_t>>,
-    comm: Option<Mutex<Handle<nccl::ncclComm_t>>>,
+    /// The NCCL group this rank belongs to (none for one rank).
+    group: Option<Arc<NcclGroup>>,
     /// Pinned host buffers that captures are copied into; reused step to step.
     staging: Mutex<Staging>,
     /// Pinned host memory small uploads go through; reset at each stream sync.
     uploads: Mutex<Arena>,
-    /// Whether `cublasGemmGroupedBatchedEx` is used (cuBLAS 12.5+; off for
-    /// good after it refuses a call), and the device array of its pointers.
-    grouped: std::sync::atomic::AtomicBool,
+    /// The experts' GEMM path, probed at open, and the device array of the
+    /// grouped call's pointers.
+    path: GemmPath,
     grouped_ptrs: Mutex<Option<(Mem, usize)>>,
     rank: usize,
     world: usize,
     /// The GPU's index, name and architecture.
     pub info: probe::DeviceInfo,
+    /// How the kernels were loaded: cubins, unless one fell back to PTX.
+    pub image: nvrtc::ImageKind,
 }
+
+/// The communicators of one NCCL group, one per rank, shared by its ranks
+/// so that any rank can abort them all.
+struct NcclGroup {
+    /// Each rank's communicator; `None` once aborted (or destroyed).
+    comms: Vec<Mutex<Option<Handle<nccl::ncclComm_t>>>>,
+    /// Why the group was aborted, if it was.
+    aborted: Mutex<Option<String>>,
+}
+
+impl NcclGroup {
+    fn aborted(&self) -> Option<String> {
+        self.aborted.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// How long a teardown waits for the stream before it gives up and leaks
+/// the memory queued work may still touch (a hung peer must not hang the exit).
+const TEARDOWN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a sync in an aborted group waits for the stream to drain (the
+/// aborted NCCL kernels exit) before it returns anyway.
+const ABORT_DRAIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// NCCL's algorithm and protocol, fixed so that sums are the same bits run
+/// to run. NCCL reads them from the environment at communicator creation;
+/// setting the environment while other threads run is a data race, so the
+/// `strata` binary calls this first thing in `main`, before any thread
+/// starts. A variable the user set is kept.
+pub fn set_nccl_env() {
+    for (k, v) in NCCL_ENV {
+        if std::env::var_os(k).is_none() {
+            // SAFETY (edition 2021: a safe fn): called from `main` before any other thread exists.
+            std::env::set_var(k, v);
+        }
+    }
+}
+
+const NCCL_ENV: [(&str, &str); 2] = [("NCCL_ALGO", "Ring"), ("NCCL_PROTO", "Simple")];
 
 /// Device memory, allocated and freed in stream order, so a buffer dropped
 /// while queued kernels still read it is freed after them.
@@ -158,13 +199,43 @@ impl Driver {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuCtxCreate", e))?;
         let stream = ctx.new_stream().map_err(|e| driver_err("cuStreamCreate", e))?;
+        keep_freed_memory(&ctx, ordinal)?;
         let dir = nvrtc::cache_dir();
         let mut modules = Vec::new();
+        let mut image_kind = nvrtc::ImageKind::Cubin;
         for (name, _) in nvrtc::SOURCES {
-            let ptx = nvrtc::compile_cached(name, &info.arch(), dir.as_deref())?;
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
-                .map_err(|e| CudaError::Kernel { name: (*name).into(), log: format!("cuModuleLoadData: {e:?}") })?;
+            let load = |image: nvrtc::Image| {
+                let ptx = match image {
+                    nvrtc::Image::Cubin(b) => cudarc::nvrtc::Ptx::from_binary(b),
+                    nvrtc::Image::Ptx(p) => cudarc::nvrtc::Ptx::from_src(p),
+                };
+                ctx.load_module(ptx)
+            };
+            let image = nvrtc::image_for(name, &info.arch(), dir.as_deref())?;
+            let kind = image.kind();
+            let module = match (load(image), kind) {
+                (Ok(m), _) => m,
+                (Err(e), nvrtc::ImageKind::Cubin) => {
+                    // A cubin the driver refuses (from an NVRTC of a newer
+                    // major version, say): the PTX, for its JIT, is the last try.
+                    tracing::warn!("kernel {name}: the driver refused the cubin ({e:?}); trying PTX");
+                    let ptx = nvrtc::compile_cached(name, &info.arch(), dir.as_deref(), nvrtc::ImageKind::Ptx)?;
+                    image_kind = nvrtc::ImageKind::Ptx;
+                    load(ptx).map_err(|e2| CudaError::Kernel {
+                        name: (*name).into(),
+                        log: format!("cuModuleLoadData: cubin {e:?}, PTX {e2:?}"),
+                    })?
+                }
+                (Err(e), nvrtc::ImageKind::Ptx) => {
+                    return Err(CudaError::Kernel {
+                        name: (*name).into(),
+                        log: format!("cuModuleLoadData (PTX): {e:?}"),
+                    })
+                }
+            };
+            if kind == nvrtc::ImageKind::Ptx {
+                image_kind = nvrtc::ImageKind::Ptx;
+            }
             modules.push(module);
         }
         let handle = cudarc::cublas::result::create_handle().map_err(|e| driver_err("cublasCreate", e))?;
@@ -172,26 +243,138 @@ impl Driver {
         let mut version = 0;
         // SAFETY: a live handle; `version` is a live local.
         let grouped = unsafe { blas::cublasGetVersion_v2(handle, &mut version) }.result().is_ok() && version >= 120500;
+        let path = if grouped { GemmPath::Grouped } else { GemmPath::PerExpert };
         // SAFETY: a live handle and stream of this context.
         unsafe {
             cudarc::cublas::result::set_stream(handle, stream.cu_stream() as blas::cudaStream_t)
                 .map_err(|e| driver_err("cublasSetStream", e))?;
         }
-        Ok(Driver {
+        let mut d = Driver {
             ctx,
             stream,
             modules,
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(Handle(handle)),
-            comm: None,
+            group: None,
             staging: Mutex::new(Staging::default()),
             uploads: Mutex::new(Arena::default()),
-            grouped: std::sync::atomic::AtomicBool::new(grouped),
+            path,
             grouped_ptrs: Mutex::new(None),
             rank: 0,
             world: 1,
             info,
-        })
+            image: image_kind,
+        };
+        if d.path == GemmPath::Grouped {
+            d.path = d.probe_grouped();
+        }
+        Ok(d)
+    }
+
+    /// Runs one small grouped bf16 GEMM (two 16×16×16 products of ones) and
+    /// checks its result: the grouped path if cuBLAS takes it and gets it
+    /// right, else one GEMM per expert, with a warning saying why.
+    fn probe_grouped(&self) -> GemmPath {
+        let run = || -> Result<bool, CudaError> {
+            const N: usize = 16;
+            let one = vec![0x3f80u16; N * N]; // bf16 1.0
+            let a = self.alloc(N * N * 2)?;
+            let b = self.alloc(N * N * 2)?;
+            let c = self.alloc(2 * N * N * 2)?;
+            self.upload(a.ptr, bytemuck::cast_slice(&one))?;
+            self.upload(b.ptr, bytemuck::cast_slice(&one))?;
+            let g = |i: usize| Gemm {
+                c_type: GemmType::Bf16,
+                ..Gemm::linear(
+                    (a.ptr, GemmType::Bf16),
+                    (b.ptr, GemmType::Bf16),
+                    c.ptr + (i * N * N * 2) as u64,
+                    N,
+                    N,
+                    N,
+                    false,
+                )
+            };
+            self.grouped_call(&[&g(0), &g(1)])?;
+            let mut out = vec![0u16; 2 * N * N];
+            self.download(c.ptr, bytemuck::cast_slice_mut(&mut out))?;
+            Ok(out.iter().all(|&v| v == 0x4180)) // bf16 16.0
+        };
+        match run() {
+            Ok(true) => GemmPath::Grouped,
+            Ok(false) => {
+                tracing::warn!(
+                    "cuda: cublasGemmGroupedBatchedEx gave wrong sums in its probe: experts run one GEMM each"
+                );
+                GemmPath::PerExpert
+            }
+            Err(e) => {
+                tracing::warn!("cuda: cublasGemmGroupedBatchedEx refused its probe ({e}): experts run one GEMM each");
+                GemmPath::PerExpert
+            }
+        }
+    }
+
+    /// One `cublasGemmGroupedBatchedEx` over `gs` (one group per GEMM), all
+    /// of one type combination that [`grouped_takes`] allows.
+    fn grouped_call(&self, gs: &[&Gemm]) -> Result<(), CudaError> {
+        self.bind()?;
+        let n = gs.len();
+        let dim = |v: usize| {
+            i32::try_from(v).map_err(|_| driver_err("cublasGemmGroupedBatchedEx", format!("dimension {v} exceeds int")))
+        };
+        // The A, B and C pointers, in device memory as cuBLAS reads them.
+        let ptrs: Vec<u64> =
+            gs.iter().map(|g| g.a.0).chain(gs.iter().map(|g| g.b.0)).chain(gs.iter().map(|g| g.c.0)).collect();
+        let table = {
+            let mut t = self.grouped_ptrs.lock().unwrap_or_else(|e| e.into_inner());
+            if t.as_ref().is_none_or(|(_, cap)| *cap < ptrs.len()) {
+                *t = None; // freed in stream order, after the calls that read it
+                let bytes = ptrs.len().next_power_of_two() * 8;
+                *t = Some((self.alloc(bytes)?, bytes / 8));
+            }
+            t.as_ref().expect("made above").0.ptr
+        };
+        self.upload(table, bytemuck::cast_slice(&ptrs))?;
+        let op = |t| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
+        let ta: Vec<_> = gs.iter().map(|g| op(g.trans_a)).collect();
+        let tb: Vec<_> = gs.iter().map(|g| op(g.trans_b)).collect();
+        let col = |f: &dyn Fn(&Gemm) -> usize| gs.iter().map(|g| dim(f(g))).collect::<Result<Vec<i32>, _>>();
+        let (m, nn, k) = (col(&|g| g.m)?, col(&|g| g.n)?, col(&|g| g.k)?);
+        let (lda, ldb, ldc) = (col(&|g| g.a.2)?, col(&|g| g.b.2)?, col(&|g| g.c.1)?);
+        let alpha: Vec<f32> = gs.iter().map(|g| g.alpha).collect();
+        let beta: Vec<f32> = gs.iter().map(|g| g.beta).collect();
+        let sizes = vec![1i32; n];
+        let h = self.blas.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: one group per GEMM (`sizes`), every host array of length
+        // `n`; the device table holds the n A, then B, then C pointers, each
+        // to the extents its sizes and leading dimension name (checked by the
+        // backend), and is read in stream order after its upload.
+        let status = unsafe {
+            blas::cublasGemmGroupedBatchedEx(
+                h.0,
+                ta.as_ptr(),
+                tb.as_ptr(),
+                m.as_ptr(),
+                nn.as_ptr(),
+                k.as_ptr(),
+                alpha.as_ptr() as *const c_void,
+                table as *const *const c_void,
+                data_type(gs[0].a.1),
+                lda.as_ptr(),
+                (table + 8 * n as u64) as *const *const c_void,
+                data_type(gs[0].b.1),
+                ldb.as_ptr(),
+                beta.as_ptr() as *const c_void,
+                (table + 16 * n as u64) as *const *mut c_void,
+                data_type(gs[0].c_type),
+                ldc.as_ptr(),
+                n as i32,
+                sizes.as_ptr(),
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        };
+        status.result().map_err(|e| driver_err("cublasGemmGroupedBatchedEx", e))
     }
 
     fn function(&self, name: &str, smem: u32) -> Result<CudaFunction, CudaError> {
@@ -231,15 +414,20 @@ impl Device for Driver {
 
     fn alloc(&self, bytes: usize) -> Result<Mem, CudaError> {
         self.bind()?;
-        // SAFETY: allocation in stream order on this context's stream; zeroed before any use.
+        // SAFETY: allocation in stream order on this context's stream.
         unsafe {
             let ptr = result::malloc_async(self.stream.cu_stream(), bytes.max(1))
                 .map_err(|e| driver_err(&format!("cuMemAllocAsync({bytes} bytes)"), e))?;
-            let mem = Mem { ptr, stream: self.stream.clone() };
-            result::memset_d8_async(ptr, 0, bytes.max(1), self.stream.cu_stream())
-                .map_err(|e| driver_err("cuMemsetD8Async", e))?;
-            Ok(mem)
+            Ok(Mem { ptr, stream: self.stream.clone() })
         }
+    }
+
+    fn alloc_zeroed(&self, bytes: usize) -> Result<Mem, CudaError> {
+        let mem = self.alloc(bytes)?;
+        // SAFETY: `mem` holds `bytes.max(1)` bytes; the memset is in stream order before any use.
+        unsafe { result::memset_d8_async(mem.ptr, 0, bytes.max(1), self.stream.cu_stream()) }
+            .map_err(|e| driver_err("cuMemsetD8Async", e))?;
+        Ok(mem)
     }
 
     fn ptr(&self, m: &Mem) -> DevPtr {
@@ -396,7 +584,7 @@ impl Device for Driver {
         let h = self.blas.lock().unwrap_or_else(|e| e.into_inner());
         let op = |t| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
         // f32 inputs: pedantic f32 compute (no TF32 behind the exact path's back).
-        let compute = if g.a.1 == GemmType::F32 && g.b.1 == GemmType::F32 {
+        let compute = if g.pedantic() {
             blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
         } else {
             blas::cublasComputeType_t::CUBLAS_COMPUTE_32F
@@ -422,7 +610,7 @@ impl Device for Driver {
                 dim(g.b.2)?,
                 &g.beta as *const f32 as *const c_void,
                 g.c.0 as *mut c_void,
-                blas::cudaDataType::CUDA_R_32F,
+                data_type(g.c_type),
                 dim(g.c.1)?,
                 compute,
                 blas::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
@@ -432,89 +620,28 @@ impl Device for Driver {
     }
 
     fn gemm_grouped(&self, gs: &[Gemm]) -> Result<(), CudaError> {
-        use std::sync::atomic::Ordering;
         let gs: Vec<&Gemm> = gs.iter().filter(|g| g.m > 0 && g.n > 0).collect();
-        let one_type = gs.windows(2).all(|w| w[0].a.1 == w[1].a.1 && w[0].b.1 == w[1].b.1);
-        if gs.len() < 2 || !one_type || !self.grouped.load(Ordering::Relaxed) {
+        let one_type = gs.windows(2).all(|w| (w[0].a.1, w[0].b.1, w[0].c_type) == (w[1].a.1, w[1].b.1, w[1].c_type));
+        if gs.len() < 2 || !one_type || self.path != GemmPath::Grouped || !grouped_takes(gs[0]) {
             return gs.iter().try_for_each(|g| self.gemm(g));
         }
-        self.bind()?;
-        let n = gs.len();
-        let dim = |v: usize| {
-            i32::try_from(v).map_err(|_| driver_err("cublasGemmGroupedBatchedEx", format!("dimension {v} exceeds int")))
-        };
-        // The A, B and C pointers, in device memory as cuBLAS reads them.
-        let ptrs: Vec<u64> =
-            gs.iter().map(|g| g.a.0).chain(gs.iter().map(|g| g.b.0)).chain(gs.iter().map(|g| g.c.0)).collect();
-        let table = {
-            let mut t = self.grouped_ptrs.lock().unwrap_or_else(|e| e.into_inner());
-            if t.as_ref().is_none_or(|(_, cap)| *cap < ptrs.len()) {
-                *t = None; // freed in stream order, after the calls that read it
-                let bytes = ptrs.len().next_power_of_two() * 8;
-                *t = Some((self.alloc(bytes)?, bytes / 8));
-            }
-            t.as_ref().expect("made above").0.ptr
-        };
-        self.upload(table, bytemuck::cast_slice(&ptrs))?;
-        let op = |t| if t { blas::cublasOperation_t::CUBLAS_OP_T } else { blas::cublasOperation_t::CUBLAS_OP_N };
-        let ta: Vec<_> = gs.iter().map(|g| op(g.trans_a)).collect();
-        let tb: Vec<_> = gs.iter().map(|g| op(g.trans_b)).collect();
-        let col = |f: &dyn Fn(&Gemm) -> usize| gs.iter().map(|g| dim(f(g))).collect::<Result<Vec<i32>, _>>();
-        let (m, nn, k) = (col(&|g| g.m)?, col(&|g| g.n)?, col(&|g| g.k)?);
-        let (lda, ldb, ldc) = (col(&|g| g.a.2)?, col(&|g| g.b.2)?, col(&|g| g.c.1)?);
-        let alpha: Vec<f32> = gs.iter().map(|g| g.alpha).collect();
-        let beta: Vec<f32> = gs.iter().map(|g| g.beta).collect();
-        let sizes = vec![1i32; n];
-        let compute = if gs[0].a.1 == GemmType::F32 && gs[0].b.1 == GemmType::F32 {
-            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC
-        } else {
-            blas::cublasComputeType_t::CUBLAS_COMPUTE_32F
-        };
-        let h = self.blas.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: one group per GEMM (`sizes`), every host array of length
-        // `n`; the device table holds the n A, then B, then C pointers, each
-        // to the extents its sizes and leading dimension name (checked by the
-        // backend), and is read in stream order after its upload.
-        let status = unsafe {
-            blas::cublasGemmGroupedBatchedEx(
-                h.0,
-                ta.as_ptr(),
-                tb.as_ptr(),
-                m.as_ptr(),
-                nn.as_ptr(),
-                k.as_ptr(),
-                alpha.as_ptr() as *const c_void,
-                table as *const *const c_void,
-                data_type(gs[0].a.1),
-                lda.as_ptr(),
-                (table + 8 * n as u64) as *const *const c_void,
-                data_type(gs[0].b.1),
-                ldb.as_ptr(),
-                beta.as_ptr() as *const c_void,
-                (table + 16 * n as u64) as *const *mut c_void,
-                blas::cudaDataType::CUDA_R_32F,
-                ldc.as_ptr(),
-                n as i32,
-                sizes.as_ptr(),
-                compute,
-            )
-        };
-        drop(h);
-        if let Err(e) = status.result() {
-            // Refused (this cuBLAS takes no f32 output or pedantic compute
-            // here, say): one GEMM each, from now on.
-            tracing::warn!("cuda: cublasGemmGroupedBatchedEx refused ({e:?}): experts run one GEMM each");
-            self.grouped.store(false, Ordering::Relaxed);
-            return gs.iter().try_for_each(|g| self.gemm(g));
-        }
-        Ok(())
+        self.grouped_call(&gs)
+    }
+
+    fn gemm_path(&self) -> GemmPath {
+        self.path
     }
 
     fn all_reduce(&self, ptr: DevPtr, count: usize) -> Result<(), CudaError> {
-        let Some(comm) = &self.comm else { return Ok(()) };
+        let Some(group) = &self.group else { return Ok(()) };
         self.bind()?;
-        let c = comm.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: `ptr` holds `count` f32 on this rank's device; in place is allowed.
+        let c = group.comms[self.rank].lock().unwrap_or_else(|e| e.into_inner());
+        let Some(comm) = c.as_ref() else {
+            let why = group.aborted().unwrap_or_else(|| "the communicator is gone".into());
+            return Err(driver_err("ncclAllReduce", format!("the group was aborted: {why}")));
+        };
+        // SAFETY: `ptr` holds `count` f32 on this rank's device; in place is
+        // allowed; the communicator is live (an abort takes it under this lock).
         unsafe {
             cudarc::nccl::result::all_reduce(
                 ptr as *const c_void,
@@ -522,7 +649,7 @@ impl Device for Driver {
                 count,
                 nccl::ncclDataType_t::ncclFloat32,
                 nccl::ncclRedOp_t::ncclSum,
-                c.0,
+                comm.0,
                 self.stream.cu_stream() as nccl::cudaStream_t,
             )
         }
@@ -531,10 +658,34 @@ impl Device for Driver {
     }
 
     fn sync(&self) -> Result<(), CudaError> {
-        self.stream.synchronize().map_err(|e| driver_err("cuStreamSynchronize", e))?;
+        match &self.group {
+            // One rank: nothing can wait for a peer.
+            None => self.stream.synchronize().map_err(|e| driver_err("cuStreamSynchronize", e))?,
+            Some(group) => self.sync_watched(group, None)?,
+        }
         // Every copy out of the upload arena has run: it can be refilled.
         self.uploads.lock().unwrap_or_else(|e| e.into_inner()).at = (0, 0);
         Ok(())
+    }
+
+    fn abort(&self, why: &str) {
+        let Some(group) = &self.group else { return };
+        {
+            let mut a = group.aborted.lock().unwrap_or_else(|e| e.into_inner());
+            if a.is_some() {
+                return;
+            }
+            *a = Some(why.to_string());
+        }
+        tracing::error!("cuda: aborting the NCCL group: {why}");
+        for c in &group.comms {
+            if let Some(comm) = c.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                // SAFETY: taken under its lock, so no rank uses it again; ncclCommAbort
+                // stops its queued operations and frees it (unverified on GPUs: it
+                // needs two, see scripts/gpu-check.sh).
+                let _ = unsafe { nccl::ncclCommAbort(comm.0) };
+            }
+        }
     }
 
     fn rank(&self) -> (usize, usize) {
@@ -565,11 +716,15 @@ impl Driver {
             });
         }
         let mut ranks: Vec<Driver> = ordinals.iter().map(|&o| Driver::open(o)).collect::<Result<_, _>>()?;
-        // One algorithm and protocol, so sums are the same bits run to run.
-        for (k, v) in [("NCCL_ALGO", "Ring"), ("NCCL_PROTO", "Simple")] {
+        // One algorithm and protocol, so sums are the same bits run to run:
+        // `set_nccl_env` sets them before any thread starts. Setting them
+        // here, with rank threads running, would be a data race.
+        for (k, v) in NCCL_ENV {
             if std::env::var_os(k).is_none() {
-                // SAFETY (edition 2021: safe fn): set before NCCL reads it, from the one thread building the group.
-                std::env::set_var(k, v);
+                tracing::warn!(
+                    "{k} is not set: NCCL picks its algorithm, and sums may differ run to run in the last bits \
+                     (the strata binary sets {k}={v} at start; a program using the library calls set_nccl_env first)"
+                );
             }
         }
         let mut comms = vec![std::ptr::null_mut(); ranks.len()];
@@ -578,26 +733,110 @@ impl Driver {
         unsafe { cudarc::nccl::result::comm_init_all(comms.as_mut_ptr(), devs.len() as i32, devs.as_ptr()) }
             .map_err(|e| driver_err("ncclCommInitAll", e))?;
         let world = ranks.len();
-        for (rank, (d, c)) in ranks.iter_mut().zip(comms).enumerate() {
-            d.comm = Some(Mutex::new(Handle(c)));
+        let group = Arc::new(NcclGroup {
+            comms: comms.into_iter().map(|c| Mutex::new(Some(Handle(c)))).collect(),
+            aborted: Mutex::new(None),
+        });
+        for (rank, d) in ranks.iter_mut().enumerate() {
+            d.group = Some(group.clone());
             d.rank = rank;
             d.world = world;
         }
         Ok(ranks)
+    }
+
+    /// Waits for the stream, watching the group: once it is aborted, waits
+    /// at most [`ABORT_DRAIN`] more for the stream to drain, then fails.
+    /// `deadline` bounds the whole wait (teardown).
+    fn sync_watched(&self, group: &NcclGroup, deadline: Option<std::time::Duration>) -> Result<(), CudaError> {
+        let t0 = std::time::Instant::now();
+        let mut aborted_at = None;
+        let mut nap = std::time::Duration::from_micros(5);
+        loop {
+            // SAFETY: a live stream of this context.
+            match unsafe { sys::cuStreamQuery(self.stream.cu_stream()) } {
+                sys::CUresult::CUDA_SUCCESS => {
+                    return match group.aborted() {
+                        Some(why) => Err(driver_err("cuStreamSynchronize", format!("the group was aborted: {why}"))),
+                        None => Ok(()),
+                    }
+                }
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => return Err(driver_err("cuStreamQuery", e)),
+            }
+            if let Some(why) = group.aborted() {
+                let at = *aborted_at.get_or_insert_with(std::time::Instant::now);
+                if at.elapsed() > ABORT_DRAIN {
+                    return Err(driver_err(
+                        "cuStreamSynchronize",
+                        format!("the group was aborted ({why}), and the stream did not drain"),
+                    ));
+                }
+            }
+            if deadline.is_some_and(|d| t0.elapsed() > d) {
+                return Err(driver_err("cuStreamSynchronize", format!("the stream did not finish in {deadline:?}")));
+            }
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
+/// Sets the device's default memory pool to keep freed memory (a release
+/// threshold of "everything"): with the default of 0, every stream sync
+/// hands freed memory back to the driver, and the next step maps it again.
+fn keep_freed_memory(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<(), CudaError> {
+    let dev = ctx.cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: a valid device of a live context; the value is a u64, as the attribute takes.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, dev)
+            .result()
+            .map_err(|e| driver_err(&format!("cuDeviceGetDefaultMemPool(GPU {ordinal})"), e))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut c_void,
+        )
+        .result()
+        .map_err(|e| driver_err("cuMemPoolSetAttribute(RELEASE_THRESHOLD)", e))
     }
 }
 
 impl Drop for Driver {
     fn drop(&mut self) {
         let _ = self.bind();
-        // Nothing queued may still read or write what is freed below.
-        let _ = self.stream.synchronize();
-        if let Some(c) = self.comm.take() {
-            // SAFETY: the communicator is destroyed once, after its last use.
-            let _ = unsafe { cudarc::nccl::result::comm_destroy(c.into_inner().unwrap_or_else(|e| e.into_inner()).0) };
+        // Nothing queued may still read or write what is freed below; but a
+        // stream that never finishes (a peer that hung) must not hang the exit.
+        let drained = match &self.group {
+            None => self.stream.synchronize().is_ok(),
+            Some(g) => self.sync_watched(g, Some(TEARDOWN_DEADLINE)).is_ok(),
+        };
+        if !drained {
+            tracing::error!(
+                "cuda: GPU {}: the stream did not drain at teardown; its host buffers are leaked",
+                self.info.ordinal
+            );
+            // Queued copies may still write them: never free them.
+            std::mem::forget(std::mem::take(&mut *self.staging.get_mut().unwrap_or_else(|e| e.into_inner())));
+            std::mem::forget(std::mem::take(&mut *self.uploads.get_mut().unwrap_or_else(|e| e.into_inner())));
+        }
+        if let Some(g) = self.group.take() {
+            if let Some(c) = g.comms[self.rank].lock().unwrap_or_else(|e| e.into_inner()).take() {
+                // SAFETY: taken under its lock, used by no one after. A drained
+                // stream: finalize flushes, then destroy frees. Otherwise abort.
+                unsafe {
+                    if drained && nccl::ncclCommFinalize(c.0) == nccl::ncclResult_t::ncclSuccess {
+                        let _ = nccl::ncclCommDestroy(c.0);
+                    } else {
+                        let _ = nccl::ncclCommAbort(c.0);
+                    }
+                }
+            }
         }
         let h = self.blas.get_mut().unwrap_or_else(|e| e.into_inner()).0;
-        // SAFETY: as above, for the cuBLAS handle.
+        // SAFETY: the cuBLAS handle is destroyed once, after its last use.
         let _ = unsafe { cudarc::cublas::result::destroy_handle(h) };
     }
 }

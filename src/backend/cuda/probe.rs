@@ -77,3 +77,70 @@ pub fn probe(devices: &[usize]) -> Result<Vec<DeviceInfo>, CudaError> {
         })
         .collect()
 }
+
+/// The versions of the CUDA libraries the backend loads; `None` where a
+/// library cannot be loaded. Printed by `scripts/gpu-check.sh` and logged when
+/// a CUDA model opens: the first thing to read when a GPU run fails.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Versions {
+    /// The CUDA version the driver supports, `(13, 0)` for R580.
+    pub driver: Option<(i32, i32)>,
+    /// NVRTC's `(major, minor)`.
+    pub nvrtc: Option<(i32, i32)>,
+    /// cuBLAS's `(major, minor, patch)`.
+    pub cublas: Option<(i32, i32, i32)>,
+    /// NCCL's `(major, minor, patch)`.
+    pub nccl: Option<(i32, i32, i32)>,
+}
+
+/// The versions of whatever CUDA libraries can be loaded (no GPU needed).
+pub fn versions() -> Versions {
+    let mut v = Versions::default();
+    if driver_present() {
+        let mut code = 0;
+        // SAFETY: the library is present; cuDriverGetVersion needs no cuInit.
+        if unsafe { sys::cuDriverGetVersion(&mut code) } == sys::CUresult::CUDA_SUCCESS {
+            v.driver = Some((code / 1000, code % 1000 / 10));
+        }
+    }
+    v.nvrtc = super::nvrtc::version().ok();
+    use cudarc::cublas::sys as blas;
+    // SAFETY: only dlopen attempts, then a query of the library's own constants.
+    if unsafe { blas::is_culib_present() } {
+        let get = |p| {
+            let mut x = 0;
+            // SAFETY: as above; `x` is a live local.
+            (unsafe { blas::cublasGetProperty(p, &mut x) } == blas::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(x)
+        };
+        use blas::libraryPropertyType_t as P;
+        if let (Some(a), Some(b), Some(c)) = (get(P::MAJOR_VERSION), get(P::MINOR_VERSION), get(P::PATCH_LEVEL)) {
+            v.cublas = Some((a, b, c));
+        }
+    }
+    use cudarc::nccl::sys as nccl;
+    // SAFETY: as above.
+    if unsafe { nccl::is_culib_present() } {
+        let mut code = 0;
+        // SAFETY: as above; NCCL encodes its version as major·10000 + minor·100 + patch since 2.9.
+        if unsafe { nccl::ncclGetVersion(&mut code) } == nccl::ncclResult_t::ncclSuccess {
+            v.nccl = Some((code / 10000, code % 10000 / 100, code % 100));
+        }
+    }
+    v
+}
+
+impl std::fmt::Display for Versions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let none = "not loadable";
+        let two = |v: Option<(i32, i32)>| v.map_or(none.to_string(), |(a, b)| format!("{a}.{b}"));
+        let three = |v: Option<(i32, i32, i32)>| v.map_or(none.to_string(), |(a, b, c)| format!("{a}.{b}.{c}"));
+        write!(
+            f,
+            "driver (CUDA) {}, NVRTC {}, cuBLAS {}, NCCL {}",
+            two(self.driver),
+            two(self.nvrtc),
+            three(self.cublas),
+            three(self.nccl)
+        )
+    }
+}

@@ -1072,6 +1072,9 @@ fn render_process() -> Option<strata::chat::isolate::Isolation> {
 const RENDER_COMMAND: &str = "__render";
 
 fn main() -> ExitCode {
+    // Before any thread starts: NCCL reads its environment, and setting it later races.
+    #[cfg(feature = "cuda")]
+    strata::backend::cuda::driver::set_nccl_env();
     if std::env::args().nth(1).as_deref() == Some(RENDER_COMMAND) {
         // A render process (see strata::chat::isolate): requests on stdin, replies on stdout.
         // Its allocator keeps glibc's defaults: large blocks are mapped and returned at once.
