@@ -12,21 +12,17 @@
 // - attention_bf16_vN: tensor cores via `mma.sync` m16n8k16 (bf16 inputs,
 //   f32 accumulation) through inline PTX (no mma.h): a block of 4 warps takes
 //   64 queries of one head, 16 per warp, and walks the keys 32 at a time.
-//   N is the value width the block is compiled for (>= v_dim, a multiple of 16).
+//   N is the widest value head the block is compiled for (a multiple of 16).
+//   Its keys and values are bf16, each head's row padded with zeros to a
+//   multiple of 16 columns (see `Seg`), so a tile is copied to shared memory
+//   in 16-byte pieces by `cp.async`, two tiles in flight (the next one lands
+//   while this one is used). Shared rows are padded by 16 bytes, so the 8
+//   rows an `ldmatrix` reads fall in 8 distinct bank groups (no conflicts);
+//   V's fragments come transposed through `ldmatrix.trans`. The first 128
+//   columns of Q stay in registers (wider heads read the rest from shared
+//   memory each tile); the softmax runs in base 2 (log2 e folded into the
+//   scale, `exp2f`).
 #include "common.cuh"
-
-// One segment of the step. Pointers are device addresses of key/value row 0
-// (column offset applied); strides are in floats.
-struct Seg {
-    u64 k;
-    u64 v;
-    int k_stride;
-    int v_stride;
-    int q_row0;  // the segment's first row in q and out
-    int q_len;   // its queries
-    int pos0;    // position of its first query
-    int kv_len;  // keys it may see: pos0 + q_len
-};
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -81,7 +77,6 @@ extern "C" __global__ void attention_f32(const float* q, int q_stride, const Seg
     }
 }
 
-__device__ __forceinline__ u32 ld_pair(const u16* p) { return *(const u32*)p; }
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
@@ -99,72 +94,152 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
 #endif
 }
 
+// The four 8x8 bf16 matrices whose rows lanes 0-7, 8-15, 16-23 and 24-31
+// point at (`row`: this lane's row, 16-byte aligned, in shared memory): r[i]
+// holds matrix i's (row lane/4, columns 2·(lane%4), +1), or with `trans` its
+// (rows 2·(lane%4), +1, column lane/4).
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* row) {
+#ifdef STRATA_EMULATE
+    emu_ldmatrix_x4(r, row, false);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+#endif
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* row) {
+#ifdef STRATA_EMULATE
+    emu_ldmatrix_x4(r, row, true);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+#endif
+}
+
 // Block tiles: 64 queries (4 warps of 16) by 32 keys.
 #define BQ 64
 #define BK 32
+// Q's 16-column chunks held in registers (the first 128 columns).
+#define QREG 8
 
-// VT: output n-tiles of 8 columns. Grid (query tiles, heads), 128 threads.
-// tiles[i] = (segment, first query of the tile within it). Dynamic shared
-// memory: (BQ·dp + BK·dp + BK·8·VT) bf16 values, dp = hd rounded up to 16.
+// Copies a tile of `BK` bf16 rows of `w` columns (a multiple of 8; row j at
+// src + j·stride) into shared rows of `ld` values, in 16-byte pieces; rows
+// past `valid` are zero-filled.
+__device__ __forceinline__ void load_tile(u16* dst, int ld, const u16* src, u64 stride, int w, int valid) {
+    int pieces = w >> 3;  // 8 values of 2 bytes
+    for (int i = threadIdx.x; i < BK * pieces; i += blockDim.x) {
+        int r = i / pieces, c = (i - r * pieces) << 3;
+        bool in = r < valid;
+        cp_async16(dst + r * ld + c, src + (in ? (u64)r * stride + c : 0), in);
+    }
+}
+
+// VT: output n-tiles of 8 columns (N = 8·VT). Grid (query tiles, heads),
+// 128 threads. tiles[i] = (segment, first query of the tile within it).
+// Dynamic shared memory (`attention_bf16_smem` in backend.rs): Q [BQ][dp+8],
+// K 2×[BK][dp+8], V 2×[BK][vp+8] bf16, dp and vp the head dims rounded up to 16.
 template <int VT>
-__device__ void attention_bf16(const float* q, int q_stride, const Seg* segs, const int* tiles, int heads,
+__device__ __forceinline__ void attention_bf16(const float* q, int q_stride, const Seg* segs, const int* tiles, int heads,
                                int kv_heads, int hd, int vd, int window, float scale, float* out) {
     extern __shared__ u16 smem[];
-    const int dp = (hd + 15) & ~15, vdp = 8 * VT;
-    u16* sq = smem;            // [BQ][dp]
-    u16* sk = sq + BQ * dp;    // [BK][dp]
-    u16* sv = sk + BK * dp;    // [BK][vdp]
+    const int dp = (hd + 15) & ~15, vp = (vd + 15) & ~15, ldk = dp + 8, ldv = vp + 8;
+    const int kc = dp >> 4, vt = vp >> 3;  // Q/K 16-column chunks, V 8-column tiles
+    u16* sq = smem;                // [BQ][ldk]
+    u16* sk = sq + BQ * ldk;       // [2][BK][ldk]
+    u16* sv = sk + 2 * BK * ldk;   // [2][BK][ldv]
     Seg sg = segs[tiles[2 * blockIdx.x]];
     int qi0 = tiles[2 * blockIdx.x + 1];
     int nq = min(BQ, sg.q_len - qi0);
     int h = blockIdx.y, g = h / (heads / kv_heads);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
-    for (int i = threadIdx.x; i < BQ * dp; i += blockDim.x) {
-        int r = i / dp, c = i % dp;
-        float v = (r < nq && c < hd) ? q[(u64)(sg.q_row0 + qi0 + r) * q_stride + (u64)h * hd + c] : 0.0f;
-        sq[i] = f32_to_bf16(v);
-    }
     int p_first = sg.pos0 + qi0, p_last = p_first + nq - 1;
     int lo = window > 0 ? max(0, p_first - window + 1) : 0;
-    int ra = warp * 16 + gid;               // this thread's rows ra and ra + 8
+    int k_begin = (lo / BK) * BK;
+    const u16* kb = (const u16*)sg.k + (u64)g * dp;
+    const u16* vb = (const u16*)sg.v + (u64)g * vp;
+    // The first key tile starts on its way before Q is converted.
+    load_tile(sk, ldk, kb + (u64)k_begin * sg.k_stride, sg.k_stride, dp, p_last + 1 - k_begin);
+    load_tile(sv, ldv, vb + (u64)k_begin * sg.v_stride, sg.v_stride, vp, p_last + 1 - k_begin);
+    cp_async_commit();
+    for (int i = threadIdx.x; i < BQ * (dp >> 1); i += blockDim.x) {
+        int r = i / (dp >> 1), c = (i - r * (dp >> 1)) << 1;
+        const float* qr = q + (u64)(sg.q_row0 + qi0 + r) * q_stride + (u64)h * hd + c;
+        bool row = r < nq;
+        float a = row && c < hd ? qr[0] : 0.0f, b = row && c + 1 < hd ? qr[1] : 0.0f;
+        *(u32*)(sq + r * ldk + c) = pack_bf16(a, b);
+    }
+    __syncthreads();
+    // This lane's row address for ldmatrix: A (Q) fragments take rows
+    // (lane & 15) at column 8·(lane >> 4); B (K, V) fragments rows
+    // (lane & 7) + 8·(lane >> 4) at column 8·((lane >> 3) & 1) for K, and
+    // rows (lane & 15) at column 8·(lane >> 4) for V (transposed).
+    const int a_row = lane & 15, a_col = (lane >> 4) << 3;
+    const int kb_row = (lane & 7) + ((lane >> 4) << 3), kb_col = ((lane >> 3) & 1) << 3;
+    const u16* qa = sq + (warp * 16 + a_row) * ldk + a_col;
+    u32 qf[QREG][4];
+#pragma unroll
+    for (int c = 0; c < QREG; c++)
+        if (c < kc) ldmatrix_x4(qf[c], qa + 16 * c);
+    const float scale2 = scale * 1.4426950408889634f;  // scores in base 2
+    int ra = warp * 16 + gid;                          // this thread's rows ra and ra + 8
     int pos[2] = {p_first + ra, p_first + ra + 8};
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     float o[VT][4];
+#pragma unroll
     for (int n = 0; n < VT; n++)
         for (int e = 0; e < 4; e++) o[n][e] = 0.0f;
-    const float* kb = (const float*)sg.k + (u64)g * hd;
-    const float* vb = (const float*)sg.v + (u64)g * vd;
-    for (int k0 = (lo / BK) * BK; k0 <= p_last; k0 += BK) {
-        __syncthreads();  // the previous tile is consumed (and sq written, the first time)
-        for (int i = threadIdx.x; i < BK * dp; i += blockDim.x) {
-            int r = i / dp, c = i % dp, j = k0 + r;
-            sk[i] = f32_to_bf16(j <= p_last && c < hd ? kb[(u64)j * sg.k_stride + c] : 0.0f);
+    int stage = 0;
+    for (int k0 = k_begin; k0 <= p_last; k0 += BK, stage ^= 1) {
+        // The next tile into the other stage (freed by the barrier at the
+        // end of the last iteration), then wait for this one.
+        int k1 = k0 + BK;
+        if (k1 <= p_last) {
+            load_tile(sk + (stage ^ 1) * BK * ldk, ldk, kb + (u64)k1 * sg.k_stride, sg.k_stride, dp, p_last + 1 - k1);
+            load_tile(sv + (stage ^ 1) * BK * ldv, ldv, vb + (u64)k1 * sg.v_stride, sg.v_stride, vp, p_last + 1 - k1);
         }
-        for (int i = threadIdx.x; i < BK * vdp; i += blockDim.x) {
-            int r = i / vdp, c = i % vdp, j = k0 + r;
-            sv[i] = f32_to_bf16(j <= p_last && c < vd ? vb[(u64)j * sg.v_stride + c] : 0.0f);
-        }
+        cp_async_commit();  // (an empty group when there is none: wait_group counts groups)
+        cp_async_wait_1();
         __syncthreads();
-        // s = q·kᵀ for 16 rows x 32 keys: four 16x8 tiles.
+        const u16* tk = sk + stage * BK * ldk;
+        const u16* tv = sv + stage * BK * ldv;
+        // s = q·kᵀ for 16 rows x 32 keys: four 16x8 tiles; one ldmatrix.x4
+        // gives two key tiles' fragments for 16 columns.
         float s[4][4];
+#pragma unroll
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) s[n][e] = 0.0f;
-        for (int kk = 0; kk < dp; kk += 16) {
-            const u16* qa = sq + ra * dp + kk + 2 * tig;
-            u32 a[4] = {ld_pair(qa), ld_pair(qa + 8 * dp), ld_pair(qa + 8), ld_pair(qa + 8 * dp + 8)};
-            for (int n = 0; n < 4; n++) {
-                const u16* kr = sk + (n * 8 + gid) * dp + kk + 2 * tig;
-                u32 b[2] = {ld_pair(kr), ld_pair(kr + 8)};
-                mma_bf16(s[n], a, b);
+#pragma unroll
+        for (int c = 0; c < QREG; c++) {
+            if (c < kc) {
+#pragma unroll
+                for (int np = 0; np < 2; np++) {
+                    u32 b[4];
+                    ldmatrix_x4(b, tk + (np * 16 + kb_row) * ldk + 16 * c + kb_col);
+                    mma_bf16(s[2 * np], qf[c], b);
+                    mma_bf16(s[2 * np + 1], qf[c], b + 2);
+                }
+            }
+        }
+        for (int c = QREG; c < kc; c++) {  // wider heads: the rest of Q from shared memory
+            u32 a[4];
+            ldmatrix_x4(a, qa + 16 * c);
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                u32 b[4];
+                ldmatrix_x4(b, tk + (np * 16 + kb_row) * ldk + 16 * c + kb_col);
+                mma_bf16(s[2 * np], a, b);
+                mma_bf16(s[2 * np + 1], a, b + 2);
             }
         }
         // Scale and mask, then the online softmax of each of the two rows.
         float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
                 int r = e >> 1, j = k0 + n * 8 + 2 * tig + (e & 1);
                 bool ok = j <= pos[r] && (window <= 0 || j > pos[r] - window);
-                s[n][e] = ok ? s[n][e] * scale : NEG_INF;
+                s[n][e] = ok ? s[n][e] * scale2 : NEG_INF;
                 mx[r] = fmaxf(mx[r], s[n][e]);
             }
         float alpha[2], base[2], sum[2] = {0.0f, 0.0f};
@@ -173,13 +248,14 @@ __device__ void attention_bf16(const float* q, int q_stride, const Seg* segs, co
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
             float mn = fmaxf(m[r], mx[r]);
             base[r] = mn == NEG_INF ? 0.0f : mn;
-            alpha[r] = m[r] == NEG_INF ? 0.0f : expf(m[r] - mn);
+            alpha[r] = m[r] == NEG_INF ? 0.0f : exp2f(m[r] - mn);
             m[r] = mn;
         }
+#pragma unroll
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
                 int r = e >> 1;
-                s[n][e] = s[n][e] == NEG_INF ? 0.0f : expf(s[n][e] - base[r]);
+                s[n][e] = s[n][e] == NEG_INF ? 0.0f : exp2f(s[n][e] - base[r]);
                 sum[r] += s[n][e];
             }
         for (int r = 0; r < 2; r++) {
@@ -187,37 +263,48 @@ __device__ void attention_bf16(const float* q, int q_stride, const Seg* segs, co
             sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
             l[r] = l[r] * alpha[r] + sum[r];
         }
+#pragma unroll
         for (int n = 0; n < VT; n++) {
             o[n][0] *= alpha[0];
             o[n][1] *= alpha[0];
             o[n][2] *= alpha[1];
             o[n][3] *= alpha[1];
         }
-        // o += p·v, 16 keys at a time: p's C fragments are the A fragment.
-        for (int kc = 0; kc < 2; kc++) {
-            u32 a[4] = {pack_bf16(s[2 * kc][0], s[2 * kc][1]), pack_bf16(s[2 * kc][2], s[2 * kc][3]),
-                        pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]), pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-            const u16* vr = sv + (kc * 16 + 2 * tig) * vdp + gid;
-            for (int n = 0; n < VT; n++) {
-                const u16* v0 = vr + n * 8;
-                u32 b[2] = {(u32)v0[0] | ((u32)v0[vdp] << 16), (u32)v0[8 * vdp] | ((u32)v0[9 * vdp] << 16)};
-                mma_bf16(o[n], a, b);
+        // o += p·v, 16 keys at a time: p's C fragments are the A fragment;
+        // one ldmatrix.x4.trans gives two value tiles' fragments.
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            u32 a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                        pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            const u16* vr = tv + (kk * 16 + a_row) * ldv + a_col;
+#pragma unroll
+            for (int n = 0; n < VT; n += 2) {
+                if (n < vt) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, vr + 8 * n);
+                    mma_bf16(o[n], a, b);
+                    mma_bf16(o[n + 1], a, b + 2);
+                }
             }
         }
+        __syncthreads();  // this stage is consumed: the next iteration may refill it
     }
+    // Unrolled, with constant indices, so `o` stays in registers.
+#pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = ra + 8 * r;
-        if (row >= nq) continue;
         float* dst = out + (u64)(sg.q_row0 + qi0 + row) * heads * vd + (u64)h * vd;
+#pragma unroll
         for (int n = 0; n < VT; n++)
+#pragma unroll
             for (int e = 0; e < 2; e++) {
                 int c = n * 8 + 2 * tig + e;
-                if (c < vd) dst[c] = o[n][2 * r + e] / l[r];
+                if (row < nq && c < vd) dst[c] = o[n][2 * r + e] / l[r];
             }
     }
 }
 
-// One entry point per value width (written out: the CPU emulation reads these signatures).
+// One entry point per value width (written out: build.rs reads these signatures).
 extern "C" __global__ void attention_bf16_v16(const float* q, int q_stride, const Seg* segs, const int* tiles,
                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
                                               float* out) {

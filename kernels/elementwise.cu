@@ -146,3 +146,17 @@ extern "C" __global__ void moe_combine_bf16(const u16* ye, const u32* slot, cons
         out[i] = acc;
     }
 }
+
+// attention's bf16 keys or values: out [rows, heads, wpad] bf16 = the heads
+// of width `width` at columns offset + h·width of x (row stride `stride`),
+// each padded with zeros to `wpad` (a multiple of 16; see `Seg` in
+// common.cuh). One block per row, indexed in 32 bits.
+extern "C" __global__ void pack_heads_bf16(const float* x, int stride, int offset, int heads, int width, int wpad,
+                                           u16* out) {
+    const float* row = x + (u64)blockIdx.x * stride + offset;
+    u16* dst = out + (u64)blockIdx.x * heads * wpad;
+    for (int i = threadIdx.x; i < heads * wpad; i += blockDim.x) {
+        int h = i / wpad, c = i - h * wpad;
+        dst[i] = c < width ? f32_to_bf16(row[h * width + c]) : (u16)0;
+    }
+}

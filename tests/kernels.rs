@@ -140,3 +140,84 @@ fn compiled_kernels_are_cached_by_source_arch_version_options_and_kind() {
     assert_eq!(nvrtc::compile_cached("norm", "sm_90", Some(dir.path()), ImageKind::Cubin).unwrap(), cubin);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "no temporary files left");
 }
+
+/// Each kernel is declared once (its signature in the `.cu` file); build.rs
+/// turns the declarations into the prototypes every source is compiled
+/// with. A definition that disagrees with them (here `rms_norm` with a float
+/// where the declaration has an int) is refused by NVRTC; the typed
+/// launchers make rustc refuse a launch that disagrees (`tests/ui_cuda`),
+/// and the emulation's g++ the same definition (`tests/kernels_emulated.rs`).
+#[test]
+fn a_definition_that_disagrees_with_its_declaration_does_not_compile() {
+    if !nvrtc_or_skip("a_definition_that_disagrees_with_its_declaration_does_not_compile") {
+        return;
+    }
+    use strata::backend::cuda::kernels;
+    let good = nvrtc::source("norm").unwrap();
+    assert!(good.contains(kernels::PROTOTYPES), "the prototypes are not pasted into the source");
+    for name in kernels::NAMES {
+        assert!(kernels::PROTOTYPES.contains(&format!(" void {name}(")), "{name} has no prototype");
+    }
+    let decl = "extern \"C\" __global__ void rms_norm(const float* x, int stride,";
+    assert!(good.contains(decl), "rms_norm's definition moved: update this test");
+    // The definition (the last occurrence; the first is the generated prototype).
+    let at = good.rfind(decl).unwrap();
+    let bad = format!("{}{}{}", &good[..at], decl.replace("int stride", "float stride"), &good[at + decl.len()..]);
+    assert!(nvrtc::compile_text("norm", &good, "sm_90", nvrtc::ImageKind::Ptx).is_ok());
+    let err = nvrtc::compile_text("norm", &bad, "sm_90", nvrtc::ImageKind::Ptx).expect_err("a mismatch compiled");
+    assert!(err.to_string().contains("rms_norm"), "{err}");
+}
+
+/// One entry point's PTX: from its `.entry` line to its closing brace.
+fn ptx_of<'a>(ptx: &'a str, entry: &str) -> &'a str {
+    let at = ptx.find(&format!(".entry {entry}(")).unwrap_or_else(|| panic!("no entry {entry}"));
+    let body = &ptx[at..];
+    &body[..body.find("\n}\n").expect("an entry ends with a closing brace")]
+}
+
+/// How many instructions of `body` start with `op` (`ld.shared`, `mma.sync`, …).
+fn count(body: &str, op: &str) -> usize {
+    body.lines().filter(|l| l.trim_start().starts_with(op)).count()
+}
+
+/// The tensor-core attention reads shared memory only through `ldmatrix`
+/// (no scalar `ld.shared`: the 8-way conflicts of the u32 fragment loads
+/// and the 4-way ones of V's u16 loads are gone), fills it with `cp.async`,
+/// and keeps Q in registers. The counts are of the compiled PTX; the model
+/// below them (docs/ARCHITECTURE.md, "The attention kernel") turns them
+/// into shared-memory wavefronts and MMAs per key tile.
+#[test]
+fn the_bf16_attention_kernel_reads_shared_memory_only_through_ldmatrix() {
+    if !nvrtc_or_skip("the_bf16_attention_kernel_reads_shared_memory_only_through_ldmatrix") {
+        return;
+    }
+    let ptx = nvrtc::compile("attention", "sm_90").unwrap();
+    for n in [16, 32, 64, 128, 256] {
+        let body = ptx_of(&ptx, &format!("attention_bf16_v{n}"));
+        let ld_shared = count(body, "ld.shared");
+        let ldmatrix = count(body, "ldmatrix.sync.aligned.m8n8.x4.shared.b16");
+        let trans = count(body, "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16");
+        let cp_async = count(body, "cp.async.cg.shared.global");
+        let mma = count(body, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32");
+        let ex2 = count(body, "ex2.approx");
+        let local = count(body, "ld.local") + count(body, "st.local");
+        eprintln!(
+            "attention_bf16_v{n}: ld.shared {ld_shared}, ldmatrix {ldmatrix} (+{trans} .trans), cp.async {cp_async}, \
+             mma {mma}, ex2 {ex2}, local {local}"
+        );
+        assert_eq!(ld_shared, 0, "attention_bf16_v{n}: scalar shared-memory loads");
+        assert!(cp_async > 0, "attention_bf16_v{n}: tiles not copied by cp.async");
+        // The unrolled loops, at least once each: Q's 8 register chunks
+        // (loaded once) and K's 2 loads for each of them; V's n/16 pairs of
+        // value tiles for each of the key tile's 2 halves.
+        let vt = n / 8;
+        assert!(ldmatrix >= 8 + 2 * 8, "attention_bf16_v{n}: Q or K loop not unrolled ({ldmatrix} ldmatrix)");
+        assert!(trans >= vt, "attention_bf16_v{n}: V loop not unrolled ({trans} ldmatrix.trans)");
+        assert!(mma >= 4 * 8 + 2 * vt, "attention_bf16_v{n}: {mma} mma");
+        // Only the scores' 16 and the 2 rows' rescales per key tile, no
+        // precise expf's extra steps (an expf is ex2.approx plus range work).
+        assert!(ex2 <= 2 * 18, "attention_bf16_v{n}: {ex2} ex2");
+        // o, the scores and Q's fragments stay in registers (no stack).
+        assert_eq!(local, 0, "attention_bf16_v{n}: an array went to local memory");
+    }
+}

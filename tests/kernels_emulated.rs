@@ -10,7 +10,8 @@
 
 mod cuda_emu;
 
-use cuda_emu::{gxx_or_skip, lib};
+use cuda_emu::{emulation_source, gxx_accepts, gxx_or_skip, lib};
+use strata::backend::cuda::backend::{attention_bf16_smem, pad16};
 use strata::backend::{AttnShape, Backend, HeadSpan, KvCache, KvStore, Reference, Router, Tensor};
 use strata::hf::moe::{Scoring, TopkMethod};
 use strata::hf::quant::{QuantKind, QuantRows};
@@ -402,8 +403,12 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
         batch(&[(b2, Segment { key: 1, pos0: b1, keep: false })]),
     ];
     let mut cache = KvCache::default();
-    // The kernel's cache of sample 1: its keys and values so far, [positions, kv heads·dim].
+    // The kernel's cache of sample 1: its keys and values so far, per
+    // position: [kv heads·dim] f32, or for the bf16 kernel [kv heads, dim
+    // padded to 16] bf16 (common.cuh's `Seg`).
     let (mut cache_k, mut cache_v) = (Vec::<f32>::new(), Vec::<f32>::new());
+    let (mut cache_k16, mut cache_v16) = (Vec::<u16>::new(), Vec::<u16>::new());
+    let (dp, vp) = (pad16(hd), pad16(vd));
     for (step, b) in steps.iter().enumerate() {
         let t = b.num_tokens();
         // q, k, v as column blocks of one [T, width] buffer, as a fused qkv projection gives them.
@@ -411,25 +416,47 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
         let width = qw + kw + vw + 3;
         let qkv = values(t * width, 20 + step as u64);
         let qkv = if bf16_kernel { qkv } else { qkv.iter().map(|v| v * 2.0).collect() };
-        let buf = Tensor::<Reference>::from_host(&r, &qkv, t, width).unwrap();
         let mut want = Tensor::<Reference>::zeros(&r, t, nh * vd);
         // The reference sees the bf16-rounded inputs the tensor cores see.
         let rounded: Vec<f32> = if bf16_kernel { qkv.iter().map(|&v| bf16(v)).collect() } else { qkv.clone() };
         let rbuf = Tensor::<Reference>::from_host(&r, &rounded, t, width).unwrap();
         cache.begin(b).unwrap();
         r.attention(rbuf.cols(0, qw), rbuf.cols(qw, kw), rbuf.cols(qw + kw, vw), shape, b, &mut cache, 0, &mut want);
-        let _ = buf;
+        // Rows `rows` of the heads at column `at` (width `w` each), as bf16 padded to `wp`.
+        let packed = |rows: std::ops::Range<usize>, at: usize, w: usize, wp: usize| -> Vec<u16> {
+            let mut out = Vec::new();
+            for row in rows {
+                for h in 0..nkv {
+                    let head = &qkv[row * width + at + h * w..][..w];
+                    out.extend(head.iter().map(|&x| half::bf16::from_f32(x).to_bits()));
+                    out.resize(out.len() + wp - w, 0);
+                }
+            }
+            out
+        };
+        let (step_k16, step_v16) = (packed(0..t, qw, hd, dp), packed(0..t, qw + kw, vd, vp));
         let mut segs = Vec::new();
         for (s, g) in b.segments().iter().enumerate() {
             let rows = b.range(s);
-            let (k, v, ks, vs) = if g.uses_cache() {
-                for row in rows.clone() {
-                    cache_k.extend_from_slice(&qkv[row * width + qw..][..kw]);
-                    cache_v.extend_from_slice(&qkv[row * width + qw + kw..][..vw]);
+            let (k, v, ks, vs) = match (g.uses_cache(), bf16_kernel) {
+                (true, false) => {
+                    for row in rows.clone() {
+                        cache_k.extend_from_slice(&qkv[row * width + qw..][..kw]);
+                        cache_v.extend_from_slice(&qkv[row * width + qw + kw..][..vw]);
+                    }
+                    (p(&cache_k), p(&cache_v), kw, vw)
                 }
-                (p(&cache_k), p(&cache_v), kw, vw)
-            } else {
-                (p(&qkv[rows.start * width + qw..]), p(&qkv[rows.start * width + qw + kw..]), width, width)
+                (true, true) => {
+                    cache_k16.extend(packed(rows.clone(), qw, hd, dp));
+                    cache_v16.extend(packed(rows.clone(), qw + kw, vd, vp));
+                    (p(&cache_k16), p(&cache_v16), nkv * dp, nkv * vp)
+                }
+                (false, false) => {
+                    (p(&qkv[rows.start * width + qw..]), p(&qkv[rows.start * width + qw + kw..]), width, width)
+                }
+                (false, true) => {
+                    (p(&step_k16[rows.start * nkv * dp..]), p(&step_v16[rows.start * nkv * vp..]), nkv * dp, nkv * vp)
+                }
             };
             segs.push(Seg {
                 k: k as u64,
@@ -455,7 +482,8 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
                 .collect();
             let f: F = unsafe { std::mem::transmute(l.sym(&format!("attention_bf16_v{n}"))) };
             let tp = p(&tiles);
-            l.launch(((tiles.len() / 2) as u32, nh as u32), 128, || unsafe {
+            let smem = attention_bf16_smem(hd, vd);
+            l.launch_smem(((tiles.len() / 2) as u32, nh as u32), 128, smem, || unsafe {
                 f(qp, width as i32, sp, tp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, op)
             });
             // Scores and probabilities are rounded to bf16 by the tensor-core path only.
@@ -485,4 +513,21 @@ fn attention_kernels_match_the_reference_over_packed_chunked_segments() {
         attention_case(false, shape);
         attention_case(true, shape);
     }
+}
+
+/// The emulation compiles each kernel against the prototypes build.rs
+/// generated from the kernels' declarations, as NVRTC does: g++ refuses a
+/// definition that disagrees with its declaration.
+#[test]
+fn gxx_refuses_a_definition_that_disagrees_with_its_declaration() {
+    if !gxx_or_skip("gxx_refuses_a_definition_that_disagrees_with_its_declaration") {
+        return;
+    }
+    let good = strata::backend::cuda::nvrtc::source("norm").unwrap();
+    let decl = "extern \"C\" __global__ void rms_norm(const float* x, int stride,";
+    let at = good.rfind(decl).expect("rms_norm's definition moved: update this test");
+    let bad = format!("{}{}{}", &good[..at], decl.replace("int stride", "float stride"), &good[at + decl.len()..]);
+    gxx_accepts(&emulation_source("norm", &good)).unwrap();
+    let err = gxx_accepts(&emulation_source("norm", &bad)).expect_err("g++ took a definition that disagrees");
+    assert!(err.contains("rms_norm"), "{err}");
 }

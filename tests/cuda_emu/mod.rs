@@ -10,7 +10,7 @@ use std::ffi::{c_void, CString};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use strata::backend::cuda::device::{grouped_takes, Arg, DevPtr, Device, Gemm, GemmPath, GemmType, Launch};
-use strata::backend::cuda::{nvrtc, CudaError};
+use strata::backend::cuda::{kernels, nvrtc, CudaError};
 use strata::parallel::AbortableBarrier;
 
 const SHIM: &str = include_str!("shim.h");
@@ -34,25 +34,32 @@ pub fn gxx_or_skip(test: &str) -> bool {
     ok
 }
 
-/// `emu_call_NAME(void** params)` for every `extern "C" __global__` function
-/// of `src`, reading each parameter from its slot as cuLaunchKernel would.
-fn call_wrappers(src: &str) -> String {
-    let sig = regex::Regex::new(r#"extern "C" __global__ void (\w+)\(([^)]*)\)"#).unwrap();
-    let mut out = String::new();
-    for c in sig.captures_iter(src) {
-        let (name, params) = (&c[1], &c[2]);
-        let types: Vec<String> = params
-            .split(',')
-            .map(|p| {
-                let p = p.trim();
-                let cut = p.rfind(|ch: char| !(ch.is_alphanumeric() || ch == '_')).unwrap();
-                p[..=cut].trim().to_string()
-            })
-            .collect();
-        let args: Vec<String> = types.iter().enumerate().map(|(i, t)| format!("*({t}*)p[{i}]")).collect();
-        out += &format!("extern \"C\" void emu_call_{name}(void** p) {{ {name}({}); }}\n", args.join(", "));
+/// What g++ compiles for kernel file `name` of source `src` (as
+/// `nvrtc::source` gives it): the shim, the source with dynamic shared
+/// memory as the shim's buffer, and the entries build.rs generated from the
+/// kernels' declarations.
+pub fn emulation_source(name: &str, src: &str) -> String {
+    let dynamic = regex::Regex::new(r"extern __shared__ (\w+) (\w+)\[\];").unwrap();
+    let src = dynamic.replace_all(src, "$1* $2 = ($1*)emu_smem;");
+    let entries = kernels::EMULATOR_ENTRIES.iter().find(|(f, _)| *f == name).map_or("", |e| e.1);
+    format!("{SHIM}\n#line 1 \"{name}.cu\"\n{src}\n{entries}")
+}
+
+/// Whether g++ accepts `text` (an [`emulation_source`]); its errors if not.
+pub fn gxx_accepts(text: &str) -> Result<(), String> {
+    let dir = tempfile::tempdir().unwrap();
+    let cpp = dir.path().join("check.cpp");
+    std::fs::write(&cpp, text).unwrap();
+    let out = std::process::Command::new("g++")
+        .args(["-std=c++20", "-fsyntax-only", "-DSTRATA_EMULATE", "-w"])
+        .arg(&cpp)
+        .output()
+        .unwrap();
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
     }
-    out
 }
 
 /// Kernel file `name` compiled with g++ after the shim, loaded once per process.
@@ -62,14 +69,10 @@ pub fn lib(name: &str) -> &'static Lib {
     if let Some(l) = libs.get(name) {
         return l;
     }
-    let src = nvrtc::source(name).unwrap();
-    // Dynamic shared memory becomes the shim's static buffer.
-    let dynamic = regex::Regex::new(r"extern __shared__ (\w+) (\w+)\[\];").unwrap();
-    let src = dynamic.replace_all(&src, "$1* $2 = ($1*)emu_smem;");
     let dir = std::env::temp_dir().join(format!("strata-emu-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (cpp, so) = (dir.join(format!("{name}.cpp")), dir.join(format!("{name}.so")));
-    std::fs::write(&cpp, format!("{SHIM}\n#line 1 \"{name}.cu\"\n{src}\n{}", call_wrappers(&src))).unwrap();
+    std::fs::write(&cpp, emulation_source(name, &nvrtc::source(name).unwrap())).unwrap();
     let out = std::process::Command::new("g++")
         .args(["-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-DSTRATA_EMULATE", "-w", "-o"])
         .arg(&so)
@@ -102,11 +105,17 @@ impl Lib {
 
     /// Runs `call` as every thread of a `grid` of `block`-thread blocks.
     pub fn launch<F: Fn() + Sync>(&self, grid: (u32, u32), block: u32, call: F) {
+        self.launch_smem(grid, block, 256 << 10, call)
+    }
+
+    /// [`Lib::launch`] with `smem` bytes of dynamic shared memory (NaN-filled
+    /// before each block, so a read of a byte no thread wrote shows).
+    pub fn launch_smem<F: Fn() + Sync>(&self, grid: (u32, u32), block: u32, smem: u32, call: F) {
         extern "C" fn tramp<F: Fn()>(p: *mut *mut c_void) {
             // SAFETY: `p` is the `&F` passed below, alive for the whole run.
             unsafe { (*(p as *const F))() }
         }
-        self.run(grid, block, tramp::<F>, &call as *const F as *mut *mut c_void, 256 << 10);
+        self.run(grid, block, tramp::<F>, &call as *const F as *mut *mut c_void, smem);
     }
 
     /// Runs `call(params)` as every thread of the grid (the shim's `emu_run`).

@@ -16,6 +16,9 @@
 //   shows only if the order it leaves to chance matters here;
 // - warp shuffles exchange values through memory between two warp barriers,
 //   so all 32 lanes must reach them (as the kernels' convergent code does);
+// - ldmatrix exchanges row addresses like a shuffle; cp.async copies wait
+//   in a per-thread queue and land at the cp.async.wait_group that covers
+//   them, not when issued;
 // - mma.sync is computed element by element from the PTX ISA's fragment
 //   layout for m16n8k16 bf16 (f32 products summed in k order; a tensor core
 //   may round its internal sums differently);
@@ -160,6 +163,58 @@ inline void emu_mma_bf16(float* c, const uint32_t* a, const uint32_t* b) {
     __syncwarp();
 }
 
+// ldmatrix.x4 for one warp: lane l passes the address of row l % 8 of matrix
+// l / 8; r[i] gets matrix i's (row lane/4, columns 2·(lane%4), +1), or with
+// `trans` its (rows 2·(lane%4), +1, column lane/4) (PTX ISA, "ldmatrix").
+static const void* emu_xptr[1024];
+inline void emu_ldmatrix_x4(uint32_t* r, const void* row, bool trans) {
+    unsigned t = threadIdx.x, w = t >> 5, lane = t & 31;
+    emu_xptr[t] = row;
+    __syncwarp();
+    for (int i = 0; i < 4; i++) {
+        uint16_t e[2];
+        for (int h = 0; h < 2; h++) {
+            unsigned src_row = trans ? 2 * (lane & 3) + h : lane >> 2;
+            unsigned col = trans ? lane >> 2 : 2 * (lane & 3) + h;
+            memcpy(&e[h], (const unsigned char*)emu_xptr[(w << 5) | (i * 8 + src_row)] + 2 * col, 2);
+        }
+        r[i] = (uint32_t)e[0] | ((uint32_t)e[1] << 16);
+    }
+    __syncwarp();
+}
+
+// cp.async: each thread's copies wait in its queue, by group, and land only
+// when a wait_group lets them (so reading a tile before its wait shows).
+struct emu_copy {
+    void* dst;
+    const void* src;
+    int bytes;
+    int group;
+};
+static const int EMU_COPIES = 128;
+static emu_copy emu_copies[1024][EMU_COPIES];
+static int emu_ncopies[1024], emu_group[1024];
+inline void emu_cp_async16(void* dst, const void* src, int bytes) {
+    unsigned t = threadIdx.x;
+    if (emu_ncopies[t] >= EMU_COPIES) abort();  // more in flight than the emulation holds
+    emu_copies[t][emu_ncopies[t]++] = {dst, src, bytes, emu_group[t]};
+}
+inline void emu_cp_async_commit() { emu_group[threadIdx.x]++; }
+inline void emu_cp_async_wait(int newest_pending) {
+    unsigned t = threadIdx.x;
+    int keep = 0;
+    for (int i = 0; i < emu_ncopies[t]; i++) {
+        emu_copy c = emu_copies[t][i];
+        if (c.group < emu_group[t] - newest_pending) {
+            memset(c.dst, 0, 16);
+            if (c.bytes) memcpy(c.dst, c.src, c.bytes);
+        } else {
+            emu_copies[t][keep++] = c;
+        }
+    }
+    emu_ncopies[t] = keep;
+}
+
 // The launcher's side (called from Rust): runs `grid` blocks of `threads`
 // coroutines, each calling `call(params)`.
 static void (*emu_call)(void**);
@@ -201,6 +256,8 @@ extern "C" void emu_run(unsigned gx, unsigned gy, unsigned threads, void (*call)
                 for (int r = 0; r < 6; r++) *--sp = nullptr;
                 emu_sp[t] = sp;
                 emu_done[t] = false;
+                emu_ncopies[t] = 0;  // copies a thread never waited for do not outlive its block
+                emu_group[t] = 0;
             }
             // Round-robin until every thread has returned; each runs until it
             // waits at a barrier (yields) or returns.

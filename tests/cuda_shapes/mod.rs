@@ -6,7 +6,9 @@
 //! whose tiles need more than 48 KiB of shared memory).
 #![allow(dead_code)] // each test file uses part of it
 
-use strata::backend::cuda::device::{Arg, Device, Launch};
+use strata::backend::cuda::backend::{attention_bf16_kernel, attention_bf16_smem, pad16, AttentionLaunch};
+use strata::backend::cuda::device::{Device, Launch};
+use strata::backend::cuda::kernels as launch;
 
 /// (key head dim, value head dim) of the real models above, and 64.
 pub const HEAD_DIMS: [(usize, usize); 4] = [(64, 64), (128, 128), (192, 128), (256, 256)];
@@ -40,43 +42,45 @@ pub fn bf16_against_f32<D: Device>(dev: &D, hd: usize, vd: usize) -> (f32, f32) 
         m
     };
     let (qm, km, vm) = (put(bytemuck::cast_slice(&q)), put(bytemuck::cast_slice(&k)), put(bytemuck::cast_slice(&v)));
-    // attention.cu's `Seg`: k, v (u64), then k_stride, v_stride, q_row0, q_len, pos0, kv_len (i32).
-    let mut seg = Vec::new();
-    seg.extend_from_slice(&dev.ptr(&km).to_le_bytes());
-    seg.extend_from_slice(&dev.ptr(&vm).to_le_bytes());
-    for x in [hd, vd, 0, T, 0, T] {
-        seg.extend_from_slice(&(x as i32).to_le_bytes());
-    }
-    let segm = put(&seg);
+    // The bf16 kernels read keys and values as bf16, each head padded to 16 columns (common.cuh's `Seg`).
+    let to_bf16 = |x: &[f32], w: usize| -> Vec<u16> {
+        x.chunks(w)
+            .flat_map(|row| {
+                let mut r: Vec<u16> = row.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                r.resize(pad16(w), 0);
+                r
+            })
+            .collect()
+    };
+    let (k16, v16) = (put(bytemuck::cast_slice(&to_bf16(&k, hd))), put(bytemuck::cast_slice(&to_bf16(&v, vd))));
+    // common.cuh's `Seg`: k, v (u64), then k_stride, v_stride, q_row0, q_len, pos0, kv_len (i32).
+    let seg = |k: u64, v: u64, ks: usize, vs: usize| {
+        let mut seg = Vec::new();
+        seg.extend_from_slice(&k.to_le_bytes());
+        seg.extend_from_slice(&v.to_le_bytes());
+        for x in [ks, vs, 0, T, 0, T] {
+            seg.extend_from_slice(&(x as i32).to_le_bytes());
+        }
+        put(&seg)
+    };
+    let seg32 = seg(dev.ptr(&km), dev.ptr(&vm), hd, vd);
+    let seg16 = seg(dev.ptr(&k16), dev.ptr(&v16), pad16(hd), pad16(vd));
     let seg_of = put(bytemuck::cast_slice(&[0u32; T]));
     let tiles = put(bytemuck::cast_slice(&[0i32, 0, 0, 64]));
     let scale = 1.0 / (hd as f32).sqrt();
-    let run = |name: &str, table: u64, cfg: Launch| {
+    let run = |name: &str, kernel: AttentionLaunch<D>, segs: &D::Mem, table: u64, cfg: Launch| {
         let out = dev.alloc(T * HEADS * vd * 4).unwrap();
-        let args = [
-            Arg::Ptr(dev.ptr(&qm)),
-            Arg::int(HEADS * hd),
-            Arg::Ptr(dev.ptr(&segm)),
-            Arg::Ptr(table),
-            Arg::int(HEADS),
-            Arg::int(1),
-            Arg::int(hd),
-            Arg::int(vd),
-            Arg::I32(0),
-            Arg::F32(scale),
-            Arg::Ptr(dev.ptr(&out)),
-        ];
-        dev.launch(name, cfg, &args).unwrap_or_else(|e| panic!("{name} at {hd}/{vd}: {e}"));
+        let (q, qs, segs, o) = (dev.ptr(&qm), (HEADS * hd) as i32, dev.ptr(segs), dev.ptr(&out));
+        kernel(dev, cfg, q, qs, segs, table, HEADS as i32, 1, hd as i32, vd as i32, 0, scale, o)
+            .unwrap_or_else(|e| panic!("{name} at {hd}/{vd}: {e}"));
         let mut host = vec![0f32; T * HEADS * vd];
         dev.download(dev.ptr(&out), bytemuck::cast_slice_mut(&mut host)).unwrap();
         host
     };
-    let exact = run("attention_f32", dev.ptr(&seg_of), Launch { grid: (T as u32, 1), block: 128, smem: 0 });
-    let n = [16, 32, 64, 128, 256].into_iter().find(|&n| n >= vd).unwrap();
-    let dp = hd.div_ceil(16) * 16;
-    let smem = ((64 * dp + 32 * dp + 32 * n) * 2) as u32;
-    let tc =
-        run(&format!("attention_bf16_v{n}"), dev.ptr(&tiles), Launch { grid: (2, HEADS as u32), block: 128, smem });
+    let cfg = Launch { grid: (T as u32, 1), block: 128, smem: 0 };
+    let exact = run("attention_f32", launch::attention_f32, &seg32, dev.ptr(&seg_of), cfg);
+    let cfg = Launch { grid: (2, HEADS as u32), block: 128, smem: attention_bf16_smem(hd, vd) };
+    let tc = run("attention_bf16", attention_bf16_kernel(vd), &seg16, dev.ptr(&tiles), cfg);
     assert!(tc.iter().chain(&exact).all(|x| x.is_finite()), "{hd}/{vd}: a value was not written (NaN)");
     let worst = exact.iter().zip(&tc).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     (worst, exact.iter().fold(0.0f32, |m, x| m.max(x.abs())))

@@ -14,8 +14,9 @@
 //!   `ShapeError` naming the axis; every launch first checks that each buffer
 //!   holds what the kernel will touch.
 
-use super::device::{Arg, DevPtr, Device, Gemm, GemmType, Launch};
+use super::device::{DevPtr, Device, Gemm, GemmType, Launch};
 use super::driver::Driver;
+use super::kernels as launch;
 use super::CudaError;
 use crate::backend::{
     check, AttnShape, Backend, BackendError, Cols, ComputeDtype, GatedLinear, HeadSpan, KvStore, LinearInfo, Parallel,
@@ -151,7 +152,8 @@ pub struct Routes<D: Device> {
     top_k: usize,
 }
 
-/// Keys and values of one layer of one sample: `[capacity positions, width]` f32.
+/// Keys and values of one layer of one sample: `[capacity positions, width]`, f32 (f32 compute) or
+/// bf16 heads padded to 16 columns (bf16 compute: what `attention_bf16_vN` reads, half the bytes).
 struct LayerKv<D: Device> {
     k: Bytes<D>,
     v: Bytes<D>,
@@ -201,6 +203,8 @@ struct Scratch<D: Device> {
     /// Small tables uploaded per op (ids, positions, segments, tiles).
     table: Bytes<D>,
     table2: Bytes<D>,
+    /// bf16 attention: this step's keys and values, `[tokens, kv heads, dp]` and `[tokens, kv heads, vp]`.
+    kv: [Bytes<D>; 2],
     /// MoE: router scratch, grouped rows in and out, gate/up, activation, shared output.
     moe: [Bytes<D>; 6],
 }
@@ -238,6 +242,12 @@ fn copy_parallel(pairs: Vec<(&[u8], &mut [u8])>) {
             scope.spawn(move || chunk.iter_mut().for_each(|(s, d)| d.copy_from_slice(s)));
         }
     });
+}
+
+/// A kernel's `int` parameter from a size the caller knows fits (kernel
+/// sizes are checked against `i32::MAX` where buffers are made).
+fn int(v: usize) -> i32 {
+    i32::try_from(v).expect("kernel size parameter fits an int")
 }
 
 const ELEMENTWISE_BLOCK: u32 = 256;
@@ -356,6 +366,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 partial: e(),
                 table: e(),
                 table2: e(),
+                kv: [e(), e()],
                 moe: [e(), e(), e(), e(), e(), e()],
             });
         }
@@ -464,8 +475,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         let s = s.as_mut().expect("scratch made");
         let xin = if bf16_inputs {
             self.ensure(&mut s.xb, rows * inp * 2)?;
-            let args = [Arg::Ptr(x), Arg::int(rows), Arg::int(inp), Arg::I32(0), Arg::int(inp), Arg::Ptr(s.xb.ptr)];
-            self.dev.launch("to_bf16", elementwise(rows * inp), &args)?;
+            launch::to_bf16(&*self.dev, elementwise(rows * inp), x, int(rows), int(inp), 0, int(inp), s.xb.ptr)?;
             (s.xb.ptr, GemmType::Bf16)
         } else {
             (x, GemmType::F32)
@@ -490,23 +500,15 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             Weight::Bf16(b) => (b.ptr, GemmType::Bf16),
             Weight::Quant { kind, codes, scales, colseg, segments } => {
                 let ty = if bf16_inputs { GemmType::Bf16 } else { GemmType::F32 };
-                let name = match (kind, ty) {
-                    (QuantKind::Fp8, GemmType::Bf16) => "dequant_fp8_bf16",
-                    (QuantKind::Fp8, GemmType::F32) => "dequant_fp8_f32",
-                    (_, GemmType::Bf16) => "dequant_int4_bf16",
-                    (_, GemmType::F32) => "dequant_int4_f32",
+                let dequant = match (kind, ty) {
+                    (QuantKind::Fp8, GemmType::Bf16) => launch::dequant_fp8_bf16,
+                    (QuantKind::Fp8, GemmType::F32) => launch::dequant_fp8_f32,
+                    (_, GemmType::Bf16) => launch::dequant_int4_bf16,
+                    (_, GemmType::F32) => launch::dequant_int4_f32,
                 };
                 let (out, inp) = (l.rows, l.cols);
-                let args = [
-                    Arg::Ptr(codes.ptr),
-                    Arg::Ptr(scales.ptr),
-                    Arg::Ptr(colseg.ptr),
-                    Arg::int(out),
-                    Arg::int(inp),
-                    Arg::int(*segments),
-                    Arg::Ptr(dst),
-                ];
-                self.dev.launch(name, elementwise(out * inp), &args)?;
+                let cfg = elementwise(out * inp);
+                dequant(&*self.dev, cfg, codes.ptr, scales.ptr, colseg.ptr, int(out), int(inp), int(*segments), dst)?;
                 (dst, ty)
             }
         })
@@ -596,17 +598,15 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     };
                     if let Some(b) = bias {
                         let (off, n) = (starts[e] - r0, starts[e + 1] - starts[e]);
-                        let name = if bf16 { "add_bias_bf16" } else { "add_bias" };
-                        let args = [Arg::Ptr(y + (off * out * es) as u64), Arg::Ptr(b.ptr), Arg::int(n), Arg::int(out)];
-                        self.dev.launch(name, elementwise(n * out), &args)?;
+                        let add = if bf16 { launch::add_bias_bf16 } else { launch::add_bias };
+                        add(&*self.dev, elementwise(n * out), y + (off * out * es) as u64, b.ptr, int(n), int(out))?;
                     }
                 }
                 Ok(())
             };
             project(false, xe + (r0 * h * es) as u64, h, gu, 2 * inter)?;
-            let swiglu = if bf16 { "swiglu_bf16" } else { "swiglu" };
-            let args = [Arg::Ptr(gu), Arg::int(rows), Arg::int(inter), Arg::Ptr(act)];
-            self.dev.launch(swiglu, elementwise(rows * inter), &args)?;
+            let swiglu = if bf16 { launch::swiglu_bf16 } else { launch::swiglu };
+            swiglu(&*self.dev, elementwise(rows * inter), gu, int(rows), int(inter), act)?;
             project(true, act, inter, ye + (r0 * h_out * es) as u64, h_out)?;
         }
         Ok(())
@@ -618,8 +618,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
     }
 
     fn add_bias(&self, y: DevPtr, b: &Bytes<D>, rows: usize, width: usize) -> Result<(), CudaError> {
-        let args = [Arg::Ptr(y), Arg::Ptr(b.ptr), Arg::int(rows), Arg::int(width)];
-        self.dev.launch("add_bias", elementwise(rows * width), &args)
+        launch::add_bias(&*self.dev, elementwise(rows * width), y, b.ptr, int(rows), int(width))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -634,14 +633,42 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         layer: usize,
         out: &mut Tensor<Self>,
     ) -> Result<(), CudaError> {
-        let (kw, vw) = (s.kv_heads * s.head_dim, s.kv_heads * s.v_dim);
         if s.head_dim > 256 || s.v_dim > 256 {
             return Err(CudaError::Kernel {
                 name: "attention".into(),
                 log: format!("head dims {}/{} exceed the kernels' 256", s.head_dim, s.v_dim),
             });
         }
-        // One 40-byte `Seg` per segment (attention.cu), little-endian.
+        let bf16 = C::COMPUTE == crate::backend::Compute::Bf16;
+        // Keys and values as the kernel reads them, per position: f32 heads
+        // as the projection wrote them, or (bf16) each head rounded and
+        // padded to 16 columns; widths in values, and their bytes.
+        let (kw, vw, es) = if bf16 {
+            (s.kv_heads * pad16(s.head_dim), s.kv_heads * pad16(s.v_dim), 2)
+        } else {
+            (s.kv_heads * s.head_dim, s.kv_heads * s.v_dim, 4)
+        };
+        let t = batch.num_tokens();
+        // bf16: this step's keys and values, every row, converted once.
+        let packed = if bf16 {
+            let (kb, vb) = {
+                let mut sc = self.scratch()?;
+                let sc = sc.as_mut().expect("scratch made");
+                self.ensure(&mut sc.kv[0], t * kw * 2)?;
+                self.ensure(&mut sc.kv[1], t * vw * 2)?;
+                (sc.kv[0].ptr, sc.kv[1].ptr)
+            };
+            for (src, dst, width) in [(&k, kb, s.head_dim), (&v, vb, s.v_dim)] {
+                let cfg = Launch { grid: (t as u32, 1), block: 128, smem: 0 };
+                let (x, stride, offset) = (src.storage.ptr, int(src.stride), int(src.offset));
+                let (heads, wpad) = (int(s.kv_heads), int(pad16(width)));
+                launch::pack_heads_bf16(&*self.dev, cfg, x, stride, offset, heads, int(width), wpad, dst)?;
+            }
+            Some((kb, vb))
+        } else {
+            None
+        };
+        // One 40-byte `Seg` per segment (common.cuh), little-endian.
         let mut segs = Vec::with_capacity(batch.num_samples() * 40);
         for (i, seg) in batch.segments().iter().enumerate() {
             let rows = batch.range(i);
@@ -657,27 +684,38 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     let cap = (2 * need).max(64);
                     let mut fresh =
                         LayerKv { k: Bytes { mem: None, ptr: 0, len: 0 }, v: Bytes { mem: None, ptr: 0, len: 0 }, cap };
-                    self.ensure(&mut fresh.k, cap * kw * 4)?;
-                    self.ensure(&mut fresh.v, cap * vw * 4)?;
+                    self.ensure(&mut fresh.k, cap * kw * es)?;
+                    self.ensure(&mut fresh.v, cap * vw * es)?;
                     if let Some(old) = slot.as_ref() {
-                        self.dev.copy(fresh.k.ptr, old.k.ptr, seg.pos0 * kw * 4)?;
-                        self.dev.copy(fresh.v.ptr, old.v.ptr, seg.pos0 * vw * 4)?;
+                        self.dev.copy(fresh.k.ptr, old.k.ptr, seg.pos0 * kw * es)?;
+                        self.dev.copy(fresh.v.ptr, old.v.ptr, seg.pos0 * vw * es)?;
                     }
                     *slot = Some(fresh);
                 }
                 let l = slot.as_ref().expect("made above");
-                for (src, dst, w) in [(&k, &l.k, kw), (&v, &l.v, vw)] {
-                    let args = [
-                        Arg::Ptr(src.storage.at(rows.start * src.stride)),
-                        Arg::int(rows.len()),
-                        Arg::int(src.stride),
-                        Arg::int(src.offset),
-                        Arg::int(w),
-                        Arg::Ptr(dst.ptr + (seg.pos0 * w * 4) as u64),
-                    ];
-                    self.dev.launch("pack_cols", elementwise(rows.len() * w), &args)?;
+                if let Some((kb, vb)) = packed {
+                    // The step's packed rows are already in the cache's layout.
+                    for (src, dst, w) in [(kb, &l.k, kw), (vb, &l.v, vw)] {
+                        let at = |pos: usize| (pos * w * es) as u64;
+                        self.dev.copy(dst.ptr + at(seg.pos0), src + at(rows.start), rows.len() * w * es)?;
+                    }
+                } else {
+                    for (src, dst, w) in [(&k, &l.k, kw), (&v, &l.v, vw)] {
+                        launch::pack_cols(
+                            &*self.dev,
+                            elementwise(rows.len() * w),
+                            src.storage.at(rows.start * src.stride),
+                            int(rows.len()),
+                            int(src.stride),
+                            int(src.offset),
+                            int(w),
+                            dst.ptr + (seg.pos0 * w * es) as u64,
+                        )?;
+                    }
                 }
                 (l.k.ptr, l.v.ptr, kw, vw)
+            } else if let Some((kb, vb)) = packed {
+                (kb + (rows.start * kw * es) as u64, vb + (rows.start * vw * es) as u64, kw, vw)
             } else {
                 (
                     k.storage.at(rows.start * k.stride + k.offset),
@@ -693,42 +731,57 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             }
         }
         let segs = self.upload_table(0, &segs)?;
-        let t = batch.num_tokens();
         let window = s.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-        let common = |table: DevPtr| {
-            [
-                Arg::Ptr(q.storage.at(q.offset)),
-                Arg::int(q.stride),
-                Arg::Ptr(segs),
-                Arg::Ptr(table),
-                Arg::int(s.heads),
-                Arg::int(s.kv_heads),
-                Arg::int(s.head_dim),
-                Arg::int(s.v_dim),
-                Arg::I32(window),
-                Arg::F32(s.scale),
-                Arg::Ptr(out.storage().ptr),
-            ]
-        };
-        if C::COMPUTE == crate::backend::Compute::F32 {
+        let (qp, qs, op) = (q.storage.at(q.offset), int(q.stride), out.storage().ptr);
+        let (heads, kvh, hd, vd) = (int(s.heads), int(s.kv_heads), int(s.head_dim), int(s.v_dim));
+        if !bf16 {
             let seg_of: Vec<u32> =
                 (0..batch.num_samples()).flat_map(|i| batch.range(i).map(move |_| i as u32)).collect();
             let table = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
             let cfg = Launch { grid: (t as u32, s.heads.div_ceil(4) as u32), block: 128, smem: 0 };
-            self.dev.launch("attention_f32", cfg, &common(table))
+            launch::attention_f32(&*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, s.scale, op)
         } else {
-            let n = [16, 32, 64, 128, 256].into_iter().find(|&n| n >= s.v_dim).expect("v_dim checked above");
             let tiles: Vec<i32> = (0..batch.num_samples())
                 .flat_map(|i| (0..batch.range(i).len()).step_by(64).flat_map(move |q0| [i as i32, q0 as i32]))
                 .collect();
             let table = self.upload_table(1, bytemuck::cast_slice(&tiles))?;
-            let dp = s.head_dim.div_ceil(16) * 16;
-            let smem = ((64 * dp + 32 * dp + 32 * n) * 2) as u32;
+            let smem = attention_bf16_smem(s.head_dim, s.v_dim);
             let cfg = Launch { grid: ((tiles.len() / 2) as u32, s.heads as u32), block: 128, smem };
-            self.dev.launch(&format!("attention_bf16_v{n}"), cfg, &common(table))
+            attention_bf16_kernel(s.v_dim)(
+                &*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, s.scale, op,
+            )
         }
     }
 }
+
+/// A head dim rounded up to 16: the width of each head of the bf16 keys and
+/// values `attention_bf16_vN` reads (zero-padded).
+pub fn pad16(dim: usize) -> usize {
+    dim.div_ceil(16) * 16
+}
+
+/// The `attention_bf16_vN` for value head dim `v_dim` (at most 256): the
+/// narrowest N that holds it.
+pub fn attention_bf16_kernel<D: Device>(v_dim: usize) -> AttentionLaunch<D> {
+    match v_dim {
+        0..=16 => launch::attention_bf16_v16,
+        17..=32 => launch::attention_bf16_v32,
+        33..=64 => launch::attention_bf16_v64,
+        65..=128 => launch::attention_bf16_v128,
+        _ => launch::attention_bf16_v256,
+    }
+}
+
+/// Dynamic shared memory of `attention_bf16_vN` at head dims `(hd, vd)`:
+/// Q [64][dp+8], K 2×[32][dp+8] and V 2×[32][vp+8] bf16 (attention.cu).
+pub fn attention_bf16_smem(hd: usize, vd: usize) -> u32 {
+    let (ldk, ldv) = (pad16(hd) + 8, pad16(vd) + 8);
+    ((64 * ldk + 2 * 32 * ldk + 2 * 32 * ldv) * 2) as u32
+}
+
+/// The launcher of one `attention_bf16_vN` (they share a signature).
+pub type AttentionLaunch<D> =
+    fn(&D, Launch, DevPtr, i32, DevPtr, DevPtr, i32, i32, i32, i32, i32, f32, DevPtr) -> Result<(), CudaError>;
 
 impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     type Compute = C;
@@ -833,20 +886,14 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 return Err(CudaError::Shape(ShapeError::new("embed", "token id", table.vocab, bad as usize + 1)));
             }
             let ids = self.upload_table(0, bytemuck::cast_slice(batch.token_ids()))?;
-            let name = match table.dtype {
-                DType::BF16 => "embed_bf16",
-                DType::F16 => "embed_f16",
-                _ => "embed_f32",
+            let embed = match table.dtype {
+                DType::BF16 => launch::embed_bf16,
+                DType::F16 => launch::embed_f16,
+                _ => launch::embed_f32,
             };
             let t = batch.num_tokens();
-            let args = [
-                Arg::Ptr(table.table.ptr),
-                Arg::Ptr(ids),
-                Arg::int(t),
-                Arg::int(table.hidden),
-                Arg::Ptr(out.storage().ptr),
-            ];
-            self.dev.launch(name, elementwise(t * table.hidden), &args)
+            let cfg = elementwise(t * table.hidden);
+            embed(&*self.dev, cfg, table.table.ptr, ids, int(t), int(table.hidden), out.storage().ptr)
         });
     }
 
@@ -854,32 +901,18 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         check::rms_norm(&x, w.0.len / 4, (out.rows(), out.width().size()));
         self.run(|| {
             Self::holds("rms_norm input", x.rows * x.stride, x.storage.len)?;
-            let args = [
-                Arg::Ptr(x.storage.ptr),
-                Arg::int(x.stride),
-                Arg::int(x.offset),
-                Arg::int(x.width),
-                Arg::Ptr(w.0.ptr),
-                Arg::F32(eps),
-                Arg::Ptr(out.storage().ptr),
-            ];
-            self.dev.launch("rms_norm", Launch { grid: (x.rows as u32, 1), block: 256, smem: 0 }, &args)
+            let cfg = Launch { grid: (x.rows as u32, 1), block: 256, smem: 0 };
+            let (stride, offset, width) = (int(x.stride), int(x.offset), int(x.width));
+            launch::rms_norm(&*self.dev, cfg, x.storage.ptr, stride, offset, width, w.0.ptr, eps, out.storage().ptr)
         });
     }
 
     fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vector<D>, eps: f32) {
         check::rms_norm_heads(x, heads, w.0.len / 4);
-        let args = [
-            Arg::Ptr(x.storage().ptr),
-            Arg::int(x.width()),
-            Arg::int(heads.offset),
-            Arg::int(heads.stride),
-            Arg::int(heads.width),
-            Arg::Ptr(w.0.ptr),
-            Arg::F32(eps),
-        ];
         let cfg = Launch { grid: (x.rows() as u32, heads.count as u32), block: 64, smem: 0 };
-        self.run(|| self.dev.launch("rms_norm_heads", cfg, &args));
+        let (ptr, width) = (x.storage().ptr, int(x.width()));
+        let (offset, stride, hw) = (int(heads.offset), int(heads.stride), int(heads.width));
+        self.run(|| launch::rms_norm_heads(&*self.dev, cfg, ptr, width, offset, stride, hw, w.0.ptr, eps));
     }
 
     fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> RopeTable<D> {
@@ -914,53 +947,47 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 block: 128,
                 smem: (chunk * 2 * table.half * 4) as u32,
             };
-            let args = [
-                Arg::Ptr(x.storage().ptr),
-                Arg::int(x.width()),
-                Arg::int(heads.offset),
-                Arg::int(heads.count),
-                Arg::int(heads.stride),
-                Arg::int(table.half),
-                Arg::I32(interleave as i32),
-                Arg::Ptr(table.cos.ptr),
-                Arg::Ptr(table.sin.ptr),
-                Arg::Ptr(pos),
-                Arg::int(chunk),
-            ];
-            self.dev.launch("rope", cfg, &args)
+            let (ptr, width) = (x.storage().ptr, int(x.width()));
+            let (offset, count, stride) = (int(heads.offset), int(heads.count), int(heads.stride));
+            let (cos, sin, half) = (table.cos.ptr, table.sin.ptr, int(table.half));
+            launch::rope(
+                &*self.dev,
+                cfg,
+                ptr,
+                width,
+                offset,
+                count,
+                stride,
+                half,
+                interleave as i32,
+                cos,
+                sin,
+                pos,
+                int(chunk),
+            )
         });
     }
 
     fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         check::swiglu(gate_up, out);
         let (rows, inter) = (out.rows(), out.width());
-        let args = [Arg::Ptr(gate_up.storage().ptr), Arg::int(rows), Arg::int(inter), Arg::Ptr(out.storage().ptr)];
-        self.run(|| self.dev.launch("swiglu", elementwise(rows * inter), &args));
+        let (gu, o) = (gate_up.storage().ptr, out.storage().ptr);
+        self.run(|| launch::swiglu(&*self.dev, elementwise(rows * inter), gu, int(rows), int(inter), o));
     }
 
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
         check::add(x, y);
-        let args = [Arg::Ptr(x.storage().ptr), Arg::Ptr(y.storage().ptr), Arg::U64(x.len() as u64)];
-        self.run(|| self.dev.launch("add", elementwise(x.len()), &args));
+        let (xp, yp, n) = (x.storage().ptr, y.storage().ptr, x.len());
+        self.run(|| launch::add(&*self.dev, elementwise(n), xp, yp, n as u64));
     }
 
     fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
         check::copy_heads(src, from, dst, to);
-        let args = [
-            Arg::Ptr(src.storage().ptr),
-            Arg::int(src.width()),
-            Arg::int(from.offset),
-            Arg::int(from.stride),
-            Arg::Ptr(dst.storage().ptr),
-            Arg::int(dst.width()),
-            Arg::int(to.offset),
-            Arg::int(to.stride),
-            Arg::int(src.rows()),
-            Arg::int(to.count),
-            Arg::int(to.width),
-        ];
         let n = src.rows() * to.count * to.width;
-        self.run(|| self.dev.launch("copy_heads", elementwise(n), &args));
+        let (s, sw, d, dw) = (src.storage().ptr, int(src.width()), dst.storage().ptr, int(dst.width()));
+        let (fo, fs, to_o, ts) = (int(from.offset), int(from.stride), int(to.offset), int(to.stride));
+        let (rows, count, width) = (int(src.rows()), int(to.count), int(to.width));
+        self.run(|| launch::copy_heads(&*self.dev, elementwise(n), s, sw, fo, fs, d, dw, to_o, ts, rows, count, width));
     }
 
     fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear<D>, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
@@ -997,9 +1024,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             });
             self.join_all_reduce(partial, rows * l.rows);
             let bias = l.post_bias.as_ref().map_or(0, |b| b.ptr);
-            let args =
-                [Arg::Ptr(residual.storage().ptr), Arg::Ptr(partial), Arg::Ptr(bias), Arg::int(rows), Arg::int(l.rows)];
-            self.run(|| self.dev.launch("add_bias_residual", elementwise(rows * l.rows), &args));
+            let (res, cfg) = (residual.storage().ptr, elementwise(rows * l.rows));
+            self.run(|| launch::add_bias_residual(&*self.dev, cfg, res, partial, bias, int(rows), int(l.rows)));
             return;
         }
         self.run(|| {
@@ -1058,31 +1084,34 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 self.ensure(&mut s.table2, t * r.top_k * 4)?;
                 (s.moe[0].ptr, s.moe[0].ptr + (t * e * 4) as u64, s.table2.ptr)
             };
-            let args = [
-                Arg::Ptr(logits.storage().ptr),
-                Arg::Ptr(correction.map_or(0, |c| c.0.ptr)),
-                Arg::int(t),
-                Arg::int(e),
-                Arg::I32(match r.scoring {
-                    Scoring::Softmax => 0,
-                    Scoring::Sigmoid => 1,
-                }),
-                Arg::I32(match r.topk_method {
-                    TopkMethod::Greedy => 0,
-                    TopkMethod::GroupLimitedGreedy => 1,
-                    TopkMethod::NoauxTc => 2,
-                }),
-                Arg::int(r.top_k),
-                Arg::int(r.n_group),
-                Arg::int(r.topk_group),
-                Arg::I32(r.norm_topk_prob as i32),
-                Arg::F32(r.routed_scaling_factor),
-                Arg::Ptr(scores),
-                Arg::Ptr(choice),
-                Arg::Ptr(ids),
-                Arg::Ptr(routes.weights.ptr),
-            ];
-            self.dev.launch("moe_route", Launch { grid: (t.div_ceil(64) as u32, 1), block: 64, smem: 0 }, &args)?;
+            let scoring = match r.scoring {
+                Scoring::Softmax => 0,
+                Scoring::Sigmoid => 1,
+            };
+            let method = match r.topk_method {
+                TopkMethod::Greedy => 0,
+                TopkMethod::GroupLimitedGreedy => 1,
+                TopkMethod::NoauxTc => 2,
+            };
+            launch::moe_route(
+                &*self.dev,
+                Launch { grid: (t.div_ceil(64) as u32, 1), block: 64, smem: 0 },
+                logits.storage().ptr,
+                correction.map_or(0, |c| c.0.ptr),
+                int(t),
+                int(e),
+                scoring,
+                method,
+                int(r.top_k),
+                int(r.n_group),
+                int(r.topk_group),
+                r.norm_topk_prob as i32,
+                r.routed_scaling_factor,
+                scores,
+                choice,
+                ids,
+                routes.weights.ptr,
+            )?;
             // The host groups rows by expert: the ids come back (a small copy).
             self.dev.download(ids, bytemuck::cast_slice_mut(&mut routes.ids))
         });
@@ -1097,8 +1126,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         routes: &Routes<D>,
         out: &mut Tensor<Self, H>,
     ) {
-        let (t, h, k) = (x.rows(), x.width().size(), routes.top_k);
-        check::shape("moe_experts", "tokens", t * k, routes.ids.len());
+        let (t, h, top_k) = (x.rows(), x.width().size(), routes.top_k);
+        check::shape("moe_experts", "tokens", t * top_k, routes.ids.len());
         check::shape("moe_experts", "tokens", t, out.rows());
         self.run(|| {
             // Rows grouped by expert, tokens in order within each: src[r] is
@@ -1112,20 +1141,20 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 count[e + 1] += count[e];
             }
             let starts = count.clone();
-            let mut src = vec![0u32; t * k];
-            let mut slot = vec![0u32; t * k];
+            let mut src = vec![0u32; t * top_k];
+            let mut slot = vec![0u32; t * top_k];
             for (i, &e) in routes.ids.iter().enumerate() {
                 let row = count[e as usize];
                 count[e as usize] += 1;
-                src[row] = (i / k) as u32;
+                src[row] = (i / top_k) as u32;
                 slot[i] = row as u32;
             }
             let bf16 = experts.first().or(shared).is_some_and(|m| self.experts_bf16(m));
             let (xe, ye, sh, xs) = {
                 let mut s = self.scratch()?;
                 let s = s.as_mut().expect("scratch made");
-                self.ensure(&mut s.moe[1], t * k * h * 4)?;
-                self.ensure(&mut s.moe[2], t * k * h * 4)?;
+                self.ensure(&mut s.moe[1], t * top_k * h * 4)?;
+                self.ensure(&mut s.moe[2], t * top_k * h * 4)?;
                 self.ensure(&mut s.moe[5], t * h * 4)?;
                 if bf16 && shared.is_some() {
                     self.ensure(&mut s.xb, t * h * 2)?;
@@ -1133,16 +1162,13 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 (s.moe[1].ptr, s.moe[2].ptr, s.moe[5].ptr, s.xb.ptr)
             };
             let srcp = self.upload_table(0, bytemuck::cast_slice(&src))?;
-            let args = [Arg::Ptr(x.storage().ptr), Arg::Ptr(srcp), Arg::int(t * k), Arg::int(h), Arg::Ptr(xe)];
-            let gather = if bf16 { "gather_rows_bf16" } else { "gather_rows" };
-            self.dev.launch(gather, elementwise(t * k * h), &args)?;
+            let gather = if bf16 { launch::gather_rows_bf16 } else { launch::gather_rows };
+            gather(&*self.dev, elementwise(t * top_k * h), x.storage().ptr, srcp, int(t * top_k), int(h), xe)?;
             self.experts_grouped(experts, &starts, xe, ye)?;
             if let Some(m) = shared {
                 // The shared expert: one more expert, over every token.
                 let xin = if bf16 {
-                    let args =
-                        [Arg::Ptr(x.storage().ptr), Arg::int(t), Arg::int(h), Arg::I32(0), Arg::int(h), Arg::Ptr(xs)];
-                    self.dev.launch("to_bf16", elementwise(t * h), &args)?;
+                    launch::to_bf16(&*self.dev, elementwise(t * h), x.storage().ptr, int(t), int(h), 0, int(h), xs)?;
                     xs
                 } else {
                     x.storage().ptr
@@ -1150,17 +1176,9 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 self.experts_grouped(std::slice::from_ref(m), &[0, t], xin, sh)?;
             }
             let slotp = self.upload_table(1, bytemuck::cast_slice(&slot))?;
-            let args = [
-                Arg::Ptr(ye),
-                Arg::Ptr(slotp),
-                Arg::Ptr(routes.weights.ptr),
-                Arg::int(t),
-                Arg::int(k),
-                Arg::int(h),
-                Arg::Ptr(if shared.is_some() { sh } else { 0 }),
-                Arg::Ptr(out.storage().ptr),
-            ];
-            self.dev.launch(if bf16 { "moe_combine_bf16" } else { "moe_combine" }, elementwise(t * h), &args)
+            let combine = if bf16 { launch::moe_combine_bf16 } else { launch::moe_combine };
+            let (sh, o) = (if shared.is_some() { sh } else { 0 }, out.storage().ptr);
+            combine(&*self.dev, elementwise(t * h), ye, slotp, routes.weights.ptr, int(t), int(top_k), int(h), sh, o)
         });
         self.join_all_reduce(out.storage().ptr, t * h);
     }

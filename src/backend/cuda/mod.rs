@@ -5,6 +5,7 @@
 pub mod backend;
 pub mod device;
 pub mod driver;
+pub mod kernels;
 pub mod nvrtc;
 pub mod probe;
 
