@@ -49,6 +49,12 @@ __device__ __forceinline__ float fp8_e4m3_to_f32(u8 b) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
+// Element i of n in a grid-stride loop, in 32 bits: n < 2^31 (the backend
+// refuses more, see `elementwise` in backend.rs), so a row and column are a
+// 32-bit division, not a 64-bit one (tens of instructions per element).
+// Addresses are formed in 64 bits where a product can pass 2^32.
+#define GRID_STRIDE(i, n) for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < (u32)(n); i += gridDim.x * blockDim.x)
+
 // Sum over a warp; every lane gets the total (same order on every lane).
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

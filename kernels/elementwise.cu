@@ -1,49 +1,48 @@
 // elementwise.cu: the row-wise ops that need no reduction (embedding
 // gather, SwiGLU, residual adds, head copies, bias, dtype conversion, MoE
 // gather and combine). Each thread handles elements i = global id, id +
-// stride, ... so any grid covers any size.
+// stride, ... (32-bit indices: GRID_STRIDE in common.cuh), so any grid
+// covers any size.
 #include "common.cuh"
-
-#define GRID_STRIDE(i, n) for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
 // out[t][c] = table[ids[t]][c]: out [T, hidden] f32; table [vocab, hidden] as stored.
 extern "C" __global__ void embed_f32(const float* table, const u32* ids, int tokens, int hidden, float* out) {
-    GRID_STRIDE(i, (u64)tokens * hidden) {
-        u64 t = i / hidden, c = i % hidden;
+    GRID_STRIDE(i, (u32)tokens * hidden) {
+        u32 t = i / hidden, c = i - t * hidden;
         out[i] = table[(u64)ids[t] * hidden + c];
     }
 }
 extern "C" __global__ void embed_bf16(const u16* table, const u32* ids, int tokens, int hidden, float* out) {
-    GRID_STRIDE(i, (u64)tokens * hidden) {
-        u64 t = i / hidden, c = i % hidden;
+    GRID_STRIDE(i, (u32)tokens * hidden) {
+        u32 t = i / hidden, c = i - t * hidden;
         out[i] = bf16_to_f32(table[(u64)ids[t] * hidden + c]);
     }
 }
 extern "C" __global__ void embed_f16(const u16* table, const u32* ids, int tokens, int hidden, float* out) {
-    GRID_STRIDE(i, (u64)tokens * hidden) {
-        u64 t = i / hidden, c = i % hidden;
+    GRID_STRIDE(i, (u32)tokens * hidden) {
+        u32 t = i / hidden, c = i - t * hidden;
         out[i] = f16_to_f32(table[(u64)ids[t] * hidden + c]);
     }
 }
 
 // out [T, inter] = silu(gate) · up of gate_up [T, 2·inter] = [gate | up].
 extern "C" __global__ void swiglu(const float* gate_up, int rows, int inter, float* out) {
-    GRID_STRIDE(i, (u64)rows * inter) {
-        u64 t = i / inter, c = i % inter;
-        const float* gu = gate_up + t * 2 * inter;
+    GRID_STRIDE(i, (u32)rows * inter) {
+        u32 t = i / inter, c = i - t * inter;
+        const float* gu = gate_up + (u64)t * 2 * inter;
         out[i] = silu(gu[c]) * gu[inter + c];
     }
 }
 
 // x[i] += y[i] over n values.
-extern "C" __global__ void add(float* x, const float* y, u64 n) {
+extern "C" __global__ void add(float* x, const float* y, int n) {
     GRID_STRIDE(i, n) { x[i] += y[i]; }
 }
 
 // x [rows, width] += y [rows, width] + bias [width] (bias may be null): the
 // tail of a row-parallel linear layer, after its all-reduce.
 extern "C" __global__ void add_bias_residual(float* x, const float* y, const float* bias, int rows, int width) {
-    GRID_STRIDE(i, (u64)rows * width) {
+    GRID_STRIDE(i, (u32)rows * width) {
         float b = bias ? bias[i % width] : 0.0f;
         x[i] += y[i] + b;
     }
@@ -51,44 +50,44 @@ extern "C" __global__ void add_bias_residual(float* x, const float* y, const flo
 
 // y [rows, width] += bias [width].
 extern "C" __global__ void add_bias(float* y, const float* bias, int rows, int width) {
-    GRID_STRIDE(i, (u64)rows * width) { y[i] += bias[i % width]; }
+    GRID_STRIDE(i, (u32)rows * width) { y[i] += bias[i % width]; }
 }
 
 // dst[r][to + h·to_stride + c] = src[r][from + h·from_stride + c] for heads h < count, c < width.
 extern "C" __global__ void copy_heads(const float* src, int src_width, int from, int from_stride, float* dst,
                                       int dst_width, int to, int to_stride, int rows, int count, int width) {
-    GRID_STRIDE(i, (u64)rows * count * width) {
-        u64 c = i % width, h = (i / width) % count, r = i / ((u64)width * count);
-        dst[r * dst_width + to + h * to_stride + c] = src[r * src_width + from + h * from_stride + c];
+    GRID_STRIDE(i, (u32)rows * count * width) {
+        u32 q = i / width, c = i - q * width, r = q / count, h = q - r * count;
+        dst[(u64)r * dst_width + to + h * to_stride + c] = src[(u64)r * src_width + from + h * from_stride + c];
     }
 }
 
 // out [rows, width] bf16 bits = columns offset..offset+width of x (row stride
 // `stride`), rounded to nearest even: the A operand of a bf16 GEMM.
 extern "C" __global__ void to_bf16(const float* x, int rows, int stride, int offset, int width, u16* out) {
-    GRID_STRIDE(i, (u64)rows * width) {
-        u64 r = i / width, c = i % width;
-        out[i] = f32_to_bf16(x[r * stride + offset + c]);
+    GRID_STRIDE(i, (u32)rows * width) {
+        u32 r = i / width, c = i - r * width;
+        out[i] = f32_to_bf16(x[(u64)r * stride + offset + c]);
     }
 }
 
 // out [rows, width] = columns offset..offset+width of x (row stride `stride`): a block made contiguous.
 extern "C" __global__ void pack_cols(const float* x, int rows, int stride, int offset, int width, float* out) {
-    GRID_STRIDE(i, (u64)rows * width) {
-        u64 r = i / width, c = i % width;
-        out[i] = x[r * stride + offset + c];
+    GRID_STRIDE(i, (u32)rows * width) {
+        u32 r = i / width, c = i - r * width;
+        out[i] = x[(u64)r * stride + offset + c];
     }
 }
 
 // Widens bf16 bits to f32 (weights of an f32-compute layer held in bf16).
-extern "C" __global__ void bf16_to_f32_n(const u16* x, u64 n, float* out) {
+extern "C" __global__ void bf16_to_f32_n(const u16* x, int n, float* out) {
     GRID_STRIDE(i, n) { out[i] = bf16_to_f32(x[i]); }
 }
 
 // MoE: xe[r] = x[src[r]] for the rows an expert (or all experts, grouped) receives; [n, hidden].
 extern "C" __global__ void gather_rows(const float* x, const u32* src, int n, int hidden, float* xe) {
-    GRID_STRIDE(i, (u64)n * hidden) {
-        u64 r = i / hidden, c = i % hidden;
+    GRID_STRIDE(i, (u32)n * hidden) {
+        u32 r = i / hidden, c = i - r * hidden;
         xe[i] = x[(u64)src[r] * hidden + c];
     }
 }
@@ -97,8 +96,8 @@ extern "C" __global__ void gather_rows(const float* x, const u32* src, int n, in
 // the experts' rows of each token summed in a fixed order, no atomics.
 extern "C" __global__ void moe_combine(const float* ye, const u32* slot, const float* weight, int tokens, int top_k,
                                        int hidden, const float* shared, float* out) {
-    GRID_STRIDE(i, (u64)tokens * hidden) {
-        u64 t = i / hidden, c = i % hidden;
+    GRID_STRIDE(i, (u32)tokens * hidden) {
+        u32 t = i / hidden, c = i - t * hidden;
         float acc = 0.0f;
         for (int k = 0; k < top_k; k++) acc += weight[t * top_k + k] * ye[(u64)slot[t * top_k + k] * hidden + c];
         if (shared) acc += shared[i];
@@ -114,31 +113,31 @@ extern "C" __global__ void moe_combine(const float* ye, const u32* slot, const f
 
 // xe[r] = bf16(x[src[r]]): [n, hidden].
 extern "C" __global__ void gather_rows_bf16(const float* x, const u32* src, int n, int hidden, u16* xe) {
-    GRID_STRIDE(i, (u64)n * hidden) {
-        u64 r = i / hidden, c = i % hidden;
+    GRID_STRIDE(i, (u32)n * hidden) {
+        u32 r = i / hidden, c = i - r * hidden;
         xe[i] = f32_to_bf16(x[(u64)src[r] * hidden + c]);
     }
 }
 
 // out [T, inter] = bf16(silu(gate) · up), gate_up [T, 2·inter] bf16, the product in f32.
 extern "C" __global__ void swiglu_bf16(const u16* gate_up, int rows, int inter, u16* out) {
-    GRID_STRIDE(i, (u64)rows * inter) {
-        u64 t = i / inter, c = i % inter;
-        const u16* gu = gate_up + t * 2 * inter;
+    GRID_STRIDE(i, (u32)rows * inter) {
+        u32 t = i / inter, c = i - t * inter;
+        const u16* gu = gate_up + (u64)t * 2 * inter;
         out[i] = f32_to_bf16(silu(bf16_to_f32(gu[c])) * bf16_to_f32(gu[inter + c]));
     }
 }
 
 // y [rows, width] bf16 = bf16(y + bias [width]).
 extern "C" __global__ void add_bias_bf16(u16* y, const float* bias, int rows, int width) {
-    GRID_STRIDE(i, (u64)rows * width) { y[i] = f32_to_bf16(bf16_to_f32(y[i]) + bias[i % width]); }
+    GRID_STRIDE(i, (u32)rows * width) { y[i] = f32_to_bf16(bf16_to_f32(y[i]) + bias[i % width]); }
 }
 
 // moe_combine over bf16 rows: out[t] = Σ_k weight[t][k] · ye[slot[t][k]] (+ shared[t]), in f32, k in order.
 extern "C" __global__ void moe_combine_bf16(const u16* ye, const u32* slot, const float* weight, int tokens,
                                             int top_k, int hidden, const u16* shared, float* out) {
-    GRID_STRIDE(i, (u64)tokens * hidden) {
-        u64 t = i / hidden, c = i % hidden;
+    GRID_STRIDE(i, (u32)tokens * hidden) {
+        u32 t = i / hidden, c = i - t * hidden;
         float acc = 0.0f;
         for (int k = 0; k < top_k; k++)
             acc += weight[t * top_k + k] * bf16_to_f32(ye[(u64)slot[t * top_k + k] * hidden + c]);

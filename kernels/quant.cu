@@ -5,20 +5,18 @@
 // column c. The products are exact in f32, as on the host.
 #include "common.cuh"
 
-#define GRID_STRIDE(i, n) for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
-
 // FP8 E4M3 codes [rows, cols], one byte each.
 extern "C" __global__ void dequant_fp8_bf16(const u8* codes, const float* scales, const u32* colseg, int rows,
                                            int cols, int nseg, u16* out) {
-    GRID_STRIDE(i, (u64)rows * cols) {
-        u64 r = i / cols, c = i % cols;
+    GRID_STRIDE(i, (u32)rows * cols) {
+        u32 r = i / cols, c = i - r * cols;
         out[i] = f32_to_bf16(fp8_e4m3_to_f32(codes[i]) * scales[r * nseg + colseg[c]]);
     }
 }
 extern "C" __global__ void dequant_fp8_f32(const u8* codes, const float* scales, const u32* colseg, int rows,
                                           int cols, int nseg, float* out) {
-    GRID_STRIDE(i, (u64)rows * cols) {
-        u64 r = i / cols, c = i % cols;
+    GRID_STRIDE(i, (u32)rows * cols) {
+        u32 r = i / cols, c = i - r * cols;
         out[i] = fp8_e4m3_to_f32(codes[i]) * scales[r * nseg + colseg[c]];
     }
 }
@@ -31,15 +29,15 @@ __device__ __forceinline__ float int4_at(const u8* codes, int cols, u64 r, u64 c
 }
 extern "C" __global__ void dequant_int4_bf16(const u8* codes, const float* scales, const u32* colseg, int rows,
                                             int cols, int nseg, u16* out) {
-    GRID_STRIDE(i, (u64)rows * cols) {
-        u64 r = i / cols, c = i % cols;
+    GRID_STRIDE(i, (u32)rows * cols) {
+        u32 r = i / cols, c = i - r * cols;
         out[i] = f32_to_bf16(int4_at(codes, cols, r, c) * scales[r * nseg + colseg[c]]);
     }
 }
 extern "C" __global__ void dequant_int4_f32(const u8* codes, const float* scales, const u32* colseg, int rows,
                                            int cols, int nseg, float* out) {
-    GRID_STRIDE(i, (u64)rows * cols) {
-        u64 r = i / cols, c = i % cols;
+    GRID_STRIDE(i, (u32)rows * cols) {
+        u32 r = i / cols, c = i - r * cols;
         out[i] = int4_at(codes, cols, r, c) * scales[r * nseg + colseg[c]];
     }
 }

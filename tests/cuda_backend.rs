@@ -306,3 +306,32 @@ fn the_bf16_attention_kernel_matches_the_f32_one_at_real_head_dims() {
         assert!(worst <= 2e-2 * largest.max(0.1), "head dims {hd}/{vd}: the bf16 kernel is off by {worst:e}");
     }
 }
+
+/// The RoPE table is built once per frequency set and kept: a later step
+/// within its positions gets the same device table (no host rebuild, no
+/// upload); a longer step rebuilds it at least twice as long, with the same
+/// values at the earlier positions.
+#[test]
+fn the_rope_table_is_built_once_and_grown_geometrically() {
+    use strata::backend::cuda::device::Device;
+    use strata::backend::Backend;
+    use strata::hf::RopeFreqs;
+    let b = Emu::<F32>::new(Emulated::default(), vec![0]);
+    let freqs = RopeFreqs { inv_freq: vec![1.0, 0.1, 0.01], scale: 1.0 };
+    let first = b.rope_table(&freqs, 100);
+    let again = b.rope_table(&freqs, 60);
+    assert_eq!(first.cos_ptr(), again.cos_ptr(), "a shorter step rebuilt the table");
+    let longer = b.rope_table(&freqs, 150);
+    assert_ne!(longer.cos_ptr(), first.cos_ptr());
+    assert_eq!(longer.len(), 200, "grown to twice the old length");
+    let other = b.rope_table(&RopeFreqs { inv_freq: vec![1.0, 0.1, 0.02], scale: 1.0 }, 10);
+    assert_ne!(other.cos_ptr(), longer.cos_ptr(), "another frequency set shares a table");
+    assert_eq!(b.rope_table(&freqs, 200).cos_ptr(), longer.cos_ptr());
+    // The same values where the tables overlap.
+    let read = |t: &strata::backend::cuda::backend::RopeTable<Emulated>, n: usize| {
+        let mut v = vec![0f32; n * 3];
+        b.device().download(t.cos_ptr(), bytemuck::cast_slice_mut(&mut v)).unwrap();
+        v
+    };
+    assert_eq!(read(&first, 100), read(&longer, 100));
+}

@@ -221,3 +221,23 @@ fn the_bf16_attention_kernel_reads_shared_memory_only_through_ldmatrix() {
         assert_eq!(local, 0, "attention_bf16_v{n}: an array went to local memory");
     }
 }
+
+/// The element-wise kernels index in 32 bits (`GRID_STRIDE`, common.cuh):
+/// no 64-bit division or remainder, which the GPU has no instruction for
+/// (each is a call of tens of instructions), per element. The backend
+/// refuses an op of more than 2^31 values (`elementwise` in backend.rs).
+#[test]
+fn element_wise_kernels_divide_in_32_bits() {
+    if !nvrtc_or_skip("element_wise_kernels_divide_in_32_bits") {
+        return;
+    }
+    for file in ["elementwise", "quant"] {
+        let ptx = nvrtc::compile(file, "sm_90").unwrap();
+        for entry in nvrtc::entry_points(&ptx) {
+            let body = ptx_of(&ptx, &entry);
+            let wide = ["div.u64", "rem.u64", "div.s64", "rem.s64"].iter().map(|op| count(body, op)).sum::<usize>();
+            assert_eq!(wide, 0, "{file}.cu {entry}: 64-bit division in the element loop");
+            assert!(count(body, "div.u32") + count(body, "rem.u32") + count(body, "div.s32") <= 4, "{entry}");
+        }
+    }
+}

@@ -137,13 +137,32 @@ impl<D: Device> Resident for Embedding<D> {
     }
 }
 
-/// cos/sin `[positions, half]` (times the scale).
+/// cos/sin `[positions, half]` (times the scale), shared with the backend's
+/// cache of tables (built once per frequency set, not every step).
 pub struct RopeTable<D: Device> {
-    cos: Bytes<D>,
-    sin: Bytes<D>,
+    tables: Arc<(Bytes<D>, Bytes<D>)>,
     half: usize,
     len: usize,
 }
+
+impl<D: Device> RopeTable<D> {
+    /// Where its cos values lie on the device: the same step after step
+    /// while the cached table is long enough.
+    pub fn cos_ptr(&self) -> DevPtr {
+        self.tables.0.ptr
+    }
+    /// Positions it holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it holds no position.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// One cached RoPE table: its frequencies' bits and scale's, positions, and the tables.
+type CachedRope<D> = (Vec<u32>, u32, usize, Arc<(Bytes<D>, Bytes<D>)>);
 
 /// Each token's experts (on the host, to group rows by expert) and weights (on the device).
 pub struct Routes<D: Device> {
@@ -220,6 +239,8 @@ pub struct Cuda<C: ComputeDtype = F32, D: Device = Driver> {
     staged: Mutex<Vec<usize>>,
     /// Scratch bytes a chunk of experts may take (see `experts_grouped`).
     moe_scratch: usize,
+    /// RoPE tables built so far, one per frequency set (see `rope_table`).
+    ropes: Mutex<Vec<CachedRope<D>>>,
     _compute: PhantomData<C>,
 }
 
@@ -252,12 +273,21 @@ fn int(v: usize) -> i32 {
 
 const ELEMENTWISE_BLOCK: u32 = 256;
 
-fn elementwise(n: usize) -> Launch {
-    Launch {
+/// The launch of an element-wise kernel over `n` values. Its loop indexes
+/// in 32 bits (`GRID_STRIDE` in common.cuh), so more than 2^31 values in
+/// one op are refused here rather than wrapped there.
+fn elementwise(n: usize) -> Result<Launch, CudaError> {
+    if n > i32::MAX as usize {
+        return Err(CudaError::Kernel {
+            name: "element-wise".into(),
+            log: format!("{n} values in one op exceed the kernels' 2^31 (lower --max-batch-tokens)"),
+        });
+    }
+    Ok(Launch {
         grid: (n.div_ceil(ELEMENTWISE_BLOCK as usize).clamp(1, 65535) as u32, 1),
         block: ELEMENTWISE_BLOCK,
         smem: 0,
-    }
+    })
 }
 
 impl<C: ComputeDtype, D: Device> Cuda<C, D> {
@@ -270,6 +300,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             failed: Mutex::new(None),
             staged: Mutex::new(Vec::new()),
             moe_scratch: 1 << 30,
+            ropes: Mutex::new(Vec::new()),
             _compute: PhantomData,
         }
     }
@@ -475,7 +506,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         let s = s.as_mut().expect("scratch made");
         let xin = if bf16_inputs {
             self.ensure(&mut s.xb, rows * inp * 2)?;
-            launch::to_bf16(&*self.dev, elementwise(rows * inp), x, int(rows), int(inp), 0, int(inp), s.xb.ptr)?;
+            launch::to_bf16(&*self.dev, elementwise(rows * inp)?, x, int(rows), int(inp), 0, int(inp), s.xb.ptr)?;
             (s.xb.ptr, GemmType::Bf16)
         } else {
             (x, GemmType::F32)
@@ -507,7 +538,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     (_, GemmType::F32) => launch::dequant_int4_f32,
                 };
                 let (out, inp) = (l.rows, l.cols);
-                let cfg = elementwise(out * inp);
+                let cfg = elementwise(out * inp)?;
                 dequant(&*self.dev, cfg, codes.ptr, scales.ptr, colseg.ptr, int(out), int(inp), int(*segments), dst)?;
                 (dst, ty)
             }
@@ -599,14 +630,14 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     if let Some(b) = bias {
                         let (off, n) = (starts[e] - r0, starts[e + 1] - starts[e]);
                         let add = if bf16 { launch::add_bias_bf16 } else { launch::add_bias };
-                        add(&*self.dev, elementwise(n * out), y + (off * out * es) as u64, b.ptr, int(n), int(out))?;
+                        add(&*self.dev, elementwise(n * out)?, y + (off * out * es) as u64, b.ptr, int(n), int(out))?;
                     }
                 }
                 Ok(())
             };
             project(false, xe + (r0 * h * es) as u64, h, gu, 2 * inter)?;
             let swiglu = if bf16 { launch::swiglu_bf16 } else { launch::swiglu };
-            swiglu(&*self.dev, elementwise(rows * inter), gu, int(rows), int(inter), act)?;
+            swiglu(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), act)?;
             project(true, act, inter, ye + (r0 * h_out * es) as u64, h_out)?;
         }
         Ok(())
@@ -618,7 +649,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
     }
 
     fn add_bias(&self, y: DevPtr, b: &Bytes<D>, rows: usize, width: usize) -> Result<(), CudaError> {
-        launch::add_bias(&*self.dev, elementwise(rows * width), y, b.ptr, int(rows), int(width))
+        launch::add_bias(&*self.dev, elementwise(rows * width)?, y, b.ptr, int(rows), int(width))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -703,7 +734,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     for (src, dst, w) in [(&k, &l.k, kw), (&v, &l.v, vw)] {
                         launch::pack_cols(
                             &*self.dev,
-                            elementwise(rows.len() * w),
+                            elementwise(rows.len() * w)?,
                             src.storage.at(rows.start * src.stride),
                             int(rows.len()),
                             int(src.stride),
@@ -892,7 +923,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 _ => launch::embed_f32,
             };
             let t = batch.num_tokens();
-            let cfg = elementwise(t * table.hidden);
+            let cfg = elementwise(t * table.hidden)?;
             embed(&*self.dev, cfg, table.table.ptr, ids, int(t), int(table.hidden), out.storage().ptr)
         });
     }
@@ -916,8 +947,19 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     }
 
     fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> RopeTable<D> {
-        // The angle as HF forms it (an f32 product), as the CPU backend does.
         let half = freqs.inv_freq.len();
+        let key: Vec<u32> = freqs.inv_freq.iter().map(|f| f.to_bits()).collect();
+        let scale = freqs.scale.to_bits();
+        let mut ropes = self.ropes.lock().unwrap_or_else(|e| e.into_inner());
+        let at = ropes.iter().position(|r| r.0 == key && r.1 == scale);
+        if let Some(r) = at.map(|i| &ropes[i]).filter(|r| r.2 >= len) {
+            return RopeTable { tables: r.3.clone(), half, len: r.2 };
+        }
+        // Built on the host once, and again only when a step reaches past
+        // it, then twice as long: a position's values do not depend on the
+        // table's length. The angle as HF forms it (an f32 product), as the
+        // CPU backend does.
+        let len = at.map_or(len, |i| len.max(2 * ropes[i].2));
         let (mut cos, mut sin) = (vec![0f32; len * half], vec![0f32; len * half]);
         for p in 0..len {
             for (i, f) in freqs.inv_freq.iter().enumerate() {
@@ -926,7 +968,15 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 sin[p * half + i] = a.sin() * freqs.scale;
             }
         }
-        RopeTable { cos: self.f32s(&cos), sin: self.f32s(&sin), half, len }
+        let tables = Arc::new((self.f32s(&cos), self.f32s(&sin)));
+        if self.ok() {
+            // (A failed upload is not cached: the step fails with its error.)
+            if let Some(i) = at {
+                ropes.remove(i);
+            }
+            ropes.push((key, scale, len, tables.clone()));
+        }
+        RopeTable { tables, half, len }
     }
 
     fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable<D>, batch: &PackedBatch) {
@@ -949,7 +999,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             };
             let (ptr, width) = (x.storage().ptr, int(x.width()));
             let (offset, count, stride) = (int(heads.offset), int(heads.count), int(heads.stride));
-            let (cos, sin, half) = (table.cos.ptr, table.sin.ptr, int(table.half));
+            let (cos, sin, half) = (table.tables.0.ptr, table.tables.1.ptr, int(table.half));
             launch::rope(
                 &*self.dev,
                 cfg,
@@ -972,13 +1022,13 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         check::swiglu(gate_up, out);
         let (rows, inter) = (out.rows(), out.width());
         let (gu, o) = (gate_up.storage().ptr, out.storage().ptr);
-        self.run(|| launch::swiglu(&*self.dev, elementwise(rows * inter), gu, int(rows), int(inter), o));
+        self.run(|| launch::swiglu(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), o));
     }
 
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
         check::add(x, y);
         let (xp, yp, n) = (x.storage().ptr, y.storage().ptr, x.len());
-        self.run(|| launch::add(&*self.dev, elementwise(n), xp, yp, n as u64));
+        self.run(|| launch::add(&*self.dev, elementwise(n)?, xp, yp, int(n)));
     }
 
     fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
@@ -987,7 +1037,9 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         let (s, sw, d, dw) = (src.storage().ptr, int(src.width()), dst.storage().ptr, int(dst.width()));
         let (fo, fs, to_o, ts) = (int(from.offset), int(from.stride), int(to.offset), int(to.stride));
         let (rows, count, width) = (int(src.rows()), int(to.count), int(to.width));
-        self.run(|| launch::copy_heads(&*self.dev, elementwise(n), s, sw, fo, fs, d, dw, to_o, ts, rows, count, width));
+        self.run(|| {
+            launch::copy_heads(&*self.dev, elementwise(n)?, s, sw, fo, fs, d, dw, to_o, ts, rows, count, width)
+        });
     }
 
     fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear<D>, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
@@ -1024,8 +1076,11 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             });
             self.join_all_reduce(partial, rows * l.rows);
             let bias = l.post_bias.as_ref().map_or(0, |b| b.ptr);
-            let (res, cfg) = (residual.storage().ptr, elementwise(rows * l.rows));
-            self.run(|| launch::add_bias_residual(&*self.dev, cfg, res, partial, bias, int(rows), int(l.rows)));
+            let res = residual.storage().ptr;
+            self.run(|| {
+                let cfg = elementwise(rows * l.rows)?;
+                launch::add_bias_residual(&*self.dev, cfg, res, partial, bias, int(rows), int(l.rows))
+            });
             return;
         }
         self.run(|| {
@@ -1163,12 +1218,12 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             };
             let srcp = self.upload_table(0, bytemuck::cast_slice(&src))?;
             let gather = if bf16 { launch::gather_rows_bf16 } else { launch::gather_rows };
-            gather(&*self.dev, elementwise(t * top_k * h), x.storage().ptr, srcp, int(t * top_k), int(h), xe)?;
+            gather(&*self.dev, elementwise(t * top_k * h)?, x.storage().ptr, srcp, int(t * top_k), int(h), xe)?;
             self.experts_grouped(experts, &starts, xe, ye)?;
             if let Some(m) = shared {
                 // The shared expert: one more expert, over every token.
                 let xin = if bf16 {
-                    launch::to_bf16(&*self.dev, elementwise(t * h), x.storage().ptr, int(t), int(h), 0, int(h), xs)?;
+                    launch::to_bf16(&*self.dev, elementwise(t * h)?, x.storage().ptr, int(t), int(h), 0, int(h), xs)?;
                     xs
                 } else {
                     x.storage().ptr
@@ -1178,7 +1233,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             let slotp = self.upload_table(1, bytemuck::cast_slice(&slot))?;
             let combine = if bf16 { launch::moe_combine_bf16 } else { launch::moe_combine };
             let (sh, o) = (if shared.is_some() { sh } else { 0 }, out.storage().ptr);
-            combine(&*self.dev, elementwise(t * h), ye, slotp, routes.weights.ptr, int(t), int(top_k), int(h), sh, o)
+            combine(&*self.dev, elementwise(t * h)?, ye, slotp, routes.weights.ptr, int(t), int(top_k), int(h), sh, o)
         });
         self.join_all_reduce(out.storage().ptr, t * h);
     }

@@ -145,6 +145,19 @@ enum Staged {
     Owned(Vec<u8>),
 }
 
+/// The capacity of a new staging buffer for `bytes`: the next rung of a
+/// ladder of quarter steps between powers of two (2ⁿ × 1, 1.25, 1.5, 1.75),
+/// so a run whose steps grow re-pins a few times (once per rung crossed,
+/// each at most 25% over the need), not at every growth: pinning costs
+/// milliseconds per hundred MiB.
+fn staging_capacity(bytes: usize) -> usize {
+    if bytes <= 4096 {
+        return 4096;
+    }
+    let rung = bytes.next_power_of_two() / 8;
+    bytes.div_ceil(rung) * rung
+}
+
 /// The staging pool: buffers, and where this step's captures lie (in order).
 #[derive(Default)]
 struct Staging {
@@ -490,10 +503,11 @@ impl Device for Driver {
         let index = match free {
             Some(i) => i,
             None => {
+                let cap = staging_capacity(bytes);
                 if st.used.is_empty() {
                     st.buffers.clear(); // none in use: all are too small
                 }
-                match Pinned::new(bytes, &self.ctx) {
+                match Pinned::new(cap, &self.ctx) {
                     Ok(p) => {
                         st.buffers.push(p);
                         st.buffers.len() - 1
@@ -838,5 +852,26 @@ impl Drop for Driver {
         let h = self.blas.get_mut().unwrap_or_else(|e| e.into_inner()).0;
         // SAFETY: the cuBLAS handle is destroyed once, after its last use.
         let _ = unsafe { cudarc::cublas::result::destroy_handle(h) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::staging_capacity;
+
+    #[test]
+    fn staging_grows_by_rungs_of_at_most_a_quarter() {
+        assert_eq!(staging_capacity(1), 4096);
+        assert_eq!(staging_capacity(4097), 5120);
+        assert_eq!(staging_capacity(1 << 20), 1 << 20);
+        assert_eq!(staging_capacity((1 << 20) + 1), (1 << 20) + (1 << 18));
+        let mut rungs = std::collections::BTreeSet::new();
+        for bytes in (1usize << 20..=1 << 22).step_by(4093) {
+            let cap = staging_capacity(bytes);
+            assert!(cap >= bytes && cap as f64 <= bytes as f64 * 1.25 + 1.0, "{bytes}: {cap}");
+            rungs.insert(cap);
+        }
+        // 1 MiB to 4 MiB: 8 rungs, not one buffer per size.
+        assert_eq!(rungs.len(), 9, "{rungs:?}");
     }
 }
