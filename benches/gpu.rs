@@ -13,9 +13,13 @@
 //!     device-to-host copy;
 //! (c) a DeepSeek-V3-shaped MoE model (V3's attention and expert sizes,
 //!     8 of `--experts` routed experts plus one shared per token, `--moe-layers`
-//!     MoE layers after one dense one): tokens/s.
+//!     MoE layers after one dense one): tokens/s;
+//! (d) the bf16 attention op alone (the step's K/V packed to bf16, then
+//!     `attention_bf16_vN`), one causal sample of 4096 and of 16384 tokens,
+//!     32 query and 8 KV heads, at head dims 128 and 256: TFLOP/s, counting
+//!     4 x head_dim x heads x T(T+1)/2.
 //!
-//!     cargo bench --features cuda --bench gpu -- [--only llama|deepseek]
+//!     cargo bench --features cuda --bench gpu -- [--only llama|deepseek|attention]
 //!         [--layers 32] [--steps 4] [--experts 32] [--moe-layers 2]
 //!         [--runs 5] [--dir DIR] [--peak-tflops X]
 //!
@@ -326,10 +330,65 @@ fn main() {
         }
     });
     std::fs::create_dir_all(&a.dir).unwrap();
-    if a.only.as_deref() != Some("deepseek") {
+    if a.only.as_deref().is_none_or(|o| o == "llama") {
         llama(&a, peak);
     }
-    if a.only.as_deref() != Some("llama") {
+    if a.only.as_deref().is_none_or(|o| o == "deepseek") {
         deepseek(&a);
+    }
+    if a.only.as_deref().is_none_or(|o| o == "attention") {
+        attention(&a);
+    }
+}
+
+/// (d): the attention op's TFLOP/s at 4K and 16K tokens, head dims 128 and 256.
+fn attention(a: &Args) {
+    use strata::backend::cuda::{Cuda, Driver};
+    use strata::backend::{AttnShape, Backend, Bf16, KvStore, Tensor};
+    use strata::pipeline::batch::Segment;
+    println!("(d) bf16 attention alone, 32 query / 8 KV heads, one causal sample");
+    let dev = match Driver::open(0) {
+        Ok(d) => d,
+        Err(e) => return println!("    GPU 0 did not open: {e}"),
+    };
+    let b = Cuda::<Bf16, Driver>::new(dev, vec![0]);
+    for hd in [128usize, 256] {
+        for t in [4096usize, 16384] {
+            let shape = AttnShape { heads: 32, kv_heads: 8, head_dim: hd, v_dim: hd, window: None, scale: 0.1 };
+            let (qw, kw) = (32 * hd, 8 * hd);
+            let values: Vec<f32> = {
+                let mut rng = strata_testkit::Rng::new(7);
+                (0..t * (qw + 2 * kw)).map(|_| rng.below(2001) as f32 / 1000.0 - 1.0).collect()
+            };
+            let qkv = Tensor::<Cuda<Bf16, Driver>>::from_host(&b, &values, t, qw + 2 * kw).unwrap();
+            let mut out = Tensor::<Cuda<Bf16, Driver>>::zeros(&b, t, qw);
+            let mut batch = PackedBatch::new();
+            batch.push_segment(&vec![0u32; t], Segment { key: 0, pos0: 0, keep: false });
+            let mut cache = Default::default();
+            let mut times = Vec::new();
+            for run in 0..=a.runs {
+                KvStore::begin(&mut cache, &batch).unwrap();
+                let start = Instant::now();
+                b.attention(
+                    qkv.cols(0, qw),
+                    qkv.cols(qw, kw),
+                    qkv.cols(qw + kw, kw),
+                    shape,
+                    &batch,
+                    &mut cache,
+                    0,
+                    &mut out,
+                );
+                if let Err(e) = b.end_step() {
+                    return println!("    head dim {hd}, {t} tokens: failed: {e}");
+                }
+                if run > 0 {
+                    times.push(start.elapsed().as_secs_f64()); // the first run compiles and warms up
+                }
+            }
+            let flops = 4.0 * hd as f64 * 32.0 * (t * (t + 1) / 2) as f64;
+            let s = median(times);
+            println!("    head dim {hd:3}, {t:5} tokens: {:7.2} ms, {:6.1} TFLOP/s", s * 1e3, flops / s / 1e12);
+        }
     }
 }
