@@ -159,3 +159,13 @@ extern "C" __global__ void pack_heads_bf16(const float* x, int stride, int offse
         dst[i] = c < width ? f32_to_bf16(row[h * width + c]) : (u16)0;
     }
 }
+
+// out [T, inter] bf16 = bf16(silu(gate) · up) of f32 gate_up [T, 2·inter]:
+// SwiGLU and the down GEMM's input rounding in one pass (no f32 copy).
+extern "C" __global__ void swiglu_to_bf16(const float* gate_up, int rows, int inter, u16* out) {
+    GRID_STRIDE(i, (u32)rows * inter) {
+        u32 t = i / inter, c = i - t * inter;
+        const float* gu = gate_up + (u64)t * 2 * inter;
+        out[i] = f32_to_bf16(silu(gu[c]) * gu[inter + c]);
+    }
+}

@@ -3,17 +3,33 @@
 // fixed shape, so a row's result does not depend on the batch.
 #include "common.cuh"
 
+// 1 / rms of `width` values at `row` (the block's reduction, one shape per launch).
+__device__ __forceinline__ float inv_rms(const float* row, int width, float eps, float* shm) {
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += row[c] * row[c];
+    ss = block_sum(ss, shm);
+    return 1.0f / sqrtf(ss / (float)width + eps);
+}
+
 // out [rows, width] = x[r] / rms(x[r]) · w, x a column block (stride, offset).
 extern "C" __global__ void rms_norm(const float* x, int stride, int offset, int width, const float* w, float eps,
                                    float* out) {
     __shared__ float shm[32];
     const float* row = x + (u64)blockIdx.x * stride + offset;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += row[c] * row[c];
-    ss = block_sum(ss, shm);
-    float inv = 1.0f / sqrtf(ss / (float)width + eps);
+    float inv = inv_rms(row, width, eps, shm);
     float* o = out + (u64)blockIdx.x * width;
     for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = w[c] * (row[c] * inv);
+}
+
+// rms_norm's rows rounded to bf16 (the same bits as rms_norm then to_bf16):
+// the next bf16 GEMM's input in one pass, with no f32 copy written and read.
+extern "C" __global__ void rms_norm_bf16(const float* x, int stride, int offset, int width, const float* w,
+                                        float eps, u16* out) {
+    __shared__ float shm[32];
+    const float* row = x + (u64)blockIdx.x * stride + offset;
+    float inv = inv_rms(row, width, eps, shm);
+    u16* o = out + (u64)blockIdx.x * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) o[c] = f32_to_bf16(w[c] * (row[c] * inv));
 }
 
 // In place: head blockIdx.y of row blockIdx.x, columns offset + h·hstride .. + width.
@@ -21,9 +37,6 @@ extern "C" __global__ void rms_norm_heads(float* x, int stride, int offset, int 
                                          float eps) {
     __shared__ float shm[32];
     float* head = x + (u64)blockIdx.x * stride + offset + (u64)blockIdx.y * hstride;
-    float ss = 0.0f;
-    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += head[c] * head[c];
-    ss = block_sum(ss, shm);
-    float inv = 1.0f / sqrtf(ss / (float)width + eps);
+    float inv = inv_rms(head, width, eps, shm);
     for (int c = threadIdx.x; c < width; c += blockDim.x) head[c] = w[c] * (head[c] * inv);
 }

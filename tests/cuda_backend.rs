@@ -335,3 +335,54 @@ fn the_rope_table_is_built_once_and_grown_geometrically() {
     };
     assert_eq!(read(&first, 100), read(&longer, 100));
 }
+
+/// Under bf16 compute the norm before a projection and the SwiGLU before the
+/// down projection write their rows as bf16 straight into the GEMM's input
+/// (`rms_norm_bf16`, `swiglu_to_bf16`): no f32 copy written, read and
+/// rounded by `to_bf16`. The results are the unfused ops' bits.
+#[test]
+fn the_fused_bf16_norm_and_swiglu_give_the_unfused_bits() {
+    if !gxx_or_skip("the_fused_bf16_norm_and_swiglu_give_the_unfused_bits") {
+        return;
+    }
+    use strata::backend::{Backend, Parallel, Tensor};
+    use strata::hf::quant::LinearWeight;
+    let b = Emu::<Bf16>::new(Emulated::default(), vec![0]);
+    let (rows, h, inter) = (5usize, 48usize, 40usize);
+    let vals = |n: usize, seed: u64| -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    };
+    let dense = |r: usize, c: usize, seed: u64| LinearWeight::Dense { rows: r, cols: c, w: vals(r * c, seed) };
+    let gate_up = b.linear(dense(2 * inter, h, 1), Some(vals(2 * inter, 2)), Parallel::Replicated);
+    let down = b.linear(dense(h, inter, 3), Some(vals(h, 4)), Parallel::Replicated);
+    let norm = b.vector(vals(h, 5));
+    let x = Tensor::<Emu<Bf16>, usize>::from_host(&b, &vals(rows * h, 6), rows, h).unwrap();
+    let host = |t: &Tensor<Emu<Bf16>, usize>| t.to_host(&b);
+
+    // Fused: norm → gate/up, then SwiGLU → down added into a residual.
+    let (mut normed, mut gu) = (Tensor::zeros(&b, rows, h), Tensor::zeros(&b, rows, 2 * inter));
+    b.norm_linear_forward(&gate_up, &x, &norm, 1e-6, &mut normed, &mut gu);
+    let (mut act, mut res) = (Tensor::zeros(&b, rows, inter), Tensor::from_host(&b, &host(&x), rows, h).unwrap());
+    b.swiglu_linear_add(&down, &gu, &mut act, &mut res);
+    // Unfused: each op on its own.
+    let (mut normed2, mut gu2) = (Tensor::zeros(&b, rows, h), Tensor::zeros(&b, rows, 2 * inter));
+    b.rms_norm(x.all(), &norm, 1e-6, &mut normed2);
+    b.linear_forward(&gate_up, &normed2, &mut gu2);
+    let (mut act2, mut res2) = (Tensor::zeros(&b, rows, inter), Tensor::from_host(&b, &host(&x), rows, h).unwrap());
+    b.swiglu(&gu2, &mut act2);
+    b.linear_add(&down, &act2, &mut res2);
+    b.end_step().unwrap();
+    assert!(host(&gu) == host(&gu2), "the fused norm changed the projection's bits");
+    assert!(host(&res) == host(&res2), "the fused SwiGLU changed the residual's bits");
+    let dev = b.device();
+    assert_eq!((dev.count("rms_norm_bf16"), dev.count("swiglu_to_bf16")), (1, 1), "the fused kernels were not taken");
+    assert_eq!(dev.count("to_bf16"), 2, "only the unfused ops round an f32 copy");
+}

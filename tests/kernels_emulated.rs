@@ -77,6 +77,14 @@ fn rms_norm_kernels_match_the_reference() {
     let (xp, wp, op) = (p(&x), p(&w), pm(&mut got));
     l.launch((rows as u32, 1), 128, || unsafe { f(xp, stride as i32, offset as i32, width as i32, wp, 1e-6, op) });
     assert_close("rms_norm", &got, &want.to_host(&r), 1e-5);
+    // rms_norm_bf16 (the fused input of a bf16 GEMM): rms_norm's values rounded, bit for bit.
+    let mut fused = vec![0u16; rows * width];
+    type B = unsafe extern "C" fn(usize, i32, i32, i32, usize, f32, usize);
+    let f: B = unsafe { std::mem::transmute(l.sym("rms_norm_bf16")) };
+    let bp = pm(&mut fused);
+    l.launch((rows as u32, 1), 128, || unsafe { f(xp, stride as i32, offset as i32, width as i32, wp, 1e-6, bp) });
+    let rounded: Vec<u16> = got.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    assert!(fused == rounded, "rms_norm_bf16 is not rms_norm rounded to bf16");
 
     // Per head, in place: 3 heads of 16 at stride 40 from column 4.
     let span = HeadSpan { offset: 4, count: 3, stride: 40, width: 16 };
@@ -155,6 +163,14 @@ fn elementwise_kernels_compute_their_definitions() {
     let (gp, op) = (p(&gu), pm(&mut got));
     l.launch((2, 1), 32, || unsafe { f(gp, rows as i32, inter as i32, op) });
     assert_close("swiglu", &got, &want.to_host(&r), 1e-6);
+    // swiglu_to_bf16 (the fused input of the down GEMM): swiglu's values rounded, bit for bit.
+    let mut fused = vec![0u16; rows * inter];
+    type SwB = unsafe extern "C" fn(usize, i32, i32, usize);
+    let f: SwB = unsafe { std::mem::transmute(l.sym("swiglu_to_bf16")) };
+    let bp = pm(&mut fused);
+    l.launch((2, 1), 32, || unsafe { f(gp, rows as i32, inter as i32, bp) });
+    let rounded: Vec<u16> = got.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    assert!(fused == rounded, "swiglu_to_bf16 is not swiglu rounded to bf16");
 
     // Head copies against the reference.
     let (from, to) = (HeadSpan { offset: 2, count: 3, stride: 10, width: 4 }, HeadSpan::heads(1, 3, 4));

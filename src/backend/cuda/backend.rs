@@ -493,33 +493,120 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         }
     }
 
-    /// `y[rows, out] (+)= x[rows, in] · Wᵀ` (no bias, no all-reduce): the
-    /// input rounded to bf16 and FP8/INT4 weights expanded first, as the
-    /// layer's compute dtype asks.
-    fn gemm_rows(&self, l: &Linear<D>, x: DevPtr, rows: usize, y: DevPtr, accumulate: bool) -> Result<(), CudaError> {
+    /// Whether `l`'s GEMM reads bf16 inputs (bf16 compute, not an f32-input layer).
+    fn bf16_inputs(&self, l: &Linear<D>) -> bool {
+        C::COMPUTE == crate::backend::Compute::Bf16 && !l.f32_inputs
+    }
+
+    /// The bf16 GEMM input scratch, holding at least `bytes`.
+    fn xb(&self, bytes: usize) -> Result<DevPtr, CudaError> {
+        let mut s = self.scratch()?;
+        let s = s.as_mut().expect("scratch made");
+        self.ensure(&mut s.xb, bytes)?;
+        Ok(s.xb.ptr)
+    }
+
+    /// What `l`'s GEMM reads for `rows` rows of f32 `x [rows, in]`: `x`
+    /// itself, or (bf16 inputs) its rounding to bf16 in scratch.
+    fn gemm_input(&self, l: &Linear<D>, x: DevPtr, rows: usize) -> Result<(DevPtr, GemmType), CudaError> {
+        if !self.bf16_inputs(l) {
+            return Ok((x, GemmType::F32));
+        }
+        let (inp, xb) = (l.cols, self.xb(rows * l.cols * 2)?);
+        if rows > 0 {
+            launch::to_bf16(&*self.dev, elementwise(rows * inp)?, x, int(rows), int(inp), 0, int(inp), xb)?;
+        }
+        Ok((xb, GemmType::Bf16))
+    }
+
+    /// `y[rows, out] (+)= x[rows, in] · Wᵀ` (no bias, no all-reduce) from
+    /// an input already in the GEMM's type (see [`Self::gemm_input`]), FP8/INT4
+    /// weights expanded first.
+    fn gemm_from(
+        &self,
+        l: &Linear<D>,
+        xin: (DevPtr, GemmType),
+        rows: usize,
+        y: DevPtr,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
         if rows == 0 {
             return Ok(());
         }
         let (out, inp) = (l.rows, l.cols);
-        let bf16_inputs = C::COMPUTE == crate::backend::Compute::Bf16 && !l.f32_inputs;
-        let mut s = self.scratch()?;
-        let s = s.as_mut().expect("scratch made");
-        let xin = if bf16_inputs {
-            self.ensure(&mut s.xb, rows * inp * 2)?;
-            launch::to_bf16(&*self.dev, elementwise(rows * inp)?, x, int(rows), int(inp), 0, int(inp), s.xb.ptr)?;
-            (s.xb.ptr, GemmType::Bf16)
-        } else {
-            (x, GemmType::F32)
-        };
+        let bf16_inputs = self.bf16_inputs(l);
         let w = match &l.w {
             Weight::Quant { .. } => {
                 let es = if bf16_inputs { 2 } else { 4 };
-                self.ensure(&mut s.wexp, out * inp * es)?;
-                self.weight_operand(l, bf16_inputs, s.wexp.ptr)?
+                let wexp = {
+                    let mut s = self.scratch()?;
+                    let s = s.as_mut().expect("scratch made");
+                    self.ensure(&mut s.wexp, out * inp * es)?;
+                    s.wexp.ptr
+                };
+                self.weight_operand(l, bf16_inputs, wexp)?
             }
             _ => self.weight_operand(l, bf16_inputs, 0)?,
         };
         self.dev.gemm(&Gemm::linear(w, xin, y, rows, out, inp, accumulate))
+    }
+
+    /// `y[rows, out] (+)= x[rows, in] · Wᵀ` (no bias, no all-reduce): the
+    /// input rounded to bf16 and FP8/INT4 weights expanded first, as the
+    /// layer's compute dtype asks.
+    fn gemm_rows(&self, l: &Linear<D>, x: DevPtr, rows: usize, y: DevPtr, accumulate: bool) -> Result<(), CudaError> {
+        let xin = self.gemm_input(l, x, rows)?;
+        self.gemm_from(l, xin, rows, y, accumulate)
+    }
+
+    /// A row-parallel layer's tail: the all-reduce of its `rows` output
+    /// rows at `y`, then its bias, once.
+    fn row_parallel_tail(&self, l: &Linear<D>, y: DevPtr, rows: usize) {
+        if l.kind == Parallel::Row {
+            self.join_all_reduce(y, rows * l.rows);
+            if let Some(b) = &l.post_bias {
+                self.run(|| self.add_bias(y, b, rows, l.rows));
+            }
+        }
+    }
+
+    /// `residual[rows] += input · Wᵀ + b`, `input` giving the GEMM's input
+    /// when it runs (an op that fails before it skips it): one rank adds in
+    /// the GEMM (beta = 1); split rows go through a partial buffer and the
+    /// all-reduce first.
+    fn add_linear(
+        &self,
+        l: &Linear<D>,
+        rows: usize,
+        residual: DevPtr,
+        input: impl FnOnce() -> Result<(DevPtr, GemmType), CudaError>,
+    ) {
+        if l.kind == Parallel::Row && self.world_size() > 1 {
+            let mut partial = 0;
+            self.run(|| {
+                partial = {
+                    let mut s = self.scratch()?;
+                    let s = s.as_mut().expect("scratch made");
+                    self.ensure(&mut s.partial, rows * l.rows * 4)?;
+                    s.partial.ptr
+                };
+                self.gemm_from(l, input()?, rows, partial, false)
+            });
+            self.join_all_reduce(partial, rows * l.rows);
+            let bias = l.post_bias.as_ref().map_or(0, |b| b.ptr);
+            self.run(|| {
+                let cfg = elementwise(rows * l.rows)?;
+                launch::add_bias_residual(&*self.dev, cfg, residual, partial, bias, int(rows), int(l.rows))
+            });
+            return;
+        }
+        self.run(|| {
+            self.gemm_from(l, input()?, rows, residual, true)?;
+            if let Some(b) = &l.bias {
+                self.add_bias(residual, b, rows, l.rows)?;
+            }
+            Ok(())
+        });
     }
 
     /// Where a GEMM reads `l`'s weight: resident as stored, or (FP8/INT4)
@@ -1044,52 +1131,81 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
 
     fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear<D>, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
         check::linear(l, x, out);
-        let rows = x.rows();
+        let (rows, y) = (x.rows(), out.storage().ptr);
         self.run(|| {
-            self.gemm_rows(l, x.storage().ptr, rows, out.storage().ptr, false)?;
+            self.gemm_rows(l, x.storage().ptr, rows, y, false)?;
             if let Some(b) = &l.bias {
-                self.add_bias(out.storage().ptr, b, rows, l.rows)?;
+                self.add_bias(y, b, rows, l.rows)?;
             }
             Ok(())
         });
-        if l.kind == Parallel::Row {
-            self.join_all_reduce(out.storage().ptr, rows * l.rows);
-            if let Some(b) = &l.post_bias {
-                self.run(|| self.add_bias(out.storage().ptr, b, rows, l.rows));
-            }
+        self.row_parallel_tail(l, y, rows);
+    }
+
+    fn norm_linear_forward<W: Dim, V: Dim>(
+        &self,
+        l: &Linear<D>,
+        x: &Tensor<Self, W>,
+        w: &Vector<D>,
+        eps: f32,
+        normed: &mut Tensor<Self, W>,
+        out: &mut Tensor<Self, V>,
+    ) {
+        if !self.bf16_inputs(l) {
+            self.rms_norm(x.all(), w, eps, normed);
+            return self.linear_forward(l, normed, out);
         }
+        check::rms_norm(&x.all(), w.0.len / 4, (normed.rows(), normed.width().size()));
+        check::linear(l, normed, out);
+        // The norm writes its rows rounded to bf16 straight into the GEMM's
+        // input (the bits rms_norm then to_bf16 give): `normed` is never
+        // written, and the f32 copy's write and read are saved.
+        let (rows, y) = (x.rows(), out.storage().ptr);
+        self.run(|| {
+            if rows == 0 {
+                return Ok(());
+            }
+            let (xb, width) = (self.xb(rows * l.cols * 2)?, x.width().size());
+            let cfg = Launch { grid: (rows as u32, 1), block: 256, smem: 0 };
+            launch::rms_norm_bf16(&*self.dev, cfg, x.storage().ptr, int(width), 0, int(width), w.0.ptr, eps, xb)?;
+            self.gemm_from(l, (xb, GemmType::Bf16), rows, y, false)?;
+            if let Some(b) = &l.bias {
+                self.add_bias(y, b, rows, l.rows)?;
+            }
+            Ok(())
+        });
+        self.row_parallel_tail(l, y, rows);
     }
 
     fn linear_add<W: Dim, V: Dim>(&self, l: &Linear<D>, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
         check::linear(l, x, residual);
-        let rows = x.rows();
-        if l.kind == Parallel::Row && self.world_size() > 1 {
-            let mut partial = 0;
-            self.run(|| {
-                partial = {
-                    let mut s = self.scratch()?;
-                    let s = s.as_mut().expect("scratch made");
-                    self.ensure(&mut s.partial, rows * l.rows * 4)?;
-                    s.partial.ptr
-                };
-                self.gemm_rows(l, x.storage().ptr, rows, partial, false)
-            });
-            self.join_all_reduce(partial, rows * l.rows);
-            let bias = l.post_bias.as_ref().map_or(0, |b| b.ptr);
-            let res = residual.storage().ptr;
-            self.run(|| {
-                let cfg = elementwise(rows * l.rows)?;
-                launch::add_bias_residual(&*self.dev, cfg, res, partial, bias, int(rows), int(l.rows))
-            });
-            return;
+        let (rows, xp) = (x.rows(), x.storage().ptr);
+        self.add_linear(l, rows, residual.storage().ptr, || self.gemm_input(l, xp, rows));
+    }
+
+    fn swiglu_linear_add<V: Dim>(
+        &self,
+        l: &Linear<D>,
+        gate_up: &Tensor<Self>,
+        act: &mut Tensor<Self>,
+        residual: &mut Tensor<Self, V>,
+    ) {
+        if !self.bf16_inputs(l) {
+            self.swiglu(gate_up, act);
+            return self.linear_add(l, act, residual);
         }
-        self.run(|| {
-            // One rank: the GEMM adds into the residual (beta = 1).
-            self.gemm_rows(l, x.storage().ptr, rows, residual.storage().ptr, true)?;
-            if let Some(b) = &l.bias {
-                self.add_bias(residual.storage().ptr, b, rows, l.rows)?;
+        check::swiglu(gate_up, act);
+        check::linear(l, act, residual);
+        // SwiGLU writes its output rounded to bf16 straight into the down
+        // GEMM's input (the bits swiglu then to_bf16 give): `act` is never
+        // written, and the f32 copy's write and read are saved.
+        let (rows, inter, gu) = (act.rows(), act.width(), gate_up.storage().ptr);
+        self.add_linear(l, rows, residual.storage().ptr, || {
+            let xb = self.xb(rows * inter * 2)?;
+            if rows > 0 {
+                launch::swiglu_to_bf16(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), xb)?;
             }
-            Ok(())
+            Ok((xb, GemmType::Bf16))
         });
     }
 
