@@ -386,3 +386,42 @@ fn the_fused_bf16_norm_and_swiglu_give_the_unfused_bits() {
     assert_eq!((dev.count("rms_norm_bf16"), dev.count("swiglu_to_bf16")), (1, 1), "the fused kernels were not taken");
     assert_eq!(dev.count("to_bf16"), 2, "only the unfused ops round an f32 copy");
 }
+
+/// FP8 and INT4 weights are expanded once and kept when device memory has
+/// room to spare (above the reserve for larger steps): a second step
+/// launches no dequantising kernel. A device without that room expands them
+/// every forward. Both give the same states, bit for bit.
+#[test]
+fn expanded_weights_are_kept_when_memory_allows() {
+    if !gxx_or_skip("expanded_weights_are_kept_when_memory_allows") {
+        return;
+    }
+    fn two_steps(name: &str, dev: Emulated) -> (Vec<f32>, [usize; 2]) {
+        let dir = fixture(name);
+        let AnyConfig::Deepseek(c) = AnyConfig::read(&dir).unwrap() else { panic!("{name} is a DeepSeek fixture") };
+        let ckpt = Checkpoint::open_scoped(&dir, AnyConfig::read(&dir).unwrap().tensor_prefix()).unwrap();
+        let m = Deepseek::<usize, Emu<Bf16>>::from_checkpoint_on(Emu::<Bf16>::new(dev, vec![0]), c, &ckpt).unwrap();
+        let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
+        let dequants = |m: &Deepseek<usize, Emu<Bf16>>| {
+            let d = m.backend().device();
+            ["dequant_fp8_bf16", "dequant_fp8_f32", "dequant_int4_bf16", "dequant_int4_f32"]
+                .iter()
+                .map(|k| d.count(k))
+                .sum::<usize>()
+        };
+        let mut states = m.forward_step(&whole(name), &set, &mut Default::default()).unwrap().as_slice().to_vec();
+        let first = dequants(&m);
+        states.extend_from_slice(m.forward_step(&whole(name), &set, &mut Default::default()).unwrap().as_slice());
+        (states, [first, dequants(&m) - first])
+    }
+    for name in ["deepseek-v3-fp8", "kimi-k2-int4"] {
+        let (kept, [first, second]) = two_steps(name, Emulated::default());
+        assert!(first > 0, "{name}: no quantised weight was expanded");
+        assert_eq!(second, 0, "{name}: the second step expanded its weights again");
+        // 1 GiB: the fixture loads, but the 8 GiB reserve leaves no room to keep.
+        let tight = Emulated::with_faults(Faults { memory: Some(AtomicUsize::new(1 << 30)), ..Default::default() });
+        let (each, [first_t, second_t]) = two_steps(name, tight);
+        assert_eq!((first_t, second_t), (first, first), "{name}: a device without room kept expansions");
+        assert!(kept == each, "{name}: kept expansions changed the states");
+    }
+}

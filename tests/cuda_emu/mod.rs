@@ -221,6 +221,12 @@ fn f32_at(p: DevPtr, i: usize) -> f32 {
 impl Device for Emulated {
     type Mem = Mem;
 
+    fn memory(&self) -> Result<(usize, usize), CudaError> {
+        // A planted memory budget is all there is; without one, plenty.
+        let free = self.faults.memory.as_ref().map_or(1 << 50, |left| left.load(Ordering::Relaxed));
+        Ok((free, free.max(1 << 50)))
+    }
+
     fn alloc(&self, bytes: usize) -> Result<Mem, CudaError> {
         if let Some(left) = &self.faults.memory {
             if left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(bytes)).is_err() {

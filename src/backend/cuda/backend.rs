@@ -90,6 +90,9 @@ pub struct Linear<D: Device> {
     /// GEMM inputs in f32 whatever the compute dtype (the MoE router).
     f32_inputs: bool,
     held: Option<QuantKind>,
+    /// An FP8/INT4 weight expanded once and kept, when device memory allowed
+    /// it (see `weight_operand`): its GEMMs then read it as bf16 or f32.
+    kept: std::sync::OnceLock<Bytes<D>>,
 }
 
 impl<D: Device> Resident for Linear<D> {
@@ -98,7 +101,8 @@ impl<D: Device> Resident for Linear<D> {
             Weight::F32(b) | Weight::Bf16(b) => b.len,
             Weight::Quant { codes, scales, colseg, .. } => codes.len + scales.len + colseg.len,
         };
-        w + self.bias.as_ref().map_or(0, |b| b.len) + self.post_bias.as_ref().map_or(0, |b| b.len)
+        let kept = self.kept.get().map_or(0, |k| k.len);
+        w + kept + self.bias.as_ref().map_or(0, |b| b.len) + self.post_bias.as_ref().map_or(0, |b| b.len)
     }
 }
 
@@ -241,6 +245,9 @@ pub struct Cuda<C: ComputeDtype = F32, D: Device = Driver> {
     moe_scratch: usize,
     /// RoPE tables built so far, one per frequency set (see `rope_table`).
     ropes: Mutex<Vec<CachedRope<D>>>,
+    /// Set once device memory had no room to keep an expanded weight: none
+    /// is tried again (each try asks the driver for its free memory).
+    keep_refused: std::sync::atomic::AtomicBool,
     _compute: PhantomData<C>,
 }
 
@@ -301,6 +308,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             staged: Mutex::new(Vec::new()),
             moe_scratch: 1 << 30,
             ropes: Mutex::new(Vec::new()),
+            keep_refused: std::sync::atomic::AtomicBool::new(false),
             _compute: PhantomData,
         }
     }
@@ -464,6 +472,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             kind,
             f32_inputs,
             held,
+            kept: std::sync::OnceLock::new(),
         }
     }
 
@@ -536,7 +545,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         let (out, inp) = (l.rows, l.cols);
         let bf16_inputs = self.bf16_inputs(l);
         let w = match &l.w {
-            Weight::Quant { .. } => {
+            Weight::Quant { .. } if l.kept.get().is_none() => {
                 let es = if bf16_inputs { 2 } else { 4 };
                 let wexp = {
                     let mut s = self.scratch()?;
@@ -610,24 +619,48 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
     }
 
     /// Where a GEMM reads `l`'s weight: resident as stored, or (FP8/INT4)
-    /// expanded by a dequantising kernel into `dst`, which holds `rows · cols`
-    /// values of the GEMM's input type.
+    /// expanded by a dequantising kernel. The expansion is kept, on the first
+    /// use, while device memory stays above [`keep_reserve`] after it (the
+    /// same kernel, so the same bits, once instead of every forward: three
+    /// times less weight traffic); otherwise it goes into `dst`, which holds
+    /// `rows · cols` values of the GEMM's input type, every time.
     fn weight_operand(&self, l: &Linear<D>, bf16_inputs: bool, dst: DevPtr) -> Result<(DevPtr, GemmType), CudaError> {
+        use std::sync::atomic::Ordering;
         Ok(match &l.w {
             Weight::F32(b) => (b.ptr, GemmType::F32),
             Weight::Bf16(b) => (b.ptr, GemmType::Bf16),
             Weight::Quant { kind, codes, scales, colseg, segments } => {
                 let ty = if bf16_inputs { GemmType::Bf16 } else { GemmType::F32 };
+                if let Some(k) = l.kept.get() {
+                    return Ok((k.ptr, ty));
+                }
+                let (out, inp) = (l.rows, l.cols);
+                let bytes = out * inp * if bf16_inputs { 2 } else { 4 };
+                let mut into = dst;
+                let mut keep = None;
+                if !self.keep_refused.load(Ordering::Relaxed) {
+                    let (free, total) = self.dev.memory()?;
+                    if free >= bytes.saturating_add(keep_reserve(total)) {
+                        let m = self.dev.alloc(bytes)?;
+                        into = self.dev.ptr(&m);
+                        keep = Some(Bytes { mem: Some(m), ptr: into, len: bytes });
+                    } else {
+                        self.keep_refused.store(true, Ordering::Relaxed);
+                        tracing::debug!("cuda: {free} bytes free of {total}: FP8/INT4 weights expanded per forward");
+                    }
+                }
                 let dequant = match (kind, ty) {
                     (QuantKind::Fp8, GemmType::Bf16) => launch::dequant_fp8_bf16,
                     (QuantKind::Fp8, GemmType::F32) => launch::dequant_fp8_f32,
                     (_, GemmType::Bf16) => launch::dequant_int4_bf16,
                     (_, GemmType::F32) => launch::dequant_int4_f32,
                 };
-                let (out, inp) = (l.rows, l.cols);
                 let cfg = elementwise(out * inp)?;
-                dequant(&*self.dev, cfg, codes.ptr, scales.ptr, colseg.ptr, int(out), int(inp), int(*segments), dst)?;
-                (dst, ty)
+                dequant(&*self.dev, cfg, codes.ptr, scales.ptr, colseg.ptr, int(out), int(inp), int(*segments), into)?;
+                if let Some(k) = keep {
+                    let _ = l.kept.set(k); // one thread per rank: unset until now
+                }
+                (into, ty)
             }
         })
     }
@@ -870,6 +903,13 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             )
         }
     }
+}
+
+/// Device memory left free when an expanded FP8/INT4 weight is kept: room
+/// for the activations, caches and scratch of steps larger than those so far
+/// (an eighth of the device, at least 8 GiB).
+pub fn keep_reserve(total: usize) -> usize {
+    (8usize << 30).max(total / 8)
 }
 
 /// A head dim rounded up to 16: the width of each head of the bf16 keys and

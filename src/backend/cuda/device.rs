@@ -178,6 +178,9 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn alloc(&self, bytes: usize) -> Result<Self::Mem, CudaError>;
     /// `bytes` of zeroed device memory.
     fn alloc_zeroed(&self, bytes: usize) -> Result<Self::Mem, CudaError>;
+    /// Device memory `(free, total)` in bytes (`cuMemGetInfo`): what the
+    /// backend weighs keeping FP8/INT4 weights expanded against.
+    fn memory(&self) -> Result<(usize, usize), CudaError>;
     /// The address of `m`'s first byte.
     fn ptr(&self, m: &Self::Mem) -> DevPtr;
     /// Copies host bytes to `dst`, in stream order, without waiting for the

@@ -435,6 +435,11 @@ impl Device for Driver {
         }
     }
 
+    fn memory(&self) -> Result<(usize, usize), CudaError> {
+        self.bind()?;
+        result::mem_get_info().map_err(|e| driver_err("cuMemGetInfo", e))
+    }
+
     fn alloc_zeroed(&self, bytes: usize) -> Result<Mem, CudaError> {
         let mem = self.alloc(bytes)?;
         // SAFETY: `mem` holds `bytes.max(1)` bytes; the memset is in stream order before any use.
