@@ -96,24 +96,21 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
 
 // The four 8x8 bf16 matrices whose rows lanes 0-7, 8-15, 16-23 and 24-31
 // point at (`row`: this lane's row, 16-byte aligned, in shared memory): r[i]
-// holds matrix i's (row lane/4, columns 2·(lane%4), +1), or with `trans` its
+// holds matrix i's (row lane/4, columns 2·(lane%4), +1), or with TRANS its
 // (rows 2·(lane%4), +1, column lane/4).
+template <bool TRANS>
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* row) {
 #ifdef STRATA_EMULATE
-    emu_ldmatrix_x4(r, row, false);
+    emu_ldmatrix_x4(r, row, TRANS);
 #else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(row)));
-#endif
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* row) {
-#ifdef STRATA_EMULATE
-    emu_ldmatrix_x4(r, row, true);
-#else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(row)));
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_addr(row)));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_addr(row)));
 #endif
 }
 
@@ -180,7 +177,7 @@ __device__ __forceinline__ void attention_bf16(const float* q, int q_stride, con
     u32 qf[QREG][4];
 #pragma unroll
     for (int c = 0; c < QREG; c++)
-        if (c < kc) ldmatrix_x4(qf[c], qa + 16 * c);
+        if (c < kc) ldmatrix_x4<false>(qf[c], qa + 16 * c);
     const float scale2 = scale * 1.4426950408889634f;  // scores in base 2
     int ra = warp * 16 + gid;                          // this thread's rows ra and ra + 8
     int pos[2] = {p_first + ra, p_first + ra + 8};
@@ -215,7 +212,7 @@ __device__ __forceinline__ void attention_bf16(const float* q, int q_stride, con
 #pragma unroll
                 for (int np = 0; np < 2; np++) {
                     u32 b[4];
-                    ldmatrix_x4(b, tk + (np * 16 + kb_row) * ldk + 16 * c + kb_col);
+                    ldmatrix_x4<false>(b, tk + (np * 16 + kb_row) * ldk + 16 * c + kb_col);
                     mma_bf16(s[2 * np], qf[c], b);
                     mma_bf16(s[2 * np + 1], qf[c], b + 2);
                 }
@@ -223,11 +220,11 @@ __device__ __forceinline__ void attention_bf16(const float* q, int q_stride, con
         }
         for (int c = QREG; c < kc; c++) {  // wider heads: the rest of Q from shared memory
             u32 a[4];
-            ldmatrix_x4(a, qa + 16 * c);
+            ldmatrix_x4<false>(a, qa + 16 * c);
 #pragma unroll
             for (int np = 0; np < 2; np++) {
                 u32 b[4];
-                ldmatrix_x4(b, tk + (np * 16 + kb_row) * ldk + 16 * c + kb_col);
+                ldmatrix_x4<false>(b, tk + (np * 16 + kb_row) * ldk + 16 * c + kb_col);
                 mma_bf16(s[2 * np], a, b);
                 mma_bf16(s[2 * np + 1], a, b + 2);
             }
@@ -281,7 +278,7 @@ __device__ __forceinline__ void attention_bf16(const float* q, int q_stride, con
             for (int n = 0; n < VT; n += 2) {
                 if (n < vt) {
                     u32 b[4];
-                    ldmatrix_x4_trans(b, vr + 8 * n);
+                    ldmatrix_x4<true>(b, vr + 8 * n);
                     mma_bf16(o[n], a, b);
                     mma_bf16(o[n + 1], a, b + 2);
                 }

@@ -350,15 +350,8 @@ fn the_fused_bf16_norm_and_swiglu_give_the_unfused_bits() {
     let b = Emu::<Bf16>::new(Emulated::default(), vec![0]);
     let (rows, h, inter) = (5usize, 48usize, 40usize);
     let vals = |n: usize, seed: u64| -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        let mut rng = strata_testkit::Rng::new(seed);
+        (0..n).map(|_| rng.uniform()).collect()
     };
     let dense = |r: usize, c: usize, seed: u64| LinearWeight::Dense { rows: r, cols: c, w: vals(r * c, seed) };
     let gate_up = b.linear(dense(2 * inter, h, 1), Some(vals(2 * inter, 2)), Parallel::Replicated);
