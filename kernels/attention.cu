@@ -139,7 +139,7 @@ __device__ __forceinline__ void load_tile(u16* dst, int ld, const u16* src, u64 
 template <int VT>
 __device__ __forceinline__ void attention_bf16(const float* q, int q_stride, const Seg* segs, const int* tiles, int heads,
                                int kv_heads, int hd, int vd, int window, float scale, float* out) {
-    extern __shared__ u16 smem[];
+    extern __shared__ __align__(16) u16 smem[];  // ldmatrix and cp.async take 16-byte rows
     const int dp = (hd + 15) & ~15, vp = (vd + 15) & ~15, ldk = dp + 8, ldv = vp + 8;
     const int kc = dp >> 4, vt = vp >> 3;  // Q/K 16-column chunks, V 8-column tiles
     u16* sq = smem;                // [BQ][ldk]

@@ -39,7 +39,7 @@ pub fn gxx_or_skip(test: &str) -> bool {
 /// memory as the shim's buffer, and the entries build.rs generated from the
 /// kernels' declarations.
 pub fn emulation_source(name: &str, src: &str) -> String {
-    let dynamic = regex::Regex::new(r"extern __shared__ (\w+) (\w+)\[\];").unwrap();
+    let dynamic = regex::Regex::new(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];").unwrap();
     let src = dynamic.replace_all(src, "$1* $2 = ($1*)emu_smem;");
     let entries = kernels::EMULATOR_ENTRIES.iter().find(|(f, _)| *f == name).map_or("", |e| e.1);
     format!("{SHIM}\n#line 1 \"{name}.cu\"\n{src}\n{entries}")

@@ -830,6 +830,13 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 }
                 let need = seg.pos0 + rows.len();
                 let slot = &mut entry.1[layer];
+                if slot.is_none() && seg.pos0 > 0 {
+                    // begin() checked the sample's positions; a layer without them is a broken cache.
+                    return Err(CudaError::Kernel {
+                        name: "attention".into(),
+                        log: format!("layer {layer} has no cached keys for positions 0..{} of its sample", seg.pos0),
+                    });
+                }
                 if slot.as_ref().is_none_or(|l| l.cap < need) {
                     // Grow to twice the need, keeping the earlier positions.
                     let cap = (2 * need).max(64);
