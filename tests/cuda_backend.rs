@@ -378,6 +378,22 @@ fn the_fused_bf16_norm_and_swiglu_give_the_unfused_bits() {
     let dev = b.device();
     assert_eq!((dev.count("rms_norm_bf16"), dev.count("swiglu_to_bf16")), (1, 1), "the fused kernels were not taken");
     assert_eq!(dev.count("to_bf16"), 2, "only the unfused ops round an f32 copy");
+
+    // The whole MLP in bf16 (norm_gated_mlp_add): the gate/up GEMM writes
+    // bf16 and SwiGLU reads it, as PyTorch's bf16 run does; not the bits
+    // above, but within bf16's rounding of them.
+    let mut x3 = Tensor::from_host(&b, &host(&x), rows, h).unwrap();
+    let (mut n3, mut gu3, mut act3) =
+        (Tensor::zeros(&b, rows, h), Tensor::zeros(&b, rows, 2 * inter), Tensor::zeros(&b, rows, inter));
+    b.norm_gated_mlp_add(&gate_up, &down, &norm, 1e-6, &mut x3, &mut n3, &mut gu3, &mut act3);
+    b.end_step().unwrap();
+    let (got, want) = (host(&x3), host(&res));
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst <= 2e-2 * scale, "bf16 MLP differs from the f32-activation one by {worst} (scale {scale})");
+    assert!(got != want, "the gate/up activations were not kept in bf16");
+    assert_eq!(dev.count("swiglu_bf16"), 1, "SwiGLU did not read bf16 gate/up activations");
+    assert_eq!(dev.count("rms_norm_bf16"), 2);
 }
 
 /// FP8 and INT4 weights are expanded once and kept when device memory has

@@ -382,6 +382,28 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.swiglu(gate_up, act);
         self.linear_add(l, act, residual);
     }
+    /// `x += swiglu(rms_norm(x, w)·Gᵀ + g)·Dᵀ + d`: a pre-norm gated MLP's
+    /// update of the residual stream, with `gate_up` `G` and `down` `D`.
+    /// The default is [`Self::norm_linear_forward`] into `gate_up_out`, then
+    /// [`Self::swiglu_linear_add`]: the same bits as those ops. A backend may
+    /// instead keep the gate/up activations in its compute dtype (bf16, as
+    /// PyTorch's bf16 run does), leaving `normed`, `gate_up_out` and `act`
+    /// unwritten; the states then differ from the default's in the last bits.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_gated_mlp_add<H: Dim>(
+        &self,
+        gate_up: &Self::Linear,
+        down: &Self::Linear,
+        w: &Self::Vector,
+        eps: f32,
+        x: &mut Tensor<Self, H>,
+        normed: &mut Tensor<Self, H>,
+        gate_up_out: &mut Tensor<Self>,
+        act: &mut Tensor<Self>,
+    ) {
+        self.norm_linear_forward(gate_up, x, w, eps, normed, gate_up_out);
+        self.swiglu_linear_add(down, gate_up_out, act, x);
+    }
     /// Causal attention over the packed variable-length segments of `batch`:
     /// `out = softmax(q·kᵀ·scale + mask)·v` per head. A segment that
     /// continues a sample (chunked prefill) reads its earlier keys and values

@@ -231,8 +231,8 @@ impl<B: Backend> Mlp<B> {
 
     /// `x += down_proj(silu(gate_proj(h)) · up_proj(h))` with `h = norm(x)`.
     fn forward_add<H: Dim>(&self, b: &B, norm: PreNorm<'_, B, H>, x: &mut Tensor<B, H>, s: &mut MlpScratch<B>) {
-        b.norm_linear_forward(&self.gate_up_proj, x, norm.weight, norm.eps, norm.normed, &mut s.gate_up);
-        b.swiglu_linear_add(&self.down_proj, &s.gate_up, &mut s.act, x);
+        let (gate_up, down) = (&self.gate_up_proj, &self.down_proj);
+        b.norm_gated_mlp_add(gate_up, down, norm.weight, norm.eps, x, norm.normed, &mut s.gate_up, &mut s.act);
     }
 
     fn weight_bytes(&self) -> usize {

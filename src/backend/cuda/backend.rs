@@ -228,6 +228,8 @@ struct Scratch<D: Device> {
     table2: Bytes<D>,
     /// bf16 attention: this step's keys and values, `[tokens, kv heads, dp]` and `[tokens, kv heads, vp]`.
     kv: [Bytes<D>; 2],
+    /// A bf16 gated MLP's gate/up activations, `[tokens, 2 · inter]` bf16.
+    mlp: Bytes<D>,
     /// MoE: router scratch, grouped rows in and out, gate/up, activation, shared output.
     moe: [Bytes<D>; 6],
 }
@@ -406,6 +408,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 table: e(),
                 table2: e(),
                 kv: [e(), e()],
+                mlp: e(),
                 moe: [e(), e(), e(), e(), e(), e()],
             });
         }
@@ -530,13 +533,26 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
 
     /// `y[rows, out] (+)= x[rows, in] · Wᵀ` (no bias, no all-reduce) from
     /// an input already in the GEMM's type (see [`Self::gemm_input`]), FP8/INT4
-    /// weights expanded first.
+    /// weights expanded first; `y` f32.
     fn gemm_from(
         &self,
         l: &Linear<D>,
         xin: (DevPtr, GemmType),
         rows: usize,
         y: DevPtr,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        self.gemm_into(l, xin, rows, (y, GemmType::F32), accumulate)
+    }
+
+    /// [`Self::gemm_from`] into `y` of type `y.1` (bf16: f32 accumulation,
+    /// rounded once on the way out).
+    fn gemm_into(
+        &self,
+        l: &Linear<D>,
+        xin: (DevPtr, GemmType),
+        rows: usize,
+        y: (DevPtr, GemmType),
         accumulate: bool,
     ) -> Result<(), CudaError> {
         if rows == 0 {
@@ -557,7 +573,8 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             }
             _ => self.weight_operand(l, bf16_inputs, 0)?,
         };
-        self.dev.gemm(&Gemm::linear(w, xin, y, rows, out, inp, accumulate))
+        let g = Gemm::linear(w, xin, y.0, rows, out, inp, accumulate);
+        self.dev.gemm(&Gemm { c_type: y.1, ..g })
     }
 
     /// `y[rows, out] (+)= x[rows, in] · Wᵀ` (no bias, no all-reduce): the
@@ -1251,6 +1268,61 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             let xb = self.xb(rows * inter * 2)?;
             if rows > 0 {
                 launch::swiglu_to_bf16(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), xb)?;
+            }
+            Ok((xb, GemmType::Bf16))
+        });
+    }
+
+    fn norm_gated_mlp_add<H: Dim>(
+        &self,
+        gate_up: &Linear<D>,
+        down: &Linear<D>,
+        w: &Vector<D>,
+        eps: f32,
+        x: &mut Tensor<Self, H>,
+        normed: &mut Tensor<Self, H>,
+        gate_up_out: &mut Tensor<Self>,
+        act: &mut Tensor<Self>,
+    ) {
+        if !self.bf16_inputs(gate_up) || !self.bf16_inputs(down) || gate_up.kind == Parallel::Row {
+            self.norm_linear_forward(gate_up, x, w, eps, normed, gate_up_out);
+            return self.swiglu_linear_add(down, gate_up_out, act, x);
+        }
+        check::rms_norm(&x.all(), w.0.len / 4, (normed.rows(), normed.width().size()));
+        check::linear(gate_up, normed, gate_up_out);
+        check::swiglu(gate_up_out, act);
+        check::linear(down, act, x);
+        // bf16 from the norm to the down GEMM, as PyTorch's bf16 run keeps
+        // them: the norm writes the gate/up GEMM's input, that GEMM writes
+        // bf16 (f32 accumulation), SwiGLU reads and writes bf16, the down
+        // GEMM adds into the f32 residual. No f32 [T, 2·inter] is written or
+        // read (8 bytes per element less than the f32 gate/up output).
+        let (rows, h, inter) = (x.rows(), x.width().size(), act.width());
+        let mut gu = 0;
+        self.run(|| {
+            if rows == 0 {
+                return Ok(());
+            }
+            let xb = self.xb(rows * h.max(inter) * 2)?;
+            gu = {
+                let mut s = self.scratch()?;
+                let s = s.as_mut().expect("scratch made");
+                self.ensure(&mut s.mlp, rows * 2 * inter * 2)?;
+                s.mlp.ptr
+            };
+            let cfg = Launch { grid: (rows as u32, 1), block: 256, smem: 0 };
+            launch::rms_norm_bf16(&*self.dev, cfg, x.storage().ptr, int(h), 0, int(h), w.0.ptr, eps, xb)?;
+            self.gemm_into(gate_up, (xb, GemmType::Bf16), rows, (gu, GemmType::Bf16), false)?;
+            if let Some(b) = &gate_up.bias {
+                let cfg = elementwise(rows * 2 * inter)?;
+                launch::add_bias_bf16(&*self.dev, cfg, gu, b.ptr, int(rows), int(2 * inter))?;
+            }
+            Ok(())
+        });
+        self.add_linear(down, rows, x.storage().ptr, || {
+            let xb = self.xb(rows * inter * 2)?;
+            if rows > 0 {
+                launch::swiglu_bf16(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), xb)?;
             }
             Ok((xb, GemmType::Bf16))
         });
