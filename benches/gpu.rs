@@ -14,7 +14,7 @@
 //! (c) a DeepSeek-V3-shaped MoE model (V3's attention and expert sizes,
 //!     8 of `--experts` routed experts plus one shared per token, `--moe-layers`
 //!     MoE layers after one dense one): tokens/s;
-//! (d) the bf16 attention op alone (the step's K/V packed to bf16, then
+//! (d) the bf16 attention op alone (the step's Q/K/V packed to bf16, then
 //!     `attention_bf16_vN`), one causal sample of 4096 and of 16384 tokens,
 //!     32 query and 8 KV heads, at head dims 128 and 256: TFLOP/s, counting
 //!     4 x head_dim x heads x T(T+1)/2.

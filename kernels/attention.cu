@@ -120,12 +120,13 @@ __device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* row) {
 // Q's 16-column chunks held in registers (the first 128 columns).
 #define QREG 8
 
-// Copies a tile of `BK` bf16 rows of `w` columns (a multiple of 8; row j at
-// src + j·stride) into shared rows of `ld` values, in 16-byte pieces; rows
-// past `valid` are zero-filled.
+// Copies a tile of `ROWS` bf16 rows of `w` columns (a multiple of 8; row j
+// at src + j·stride) into shared rows of `ld` values, in 16-byte pieces;
+// rows past `valid` are zero-filled.
+template <int ROWS = BK>
 __device__ __forceinline__ void load_tile(u16* dst, int ld, const u16* src, u64 stride, int w, int valid) {
     int pieces = w >> 3;  // 8 values of 2 bytes
-    for (int i = threadIdx.x; i < BK * pieces; i += blockDim.x) {
+    for (int i = threadIdx.x; i < ROWS * pieces; i += blockDim.x) {
         int r = i / pieces, c = (i - r * pieces) << 3;
         bool in = r < valid;
         cp_async16(dst + r * ld + c, src + (in ? (u64)r * stride + c : 0), in);
@@ -134,10 +135,12 @@ __device__ __forceinline__ void load_tile(u16* dst, int ld, const u16* src, u64 
 
 // VT: output n-tiles of 8 columns (N = 8·VT). Grid (query tiles, heads),
 // 128 threads. tiles[i] = (segment, first query of the tile within it).
+// q: bf16 rows of `heads` heads, each padded with zeros to dp (as keys are;
+// `q_stride` in values), packed by pack_heads_bf16.
 // Dynamic shared memory (`attention_bf16_smem` in backend.rs): Q [BQ][dp+8],
 // K 2×[BK][dp+8], V 2×[BK][vp+8] bf16, dp and vp the head dims rounded up to 16.
 template <int VT>
-__device__ __forceinline__ void attention_bf16(const float* q, int q_stride, const Seg* segs, const int* tiles, int heads,
+__device__ __forceinline__ void attention_bf16(const u16* q, int q_stride, const Seg* segs, const int* tiles, int heads,
                                int kv_heads, int hd, int vd, int window, float scale, float* out) {
     extern __shared__ __align__(16) u16 smem[];  // ldmatrix and cp.async take 16-byte rows
     const int dp = (hd + 15) & ~15, vp = (vd + 15) & ~15, ldk = dp + 8, ldv = vp + 8;
@@ -155,17 +158,12 @@ __device__ __forceinline__ void attention_bf16(const float* q, int q_stride, con
     int k_begin = (lo / BK) * BK;
     const u16* kb = (const u16*)sg.k + (u64)g * dp;
     const u16* vb = (const u16*)sg.v + (u64)g * vp;
-    // The first key tile starts on its way before Q is converted.
+    // The query tile and the first key tile, in one group of copies.
+    load_tile<BQ>(sq, ldk, q + (u64)(sg.q_row0 + qi0) * q_stride + (u64)h * dp, q_stride, dp, nq);
     load_tile(sk, ldk, kb + (u64)k_begin * sg.k_stride, sg.k_stride, dp, p_last + 1 - k_begin);
     load_tile(sv, ldv, vb + (u64)k_begin * sg.v_stride, sg.v_stride, vp, p_last + 1 - k_begin);
     cp_async_commit();
-    for (int i = threadIdx.x; i < BQ * (dp >> 1); i += blockDim.x) {
-        int r = i / (dp >> 1), c = (i - r * (dp >> 1)) << 1;
-        const float* qr = q + (u64)(sg.q_row0 + qi0 + r) * q_stride + (u64)h * hd + c;
-        bool row = r < nq;
-        float a = row && c < hd ? qr[0] : 0.0f, b = row && c + 1 < hd ? qr[1] : 0.0f;
-        *(u32*)(sq + r * ldk + c) = pack_bf16(a, b);
-    }
+    cp_async_wait_0();
     __syncthreads();
     // This lane's row address for ldmatrix: A (Q) fragments take rows
     // (lane & 15) at column 8·(lane >> 4); B (K, V) fragments rows
@@ -302,27 +300,27 @@ __device__ __forceinline__ void attention_bf16(const float* q, int q_stride, con
 }
 
 // One entry point per value width (written out: build.rs reads these signatures).
-extern "C" __global__ void attention_bf16_v16(const float* q, int q_stride, const Seg* segs, const int* tiles,
+extern "C" __global__ void attention_bf16_v16(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
                                               float* out) {
     attention_bf16<2>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
 }
-extern "C" __global__ void attention_bf16_v32(const float* q, int q_stride, const Seg* segs, const int* tiles,
+extern "C" __global__ void attention_bf16_v32(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
                                               float* out) {
     attention_bf16<4>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
 }
-extern "C" __global__ void attention_bf16_v64(const float* q, int q_stride, const Seg* segs, const int* tiles,
+extern "C" __global__ void attention_bf16_v64(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
                                               float* out) {
     attention_bf16<8>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
 }
-extern "C" __global__ void attention_bf16_v128(const float* q, int q_stride, const Seg* segs, const int* tiles,
+extern "C" __global__ void attention_bf16_v128(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                                int heads, int kv_heads, int hd, int vd, int window, float scale,
                                                float* out) {
     attention_bf16<16>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
 }
-extern "C" __global__ void attention_bf16_v256(const float* q, int q_stride, const Seg* segs, const int* tiles,
+extern "C" __global__ void attention_bf16_v256(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                                int heads, int kv_heads, int hd, int vd, int window, float scale,
                                                float* out) {
     attention_bf16<32>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);

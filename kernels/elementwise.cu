@@ -146,18 +146,35 @@ extern "C" __global__ void moe_combine_bf16(const u16* ye, const u32* slot, cons
     }
 }
 
-// attention's bf16 keys or values: out [rows, heads, wpad] bf16 = the heads
-// of width `width` at columns offset + h·width of x (row stride `stride`),
-// each padded with zeros to `wpad` (a multiple of 16; see `Seg` in
-// common.cuh). One block per row, indexed in 32 bits.
-extern "C" __global__ void pack_heads_bf16(const float* x, int stride, int offset, int heads, int width, int wpad,
+// A value as bf16 bits: f32 rounded, bf16 as it is.
+__device__ __forceinline__ u16 as_bf16(float v) { return f32_to_bf16(v); }
+__device__ __forceinline__ u16 as_bf16(u16 v) { return v; }
+
+// attention's bf16 queries, keys or values: out [rows, heads, wpad] bf16 =
+// the heads of width `width` at columns offset + h·width of x (row stride
+// `stride`), each padded with zeros to `wpad` (a multiple of 16; see `Seg`
+// in common.cuh). One block per row, indexed in 32 bits.
+template <typename T>
+__device__ __forceinline__ void pack_heads(const T* x, int stride, int offset, int heads, int width, int wpad,
                                            u16* out) {
-    const float* row = x + (u64)blockIdx.x * stride + offset;
+    const T* row = x + (u64)blockIdx.x * stride + offset;
     u16* dst = out + (u64)blockIdx.x * heads * wpad;
     for (int i = threadIdx.x; i < heads * wpad; i += blockDim.x) {
         int h = i / wpad, c = i - h * wpad;
-        dst[i] = c < width ? f32_to_bf16(row[h * width + c]) : (u16)0;
+        dst[i] = c < width ? as_bf16(row[h * width + c]) : (u16)0;
     }
+}
+
+// pack_heads of f32 rows (rounded to bf16).
+extern "C" __global__ void pack_heads_bf16(const float* x, int stride, int offset, int heads, int width, int wpad,
+                                           u16* out) {
+    pack_heads(x, stride, offset, heads, width, wpad, out);
+}
+
+// pack_heads of bf16 rows (a bf16 qkv projection's; the bits as they are).
+extern "C" __global__ void pack_heads_bf16_from_bf16(const u16* x, int stride, int offset, int heads, int width,
+                                                     int wpad, u16* out) {
+    pack_heads(x, stride, offset, heads, width, wpad, out);
 }
 
 // out [T, inter] bf16 = bf16(silu(gate) · up) of f32 gate_up [T, 2·inter]:

@@ -71,3 +71,50 @@ extern "C" __global__ void moe_route(const float* logits, const float* correctio
     float scale = norm_topk ? scaling / (denom + 1e-20f) : scaling;
     for (int k = 0; k < top_k; k++) weights[(u64)t * top_k + k] *= scale;
 }
+
+// The rows of a MoE layer grouped by expert, on the device. ids [n] holds
+// each token's experts (entry t·top_k + j: token t's j-th); grouped row
+// starts[e] + r is expert e's r-th entry in entry order, as the host's
+// counting sort grouped them: src[row] = its token, slot[entry] = its row.
+// One block (at most 256 threads) per expert: each thread counts the
+// entries of its contiguous share that go below and to the block's expert,
+// thread 0 scans the counts in thread order, then each thread writes its
+// share's rows in order. starts [experts + 1]; starts[experts] counts the
+// entries of every expert, n unless an id is out of range.
+extern "C" __global__ void moe_group(const u32* ids, int n, int top_k, int experts, u32* starts, u32* src,
+                                     u32* slot) {
+    __shared__ u32 below[256];
+    __shared__ u32 mine[256];
+    u32 e = blockIdx.x;
+    int per = (n + (int)blockDim.x - 1) / (int)blockDim.x;
+    int i0 = min(n, (int)threadIdx.x * per), i1 = min(n, i0 + per);
+    u32 b = 0, m = 0;
+    for (int i = i0; i < i1; i++) {
+        u32 id = ids[i];
+        b += id < e;
+        m += id == e;
+    }
+    below[threadIdx.x] = b;
+    mine[threadIdx.x] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 first = 0, acc = 0;
+        for (u32 t = 0; t < blockDim.x; t++) {
+            first += below[t];
+            u32 c = mine[t];
+            mine[t] = acc;
+            acc += c;
+        }
+        starts[e] = first;
+        if (e + 1 == (u32)experts) starts[experts] = first + acc;
+        below[0] = first;
+    }
+    __syncthreads();
+    u32 row = below[0] + mine[threadIdx.x];
+    for (int i = i0; i < i1; i++)
+        if (ids[i] == e) {
+            src[row] = (u32)(i / top_k);
+            slot[i] = row;
+            row++;
+        }
+}

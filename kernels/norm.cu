@@ -3,10 +3,14 @@
 // fixed shape, so a row's result does not depend on the batch.
 #include "common.cuh"
 
+__device__ __forceinline__ float as_f32(float v) { return v; }
+__device__ __forceinline__ float as_f32(u16 v) { return bf16_to_f32(v); }
+
 // 1 / rms of `width` values at `row` (the block's reduction, one shape per launch).
-__device__ __forceinline__ float inv_rms(const float* row, int width, float eps, float* shm) {
+template <typename T>
+__device__ __forceinline__ float inv_rms(const T* row, int width, float eps, float* shm) {
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += row[c] * row[c];
+    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += as_f32(row[c]) * as_f32(row[c]);
     ss = block_sum(ss, shm);
     return 1.0f / sqrtf(ss / (float)width + eps);
 }
@@ -39,4 +43,14 @@ extern "C" __global__ void rms_norm_heads(float* x, int stride, int offset, int 
     float* head = x + (u64)blockIdx.x * stride + offset + (u64)blockIdx.y * hstride;
     float inv = inv_rms(head, width, eps, shm);
     for (int c = threadIdx.x; c < width; c += blockDim.x) head[c] = w[c] * (head[c] * inv);
+}
+
+// rms_norm_heads of bf16 rows (a bf16 qkv projection's), in f32, each value
+// rounded once on the way back.
+extern "C" __global__ void rms_norm_heads_bf16(u16* x, int stride, int offset, int hstride, int width, const float* w,
+                                              float eps) {
+    __shared__ float shm[32];
+    u16* head = x + (u64)blockIdx.x * stride + offset + (u64)blockIdx.y * hstride;
+    float inv = inv_rms(head, width, eps, shm);
+    for (int c = threadIdx.x; c < width; c += blockDim.x) head[c] = f32_to_bf16(w[c] * (bf16_to_f32(head[c]) * inv));
 }

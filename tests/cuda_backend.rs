@@ -434,3 +434,176 @@ fn expanded_weights_are_kept_when_memory_allows() {
         assert!(kept == each, "{name}: kept expansions changed the states");
     }
 }
+
+/// Double-buffered staging: a step's captures are still in flight when it
+/// returns, and are read after the next step ran (as the pipeline's writer
+/// does while the model runs the next step), out of order here; each
+/// step's states are the bits a step collected at once gives. A backend
+/// that left a step's staged copies on the device would hand them to the
+/// next step's collection (refused: more captures collected than staged).
+#[test]
+fn a_steps_captures_are_collected_while_the_next_step_runs() {
+    if !gxx_or_skip("a_steps_captures_are_collected_while_the_next_step_runs") {
+        return;
+    }
+    let name = "qwen3";
+    let samples = samples(name);
+    let batches = [
+        PackedBatch::from_samples([samples[0].as_slice()]),
+        PackedBatch::from_samples(samples.iter().map(Vec::as_slice)),
+    ];
+    let want = run::<Bf16>(name, 1, &batches);
+    let dir = fixture(name);
+    let AnyConfig::Llama(c) = AnyConfig::read(&dir).unwrap() else { panic!("{name} is a Llama-family fixture") };
+    let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
+    let ckpt = Checkpoint::open_scoped(&dir, "").unwrap();
+    let m = Llama::<usize, Emu<Bf16>>::from_checkpoint_on(Emu::new(Emulated::default(), vec![0]), c, &ckpt).unwrap();
+    let mut cache = Default::default();
+    let first = m.forward_step_pending(&batches[0], &set, &mut cache).unwrap();
+    let second = m.forward_step_pending(&batches[1], &set, &mut cache).unwrap();
+    assert!(first.is_pending() && second.is_pending(), "the emulated device stages its captures");
+    let second = second.wait().unwrap();
+    let first = first.wait().unwrap();
+    assert!(first.as_slice() == want[0].as_slice(), "step 1's states changed when collected after step 2");
+    assert!(second.as_slice() == want[1].as_slice(), "step 2's states changed when collected before step 1's");
+}
+
+/// The emulated device holds staged copies to a GPU's rule: they have landed
+/// only once a sync issued after them completed. A collection before it is
+/// refused, so a backend that read its captures before the step's sync
+/// fails the tests here as it would read garbage on a GPU.
+#[test]
+fn staged_copies_are_read_only_after_a_sync() {
+    use strata::backend::cuda::Device;
+    let dev = Emulated::default();
+    let src = dev.alloc_zeroed(64).unwrap();
+    let p = dev.ptr(&src);
+    dev.stage(p, 64).unwrap();
+    let early = dev.take_staged().unwrap().collect(&mut |_| {});
+    assert!(early.is_err(), "a collection before the sync was accepted");
+    dev.stage(p, 64).unwrap();
+    let taken = dev.take_staged().unwrap();
+    dev.sync().unwrap();
+    let mut sizes = Vec::new();
+    taken.collect(&mut |parts| sizes = parts.iter().map(|p| p.len()).collect()).unwrap();
+    assert_eq!(sizes, [64], "the copy staged after the first take");
+}
+
+/// Under bf16 compute the attention block keeps q, k and v in bf16 from the
+/// qkv GEMM to the attention kernel (`norm_attention_add`): the GEMM writes
+/// bf16, the q/k norms, RoPE and the packing read and write bf16 rows, and
+/// no f32 `[T, (heads + 2·kv heads)·hd]` is written. The states are within
+/// bf16's rounding of the op-by-op block's (f32 q, k, v), not its bits. At
+/// head dim 128 with GQA, a q/k norm and a bias, over two packed samples.
+#[test]
+fn the_bf16_attention_block_keeps_q_k_v_in_bf16() {
+    if !gxx_or_skip("the_bf16_attention_block_keeps_q_k_v_in_bf16") {
+        return;
+    }
+    use strata::backend::{attention_block_ops, AttnBlock, AttnShape, Backend, KvStore, Parallel, Tensor};
+    use strata::hf::quant::LinearWeight;
+    use strata::hf::RopeFreqs;
+    let b = Emu::<Bf16>::new(Emulated::default(), vec![0]);
+    let (h, nh, nkv, hd) = (64usize, 2usize, 1usize, 128usize);
+    let batch = PackedBatch::from_samples([&[1u32; 70][..], &[2u32; 9][..]]);
+    let rows = batch.num_tokens();
+    let vals = |n: usize, seed: u64| -> Vec<f32> {
+        let mut rng = strata_testkit::Rng::new(seed);
+        (0..n).map(|_| rng.uniform()).collect()
+    };
+    let dense = |r: usize, c: usize, seed: u64| LinearWeight::Dense { rows: r, cols: c, w: vals(r * c, seed) };
+    let width = (nh + 2 * nkv) * hd;
+    let qkv_proj = b.linear(dense(width, h, 1), Some(vals(width, 2)), Parallel::Column);
+    let o_proj = b.linear(dense(h, nh * hd, 3), None, Parallel::Row);
+    let (norm, qn, kn) = (b.vector(vals(h, 4)), b.vector(vals(hd, 5)), b.vector(vals(hd, 6)));
+    let inv_freq = (0..hd / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
+    let rope = b.rope_table(&RopeFreqs { inv_freq, scale: 1.0 }, batch.max_position());
+    let shape = AttnShape { heads: nh, kv_heads: nkv, head_dim: hd, v_dim: hd, window: None, scale: 0.088 };
+    let block =
+        AttnBlock { qkv_proj: &qkv_proj, o_proj: &o_proj, norm: (&norm, 1e-6), qk_norm: Some((&qn, &kn, 1e-6)), shape };
+    let x0 = vals(rows * h, 7);
+    let run = |fused: bool| {
+        let mut x = Tensor::<Emu<Bf16>, usize>::from_host(&b, &x0, rows, h).unwrap();
+        let (mut normed, mut qkv, mut out) =
+            (Tensor::zeros(&b, rows, h), Tensor::zeros(&b, rows, width), Tensor::zeros(&b, rows, nh * hd));
+        let mut cache = Default::default();
+        KvStore::begin(&mut cache, &batch).unwrap();
+        if fused {
+            b.norm_attention_add(&block, &mut x, &mut normed, &mut qkv, &mut out, &rope, &batch, &mut cache, 0);
+        } else {
+            attention_block_ops(&b, &block, &mut x, &mut normed, &mut qkv, &mut out, &rope, &batch, &mut cache, 0);
+        }
+        b.end_step().unwrap();
+        x.to_host(&b)
+    };
+    let got = run(true);
+    let dev = b.device();
+    let counts = |names: &[&str]| names.iter().map(|n| dev.count(n)).collect::<Vec<_>>();
+    let bf16_ops = ["rms_norm_heads_bf16", "rope_bf16", "pack_heads_bf16_from_bf16"];
+    let f32_ops = ["rms_norm_heads", "rope", "pack_heads_bf16", "to_bf16"];
+    assert_eq!(counts(&bf16_ops), [2, 1, 3], "q, k and v did not stay in bf16");
+    // (o_proj's input, the attention's f32 output, is the one rounding left.)
+    assert_eq!(counts(&f32_ops), [0, 0, 0, 1], "an f32 q, k or v was written");
+    let want = run(false);
+    assert_eq!(counts(&f32_ops), [2, 1, 3, 2], "the op-by-op block");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(got.iter().all(|v| v.is_finite()), "a value was left unwritten (NaN)");
+    assert!(worst <= 2e-2 * scale, "the bf16 block differs from the f32-qkv one by {worst} (scale {scale})");
+    assert!(got != want, "q, k and v were not kept in bf16");
+}
+
+/// MoE rows are grouped by expert on the device (`moe_group`), in the order
+/// the host's counting sort gave them: each expert's rows hold its tokens in
+/// order, every entry's slot names its row. 3 experts of 64 get every entry
+/// of 700 (more than one per thread), the rest none; an expert index out of
+/// range shows in the last start, which the backend checks.
+#[test]
+fn moe_rows_are_grouped_on_the_device_as_the_host_grouped_them() {
+    if !gxx_or_skip("moe_rows_are_grouped_on_the_device_as_the_host_grouped_them") {
+        return;
+    }
+    use strata::backend::cuda::device::{Device, Launch};
+    use strata::backend::cuda::kernels as launch;
+    let dev = Emulated::default();
+    let (top_k, experts) = (2usize, 64usize);
+    let mut rng = strata_testkit::Rng::new(9);
+    let mut ids: Vec<u32> = (0..700).map(|_| [3u32, 17, 63][(rng.uniform().abs() * 3.0) as usize % 3]).collect();
+    let group = |ids: &[u32]| {
+        let n = ids.len();
+        let idm = dev.alloc(n * 4).unwrap();
+        dev.upload(dev.ptr(&idm), bytemuck::cast_slice(ids)).unwrap();
+        let out = dev.alloc((experts + 1 + 2 * n) * 4).unwrap();
+        let p = dev.ptr(&out);
+        let (starts, src, slot) = (p, p + ((experts + 1) * 4) as u64, p + ((experts + 1 + n) * 4) as u64);
+        let cfg = Launch { grid: (experts as u32, 1), block: 256, smem: 0 };
+        launch::moe_group(&dev, cfg, dev.ptr(&idm), n as i32, top_k as i32, experts as i32, starts, src, slot).unwrap();
+        let mut host = vec![0u32; experts + 1 + 2 * n];
+        dev.download(p, bytemuck::cast_slice_mut(&mut host)).unwrap();
+        let (starts, rest) = host.split_at(experts + 1);
+        let (src, slot) = rest.split_at(n);
+        (starts.to_vec(), src.to_vec(), slot.to_vec())
+    };
+    let (starts, src, slot) = group(&ids);
+    // The host's counting sort, as the backend did it before.
+    let mut want_starts = vec![0u32; experts + 1];
+    for &e in &ids {
+        want_starts[e as usize + 1] += 1;
+    }
+    for e in 0..experts {
+        want_starts[e + 1] += want_starts[e];
+    }
+    let (mut next, mut want_src, mut want_slot) = (want_starts.clone(), vec![0u32; ids.len()], vec![0u32; ids.len()]);
+    for (i, &e) in ids.iter().enumerate() {
+        let row = next[e as usize];
+        next[e as usize] += 1;
+        want_src[row as usize] = (i / top_k) as u32;
+        want_slot[i] = row;
+    }
+    assert_eq!(starts, want_starts, "expert starts");
+    assert_eq!(src, want_src, "the tokens of the grouped rows");
+    assert_eq!(slot, want_slot, "each entry's row");
+    ids[123] = experts as u32; // out of range: in no expert's rows
+    let (starts, _, _) = group(&ids);
+    assert_eq!(starts[experts] as usize, ids.len() - 1, "the last start counts the entries in range");
+}

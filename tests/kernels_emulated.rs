@@ -438,11 +438,11 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
         let rbuf = Tensor::<Reference>::from_host(&r, &rounded, t, width).unwrap();
         cache.begin(b).unwrap();
         r.attention(rbuf.cols(0, qw), rbuf.cols(qw, kw), rbuf.cols(qw + kw, vw), shape, b, &mut cache, 0, &mut want);
-        // Rows `rows` of the heads at column `at` (width `w` each), as bf16 padded to `wp`.
-        let packed = |rows: std::ops::Range<usize>, at: usize, w: usize, wp: usize| -> Vec<u16> {
+        // Rows `rows` of the `heads` heads at column `at` (width `w` each), as bf16 padded to `wp`.
+        let packed_heads = |rows: std::ops::Range<usize>, at: usize, w: usize, wp: usize, heads: usize| -> Vec<u16> {
             let mut out = Vec::new();
             for row in rows {
-                for h in 0..nkv {
+                for h in 0..heads {
                     let head = &qkv[row * width + at + h * w..][..w];
                     out.extend(head.iter().map(|&x| half::bf16::from_f32(x).to_bits()));
                     out.resize(out.len() + wp - w, 0);
@@ -450,7 +450,10 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
             }
             out
         };
+        let packed = |rows, at, w, wp| packed_heads(rows, at, w, wp, nkv);
         let (step_k16, step_v16) = (packed(0..t, qw, hd, dp), packed(0..t, qw + kw, vd, vp));
+        // The bf16 kernel's queries: packed as its keys are (pack_heads_bf16).
+        let step_q16 = packed_heads(0..t, 0, hd, dp, nh);
         let mut segs = Vec::new();
         for (s, g) in b.segments().iter().enumerate() {
             let rows = b.range(s);
@@ -499,8 +502,9 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
             let f: F = unsafe { std::mem::transmute(l.sym(&format!("attention_bf16_v{n}"))) };
             let tp = p(&tiles);
             let smem = attention_bf16_smem(hd, vd);
+            let (qp, qs) = (p(&step_q16), (nh * dp) as i32);
             l.launch_smem(((tiles.len() / 2) as u32, nh as u32), 128, smem, || unsafe {
-                f(qp, width as i32, sp, tp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, op)
+                f(qp, qs, sp, tp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, op)
             });
             // Scores and probabilities are rounded to bf16 by the tensor-core path only.
             assert_close(&format!("attention_bf16 step {step}"), &got, &want.to_host(&r), 2e-2);

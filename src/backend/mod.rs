@@ -57,6 +57,10 @@ pub enum BackendError {
     Device(String),
 }
 
+/// The rest of a step's captures, still on their way from a device: run on
+/// the step's `[L, T, H]` values, it fills the slots the device staged.
+pub type PendingCopies = Box<dyn FnOnce(&mut [f32]) -> Result<(), BackendError> + Send>;
+
 /// The dtype a backend feeds its GEMMs and attention (the residual stream,
 /// norms, softmax and accumulations stay f32 whatever it is).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -185,6 +189,49 @@ pub struct AttnShape {
     pub window: Option<usize>,
     /// Score scale, `head_dim^-0.5` (times YaRN's factor).
     pub scale: f32,
+}
+
+/// A pre-norm attention block of the Llama family, as one op takes it
+/// ([`Backend::norm_attention_add`]): `x += o_proj(attention(rope(q_norm(q)),
+/// rope(k_norm(k)), v))` with `[q | k | v] = qkv_proj(rms_norm(x))`.
+pub struct AttnBlock<'a, B: Backend> {
+    /// `q_proj`, `k_proj`, `v_proj` stacked: `[(heads + 2·kv_heads) · head_dim, hidden]`, column-parallel.
+    pub qkv_proj: &'a B::Linear,
+    /// `[hidden, heads · head_dim]`, row-parallel.
+    pub o_proj: &'a B::Linear,
+    /// The input norm's weight and epsilon.
+    pub norm: (&'a B::Vector, f32),
+    /// Per-head q and k norms (Qwen3) and their epsilon.
+    pub qk_norm: Option<(&'a B::Vector, &'a B::Vector, f32)>,
+    /// Heads, widths (`v_dim == head_dim`), window and scale.
+    pub shape: AttnShape,
+}
+
+/// [`Backend::norm_attention_add`] as the ops it is made of, one by one
+/// (the default, and a backend's fallback where it cannot fuse).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_block_ops<B: Backend, H: Dim>(
+    b: &B,
+    a: &AttnBlock<'_, B>,
+    x: &mut Tensor<B, H>,
+    normed: &mut Tensor<B, H>,
+    qkv: &mut Tensor<B>,
+    out: &mut Tensor<B>,
+    rope: &B::RopeTable,
+    batch: &PackedBatch,
+    cache: &mut B::KvCache,
+    layer: usize,
+) {
+    let (nh, nkv, hd) = (a.shape.heads, a.shape.kv_heads, a.shape.head_dim);
+    b.norm_linear_forward(a.qkv_proj, x, a.norm.0, a.norm.1, normed, qkv);
+    if let Some((qn, kn, eps)) = a.qk_norm {
+        b.rms_norm_heads(qkv, HeadSpan::heads(0, nh, hd), qn, eps);
+        b.rms_norm_heads(qkv, HeadSpan::heads(nh * hd, nkv, hd), kn, eps);
+    }
+    b.rope(qkv, HeadSpan::heads(0, nh + nkv, hd), false, rope, batch);
+    let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
+    b.attention(q, k, v, a.shape, batch, cache, layer, out);
+    b.linear_add(a.o_proj, out, x);
 }
 
 /// How an MoE router picks each token's experts (every mode of the DeepSeek family).
@@ -404,6 +451,30 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.norm_linear_forward(gate_up, x, w, eps, normed, gate_up_out);
         self.swiglu_linear_add(down, gate_up_out, act, x);
     }
+    /// [`AttnBlock`]'s update of the residual stream `x`, the projection's
+    /// output and the attention's going to `qkv` `[T, (heads + 2·kv_heads) ·
+    /// head_dim]` and `out` `[T, heads · head_dim]`, RoPE (`rotate_half`) at
+    /// each token's position. The default is [`Self::norm_linear_forward`],
+    /// [`Self::rms_norm_heads`], [`Self::rope`], [`Self::attention`] and
+    /// [`Self::linear_add`]: the same bits as those ops. A backend may instead
+    /// keep q, k and v in its compute dtype (bf16, as PyTorch's bf16 run
+    /// does), leaving `normed` and `qkv` unwritten; the states then differ
+    /// from the default's in the last bits.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_attention_add<H: Dim>(
+        &self,
+        a: &AttnBlock<'_, Self>,
+        x: &mut Tensor<Self, H>,
+        normed: &mut Tensor<Self, H>,
+        qkv: &mut Tensor<Self>,
+        out: &mut Tensor<Self>,
+        rope: &Self::RopeTable,
+        batch: &PackedBatch,
+        cache: &mut Self::KvCache,
+        layer: usize,
+    ) {
+        attention_block_ops(self, a, x, normed, qkv, out, rope, batch, cache, layer);
+    }
     /// Causal attention over the packed variable-length segments of `batch`:
     /// `out = softmax(q·kᵀ·scale + mask)·v` per head. A segment that
     /// continues a sample (chunked prefill) reads its earlier keys and values
@@ -442,16 +513,21 @@ pub trait Backend: Send + Sync + Sized + 'static {
         Ok(())
     }
     /// Copies the whole `[T, H]` buffer into slot `slot` of host `[L, T, H]`
-    /// states, by the time [`Backend::capture_finish`] returns (a device
-    /// backend copies asynchronously, while the forward goes on).
+    /// states: at once on a host backend; a device backend copies
+    /// asynchronously, while the forward goes on, and completes the copy
+    /// through what [`Backend::capture_take`] returns.
     fn capture<L: Dim, H: Dim>(
         &self,
         x: &Tensor<Self, H>,
         out: &mut CapturedStates<L, H>,
         slot: usize,
     ) -> Result<(), ShapeError>;
-    /// Completes a step's captures into `out`: called once per step on a
-    /// capturing rank, after its last [`Backend::capture`]. Host backends
-    /// copied already and have nothing to do.
-    fn capture_finish<L: Dim, H: Dim>(&self, _out: &mut CapturedStates<L, H>) {}
+    /// Takes a step's captures still on their way to the host: called once
+    /// per step on a capturing rank, after its last [`Backend::capture`] into
+    /// `out`. Running the result on `out`'s values after [`Backend::end_step`]
+    /// completes them, on any thread (the pipeline's writer does it while the
+    /// next step runs). `None`: nothing is pending (host backends copied already).
+    fn capture_take<L: Dim, H: Dim>(&self, _out: &CapturedStates<L, H>) -> Option<PendingCopies> {
+        None
+    }
 }

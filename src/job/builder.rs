@@ -9,12 +9,12 @@
 //! job a writer for another hidden size or capture count does not compile.
 //! With `usize` dims the same checks run once, at the sink's boundary.
 
-use crate::model::{Model, ModelError};
+use crate::model::{Model, ModelError, PendingStates};
 use crate::pipeline::capture::CaptureSet;
 use crate::pipeline::gather::Gatherer;
 use crate::pipeline::schedule::{Scheduler, Step};
 use crate::pipeline::source::{Source, SourceError};
-use crate::shape::{CapturedStates, Dim, ShapeError};
+use crate::shape::{Dim, ShapeError};
 use crate::sink::{Sink, SinkError};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -187,17 +187,20 @@ where
         }
         let written = AtomicUsize::new(0);
         let parent = tracing::Span::current();
-        let (tx, rx) = mpsc::sync_channel::<(Step, CapturedStates<L, M::Hidden>)>(0);
+        // The model's states reach the writer pending: it completes the
+        // device's copies into host memory while the next step runs.
+        let (tx, rx) = mpsc::sync_channel::<(Step, PendingStates<L, M::Hidden>)>(0);
         let (ran, wrote) = std::thread::scope(|scope| {
             let sink = &mut sink;
             let written = &written;
             let writer = scope.spawn(move || -> Result<(Duration, Duration), PipelineError> {
                 let mut gatherer = Gatherer::default();
                 let (mut gather_time, mut write_time) = (Duration::ZERO, Duration::ZERO);
-                for (step, states) in rx {
+                for (step, pending) in rx {
                     let t = Instant::now();
                     let mut write = Duration::ZERO;
                     let _s = info_span!(parent: &parent, "gather").entered();
+                    let states = pending.wait()?;
                     gatherer.gather(&step, &states, |sample, view| -> Result<(), PipelineError> {
                         let w = Instant::now();
                         let _s = info_span!("write", sample = sample.index).entered();
@@ -224,7 +227,7 @@ where
                     let Some(step) = step else { return Ok(()) };
 
                     let t = Instant::now();
-                    let states = model.forward_step(&step.batch, &captures, &mut cache)?;
+                    let states = model.forward_step_pending(&step.batch, &captures, &mut cache)?;
                     report.forward_time += t.elapsed();
 
                     report.steps += 1;

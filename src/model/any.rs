@@ -4,7 +4,7 @@
 //! hands back one [`AnyModel`] the pipeline can run. Adding a family or a
 //! backend adds a case here; the model files do not change.
 
-use super::{deepseek, llama, Decoder, Model, ModelError, TpModel};
+use super::{deepseek, llama, Decoder, Model, ModelError, PendingStates, TpModel};
 use crate::backend::{Backend, Bf16, Compute, ComputeDtype, Cpu, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, LlamaConfig};
@@ -409,7 +409,7 @@ trait ErasedModel: Send {
         batch: &PackedBatch,
         captures: &CaptureSet<usize>,
         cache: &mut (dyn Any + Send),
-    ) -> Result<CapturedStates<usize, usize>, ModelError>;
+    ) -> Result<PendingStates<usize, usize>, ModelError>;
 }
 
 impl<M> ErasedModel for M
@@ -431,9 +431,9 @@ where
         batch: &PackedBatch,
         captures: &CaptureSet<usize>,
         cache: &mut (dyn Any + Send),
-    ) -> Result<CapturedStates<usize, usize>, ModelError> {
+    ) -> Result<PendingStates<usize, usize>, ModelError> {
         let cache = cache.downcast_mut::<M::Cache>().expect("the cache this model made");
-        self.forward_step(batch, captures, cache)
+        self.forward_step_pending(batch, captures, cache)
     }
 }
 
@@ -453,17 +453,19 @@ impl Model for AnyModel {
     fn weight_bytes(&self) -> usize {
         self.inner.weight_bytes()
     }
-    fn forward_step<L: Dim>(
+    fn forward_step_pending<L: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
         cache: &mut AnyCache,
-    ) -> Result<CapturedStates<L, usize>, ModelError> {
+    ) -> Result<PendingStates<L, usize>, ModelError> {
         let cache = cache.0.get_or_insert_with(|| self.inner.new_cache());
         let set = CaptureSet::<usize>::try_new(captures.points().to_vec())?;
-        let states = self.inner.step(batch, &set, cache.as_mut())?;
-        let [_, t, h] = states.shape();
-        Ok(CapturedStates::try_from_vec(states.into_vec(), captures.layers(), t, h)?)
+        let pending = self.inner.step(batch, &set, cache.as_mut())?;
+        Ok(pending.retype(|states| {
+            let [_, t, h] = states.shape();
+            CapturedStates::try_from_vec(states.into_vec(), captures.layers(), t, h)
+        })?)
     }
 }
 

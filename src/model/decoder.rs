@@ -4,8 +4,8 @@
 //! residual stream passes, the final norm, and the KV cache bookkeeping of
 //! chunked prefill.
 
-use super::ModelError;
-use crate::backend::{Backend, KvStore, Tensor};
+use super::{ModelError, PendingStates};
+use crate::backend::{Backend, KvStore, PendingCopies, Tensor};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError, PrefixMismatch};
 use crate::hf::{ArchInfo, ConfigError, RopeFreqs};
 use crate::pipeline::batch::PackedBatch;
@@ -265,6 +265,18 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         captures: &CaptureSet<LD>,
         cache: &mut B::KvCache,
     ) -> Result<CapturedStates<LD, H>, ModelError> {
+        self.forward_step_pending(batch, captures, cache)?.wait()
+    }
+
+    /// [`forward_step`](Self::forward_step), returning once the device has
+    /// run the step: the copies of its captures into host memory are left
+    /// to [`PendingStates::wait`], so that they overlap the next step.
+    pub fn forward_step_pending<LD: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<LD>,
+        cache: &mut B::KvCache,
+    ) -> Result<PendingStates<LD, H>, ModelError> {
         Ok(self.forward_rank(batch, captures, cache, true)?.expect("a capturing forward returns states"))
     }
 
@@ -279,7 +291,7 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         captures: &CaptureSet<LD>,
         cache: &mut B::KvCache,
         capture: bool,
-    ) -> Result<Option<CapturedStates<LD, H>>, ModelError> {
+    ) -> Result<Option<PendingStates<LD, H>>, ModelError> {
         let (b, f) = (&self.backend, &self.frame);
         self.check_batch(batch)?;
         let t = batch.num_tokens();
@@ -293,7 +305,7 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         let mut scratch = L::scratch(b, &self.config, t, self.hidden);
         for (k, layer) in self.layers.iter().enumerate().take(caps.depth) {
             if let Err(e) = caps.record(b, Tap::Residual(k), &x) {
-                caps.complete(b);
+                drop(caps.complete(b));
                 return Err(e);
             }
             let _s = debug_span!("layer", k).entered();
@@ -301,8 +313,9 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         }
         cache.retire(batch);
         let states = caps.finish(b, &x, &self.norm, f.rms_norm_eps)?;
+        // The staged copies land by the end of the step; reading them is left to the caller.
         b.end_step()?;
-        Ok(states)
+        Ok(states.map(|(states, copies)| PendingStates::new(states, copies)))
     }
 }
 
@@ -346,15 +359,16 @@ impl<L: Dim, H: Dim> Captures<L, H> {
     }
 
     /// Records the residual after the last layer run and, if asked for (on a
-    /// capturing rank), the final norm of it; returns the filled buffer
-    /// (`None` on a non-capturing rank).
+    /// capturing rank), the final norm of it; returns the buffer and the
+    /// device's copies still to land in it (`None` on a non-capturing rank).
+    #[allow(clippy::type_complexity)]
     fn finish<B: Backend>(
         mut self,
         b: &B,
         x: &Tensor<B, H>,
         norm: &B::Vector,
         eps: f32,
-    ) -> Result<Option<CapturedStates<L, H>>, ModelError> {
+    ) -> Result<Option<(CapturedStates<L, H>, Option<PendingCopies>)>, ModelError> {
         let recorded = self.record(b, Tap::Residual(self.depth), x).and_then(|()| {
             if !self.post_norm || self.out.is_none() {
                 return Ok(());
@@ -363,17 +377,15 @@ impl<L: Dim, H: Dim> Captures<L, H> {
             b.rms_norm(x.all(), norm, eps, &mut normed);
             self.record(b, Tap::PostNorm, &normed)
         });
-        self.complete(b);
+        let copies = self.complete(b);
         recorded?;
-        Ok(self.out)
+        Ok(self.out.map(|out| (out, copies)))
     }
 
-    /// Hands over the step's captures (see [`Backend::capture_finish`]); on
-    /// an error path too, so a device backend never carries copies it
-    /// staged for this step into the next.
-    fn complete<B: Backend>(&mut self, b: &B) {
-        if let Some(out) = self.out.as_mut() {
-            b.capture_finish(out);
-        }
+    /// Takes the step's captures still in flight (see
+    /// [`Backend::capture_take`]); on an error path too, so a device backend
+    /// never carries copies it staged for this step into the next.
+    fn complete<B: Backend>(&mut self, b: &B) -> Option<PendingCopies> {
+        self.out.as_ref().and_then(|out| b.capture_take(out))
     }
 }

@@ -12,7 +12,7 @@
 use super::decoder::{Block, Frame, Step};
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnShape, Backend, HeadSpan, Parallel, Resident, Tensor};
+use crate::backend::{AttnBlock, AttnShape, Backend, Parallel, Resident, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama::LlamaConfig;
 use crate::hf::quant::{LinearWeight, WeightFormat};
@@ -152,25 +152,23 @@ impl<B: Backend> Attention<B> {
         cache: &mut B::KvCache,
         layer: usize,
     ) {
-        let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
-        b.norm_linear_forward(&self.qkv_proj, x, norm.weight, norm.eps, norm.normed, &mut s.qkv);
-        // q/k norm (Qwen3), then RoPE at each token's position within its sample.
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            b.rms_norm_heads(&mut s.qkv, HeadSpan::heads(0, nh, hd), qn, self.eps);
-            b.rms_norm_heads(&mut s.qkv, HeadSpan::heads(nh * hd, nkv, hd), kn, self.eps);
-        }
-        b.rope(&mut s.qkv, HeadSpan::heads(0, nh + nkv, hd), false, step.rope, step.batch);
+        let hd = self.head_dim;
         let shape = AttnShape {
-            heads: nh,
-            kv_heads: nkv,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
             head_dim: hd,
             v_dim: hd,
             window: self.window,
             scale: (hd as f32).powf(-0.5),
         };
-        let (q, k, v) = (s.qkv.cols(0, nh * hd), s.qkv.cols(nh * hd, nkv * hd), s.qkv.cols((nh + nkv) * hd, nkv * hd));
-        b.attention(q, k, v, shape, step.batch, cache, layer, &mut s.out);
-        b.linear_add(&self.o_proj, &s.out, x);
+        // q/k norm (Qwen3), then RoPE at each token's position within its sample.
+        let qk_norm = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => Some((qn, kn, self.eps)),
+            _ => None,
+        };
+        let block =
+            AttnBlock { qkv_proj: &self.qkv_proj, o_proj: &self.o_proj, norm: (norm.weight, norm.eps), qk_norm, shape };
+        b.norm_attention_add(&block, x, norm.normed, &mut s.qkv, &mut s.out, step.rope, step.batch, cache, layer);
     }
 
     fn weight_bytes(&self) -> usize {

@@ -22,7 +22,7 @@ pub use any::{
 pub use decoder::Decoder;
 pub use tp_model::{RankModel, RankWorker, TpModel};
 
-use crate::backend::{Backend, BackendError};
+use crate::backend::{Backend, BackendError, PendingCopies};
 use crate::hf::checkpoint::CheckpointError;
 use crate::hf::ConfigError;
 use crate::pipeline::batch::PackedBatch;
@@ -71,6 +71,50 @@ impl From<BackendError> for ModelError {
     }
 }
 
+/// A step's captured states, whose values a device may still be copying
+/// to the host: [`PendingStates::wait`] completes them (on the pipeline's
+/// writer thread, while the next step runs).
+pub struct PendingStates<L: Dim, H: Dim> {
+    /// `[L, T, H]`: the slots a host backend filled, and room for the rest.
+    states: CapturedStates<L, H>,
+    /// The device's copies into the other slots, if any.
+    copies: Option<PendingCopies>,
+}
+
+impl<L: Dim, H: Dim> PendingStates<L, H> {
+    /// States with nothing pending.
+    pub fn ready(states: CapturedStates<L, H>) -> Self {
+        PendingStates { states, copies: None }
+    }
+
+    /// `states`, of which `copies` (if any) fills the rest.
+    pub fn new(states: CapturedStates<L, H>, copies: Option<PendingCopies>) -> Self {
+        PendingStates { states, copies }
+    }
+
+    /// Whether values are still to be copied.
+    pub fn is_pending(&self) -> bool {
+        self.copies.is_some()
+    }
+
+    /// The states, complete.
+    pub fn wait(mut self) -> Result<CapturedStates<L, H>, ModelError> {
+        if let Some(copies) = self.copies.take() {
+            copies(self.states.as_mut_slice())?;
+        }
+        Ok(self.states)
+    }
+
+    /// The same pending values under other dims (the layout is kept: `f` may
+    /// only retype the `[L, T, H]` buffer).
+    pub fn retype<L2: Dim, H2: Dim>(
+        self,
+        f: impl FnOnce(CapturedStates<L, H>) -> Result<CapturedStates<L2, H2>, ShapeError>,
+    ) -> Result<PendingStates<L2, H2>, ShapeError> {
+        Ok(PendingStates { states: f(self.states)?, copies: self.copies })
+    }
+}
+
 /// What the pipeline needs of a model: its hidden dim and a forward step that
 /// fills the requested capture points for a packed batch (with chunked prefill).
 pub trait Model {
@@ -86,13 +130,24 @@ pub trait Model {
     fn dtype(&self) -> DType;
     /// Bytes of memory the weights hold, over all ranks.
     fn weight_bytes(&self) -> usize;
+    /// Runs one step, leaving the device's last copies pending; see
+    /// [`Decoder::forward_step_pending`].
+    fn forward_step_pending<L: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+        cache: &mut Self::Cache,
+    ) -> Result<PendingStates<L, Self::Hidden>, ModelError>;
+
     /// Runs one step; see [`Decoder::forward_step`].
     fn forward_step<L: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
         cache: &mut Self::Cache,
-    ) -> Result<CapturedStates<L, Self::Hidden>, ModelError>;
+    ) -> Result<CapturedStates<L, Self::Hidden>, ModelError> {
+        self.forward_step_pending(batch, captures, cache)?.wait()
+    }
 }
 
 impl<B: Backend, L: decoder::Block<B>, H: Dim> Model for Decoder<B, L, H> {
@@ -110,12 +165,12 @@ impl<B: Backend, L: decoder::Block<B>, H: Dim> Model for Decoder<B, L, H> {
     fn weight_bytes(&self) -> usize {
         self.resident_bytes()
     }
-    fn forward_step<LD: Dim>(
+    fn forward_step_pending<LD: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<LD>,
         cache: &mut B::KvCache,
-    ) -> Result<CapturedStates<LD, H>, ModelError> {
-        Decoder::forward_step(self, batch, captures, cache)
+    ) -> Result<PendingStates<LD, H>, ModelError> {
+        Decoder::forward_step_pending(self, batch, captures, cache)
     }
 }

@@ -5,7 +5,7 @@
 //! [`crate::backend::Parallel`] kind.
 
 use super::decoder::{read_config_text, Block, Decoder};
-use super::{Model, ModelError};
+use super::{Model, ModelError, PendingStates};
 use crate::backend::Backend;
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::parallel::{Executor, PerRank, RpcError, ShardDim, ShardedStates, TpSize};
@@ -25,7 +25,7 @@ pub trait RankModel: Model + Send + 'static {
         captures: &CaptureSet<L>,
         cache: &mut Self::Cache,
         capture: bool,
-    ) -> Result<Option<CapturedStates<L, Self::Hidden>>, ModelError>;
+    ) -> Result<Option<PendingStates<L, Self::Hidden>>, ModelError>;
 
     /// Stops the group's collectives after this rank panicked (see [`Backend::abort_group`]).
     fn abort_group(&self, why: &str);
@@ -38,7 +38,7 @@ impl<B: Backend, L: Block<B>, H: Dim> RankModel for Decoder<B, L, H> {
         captures: &CaptureSet<LD>,
         cache: &mut B::KvCache,
         capture: bool,
-    ) -> Result<Option<CapturedStates<LD, H>>, ModelError> {
+    ) -> Result<Option<PendingStates<LD, H>>, ModelError> {
         Decoder::forward_rank(self, batch, captures, cache, capture)
     }
 
@@ -66,6 +66,15 @@ impl<M: RankModel> RankWorker<M> {
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
     ) -> Result<CapturedStates<L, M::Hidden>, ModelError> {
+        self.capture_pending(batch, captures)?.wait()
+    }
+
+    /// [`capture`](Self::capture), with the device's last copies left pending.
+    pub fn capture_pending<L: Dim>(
+        &mut self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+    ) -> Result<PendingStates<L, M::Hidden>, ModelError> {
         Ok(self.model.forward_rank(batch, captures, &mut self.cache, true)?.expect("capturing rank"))
     }
 
@@ -234,16 +243,16 @@ where
     }
 
     /// Every rank runs the step; rank 0 alone captures, and its states move to the caller.
-    fn forward_step<L: Dim>(
+    fn forward_step_pending<L: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
         _cache: &mut (),
-    ) -> Result<CapturedStates<L, M::Hidden>, ModelError> {
+    ) -> Result<PendingStates<L, M::Hidden>, ModelError> {
         let (batch, captures) = (Arc::new(batch.clone()), captures.clone());
         let replies = self.exec.collective_rpc(move |w: &mut RankWorker<M>| {
             if w.rank == 0 {
-                w.capture(&batch, &captures).map(Some)
+                w.capture_pending(&batch, &captures).map(Some)
             } else {
                 w.run(&batch, &captures).map(|()| None)
             }

@@ -14,12 +14,12 @@
 use super::api::ApiError;
 use super::metrics::Metrics;
 use super::store::{Reservation, Served, Store};
-use crate::model::{AnyCache, AnyModel, Model};
+use crate::model::{AnyCache, AnyModel, Model, PendingStates};
 use crate::pipeline::capture::CaptureSet;
 use crate::pipeline::gather::Gatherer;
 use crate::pipeline::schedule::{Scheduler, Step};
 use crate::pipeline::source::Sample;
-use crate::shape::{CapturedStates, DType, ShapeError};
+use crate::shape::{DType, ShapeError};
 use crate::sink::SpeculatorsEncoder;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
@@ -230,7 +230,7 @@ impl Engine {
         &self,
         model: &AnyModel,
         captures: &CaptureSet<usize>,
-        to_writer: mpsc::SyncSender<(Step, CapturedStates<usize, usize>)>,
+        to_writer: mpsc::SyncSender<(Step, PendingStates<usize, usize>)>,
     ) {
         let mut scheduler = Scheduler::new(self.budget);
         let mut cache = AnyCache::default();
@@ -256,7 +256,7 @@ impl Engine {
             let span = tracing::info_span!("step", tokens, requests = step.parts.len());
             let _s = span.enter();
             let t = Instant::now();
-            match model.forward_step(&step.batch, captures, &mut cache) {
+            match model.forward_step_pending(&step.batch, captures, &mut cache) {
                 Ok(states) => {
                     let secs = t.elapsed().as_secs_f64();
                     self.metrics.step(tokens, (secs * 1e6) as u64);
@@ -286,15 +286,24 @@ impl Engine {
     /// encoded as the speculators file, written and answered.
     pub fn run_writer(
         &self,
-        from_model: mpsc::Receiver<(Step, CapturedStates<usize, usize>)>,
+        from_model: mpsc::Receiver<(Step, PendingStates<usize, usize>)>,
         dtype: DType,
         points: &[String],
     ) {
         let mut gatherer = Gatherer::<usize, usize>::default();
         let mut encoder = SpeculatorsEncoder::new(dtype);
         let mut body = Vec::new();
-        for (step, states) in from_model {
+        for (step, pending) in from_model {
             let t = Instant::now();
+            // The device's last copies into host memory, completed here while the next step runs.
+            let states = match pending.wait() {
+                Ok(states) => states,
+                Err(e) => {
+                    tracing::error!("collecting a step's states failed: {e}");
+                    self.fail_step(&step, &ApiError::internal(format!("collecting the step's states failed: {e}")));
+                    continue;
+                }
+            };
             let r = gatherer.gather(&step, &states, |sample, view| -> Result<(), ShapeError> {
                 let Some(Job { reservation, reply, span, .. }) = self.running().remove(&sample.index) else {
                     return Ok(());

@@ -7,9 +7,11 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use strata::backend::cuda::device::{grouped_takes, Arg, DevPtr, Device, Gemm, GemmPath, GemmType, Launch};
+use strata::backend::cuda::device::{
+    grouped_takes, Arg, DevPtr, Device, Gemm, GemmPath, GemmType, Launch, StagedCopies,
+};
 use strata::backend::cuda::{kernels, nvrtc, CudaError};
 use strata::parallel::AbortableBarrier;
 
@@ -156,17 +158,41 @@ pub struct Faults {
     pub panic: Option<(usize, &'static str)>,
 }
 
+/// An emulated step's staged copies, taken off the device.
+struct EmuTaken {
+    parts: Vec<(Vec<u8>, u64)>,
+    syncs: Arc<AtomicU64>,
+}
+
+impl StagedCopies for EmuTaken {
+    fn collect(self: Box<Self>, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError> {
+        let now = self.syncs.load(Ordering::SeqCst);
+        let early = self.parts.iter().filter(|(_, at)| *at >= now).count();
+        if early > 0 {
+            return Err(CudaError::Kernel {
+                name: "collect (emulated)".into(),
+                log: format!("{early} of {} staged copies read before a sync completed them", self.parts.len()),
+            });
+        }
+        let parts: Vec<&[u8]> = self.parts.iter().map(|(v, _)| v.as_slice()).collect();
+        f(&parts);
+        Ok(())
+    }
+}
+
 /// A CPU standing in for a GPU.
 pub struct Emulated {
     rank: usize,
     world: usize,
     group: Option<Arc<Group>>,
     faults: Arc<Faults>,
-    /// Captures staged since the last collect, and how many of them a sync
-    /// has completed. The bytes are taken when staged (the emulation runs
-    /// every op as it is issued, which is stream order), but, as on a GPU,
-    /// they count as landed only after the next sync.
-    staged: Mutex<(Vec<Vec<u8>>, usize)>,
+    /// Captures staged since the last take, each with the count of syncs
+    /// before it. The bytes are taken when staged (the emulation runs every
+    /// op as it is issued, which is stream order), but, as on a GPU, they
+    /// count as landed only once a later sync has completed them.
+    staged: Mutex<Vec<(Vec<u8>, u64)>>,
+    /// Syncs so far.
+    syncs: Arc<AtomicU64>,
     /// Launches made, by kernel name (what the tests can assert was used);
     /// grouped GEMM calls count under `cublasGemmGroupedBatchedEx`.
     pub launches: Mutex<HashMap<String, usize>>,
@@ -188,7 +214,8 @@ impl Emulated {
             world: 1,
             group: None,
             faults: Arc::new(faults),
-            staged: Mutex::new((Vec::new(), 0)),
+            staged: Mutex::new(Vec::new()),
+            syncs: Arc::default(),
             launches: Mutex::new(HashMap::new()),
             path: GemmPath::Grouped,
         }
@@ -265,25 +292,14 @@ impl Device for Emulated {
     fn stage(&self, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
         let mut v = vec![0u8; bytes];
         self.download(src, &mut v)?;
-        self.staged.lock().unwrap().0.push(v);
+        let syncs = self.syncs.load(Ordering::SeqCst);
+        self.staged.lock().unwrap().push((v, syncs));
         Ok(())
     }
 
-    fn collect(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError> {
-        let (staged, landed) = std::mem::take(&mut *self.staged.lock().unwrap());
-        if landed < staged.len() {
-            return Err(CudaError::Kernel {
-                name: "collect (emulated)".into(),
-                log: format!(
-                    "{} of {} staged copies read before a sync completed them",
-                    staged.len() - landed,
-                    staged.len()
-                ),
-            });
-        }
-        let parts: Vec<&[u8]> = staged.iter().map(Vec::as_slice).collect();
-        f(&parts);
-        Ok(())
+    fn take_staged(&self) -> Result<Box<dyn StagedCopies>, CudaError> {
+        let parts = std::mem::take(&mut *self.staged.lock().unwrap());
+        Ok(Box::new(EmuTaken { parts, syncs: self.syncs.clone() }))
     }
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
@@ -394,8 +410,7 @@ impl Device for Emulated {
     }
 
     fn sync(&self) -> Result<(), CudaError> {
-        let mut st = self.staged.lock().unwrap();
-        st.1 = st.0.len();
+        self.syncs.fetch_add(1, Ordering::SeqCst);
         match self.group.as_ref().and_then(|g| g.barrier.aborted()) {
             Some(why) => Err(CudaError::Driver { call: "cuStreamSynchronize (emulated)".into(), error: why }),
             None => Ok(()),
@@ -421,7 +436,8 @@ impl Device for Emulated {
                 world: n,
                 group: (n > 1).then(|| g.clone()),
                 faults: self.faults.clone(),
-                staged: Mutex::new((Vec::new(), 0)),
+                staged: Mutex::new(Vec::new()),
+                syncs: Arc::default(),
                 launches: Mutex::new(HashMap::new()),
                 path: self.path,
             })

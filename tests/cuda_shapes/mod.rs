@@ -42,7 +42,7 @@ pub fn bf16_against_f32<D: Device>(dev: &D, hd: usize, vd: usize) -> (f32, f32) 
         m
     };
     let (qm, km, vm) = (put(bytemuck::cast_slice(&q)), put(bytemuck::cast_slice(&k)), put(bytemuck::cast_slice(&v)));
-    // The bf16 kernels read keys and values as bf16, each head padded to 16 columns (common.cuh's `Seg`).
+    // The bf16 kernels read queries, keys and values as bf16, each head padded to 16 columns (common.cuh's `Seg`).
     let to_bf16 = |x: &[f32], w: usize| -> Vec<u16> {
         x.chunks(w)
             .flat_map(|row| {
@@ -53,6 +53,7 @@ pub fn bf16_against_f32<D: Device>(dev: &D, hd: usize, vd: usize) -> (f32, f32) 
             .collect()
     };
     let (k16, v16) = (put(bytemuck::cast_slice(&to_bf16(&k, hd))), put(bytemuck::cast_slice(&to_bf16(&v, vd))));
+    let q16 = put(bytemuck::cast_slice(&to_bf16(&q, hd)));
     // common.cuh's `Seg`: k, v (u64), then k_stride, v_stride, q_row0, q_len, pos0, kv_len (i32).
     let seg = |k: u64, v: u64, ks: usize, vs: usize| {
         let mut seg = Vec::new();
@@ -68,19 +69,21 @@ pub fn bf16_against_f32<D: Device>(dev: &D, hd: usize, vd: usize) -> (f32, f32) 
     let seg_of = put(bytemuck::cast_slice(&[0u32; T]));
     let tiles = put(bytemuck::cast_slice(&[0i32, 0, 0, 64]));
     let scale = 1.0 / (hd as f32).sqrt();
-    let run = |name: &str, kernel: AttentionLaunch<D>, segs: &D::Mem, table: u64, cfg: Launch| {
-        let out = dev.alloc(T * HEADS * vd * 4).unwrap();
-        let (q, qs, segs, o) = (dev.ptr(&qm), (HEADS * hd) as i32, dev.ptr(segs), dev.ptr(&out));
-        kernel(dev, cfg, q, qs, segs, table, HEADS as i32, 1, hd as i32, vd as i32, 0, scale, o)
-            .unwrap_or_else(|e| panic!("{name} at {hd}/{vd}: {e}"));
-        let mut host = vec![0f32; T * HEADS * vd];
-        dev.download(dev.ptr(&out), bytemuck::cast_slice_mut(&mut host)).unwrap();
-        host
-    };
+    let run =
+        |name: &str, kernel: AttentionLaunch<D>, (q, qs): (u64, usize), segs: &D::Mem, table: u64, cfg: Launch| {
+            let out = dev.alloc(T * HEADS * vd * 4).unwrap();
+            let (qs, segs, o) = (qs as i32, dev.ptr(segs), dev.ptr(&out));
+            kernel(dev, cfg, q, qs, segs, table, HEADS as i32, 1, hd as i32, vd as i32, 0, scale, o)
+                .unwrap_or_else(|e| panic!("{name} at {hd}/{vd}: {e}"));
+            let mut host = vec![0f32; T * HEADS * vd];
+            dev.download(dev.ptr(&out), bytemuck::cast_slice_mut(&mut host)).unwrap();
+            host
+        };
     let cfg = Launch { grid: (T as u32, 1), block: 128, smem: 0 };
-    let exact = run("attention_f32", launch::attention_f32, &seg32, dev.ptr(&seg_of), cfg);
+    let exact = run("attention_f32", launch::attention_f32, (dev.ptr(&qm), HEADS * hd), &seg32, dev.ptr(&seg_of), cfg);
     let cfg = Launch { grid: (2, HEADS as u32), block: 128, smem: attention_bf16_smem(hd, vd) };
-    let tc = run("attention_bf16", attention_bf16_kernel(vd), &seg16, dev.ptr(&tiles), cfg);
+    let q16 = (dev.ptr(&q16), HEADS * pad16(hd));
+    let tc = run("attention_bf16", attention_bf16_kernel(vd), q16, &seg16, dev.ptr(&tiles), cfg);
     assert!(tc.iter().chain(&exact).all(|x| x.is_finite()), "{hd}/{vd}: a value was not written (NaN)");
     let worst = exact.iter().zip(&tc).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
     (worst, exact.iter().fold(0.0f32, |m, x| m.max(x.abs())))

@@ -19,8 +19,8 @@ use super::driver::Driver;
 use super::kernels as launch;
 use super::CudaError;
 use crate::backend::{
-    check, AttnShape, Backend, BackendError, Cols, ComputeDtype, GatedLinear, HeadSpan, KvStore, LinearInfo, Parallel,
-    Resident, Router, Tensor, F32,
+    check, AttnBlock, AttnShape, Backend, BackendError, Cols, ComputeDtype, GatedLinear, HeadSpan, KvStore, LinearInfo,
+    Parallel, PendingCopies, Resident, Router, Tensor, F32,
 };
 use crate::hf::checkpoint::TensorBytes;
 use crate::hf::moe::{Scoring, TopkMethod};
@@ -170,7 +170,10 @@ type CachedRope<D> = (Vec<u32>, u32, usize, Arc<(Bytes<D>, Bytes<D>)>);
 
 /// Each token's experts (on the host, to group rows by expert) and weights (on the device).
 pub struct Routes<D: Device> {
-    ids: Vec<u32>,
+    /// `[T, top_k]` u32, on the device.
+    ids: Bytes<D>,
+    /// T.
+    tokens: usize,
     weights: Bytes<D>,
     top_k: usize,
 }
@@ -226,10 +229,15 @@ struct Scratch<D: Device> {
     /// Small tables uploaded per op (ids, positions, segments, tiles).
     table: Bytes<D>,
     table2: Bytes<D>,
-    /// bf16 attention: this step's keys and values, `[tokens, kv heads, dp]` and `[tokens, kv heads, vp]`.
-    kv: [Bytes<D>; 2],
+    /// bf16 attention: this step's keys, values and queries, `[tokens, kv
+    /// heads, dp]`, `[tokens, kv heads, vp]` and `[tokens, heads, dp]`.
+    kv: [Bytes<D>; 3],
+    /// A bf16 qkv projection's output, `[tokens, (heads + 2·kv heads) · hd]` bf16.
+    qkv: Bytes<D>,
     /// A bf16 gated MLP's gate/up activations, `[tokens, 2 · inter]` bf16.
     mlp: Bytes<D>,
+    /// MoE grouping: `starts [experts + 1]`, `src [T·top_k]`, `slot [T·top_k]` u32.
+    group: Bytes<D>,
     /// MoE: router scratch, grouped rows in and out, gate/up, activation, shared output.
     moe: [Bytes<D>; 6],
 }
@@ -407,7 +415,9 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 partial: e(),
                 table: e(),
                 table2: e(),
-                kv: [e(), e()],
+                kv: [e(), e(), e()],
+                qkv: e(),
+                group: e(),
                 mlp: e(),
                 moe: [e(), e(), e(), e(), e(), e()],
             });
@@ -790,12 +800,57 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         launch::add_bias(&*self.dev, elementwise(rows * width)?, y, b.ptr, int(rows), int(width))
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// In place: RoPE of `heads` of the rows of `x` (`width` values each, f32
+    /// or bf16), at each token's position (see [`Backend::rope`]).
+    fn rope_launch(
+        &self,
+        x: (DevPtr, GemmType),
+        width: usize,
+        heads: HeadSpan,
+        interleave: bool,
+        table: &RopeTable<D>,
+        batch: &PackedBatch,
+    ) -> Result<(), CudaError> {
+        let positions: Vec<u32> = batch
+            .segments()
+            .iter()
+            .enumerate()
+            .flat_map(|(i, g)| (0..batch.range(i).len()).map(move |j| (g.pos0 + j) as u32))
+            .collect();
+        Self::holds("rope table positions", batch.max_position(), table.len)?;
+        let pos = self.upload_table(0, bytemuck::cast_slice(&positions))?;
+        // Heads per block: their rotated columns fit 32 KiB of shared memory.
+        let chunk = (8192 / (2 * table.half).max(1)).clamp(1, heads.count.max(1));
+        let cfg = Launch {
+            grid: (batch.num_tokens() as u32, heads.count.div_ceil(chunk) as u32),
+            block: 128,
+            smem: (chunk * 2 * table.half * 4) as u32,
+        };
+        let (offset, count, stride) = (int(heads.offset), int(heads.count), int(heads.stride));
+        let (cos, sin, half) = (table.tables.0.ptr, table.tables.1.ptr, int(table.half));
+        let rope = if x.1 == GemmType::Bf16 { launch::rope_bf16 } else { launch::rope };
+        rope(
+            &*self.dev,
+            cfg,
+            x.0,
+            int(width),
+            offset,
+            count,
+            stride,
+            half,
+            interleave as i32,
+            cos,
+            sin,
+            pos,
+            int(chunk),
+        )
+    }
+
+    /// Causal attention of `[q, k, v]` (see [`Backend::attention`]), each
+    /// read where `src` says: f32 columns, or (bf16 compute) bf16 ones.
     fn attention_launch(
         &self,
-        q: Cols<'_, Self>,
-        k: Cols<'_, Self>,
-        v: Cols<'_, Self>,
+        [q, k, v]: [Src; 3],
         s: AttnShape,
         batch: &PackedBatch,
         cache: &mut KvCache<D>,
@@ -818,23 +873,33 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             (s.kv_heads * s.head_dim, s.kv_heads * s.v_dim, 4)
         };
         let t = batch.num_tokens();
-        // bf16: this step's keys and values, every row, converted once.
+        // bf16: this step's keys, values and queries, every row, packed once.
         let packed = if bf16 {
-            let (kb, vb) = {
+            let (kb, vb, qb) = {
                 let mut sc = self.scratch()?;
                 let sc = sc.as_mut().expect("scratch made");
                 self.ensure(&mut sc.kv[0], t * kw * 2)?;
                 self.ensure(&mut sc.kv[1], t * vw * 2)?;
-                (sc.kv[0].ptr, sc.kv[1].ptr)
+                self.ensure(&mut sc.kv[2], t * s.heads * pad16(s.head_dim) * 2)?;
+                (sc.kv[0].ptr, sc.kv[1].ptr, sc.kv[2].ptr)
             };
-            for (src, dst, width) in [(&k, kb, s.head_dim), (&v, vb, s.v_dim)] {
+            for (src, dst, heads, width) in
+                [(&k, kb, s.kv_heads, s.head_dim), (&v, vb, s.kv_heads, s.v_dim), (&q, qb, s.heads, s.head_dim)]
+            {
                 let cfg = Launch { grid: (t as u32, 1), block: 128, smem: 0 };
-                let (x, stride, offset) = (src.storage.ptr, int(src.stride), int(src.offset));
-                let (heads, wpad) = (int(s.kv_heads), int(pad16(width)));
-                launch::pack_heads_bf16(&*self.dev, cfg, x, stride, offset, heads, int(width), wpad, dst)?;
+                let (x, stride, offset) = (src.ptr, int(src.stride), int(src.offset));
+                let (heads, wpad) = (int(heads), int(pad16(width)));
+                let pack = if src.bf16 { launch::pack_heads_bf16_from_bf16 } else { launch::pack_heads_bf16 };
+                pack(&*self.dev, cfg, x, stride, offset, heads, int(width), wpad, dst)?;
             }
-            Some((kb, vb))
+            Some((kb, vb, qb))
         } else {
+            if [q, k, v].iter().any(|x| x.bf16) {
+                return Err(CudaError::Kernel {
+                    name: "attention".into(),
+                    log: "bf16 inputs under f32 compute".into(),
+                });
+            }
             None
         };
         // One 40-byte `Seg` per segment (common.cuh), little-endian.
@@ -869,7 +934,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     *slot = Some(fresh);
                 }
                 let l = slot.as_ref().expect("made above");
-                if let Some((kb, vb)) = packed {
+                if let Some((kb, vb, _)) = packed {
                     // The step's packed rows are already in the cache's layout.
                     for (src, dst, w) in [(kb, &l.k, kw), (vb, &l.v, vw)] {
                         let at = |pos: usize| (pos * w * es) as u64;
@@ -880,7 +945,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                         launch::pack_cols(
                             &*self.dev,
                             elementwise(rows.len() * w)?,
-                            src.storage.at(rows.start * src.stride),
+                            src.at(rows.start * src.stride),
                             int(rows.len()),
                             int(src.stride),
                             int(src.offset),
@@ -890,15 +955,10 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     }
                 }
                 (l.k.ptr, l.v.ptr, kw, vw)
-            } else if let Some((kb, vb)) = packed {
+            } else if let Some((kb, vb, _)) = packed {
                 (kb + (rows.start * kw * es) as u64, vb + (rows.start * vw * es) as u64, kw, vw)
             } else {
-                (
-                    k.storage.at(rows.start * k.stride + k.offset),
-                    v.storage.at(rows.start * v.stride + v.offset),
-                    k.stride,
-                    v.stride,
-                )
+                (k.at(rows.start * k.stride + k.offset), v.at(rows.start * v.stride + v.offset), k.stride, v.stride)
             };
             segs.extend_from_slice(&kp.to_le_bytes());
             segs.extend_from_slice(&vp.to_le_bytes());
@@ -908,25 +968,49 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         }
         let segs = self.upload_table(0, &segs)?;
         let window = s.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
-        let (qp, qs, op) = (q.storage.at(q.offset), int(q.stride), out.storage().ptr);
+        let op = out.storage().ptr;
         let (heads, kvh, hd, vd) = (int(s.heads), int(s.kv_heads), int(s.head_dim), int(s.v_dim));
-        if !bf16 {
-            let seg_of: Vec<u32> =
-                (0..batch.num_samples()).flat_map(|i| batch.range(i).map(move |_| i as u32)).collect();
-            let table = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
-            let cfg = Launch { grid: (t as u32, s.heads.div_ceil(4) as u32), block: 128, smem: 0 };
-            launch::attention_f32(&*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, s.scale, op)
-        } else {
+        if let Some((_, _, qb)) = packed {
             let tiles: Vec<i32> = (0..batch.num_samples())
                 .flat_map(|i| (0..batch.range(i).len()).step_by(64).flat_map(move |q0| [i as i32, q0 as i32]))
                 .collect();
             let table = self.upload_table(1, bytemuck::cast_slice(&tiles))?;
             let smem = attention_bf16_smem(s.head_dim, s.v_dim);
             let cfg = Launch { grid: ((tiles.len() / 2) as u32, s.heads as u32), block: 128, smem };
+            let qs = int(s.heads * pad16(s.head_dim));
             attention_bf16_kernel(s.v_dim)(
-                &*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, s.scale, op,
+                &*self.dev, cfg, qb, qs, segs, table, heads, kvh, hd, vd, window, s.scale, op,
             )
+        } else {
+            let (qp, qs) = (q.at(q.offset), int(q.stride));
+            let seg_of: Vec<u32> =
+                (0..batch.num_samples()).flat_map(|i| batch.range(i).map(move |_| i as u32)).collect();
+            let table = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
+            let cfg = Launch { grid: (t as u32, s.heads.div_ceil(4) as u32), block: 128, smem: 0 };
+            launch::attention_f32(&*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, s.scale, op)
         }
+    }
+}
+
+/// Where attention reads its queries, keys or values: columns `offset ..`
+/// of rows `stride` values apart from `ptr`, f32 or (a bf16 projection's) bf16.
+#[derive(Clone, Copy, Debug)]
+struct Src {
+    ptr: DevPtr,
+    stride: usize,
+    offset: usize,
+    bf16: bool,
+}
+
+impl Src {
+    /// f32 columns of a backend tensor.
+    fn f32<D: Device, C: ComputeDtype>(c: &Cols<'_, Cuda<C, D>>) -> Src {
+        Src { ptr: c.storage.ptr, stride: c.stride, offset: c.offset, bf16: false }
+    }
+
+    /// The address of value `i`.
+    fn at(&self, i: usize) -> DevPtr {
+        self.ptr + (i * if self.bf16 { 2 } else { 4 }) as u64
     }
 }
 
@@ -1133,41 +1217,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
 
     fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable<D>, batch: &PackedBatch) {
         check::rope(x, heads, table.half, batch);
-        self.run(|| {
-            let positions: Vec<u32> = batch
-                .segments()
-                .iter()
-                .enumerate()
-                .flat_map(|(i, g)| (0..batch.range(i).len()).map(move |j| (g.pos0 + j) as u32))
-                .collect();
-            Self::holds("rope table positions", batch.max_position(), table.len)?;
-            let pos = self.upload_table(0, bytemuck::cast_slice(&positions))?;
-            // Heads per block: their rotated columns fit 32 KiB of shared memory.
-            let chunk = (8192 / (2 * table.half).max(1)).clamp(1, heads.count.max(1));
-            let cfg = Launch {
-                grid: (x.rows() as u32, heads.count.div_ceil(chunk) as u32),
-                block: 128,
-                smem: (chunk * 2 * table.half * 4) as u32,
-            };
-            let (ptr, width) = (x.storage().ptr, int(x.width()));
-            let (offset, count, stride) = (int(heads.offset), int(heads.count), int(heads.stride));
-            let (cos, sin, half) = (table.tables.0.ptr, table.tables.1.ptr, int(table.half));
-            launch::rope(
-                &*self.dev,
-                cfg,
-                ptr,
-                width,
-                offset,
-                count,
-                stride,
-                half,
-                interleave as i32,
-                cos,
-                sin,
-                pos,
-                int(chunk),
-            )
-        });
+        let (ptr, width) = (x.storage().ptr, x.width());
+        self.run(|| self.rope_launch((ptr, GemmType::F32), width, heads, interleave, table, batch));
     }
 
     fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
@@ -1329,6 +1380,72 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         });
     }
 
+    fn norm_attention_add<H: Dim>(
+        &self,
+        a: &AttnBlock<'_, Self>,
+        x: &mut Tensor<Self, H>,
+        normed: &mut Tensor<Self, H>,
+        qkv: &mut Tensor<Self>,
+        out: &mut Tensor<Self>,
+        rope: &RopeTable<D>,
+        batch: &PackedBatch,
+        cache: &mut KvCache<D>,
+        layer: usize,
+    ) {
+        let (l, (w, eps)) = (a.qkv_proj, a.norm);
+        if !self.bf16_inputs(l) || l.kind == Parallel::Row {
+            return crate::backend::attention_block_ops(self, a, x, normed, qkv, out, rope, batch, cache, layer);
+        }
+        let s = a.shape;
+        let (nh, nkv, hd) = (s.heads, s.kv_heads, s.head_dim);
+        check::rms_norm(&x.all(), w.0.len / 4, (normed.rows(), normed.width().size()));
+        check::linear(l, normed, qkv);
+        let spans = [HeadSpan::heads(0, nh, hd), HeadSpan::heads(nh * hd, nkv, hd)];
+        if let Some((qn, kn, _)) = a.qk_norm {
+            check::rms_norm_heads(qkv, spans[0], qn.0.len / 4);
+            check::rms_norm_heads(qkv, spans[1], kn.0.len / 4);
+        }
+        check::rope(qkv, HeadSpan::heads(0, nh + nkv, hd), rope.half, batch);
+        let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
+        check::attention(&q, &k, &v, s, batch, (out.rows(), out.width()));
+        // bf16 from the norm to the attention kernel, as PyTorch's bf16 run
+        // keeps q, k and v: the norm writes the GEMM's input, the GEMM writes
+        // bf16 (f32 accumulation), the q/k norms and RoPE work in f32 on
+        // bf16 rows and round once, the attention packs them. No f32
+        // [T, (heads + 2·kv_heads)·hd] is written or read.
+        let (rows, h, width) = (x.rows(), x.width().size(), qkv.width());
+        self.run(|| {
+            if rows == 0 {
+                return Ok(());
+            }
+            let xb = self.xb(rows * h * 2)?;
+            let qkvb = {
+                let mut sc = self.scratch()?;
+                let sc = sc.as_mut().expect("scratch made");
+                self.ensure(&mut sc.qkv, rows * width * 2)?;
+                sc.qkv.ptr
+            };
+            let cfg = Launch { grid: (rows as u32, 1), block: 256, smem: 0 };
+            launch::rms_norm_bf16(&*self.dev, cfg, x.storage().ptr, int(h), 0, int(h), w.0.ptr, eps, xb)?;
+            self.gemm_into(l, (xb, GemmType::Bf16), rows, (qkvb, GemmType::Bf16), false)?;
+            if let Some(b) = &l.bias {
+                launch::add_bias_bf16(&*self.dev, elementwise(rows * width)?, qkvb, b.ptr, int(rows), int(width))?;
+            }
+            if let Some((qn, kn, eps)) = a.qk_norm {
+                for (span, n) in spans.into_iter().zip([qn, kn]) {
+                    let cfg = Launch { grid: (rows as u32, span.count as u32), block: 64, smem: 0 };
+                    let (offset, stride, hw) = (int(span.offset), int(span.stride), int(span.width));
+                    launch::rms_norm_heads_bf16(&*self.dev, cfg, qkvb, int(width), offset, stride, hw, n.0.ptr, eps)?;
+                }
+            }
+            let heads = HeadSpan::heads(0, nh + nkv, hd);
+            self.rope_launch((qkvb, GemmType::Bf16), width, heads, false, rope, batch)?;
+            let col = |offset: usize| Src { ptr: qkvb, stride: width, offset, bf16: true };
+            self.attention_launch([col(0), col(nh * hd), col((nh + nkv) * hd)], s, batch, cache, layer, out)
+        });
+        self.linear_add(a.o_proj, out, x);
+    }
+
     fn attention(
         &self,
         q: Cols<'_, Self>,
@@ -1341,7 +1458,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         out: &mut Tensor<Self>,
     ) {
         check::attention(&q, &k, &v, shape, batch, (out.rows(), out.width()));
-        self.run(|| self.attention_launch(q, k, v, shape, batch, cache, layer, out));
+        let src = [Src::f32(&q), Src::f32(&k), Src::f32(&v)];
+        self.run(|| self.attention_launch(src, shape, batch, cache, layer, out));
     }
 
     fn moe_route(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vector<D>>) -> Routes<D> {
@@ -1349,8 +1467,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         if let Some(c) = correction {
             check::shape("moe_route", "experts", e, c.0.len / 4);
         }
-        let mut routes =
-            Routes { ids: vec![0; t * r.top_k], weights: Bytes { mem: None, ptr: 0, len: 0 }, top_k: r.top_k };
+        let none = || Bytes { mem: None, ptr: 0, len: 0 };
+        let mut routes = Routes { ids: none(), tokens: t, weights: none(), top_k: r.top_k };
         self.run(|| {
             if r.n_group == 0 || r.topk_group > r.n_group || e % r.n_group != 0 {
                 return Err(CudaError::Kernel {
@@ -1368,12 +1486,13 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 });
             }
             self.ensure(&mut routes.weights, t * r.top_k * 4)?;
-            let (scores, choice, ids) = {
+            self.ensure(&mut routes.ids, t * r.top_k * 4)?;
+            let ids = routes.ids.ptr;
+            let (scores, choice) = {
                 let mut s = self.scratch()?;
                 let s = s.as_mut().expect("scratch made");
                 self.ensure(&mut s.moe[0], 2 * t * e * 4)?;
-                self.ensure(&mut s.table2, t * r.top_k * 4)?;
-                (s.moe[0].ptr, s.moe[0].ptr + (t * e * 4) as u64, s.table2.ptr)
+                (s.moe[0].ptr, s.moe[0].ptr + (t * e * 4) as u64)
             };
             let scoring = match r.scoring {
                 Scoring::Softmax => 0,
@@ -1402,9 +1521,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 choice,
                 ids,
                 routes.weights.ptr,
-            )?;
-            // The host groups rows by expert: the ids come back (a small copy).
-            self.dev.download(ids, bytemuck::cast_slice_mut(&mut routes.ids))
+            )
         });
         routes
     }
@@ -1418,28 +1535,29 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         out: &mut Tensor<Self, H>,
     ) {
         let (t, h, top_k) = (x.rows(), x.width().size(), routes.top_k);
-        check::shape("moe_experts", "tokens", t * top_k, routes.ids.len());
+        check::shape("moe_experts", "tokens", t, routes.tokens);
         check::shape("moe_experts", "tokens", t, out.rows());
         self.run(|| {
-            // Rows grouped by expert, tokens in order within each: src[r] is
-            // the token of grouped row r, slot[t·k + j] the row of token t's j-th expert.
-            let mut count = vec![0usize; experts.len() + 1];
-            for &e in &routes.ids {
-                Self::holds("moe expert index", e as usize + 1, experts.len())?;
-                count[e as usize + 1] += 1;
+            // Rows grouped by expert on the device, tokens in order within
+            // each: src[r] is the token of grouped row r, slot[t·k + j] the
+            // row of token t's j-th expert. Only the experts' first rows come
+            // back (cuBLAS's grouped call takes its sizes from the host).
+            let (n, ne) = (t * top_k, experts.len());
+            let table = {
+                let mut s = self.scratch()?;
+                let s = s.as_mut().expect("scratch made");
+                self.ensure(&mut s.group, (ne + 1 + 2 * n) * 4)?;
+                s.group.ptr
+            };
+            let (startp, srcp, slotp) = (table, table + ((ne + 1) * 4) as u64, table + ((ne + 1 + n) * 4) as u64);
+            let mut starts = vec![0u32; ne + 1];
+            if n > 0 && ne > 0 {
+                let cfg = Launch { grid: (ne as u32, 1), block: 256, smem: 0 };
+                launch::moe_group(&*self.dev, cfg, routes.ids.ptr, int(n), int(top_k), int(ne), startp, srcp, slotp)?;
+                self.dev.download(startp, bytemuck::cast_slice_mut(&mut starts))?;
             }
-            for e in 0..experts.len() {
-                count[e + 1] += count[e];
-            }
-            let starts = count.clone();
-            let mut src = vec![0u32; t * top_k];
-            let mut slot = vec![0u32; t * top_k];
-            for (i, &e) in routes.ids.iter().enumerate() {
-                let row = count[e as usize];
-                count[e as usize] += 1;
-                src[row] = (i / top_k) as u32;
-                slot[i] = row as u32;
-            }
+            Self::holds("moe expert indices in range", n, starts[ne] as usize)?;
+            let starts: Vec<usize> = starts.iter().map(|&s| s as usize).collect();
             let bf16 = experts.first().or(shared).is_some_and(|m| self.experts_bf16(m));
             let (xe, ye, sh, xs) = {
                 let mut s = self.scratch()?;
@@ -1452,7 +1570,6 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 }
                 (s.moe[1].ptr, s.moe[2].ptr, s.moe[5].ptr, s.xb.ptr)
             };
-            let srcp = self.upload_table(0, bytemuck::cast_slice(&src))?;
             let gather = if bf16 { launch::gather_rows_bf16 } else { launch::gather_rows };
             gather(&*self.dev, elementwise(t * top_k * h)?, x.storage().ptr, srcp, int(t * top_k), int(h), xe)?;
             self.experts_grouped(experts, &starts, xe, ye)?;
@@ -1466,7 +1583,6 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 };
                 self.experts_grouped(std::slice::from_ref(m), &[0, t], xin, sh)?;
             }
-            let slotp = self.upload_table(1, bytemuck::cast_slice(&slot))?;
             let combine = if bf16 { launch::moe_combine_bf16 } else { launch::moe_combine };
             let (sh, o) = (if shared.is_some() { sh } else { 0 }, out.storage().ptr);
             combine(&*self.dev, elementwise(t * h)?, ye, slotp, routes.weights.ptr, int(t), int(top_k), int(h), sh, o)
@@ -1499,36 +1615,47 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         Ok(())
     }
 
-    fn capture_finish<L: Dim, H: Dim>(&self, out: &mut CapturedStates<L, H>) {
+    fn capture_take<L: Dim, H: Dim>(&self, out: &CapturedStates<L, H>) -> Option<PendingCopies> {
         let slots = std::mem::take(&mut *self.staged.lock().unwrap_or_else(|e| e.into_inner()));
-        let per = out.tokens() * out.hidden().size();
-        if slots.is_empty() {
-            return;
+        // Always take the device's staged copies, so that none is carried
+        // into the next step's (an error path too).
+        let taken = match self.dev.take_staged() {
+            Ok(t) => t,
+            Err(e) => {
+                self.fail(e.to_string());
+                return None;
+            }
+        };
+        if slots.is_empty() || !self.ok() {
+            return None; // nothing staged, or a failed step (end_step reports it)
         }
-        self.run(|| {
+        let per = out.tokens() * out.hidden().size();
+        Some(Box::new(move |values: &mut [f32]| {
             let mut lost = None;
-            // The staged copies are complete only once the stream has passed them.
-            self.dev.sync()?;
-            self.dev.collect(&mut |parts| {
-                // Each slot's [T, H] rows of `out`, taken once.
-                let mut layers: Vec<Option<&mut [f32]>> = out.as_mut_slice().chunks_mut(per.max(1)).map(Some).collect();
-                let mut pairs = Vec::with_capacity(parts.len());
-                for (&slot, part) in slots.iter().zip(parts) {
-                    match layers.get_mut(slot).and_then(Option::take) {
-                        Some(dst) if part.len() == dst.len() * 4 => pairs.push((*part, bytemuck::cast_slice_mut(dst))),
-                        _ => lost = Some(format!("capture slot {slot}: staged {} bytes", part.len())),
+            taken
+                .collect(&mut |parts| {
+                    // Each slot's [T, H] rows of `values`, taken once.
+                    let mut layers: Vec<Option<&mut [f32]>> = values.chunks_mut(per.max(1)).map(Some).collect();
+                    let mut pairs = Vec::with_capacity(parts.len());
+                    for (&slot, part) in slots.iter().zip(parts) {
+                        match layers.get_mut(slot).and_then(Option::take) {
+                            Some(dst) if part.len() == dst.len() * 4 => {
+                                pairs.push((*part, bytemuck::cast_slice_mut(dst)))
+                            }
+                            _ => lost = Some(format!("capture slot {slot}: staged {} bytes", part.len())),
+                        }
                     }
-                }
-                if parts.len() != slots.len() {
-                    lost = Some(format!("{} captures staged, {} collected", slots.len(), parts.len()));
-                }
-                copy_parallel(pairs);
-            })?;
+                    if parts.len() != slots.len() {
+                        lost = Some(format!("{} captures staged, {} collected", slots.len(), parts.len()));
+                    }
+                    copy_parallel(pairs);
+                })
+                .map_err(|e| BackendError::Device(e.to_string()))?;
             match lost {
-                Some(what) => Err(CudaError::Kernel { name: "capture".into(), log: what }),
+                Some(what) => Err(BackendError::Device(format!("capture: {what}"))),
                 None => Ok(()),
             }
-        });
+        }))
     }
 
     fn end_step(&self) -> Result<(), BackendError> {

@@ -166,6 +166,15 @@ impl GemmPath {
     }
 }
 
+/// A step's staged captures, taken off their device.
+pub trait StagedCopies: Send {
+    /// Hands the bytes of the copies to `f`, in the order they were staged,
+    /// once they have landed: a GPU waits for the stream to pass them; the
+    /// emulated device refuses copies no sync has completed since they were
+    /// staged (so a collection before the step's sync fails a test).
+    fn collect(self: Box<Self>, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError>;
+}
+
 /// A GPU as the CUDA backend uses it: one stream, so operations run in the
 /// order they are issued, and a copy back to the host waits for them.
 pub trait Device: Send + Sync + Sized + 'static {
@@ -190,15 +199,14 @@ pub trait Device: Send + Sync + Sized + 'static {
     fn download(&self, src: DevPtr, dst: &mut [u8]) -> Result<(), CudaError>;
     /// Starts copying `bytes` at `src` into host staging memory the device
     /// keeps (pinned on a GPU), in stream order, without waiting: the
-    /// forward goes on while the copy engine works. [`Device::collect`]
-    /// hands the staged bytes over.
+    /// forward goes on while the copy engine works. [`Device::take_staged`]
+    /// hands the staged copies over.
     fn stage(&self, src: DevPtr, bytes: usize) -> Result<(), CudaError>;
-    /// Hands the bytes of every copy [`Device::stage`]d since the last
-    /// collect to `f`, in the order they were staged; the staging memory is
-    /// reused afterwards. The caller [`Device::sync`]s first: a copy is
-    /// complete only then (the emulated device refuses a collect of copies
-    /// no sync has completed; a GPU waits for them, to be safe).
-    fn collect(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError>;
+    /// Takes every copy [`Device::stage`]d since the last take, without
+    /// waiting for them: the next step stages into other memory while these
+    /// are read (double-buffered staging), and their memory returns to the
+    /// device's pool when the taken value is dropped.
+    fn take_staged(&self) -> Result<Box<dyn StagedCopies>, CudaError>;
     /// Copies `bytes` between device addresses, in stream order.
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError>;
     /// Launches kernel `name` (an `extern "C"` function of `kernels/`) with `args` in order.

@@ -4,10 +4,10 @@
 //!
 //! Never run in CI (no GPU there), nor yet on any GPU.
 
-use super::device::{grouped_takes, Arg, DevPtr, Device, Gemm, GemmPath, GemmType, Launch};
+use super::device::{grouped_takes, Arg, DevPtr, Device, Gemm, GemmPath, GemmType, Launch, StagedCopies};
 use super::{nvrtc, probe, CudaError};
 use cudarc::cublas::sys as blas;
-use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream};
 use cudarc::nccl::sys as nccl;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -36,7 +36,7 @@ pub struct Driver {
     /// The NCCL group this rank belongs to (none for one rank).
     group: Option<Arc<NcclGroup>>,
     /// Pinned host buffers that captures are copied into; reused step to step.
-    staging: Mutex<Staging>,
+    staging: Arc<Mutex<Staging>>,
     /// Pinned host memory small uploads go through; reset at each stream sync.
     uploads: Mutex<Arena>,
     /// The experts' GEMM path, probed at open, and the device array of the
@@ -136,13 +136,24 @@ impl Pinned {
     }
 }
 
-/// Where one staged capture lies until `collect`.
+/// Where one staged capture lies until it is collected.
 enum Staged {
-    /// The first `bytes` of pinned buffer `index`.
-    Pinned { index: usize, bytes: usize },
+    /// The first `bytes` of a pinned buffer.
+    Pinned(Pinned, usize),
     /// Pageable memory, copied synchronously: the fallback when no pinned
     /// memory could be allocated.
     Owned(Vec<u8>),
+}
+
+impl Staged {
+    /// The staged bytes. The caller has waited for the copy into them.
+    fn bytes(&self) -> &[u8] {
+        match self {
+            // SAFETY: the buffer holds at least `n` bytes, which the copy has written.
+            Staged::Pinned(p, n) => unsafe { std::slice::from_raw_parts(p.ptr as *const u8, *n) },
+            Staged::Owned(v) => v,
+        }
+    }
 }
 
 /// The capacity of a new staging buffer for `bytes`: the next rung of a
@@ -158,16 +169,50 @@ fn staging_capacity(bytes: usize) -> usize {
     bytes.div_ceil(rung) * rung
 }
 
-/// The staging pool: buffers, and where this step's captures lie (in order).
+/// The staging pool: free buffers, and this step's captures (in order).
+/// A step's captures leave it when taken and come back when collected, so
+/// the pool settles at two buffers per capture point: one step's being
+/// read on the host while the next step's are copied.
 #[derive(Default)]
 struct Staging {
-    buffers: Vec<Pinned>,
+    free: Vec<Pinned>,
     used: Vec<Staged>,
 }
 
-impl Staging {
-    fn in_use(&self, i: usize) -> bool {
-        self.used.iter().any(|u| matches!(u, Staged::Pinned { index, .. } if *index == i))
+/// A step's staged captures, taken off the pool ([`Device::take_staged`]).
+struct Taken {
+    parts: Vec<Staged>,
+    /// Recorded after the last copy into `parts`.
+    done: CudaEvent,
+    pool: Arc<Mutex<Staging>>,
+    /// Whether `done` was waited for: the buffers may be reused.
+    landed: bool,
+}
+
+impl StagedCopies for Taken {
+    fn collect(mut self: Box<Self>, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError> {
+        self.done.synchronize().map_err(|e| driver_err("cuEventSynchronize (captures)", e))?;
+        self.landed = true;
+        let parts: Vec<&[u8]> = self.parts.iter().map(Staged::bytes).collect();
+        f(&parts);
+        Ok(())
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        if !self.landed && !self.done.is_complete() {
+            // A copy may still write them (a step that failed and never
+            // synchronised): never reuse or free them.
+            std::mem::forget(std::mem::take(&mut self.parts));
+            return;
+        }
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        for part in self.parts.drain(..) {
+            if let Staged::Pinned(p, _) = part {
+                pool.free.push(p);
+            }
+        }
     }
 }
 
@@ -269,7 +314,7 @@ impl Driver {
             functions: Mutex::new(HashMap::new()),
             blas: Mutex::new(Handle(handle)),
             group: None,
-            staging: Mutex::new(Staging::default()),
+            staging: Arc::default(),
             uploads: Mutex::new(Arena::default()),
             path,
             grouped_ptrs: Mutex::new(None),
@@ -500,23 +545,15 @@ impl Device for Driver {
         self.bind()?;
         let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         // The smallest free buffer that fits, else a new one in place of the
-        // free ones too small (a step's captures are the same sizes step
-        // after step, so the pool settles at one buffer per capture point).
-        let free = (0..st.buffers.len())
-            .filter(|&i| st.buffers[i].cap >= bytes && !st.in_use(i))
-            .min_by_key(|&i| st.buffers[i].cap);
-        let index = match free {
-            Some(i) => i,
+        // free ones too small (a step's captures are all [T, H], and the same
+        // sizes step after step, so the pool settles).
+        let fit = (0..st.free.len()).filter(|&i| st.free[i].cap >= bytes).min_by_key(|&i| st.free[i].cap);
+        let buf = match fit {
+            Some(i) => st.free.swap_remove(i),
             None => {
-                let cap = staging_capacity(bytes);
-                if st.used.is_empty() {
-                    st.buffers.clear(); // none in use: all are too small
-                }
-                match Pinned::new(cap, &self.ctx) {
-                    Ok(p) => {
-                        st.buffers.push(p);
-                        st.buffers.len() - 1
-                    }
+                st.free.retain(|p| p.cap >= bytes);
+                match Pinned::new(staging_capacity(bytes), &self.ctx) {
+                    Ok(p) => p,
                     Err(e) => {
                         // No page-locked memory left: copy this one the slow way.
                         tracing::warn!("cuda: capture staged through pageable memory: {e}");
@@ -529,35 +566,24 @@ impl Device for Driver {
                 }
             }
         };
-        let dst = st.buffers[index].ptr;
-        // SAFETY: `dst` is pinned host memory of at least `bytes`, untouched by
-        // the host until `collect` has waited for the stream; `src` holds
+        // SAFETY: `buf` is pinned host memory of at least `bytes`, untouched by
+        // the host until its collection has waited for the copy; `src` holds
         // `bytes` (the backend checks sizes before staging).
-        unsafe {
-            let dst = std::slice::from_raw_parts_mut(dst, bytes);
+        let copied = unsafe {
+            let dst = std::slice::from_raw_parts_mut(buf.ptr, bytes);
             result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
-                .map_err(|e| driver_err("cuMemcpyDtoHAsync (capture)", e))?;
-        }
-        st.used.push(Staged::Pinned { index, bytes });
-        Ok(())
+        };
+        // Queued or not, the buffer goes into `used`: a failed copy's buffer
+        // is never reused before the stream passed it.
+        st.used.push(Staged::Pinned(buf, bytes));
+        copied.map_err(|e| driver_err("cuMemcpyDtoHAsync (capture)", e))
     }
 
-    fn collect(&self, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError> {
-        self.sync()?;
-        let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        let used = std::mem::take(&mut st.used);
-        let parts: Vec<&[u8]> = used
-            .iter()
-            .map(|u| match u {
-                // SAFETY: the stream is synchronised: every staged copy has landed.
-                Staged::Pinned { index, bytes } => unsafe {
-                    std::slice::from_raw_parts(st.buffers[*index].ptr as *const u8, *bytes)
-                },
-                Staged::Owned(v) => v.as_slice(),
-            })
-            .collect();
-        f(&parts);
-        Ok(())
+    fn take_staged(&self) -> Result<Box<dyn StagedCopies>, CudaError> {
+        self.bind()?;
+        let done = self.stream.record_event(None).map_err(|e| driver_err("cuEventRecord (captures)", e))?;
+        let parts = std::mem::take(&mut self.staging.lock().unwrap_or_else(|e| e.into_inner()).used);
+        Ok(Box::new(Taken { parts, done, pool: self.staging.clone(), landed: false }))
     }
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
@@ -838,7 +864,7 @@ impl Drop for Driver {
                 self.info.ordinal
             );
             // Queued copies may still write them: never free them.
-            std::mem::forget(std::mem::take(&mut *self.staging.get_mut().unwrap_or_else(|e| e.into_inner())));
+            std::mem::forget(std::mem::take(&mut *self.staging.lock().unwrap_or_else(|e| e.into_inner())));
             std::mem::forget(std::mem::take(&mut *self.uploads.get_mut().unwrap_or_else(|e| e.into_inner())));
         }
         if let Some(g) = self.group.take() {

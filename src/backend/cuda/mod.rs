@@ -10,7 +10,7 @@ pub mod nvrtc;
 pub mod probe;
 
 pub use backend::Cuda;
-pub use device::Device;
+pub use device::{Device, StagedCopies};
 pub use driver::Driver;
 
 /// Why the CUDA backend cannot run.
