@@ -158,12 +158,14 @@ __device__ __forceinline__ void attention_bf16(const u16* q, int q_stride, const
     int k_begin = (lo / BK) * BK;
     const u16* kb = (const u16*)sg.k + (u64)g * dp;
     const u16* vb = (const u16*)sg.v + (u64)g * vp;
-    // The query tile and the first key tile, in one group of copies.
+    // The query tile, then the first key tile, each a group of copies: Q is
+    // waited for while the keys are still on their way.
     load_tile<BQ>(sq, ldk, q + (u64)(sg.q_row0 + qi0) * q_stride + (u64)h * dp, q_stride, dp, nq);
+    cp_async_commit();
     load_tile(sk, ldk, kb + (u64)k_begin * sg.k_stride, sg.k_stride, dp, p_last + 1 - k_begin);
     load_tile(sv, ldv, vb + (u64)k_begin * sg.v_stride, sg.v_stride, vp, p_last + 1 - k_begin);
     cp_async_commit();
-    cp_async_wait_0();
+    cp_async_wait_1();
     __syncthreads();
     // This lane's row address for ldmatrix: A (Q) fragments take rows
     // (lane & 15) at column 8·(lane >> 4); B (K, V) fragments rows

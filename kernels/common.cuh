@@ -119,15 +119,6 @@ __device__ __forceinline__ void cp_async_wait_1() {
 #endif
 }
 
-// Waits until every group of this thread's copies has landed.
-__device__ __forceinline__ void cp_async_wait_0() {
-#ifdef STRATA_EMULATE
-    emu_cp_async_wait(0);
-#else
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-#endif
-}
-
 // attention.cu: one segment of a step. Pointers are device addresses of
 // key/value row 0 (of the segment's first position); strides are in values.
 // attention_f32 reads f32 rows (head g at column g·hd); attention_bf16_vN

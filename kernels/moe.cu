@@ -76,15 +76,15 @@ extern "C" __global__ void moe_route(const float* logits, const float* correctio
 // each token's experts (entry t·top_k + j: token t's j-th); grouped row
 // starts[e] + r is expert e's r-th entry in entry order, as the host's
 // counting sort grouped them: src[row] = its token, slot[entry] = its row.
-// One block (at most 256 threads) per expert: each thread counts the
+// One block per expert (any size CUDA allows): each thread counts the
 // entries of its contiguous share that go below and to the block's expert,
 // thread 0 scans the counts in thread order, then each thread writes its
 // share's rows in order. starts [experts + 1]; starts[experts] counts the
 // entries of every expert, n unless an id is out of range.
 extern "C" __global__ void moe_group(const u32* ids, int n, int top_k, int experts, u32* starts, u32* src,
                                      u32* slot) {
-    __shared__ u32 below[256];
-    __shared__ u32 mine[256];
+    __shared__ u32 below[1024];  // per thread: blockDim.x <= 1024
+    __shared__ u32 mine[1024];
     u32 e = blockIdx.x;
     int per = (n + (int)blockDim.x - 1) / (int)blockDim.x;
     int i0 = min(n, (int)threadIdx.x * per), i1 = min(n, i0 + per);

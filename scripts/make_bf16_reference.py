@@ -16,9 +16,10 @@ It also writes tests/fixtures/bench-small/ (the benches' `small` Llama shape, st
 bf16, whose weights the test regenerates with strata-testkit): one 32-token sample, the
 HF f32 reference and the HF bf16 run.
 
-    python scripts/make_bf16_reference.py
+    python scripts/make_bf16_reference.py [--only NAME ...]
 Requires: torch, transformers>=5, safetensors; cargo (for the bench-small weights).
 """
+import argparse
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from safetensors.torch import save_file
 from transformers import AutoModel
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-FIXTURES = ["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3",
+FIXTURES = ["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3", "qwen3-moe", "mixtral",
             "deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"]
 
 
@@ -71,12 +72,19 @@ def read_samples(d):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", help="fixtures to rerun (the bench model only without --only)")
+    args = ap.parse_args()
     torch.manual_seed(0)
     fixtures = os.path.join(ROOT, "tests", "fixtures")
     for name in FIXTURES:
+        if args.only and name not in args.only:
+            continue
         d = os.path.join(fixtures, name)
         bf16_run(d, read_samples(d), os.path.join(d, "expected_bf16.safetensors"))
         print(f"{name}: expected_bf16.safetensors")
+    if args.only:
+        return
 
     # The bench model: weights from the synth_checkpoint example (what the test regenerates).
     out = os.path.join(fixtures, "bench-small")

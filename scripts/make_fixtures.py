@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import save_file
 import transformers
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 LENGTHS = [1, 6, 19, 40]
 
@@ -106,6 +107,22 @@ FIXTURES = {
                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                       original_max_position_embeddings=16, beta_fast=32, beta_slow=1,
                                       mscale=0.707, mscale_all_dim=0.707))),
+    # Qwen3-MoE: Qwen3's q/k norm, softmax top-2 of 6 experts renormalised (as Qwen3-30B-A3B),
+    # a dense middle layer (`mlp_only_layers`), head_dim (16) != hidden/heads.
+    "qwen3-moe": dict(
+        cls=(Qwen3MoeConfig, Qwen3MoeForCausalLM), dtype=torch.float32, shard=None, legacy=False, router_scale=4.0,
+        cfg=dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=96, moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], vocab_size=160,
+                 max_position_embeddings=512, rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    # Mixtral: Mistral's attention with a window shorter than the longest sample, top-2 of 4
+    # experts (`block_sparse_moe.experts.{j}.w1/w2/w3`), bf16 weights.
+    "mixtral": dict(
+        cls=(MixtralConfig, MixtralForCausalLM), dtype=torch.bfloat16, shard=None, legacy=True, router_scale=4.0,
+        cfg=dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, sliding_window=7,
+                 vocab_size=140, max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
 }
 
 
@@ -146,6 +163,15 @@ def make(name, spec, out_root, seed):
     gen = torch.Generator().manual_seed(seed)
     model = model_cls(cfg).eval()
     randomize(model, gen)
+    if spec.get("router_scale"):
+        # Routers with a trained model's spread of logits: with HF's init scale
+        # the tiny fixtures' top-k has near-ties, which one bf16 rounding flips
+        # (one flipped token outweighs every other token's error in the bf16
+        # accuracy test, whichever implementation flips).
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.mul_(spec["router_scale"])
     # Round to the storage dtype, save, then compute the reference in f32 on the rounded weights.
     model = model.to(spec["dtype"])
     kwargs = {"max_shard_size": spec["shard"]} if spec["shard"] else {}

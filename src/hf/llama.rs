@@ -1,8 +1,10 @@
 //! `config.json` of Llama-family checkpoints, normalised into one struct.
 //!
 //! Reads both the hub's legacy style (top-level `rope_theta` / `rope_scaling`)
-//! and transformers 5's (`rope_parameters`), for `llama`, `mistral`, `qwen2`
-//! and `qwen3`. Every refusal is a [`ConfigError`] that names the field.
+//! and transformers 5's (`rope_parameters`), for `llama`, `mistral`, `qwen2`,
+//! `qwen3`, and the mixtures of experts on those attention blocks,
+//! `qwen3_moe` and `mixtral`. Every refusal is a [`ConfigError`] that names
+//! the field.
 
 use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
 use serde::Deserialize;
@@ -20,6 +22,10 @@ pub enum Arch {
     Qwen2,
     /// Qwen3 (per-head q/k RMSNorm).
     Qwen3,
+    /// Qwen3-MoE: Qwen3's attention, a softmax top-k router over `mlp.experts`.
+    Qwen3Moe,
+    /// Mixtral: Mistral's attention, a softmax top-k router over `block_sparse_moe.experts`.
+    Mixtral,
 }
 
 impl Arch {
@@ -30,8 +36,28 @@ impl Arch {
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Mixtral => "mixtral",
         }
     }
+}
+
+/// The mixture of experts of `qwen3_moe` and `mixtral`: a softmax over every
+/// expert's logit, the `top_k` best, their weights renormalised to sum to 1
+/// when `norm_topk_prob` (always for Mixtral).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaMoe {
+    /// Routed experts.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Each expert's MLP width.
+    pub intermediate_size: usize,
+    /// Renormalise the chosen weights.
+    pub norm_topk_prob: bool,
+    /// Per layer: whether its MLP is the mixture (Qwen3-MoE's
+    /// `mlp_only_layers` and `decoder_sparse_step` make some dense).
+    pub sparse: Vec<bool>,
 }
 
 /// Rotary embedding frequency scaling.
@@ -98,6 +124,8 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     /// config.json has no `max_position_embeddings`: the limit is HF's default.
     pub max_position_default: bool,
+    /// The mixture of experts (`qwen3_moe`, `mixtral`).
+    pub moe: Option<LlamaMoe>,
 }
 
 #[derive(Deserialize)]
@@ -124,6 +152,14 @@ struct Raw {
     layer_types: Option<Vec<String>>,
     tie_word_embeddings: Option<bool>,
     max_position_embeddings: Option<usize>,
+    // Mixtures of experts.
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
@@ -199,7 +235,8 @@ fn default_max_positions(arch: Arch) -> usize {
     match arch {
         Arch::Llama => 2048,
         Arch::Mistral => 4096 * 32,
-        Arch::Qwen2 | Arch::Qwen3 => 32768,
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => 32768,
+        Arch::Mixtral => 4096 * 32,
     }
 }
 
@@ -218,6 +255,8 @@ impl LlamaConfig {
             "mistral" => Arch::Mistral,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "mixtral" => Arch::Mixtral,
             _ => return Err(ConfigError::UnsupportedModel(model_type)),
         };
         // Schemes Strata cannot read are named by the parser; the ones it can
@@ -292,6 +331,7 @@ impl LlamaConfig {
             }
         };
         let sliding_windows = Self::windows(arch, &raw, num_layers)?;
+        let moe = Self::moe(arch, &raw, num_layers, hidden_size, intermediate_size)?;
         Ok(LlamaConfig {
             arch,
             hidden_size,
@@ -307,19 +347,56 @@ impl LlamaConfig {
             qkv_bias,
             o_bias,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             sliding_windows,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             max_position_embeddings,
             max_position_default,
+            moe,
         })
+    }
+
+    /// The mixture of experts of `qwen3_moe` and `mixtral` (none for the dense families).
+    fn moe(arch: Arch, raw: &Raw, n: usize, hidden: usize, dense: usize) -> Result<Option<LlamaMoe>, ConfigError> {
+        let (experts, key, inter) = match arch {
+            // The hub's files say `num_experts`; transformers 5 saves `num_local_experts`.
+            Arch::Qwen3Moe => (raw.num_experts.or(raw.num_local_experts), "num_experts", raw.moe_intermediate_size),
+            // Mixtral's experts are `intermediate_size` wide.
+            Arch::Mixtral => (raw.num_local_experts, "num_local_experts", Some(dense)),
+            _ => return Ok(None),
+        };
+        let experts = bounded(key, experts.ok_or(ConfigError::Missing(key))?, MAX_COUNT)?;
+        let top_k = raw.num_experts_per_tok.ok_or(ConfigError::Missing("num_experts_per_tok"))?;
+        if top_k == 0 || top_k > experts {
+            return Err(invalid("num_experts_per_tok", format!("{top_k} must be between 1 and {key} {experts}")));
+        }
+        let inter = positive("moe_intermediate_size", inter.ok_or(ConfigError::Missing("moe_intermediate_size"))?)?;
+        elements("moe_intermediate_size", "experts", &[experts, 3, inter, hidden])?;
+        let sparse = if arch == Arch::Qwen3Moe {
+            // transformers' Qwen3MoeDecoderLayer: experts unless the layer is
+            // in `mlp_only_layers`, on every `decoder_sparse_step`-th layer.
+            let step = raw.decoder_sparse_step.unwrap_or(1);
+            if step == 0 {
+                return Err(invalid("decoder_sparse_step", "must be positive"));
+            }
+            let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
+            if let Some(&bad) = dense_only.iter().find(|&&l| l >= n) {
+                return Err(invalid("mlp_only_layers", format!("names layer {bad} of {n}")));
+            }
+            (0..n).map(|l| !dense_only.contains(&l) && (l + 1) % step == 0).collect()
+        } else {
+            vec![true; n]
+        };
+        // Qwen3MoeConfig's default is false; Mixtral always renormalises.
+        let norm_topk_prob = arch == Arch::Mixtral || raw.norm_topk_prob.unwrap_or(false);
+        Ok(Some(LlamaMoe { experts, top_k, intermediate_size: inter, norm_topk_prob, sparse }))
     }
 
     fn windows(arch: Arch, raw: &Raw, n: usize) -> Result<Vec<Option<usize>>, ConfigError> {
         if arch == Arch::Llama {
             return Ok(vec![None; n]);
         }
-        let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3);
+        let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe);
         // Qwen configs carry a `sliding_window` that only counts when `use_sliding_window` is set.
         let window = if qwen && raw.use_sliding_window != Some(true) { None } else { raw.sliding_window };
         let Some(w) = window else {
@@ -440,6 +517,37 @@ mod tests {
         assert!(off.qkv_bias && !off.o_bias);
         let on = LlamaConfig::from_json(&base.replace("USE", "true")).unwrap();
         assert_eq!(on.sliding_windows, vec![None, None, Some(32), Some(32)]);
+    }
+
+    #[test]
+    fn mixtures_of_experts_name_their_layers_and_refuse_bad_sizes() {
+        let base = r#"{"model_type":"qwen3_moe","hidden_size":64,"num_hidden_layers":4,"num_attention_heads":4,
+            "num_key_value_heads":2,"intermediate_size":128,"vocab_size":100,"num_experts":8,
+            "num_experts_per_tok":2,"moe_intermediate_size":32,"decoder_sparse_step":2,"mlp_only_layers":[3]}"#;
+        let c = LlamaConfig::from_json(base).unwrap();
+        let moe = c.moe.unwrap();
+        // Layers 1 and 3 are every second one; 3 is dense by name.
+        assert_eq!(moe.sparse, [false, true, false, false]);
+        assert!(!moe.norm_topk_prob, "Qwen3MoeConfig's default");
+        for (from, to, want) in [
+            (r#""num_experts_per_tok":2"#, r#""num_experts_per_tok":9"#, "between 1 and num_experts 8"),
+            (r#""mlp_only_layers":[3]"#, r#""mlp_only_layers":[4]"#, "names layer 4 of 4"),
+            (r#""decoder_sparse_step":2"#, r#""decoder_sparse_step":0"#, "`decoder_sparse_step`: must be positive"),
+            (r#""num_experts":8,"#, "", "lacks required field `num_experts`"),
+            (r#""moe_intermediate_size":32,"#, "", "`moe_intermediate_size`"),
+        ] {
+            let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
+            assert!(e.contains(want), "{to}: {e}");
+        }
+        let mixtral = r#"{"model_type":"mixtral","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+            "intermediate_size":96,"vocab_size":100,"num_local_experts":4,"num_experts_per_tok":2,"sliding_window":16}"#;
+        let c = LlamaConfig::from_json(mixtral).unwrap();
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!((moe.experts, moe.intermediate_size, moe.norm_topk_prob), (4, 96, true));
+        assert_eq!(c.sliding_windows, [Some(16), Some(16)]);
+        // A dense family has no mixture, whatever keys it carries.
+        let dense = base.replace("qwen3_moe", "qwen3");
+        assert!(LlamaConfig::from_json(&dense).unwrap().moe.is_none());
     }
 
     #[test]

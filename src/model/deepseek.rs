@@ -16,6 +16,7 @@
 //! whole MoE block). q_a, kv_a, the router and the norms are replicated.
 
 use super::decoder::{Block, Decoder, Frame, Step};
+use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{AttnShape, Backend, GatedLinear, HeadSpan, LinearInfo, Parallel, Resident, Router, Tensor};
@@ -295,60 +296,38 @@ impl<B: Backend> Mlp<B> {
 }
 
 /// The mixture of experts (`mlp.*` of the other layers).
-pub struct Moe<B: Backend> {
-    /// The router `mlp.gate`: `[experts, hidden]`, replicated.
-    gate: B::Linear,
-    /// noaux_tc's bias on the scores, for the choice only.
-    e_score_correction_bias: Option<B::Vector>,
-    router: Router,
-    /// `mlp.experts.{i}`, this rank's slice of each.
-    experts: Vec<GatedLinear<B>>,
-    /// `mlp.shared_experts`, this rank's slice.
-    shared_experts: Option<GatedLinear<B>>,
-}
-
-impl<B: Backend> Moe<B> {
-    fn load(b: &B, r: &Reader<'_>, p: &str) -> Result<Self, ModelError> {
-        let c = r.config;
-        let (h, e) = (c.hidden_size, c.n_routed_experts);
-        // Hundreds of experts per layer: the backend chooses how to build them.
-        let experts = b.build_many(e, |i| r.gated(b, &format!("{p}.mlp.experts.{i}"), c.moe_intermediate_size))?;
-        let shared_experts = if c.n_shared_experts > 0 {
-            Some(r.gated(b, &format!("{p}.mlp.shared_experts"), c.moe_intermediate_size * c.n_shared_experts)?)
-        } else {
-            None
-        };
-        let e_score_correction_bias = if c.topk_method == TopkMethod::NoauxTc {
-            Some(b.vector(r.vector(&format!("{p}.mlp.gate.e_score_correction_bias"), e)?))
-        } else {
-            None
-        };
-        Ok(Moe {
-            // The router stays f32 under any compute dtype, as HF keeps it: a
-            // flipped expert choice costs more accuracy than the tiny GEMM saves.
-            gate: b.linear_f32(r.read(&format!("{p}.mlp.gate"), [e, h], 0..e, 0..h)?, None, Parallel::Replicated),
-            e_score_correction_bias,
-            router: Router {
-                scoring: c.scoring,
-                topk_method: c.topk_method,
-                top_k: c.num_experts_per_tok,
-                n_group: c.n_group,
-                topk_group: c.topk_group,
-                norm_topk_prob: c.norm_topk_prob,
-                routed_scaling_factor: c.routed_scaling_factor,
-            },
-            experts,
-            shared_experts,
-        })
-    }
-
-    /// `out = Σ_topk w_e · experts[e](h) + shared_experts(h)`.
-    fn forward<H: Dim>(&self, b: &B, h: &Tensor<B, H>, out: &mut Tensor<B, H>, s: &mut MlpScratch<B>) {
-        s.logits.resize(b, h.rows(), self.experts.len());
-        b.linear_forward(&self.gate, h, &mut s.logits);
-        let routes = b.moe_route(&s.logits, &self.router, self.e_score_correction_bias.as_ref());
-        b.moe_experts(&self.experts, self.shared_experts.as_ref(), h, &routes, out);
-    }
+fn load_moe<B: Backend>(b: &B, r: &Reader<'_>, p: &str) -> Result<Moe<B>, ModelError> {
+    let c = r.config;
+    let (h, e) = (c.hidden_size, c.n_routed_experts);
+    // Hundreds of experts per layer: the backend chooses how to build them.
+    let experts = b.build_many(e, |i| r.gated(b, &format!("{p}.mlp.experts.{i}"), c.moe_intermediate_size))?;
+    let shared_experts = if c.n_shared_experts > 0 {
+        Some(r.gated(b, &format!("{p}.mlp.shared_experts"), c.moe_intermediate_size * c.n_shared_experts)?)
+    } else {
+        None
+    };
+    let e_score_correction_bias = if c.topk_method == TopkMethod::NoauxTc {
+        Some(b.vector(r.vector(&format!("{p}.mlp.gate.e_score_correction_bias"), e)?))
+    } else {
+        None
+    };
+    Ok(Moe {
+        // The router stays f32 under any compute dtype, as HF keeps it: a
+        // flipped expert choice costs more accuracy than the tiny GEMM saves.
+        gate: b.linear_f32(r.read(&format!("{p}.mlp.gate"), [e, h], 0..e, 0..h)?, None, Parallel::Replicated),
+        e_score_correction_bias,
+        router: Router {
+            scoring: c.scoring,
+            topk_method: c.topk_method,
+            top_k: c.num_experts_per_tok,
+            n_group: c.n_group,
+            topk_group: c.topk_group,
+            norm_topk_prob: c.norm_topk_prob,
+            routed_scaling_factor: c.routed_scaling_factor,
+        },
+        experts,
+        shared_experts,
+    })
 }
 
 /// The feed-forward block of a layer.
@@ -363,30 +342,22 @@ impl<B: Backend> Ffn<B> {
     fn forward<H: Dim>(&self, b: &B, h: &Tensor<B, H>, out: &mut Tensor<B, H>, s: &mut MlpScratch<B>) {
         match self {
             Ffn::Dense(m) => m.forward(b, h, out, s),
-            Ffn::Moe(m) => m.forward(b, h, out, s),
+            Ffn::Moe(m) => m.forward(b, h, out, &mut s.logits),
         }
     }
 
     fn linears(&self) -> Vec<&B::Linear> {
-        fn gated<B: Backend>(m: &GatedLinear<B>) -> [&B::Linear; 2] {
-            [&m.gate_up_proj, &m.down_proj]
-        }
         match self {
-            Ffn::Dense(m) => gated(&m.proj).to_vec(),
-            Ffn::Moe(m) => {
-                let mut out = vec![&m.gate];
-                out.extend(m.experts.iter().chain(m.shared_experts.iter()).flat_map(gated));
-                out
-            }
+            Ffn::Dense(m) => vec![&m.proj.gate_up_proj, &m.proj.down_proj],
+            Ffn::Moe(m) => m.linears(),
         }
     }
 
     fn weight_bytes(&self) -> usize {
-        let bias = match self {
-            Ffn::Moe(m) => m.e_score_correction_bias.as_ref().map_or(0, |v| v.resident_bytes()),
-            Ffn::Dense(_) => 0,
-        };
-        bias + self.linears().iter().map(|l| l.resident_bytes()).sum::<usize>()
+        match self {
+            Ffn::Dense(m) => m.proj.gate_up_proj.resident_bytes() + m.proj.down_proj.resident_bytes(),
+            Ffn::Moe(m) => m.weight_bytes(),
+        }
     }
 }
 
@@ -452,7 +423,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         let p = format!("model.layers.{l}");
         let self_attn = Mla::load(b, &r, &p)?;
         let mlp = if c.is_moe(l) {
-            Ffn::Moe(Moe::load(b, &r, &p)?)
+            Ffn::Moe(load_moe(b, &r, &p)?)
         } else {
             Ffn::Dense(Mlp { proj: r.gated(b, &format!("{p}.mlp"), c.intermediate_size)? })
         };

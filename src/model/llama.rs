@@ -1,20 +1,27 @@
-//! The Llama family (Llama, Mistral, Qwen2, Qwen3), over any backend.
+//! The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of
+//! experts Qwen3-MoE and Mixtral), over any backend.
 //!
 //! Pre-norm residual blocks, named as in the checkpoints (`model.layers.{i}.*`):
-//! `x += self_attn(input_layernorm(x))`, then `x += mlp(post_attention_layernorm(x))`.
-//! q/k/v and gate/up are fused into one GEMM each at load time. No LM head.
+//! `x += self_attn(input_layernorm(x))`, then `x += mlp(post_attention_layernorm(x))`,
+//! where `mlp` is a gated MLP or a mixture of experts (`mlp.gate` and
+//! `mlp.experts.{j}.{gate,up,down}_proj` in Qwen3-MoE,
+//! `block_sparse_moe.gate` and `block_sparse_moe.experts.{j}.{w1,w3,w2}` in
+//! Mixtral). q/k/v and gate/up are fused into one GEMM each at load time. No LM head.
 //!
 //! Tensor parallelism, as in vLLM and gpt-fast, is each linear layer's kind:
 //! q/k/v and gate/up are column-parallel (split by output rows), o_proj and
 //! down_proj row-parallel (split by input columns, summed over ranks); heads
-//! and kv heads are divided across ranks (kv heads replicated when fewer).
+//! and kv heads are divided across ranks (kv heads replicated when fewer);
+//! each expert's width is divided across ranks, as DeepSeek's is.
 
 use super::decoder::{Block, Frame, Step};
+use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnBlock, AttnShape, Backend, Parallel, Resident, Tensor};
+use crate::backend::{AttnBlock, AttnShape, Backend, GatedLinear, Parallel, Resident, Router, Tensor};
 use crate::hf::checkpoint::Checkpoint;
-use crate::hf::llama::LlamaConfig;
+use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe};
+use crate::hf::moe::{Scoring, TopkMethod};
 use crate::hf::quant::{LinearWeight, WeightFormat};
 use crate::hf::ConfigError;
 use crate::shape::Dim;
@@ -26,6 +33,8 @@ struct Splits {
     heads: Split,
     kv_heads: Split,
     mlp: Split,
+    /// Each expert's width (a mixture of experts).
+    experts: Option<Split>,
 }
 
 impl Splits {
@@ -34,6 +43,7 @@ impl Splits {
             heads: Split::even("num_attention_heads", c.num_heads),
             kv_heads: Split::replicable("num_key_value_heads", c.num_kv_heads),
             mlp: Split::even("intermediate_size", c.intermediate_size),
+            experts: c.moe.as_ref().map(|m| Split::even("moe_intermediate_size", m.intermediate_size)),
         }
     }
 }
@@ -41,7 +51,9 @@ impl Splits {
 /// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
 pub fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), String> {
     let s = Splits::of(c);
-    for split in [s.heads, s.mlp, s.kv_heads] {
+    // Mixtral has no dense layer: its `intermediate_size` is the experts'.
+    let dense = c.moe.as_ref().is_none_or(|m| m.sparse.contains(&false));
+    for split in [s.heads, s.kv_heads].into_iter().chain(dense.then_some(s.mlp)).chain(s.experts) {
         split.per_rank(ranks)?;
     }
     Ok(())
@@ -203,28 +215,15 @@ pub struct MlpScratch<B: Backend> {
     /// `[T, intermediate]`: the SwiGLU, left unwritten by a backend that
     /// fuses it into the down projection (`swiglu_linear_add`).
     act: Tensor<B>,
+    /// A mixture's router logits, `[T, experts]`.
+    logits: Tensor<B>,
 }
 
 impl<B: Backend> Mlp<B> {
     fn load(b: &B, c: &LlamaConfig, r: &Reader<'_>, s: &Splits) -> Result<Self, ModelError> {
-        let (h, i) = (c.hidden_size, c.intermediate_size);
-        let rows = s.mlp.block(b, 1); // this rank's rows of gate/up, columns of down
-        let gate_up = LinearWeight::stack(vec![
-            r.linear("mlp.gate_proj", [i, h], rows.clone(), 0..h)?,
-            r.linear("mlp.up_proj", [i, h], rows.clone(), 0..h)?,
-        ]);
-        let (gate_up_bias, down_bias) = if c.mlp_bias {
-            let mut bias = r.vector_rows("mlp.gate_proj.bias", i, &rows)?;
-            bias.extend(r.vector_rows("mlp.up_proj.bias", i, &rows)?);
-            (Some(bias), Some(r.vector("mlp.down_proj.bias", h)?))
-        } else {
-            (None, None)
-        };
-        let down = r.linear("mlp.down_proj", [h, i], 0..h, rows)?;
-        Ok(Mlp {
-            gate_up_proj: b.linear(gate_up, gate_up_bias, Parallel::Column),
-            down_proj: b.linear(down, down_bias, Parallel::Row),
-        })
+        let names = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"];
+        let p = gated(b, r, names, c.hidden_size, c.intermediate_size, &s.mlp, c.mlp_bias)?;
+        Ok(Mlp { gate_up_proj: p.gate_up_proj, down_proj: p.down_proj })
     }
 
     /// `x += down_proj(silu(gate_proj(h)) · up_proj(h))` with `h = norm(x)`.
@@ -238,12 +237,112 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
+/// This rank's slice of a gated MLP, from its `[gate, up, down]` modules
+/// (`{gate,up,down}_proj` or Mixtral's `w1`, `w3`, `w2`): its rows of gate
+/// and up, stacked, and its columns of down; with biases if `bias`.
+fn gated<B: Backend>(
+    b: &B,
+    r: &Reader<'_>,
+    [gate, up, down]: [&str; 3],
+    h: usize,
+    i: usize,
+    split: &Split,
+    bias: bool,
+) -> Result<GatedLinear<B>, ModelError> {
+    let rows = split.block(b, 1); // this rank's rows of gate/up, columns of down
+    let gate_up = LinearWeight::stack(vec![
+        r.linear(gate, [i, h], rows.clone(), 0..h)?,
+        r.linear(up, [i, h], rows.clone(), 0..h)?,
+    ]);
+    let (gate_up_bias, down_bias) = if bias {
+        let mut b = r.vector_rows(&format!("{gate}.bias"), i, &rows)?;
+        b.extend(r.vector_rows(&format!("{up}.bias"), i, &rows)?);
+        (Some(b), Some(r.vector(&format!("{down}.bias"), h)?))
+    } else {
+        (None, None)
+    };
+    let down_w = r.linear(down, [h, i], 0..h, rows)?;
+    Ok(GatedLinear {
+        gate_up_proj: b.linear(gate_up, gate_up_bias, Parallel::Column),
+        down_proj: b.linear(down_w, down_bias, Parallel::Row),
+    })
+}
+
+/// A layer's mixture of experts, under Qwen3-MoE's or Mixtral's names: the
+/// router (`{module}.gate`, f32 inputs, as HF keeps it) and every expert.
+fn load_moe<B: Backend>(
+    b: &B,
+    c: &LlamaConfig,
+    m: &LlamaMoe,
+    r: &Reader<'_>,
+    s: &Splits,
+) -> Result<Moe<B>, ModelError> {
+    let (h, e, i) = (c.hidden_size, m.experts, m.intermediate_size);
+    let (module, names) = match c.arch {
+        Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    };
+    let split = s.experts.as_ref().expect("a mixture's config has an expert width");
+    let experts = b.build_many(e, |j| {
+        let [g, u, d] = names.map(|n| format!("{module}.experts.{j}.{n}"));
+        gated(b, r, [&g, &u, &d], h, i, split, false)
+    })?;
+    let gate = b.linear_f32(r.linear(&format!("{module}.gate"), [e, h], 0..e, 0..h)?, None, Parallel::Replicated);
+    let router = Router {
+        scoring: Scoring::Softmax,
+        topk_method: TopkMethod::Greedy,
+        top_k: m.top_k,
+        n_group: 1,
+        topk_group: 1,
+        norm_topk_prob: m.norm_topk_prob,
+        routed_scaling_factor: 1.0,
+    };
+    Ok(Moe { gate, e_score_correction_bias: None, router, experts, shared_experts: None })
+}
+
+/// The feed-forward block of a layer.
+pub enum Ffn<B: Backend> {
+    /// A gated MLP.
+    Dense(Mlp<B>),
+    /// A mixture of experts.
+    Moe(Moe<B>),
+}
+
+impl<B: Backend> Ffn<B> {
+    /// `x += ffn(norm(x))`; a mixture's output goes through `out` `[T, H]`.
+    fn forward_add<H: Dim>(
+        &self,
+        b: &B,
+        norm: PreNorm<'_, B, H>,
+        x: &mut Tensor<B, H>,
+        s: &mut MlpScratch<B>,
+        out: &mut Tensor<B, H>,
+    ) {
+        match self {
+            Ffn::Dense(m) => m.forward_add(b, norm, x, s),
+            Ffn::Moe(m) => {
+                b.rms_norm(x.all(), norm.weight, norm.eps, norm.normed);
+                out.resize(b, x.rows(), x.width());
+                m.forward(b, norm.normed, out, &mut s.logits);
+                b.add(x, out);
+            }
+        }
+    }
+
+    fn weight_bytes(&self) -> usize {
+        match self {
+            Ffn::Dense(m) => m.weight_bytes(),
+            Ffn::Moe(m) => m.weight_bytes(),
+        }
+    }
+}
+
 /// One decoder layer (`model.layers.{i}.*`).
 pub struct DecoderLayer<B: Backend> {
     input_layernorm: B::Vector,
     self_attn: Attention<B>,
     post_attention_layernorm: B::Vector,
-    mlp: Mlp<B>,
+    mlp: Ffn<B>,
     eps: f32,
 }
 
@@ -253,6 +352,8 @@ pub struct Scratch<B: Backend, H: Dim> {
     normed: Tensor<B, H>,
     attn: AttnScratch<B>,
     mlp: MlpScratch<B>,
+    /// A mixture of experts' output, `[T, H]`.
+    ffn: Tensor<B, H>,
 }
 
 impl<B: Backend> Block<B> for DecoderLayer<B> {
@@ -285,7 +386,10 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
             input_layernorm: b.vector(r.vector("input_layernorm.weight", h)?),
             self_attn: Attention::load(b, c, &r, &splits, c.sliding_windows[l])?,
             post_attention_layernorm: b.vector(r.vector("post_attention_layernorm.weight", h)?),
-            mlp: Mlp::load(b, c, &r, &splits)?,
+            mlp: match &c.moe {
+                Some(m) if m.sparse[l] => Ffn::Moe(load_moe(b, c, m, &r, &splits)?),
+                _ => Ffn::Dense(Mlp::load(b, c, &r, &splits)?),
+            },
             eps: c.rms_norm_eps,
         })
     }
@@ -297,7 +401,12 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         Scratch {
             normed: Tensor::zeros(b, t, hidden),
             attn: AttnScratch { qkv: Tensor::zeros(b, t, (nh + 2 * nkv) * hd), out: Tensor::zeros(b, t, nh * hd) },
-            mlp: MlpScratch { gate_up: Tensor::zeros(b, t, 2 * inter), act: Tensor::zeros(b, t, inter) },
+            mlp: MlpScratch {
+                gate_up: Tensor::zeros(b, t, 2 * inter),
+                act: Tensor::zeros(b, t, inter),
+                logits: Tensor::empty(b, 0),
+            },
+            ffn: Tensor::empty(b, hidden),
         }
     }
 
@@ -315,7 +424,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         self.self_attn.forward_add(b, norm, x, step, &mut s.attn, cache, index);
         // x += mlp(post_attention_layernorm(x))
         let norm = PreNorm { weight: &self.post_attention_layernorm, eps: self.eps, normed: &mut s.normed };
-        self.mlp.forward_add(b, norm, x, &mut s.mlp);
+        self.mlp.forward_add(b, norm, x, &mut s.mlp, &mut s.ffn);
     }
 
     fn weight_bytes(&self) -> usize {

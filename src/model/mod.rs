@@ -13,6 +13,7 @@ pub mod any;
 pub mod decoder;
 pub mod deepseek;
 pub mod llama;
+pub mod moe;
 pub mod shard;
 pub mod tp_model;
 

@@ -73,6 +73,9 @@ pub struct Engine {
     throughput: Mutex<f64>,
     /// The model thread is between steps with nothing in flight.
     idle: AtomicBool,
+    /// The writer could not collect a step's states: the model thread
+    /// drops the prompts it has split across steps, as after a failed step.
+    collect_failed: AtomicBool,
     store: Arc<Store>,
     metrics: Arc<Metrics>,
 }
@@ -89,6 +92,7 @@ impl Engine {
             budget,
             throughput: Mutex::new(0.0),
             idle: AtomicBool::new(true),
+            collect_failed: AtomicBool::new(false),
             store,
             metrics,
         }
@@ -249,6 +253,12 @@ impl Engine {
                 }
                 self.idle.store(false, Relaxed);
             }
+            if self.collect_failed.swap(false, Relaxed) {
+                // A prompt split across steps cannot continue without its first chunks' states.
+                scheduler = Scheduler::new(self.budget);
+                cache = AnyCache::default();
+                chunked = false;
+            }
             let mut source = std::iter::from_fn(|| self.pop_live().map(Ok::<_, std::convert::Infallible>));
             let Ok(Some(step)) = scheduler.next_step(&mut source) else { continue };
             chunked = step.parts.last().is_some_and(|p| !p.last);
@@ -299,8 +309,12 @@ impl Engine {
             let states = match pending.wait() {
                 Ok(states) => states,
                 Err(e) => {
+                    // (A device failure: steps already queued behind this one
+                    // that continue its prompts fail in the gatherer too.)
                     tracing::error!("collecting a step's states failed: {e}");
                     self.fail_step(&step, &ApiError::internal(format!("collecting the step's states failed: {e}")));
+                    gatherer = Gatherer::default();
+                    self.collect_failed.store(true, Relaxed);
                     continue;
                 }
             };

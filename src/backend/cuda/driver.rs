@@ -36,7 +36,7 @@ pub struct Driver {
     /// The NCCL group this rank belongs to (none for one rank).
     group: Option<Arc<NcclGroup>>,
     /// Pinned host buffers that captures are copied into; reused step to step.
-    staging: Arc<Mutex<Staging>>,
+    staging: Arc<Mutex<Staging<Pinned, CudaEvent>>>,
     /// Pinned host memory small uploads go through; reset at each stream sync.
     uploads: Mutex<Arena>,
     /// The experts' GEMM path, probed at open, and the device array of the
@@ -137,15 +137,15 @@ impl Pinned {
 }
 
 /// Where one staged capture lies until it is collected.
-enum Staged {
+enum Staged<P> {
     /// The first `bytes` of a pinned buffer.
-    Pinned(Pinned, usize),
+    Pinned(P, usize),
     /// Pageable memory, copied synchronously: the fallback when no pinned
     /// memory could be allocated.
     Owned(Vec<u8>),
 }
 
-impl Staged {
+impl Staged<Pinned> {
     /// The staged bytes. The caller has waited for the copy into them.
     fn bytes(&self) -> &[u8] {
         match self {
@@ -153,6 +153,17 @@ impl Staged {
             Staged::Pinned(p, n) => unsafe { std::slice::from_raw_parts(p.ptr as *const u8, *n) },
             Staged::Owned(v) => v,
         }
+    }
+}
+
+/// A staging buffer's capacity, for the pool's choice.
+trait Capacity {
+    fn capacity(&self) -> usize;
+}
+
+impl Capacity for Pinned {
+    fn capacity(&self) -> usize {
+        self.cap
     }
 }
 
@@ -169,29 +180,74 @@ fn staging_capacity(bytes: usize) -> usize {
     bytes.div_ceil(rung) * rung
 }
 
-/// The staging pool: free buffers, and this step's captures (in order).
-/// A step's captures leave it when taken and come back when collected, so
-/// the pool settles at two buffers per capture point: one step's being
-/// read on the host while the next step's are copied.
-#[derive(Default)]
-struct Staging {
-    free: Vec<Pinned>,
-    used: Vec<Staged>,
+/// The staging pool: free buffers, this step's captures (in order), and
+/// the buffers of dropped steps whose copies may still be landing. A step's
+/// captures leave the pool when taken and come back when read, so it
+/// settles at one buffer per capture point for each step in flight: two in
+/// `extract` (one step's being read on the host while the next step's are
+/// copied), three in `serve` (whose writer queue holds one more step).
+/// `M` marks when a dropped step's copies are done (a CUDA event).
+struct Staging<P, M> {
+    free: Vec<P>,
+    used: Vec<Staged<P>>,
+    deferred: Vec<(M, Vec<Staged<P>>)>,
+}
+
+impl<P, M> Default for Staging<P, M> {
+    fn default() -> Self {
+        Staging { free: Vec::new(), used: Vec::new(), deferred: Vec::new() }
+    }
+}
+
+impl<P: Capacity, M> Staging<P, M> {
+    /// The smallest free buffer of at least `bytes`; if none, the free ones
+    /// too small are dropped (a step's captures are all [T, H], the same
+    /// sizes step after step) and `None` says to allocate one.
+    fn take_free(&mut self, bytes: usize) -> Option<P> {
+        let fit =
+            (0..self.free.len()).filter(|&i| self.free[i].capacity() >= bytes).min_by_key(|&i| self.free[i].capacity());
+        match fit {
+            Some(i) => Some(self.free.swap_remove(i)),
+            None => {
+                self.free.retain(|p| p.capacity() >= bytes);
+                None
+            }
+        }
+    }
+
+    /// Buffers back into the free list.
+    fn give_back(&mut self, parts: Vec<Staged<P>>) {
+        self.free.extend(parts.into_iter().filter_map(|part| match part {
+            Staged::Pinned(p, _) => Some(p),
+            Staged::Owned(_) => None,
+        }));
+    }
+
+    /// Frees the deferred steps whose copies `done` says have landed.
+    fn reclaim(&mut self, done: impl Fn(&M) -> bool) {
+        let (ready, waiting): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.deferred).into_iter().partition(|(m, _)| done(m));
+        self.deferred = waiting;
+        for (_, parts) in ready {
+            self.give_back(parts);
+        }
+    }
 }
 
 /// A step's staged captures, taken off the pool ([`Device::take_staged`]).
 struct Taken {
-    parts: Vec<Staged>,
+    parts: Vec<Staged<Pinned>>,
     /// Recorded after the last copy into `parts`.
-    done: CudaEvent,
-    pool: Arc<Mutex<Staging>>,
+    done: Option<CudaEvent>,
+    pool: Arc<Mutex<Staging<Pinned, CudaEvent>>>,
     /// Whether `done` was waited for: the buffers may be reused.
     landed: bool,
 }
 
 impl StagedCopies for Taken {
     fn collect(mut self: Box<Self>, f: &mut dyn FnMut(&[&[u8]])) -> Result<(), CudaError> {
-        self.done.synchronize().map_err(|e| driver_err("cuEventSynchronize (captures)", e))?;
+        let done = self.done.as_ref().expect("set until drop");
+        done.synchronize().map_err(|e| driver_err("cuEventSynchronize (captures)", e))?;
         self.landed = true;
         let parts: Vec<&[u8]> = self.parts.iter().map(Staged::bytes).collect();
         f(&parts);
@@ -201,17 +257,15 @@ impl StagedCopies for Taken {
 
 impl Drop for Taken {
     fn drop(&mut self) {
-        if !self.landed && !self.done.is_complete() {
-            // A copy may still write them (a step that failed and never
-            // synchronised): never reuse or free them.
-            std::mem::forget(std::mem::take(&mut self.parts));
-            return;
-        }
+        let done = self.done.take().expect("set until drop");
+        let parts = std::mem::take(&mut self.parts);
         let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
-        for part in self.parts.drain(..) {
-            if let Staged::Pinned(p, _) = part {
-                pool.free.push(p);
-            }
+        if self.landed || (done.context().bind_to_thread().is_ok() && done.is_complete()) {
+            pool.give_back(parts);
+        } else {
+            // A copy may still write them (a step dropped before its sync):
+            // reused only once the event says the copies have landed.
+            pool.deferred.push((done, parts));
         }
     }
 }
@@ -544,27 +598,21 @@ impl Device for Driver {
     fn stage(&self, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
         self.bind()?;
         let mut st = self.staging.lock().unwrap_or_else(|e| e.into_inner());
-        // The smallest free buffer that fits, else a new one in place of the
-        // free ones too small (a step's captures are all [T, H], and the same
-        // sizes step after step, so the pool settles).
-        let fit = (0..st.free.len()).filter(|&i| st.free[i].cap >= bytes).min_by_key(|&i| st.free[i].cap);
-        let buf = match fit {
-            Some(i) => st.free.swap_remove(i),
-            None => {
-                st.free.retain(|p| p.cap >= bytes);
-                match Pinned::new(staging_capacity(bytes), &self.ctx) {
-                    Ok(p) => p,
-                    Err(e) => {
-                        // No page-locked memory left: copy this one the slow way.
-                        tracing::warn!("cuda: capture staged through pageable memory: {e}");
-                        let mut v = vec![0u8; bytes];
-                        drop(st);
-                        self.download(src, &mut v)?;
-                        self.staging.lock().unwrap_or_else(|e| e.into_inner()).used.push(Staged::Owned(v));
-                        return Ok(());
-                    }
+        st.reclaim(|done| done.is_complete());
+        let buf = match st.take_free(bytes) {
+            Some(p) => p,
+            None => match Pinned::new(staging_capacity(bytes), &self.ctx) {
+                Ok(p) => p,
+                Err(e) => {
+                    // No page-locked memory left: copy this one the slow way.
+                    tracing::warn!("cuda: capture staged through pageable memory: {e}");
+                    let mut v = vec![0u8; bytes];
+                    drop(st);
+                    self.download(src, &mut v)?;
+                    self.staging.lock().unwrap_or_else(|e| e.into_inner()).used.push(Staged::Owned(v));
+                    return Ok(());
                 }
-            }
+            },
         };
         // SAFETY: `buf` is pinned host memory of at least `bytes`, untouched by
         // the host until its collection has waited for the copy; `src` holds
@@ -580,10 +628,19 @@ impl Device for Driver {
     }
 
     fn take_staged(&self) -> Result<Box<dyn StagedCopies>, CudaError> {
-        self.bind()?;
-        let done = self.stream.record_event(None).map_err(|e| driver_err("cuEventRecord (captures)", e))?;
+        // Taken first: whatever happens, this step's copies are not the next step's.
         let parts = std::mem::take(&mut self.staging.lock().unwrap_or_else(|e| e.into_inner()).used);
-        Ok(Box::new(Taken { parts, done, pool: self.staging.clone(), landed: false }))
+        let done = self
+            .bind()
+            .and_then(|()| self.stream.record_event(None).map_err(|e| driver_err("cuEventRecord (captures)", e)));
+        match done {
+            Ok(done) => Ok(Box::new(Taken { parts, done: Some(done), pool: self.staging.clone(), landed: false })),
+            Err(e) => {
+                // Nothing says when their copies land: never reuse them.
+                std::mem::forget(parts);
+                Err(e)
+            }
+        }
     }
 
     fn copy(&self, dst: DevPtr, src: DevPtr, bytes: usize) -> Result<(), CudaError> {
@@ -888,7 +945,39 @@ impl Drop for Driver {
 
 #[cfg(test)]
 mod tests {
-    use super::staging_capacity;
+    use super::{staging_capacity, Capacity, Staged, Staging};
+
+    impl Capacity for (usize, usize) {
+        fn capacity(&self) -> usize {
+            self.1
+        }
+    }
+
+    /// The pool's double buffering: a taken step's buffers are not handed
+    /// to the next step until they come back (read, or their copies done).
+    #[test]
+    fn staging_buffers_are_reused_only_once_given_back() {
+        // Buffers are (id, capacity); markers say whether a deferred step's copies are done.
+        let mut pool = Staging::<(usize, usize), bool>::default();
+        assert!(pool.take_free(100).is_none(), "an empty pool allocates");
+        let step1 = vec![Staged::Pinned((1, 128), 100), Staged::Pinned((2, 128), 100)];
+        // While step 1's buffers are out, step 2 gets none of them.
+        assert!(pool.take_free(100).is_none());
+        pool.give_back(step1);
+        let a = pool.take_free(100).unwrap();
+        let b = pool.take_free(100).unwrap();
+        assert_eq!([a.0, b.0].iter().sum::<usize>(), 3, "step 1's buffers, each once");
+        assert!(pool.take_free(100).is_none());
+        // A step dropped before its copies landed comes back only when they have.
+        pool.deferred.push((false, vec![Staged::Pinned(a, 100)]));
+        pool.deferred.push((true, vec![Staged::Pinned(b, 100), Staged::Owned(vec![0; 4])]));
+        pool.reclaim(|&done| done);
+        assert_eq!(pool.free.iter().map(|p| p.0).collect::<Vec<_>>(), [b.0], "only the landed step's buffer");
+        assert_eq!(pool.deferred.len(), 1);
+        // Too small for a larger step: dropped rather than kept.
+        assert!(pool.take_free(200).is_none());
+        assert!(pool.free.is_empty());
+    }
 
     #[test]
     fn staging_grows_by_rungs_of_at_most_a_quarter() {

@@ -1,0 +1,43 @@
+//! The real hub `config.json` files of the target models
+//! (`tests/fixtures/configs/`, sources in its README) parse, select the
+//! family and variant their model_type names, and give the sizes the hub
+//! model has: a config key read wrong would show here before any forward.
+
+mod common;
+
+use common::fixture;
+use strata::hf::llama::Arch;
+use strata::model::AnyConfig;
+
+fn config(name: &str) -> AnyConfig {
+    let path = fixture("configs").join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    AnyConfig::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn qwen3_30b_a3b_is_a_qwen3_attention_with_128_experts() {
+    let AnyConfig::Llama(c) = config("qwen3-30b-a3b") else { panic!("qwen3_moe is a Llama-family config") };
+    assert_eq!(c.arch, Arch::Qwen3Moe);
+    assert!(c.qk_norm, "Qwen3-MoE keeps Qwen3's q/k norm");
+    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (48, 2048, 32, 4, 128));
+    let moe = c.moe.expect("a mixture of experts");
+    assert_eq!((moe.experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob), (128, 8, 768, true));
+    assert_eq!(moe.sparse, vec![true; 48], "decoder_sparse_step 1 and no mlp_only_layers: every layer routes");
+    assert_eq!(c.sliding_windows, vec![None; 48], "use_sliding_window is false");
+    assert_eq!(c.rope_theta, 1e6);
+}
+
+#[test]
+fn mixtral_8x7b_is_a_mistral_attention_with_8_experts_of_top_2() {
+    let AnyConfig::Llama(c) = config("mixtral-8x7b") else { panic!("mixtral is a Llama-family config") };
+    assert_eq!(c.arch, Arch::Mixtral);
+    assert!(!c.qk_norm && !c.qkv_bias);
+    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (32, 4096, 32, 8, 128));
+    let moe = c.moe.expect("a mixture of experts");
+    // Mixtral's experts are `intermediate_size` wide, and it always renormalises its top 2.
+    assert_eq!((moe.experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob), (8, 2, 14336, true));
+    assert_eq!(moe.sparse, vec![true; 32]);
+    assert_eq!(c.sliding_windows, vec![None; 32], "no sliding_window key");
+    assert_eq!(c.max_position_embeddings, 32768);
+}
