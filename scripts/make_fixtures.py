@@ -22,9 +22,10 @@ import os
 import shutil
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 import transformers
-from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig,
+                          Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -123,6 +124,19 @@ FIXTURES = {
                  intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, sliding_window=7,
                  vocab_size=140, max_position_embeddings=512,
                  rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    # GLM-4.5: RoPE on half of each head (head_dim 24: 12 columns, 6 frequencies), q/k/v bias
+    # without an o bias, DeepSeek-V3's sigmoid router (2 groups, 1 kept, correction bias,
+    # routed scaling), two shared experts, a dense first layer, hub-style top-level keys, and a
+    # multi-token-prediction layer stored past the last one (as GLM-4.5's layer 92) that is never run.
+    "glm4-moe": dict(
+        cls=(Glm4MoeConfig, Glm4MoeForCausalLM), dtype=torch.bfloat16, shard=None, legacy=True, router_scale=4.0,
+        mtp_layer=True,
+        cfg=dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                 intermediate_size=96, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=2,
+                 num_experts_per_tok=3, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                 norm_topk_prob=True, attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=1,
+                 vocab_size=150, max_position_embeddings=512,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
 }
 
 
@@ -148,9 +162,23 @@ def to_legacy(cfg_path):
         cfg = json.load(f)
     rp = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rp.pop("rope_theta")
+    if "partial_rotary_factor" in rp:
+        cfg["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
     cfg["rope_scaling"] = None if rp.get("rope_type") == "default" else rp
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def add_mtp_layer(out, cfg, gen):
+    """Append the tensors of a multi-token-prediction layer, `model.layers.{N}`, as GLM-4.5 and
+    DeepSeek-V3 store it past the decoder's last layer (HF skips it on load; so must Strata)."""
+    path = os.path.join(out, "model.safetensors")
+    tensors = load_file(path)
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    tensors[f"model.layers.{n}.eh_proj.weight"] = torch.randn((h, 2 * h), generator=gen).to(torch.bfloat16)
+    tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    tensors[f"model.layers.{n}.hnorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def make(name, spec, out_root, seed):
@@ -169,8 +197,8 @@ def make(name, spec, out_root, seed):
         # (one flipped token outweighs every other token's error in the bf16
         # accuracy test, whichever implementation flips).
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
+            for pname, p in model.named_parameters():
+                if pname.endswith("mlp.gate.weight"):
                     p.mul_(spec["router_scale"])
     # Round to the storage dtype, save, then compute the reference in f32 on the rounded weights.
     model = model.to(spec["dtype"])
@@ -178,6 +206,8 @@ def make(name, spec, out_root, seed):
     model.save_pretrained(out, **kwargs)
     if spec["legacy"]:
         to_legacy(os.path.join(out, "config.json"))
+    if spec.get("mtp_layer"):
+        add_mtp_layer(out, cfg, gen)
     for extra in ("generation_config.json",):
         p = os.path.join(out, extra)
         if os.path.exists(p):

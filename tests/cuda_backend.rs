@@ -519,8 +519,14 @@ fn the_bf16_attention_block_keeps_q_k_v_in_bf16() {
     let inv_freq = (0..hd / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
     let rope = b.rope_table(&RopeFreqs { inv_freq, scale: 1.0 }, batch.max_position());
     let shape = AttnShape { heads: nh, kv_heads: nkv, head_dim: hd, v_dim: hd, window: None, scale: 0.088 };
-    let block =
-        AttnBlock { qkv_proj: &qkv_proj, o_proj: &o_proj, norm: (&norm, 1e-6), qk_norm: Some((&qn, &kn, 1e-6)), shape };
+    let block = AttnBlock {
+        qkv_proj: &qkv_proj,
+        o_proj: &o_proj,
+        norm: (&norm, 1e-6),
+        qk_norm: Some((&qn, &kn, 1e-6)),
+        shape,
+        rotary_dim: hd,
+    };
     let x0 = vals(rows * h, 7);
     let run = |fused: bool| {
         let mut x = Tensor::<Emu<Bf16>, usize>::from_host(&b, &x0, rows, h).unwrap();

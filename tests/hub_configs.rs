@@ -7,6 +7,7 @@ mod common;
 
 use common::fixture;
 use strata::hf::llama::Arch;
+use strata::hf::moe::{Scoring, TopkMethod};
 use strata::model::AnyConfig;
 
 fn config(name: &str) -> AnyConfig {
@@ -40,4 +41,26 @@ fn mixtral_8x7b_is_a_mistral_attention_with_8_experts_of_top_2() {
     assert_eq!(moe.sparse, vec![true; 32]);
     assert_eq!(c.sliding_windows, vec![None; 32], "no sliding_window key");
     assert_eq!(c.max_position_embeddings, 32768);
+}
+
+#[test]
+fn glm_4_5_air_rotates_half_of_each_head_and_routes_as_deepseek_v3() {
+    let AnyConfig::Llama(c) = config("glm-4.5-air") else { panic!("glm4_moe is a Llama-family config") };
+    assert_eq!(c.arch, Arch::Glm4Moe);
+    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (46, 4096, 96, 8, 128));
+    // partial_rotary_factor 0.5: RoPE on the first 64 columns of each head, 32 frequencies.
+    assert_eq!(c.rotary_dim, 64);
+    assert_eq!(c.rope().inv_freq.len(), 32);
+    assert!(c.qkv_bias && !c.o_bias, "attention_bias is on q, k and v only");
+    assert!(!c.qk_norm, "use_qk_norm is false");
+    assert_eq!(c.extra_layers, 1, "one multi-token-prediction layer is stored past layer 45");
+    let moe = c.moe.expect("a mixture of experts");
+    assert_eq!((moe.experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob), (128, 8, 1408, true));
+    assert_eq!((moe.scoring, moe.topk_method), (Scoring::Sigmoid, TopkMethod::NoauxTc));
+    assert_eq!((moe.n_group, moe.topk_group, moe.routed_scaling_factor), (1, 1, 1.0));
+    assert_eq!(moe.shared_intermediate_size, Some(1408), "one shared expert as wide as a routed one");
+    let mut sparse = vec![true; 46];
+    sparse[0] = false;
+    assert_eq!(moe.sparse, sparse, "first_k_dense_replace 1: layer 0 is dense");
+    assert_eq!(c.rope_theta, 1e6);
 }

@@ -205,6 +205,17 @@ pub struct AttnBlock<'a, B: Backend> {
     pub qk_norm: Option<(&'a B::Vector, &'a B::Vector, f32)>,
     /// Heads, widths (`v_dim == head_dim`), window and scale.
     pub shape: AttnShape,
+    /// Columns of each q and k head RoPE rotates, from the first: `head_dim`,
+    /// or fewer under a partial rotary factor (GLM-4.5's half).
+    pub rotary_dim: usize,
+}
+
+impl<B: Backend> AttnBlock<'_, B> {
+    /// The q and k heads RoPE rotates, `rotary_dim` columns of each.
+    pub fn rope_span(&self) -> HeadSpan {
+        let s = self.shape;
+        HeadSpan { offset: 0, count: s.heads + s.kv_heads, stride: s.head_dim, width: self.rotary_dim }
+    }
 }
 
 /// [`Backend::norm_attention_add`] as the ops it is made of, one by one
@@ -228,7 +239,7 @@ pub fn attention_block_ops<B: Backend, H: Dim>(
         b.rms_norm_heads(qkv, HeadSpan::heads(0, nh, hd), qn, eps);
         b.rms_norm_heads(qkv, HeadSpan::heads(nh * hd, nkv, hd), kn, eps);
     }
-    b.rope(qkv, HeadSpan::heads(0, nh + nkv, hd), false, rope, batch);
+    b.rope(qkv, a.rope_span(), false, rope, batch);
     let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
     b.attention(q, k, v, a.shape, batch, cache, layer, out);
     b.linear_add(a.o_proj, out, x);

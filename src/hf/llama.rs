@@ -3,9 +3,10 @@
 //! Reads both the hub's legacy style (top-level `rope_theta` / `rope_scaling`)
 //! and transformers 5's (`rope_parameters`), for `llama`, `mistral`, `qwen2`,
 //! `qwen3`, and the mixtures of experts on those attention blocks,
-//! `qwen3_moe` and `mixtral`. Every refusal is a [`ConfigError`] that names
+//! `qwen3_moe`, `mixtral` and `glm4_moe` (GLM-4.5/4.6). Every refusal is a [`ConfigError`] that names
 //! the field.
 
+use super::moe::{Scoring, TopkMethod};
 use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
 use serde::Deserialize;
 use serde_json::Value;
@@ -26,6 +27,9 @@ pub enum Arch {
     Qwen3Moe,
     /// Mixtral: Mistral's attention, a softmax top-k router over `block_sparse_moe.experts`.
     Mixtral,
+    /// GLM-4.5/4.6: partial RoPE, q/k/v biases, DeepSeek-V3's sigmoid router
+    /// with groups and a correction bias, shared experts.
+    Glm4Moe,
 }
 
 impl Arch {
@@ -38,15 +42,30 @@ impl Arch {
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Mixtral => "mixtral",
+            Arch::Glm4Moe => "glm4_moe",
         }
     }
 }
 
-/// The mixture of experts of `qwen3_moe` and `mixtral`: a softmax over every
+/// The mixture of experts of `qwen3_moe` and `mixtral` (a softmax over every
 /// expert's logit, the `top_k` best, their weights renormalised to sum to 1
-/// when `norm_topk_prob` (always for Mixtral).
+/// when `norm_topk_prob`, always for Mixtral) and `glm4_moe` (DeepSeek-V3's
+/// router: sigmoid scores, groups, `e_score_correction_bias` for the choice,
+/// `routed_scaling_factor`; shared experts).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaMoe {
+    /// Softmax or sigmoid scores.
+    pub scoring: Scoring,
+    /// Greedy, or noaux_tc (groups and a correction bias).
+    pub topk_method: TopkMethod,
+    /// Expert groups, and the groups kept per token.
+    pub n_group: usize,
+    /// Groups kept per token.
+    pub topk_group: usize,
+    /// Factor on every routed weight.
+    pub routed_scaling_factor: f32,
+    /// The shared experts' width (`n_shared_experts × moe_intermediate_size`), if any.
+    pub shared_intermediate_size: Option<usize>,
     /// Routed experts.
     pub experts: usize,
     /// Experts per token.
@@ -116,6 +135,12 @@ pub struct LlamaConfig {
     pub mlp_bias: bool,
     /// Per-head RMSNorm on q and k (Qwen3).
     pub qk_norm: bool,
+    /// Columns of each q/k head RoPE rotates, from the first (`head_dim`
+    /// unless `partial_rotary_factor`, GLM-4.5's 0.5).
+    pub rotary_dim: usize,
+    /// Layers the checkpoint holds past `num_layers` that are never run
+    /// (GLM-4.5's multi-token-prediction layer).
+    pub extra_layers: usize,
     /// Per layer: `Some(w)` if the layer attends to the last `w` positions only.
     pub sliding_windows: Vec<Option<usize>>,
     /// LM head shares the embedding matrix (irrelevant to extraction, recorded).
@@ -160,6 +185,16 @@ struct Raw {
     norm_topk_prob: Option<bool>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    routed_scaling_factor: Option<f64>,
+    first_k_dense_replace: Option<usize>,
+    use_qk_norm: Option<bool>,
+    partial_rotary_factor: Option<f64>,
+    num_nextn_predict_layers: Option<usize>,
+    num_mtp_layers: Option<usize>,
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
@@ -237,6 +272,7 @@ fn default_max_positions(arch: Arch) -> usize {
         Arch::Mistral => 4096 * 32,
         Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => 32768,
         Arch::Mixtral => 4096 * 32,
+        Arch::Glm4Moe => 131072,
     }
 }
 
@@ -257,6 +293,7 @@ impl LlamaConfig {
             "qwen3" => Arch::Qwen3,
             "qwen3_moe" => Arch::Qwen3Moe,
             "mixtral" => Arch::Mixtral,
+            "glm4_moe" => Arch::Glm4Moe,
             _ => return Err(ConfigError::UnsupportedModel(model_type)),
         };
         // Schemes Strata cannot read are named by the parser; the ones it can
@@ -325,12 +362,31 @@ impl LlamaConfig {
         let (qkv_bias, o_bias) = match arch {
             // Qwen2 always has q/k/v bias and never an o bias, whatever the config says.
             Arch::Qwen2 => (true, false),
+            // GLM-4.5: `attention_bias` is on q, k and v only.
+            Arch::Glm4Moe => (raw.attention_bias.unwrap_or(false), false),
             _ => {
                 let b = raw.attention_bias.unwrap_or(false);
                 (b, b)
             }
         };
         let sliding_windows = Self::windows(arch, &raw, num_layers)?;
+        // transformers 5 keeps `partial_rotary_factor` in `rope_parameters`, the
+        // hub's files at top level; transformers takes 0.5 for glm4_moe without one.
+        let factor = raw
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .and_then(Value::as_f64)
+            .or(raw.partial_rotary_factor)
+            .unwrap_or(if arch == Arch::Glm4Moe { 0.5 } else { 1.0 });
+        // As transformers: int(head_dim · factor).
+        let rotary_dim = (head_dim as f64 * factor) as usize;
+        if !(factor > 0.0 && factor <= 1.0) || rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
+            return Err(invalid(
+                "partial_rotary_factor",
+                format!("{factor} of head_dim {head_dim} rotates {rotary_dim} columns: must be a positive even number at most head_dim"),
+            ));
+        }
         let moe = Self::moe(arch, &raw, num_layers, hidden_size, intermediate_size)?;
         Ok(LlamaConfig {
             arch,
@@ -347,7 +403,10 @@ impl LlamaConfig {
             qkv_bias,
             o_bias,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe)
+                || (arch == Arch::Glm4Moe && raw.use_qk_norm == Some(true)),
+            rotary_dim,
+            extra_layers: raw.num_nextn_predict_layers.or(raw.num_mtp_layers).unwrap_or(0),
             sliding_windows,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             max_position_embeddings,
@@ -363,6 +422,9 @@ impl LlamaConfig {
             Arch::Qwen3Moe => (raw.num_experts.or(raw.num_local_experts), "num_experts", raw.moe_intermediate_size),
             // Mixtral's experts are `intermediate_size` wide.
             Arch::Mixtral => (raw.num_local_experts, "num_local_experts", Some(dense)),
+            Arch::Glm4Moe => {
+                (raw.n_routed_experts.or(raw.num_local_experts), "n_routed_experts", raw.moe_intermediate_size)
+            }
             _ => return Ok(None),
         };
         let experts = bounded(key, experts.ok_or(ConfigError::Missing(key))?, MAX_COUNT)?;
@@ -372,7 +434,11 @@ impl LlamaConfig {
         }
         let inter = positive("moe_intermediate_size", inter.ok_or(ConfigError::Missing("moe_intermediate_size"))?)?;
         elements("moe_intermediate_size", "experts", &[experts, 3, inter, hidden])?;
-        let sparse = if arch == Arch::Qwen3Moe {
+        let sparse = if arch == Arch::Glm4Moe {
+            // As DeepSeek: dense for the first `first_k_dense_replace` layers.
+            let first = raw.first_k_dense_replace.unwrap_or(1);
+            (0..n).map(|l| l >= first).collect()
+        } else if arch == Arch::Qwen3Moe {
             // transformers' Qwen3MoeDecoderLayer: experts unless the layer is
             // in `mlp_only_layers`, on every `decoder_sparse_step`-th layer.
             let step = raw.decoder_sparse_step.unwrap_or(1);
@@ -387,9 +453,58 @@ impl LlamaConfig {
         } else {
             vec![true; n]
         };
-        // Qwen3MoeConfig's default is false; Mixtral always renormalises.
-        let norm_topk_prob = arch == Arch::Mixtral || raw.norm_topk_prob.unwrap_or(false);
-        Ok(Some(LlamaMoe { experts, top_k, intermediate_size: inter, norm_topk_prob, sparse }))
+        // Qwen3MoeConfig's default is false, Glm4MoeConfig's true; Mixtral always renormalises.
+        let norm_topk_prob = match arch {
+            Arch::Mixtral => true,
+            Arch::Glm4Moe => raw.norm_topk_prob.unwrap_or(true),
+            _ => raw.norm_topk_prob.unwrap_or(false),
+        };
+        let mut moe = LlamaMoe {
+            scoring: Scoring::Softmax,
+            topk_method: TopkMethod::Greedy,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: 1.0,
+            shared_intermediate_size: None,
+            experts,
+            top_k,
+            intermediate_size: inter,
+            norm_topk_prob,
+            sparse,
+        };
+        if arch == Arch::Glm4Moe {
+            let (n_group, topk_group) = (raw.n_group.unwrap_or(1), raw.topk_group.unwrap_or(1));
+            if n_group == 0 || experts % n_group != 0 || topk_group == 0 || topk_group > n_group {
+                return Err(invalid(
+                    "n_group",
+                    format!("{experts} experts in {n_group} groups, {topk_group} kept: not a valid grouping"),
+                ));
+            }
+            // The choice ranks each group by its two best experts.
+            if experts / n_group < 2 || top_k > topk_group * (experts / n_group) {
+                return Err(invalid(
+                    "topk_group",
+                    format!(
+                        "{topk_group} groups of {} experts cannot give {top_k} experts per token",
+                        experts / n_group
+                    ),
+                ));
+            }
+            let shared = raw.n_shared_experts.unwrap_or(1);
+            moe.scoring = Scoring::Sigmoid;
+            moe.topk_method = TopkMethod::NoauxTc;
+            (moe.n_group, moe.topk_group) = (n_group, topk_group);
+            moe.routed_scaling_factor = positive_f32(
+                "routed_scaling_factor",
+                "routed_scaling_factor",
+                raw.routed_scaling_factor.unwrap_or(1.0) as f32,
+            )?;
+            moe.shared_intermediate_size = (shared > 0).then_some(shared * inter);
+            if let Some(w) = moe.shared_intermediate_size {
+                elements("n_shared_experts", "shared_experts", &[3, w, hidden])?;
+            }
+        }
+        Ok(Some(moe))
     }
 
     fn windows(arch: Arch, raw: &Raw, n: usize) -> Result<Vec<Option<usize>>, ConfigError> {
@@ -426,14 +541,14 @@ impl LlamaConfig {
         }
     }
 
-    /// RoPE over whole heads: inverse frequencies after linear or llama3 scaling.
+    /// RoPE over the first `rotary_dim` columns of each head: inverse frequencies after linear or llama3 scaling.
     pub fn rope(&self) -> RopeFreqs {
         RopeFreqs { inv_freq: self.rope_inv_freq(), scale: 1.0 }
     }
 
     fn rope_inv_freq(&self) -> Vec<f32> {
         let c = self;
-        let d = c.head_dim;
+        let d = c.rotary_dim;
         let base: Vec<f32> = (0..d / 2).map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / d as f32)).collect();
         match c.rope_scaling {
             RopeScaling::None => base,
@@ -548,6 +663,45 @@ mod tests {
         // A dense family has no mixture, whatever keys it carries.
         let dense = base.replace("qwen3_moe", "qwen3");
         assert!(LlamaConfig::from_json(&dense).unwrap().moe.is_none());
+    }
+
+    #[test]
+    fn glm4_moe_rotates_a_part_of_each_head_and_refuses_bad_groupings() {
+        let base = r#"{"model_type":"glm4_moe","hidden_size":64,"num_hidden_layers":3,"num_attention_heads":4,
+            "num_key_value_heads":2,"head_dim":24,"intermediate_size":96,"vocab_size":100,"n_routed_experts":8,
+            "num_experts_per_tok":3,"moe_intermediate_size":16,"n_group":2,"topk_group":1,"n_shared_experts":2,
+            "first_k_dense_replace":2,"routed_scaling_factor":2.5,"attention_bias":true}"#;
+        let c = LlamaConfig::from_json(base).unwrap();
+        // Glm4MoeConfig's default partial_rotary_factor is 0.5: 12 of 24 columns, 6 frequencies.
+        assert_eq!((c.rotary_dim, c.rope().inv_freq.len()), (12, 6));
+        assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(moe.sparse, [false, false, true]);
+        assert_eq!((moe.scoring, moe.topk_method, moe.norm_topk_prob), (Scoring::Sigmoid, TopkMethod::NoauxTc, true));
+        assert_eq!((moe.shared_intermediate_size, moe.routed_scaling_factor), (Some(32), 2.5));
+        // The factor at top level (the hub's files) or in rope_parameters (transformers 5's).
+        let quarter = base.replace(r#""attention_bias":true"#, r#""attention_bias":true,"partial_rotary_factor":0.25"#);
+        assert_eq!(LlamaConfig::from_json(&quarter).unwrap().rotary_dim, 6);
+        let v5 = base.replace(
+            r#""attention_bias":true"#,
+            r#""attention_bias":true,"rope_parameters":{"rope_type":"default","rope_theta":1e4,"partial_rotary_factor":1.0}"#,
+        );
+        assert_eq!(LlamaConfig::from_json(&v5).unwrap().rotary_dim, 24);
+        // A dense family rotates whole heads.
+        let dense = base.replace("glm4_moe", "qwen3");
+        assert_eq!(LlamaConfig::from_json(&dense).unwrap().rotary_dim, 24);
+        for (from, to, want) in [
+            (r#""attention_bias":true"#, r#""partial_rotary_factor":0.3"#, "rotates 7 columns"),
+            (r#""attention_bias":true"#, r#""partial_rotary_factor":1.5"#, "partial_rotary_factor"),
+            (r#""n_group":2"#, r#""n_group":3"#, "8 experts in 3 groups"),
+            (r#""topk_group":1"#, r#""topk_group":3"#, "not a valid grouping"),
+            (r#""num_experts_per_tok":3"#, r#""num_experts_per_tok":5"#, "cannot give 5 experts per token"),
+            (r#""routed_scaling_factor":2.5"#, r#""routed_scaling_factor":0"#, "routed_scaling_factor"),
+            (r#""n_routed_experts":8,"#, "", "n_routed_experts"),
+        ] {
+            let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
+            assert!(e.contains(want), "{to}: {e}");
+        }
     }
 
     #[test]

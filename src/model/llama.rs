@@ -1,12 +1,14 @@
 //! The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of
-//! experts Qwen3-MoE and Mixtral), over any backend.
+//! experts Qwen3-MoE, Mixtral and GLM-4.5), over any backend.
 //!
 //! Pre-norm residual blocks, named as in the checkpoints (`model.layers.{i}.*`):
 //! `x += self_attn(input_layernorm(x))`, then `x += mlp(post_attention_layernorm(x))`,
 //! where `mlp` is a gated MLP or a mixture of experts (`mlp.gate` and
 //! `mlp.experts.{j}.{gate,up,down}_proj` in Qwen3-MoE,
 //! `block_sparse_moe.gate` and `block_sparse_moe.experts.{j}.{w1,w3,w2}` in
-//! Mixtral). q/k/v and gate/up are fused into one GEMM each at load time. No LM head.
+//! Mixtral; GLM-4.5 adds `mlp.gate.e_score_correction_bias` and
+//! `mlp.shared_experts.*`). q/k/v and gate/up are fused into one GEMM each at
+//! load time. No LM head.
 //!
 //! Tensor parallelism, as in vLLM and gpt-fast, is each linear layer's kind:
 //! q/k/v and gate/up are column-parallel (split by output rows), o_proj and
@@ -21,7 +23,7 @@ use super::ModelError;
 use crate::backend::{AttnBlock, AttnShape, Backend, GatedLinear, Parallel, Resident, Router, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe};
-use crate::hf::moe::{Scoring, TopkMethod};
+use crate::hf::moe::TopkMethod;
 use crate::hf::quant::{LinearWeight, WeightFormat};
 use crate::hf::ConfigError;
 use crate::shape::Dim;
@@ -35,6 +37,8 @@ struct Splits {
     mlp: Split,
     /// Each expert's width (a mixture of experts).
     experts: Option<Split>,
+    /// The shared experts' width, if any.
+    shared: Option<Split>,
 }
 
 impl Splits {
@@ -44,6 +48,11 @@ impl Splits {
             kv_heads: Split::replicable("num_key_value_heads", c.num_kv_heads),
             mlp: Split::even("intermediate_size", c.intermediate_size),
             experts: c.moe.as_ref().map(|m| Split::even("moe_intermediate_size", m.intermediate_size)),
+            shared: c
+                .moe
+                .as_ref()
+                .and_then(|m| m.shared_intermediate_size)
+                .map(|w| Split::even("n_shared_experts × moe_intermediate_size", w)),
         }
     }
 }
@@ -53,7 +62,7 @@ pub fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), String> {
     let s = Splits::of(c);
     // Mixtral has no dense layer: its `intermediate_size` is the experts'.
     let dense = c.moe.as_ref().is_none_or(|m| m.sparse.contains(&false));
-    for split in [s.heads, s.kv_heads].into_iter().chain(dense.then_some(s.mlp)).chain(s.experts) {
+    for split in [s.heads, s.kv_heads].into_iter().chain(dense.then_some(s.mlp)).chain(s.experts).chain(s.shared) {
         split.per_rank(ranks)?;
     }
     Ok(())
@@ -98,6 +107,8 @@ pub struct Attention<B: Backend> {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// Columns of each q/k head RoPE rotates.
+    rotary_dim: usize,
     window: Option<usize>,
     eps: f32,
 }
@@ -147,6 +158,7 @@ impl<B: Backend> Attention<B> {
             heads: s.heads.local(b),
             kv_heads: s.kv_heads.local(b),
             head_dim: hd,
+            rotary_dim: c.rotary_dim,
             window,
             eps: c.rms_norm_eps,
         })
@@ -178,8 +190,14 @@ impl<B: Backend> Attention<B> {
             (Some(qn), Some(kn)) => Some((qn, kn, self.eps)),
             _ => None,
         };
-        let block =
-            AttnBlock { qkv_proj: &self.qkv_proj, o_proj: &self.o_proj, norm: (norm.weight, norm.eps), qk_norm, shape };
+        let block = AttnBlock {
+            qkv_proj: &self.qkv_proj,
+            o_proj: &self.o_proj,
+            norm: (norm.weight, norm.eps),
+            qk_norm,
+            shape,
+            rotary_dim: self.rotary_dim,
+        };
         b.norm_attention_add(&block, x, norm.normed, &mut s.qkv, &mut s.out, step.rope, step.batch, cache, layer);
     }
 
@@ -268,8 +286,10 @@ fn gated<B: Backend>(
     })
 }
 
-/// A layer's mixture of experts, under Qwen3-MoE's or Mixtral's names: the
-/// router (`{module}.gate`, f32 inputs, as HF keeps it) and every expert.
+/// A layer's mixture of experts, under Qwen3-MoE's, Mixtral's or GLM-4.5's
+/// names: the router (`{module}.gate`, f32 inputs, as HF keeps it), its
+/// correction bias (GLM-4.5's `mlp.gate.e_score_correction_bias`), every
+/// routed expert and the shared ones (`mlp.shared_experts.*`).
 fn load_moe<B: Backend>(
     b: &B,
     c: &LlamaConfig,
@@ -289,15 +309,26 @@ fn load_moe<B: Backend>(
     })?;
     let gate = b.linear_f32(r.linear(&format!("{module}.gate"), [e, h], 0..e, 0..h)?, None, Parallel::Replicated);
     let router = Router {
-        scoring: Scoring::Softmax,
-        topk_method: TopkMethod::Greedy,
+        scoring: m.scoring,
+        topk_method: m.topk_method,
         top_k: m.top_k,
-        n_group: 1,
-        topk_group: 1,
+        n_group: m.n_group,
+        topk_group: m.topk_group,
         norm_topk_prob: m.norm_topk_prob,
-        routed_scaling_factor: 1.0,
+        routed_scaling_factor: m.routed_scaling_factor,
     };
-    Ok(Moe { gate, e_score_correction_bias: None, router, experts, shared_experts: None })
+    let e_score_correction_bias = match m.topk_method {
+        TopkMethod::NoauxTc => Some(b.vector(r.vector(&format!("{module}.gate.e_score_correction_bias"), e)?)),
+        _ => None,
+    };
+    let shared_experts = match (m.shared_intermediate_size, &s.shared) {
+        (Some(w), Some(split)) => {
+            let [g, u, d] = names.map(|n| format!("{module}.shared_experts.{n}"));
+            Some(gated(b, r, [&g, &u, &d], h, w, split, false)?)
+        }
+        _ => None,
+    };
+    Ok(Moe { gate, e_score_correction_bias, router, experts, shared_experts })
 }
 
 /// The feed-forward block of a layer.
@@ -370,7 +401,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
             rms_norm_eps: c.rms_norm_eps,
             rope: c.rope(),
             tensor_prefix: String::new(),
-            extra_layers: 0,
+            extra_layers: c.extra_layers,
         }
     }
 

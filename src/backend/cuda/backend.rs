@@ -1405,7 +1405,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             check::rms_norm_heads(qkv, spans[0], qn.0.len / 4);
             check::rms_norm_heads(qkv, spans[1], kn.0.len / 4);
         }
-        check::rope(qkv, HeadSpan::heads(0, nh + nkv, hd), rope.half, batch);
+        check::rope(qkv, a.rope_span(), rope.half, batch);
         let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
         check::attention(&q, &k, &v, s, batch, (out.rows(), out.width()));
         // bf16 from the norm to the attention kernel, as PyTorch's bf16 run
@@ -1438,8 +1438,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                     launch::rms_norm_heads_bf16(&*self.dev, cfg, qkvb, int(width), offset, stride, hw, n.0.ptr, eps)?;
                 }
             }
-            let heads = HeadSpan::heads(0, nh + nkv, hd);
-            self.rope_launch((qkvb, GemmType::Bf16), width, heads, false, rope, batch)?;
+            self.rope_launch((qkvb, GemmType::Bf16), width, a.rope_span(), false, rope, batch)?;
             let col = |offset: usize| Src { ptr: qkvb, stride: width, offset, bf16: true };
             self.attention_launch([col(0), col(nh * hd), col((nh + nkv) * hd)], s, batch, cache, layer, out)
         });
