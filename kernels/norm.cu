@@ -1,4 +1,5 @@
-// norm.cu: RMSNorm of rows, and of heads in place (Qwen3's q/k norm).
+// norm.cu: RMSNorm of rows, and of heads in place (Qwen3's q/k norm; MiniMax-M2's
+// over all heads, split across ranks, in two halves around an all-reduce).
 // One block per row (or head); the sum of squares is a block reduction of
 // fixed shape, so a row's result does not depend on the batch.
 #include "common.cuh"
@@ -42,6 +43,28 @@ extern "C" __global__ void rms_norm_heads(float* x, int stride, int offset, int 
     __shared__ float shm[32];
     float* head = x + (u64)blockIdx.x * stride + offset + (u64)blockIdx.y * hstride;
     float inv = inv_rms(head, width, eps, shm);
+    for (int c = threadIdx.x; c < width; c += blockDim.x) head[c] = w[c] * (head[c] * inv);
+}
+
+// out[row, ocol + head] = the sum of squares of head blockIdx.y of row
+// blockIdx.x (an RMSNorm over a vector split across ranks, MiniMax-M2's
+// q/k norm over all heads: the sums are all-reduced, then scale_heads_rms).
+extern "C" __global__ void sum_squares_heads(const float* x, int stride, int offset, int hstride, int width,
+                                            float* out, int ostride, int ocol) {
+    __shared__ float shm[32];
+    const float* head = x + (u64)blockIdx.x * stride + offset + (u64)blockIdx.y * hstride;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) ss += head[c] * head[c];
+    ss = block_sum(ss, shm);
+    if (threadIdx.x == 0) out[(u64)blockIdx.x * ostride + ocol + blockIdx.y] = ss;
+}
+
+// In place: head blockIdx.y of row blockIdx.x times w / sqrt(sums[row, scol + head] / n + eps).
+extern "C" __global__ void scale_heads_rms(float* x, int stride, int offset, int hstride, int width,
+                                          const float* sums, int sstride, int scol, int n, const float* w,
+                                          float eps) {
+    float* head = x + (u64)blockIdx.x * stride + offset + (u64)blockIdx.y * hstride;
+    float inv = 1.0f / sqrtf(sums[(u64)blockIdx.x * sstride + scol + blockIdx.y] / (float)n + eps);
     for (int c = threadIdx.x; c < width; c += blockDim.x) head[c] = w[c] * (head[c] * inv);
 }
 

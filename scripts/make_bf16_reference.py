@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from transformers import AutoModel
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-FIXTURES = ["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3", "qwen3-moe", "mixtral", "glm4-moe",
+FIXTURES = ["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3", "qwen3-moe", "mixtral", "glm4-moe", "minimax-m2",
             "deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"]
 
 

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 import transformers
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig,
-                          Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -137,6 +137,16 @@ FIXTURES = {
                  norm_topk_prob=True, attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=1,
                  vocab_size=150, max_position_embeddings=512,
                  rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+    # MiniMax-M2: q/k RMSNorm over all heads at once ([heads·head_dim] weights), RoPE on the
+    # first `rotary_dim` (8 of 16) columns from the hub's legacy key, a sigmoid router whose
+    # correction bias only chooses (top-2 of 6, renormalised), Mixtral's expert names.
+    "minimax-m2": dict(
+        cls=(MiniMaxM2Config, MiniMaxM2ForCausalLM), dtype=torch.float32, shard=None, legacy=True, router_scale=4.0,
+        rotary_dim_key=True,
+        cfg=dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, vocab_size=150,
+                 max_position_embeddings=512, rotary_dim=8, bos_token_id=None, eos_token_id=None,
+                 rope_parameters=dict(rope_type="default", rope_theta=5000000.0))),
 }
 
 
@@ -206,6 +216,14 @@ def make(name, spec, out_root, seed):
     model.save_pretrained(out, **kwargs)
     if spec["legacy"]:
         to_legacy(os.path.join(out, "config.json"))
+    if spec.get("rotary_dim_key"):
+        # The hub's MiniMax-M2 files name the rotated width, not a factor.
+        path = os.path.join(out, "config.json")
+        with open(path) as f:
+            c = json.load(f)
+        c["rotary_dim"] = int(c.pop("partial_rotary_factor") * c["head_dim"])
+        with open(path, "w") as f:
+            json.dump(c, f, indent=2, sort_keys=True)
     if spec.get("mtp_layer"):
         add_mtp_layer(out, cfg, gen)
     for extra in ("generation_config.json",):

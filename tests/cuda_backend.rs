@@ -500,7 +500,7 @@ fn the_bf16_attention_block_keeps_q_k_v_in_bf16() {
     if !gxx_or_skip("the_bf16_attention_block_keeps_q_k_v_in_bf16") {
         return;
     }
-    use strata::backend::{attention_block_ops, AttnBlock, AttnShape, Backend, KvStore, Parallel, Tensor};
+    use strata::backend::{attention_block_ops, AttnBlock, AttnShape, Backend, KvStore, Parallel, QkNorm, Tensor};
     use strata::hf::quant::LinearWeight;
     use strata::hf::RopeFreqs;
     let b = Emu::<Bf16>::new(Emulated::default(), vec![0]);
@@ -523,7 +523,7 @@ fn the_bf16_attention_block_keeps_q_k_v_in_bf16() {
         qkv_proj: &qkv_proj,
         o_proj: &o_proj,
         norm: (&norm, 1e-6),
-        qk_norm: Some((&qn, &kn, 1e-6)),
+        qk_norm: Some(QkNorm { q: &qn, k: &kn, eps: 1e-6, all_heads: false }),
         shape,
         rotary_dim: hd,
     };

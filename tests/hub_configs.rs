@@ -6,7 +6,7 @@
 mod common;
 
 use common::fixture;
-use strata::hf::llama::Arch;
+use strata::hf::llama::{Arch, QkNorm};
 use strata::hf::moe::{Scoring, TopkMethod};
 use strata::model::AnyConfig;
 
@@ -20,7 +20,7 @@ fn config(name: &str) -> AnyConfig {
 fn qwen3_30b_a3b_is_a_qwen3_attention_with_128_experts() {
     let AnyConfig::Llama(c) = config("qwen3-30b-a3b") else { panic!("qwen3_moe is a Llama-family config") };
     assert_eq!(c.arch, Arch::Qwen3Moe);
-    assert!(c.qk_norm, "Qwen3-MoE keeps Qwen3's q/k norm");
+    assert_eq!(c.qk_norm, QkNorm::PerHead, "Qwen3-MoE keeps Qwen3's q/k norm");
     assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (48, 2048, 32, 4, 128));
     let moe = c.moe.expect("a mixture of experts");
     assert_eq!((moe.experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob), (128, 8, 768, true));
@@ -33,7 +33,7 @@ fn qwen3_30b_a3b_is_a_qwen3_attention_with_128_experts() {
 fn mixtral_8x7b_is_a_mistral_attention_with_8_experts_of_top_2() {
     let AnyConfig::Llama(c) = config("mixtral-8x7b") else { panic!("mixtral is a Llama-family config") };
     assert_eq!(c.arch, Arch::Mixtral);
-    assert!(!c.qk_norm && !c.qkv_bias);
+    assert!(c.qk_norm == QkNorm::None && !c.qkv_bias);
     assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (32, 4096, 32, 8, 128));
     let moe = c.moe.expect("a mixture of experts");
     // Mixtral's experts are `intermediate_size` wide, and it always renormalises its top 2.
@@ -52,7 +52,7 @@ fn glm_4_5_air_rotates_half_of_each_head_and_routes_as_deepseek_v3() {
     assert_eq!(c.rotary_dim, 64);
     assert_eq!(c.rope().inv_freq.len(), 32);
     assert!(c.qkv_bias && !c.o_bias, "attention_bias is on q, k and v only");
-    assert!(!c.qk_norm, "use_qk_norm is false");
+    assert_eq!(c.qk_norm, QkNorm::None, "use_qk_norm is false");
     assert_eq!(c.extra_layers, 1, "one multi-token-prediction layer is stored past layer 45");
     let moe = c.moe.expect("a mixture of experts");
     assert_eq!((moe.experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob), (128, 8, 1408, true));

@@ -39,6 +39,35 @@ pub(crate) fn embed<B: Backend, H: Dim>(batch: &PackedBatch, hidden: usize, out:
     shape("embed", "hidden", hidden, out.width().size());
 }
 
+/// Panics unless `span` fits `x` and `out` has a column per head from `col`.
+#[track_caller]
+pub(crate) fn sum_squares_heads<B: Backend>(x: &Tensor<B>, span: HeadSpan, out: &Tensor<B>, col: usize) {
+    heads("sum_squares_heads", span, x.width());
+    shape("sum_squares_heads", "tokens", x.rows(), out.rows());
+    if col + span.count > out.width() {
+        panic!("sum_squares_heads: columns {col}..{} of a width-{} output", col + span.count, out.width());
+    }
+}
+
+/// Panics unless `sums` has a column per head from `col`, `weight` is a head
+/// wide and `n` is positive.
+#[track_caller]
+pub(crate) fn scale_heads_rms<B: Backend>(
+    x: &Tensor<B>,
+    span: HeadSpan,
+    sums: &Tensor<B>,
+    col: usize,
+    n: usize,
+    weight: usize,
+) {
+    heads("scale_heads_rms", span, x.width());
+    shape("scale_heads_rms", "weight", span.width, weight);
+    shape("scale_heads_rms", "tokens", x.rows(), sums.rows());
+    if col + span.count > sums.width() || n == 0 {
+        panic!("scale_heads_rms: columns {col}..{} of width-{} sums over {n} values", col + span.count, sums.width());
+    }
+}
+
 /// Panics unless per-head RMSNorm's heads fit the buffer and the weight is one head wide.
 #[track_caller]
 pub(crate) fn rms_norm_heads<B: Backend>(x: &Tensor<B>, span: HeadSpan, weight: usize) {

@@ -201,13 +201,26 @@ pub struct AttnBlock<'a, B: Backend> {
     pub o_proj: &'a B::Linear,
     /// The input norm's weight and epsilon.
     pub norm: (&'a B::Vector, f32),
-    /// Per-head q and k norms (Qwen3) and their epsilon.
-    pub qk_norm: Option<(&'a B::Vector, &'a B::Vector, f32)>,
+    /// The q and k norms (Qwen3's per head, MiniMax-M2's over all heads).
+    pub qk_norm: Option<QkNorm<'a, B>>,
     /// Heads, widths (`v_dim == head_dim`), window and scale.
     pub shape: AttnShape,
     /// Columns of each q and k head RoPE rotates, from the first: `head_dim`,
     /// or fewer under a partial rotary factor (GLM-4.5's half).
     pub rotary_dim: usize,
+}
+
+/// RMSNorms of q and k before RoPE: this rank's part of their weights.
+pub struct QkNorm<'a, B: Backend> {
+    /// `[head_dim]`, or `[local heads · head_dim]` with `all_heads`.
+    pub q: &'a B::Vector,
+    /// `[head_dim]`, or `[local kv heads · head_dim]` with `all_heads`.
+    pub k: &'a B::Vector,
+    /// Epsilon.
+    pub eps: f32,
+    /// One norm over all of q's heads (and one over k's), not one per head
+    /// (MiniMax-M2): under TP its mean of squares is summed over the ranks.
+    pub all_heads: bool,
 }
 
 impl<B: Backend> AttnBlock<'_, B> {
@@ -235,9 +248,26 @@ pub fn attention_block_ops<B: Backend, H: Dim>(
 ) {
     let (nh, nkv, hd) = (a.shape.heads, a.shape.kv_heads, a.shape.head_dim);
     b.norm_linear_forward(a.qkv_proj, x, a.norm.0, a.norm.1, normed, qkv);
-    if let Some((qn, kn, eps)) = a.qk_norm {
-        b.rms_norm_heads(qkv, HeadSpan::heads(0, nh, hd), qn, eps);
-        b.rms_norm_heads(qkv, HeadSpan::heads(nh * hd, nkv, hd), kn, eps);
+    match &a.qk_norm {
+        Some(n) if n.all_heads => {
+            // One vector per row over all heads: sums of squares of q's and
+            // k's columns, summed over the ranks (every rank holds an equal
+            // share, replicated kv heads included, so the mean divides by
+            // the local width times the ranks), then scaled.
+            let (q, k) = (HeadSpan::heads(0, 1, nh * hd), HeadSpan::heads(nh * hd, 1, nkv * hd));
+            let mut sums = Tensor::<B>::zeros(b, qkv.rows(), 2); // [T, 2]: q's, k's
+            b.sum_squares_heads(qkv, q, &mut sums, 0);
+            b.sum_squares_heads(qkv, k, &mut sums, 1);
+            b.all_reduce(&mut sums);
+            let ranks = b.world_size();
+            b.scale_heads_rms(qkv, q, &sums, 0, nh * hd * ranks, n.q, n.eps);
+            b.scale_heads_rms(qkv, k, &sums, 1, nkv * hd * ranks, n.k, n.eps);
+        }
+        Some(n) => {
+            b.rms_norm_heads(qkv, HeadSpan::heads(0, nh, hd), n.q, n.eps);
+            b.rms_norm_heads(qkv, HeadSpan::heads(nh * hd, nkv, hd), n.k, n.eps);
+        }
+        None => {}
     }
     b.rope(qkv, a.rope_span(), false, rope, batch);
     let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
@@ -388,6 +418,22 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Self::Vector, eps: f32, out: &mut Tensor<Self, W>);
     /// In place: RMSNorm of each head of `heads` (Qwen3's q/k norm).
     fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Self::Vector, eps: f32);
+    /// `out[t, col + h]` = the sum of squares of head `h` of `heads` in row `t`
+    /// (the first half of an RMSNorm whose vector is split over ranks).
+    fn sum_squares_heads(&self, x: &Tensor<Self>, heads: HeadSpan, out: &mut Tensor<Self>, col: usize);
+    /// In place: head `h` of row `t` times `w / sqrt(sums[t, col + h] / n + eps)`
+    /// (the second half, once the sums hold every rank's `n` values).
+    #[allow(clippy::too_many_arguments)]
+    fn scale_heads_rms(
+        &self,
+        x: &mut Tensor<Self>,
+        heads: HeadSpan,
+        sums: &Tensor<Self>,
+        col: usize,
+        n: usize,
+        w: &Self::Vector,
+        eps: f32,
+    );
     /// cos/sin (times `freqs.scale`) of positions `0..len`.
     fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> Self::RopeTable;
     /// In place: rotates each head of `heads` at its token's position within

@@ -195,6 +195,40 @@ impl Backend for Reference {
         }
     }
 
+    fn sum_squares_heads(&self, x: &Tensor<Self>, heads: HeadSpan, out: &mut Tensor<Self>, col: usize) {
+        check::sum_squares_heads(x, heads, out, col);
+        let (xw, ow) = (x.width(), out.width());
+        for (row, o) in x.storage().chunks_exact(xw).zip(out.storage_mut().chunks_exact_mut(ow)) {
+            for h in 0..heads.count {
+                let s = heads.offset + h * heads.stride;
+                o[col + h] = row[s..s + heads.width].iter().map(|&v| v as f64 * v as f64).sum::<f64>() as f32;
+            }
+        }
+    }
+
+    fn scale_heads_rms(
+        &self,
+        x: &mut Tensor<Self>,
+        heads: HeadSpan,
+        sums: &Tensor<Self>,
+        col: usize,
+        n: usize,
+        w: &Vec<f32>,
+        eps: f32,
+    ) {
+        check::scale_heads_rms(x, heads, sums, col, n, w.len());
+        let (xw, sw) = (x.width(), sums.width());
+        for (row, s) in x.storage_mut().chunks_exact_mut(xw).zip(sums.storage().chunks_exact(sw)) {
+            for h in 0..heads.count {
+                let inv = 1.0 / (s[col + h] as f64 / n as f64 + eps as f64).sqrt();
+                let o = heads.offset + h * heads.stride;
+                for (v, &w) in row[o..o + heads.width].iter_mut().zip(w) {
+                    *v = (w as f64 * (*v as f64 * inv)) as f32;
+                }
+            }
+        }
+    }
+
     fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> RopeTable {
         let half = freqs.inv_freq.len();
         let (mut cos, mut sin) = (Vec::with_capacity(len * half), Vec::with_capacity(len * half));

@@ -3,7 +3,7 @@
 //! Reads both the hub's legacy style (top-level `rope_theta` / `rope_scaling`)
 //! and transformers 5's (`rope_parameters`), for `llama`, `mistral`, `qwen2`,
 //! `qwen3`, and the mixtures of experts on those attention blocks,
-//! `qwen3_moe`, `mixtral` and `glm4_moe` (GLM-4.5/4.6). Every refusal is a [`ConfigError`] that names
+//! `qwen3_moe`, `mixtral`, `glm4_moe` (GLM-4.5/4.6) and `minimax_m2`. Every refusal is a [`ConfigError`] that names
 //! the field.
 
 use super::moe::{Scoring, TopkMethod};
@@ -30,6 +30,22 @@ pub enum Arch {
     /// GLM-4.5/4.6: partial RoPE, q/k/v biases, DeepSeek-V3's sigmoid router
     /// with groups and a correction bias, shared experts.
     Glm4Moe,
+    /// MiniMax-M2: q/k norms over all heads at once, partial RoPE
+    /// (`rotary_dim`), a sigmoid router whose correction bias only chooses,
+    /// Mixtral's expert names.
+    MiniMaxM2,
+}
+
+/// The q/k RMSNorm before RoPE, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    /// None (Llama, Qwen2).
+    None,
+    /// One norm per head, `[head_dim]` weights (Qwen3, GLM-4.5 with `use_qk_norm`).
+    PerHead,
+    /// One norm over all of q's heads and one over k's, `[heads · head_dim]`
+    /// weights (MiniMax-M2).
+    AllHeads,
 }
 
 impl Arch {
@@ -43,6 +59,7 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Mixtral => "mixtral",
             Arch::Glm4Moe => "glm4_moe",
+            Arch::MiniMaxM2 => "minimax_m2",
         }
     }
 }
@@ -133,8 +150,8 @@ pub struct LlamaConfig {
     pub o_bias: bool,
     /// Bias on gate/up/down.
     pub mlp_bias: bool,
-    /// Per-head RMSNorm on q and k (Qwen3).
-    pub qk_norm: bool,
+    /// The RMSNorm on q and k before RoPE.
+    pub qk_norm: QkNorm,
     /// Columns of each q/k head RoPE rotates, from the first (`head_dim`
     /// unless `partial_rotary_factor`, GLM-4.5's 0.5).
     pub rotary_dim: usize,
@@ -195,6 +212,11 @@ struct Raw {
     partial_rotary_factor: Option<f64>,
     num_nextn_predict_layers: Option<usize>,
     num_mtp_layers: Option<usize>,
+    rotary_dim: Option<usize>,
+    scoring_func: Option<String>,
+    use_routing_bias: Option<bool>,
+    shared_intermediate_size: Option<usize>,
+    qk_norm_type: Option<String>,
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
@@ -273,6 +295,7 @@ fn default_max_positions(arch: Arch) -> usize {
         Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => 32768,
         Arch::Mixtral => 4096 * 32,
         Arch::Glm4Moe => 131072,
+        Arch::MiniMaxM2 => 196608,
     }
 }
 
@@ -294,6 +317,7 @@ impl LlamaConfig {
             "qwen3_moe" => Arch::Qwen3Moe,
             "mixtral" => Arch::Mixtral,
             "glm4_moe" => Arch::Glm4Moe,
+            "minimax_m2" => Arch::MiniMaxM2,
             _ => return Err(ConfigError::UnsupportedModel(model_type)),
         };
         // Schemes Strata cannot read are named by the parser; the ones it can
@@ -364,6 +388,8 @@ impl LlamaConfig {
             Arch::Qwen2 => (true, false),
             // GLM-4.5: `attention_bias` is on q, k and v only.
             Arch::Glm4Moe => (raw.attention_bias.unwrap_or(false), false),
+            // MiniMax-M2's projections have no bias, whatever the config says.
+            Arch::MiniMaxM2 => (false, false),
             _ => {
                 let b = raw.attention_bias.unwrap_or(false);
                 (b, b)
@@ -371,13 +397,15 @@ impl LlamaConfig {
         };
         let sliding_windows = Self::windows(arch, &raw, num_layers)?;
         // transformers 5 keeps `partial_rotary_factor` in `rope_parameters`, the
-        // hub's files at top level; transformers takes 0.5 for glm4_moe without one.
+        // hub's files at top level; transformers takes 0.5 for glm4_moe without
+        // one, and MiniMax-M2's `rotary_dim / head_dim`.
         let factor = raw
             .rope_parameters
             .as_ref()
             .and_then(|p| p.get("partial_rotary_factor"))
             .and_then(Value::as_f64)
             .or(raw.partial_rotary_factor)
+            .or(raw.rotary_dim.filter(|_| arch == Arch::MiniMaxM2).map(|d| d as f64 / head_dim as f64))
             .unwrap_or(if arch == Arch::Glm4Moe { 0.5 } else { 1.0 });
         // As transformers: int(head_dim · factor).
         let rotary_dim = (head_dim as f64 * factor) as usize;
@@ -403,8 +431,7 @@ impl LlamaConfig {
             qkv_bias,
             o_bias,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe)
-                || (arch == Arch::Glm4Moe && raw.use_qk_norm == Some(true)),
+            qk_norm: Self::qk_norm(arch, &raw)?,
             rotary_dim,
             extra_layers: raw.num_nextn_predict_layers.or(raw.num_mtp_layers).unwrap_or(0),
             sliding_windows,
@@ -425,6 +452,8 @@ impl LlamaConfig {
             Arch::Glm4Moe => {
                 (raw.n_routed_experts.or(raw.num_local_experts), "n_routed_experts", raw.moe_intermediate_size)
             }
+            // MiniMax-M2's experts are `intermediate_size` wide, as Mixtral's.
+            Arch::MiniMaxM2 => (raw.num_local_experts, "num_local_experts", Some(dense)),
             _ => return Ok(None),
         };
         let experts = bounded(key, experts.ok_or(ConfigError::Missing(key))?, MAX_COUNT)?;
@@ -455,7 +484,7 @@ impl LlamaConfig {
         };
         // Qwen3MoeConfig's default is false, Glm4MoeConfig's true; Mixtral always renormalises.
         let norm_topk_prob = match arch {
-            Arch::Mixtral => true,
+            Arch::Mixtral | Arch::MiniMaxM2 => true,
             Arch::Glm4Moe => raw.norm_topk_prob.unwrap_or(true),
             _ => raw.norm_topk_prob.unwrap_or(false),
         };
@@ -504,7 +533,44 @@ impl LlamaConfig {
                 elements("n_shared_experts", "shared_experts", &[3, w, hidden])?;
             }
         }
+        if arch == Arch::MiniMaxM2 {
+            // MiniMaxM2TopKRouter: sigmoid scores, the bias added for the
+            // choice only, the chosen unbiased scores renormalised; no groups.
+            if let Some(f) = raw.scoring_func.as_deref().filter(|f| *f != "sigmoid") {
+                return Err(invalid("scoring_func", format!("{f:?}: MiniMax-M2's router is \"sigmoid\"")));
+            }
+            if raw.use_routing_bias == Some(false) {
+                return Err(invalid("use_routing_bias", "false: MiniMax-M2's router always adds its correction bias"));
+            }
+            if let Some(w) = raw.shared_intermediate_size.filter(|&w| w > 0) {
+                return Err(invalid("shared_intermediate_size", format!("{w}: MiniMax-M2 has no shared experts")));
+            }
+            moe.scoring = Scoring::Sigmoid;
+            moe.topk_method = TopkMethod::NoauxTc;
+        }
         Ok(Some(moe))
+    }
+
+    /// The q/k norm a model_type has (MiniMax-M2's `qk_norm_type` must be
+    /// `per_layer`: one norm over all heads).
+    fn qk_norm(arch: Arch, raw: &Raw) -> Result<QkNorm, ConfigError> {
+        Ok(match arch {
+            Arch::Qwen3 | Arch::Qwen3Moe => QkNorm::PerHead,
+            Arch::Glm4Moe if raw.use_qk_norm == Some(true) => QkNorm::PerHead,
+            Arch::MiniMaxM2 => {
+                if raw.use_qk_norm == Some(false) {
+                    return Err(invalid("use_qk_norm", "false: transformers' MiniMax-M2 always norms q and k"));
+                }
+                if let Some(t) = raw.qk_norm_type.as_deref().filter(|t| *t != "per_layer") {
+                    return Err(invalid(
+                        "qk_norm_type",
+                        format!("{t:?}: only \"per_layer\" (all heads at once) is read"),
+                    ));
+                }
+                QkNorm::AllHeads
+            }
+            _ => QkNorm::None,
+        })
     }
 
     fn windows(arch: Arch, raw: &Raw, n: usize) -> Result<Vec<Option<usize>>, ConfigError> {
@@ -674,7 +740,7 @@ mod tests {
         let c = LlamaConfig::from_json(base).unwrap();
         // Glm4MoeConfig's default partial_rotary_factor is 0.5: 12 of 24 columns, 6 frequencies.
         assert_eq!((c.rotary_dim, c.rope().inv_freq.len()), (12, 6));
-        assert!(c.qkv_bias && !c.o_bias && !c.qk_norm);
+        assert!(c.qkv_bias && !c.o_bias && c.qk_norm == QkNorm::None);
         let moe = c.moe.as_ref().unwrap();
         assert_eq!(moe.sparse, [false, false, true]);
         assert_eq!((moe.scoring, moe.topk_method, moe.norm_topk_prob), (Scoring::Sigmoid, TopkMethod::NoauxTc, true));
@@ -698,6 +764,35 @@ mod tests {
             (r#""num_experts_per_tok":3"#, r#""num_experts_per_tok":5"#, "cannot give 5 experts per token"),
             (r#""routed_scaling_factor":2.5"#, r#""routed_scaling_factor":0"#, "routed_scaling_factor"),
             (r#""n_routed_experts":8,"#, "", "n_routed_experts"),
+        ] {
+            let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
+            assert!(e.contains(want), "{to}: {e}");
+        }
+    }
+
+    #[test]
+    fn minimax_m2_norms_all_heads_and_refuses_what_transformers_does_not_run() {
+        let base = r#"{"model_type":"minimax_m2","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":2,"head_dim":16,"intermediate_size":32,"vocab_size":100,"num_local_experts":6,
+            "num_experts_per_tok":2,"rotary_dim":8,"use_qk_norm":true,"qk_norm_type":"per_layer",
+            "scoring_func":"sigmoid","use_routing_bias":true,"shared_intermediate_size":0,"attention_bias":true}"#;
+        let c = LlamaConfig::from_json(base).unwrap();
+        assert_eq!((c.qk_norm, c.rotary_dim, c.rope().inv_freq.len()), (QkNorm::AllHeads, 8, 4));
+        assert!(!c.qkv_bias && !c.o_bias, "MiniMax-M2's projections have no bias");
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!((moe.experts, moe.intermediate_size, moe.sparse.clone()), (6, 32, vec![true, true]));
+        assert_eq!((moe.scoring, moe.topk_method, moe.norm_topk_prob), (Scoring::Sigmoid, TopkMethod::NoauxTc, true));
+        assert_eq!(
+            (moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.shared_intermediate_size),
+            (1, 1, 1.0, None)
+        );
+        for (from, to, want) in [
+            (r#""qk_norm_type":"per_layer""#, r#""qk_norm_type":"per_head""#, "only \"per_layer\""),
+            (r#""use_qk_norm":true"#, r#""use_qk_norm":false"#, "always norms q and k"),
+            (r#""scoring_func":"sigmoid""#, r#""scoring_func":"softmax""#, "router is \"sigmoid\""),
+            (r#""use_routing_bias":true"#, r#""use_routing_bias":false"#, "always adds its correction bias"),
+            (r#""shared_intermediate_size":0"#, r#""shared_intermediate_size":64"#, "no shared experts"),
+            (r#""rotary_dim":8"#, r#""rotary_dim":7"#, "rotates 7 columns"),
         ] {
             let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
             assert!(e.contains(want), "{to}: {e}");

@@ -1,13 +1,13 @@
 //! The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of
-//! experts Qwen3-MoE, Mixtral and GLM-4.5), over any backend.
+//! experts Qwen3-MoE, Mixtral, GLM-4.5 and MiniMax-M2), over any backend.
 //!
 //! Pre-norm residual blocks, named as in the checkpoints (`model.layers.{i}.*`):
 //! `x += self_attn(input_layernorm(x))`, then `x += mlp(post_attention_layernorm(x))`,
 //! where `mlp` is a gated MLP or a mixture of experts (`mlp.gate` and
 //! `mlp.experts.{j}.{gate,up,down}_proj` in Qwen3-MoE,
 //! `block_sparse_moe.gate` and `block_sparse_moe.experts.{j}.{w1,w3,w2}` in
-//! Mixtral; GLM-4.5 adds `mlp.gate.e_score_correction_bias` and
-//! `mlp.shared_experts.*`). q/k/v and gate/up are fused into one GEMM each at
+//! Mixtral and MiniMax-M2, which adds `block_sparse_moe.e_score_correction_bias`;
+//! GLM-4.5 adds `mlp.gate.e_score_correction_bias` and `mlp.shared_experts.*`). q/k/v and gate/up are fused into one GEMM each at
 //! load time. No LM head.
 //!
 //! Tensor parallelism, as in vLLM and gpt-fast, is each linear layer's kind:
@@ -20,9 +20,9 @@ use super::decoder::{Block, Frame, Step};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnBlock, AttnShape, Backend, GatedLinear, Parallel, Resident, Router, Tensor};
+use crate::backend::{self, AttnBlock, AttnShape, Backend, GatedLinear, Parallel, Resident, Router, Tensor};
 use crate::hf::checkpoint::Checkpoint;
-use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe};
+use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe, QkNorm};
 use crate::hf::moe::TopkMethod;
 use crate::hf::quant::{LinearWeight, WeightFormat};
 use crate::hf::ConfigError;
@@ -101,9 +101,12 @@ pub struct Attention<B: Backend> {
     qkv_proj: B::Linear,
     /// `[hidden, heads · head_dim]`, row-parallel.
     o_proj: B::Linear,
-    /// Qwen3's per-head norms.
+    /// Qwen3's per-head norms (`[head_dim]`), or MiniMax-M2's over all
+    /// heads (this rank's `[heads · head_dim]` and `[kv_heads · head_dim]`).
     q_norm: Option<B::Vector>,
     k_norm: Option<B::Vector>,
+    /// The norms span all heads.
+    qk_norm_all_heads: bool,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -141,13 +144,17 @@ impl<B: Backend> Attention<B> {
             None
         };
         let o_bias = if c.o_bias { Some(r.vector("self_attn.o_proj.bias", h)?) } else { None };
-        let (q_norm, k_norm) = if c.qk_norm {
-            (
+        let (q_norm, k_norm) = match c.qk_norm {
+            QkNorm::PerHead => (
                 Some(b.vector(r.vector("self_attn.q_norm.weight", hd)?)),
                 Some(b.vector(r.vector("self_attn.k_norm.weight", hd)?)),
-            )
-        } else {
-            (None, None)
+            ),
+            // This rank's heads of one weight over all heads.
+            QkNorm::AllHeads => (
+                Some(b.vector(r.vector_rows("self_attn.q_norm.weight", q_out, &q_rows)?)),
+                Some(b.vector(r.vector_rows("self_attn.k_norm.weight", kv_out, &kv_rows)?)),
+            ),
+            QkNorm::None => (None, None),
         };
         let o_proj = r.linear("self_attn.o_proj", [h, q_out], 0..h, q_rows)?;
         Ok(Attention {
@@ -155,6 +162,7 @@ impl<B: Backend> Attention<B> {
             o_proj: b.linear(o_proj, o_bias, Parallel::Row),
             q_norm,
             k_norm,
+            qk_norm_all_heads: c.qk_norm == QkNorm::AllHeads,
             heads: s.heads.local(b),
             kv_heads: s.kv_heads.local(b),
             head_dim: hd,
@@ -187,7 +195,7 @@ impl<B: Backend> Attention<B> {
         };
         // q/k norm (Qwen3), then RoPE at each token's position within its sample.
         let qk_norm = match (&self.q_norm, &self.k_norm) {
-            (Some(qn), Some(kn)) => Some((qn, kn, self.eps)),
+            (Some(q), Some(k)) => Some(backend::QkNorm { q, k, eps: self.eps, all_heads: self.qk_norm_all_heads }),
             _ => None,
         };
         let block = AttnBlock {
@@ -299,7 +307,7 @@ fn load_moe<B: Backend>(
 ) -> Result<Moe<B>, ModelError> {
     let (h, e, i) = (c.hidden_size, m.experts, m.intermediate_size);
     let (module, names) = match c.arch {
-        Arch::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        Arch::Mixtral | Arch::MiniMaxM2 => ("block_sparse_moe", ["w1", "w3", "w2"]),
         _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
     };
     let split = s.experts.as_ref().expect("a mixture's config has an expert width");
@@ -317,8 +325,10 @@ fn load_moe<B: Backend>(
         norm_topk_prob: m.norm_topk_prob,
         routed_scaling_factor: m.routed_scaling_factor,
     };
+    // GLM-4.5 keeps the bias in the router, MiniMax-M2 beside it.
+    let bias = if c.arch == Arch::MiniMaxM2 { "e_score_correction_bias" } else { "gate.e_score_correction_bias" };
     let e_score_correction_bias = match m.topk_method {
-        TopkMethod::NoauxTc => Some(b.vector(r.vector(&format!("{module}.gate.e_score_correction_bias"), e)?)),
+        TopkMethod::NoauxTc => Some(b.vector(r.vector(&format!("{module}.{bias}"), e)?)),
         _ => None,
     };
     let shared_experts = match (m.shared_intermediate_size, &s.shared) {

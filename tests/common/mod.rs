@@ -11,8 +11,17 @@ use strata::shape::DType;
 pub const TOL: f32 = 1e-4;
 
 /// Every Llama-family parity fixture (see scripts/make_fixtures.py).
-pub const FIXTURES: &[&str] =
-    &["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3", "qwen3-moe", "mixtral", "glm4-moe"];
+pub const FIXTURES: &[&str] = &[
+    "llama-default",
+    "llama-gqa-sharded",
+    "mistral-swa",
+    "qwen2-swa",
+    "qwen3",
+    "qwen3-moe",
+    "mixtral",
+    "glm4-moe",
+    "minimax-m2",
+];
 
 /// The DeepSeek-family parity fixtures with plain weights (scripts/make_fixtures.py).
 pub const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"];

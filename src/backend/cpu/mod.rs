@@ -222,6 +222,41 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
+    fn sum_squares_heads(&self, x: &Tensor<Self>, heads: HeadSpan, out: &mut Tensor<Self>, col: usize) {
+        check::sum_squares_heads(x, heads, out, col);
+        let (xw, ow) = (x.width(), out.width());
+        for (row, o) in x.storage().chunks_exact(xw).zip(out.storage_mut().chunks_exact_mut(ow)) {
+            for h in 0..heads.count {
+                let s = heads.offset + h * heads.stride;
+                o[col + h] = ops::sum_squares(&row[s..s + heads.width]);
+            }
+        }
+    }
+
+    fn scale_heads_rms(
+        &self,
+        x: &mut Tensor<Self>,
+        heads: HeadSpan,
+        sums: &Tensor<Self>,
+        col: usize,
+        n: usize,
+        w: &Vec<f32>,
+        eps: f32,
+    ) {
+        check::scale_heads_rms(x, heads, sums, col, n, w.len());
+        let (xw, sw) = (x.width(), sums.width());
+        for (row, s) in x.storage_mut().chunks_exact_mut(xw).zip(sums.storage().chunks_exact(sw)) {
+            for h in 0..heads.count {
+                // As rms_norm_heads: the mean, then 1/sqrt of it plus eps.
+                let inv = 1.0 / (s[col + h] / n as f32 + eps).sqrt();
+                let o = heads.offset + h * heads.stride;
+                for (v, w) in row[o..o + heads.width].iter_mut().zip(w) {
+                    *v = w * (*v * inv);
+                }
+            }
+        }
+    }
+
     fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> RopeTable {
         let half = freqs.inv_freq.len();
         let mut cos = vec![0f32; len * half];

@@ -121,7 +121,7 @@ pub(crate) const LANES: usize = 16;
 /// `Σ x²` in a fixed order: value `i` into lane `i mod 16`, then the lanes
 /// halving (`i + half` into `i`). A plain serial sum was a 4-cycle chain per
 /// value, a few percent of a bf16 run.
-fn sum_squares(x: &[f32]) -> f32 {
+pub fn sum_squares(x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if x.len() >= LANES && std::is_x86_feature_detected!("avx512f") {
         // SAFETY: the CPU has AVX-512F, checked just above.

@@ -1182,6 +1182,47 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         self.run(|| launch::rms_norm_heads(&*self.dev, cfg, ptr, width, offset, stride, hw, w.0.ptr, eps));
     }
 
+    fn sum_squares_heads(&self, x: &Tensor<Self>, heads: HeadSpan, out: &mut Tensor<Self>, col: usize) {
+        check::sum_squares_heads(x, heads, out, col);
+        let cfg = Launch { grid: (x.rows() as u32, heads.count as u32), block: 128, smem: 0 };
+        let (ptr, width, o, ow) = (x.storage().ptr, int(x.width()), out.storage().ptr, int(out.width()));
+        let (offset, stride, hw) = (int(heads.offset), int(heads.stride), int(heads.width));
+        self.run(|| launch::sum_squares_heads(&*self.dev, cfg, ptr, width, offset, stride, hw, o, ow, int(col)));
+    }
+
+    fn scale_heads_rms(
+        &self,
+        x: &mut Tensor<Self>,
+        heads: HeadSpan,
+        sums: &Tensor<Self>,
+        col: usize,
+        n: usize,
+        w: &Vector<D>,
+        eps: f32,
+    ) {
+        check::scale_heads_rms(x, heads, sums, col, n, w.0.len / 4);
+        let cfg = Launch { grid: (x.rows() as u32, heads.count as u32), block: 128, smem: 0 };
+        let (ptr, width, s, sw) = (x.storage().ptr, int(x.width()), sums.storage().ptr, int(sums.width()));
+        let (offset, stride, hw) = (int(heads.offset), int(heads.stride), int(heads.width));
+        self.run(|| {
+            launch::scale_heads_rms(
+                &*self.dev,
+                cfg,
+                ptr,
+                width,
+                offset,
+                stride,
+                hw,
+                s,
+                sw,
+                int(col),
+                int(n),
+                w.0.ptr,
+                eps,
+            )
+        });
+    }
+
     fn rope_table(&self, freqs: &RopeFreqs, len: usize) -> RopeTable<D> {
         let half = freqs.inv_freq.len();
         let key: Vec<u32> = freqs.inv_freq.iter().map(|f| f.to_bits()).collect();
@@ -1393,7 +1434,10 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         layer: usize,
     ) {
         let (l, (w, eps)) = (a.qkv_proj, a.norm);
-        if !self.bf16_inputs(l) || l.kind == Parallel::Row {
+        // (A norm over all heads sums its squares across ranks between two
+        // f32 ops: that block runs op by op.)
+        let all_heads = a.qk_norm.as_ref().is_some_and(|n| n.all_heads);
+        if !self.bf16_inputs(l) || l.kind == Parallel::Row || all_heads {
             return crate::backend::attention_block_ops(self, a, x, normed, qkv, out, rope, batch, cache, layer);
         }
         let s = a.shape;
@@ -1401,9 +1445,9 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         check::rms_norm(&x.all(), w.0.len / 4, (normed.rows(), normed.width().size()));
         check::linear(l, normed, qkv);
         let spans = [HeadSpan::heads(0, nh, hd), HeadSpan::heads(nh * hd, nkv, hd)];
-        if let Some((qn, kn, _)) = a.qk_norm {
-            check::rms_norm_heads(qkv, spans[0], qn.0.len / 4);
-            check::rms_norm_heads(qkv, spans[1], kn.0.len / 4);
+        if let Some(n) = &a.qk_norm {
+            check::rms_norm_heads(qkv, spans[0], n.q.0.len / 4);
+            check::rms_norm_heads(qkv, spans[1], n.k.0.len / 4);
         }
         check::rope(qkv, a.rope_span(), rope.half, batch);
         let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
@@ -1431,8 +1475,9 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             if let Some(b) = &l.bias {
                 launch::add_bias_bf16(&*self.dev, elementwise(rows * width)?, qkvb, b.ptr, int(rows), int(width))?;
             }
-            if let Some((qn, kn, eps)) = a.qk_norm {
-                for (span, n) in spans.into_iter().zip([qn, kn]) {
+            if let Some(qk) = &a.qk_norm {
+                let eps = qk.eps;
+                for (span, n) in spans.into_iter().zip([qk.q, qk.k]) {
                     let cfg = Launch { grid: (rows as u32, span.count as u32), block: 64, smem: 0 };
                     let (offset, stride, hw) = (int(span.offset), int(span.stride), int(span.width));
                     launch::rms_norm_heads_bf16(&*self.dev, cfg, qkvb, int(width), offset, stride, hw, n.0.ptr, eps)?;

@@ -274,8 +274,8 @@ yet). A chat template that renders the date (strftime_now) needs --chat-date in
 every part. With --tp N one process drives a node's devices and the launcher's rank
 is the data part.
 
-MODELS: llama, mistral, qwen2, qwen3, the mixtures of experts qwen3_moe, mixtral and
-glm4_moe (GLM-4.5/4.6),
+MODELS: llama, mistral, qwen2, qwen3, the mixtures of experts qwen3_moe, mixtral,
+glm4_moe (GLM-4.5/4.6) and minimax_m2 (plain weights),
 deepseek_v2, deepseek_v3, kimi_k2, and Kimi-K2.5's kimi_k25 wrapper (its vision
 tower is not read). Weights stay in
 memory as stored, decoded per GEMM tile: f32, bf16, FP8 128x128 blocks
