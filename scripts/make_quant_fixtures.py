@@ -14,6 +14,9 @@ exactly dequantised weights (same files as scripts/make_fixtures.py writes):
                          everything else bf16, as Kimi-K2-Thinking ships. (compressed-tensors
                          needs inputs in whole groups; at --tp 2 a rank's down_proj slice of
                          48 inputs starts inside a group.)
+  minimax-m2-fp8         MiniMax-M2 (a Llama-family mixture) as it ships: FP8 E4M3 blocks of
+                         128x128 on attention and experts, bf16 router, norms and correction
+                         bias (`modules_to_not_convert`), the hub's top-level keys.
   kimi-k25-wrapper       Kimi-K2.5's multimodal wrapper: model_type kimi_k25, the text config
                          under text_config with its own quantization_config, the language model
                          under language_model.*, and vision_tower.* / mm_projector.* tensors
@@ -32,13 +35,13 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM
 import compressed_tensors
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 sys.path.insert(0, os.path.dirname(__file__))
-from make_fixtures import cli, randomize, write_expected  # noqa: E402
+from make_fixtures import cli, randomize, to_legacy, write_expected  # noqa: E402
 
 FP8_MAX = 448.0
 BLOCK = 128
@@ -74,6 +77,15 @@ FIXTURES = {
                  n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                  q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                  vocab_size=110)),
+    # Sizes not multiples of 128: partial edge blocks in every direction, two blocks along hidden.
+    "minimax-m2-fp8": dict(
+        quant="fp8", family="llama", cls=(MiniMaxM2Config, MiniMaxM2ForCausalLM),
+        linear=re.compile(r"\.(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"),
+        not_converted=["gate", "e_score_correction_bias", "lm_head"],
+        cfg=dict(hidden_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+                 intermediate_size=72, num_local_experts=4, num_experts_per_tok=2, vocab_size=120,
+                 max_position_embeddings=512, rotary_dim=24, bos_token_id=None, eos_token_id=None,
+                 rope_parameters=dict(rope_type="default", rope_theta=5000000.0))),
 }
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
@@ -149,7 +161,71 @@ def save_sharded(tensors, out, shard):
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
 
 
+def make_llama_family(name, spec, out_root, seed):
+    """A Llama-family checkpoint with FP8 blocks on `spec["linear"]`'s weights, everything else
+    bf16; the reference is HF in f32 on the exactly dequantised weights."""
+    out = os.path.join(out_root, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    cfg_cls, model_cls = spec["cls"]
+    cfg = cfg_cls(**spec["cfg"])
+    cfg._attn_implementation = "eager"
+    gen = torch.Generator().manual_seed(seed)
+    model = model_cls(cfg).eval()
+    randomize(model, gen)
+    with torch.no_grad():  # routers with a trained model's spread (see make_fixtures.py)
+        for pname, p in model.named_parameters():
+            if pname.endswith("mlp.gate.weight"):
+                p.mul_(4.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)  # hub names
+        sd = load_file(os.path.join(tmp, "model.safetensors"))
+        with open(os.path.join(tmp, "config.json")) as f:
+            config = json.load(f)
+    stored, exact = {}, {}
+    for k, w in sd.items():
+        w = w.float()
+        if spec["linear"].search(k):
+            codes, s, back = fp8_quantize(w)
+            stored[k], stored[k.replace(".weight", ".weight_scale_inv")] = codes, s
+            exact[k] = back
+        else:
+            stored[k] = w.to(torch.bfloat16)
+            exact[k] = stored[k].float()
+    save_sharded(stored, out, None)
+    # As MiniMax-M2's hub file: torch's name for the format, and the modules left in bf16.
+    config["quantization_config"] = {**FP8_CONFIG, "fmt": "float8_e4m3fn", "modules_to_not_convert": spec["not_converted"]}
+    config.pop("dtype", None)
+    config["torch_dtype"] = "bfloat16"
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    to_legacy(os.path.join(out, "config.json"))
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    if "partial_rotary_factor" in config:  # the hub's MiniMax-M2 files name the width
+        config["rotary_dim"] = int(config.pop("partial_rotary_factor") * config["head_dim"])
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file(exact, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        cfg.save_pretrained(tmp)
+        ref = model_cls.from_pretrained(tmp, dtype=torch.float32).eval()
+        ref.config._attn_implementation = "eager"
+        # Every weight loaded exactly: saved again under hub names, it is `exact`.
+        again = os.path.join(tmp, "again")
+        ref.save_pretrained(again)
+        back = load_file(os.path.join(again, "model.safetensors"))
+    for k, v in exact.items():
+        assert torch.equal(back[k].float(), v), f"{k} did not load exactly"
+    write_expected(ref, cfg, out, gen)
+    size = sum(os.path.getsize(os.path.join(out, x)) for x in os.listdir(out))
+    print(f"{name}: {size / 1024:.0f} KiB, {len([k for k in stored if 'weight_scale' in k])} quantised weights")
+
+
 def make(name, spec, out_root, seed):
+    if spec.get("family") == "llama":
+        return make_llama_family(name, spec, out_root, seed)
     out = os.path.join(out_root, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)

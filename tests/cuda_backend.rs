@@ -65,7 +65,7 @@ fn every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16() {
     if !gxx_or_skip("every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16") {
         return;
     }
-    for name in FIXTURES.iter().chain(DEEPSEEK).chain(QUANT) {
+    for name in FIXTURES.iter().chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT) {
         let batch = whole(name);
         let f32_states = run::<F32>(name, 1, std::slice::from_ref(&batch)).remove(0);
         let (worst, _) = errors(name, &f32_states, &batch);

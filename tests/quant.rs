@@ -9,7 +9,7 @@ use std::path::Path;
 use strata::backend::KvCache;
 use strata::backend::LinearInfo;
 use strata::hf::quant::QuantKind;
-use strata::model::Deepseek;
+use strata::model::{Deepseek, Llama};
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::CaptureSet;
 
@@ -47,7 +47,7 @@ fn check_against_hf(name: &str, out: &Path, what: &str) -> f32 {
 
 #[test]
 fn cli_matches_hf_at_tp_1_and_2() {
-    for name in QUANT {
+    for name in QUANT.iter().chain(LLAMA_QUANT) {
         let n = num_layers(name);
         let tmp = tempfile::tempdir().unwrap();
         let data = fixture(name).join("data.jsonl");
@@ -71,6 +71,36 @@ fn cli_matches_hf_at_tp_1_and_2() {
         let diff = a.iter().map(|(k, t)| max_err(&b[k].data, &t.data)).fold(0f32, f32::max);
         assert!(diff <= 2e-5, "{name}: --tp 2 differs from --tp 1 by {diff:e}");
         println!("{line} tp2 vs tp1 {diff:.2e}");
+    }
+}
+
+/// A Llama-family FP8 checkpoint (MiniMax-M2's format) matches HF on the
+/// dequantised weights with every FP8 weight held as codes: attention and
+/// experts FP8, the routers bf16 (its `modules_to_not_convert`).
+#[test]
+fn llama_family_keeps_fp8_weights_fp8() {
+    for name in LLAMA_QUANT {
+        let n = num_layers(name);
+        let model: Llama = Llama::load(&fixture(name)).unwrap();
+        let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+        let samples = samples(name);
+        let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));
+        let points = all_points(n);
+        let set = CaptureSet::<usize>::try_new(points.clone()).unwrap();
+        let states = model.forward_step(&batch, &set, &mut KvCache::default()).unwrap();
+        for i in 0..samples.len() {
+            let one = states.slice_tokens(batch.range(i)).unwrap();
+            for (slot, p) in points.iter().enumerate() {
+                let err = max_err(one.layer(slot), expected(&exp, i, *p, n));
+                assert!(err <= TOL, "{name} sample {i} {p}: {err:e}");
+            }
+        }
+        let linears = model.linears();
+        let held = |k: QuantKind| linears.iter().filter(|l| l.held_as() == Some(k)).count();
+        let (fp8, bf16, total) = (held(QuantKind::Fp8), held(QuantKind::Bf16), linears.len());
+        let routers = model.config().moe.as_ref().map_or(0, |m| m.sparse.iter().filter(|&&s| s).count());
+        assert_eq!(fp8, total - routers, "{name}: {fp8} of {total} linear layers held as FP8");
+        assert_eq!(bf16, routers, "{name}: the routers are held as stored (bf16)");
     }
 }
 

@@ -168,6 +168,8 @@ pub struct LlamaConfig {
     pub max_position_default: bool,
     /// The mixture of experts (`qwen3_moe`, `mixtral`).
     pub moe: Option<LlamaMoe>,
+    /// `quantization_config`: block FP8, or `None` for plain weights.
+    pub quant: Option<super::quant::QuantConfig>,
 }
 
 #[derive(Deserialize)]
@@ -320,13 +322,16 @@ impl LlamaConfig {
             "minimax_m2" => Arch::MiniMaxM2,
             _ => return Err(ConfigError::UnsupportedModel(model_type)),
         };
-        // Schemes Strata cannot read are named by the parser; the ones it can
-        // read are wired into the DeepSeek family only.
-        if let Some(q) = super::quant::QuantConfig::from_json(raw.quantization_config.as_ref())? {
+        // Schemes Strata cannot read are named by the parser; of those it can
+        // read, block FP8 (MiniMax-M2's, Qwen3's FP8 releases) is wired into
+        // this family, packed INT4 into the DeepSeek family only.
+        let quant = super::quant::QuantConfig::from_json(raw.quantization_config.as_ref())?;
+        if let Some(q) = quant.as_ref().filter(|q| !q.is_fp8_block()) {
             return Err(ConfigError::Invalid {
                 field: "quantization_config",
                 problem: format!(
-                    "{} weights are read for deepseek_v3, kimi_k2 and kimi_k25 only, not {model_type}",
+                    "{} weights are read for deepseek_v3, kimi_k2 and kimi_k25 only, not {model_type} \
+                     (which reads fp8 with weight_block_size)",
                     q.describe()
                 ),
             });
@@ -436,6 +441,7 @@ impl LlamaConfig {
             extra_layers: raw.num_nextn_predict_layers.or(raw.num_mtp_layers).unwrap_or(0),
             sliding_windows,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            quant,
             max_position_embeddings,
             max_position_default,
             moe,
@@ -786,6 +792,20 @@ mod tests {
             (moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.shared_intermediate_size),
             (1, 1, 1.0, None)
         );
+        // Block FP8, as the hub's MiniMax-M2 ships; packed INT4 is the DeepSeek family's only.
+        let fp8 = base.replace(
+            r#""attention_bias":true"#,
+            r#""quantization_config":{"quant_method":"fp8","fmt":"float8_e4m3fn","weight_block_size":[128,128]}"#,
+        );
+        assert!(LlamaConfig::from_json(&fp8).unwrap().quant.is_some_and(|q| q.is_fp8_block()));
+        let int4 = base.replace(
+            r#""attention_bias":true"#,
+            r#""quantization_config":{"quant_method":"compressed-tensors","format":"pack-quantized",
+               "config_groups":{"g":{"targets":["Linear"],"weights":{"num_bits":4,"type":"int","symmetric":true,
+               "strategy":"group","group_size":32}}}}"#,
+        );
+        let e = LlamaConfig::from_json(&int4).unwrap_err().to_string();
+        assert!(e.contains("read for deepseek_v3, kimi_k2 and kimi_k25 only, not minimax_m2"), "{e}");
         for (from, to, want) in [
             (r#""qk_norm_type":"per_layer""#, r#""qk_norm_type":"per_head""#, "only \"per_layer\""),
             (r#""use_qk_norm":true"#, r#""use_qk_norm":false"#, "always norms q and k"),

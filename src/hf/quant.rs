@@ -105,7 +105,8 @@ fn invalid(problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { field: "quantization_config", problem: problem.into() }
 }
 
-const SUPPORTED: &str = "Strata reads `fp8` with `weight_block_size` (DeepSeek-V3, Kimi-K2) and `compressed-tensors` \
+const SUPPORTED: &str =
+    "Strata reads `fp8` with `weight_block_size` (DeepSeek-V3, Kimi-K2, MiniMax-M2) and `compressed-tensors` \
      `pack-quantized` symmetric INT4 groups (Kimi-K2.5)";
 
 impl QuantConfig {
@@ -122,8 +123,9 @@ impl QuantConfig {
 
     fn fp8(v: &Value) -> Result<Self, ConfigError> {
         let fmt = v.get("fmt").and_then(Value::as_str).unwrap_or("e4m3");
-        if fmt != "e4m3" {
-            return Err(invalid(format!("fp8 fmt {fmt:?} is not supported (only e4m3)")));
+        // DeepSeek's files say "e4m3", MiniMax-M2's torch's name for it.
+        if fmt != "e4m3" && fmt != "float8_e4m3fn" {
+            return Err(invalid(format!("fp8 fmt {fmt:?} is not supported (only e4m3, float8_e4m3fn)")));
         }
         let block = v.get("weight_block_size").filter(|b| !b.is_null()).ok_or_else(|| {
             invalid(format!("fp8 without `weight_block_size` (per-tensor FP8) is not supported; {SUPPORTED}"))
@@ -215,6 +217,11 @@ impl QuantConfig {
                     .map_or(WeightFormat::Plain, |g| WeightFormat::Int4 { group: g.group_size })
             }
         }
+    }
+
+    /// Block-scaled FP8 (`quant_method: fp8` with `weight_block_size`).
+    pub fn is_fp8_block(&self) -> bool {
+        matches!(self.0, Scheme::Fp8Block { .. })
     }
 
     /// A short name for logs and `inspect`.

@@ -24,7 +24,7 @@ use crate::backend::{self, AttnBlock, AttnShape, Backend, GatedLinear, Parallel,
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe, QkNorm};
 use crate::hf::moe::TopkMethod;
-use crate::hf::quant::{LinearWeight, WeightFormat};
+use crate::hf::quant::{LinearWeight, QuantConfig, WeightFormat};
 use crate::hf::ConfigError;
 use crate::shape::Dim;
 use std::ops::Range;
@@ -68,10 +68,12 @@ pub fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// Reads one layer's tensors: weights as stored (bf16 stays bf16, f32/f16 as f32).
+/// Reads one layer's tensors: weights as stored (bf16 stays bf16, f32/f16 as
+/// f32, FP8 E4M3 blocks as codes and scales when the config declares them).
 struct Reader<'a> {
     ckpt: &'a Checkpoint,
     prefix: String,
+    quant: Option<&'a QuantConfig>,
 }
 
 impl Reader<'_> {
@@ -91,7 +93,9 @@ impl Reader<'_> {
         rows: Range<usize>,
         cols: Range<usize>,
     ) -> Result<LinearWeight, ModelError> {
-        Ok(self.ckpt.read_linear(&format!("{}.{name}", self.prefix), shape, rows, cols, WeightFormat::Plain)?)
+        let module = format!("{}.{name}", self.prefix);
+        let format = self.quant.map_or(WeightFormat::Plain, |q| q.format_for(&module));
+        Ok(self.ckpt.read_linear(&module, shape, rows, cols, format)?)
     }
 }
 
@@ -341,6 +345,37 @@ fn load_moe<B: Backend>(
     Ok(Moe { gate, e_score_correction_bias, router, experts, shared_experts })
 }
 
+impl<B: Backend> Attention<B> {
+    fn linears(&self) -> Vec<&B::Linear> {
+        vec![&self.qkv_proj, &self.o_proj]
+    }
+}
+
+impl<B: Backend> Mlp<B> {
+    fn linears(&self) -> Vec<&B::Linear> {
+        vec![&self.gate_up_proj, &self.down_proj]
+    }
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// Every linear layer of this rank's share of the layer.
+    pub fn linears(&self) -> Vec<&B::Linear> {
+        let mut out = self.self_attn.linears();
+        out.extend(match &self.mlp {
+            Ffn::Dense(m) => m.linears(),
+            Ffn::Moe(m) => m.linears(),
+        });
+        out
+    }
+}
+
+impl<B: Backend, H: Dim> super::decoder::Decoder<B, DecoderLayer<B>, H> {
+    /// Every linear layer of this rank, in layer order.
+    pub fn linears(&self) -> Vec<&B::Linear> {
+        self.layers().iter().flat_map(DecoderLayer::linears).collect()
+    }
+}
+
 /// The feed-forward block of a layer.
 pub enum Ffn<B: Backend> {
     /// A gated MLP.
@@ -421,7 +456,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
 
     fn load(b: &B, c: &LlamaConfig, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {
         let splits = Splits::of(c);
-        let r = Reader { ckpt, prefix: format!("model.layers.{l}") };
+        let r = Reader { ckpt, prefix: format!("model.layers.{l}"), quant: c.quant.as_ref() };
         let h = c.hidden_size;
         Ok(DecoderLayer {
             input_layernorm: b.vector(r.vector("input_layernorm.weight", h)?),

@@ -29,6 +29,9 @@ pub const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v
 /// The DeepSeek-family parity fixtures with FP8 or INT4 weights (scripts/make_quant_fixtures.py).
 pub const QUANT: &[&str] = &["deepseek-v3-fp8", "kimi-k2-fp8-sharded", "kimi-k2-int4", "kimi-k25-wrapper"];
 
+/// Llama-family parity fixtures with FP8 weights (scripts/make_quant_fixtures.py).
+pub const LLAMA_QUANT: &[&str] = &["minimax-m2-fp8"];
+
 /// Path of a fixture directory: in the checkout the test was built from, or,
 /// where that is gone (test binaries carried to a GPU machine by
 /// scripts/gpu-check.sh), under the current directory.

@@ -275,11 +275,11 @@ every part. With --tp N one process drives a node's devices and the launcher's r
 is the data part.
 
 MODELS: llama, mistral, qwen2, qwen3, the mixtures of experts qwen3_moe, mixtral,
-glm4_moe (GLM-4.5/4.6) and minimax_m2 (plain weights),
+glm4_moe (GLM-4.5/4.6) and minimax_m2,
 deepseek_v2, deepseek_v3, kimi_k2, and Kimi-K2.5's kimi_k25 wrapper (its vision
 tower is not read). Weights stay in
 memory as stored, decoded per GEMM tile: f32, bf16, FP8 128x128 blocks
-(DeepSeek-V3, Kimi-K2) and compressed-tensors INT4 experts (Kimi-K2.5);
+(DeepSeek-V3, Kimi-K2, MiniMax-M2) and compressed-tensors INT4 experts (Kimi-K2.5);
 f16 weights are widened to f32.
 
 Samples are packed into steps of --max-batch-tokens; longer samples are split
