@@ -128,6 +128,8 @@ FIXTURES = {
     # without an o bias, DeepSeek-V3's sigmoid router (2 groups, 1 kept, correction bias,
     # routed scaling), two shared experts, a dense first layer, hub-style top-level keys, and a
     # multi-token-prediction layer stored past the last one (as GLM-4.5's layer 92) that is never run.
+    # use_qk_norm is false, as GLM-4.5/4.6 ship; the per-head q/k norm it turns on is Qwen3's
+    # (the qwen3 and qwen3-moe fixtures).
     "glm4-moe": dict(
         cls=(Glm4MoeConfig, Glm4MoeForCausalLM), dtype=torch.bfloat16, shard=None, legacy=True, router_scale=4.0,
         mtp_layer=True,
@@ -191,7 +193,18 @@ def add_mtp_layer(out, cfg, gen):
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def make(name, spec, out_root, seed):
+def hub_rotary_dim(cfg_path):
+    """The hub's MiniMax-M2 files name the rotated width (`rotary_dim`), not a factor."""
+    with open(cfg_path) as f:
+        c = json.load(f)
+    c["rotary_dim"] = int(c.pop("partial_rotary_factor") * c["head_dim"])
+    with open(cfg_path, "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+
+
+def build(name, spec, out_root, seed):
+    """A fresh OUT/NAME, and spec's transformers model with random weights (routers scaled by
+    `router_scale`): (out, cfg, model class, model, generator)."""
     out = os.path.join(out_root, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -210,6 +223,11 @@ def make(name, spec, out_root, seed):
             for pname, p in model.named_parameters():
                 if pname.endswith("mlp.gate.weight"):
                     p.mul_(spec["router_scale"])
+    return out, cfg, model_cls, model, gen
+
+
+def make(name, spec, out_root, seed):
+    out, cfg, model_cls, model, gen = build(name, spec, out_root, seed)
     # Round to the storage dtype, save, then compute the reference in f32 on the rounded weights.
     model = model.to(spec["dtype"])
     kwargs = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
@@ -217,13 +235,7 @@ def make(name, spec, out_root, seed):
     if spec["legacy"]:
         to_legacy(os.path.join(out, "config.json"))
     if spec.get("rotary_dim_key"):
-        # The hub's MiniMax-M2 files name the rotated width, not a factor.
-        path = os.path.join(out, "config.json")
-        with open(path) as f:
-            c = json.load(f)
-        c["rotary_dim"] = int(c.pop("partial_rotary_factor") * c["head_dim"])
-        with open(path, "w") as f:
-            json.dump(c, f, indent=2, sort_keys=True)
+        hub_rotary_dim(os.path.join(out, "config.json"))
     if spec.get("mtp_layer"):
         add_mtp_layer(out, cfg, gen)
     for extra in ("generation_config.json",):

@@ -41,7 +41,7 @@ from compressed_tensors.compressors.pack_quantized.base import PackedQuantizatio
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 sys.path.insert(0, os.path.dirname(__file__))
-from make_fixtures import cli, randomize, to_legacy, write_expected  # noqa: E402
+from make_fixtures import build, cli, hub_rotary_dim, randomize, to_legacy, write_expected  # noqa: E402
 
 FP8_MAX = 448.0
 BLOCK = 128
@@ -79,7 +79,7 @@ FIXTURES = {
                  vocab_size=110)),
     # Sizes not multiples of 128: partial edge blocks in every direction, two blocks along hidden.
     "minimax-m2-fp8": dict(
-        quant="fp8", family="llama", cls=(MiniMaxM2Config, MiniMaxM2ForCausalLM),
+        quant="fp8", family="llama", cls=(MiniMaxM2Config, MiniMaxM2ForCausalLM), router_scale=4.0, rotary_dim_key=True,
         linear=re.compile(r"\.(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"),
         not_converted=["gate", "e_score_correction_bias", "lm_head"],
         cfg=dict(hidden_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
@@ -164,19 +164,7 @@ def save_sharded(tensors, out, shard):
 def make_llama_family(name, spec, out_root, seed):
     """A Llama-family checkpoint with FP8 blocks on `spec["linear"]`'s weights, everything else
     bf16; the reference is HF in f32 on the exactly dequantised weights."""
-    out = os.path.join(out_root, name)
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    cfg_cls, model_cls = spec["cls"]
-    cfg = cfg_cls(**spec["cfg"])
-    cfg._attn_implementation = "eager"
-    gen = torch.Generator().manual_seed(seed)
-    model = model_cls(cfg).eval()
-    randomize(model, gen)
-    with torch.no_grad():  # routers with a trained model's spread (see make_fixtures.py)
-        for pname, p in model.named_parameters():
-            if pname.endswith("mlp.gate.weight"):
-                p.mul_(4.0)
+    out, cfg, model_cls, model, gen = build(name, spec, out_root, seed)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)  # hub names
         sd = load_file(os.path.join(tmp, "model.safetensors"))
@@ -200,12 +188,8 @@ def make_llama_family(name, spec, out_root, seed):
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     to_legacy(os.path.join(out, "config.json"))
-    with open(os.path.join(out, "config.json")) as f:
-        config = json.load(f)
-    if "partial_rotary_factor" in config:  # the hub's MiniMax-M2 files name the width
-        config["rotary_dim"] = int(config.pop("partial_rotary_factor") * config["head_dim"])
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+    if spec.get("rotary_dim_key"):
+        hub_rotary_dim(os.path.join(out, "config.json"))
 
     with tempfile.TemporaryDirectory() as tmp:
         save_file(exact, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})

@@ -97,6 +97,33 @@ fn rms_norm_kernels_match_the_reference() {
     let (xp, wp) = (pm(&mut got), p(&w));
     l.launch((rows as u32, 3), 32, || unsafe { f(xp, stride as i32, 4, 40, 16, wp, 1e-5) });
     assert_close("rms_norm_heads", &got, &want.to_host(&r), 1e-5);
+
+    // A norm split over ranks, in two halves: the 3 heads' sums of squares
+    // into columns 1..4 of a width-5 buffer, then each head scaled as if its
+    // vector were 2·16 wide (the other half on another rank, equal sums).
+    let rt = Tensor::<Reference>::from_host(&r, &x, rows, stride).unwrap();
+    let mut want_sums = Tensor::<Reference>::zeros(&r, rows, 5);
+    r.sum_squares_heads(&rt, span, &mut want_sums, 1);
+    let mut sums = vec![0f32; rows * 5];
+    type S = unsafe extern "C" fn(usize, i32, i32, i32, i32, usize, i32, i32);
+    let f: S = unsafe { std::mem::transmute(l.sym("sum_squares_heads")) };
+    let (xp, sp) = (p(&x), pm(&mut sums));
+    l.launch((rows as u32, 3), 32, || unsafe { f(xp, stride as i32, 4, 40, 16, sp, 5, 1) });
+    assert_close("sum_squares_heads", &sums, &want_sums.to_host(&r), 1e-5);
+    let doubled: Vec<f32> = sums.iter().map(|s| 2.0 * s).collect();
+    let ds = Tensor::<Reference>::from_host(&r, &doubled, rows, 5).unwrap();
+    let mut want = Tensor::<Reference>::from_host(&r, &x, rows, stride).unwrap();
+    r.scale_heads_rms(&mut want, span, &ds, 1, 32, &w, 1e-5);
+    // A head's own norm is the same: twice the sum over twice the width.
+    let mut own = Tensor::<Reference>::from_host(&r, &x, rows, stride).unwrap();
+    r.rms_norm_heads(&mut own, span, &w, 1e-5);
+    assert_close("scale_heads_rms (reference)", &want.to_host(&r), &own.to_host(&r), 1e-5);
+    let mut got = x.clone();
+    type C = unsafe extern "C" fn(usize, i32, i32, i32, i32, usize, i32, i32, i32, usize, f32);
+    let f: C = unsafe { std::mem::transmute(l.sym("scale_heads_rms")) };
+    let (xp, dp, wp) = (pm(&mut got), p(&doubled), p(&w));
+    l.launch((rows as u32, 3), 32, || unsafe { f(xp, stride as i32, 4, 40, 16, dp, 5, 1, 32, wp, 1e-5) });
+    assert_close("scale_heads_rms", &got, &want.to_host(&r), 1e-5);
 }
 
 #[test]

@@ -12,6 +12,7 @@ use strata::hf::quant::QuantKind;
 use strata::model::{Deepseek, Llama};
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::CaptureSet;
+use strata::shape::CapturedStates;
 
 fn extract(model: &Path, data: &Path, n: usize, out: &Path, extra: &[&str]) -> std::process::Output {
     let list: Vec<String> = all_points(n).iter().map(|p| p.to_string()).collect();
@@ -74,27 +75,35 @@ fn cli_matches_hf_at_tp_1_and_2() {
     }
 }
 
+/// Every sample of `name` packed into one step, and every capture point of its depth.
+fn whole_step(name: &str) -> (PackedBatch, CaptureSet<usize>) {
+    let samples = samples(name);
+    let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));
+    (batch, CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap())
+}
+
+/// Each sample's states of `whole_step(name)` within TOL of HF at every point.
+fn assert_matches_hf(name: &str, states: &CapturedStates<usize, usize>, batch: &PackedBatch) {
+    let n = num_layers(name);
+    let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+    for i in 0..batch.segments().len() {
+        let one = states.slice_tokens(batch.range(i)).unwrap();
+        for (slot, p) in all_points(n).iter().enumerate() {
+            let err = max_err(one.layer(slot), expected(&exp, i, *p, n));
+            assert!(err <= TOL, "{name} sample {i} {p}: {err:e}");
+        }
+    }
+}
+
 /// A Llama-family FP8 checkpoint (MiniMax-M2's format) matches HF on the
 /// dequantised weights with every FP8 weight held as codes: attention and
 /// experts FP8, the routers bf16 (its `modules_to_not_convert`).
 #[test]
 fn llama_family_keeps_fp8_weights_fp8() {
     for name in LLAMA_QUANT {
-        let n = num_layers(name);
         let model: Llama = Llama::load(&fixture(name)).unwrap();
-        let exp = read_tensors(&fixture(name).join("expected.safetensors"));
-        let samples = samples(name);
-        let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));
-        let points = all_points(n);
-        let set = CaptureSet::<usize>::try_new(points.clone()).unwrap();
-        let states = model.forward_step(&batch, &set, &mut KvCache::default()).unwrap();
-        for i in 0..samples.len() {
-            let one = states.slice_tokens(batch.range(i)).unwrap();
-            for (slot, p) in points.iter().enumerate() {
-                let err = max_err(one.layer(slot), expected(&exp, i, *p, n));
-                assert!(err <= TOL, "{name} sample {i} {p}: {err:e}");
-            }
-        }
+        let (batch, set) = whole_step(name);
+        assert_matches_hf(name, &model.forward_step(&batch, &set, &mut KvCache::default()).unwrap(), &batch);
         let linears = model.linears();
         let held = |k: QuantKind| linears.iter().filter(|l| l.held_as() == Some(k)).count();
         let (fp8, bf16, total) = (held(QuantKind::Fp8), held(QuantKind::Bf16), linears.len());
@@ -107,21 +116,9 @@ fn llama_family_keeps_fp8_weights_fp8() {
 #[test]
 fn library_keeps_quantized_weights_quantized() {
     for name in QUANT {
-        let n = num_layers(name);
         let model: Deepseek = Deepseek::load(&fixture(name)).unwrap();
-        let exp = read_tensors(&fixture(name).join("expected.safetensors"));
-        let samples = samples(name);
-        let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));
-        let points = all_points(n);
-        let set = CaptureSet::<usize>::try_new(points.clone()).unwrap();
-        let states = model.forward_step(&batch, &set, &mut KvCache::default()).unwrap();
-        for i in 0..samples.len() {
-            let one = states.slice_tokens(batch.range(i)).unwrap();
-            for (slot, p) in points.iter().enumerate() {
-                let err = max_err(one.layer(slot), expected(&exp, i, *p, n));
-                assert!(err <= TOL, "{name} sample {i} {p}: {err:e}");
-            }
-        }
+        let (batch, set) = whole_step(name);
+        assert_matches_hf(name, &model.forward_step(&batch, &set, &mut KvCache::default()).unwrap(), &batch);
         // Every weight the checkpoint quantises is held as its codes, and the bf16 ones as bf16.
         let linears = model.linears();
         let held = |k: QuantKind| linears.iter().filter(|l| l.held_as() == Some(k)).count();

@@ -219,7 +219,8 @@ pub struct QkNorm<'a, B: Backend> {
     /// Epsilon.
     pub eps: f32,
     /// One norm over all of q's heads (and one over k's), not one per head
-    /// (MiniMax-M2): under TP its mean of squares is summed over the ranks.
+    /// (MiniMax-M2): under TP each rank's sums of squares are summed over the
+    /// ranks before the mean is taken.
     pub all_heads: bool,
 }
 

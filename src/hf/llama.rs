@@ -166,7 +166,7 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     /// config.json has no `max_position_embeddings`: the limit is HF's default.
     pub max_position_default: bool,
-    /// The mixture of experts (`qwen3_moe`, `mixtral`).
+    /// The mixture of experts (`qwen3_moe`, `mixtral`, `glm4_moe`, `minimax_m2`).
     pub moe: Option<LlamaMoe>,
     /// `quantization_config`: block FP8, or `None` for plain weights.
     pub quant: Option<super::quant::QuantConfig>,
@@ -215,6 +215,8 @@ struct Raw {
     num_nextn_predict_layers: Option<usize>,
     num_mtp_layers: Option<usize>,
     rotary_dim: Option<usize>,
+    use_mtp: Option<bool>,
+    num_mtp_modules: Option<usize>,
     scoring_func: Option<String>,
     use_routing_bias: Option<bool>,
     shared_intermediate_size: Option<usize>,
@@ -352,6 +354,8 @@ impl LlamaConfig {
         }
         let head_dim = match raw.head_dim {
             Some(d) => d,
+            // MiniMaxM2Config's default head_dim.
+            None if arch == Arch::MiniMaxM2 => 128,
             None if hidden_size % num_heads == 0 => hidden_size / num_heads,
             None => {
                 return Err(invalid(
@@ -370,7 +374,10 @@ impl LlamaConfig {
         elements("vocab_size", "embed_tokens", &[vocab_size, hidden_size])?;
         elements("num_attention_heads", "qkv_proj", &[num_heads + 2 * num_kv_heads, head_dim, hidden_size])?;
         elements("intermediate_size", "gate_up_proj", &[2, intermediate_size, hidden_size])?;
-        let rms_norm_eps = positive_f32("rms_norm_eps", "rms_norm_eps", raw.rms_norm_eps.unwrap_or(1e-6) as f32)?;
+        // Glm4MoeConfig's default is 1e-5, the others' 1e-6.
+        let eps_default = if arch == Arch::Glm4Moe { 1e-5 } else { 1e-6 };
+        let rms_norm_eps =
+            positive_f32("rms_norm_eps", "rms_norm_eps", raw.rms_norm_eps.unwrap_or(eps_default) as f32)?;
         let (max_position_embeddings, max_position_default) = match raw.max_position_embeddings {
             Some(n) => (positive("max_position_embeddings", n)?, false),
             None => (default_max_positions(arch), true),
@@ -384,7 +391,9 @@ impl LlamaConfig {
         // older files keep `rope_theta` and `rope_scaling` at top level.
         let (theta_new, scaling_new) = parse_rope(raw.rope_parameters.as_ref(), "rope_parameters")?;
         let (theta_old, scaling_old) = parse_rope(raw.rope_scaling.as_ref(), "rope_scaling")?;
-        let rope_theta = theta_new.or(raw.rope_theta.map(|t| t as f32)).or(theta_old).unwrap_or(10000.0);
+        // MiniMaxM2Config's default theta is 5e6, the others' 1e4.
+        let theta_default = if arch == Arch::MiniMaxM2 { 5e6 } else { 10000.0 };
+        let rope_theta = theta_new.or(raw.rope_theta.map(|t| t as f32)).or(theta_old).unwrap_or(theta_default);
         positive_f32("rope_theta", "rope_theta", rope_theta)?;
         let rope_scaling = if raw.rope_parameters.is_some() { scaling_new } else { scaling_old };
 
@@ -403,21 +412,39 @@ impl LlamaConfig {
         let sliding_windows = Self::windows(arch, &raw, num_layers)?;
         // transformers 5 keeps `partial_rotary_factor` in `rope_parameters`, the
         // hub's files at top level; transformers takes 0.5 for glm4_moe without
-        // one, and MiniMax-M2's `rotary_dim / head_dim`.
+        // one, and MiniMax-M2's files give `rotary_dim` (factor rotary_dim / head_dim).
         let factor = raw
             .rope_parameters
             .as_ref()
             .and_then(|p| p.get("partial_rotary_factor"))
             .and_then(Value::as_f64)
-            .or(raw.partial_rotary_factor)
-            .or(raw.rotary_dim.filter(|_| arch == Arch::MiniMaxM2).map(|d| d as f64 / head_dim as f64))
-            .unwrap_or(if arch == Arch::Glm4Moe { 0.5 } else { 1.0 });
-        // As transformers: int(head_dim · factor).
-        let rotary_dim = (head_dim as f64 * factor) as usize;
-        if !(factor > 0.0 && factor <= 1.0) || rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
+            .or(raw.partial_rotary_factor);
+        let (rotary_dim, key) = match arch {
+            Arch::MiniMaxM2 if factor.is_none() && raw.rotary_dim.is_some() => {
+                (raw.rotary_dim.unwrap_or(head_dim), "rotary_dim")
+            }
+            Arch::Glm4Moe | Arch::MiniMaxM2 => {
+                let f = factor.unwrap_or(if arch == Arch::Glm4Moe { 0.5 } else { 1.0 });
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(invalid("partial_rotary_factor", format!("{f}: must be in (0, 1]")));
+                }
+                // As transformers: int(head_dim · factor).
+                ((head_dim as f64 * f) as usize, "partial_rotary_factor")
+            }
+            // The other families rotate whole heads: transformers' rotation
+            // for them has no pass-through columns.
+            _ if factor.is_some_and(|f| f != 1.0) => {
+                return Err(invalid(
+                    "partial_rotary_factor",
+                    format!("{} for {model_type}, whose attention rotates whole heads", factor.unwrap_or(1.0)),
+                ))
+            }
+            _ => (head_dim, "partial_rotary_factor"),
+        };
+        if rotary_dim == 0 || rotary_dim > head_dim || !rotary_dim.is_multiple_of(2) {
             return Err(invalid(
-                "partial_rotary_factor",
-                format!("{factor} of head_dim {head_dim} rotates {rotary_dim} columns: must be a positive even number at most head_dim"),
+                key,
+                format!("rotates {rotary_dim} columns of head_dim {head_dim}: must be a positive even number at most head_dim"),
             ));
         }
         let moe = Self::moe(arch, &raw, num_layers, hidden_size, intermediate_size)?;
@@ -438,7 +465,12 @@ impl LlamaConfig {
             mlp_bias: raw.mlp_bias.unwrap_or(false),
             qk_norm: Self::qk_norm(arch, &raw)?,
             rotary_dim,
-            extra_layers: raw.num_nextn_predict_layers.or(raw.num_mtp_layers).unwrap_or(0),
+            // MiniMax-M2 may store `num_mtp_modules` layers when `use_mtp`.
+            extra_layers: raw
+                .num_nextn_predict_layers
+                .or(raw.num_mtp_layers)
+                .or(raw.num_mtp_modules.filter(|_| arch == Arch::MiniMaxM2 && raw.use_mtp == Some(true)))
+                .unwrap_or(0),
             sliding_windows,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             quant,
@@ -448,7 +480,7 @@ impl LlamaConfig {
         })
     }
 
-    /// The mixture of experts of `qwen3_moe` and `mixtral` (none for the dense families).
+    /// The mixture of experts of `qwen3_moe`, `mixtral`, `glm4_moe` and `minimax_m2` (none for the dense families).
     fn moe(arch: Arch, raw: &Raw, n: usize, hidden: usize, dense: usize) -> Result<Option<LlamaMoe>, ConfigError> {
         let (experts, key, inter) = match arch {
             // The hub's files say `num_experts`; transformers 5 saves `num_local_experts`.
@@ -525,7 +557,7 @@ impl LlamaConfig {
                     ),
                 ));
             }
-            let shared = raw.n_shared_experts.unwrap_or(1);
+            let shared = bounded("n_shared_experts", raw.n_shared_experts.unwrap_or(1), MAX_COUNT)?;
             moe.scoring = Scoring::Sigmoid;
             moe.topk_method = TopkMethod::NoauxTc;
             (moe.n_group, moe.topk_group) = (n_group, topk_group);
@@ -534,7 +566,8 @@ impl LlamaConfig {
                 "routed_scaling_factor",
                 raw.routed_scaling_factor.unwrap_or(1.0) as f32,
             )?;
-            moe.shared_intermediate_size = (shared > 0).then_some(shared * inter);
+            let width = shared.checked_mul(inter).ok_or_else(|| invalid("n_shared_experts", "overflows"))?;
+            moe.shared_intermediate_size = (shared > 0).then_some(width);
             if let Some(w) = moe.shared_intermediate_size {
                 elements("n_shared_experts", "shared_experts", &[3, w, hidden])?;
             }
@@ -580,7 +613,9 @@ impl LlamaConfig {
     }
 
     fn windows(arch: Arch, raw: &Raw, n: usize) -> Result<Vec<Option<usize>>, ConfigError> {
-        if arch == Arch::Llama {
+        // transformers' Llama, GLM-4.5 and MiniMax-M2 attend to every position,
+        // whatever `sliding_window` the config carries.
+        if matches!(arch, Arch::Llama | Arch::Glm4Moe | Arch::MiniMaxM2) {
             return Ok(vec![None; n]);
         }
         let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe);
@@ -759,12 +794,22 @@ mod tests {
             r#""attention_bias":true,"rope_parameters":{"rope_type":"default","rope_theta":1e4,"partial_rotary_factor":1.0}"#,
         );
         assert_eq!(LlamaConfig::from_json(&v5).unwrap().rotary_dim, 24);
-        // A dense family rotates whole heads.
+        // A dense family rotates whole heads, and refuses a factor it would not apply.
         let dense = base.replace("glm4_moe", "qwen3");
         assert_eq!(LlamaConfig::from_json(&dense).unwrap().rotary_dim, 24);
+        let e = LlamaConfig::from_json(&quarter.replace("glm4_moe", "qwen3")).unwrap_err().to_string();
+        assert!(e.contains("0.25 for qwen3, whose attention rotates whole heads"), "{e}");
+        // GLM-4.5 attends to every position, whatever `sliding_window` says.
+        let window = base.replace(r#""attention_bias":true"#, r#""attention_bias":true,"sliding_window":4"#);
+        assert_eq!(LlamaConfig::from_json(&window).unwrap().sliding_windows, [None; 3]);
         for (from, to, want) in [
             (r#""attention_bias":true"#, r#""partial_rotary_factor":0.3"#, "rotates 7 columns"),
-            (r#""attention_bias":true"#, r#""partial_rotary_factor":1.5"#, "partial_rotary_factor"),
+            (
+                r#""attention_bias":true"#,
+                r#""partial_rotary_factor":1.5"#,
+                "`partial_rotary_factor`: 1.5: must be in (0, 1]",
+            ),
+            (r#""n_shared_experts":2"#, r#""n_shared_experts":99999999999"#, "n_shared_experts"),
             (r#""n_group":2"#, r#""n_group":3"#, "8 experts in 3 groups"),
             (r#""topk_group":1"#, r#""topk_group":3"#, "not a valid grouping"),
             (r#""num_experts_per_tok":3"#, r#""num_experts_per_tok":5"#, "cannot give 5 experts per token"),
@@ -792,6 +837,13 @@ mod tests {
             (moe.n_group, moe.topk_group, moe.routed_scaling_factor, moe.shared_intermediate_size),
             (1, 1, 1.0, None)
         );
+        // MTP modules, when `use_mtp`, are layers the checkpoint may hold past the last one.
+        let mtp = base.replace(r#""attention_bias":true"#, r#""use_mtp":true,"num_mtp_modules":3"#);
+        assert_eq!((c.extra_layers, LlamaConfig::from_json(&mtp).unwrap().extra_layers), (0, 3));
+        // MiniMaxM2Config's defaults: head_dim 128, theta 5e6.
+        let bare = base.replace(r#""head_dim":16,"#, "").replace(r#""rotary_dim":8,"#, "");
+        let d = LlamaConfig::from_json(&bare).unwrap();
+        assert_eq!((d.head_dim, d.rotary_dim, d.rope_theta), (128, 128, 5e6));
         // Block FP8, as the hub's MiniMax-M2 ships; packed INT4 is the DeepSeek family's only.
         let fp8 = base.replace(
             r#""attention_bias":true"#,
@@ -812,7 +864,8 @@ mod tests {
             (r#""scoring_func":"sigmoid""#, r#""scoring_func":"softmax""#, "router is \"sigmoid\""),
             (r#""use_routing_bias":true"#, r#""use_routing_bias":false"#, "always adds its correction bias"),
             (r#""shared_intermediate_size":0"#, r#""shared_intermediate_size":64"#, "no shared experts"),
-            (r#""rotary_dim":8"#, r#""rotary_dim":7"#, "rotates 7 columns"),
+            (r#""rotary_dim":8"#, r#""rotary_dim":7"#, "`rotary_dim`: rotates 7 columns"),
+            (r#""rotary_dim":8"#, r#""rotary_dim":32"#, "`rotary_dim`: rotates 32 columns of head_dim 16"),
         ] {
             let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
             assert!(e.contains(want), "{to}: {e}");
