@@ -64,3 +64,19 @@ fn glm_4_5_air_rotates_half_of_each_head_and_routes_as_deepseek_v3() {
     assert_eq!(moe.sparse, sparse, "first_k_dense_replace 1: layer 0 is dense");
     assert_eq!(c.rope_theta, 1e6);
 }
+
+#[test]
+fn minimax_m2_5_norms_all_heads_and_rotates_64_columns() {
+    let AnyConfig::Llama(c) = config("minimax-m2.5") else { panic!("minimax_m2 is a Llama-family config") };
+    assert_eq!(c.arch, Arch::MiniMaxM2);
+    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (62, 3072, 48, 8, 128));
+    assert_eq!(c.qk_norm, QkNorm::AllHeads, "qk_norm_type per_layer: one norm over all heads");
+    assert_eq!((c.rotary_dim, c.rope_theta), (64, 5e6));
+    assert!(!c.qkv_bias && !c.o_bias);
+    assert_eq!(c.extra_layers, 3, "use_mtp with 3 MTP modules");
+    assert_eq!(c.sliding_windows, vec![None; 62]);
+    let moe = c.moe.expect("a mixture of experts");
+    assert_eq!((moe.experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob), (256, 8, 1536, true));
+    assert_eq!((moe.scoring, moe.topk_method, moe.n_group), (Scoring::Sigmoid, TopkMethod::NoauxTc, 1));
+    assert_eq!((moe.shared_intermediate_size, moe.sparse), (None, vec![true; 62]));
+}

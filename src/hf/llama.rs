@@ -221,6 +221,7 @@ struct Raw {
     use_routing_bias: Option<bool>,
     shared_intermediate_size: Option<usize>,
     qk_norm_type: Option<String>,
+    attn_type_list: Option<Vec<u64>>,
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
@@ -584,6 +585,14 @@ impl LlamaConfig {
             if let Some(w) = raw.shared_intermediate_size.filter(|&w| w > 0) {
                 return Err(invalid("shared_intermediate_size", format!("{w}: MiniMax-M2 has no shared experts")));
             }
+            // MiniMax's type 0 is lightning (linear) attention, which
+            // transformers' minimax_m2 does not have: refused, not run as softmax.
+            if let Some(i) = raw.attn_type_list.as_ref().and_then(|t| t.iter().position(|&a| a != 1)) {
+                return Err(invalid(
+                    "attn_type_list",
+                    format!("layer {i} is not full attention (type 1); linear attention layers are not read"),
+                ));
+            }
             moe.scoring = Scoring::Sigmoid;
             moe.topk_method = TopkMethod::NoauxTc;
         }
@@ -865,6 +874,7 @@ mod tests {
             (r#""use_routing_bias":true"#, r#""use_routing_bias":false"#, "always adds its correction bias"),
             (r#""shared_intermediate_size":0"#, r#""shared_intermediate_size":64"#, "no shared experts"),
             (r#""rotary_dim":8"#, r#""rotary_dim":7"#, "`rotary_dim`: rotates 7 columns"),
+            (r#""rotary_dim":8"#, r#""rotary_dim":8,"attn_type_list":[1,0]"#, "layer 1 is not full attention"),
             (r#""rotary_dim":8"#, r#""rotary_dim":32"#, "`rotary_dim`: rotates 32 columns of head_dim 16"),
         ] {
             let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
