@@ -27,7 +27,7 @@ use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::JsonlSource;
 use strata::shape::{DType, Layers};
 use strata::sink::{OpenMode, StrataSink, DEFAULT_SHARD_SIZE};
-use strata_testkit::{write_tokens, Rng};
+use strata_testkit::{write_tokens, RandomTensors};
 use typenum::{Prod, U1024, U2, U4, U64};
 
 /// GLM-4.5-Air's hidden width, 4 · 1024 = 4096, as a type.
@@ -80,14 +80,8 @@ fn write_scaled_down(dir: &Path) -> Result<usize, Box<dyn std::error::Error>> {
         "torch_dtype": "bfloat16",
     });
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
-    let mut rng = Rng::new(7);
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
-        let v: Vec<f32> = (0..shape.iter().product()).map(|_| offset + scale * rng.uniform()).collect();
-        let mut bytes = Vec::new();
-        DType::BF16.encode_into(&v, &mut bytes);
-        tensors.push((name, shape, bytes));
-    };
+    let mut t = RandomTensors::new(DType::BF16, 7);
+    let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| t.add(name, shape, scale, offset);
     let w = |fan_in: usize| (3.0 / fan_in as f32).sqrt(); // unit-variance outputs
     let mlp = |add: &mut dyn FnMut(String, Vec<usize>, f32, f32), p: String, i: usize| {
         add(format!("{p}.gate_proj.weight"), vec![i, h], w(h), 0.0);
@@ -119,13 +113,7 @@ fn write_scaled_down(dir: &Path) -> Result<usize, Box<dyn std::error::Error>> {
     add(format!("model.layers.{layers}.eh_proj.weight"), vec![h, 2 * h], w(2 * h), 0.0);
     add(format!("model.layers.{layers}.enorm.weight"), vec![h], 0.2, 1.0);
     add("model.norm.weight".into(), vec![h], 0.2, 1.0);
-    let views = tensors
-        .iter()
-        .map(|(n, shape, b)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), b).map(|v| (n.clone(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))?;
+    t.write(dir)?;
     Ok(vocab)
 }
 

@@ -63,6 +63,45 @@ impl Rng {
     }
 }
 
+/// `dir/model.safetensors` holding `tensors` (name, dtype, shape, bytes).
+pub fn write_safetensors(
+    dir: &Path,
+    tensors: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)],
+) -> std::io::Result<()> {
+    let views = tensors
+        .iter()
+        .map(|(n, dt, shape, b)| safetensors::tensor::TensorView::new(*dt, shape.clone(), b).map(|v| (n.clone(), v)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))
+        .map_err(|e| std::io::Error::other(e.to_string()))
+}
+
+/// Random tensors of one dtype, named as a checkpoint's, from a seeded generator.
+pub struct RandomTensors {
+    dtype: DType,
+    rng: Rng,
+    tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+}
+
+impl RandomTensors {
+    /// No tensors yet; values from `Rng::new(seed)`, stored as `dtype`.
+    pub fn new(dtype: DType, seed: u64) -> Self {
+        RandomTensors { dtype, rng: Rng::new(seed), tensors: Vec::new() }
+    }
+    /// Adds `name` of `shape`, each value `offset + scale · uniform(-1, 1)`.
+    pub fn add(&mut self, name: String, shape: Vec<usize>, scale: f32, offset: f32) {
+        let v: Vec<f32> = (0..shape.iter().product()).map(|_| offset + scale * self.rng.uniform()).collect();
+        let mut bytes = Vec::new();
+        self.dtype.encode_into(&v, &mut bytes);
+        self.tensors.push((name, self.dtype.to_safetensors(), shape, bytes));
+    }
+    /// Writes them to `dir/model.safetensors`.
+    pub fn write(&self, dir: &Path) -> std::io::Result<()> {
+        write_safetensors(dir, &self.tensors)
+    }
+}
+
 /// Writes a random-weight Llama checkpoint (weights in `dtype`) into `dir`.
 pub fn write_llama(dir: &Path, spec: &LlamaSpec, dtype: DType, seed: u64) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
@@ -95,42 +134,26 @@ pub fn write_llama(dir: &Path, spec: &LlamaSpec, dtype: DType, seed: u64) -> std
     });
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config).unwrap())?;
 
-    let mut rng = Rng::new(seed);
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32, rng: &mut Rng| {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|_| offset + scale * rng.uniform()).collect();
-        let mut bytes = Vec::new();
-        dtype.encode_into(&v, &mut bytes);
-        tensors.push((name, shape, bytes));
-    };
+    let mut t = RandomTensors::new(dtype, seed);
     let (h, i) = (s.hidden_size, s.intermediate_size);
     let (q, kv) = (s.num_heads * hd, s.num_kv_heads * hd);
     let w = |fan_in: usize| (3.0 / fan_in as f32).sqrt(); // unit-variance outputs
-    add("model.embed_tokens.weight".into(), vec![s.vocab_size, h], 1.0, 0.0, &mut rng);
+    t.add("model.embed_tokens.weight".into(), vec![s.vocab_size, h], 1.0, 0.0);
     for l in 0..s.num_layers {
         let p = format!("model.layers.{l}");
-        add(format!("{p}.input_layernorm.weight"), vec![h], 0.2, 1.0, &mut rng);
-        add(format!("{p}.self_attn.q_proj.weight"), vec![q, h], w(h), 0.0, &mut rng);
-        add(format!("{p}.self_attn.k_proj.weight"), vec![kv, h], w(h), 0.0, &mut rng);
-        add(format!("{p}.self_attn.v_proj.weight"), vec![kv, h], w(h), 0.0, &mut rng);
-        add(format!("{p}.self_attn.o_proj.weight"), vec![h, q], w(q), 0.0, &mut rng);
-        add(format!("{p}.post_attention_layernorm.weight"), vec![h], 0.2, 1.0, &mut rng);
-        add(format!("{p}.mlp.gate_proj.weight"), vec![i, h], w(h), 0.0, &mut rng);
-        add(format!("{p}.mlp.up_proj.weight"), vec![i, h], w(h), 0.0, &mut rng);
-        add(format!("{p}.mlp.down_proj.weight"), vec![h, i], w(i), 0.0, &mut rng);
+        t.add(format!("{p}.input_layernorm.weight"), vec![h], 0.2, 1.0);
+        t.add(format!("{p}.self_attn.q_proj.weight"), vec![q, h], w(h), 0.0);
+        t.add(format!("{p}.self_attn.k_proj.weight"), vec![kv, h], w(h), 0.0);
+        t.add(format!("{p}.self_attn.v_proj.weight"), vec![kv, h], w(h), 0.0);
+        t.add(format!("{p}.self_attn.o_proj.weight"), vec![h, q], w(q), 0.0);
+        t.add(format!("{p}.post_attention_layernorm.weight"), vec![h], 0.2, 1.0);
+        t.add(format!("{p}.mlp.gate_proj.weight"), vec![i, h], w(h), 0.0);
+        t.add(format!("{p}.mlp.up_proj.weight"), vec![i, h], w(h), 0.0);
+        t.add(format!("{p}.mlp.down_proj.weight"), vec![h, i], w(i), 0.0);
     }
-    add("model.norm.weight".into(), vec![h], 0.2, 1.0, &mut rng);
-    add("lm_head.weight".into(), vec![s.vocab_size, h], w(h), 0.0, &mut rng);
-    let views = tensors
-        .iter()
-        .map(|(n, shape, b)| {
-            safetensors::tensor::TensorView::new(dtype.to_safetensors(), shape.clone(), b).map(|v| (n.clone(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| std::io::Error::other(e.to_string()))?;
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))
-        .map_err(|e| std::io::Error::other(e.to_string()))
+    t.add("model.norm.weight".into(), vec![h], 0.2, 1.0);
+    t.add("lm_head.weight".into(), vec![s.vocab_size, h], w(h), 0.0);
+    t.write(dir)
 }
 
 /// Random token samples, written as JSON Lines.
@@ -386,13 +409,7 @@ pub fn write_deepseek_stored(
         let v: Vec<u8> = (0..h * 64 * 2).map(|i| (i % 241) as u8).collect();
         tensors.push(("mm_projector.proj.0.weight".into(), safetensors::Dtype::BF16, vec![h, 64], v));
     }
-    let views = tensors
-        .iter()
-        .map(|(n, dt, shape, b)| safetensors::tensor::TensorView::new(*dt, shape.clone(), b).map(|v| (n.clone(), v)))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| std::io::Error::other(e.to_string()))?;
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors"))
-        .map_err(|e| std::io::Error::other(e.to_string()))
+    write_safetensors(dir, &tensors)
 }
 
 /// FP8 E4M3 codes of `w` (`[out, inp]`) with f32 scales `amax / 448` per 128×128 block.
