@@ -83,11 +83,6 @@ pub struct PendingStates<L: Dim, H: Dim> {
 }
 
 impl<L: Dim, H: Dim> PendingStates<L, H> {
-    /// States with nothing pending.
-    pub fn ready(states: CapturedStates<L, H>) -> Self {
-        PendingStates { states, copies: None }
-    }
-
     /// `states`, of which `copies` (if any) fills the rest.
     pub fn new(states: CapturedStates<L, H>, copies: Option<PendingCopies>) -> Self {
         PendingStates { states, copies }
