@@ -34,6 +34,23 @@ extern "C" __global__ void swiglu(const float* gate_up, int rows, int inter, flo
     }
 }
 
+// out [T, inter] = gelu_tanh(gate) · up of gate_up [T, 2·inter] = [gate | up]:
+// g/2 · (1 + tanh(u)) with u = √(2/π)·(g + 0.044715·g³), as g · σ(2u).
+extern "C" __global__ void gelu_tanh_glu(const float* gate_up, int rows, int inter, float* out) {
+    GRID_STRIDE(i, (u32)rows * inter) {
+        u32 t = i / inter, c = i - t * inter;
+        const float* gu = gate_up + (u64)t * 2 * inter;
+        float g = gu[c];
+        float u = 0.7978846f * (g + 0.044715f * g * g * g);
+        out[i] = g / (1.0f + expf(-2.0f * u)) * gu[inter + c];
+    }
+}
+
+// x[i] *= s over n values.
+extern "C" __global__ void scale(float* x, float s, int n) {
+    GRID_STRIDE(i, n) { x[i] *= s; }
+}
+
 // x[i] += y[i] over n values.
 extern "C" __global__ void add(float* x, const float* y, int n) {
     GRID_STRIDE(i, n) { x[i] += y[i]; }

@@ -24,6 +24,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 import transformers
+from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig,
+                          SiglipVisionConfig)
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig,
                           Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
@@ -149,6 +151,34 @@ FIXTURES = {
                  intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, vocab_size=150,
                  max_position_embeddings=512, rotary_dim=8, bos_token_id=None, eos_token_id=None,
                  rope_parameters=dict(rope_type="default", rope_theta=5000000.0))),
+    # Gemma 3 text (gemma3_text, as Gemma-3-1B): sandwich (1 + w) norms, per-head q/k norms,
+    # GELU-tanh MLP, scores scaled by query_pre_attn_scalar (20, not head_dim 24), embeddings
+    # scaled by sqrt(72) (8.485, 8.5 in bf16), local layers with a 5-token window and their own
+    # RoPE base (100) alternating with global ones (base 10000, linear factor 2), q/k/v/o biases;
+    # the hub's legacy keys (rope_local_base_freq, sliding_window_pattern, rope_scaling).
+    "gemma3-text": dict(
+        cls=(Gemma3TextConfig, Gemma3ForCausalLM), dtype=torch.float32, shard=None, legacy=False,
+        gemma_legacy=True,
+        cfg=dict(hidden_size=72, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                 intermediate_size=96, vocab_size=200, max_position_embeddings=512, sliding_window=5,
+                 sliding_window_pattern=2, query_pre_attn_scalar=20, attention_bias=True,
+                 rope_parameters=dict(full_attention=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+                                      sliding_attention=dict(rope_type="default", rope_theta=100.0)))),
+    # Gemma 3 in its multimodal wrapper (gemma3, as Gemma-3-4B/12B/27B): the text model under
+    # `language_model.model.*` beside a vision tower Strata does not read, bf16 weights,
+    # transformers 5's layer_types and per-type rope_parameters.
+    "gemma3": dict(
+        cls=(Gemma3Config, Gemma3ForConditionalGeneration), dtype=torch.bfloat16, shard=None, legacy=False,
+        cfg=dict(text_config=dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, intermediate_size=80, vocab_size=180, max_position_embeddings=512,
+                                  sliding_window=6, query_pre_attn_scalar=16,
+                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                  rope_parameters=dict(
+                                      full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),
+                                      sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
+                 vision_config=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14),
+                 mm_tokens_per_image=4)),
 }
 
 
@@ -193,6 +223,24 @@ def add_mtp_layer(out, cfg, gen):
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def gemma_legacy(cfg_path, pattern):
+    """Gemma 3's hub keys before transformers 5: `rope_theta` and `rope_scaling` for the global
+    layers, `rope_local_base_freq` for the local ones, `sliding_window_pattern` for layer_types."""
+    with open(cfg_path) as f:
+        c = json.load(f)
+    rp = c.pop("rope_parameters")
+    full, local = dict(rp["full_attention"]), rp["sliding_attention"]
+    c["rope_theta"] = full.pop("rope_theta")
+    c["rope_local_base_freq"] = local["rope_theta"]
+    c["rope_scaling"] = None if full.get("rope_type") == "default" else full
+    types = c.pop("layer_types")
+    assert types == ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(len(types))]
+    c.pop("_sliding_window_pattern", None)
+    c["sliding_window_pattern"] = pattern
+    with open(cfg_path, "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+
+
 def hub_rotary_dim(cfg_path):
     """The hub's MiniMax-M2 files name the rotated width (`rotary_dim`), not a factor."""
     with open(cfg_path) as f:
@@ -234,6 +282,8 @@ def make(name, spec, out_root, seed):
     model.save_pretrained(out, **kwargs)
     if spec["legacy"]:
         to_legacy(os.path.join(out, "config.json"))
+    if spec.get("gemma_legacy"):
+        gemma_legacy(os.path.join(out, "config.json"), spec["cfg"]["sliding_window_pattern"])
     if spec.get("rotary_dim_key"):
         hub_rotary_dim(os.path.join(out, "config.json"))
     if spec.get("mtp_layer"):
@@ -257,14 +307,17 @@ def write_expected(model, cfg, out, gen, **metadata):
     """Random samples into OUT/data.jsonl and the f32 `model`'s hidden states for them
     into OUT/expected.safetensors (every output_hidden_states entry, plus the final norm's input)."""
     captured = {}
-    model.model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0].detach().clone()))
+    # The text model: `model.model`, or a multimodal wrapper's `model.model.language_model`.
+    text_model = getattr(model.model, "language_model", model.model)
+    cfg = cfg.get_text_config()
+    text_model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0].detach().clone()))
     expected = {}
     with open(os.path.join(out, "data.jsonl"), "w") as f:
         for i, n in enumerate(LENGTHS):
             ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
             f.write(json.dumps({"input_ids": ids.tolist()}) + "\n")
             with torch.no_grad():
-                res = model.model(input_ids=ids[None], output_hidden_states=True)
+                res = text_model(input_ids=ids[None], output_hidden_states=True)
             hs = torch.stack([h[0] for h in res.hidden_states]).contiguous()
             assert hs.shape == (cfg.num_hidden_layers + 1, n, cfg.hidden_size)
             expected[f"sample{i}.hidden_states"] = hs

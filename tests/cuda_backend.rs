@@ -19,7 +19,7 @@ use std::sync::atomic::AtomicUsize;
 use strata::backend::cuda::Cuda;
 use strata::backend::{Bf16, Compute, ComputeDtype, F32};
 use strata::hf::checkpoint::Checkpoint;
-use strata::model::any::{AnyConfig, Deepseek, Llama, TpDeepseek, TpLlama};
+use strata::model::any::{AnyConfig, Deepseek, Gemma3, Llama, TpDeepseek, TpGemma3, TpLlama};
 use strata::model::{AnyCache, LoadOptions, Model};
 use strata::pipeline::batch::{PackedBatch, Segment};
 use strata::pipeline::capture::CaptureSet;
@@ -57,6 +57,12 @@ fn run<C: ComputeDtype>(name: &str, tp: usize, batches: &[PackedBatch]) -> Vec<C
         (AnyConfig::Deepseek(c), tp) => {
             steps(TpDeepseek::<usize, usize, Emu<C>>::build_on(&b, c, tp, open).unwrap(), &set, batches)
         }
+        (AnyConfig::Gemma3(c), 1) => {
+            steps(Gemma3::<usize, Emu<C>>::from_checkpoint_on(b, c, &open().unwrap()).unwrap(), &set, batches)
+        }
+        (AnyConfig::Gemma3(c), tp) => {
+            steps(TpGemma3::<usize, usize, Emu<C>>::build_on(&b, c, tp, open).unwrap(), &set, batches)
+        }
     }
 }
 
@@ -65,7 +71,7 @@ fn every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16() {
     if !gxx_or_skip("every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16") {
         return;
     }
-    for name in FIXTURES.iter().chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT) {
         let batch = whole(name);
         let f32_states = run::<F32>(name, 1, std::slice::from_ref(&batch)).remove(0);
         let (worst, _) = errors(name, &f32_states, &batch);
@@ -99,8 +105,9 @@ fn chunks_and_tensor_parallel_ranks_give_the_whole_samples_states() {
     if !gxx_or_skip("chunks_and_tensor_parallel_ranks_give_the_whole_samples_states") {
         return;
     }
-    // (minimax-m2: its q/k norms sum squares across the two ranks.)
-    for name in ["qwen3", "minimax-m2", "deepseek-v3", "kimi-k2-int4"] {
+    // (minimax-m2: its q/k norms sum squares across the two ranks; gemma3-text
+    // chunks its local and global layers, each with its own RoPE table.)
+    for name in ["qwen3", "minimax-m2", "gemma3-text", "deepseek-v3", "kimi-k2-int4"] {
         let samples = samples(name);
         let s = samples.iter().max_by_key(|s| s.len()).unwrap();
         let batch = PackedBatch::from_samples([s.as_slice()]);
@@ -174,6 +181,10 @@ fn a_rank_failing_mid_step_does_not_hang_its_peers() {
                     .unwrap()
                     .forward_step(&batch, &set, &mut ())
                     .map(drop),
+                AnyConfig::Gemma3(c) => TpGemma3::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open)
+                    .unwrap()
+                    .forward_step(&batch, &set, &mut ())
+                    .map(drop),
             };
             let _ = tx.send(r.map_err(|e| e.to_string()));
         });
@@ -215,6 +226,10 @@ fn a_rank_panicking_mid_step_ends_the_step_with_an_error() {
                 }
                 AnyConfig::Deepseek(c) => {
                     let m = TpDeepseek::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
+                    (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
+                }
+                AnyConfig::Gemma3(c) => {
+                    let m = TpGemma3::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
                     (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
                 }
             }; // the model (and its rank threads) dropped here, inside the watchdog's bound

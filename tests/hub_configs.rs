@@ -80,3 +80,33 @@ fn minimax_m2_5_norms_all_heads_and_rotates_64_columns() {
     assert_eq!((moe.scoring, moe.topk_method, moe.n_group), (Scoring::Sigmoid, TopkMethod::NoauxTc, 1));
     assert_eq!((moe.shared_intermediate_size, moe.sparse), (None, vec![true; 62]));
 }
+
+#[test]
+fn gemma_3_1b_alternates_five_local_layers_with_one_global() {
+    let AnyConfig::Gemma3(c) = config("gemma-3-1b-it") else { panic!("gemma3_text is a Gemma 3 config") };
+    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (26, 1152, 4, 1, 256));
+    assert_eq!((c.intermediate_size, c.vocab_size, c.query_pre_attn_scalar), (6912, 262_144, 256.0));
+    let global: Vec<usize> = (0..26).filter(|&i| c.sliding_windows[i].is_none()).collect();
+    assert_eq!(global, vec![5, 11, 17, 23], "sliding_window_pattern 6: every sixth layer is global");
+    assert!(c.sliding_windows.iter().flatten().all(|&w| w == 512));
+    assert_eq!((c.rope_theta, c.rope_local_theta), (1e6, 1e4));
+    assert_eq!(c.tensor_prefix, "", "a text model alone: model.* names");
+    assert!(!c.attention_bias);
+}
+
+#[test]
+fn gemma_3_4b_takes_the_defaults_its_text_config_leaves_out() {
+    let AnyConfig::Gemma3(c) = config("gemma-3-4b-it") else { panic!("gemma3 is a Gemma 3 config") };
+    // Named: hidden, MLP width, layers, window, scaling. The rest: Gemma3TextConfig's defaults.
+    assert_eq!((c.num_layers, c.hidden_size, c.intermediate_size), (34, 2560, 10240));
+    assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size), (8, 4, 256, 262_208));
+    assert_eq!((c.query_pre_attn_scalar, c.rms_norm_eps, c.max_position_embeddings), (256.0, 1e-6, 131_072));
+    assert_eq!(c.tensor_prefix, "language_model.", "the wrapper's text model: language_model.model.*");
+    let global: Vec<usize> = (0..34).filter(|&i| c.sliding_windows[i].is_none()).collect();
+    assert_eq!(global, vec![5, 11, 17, 23, 29]);
+    // Linear scaling by 8 on the global layers' base 1e6; the local layers' base 1e4, unscaled.
+    let (g, l) = (c.rope(), c.rope_local());
+    assert_eq!((g.inv_freq[0], l.inv_freq[0]), (0.125, 1.0));
+    assert!((g.inv_freq[64] - 1e6f32.powf(-0.5) / 8.0).abs() < 1e-9);
+    assert!((l.inv_freq[64] - 1e4f32.powf(-0.5)).abs() < 1e-9);
+}

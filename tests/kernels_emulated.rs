@@ -198,6 +198,22 @@ fn elementwise_kernels_compute_their_definitions() {
     l.launch((2, 1), 32, || unsafe { f(gp, rows as i32, inter as i32, bp) });
     let rounded: Vec<u16> = got.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
     assert!(fused == rounded, "swiglu_to_bf16 is not swiglu rounded to bf16");
+    // GELU-tanh GLU (Gemma's MLP) against the reference's tanh form, over a
+    // gate range where the tails matter (values × 6: |g| up to 6).
+    let gu6: Vec<f32> = gu.iter().map(|v| v * 6.0).collect();
+    let mut want = Tensor::<Reference>::zeros(&r, rows, inter);
+    r.gelu_tanh_glu(&Tensor::from_host(&r, &gu6, rows, 2 * inter).unwrap(), &mut want);
+    let f: Sw = unsafe { std::mem::transmute(l.sym("gelu_tanh_glu")) };
+    let (gp6, op) = (p(&gu6), pm(&mut got));
+    l.launch((2, 1), 32, || unsafe { f(gp6, rows as i32, inter as i32, op) });
+    assert_close("gelu_tanh_glu", &got, &want.to_host(&r), 2e-6);
+    // Scale (Gemma's embedding scale).
+    let mut got = gu.clone();
+    type Sc = unsafe extern "C" fn(usize, f32, i32);
+    let f: Sc = unsafe { std::mem::transmute(l.sym("scale")) };
+    let (xp, n) = (pm(&mut got), gu.len());
+    l.launch((1, 1), 64, || unsafe { f(xp, 50.5, n as i32) });
+    assert_close("scale", &got, &gu.iter().map(|v| v * 50.5).collect::<Vec<_>>(), 0.0);
 
     // Head copies against the reference.
     let (from, to) = (HeadSpan { offset: 2, count: 3, stride: 10, width: 4 }, HeadSpan::heads(1, 3, 4));

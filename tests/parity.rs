@@ -5,7 +5,11 @@ mod common;
 
 use common::*;
 use std::process::Command;
+use strata::backend::Cpu;
 use strata::hf::llama::LlamaConfig;
+use strata::model::decoder::{Block, Decoder};
+use strata::model::gemma3::DecoderLayer as GemmaLayer;
+use strata::model::llama::DecoderLayer as LlamaLayer;
 use strata::model::Llama;
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
@@ -14,9 +18,19 @@ use strata::shape::{Hidden, Layers};
 #[test]
 fn library_matches_hf_at_every_capture_point() {
     for name in FIXTURES {
+        library_matches::<LlamaLayer<Cpu>>(name);
+    }
+    for name in GEMMA {
+        library_matches::<GemmaLayer<Cpu>>(name);
+    }
+}
+
+/// Fixture `name` through the library's decoder of block `L`, all samples in one packed batch.
+fn library_matches<L: Block<Cpu>>(name: &str) {
+    {
         let n = num_layers(name);
         let points = all_points(n);
-        let model: Llama = Llama::load(&fixture(name)).unwrap();
+        let model = Decoder::<Cpu, L>::load(&fixture(name)).unwrap();
         let exp = read_tensors(&fixture(name).join("expected.safetensors"));
         let samples = samples(name);
         // All samples packed into one batch: packing must not leak across samples.
@@ -38,7 +52,7 @@ fn library_matches_hf_at_every_capture_point() {
 
 #[test]
 fn cli_matches_hf_at_every_capture_point() {
-    for name in FIXTURES {
+    for name in FIXTURES.iter().chain(GEMMA) {
         let n = num_layers(name);
         let points = all_points(n);
         let list: Vec<String> = points.iter().map(|p| p.to_string()).collect();
@@ -73,7 +87,7 @@ fn cli_matches_hf_at_every_capture_point() {
 
 #[test]
 fn native_format_matches_hf_at_every_capture_point() {
-    for name in FIXTURES {
+    for name in FIXTURES.iter().chain(GEMMA) {
         let n = num_layers(name);
         let points = all_points(n);
         let list: Vec<String> = points.iter().map(|p| p.to_string()).collect();

@@ -87,8 +87,14 @@ pub(crate) fn rope<B: Backend>(x: &Tensor<B>, span: HeadSpan, half: usize, batch
 /// Panics unless `gate_up` is `[T, 2·inter]` and `out` `[T, inter]`.
 #[track_caller]
 pub(crate) fn swiglu<B: Backend>(gate_up: &Tensor<B>, out: &Tensor<B>) {
-    shape("swiglu", "width", 2 * out.width(), gate_up.width());
-    shape("swiglu", "tokens", gate_up.rows(), out.rows());
+    glu("swiglu", gate_up, out);
+}
+
+/// Panics unless `gate_up` is `[T, 2·I]` for `out` `[T, I]` (op `op`).
+#[track_caller]
+pub(crate) fn glu<B: Backend>(op: &'static str, gate_up: &Tensor<B>, out: &Tensor<B>) {
+    shape(op, "width", 2 * out.width(), gate_up.width());
+    shape(op, "tokens", gate_up.rows(), out.rows());
 }
 
 /// Panics unless `x` and `y` hold as many values.

@@ -82,6 +82,14 @@ impl Compute {
             Compute::Bf16 => "bf16",
         }
     }
+
+    /// `v` rounded to this dtype (to nearest even).
+    pub fn round(self, v: f32) -> f32 {
+        match self {
+            Compute::F32 => v,
+            Compute::Bf16 => half::bf16::from_f32(v).to_f32(),
+        }
+    }
 }
 
 impl std::fmt::Display for Compute {
@@ -450,6 +458,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     );
     /// `out = silu(gate) · up` of `gate_up = [gate | up]`.
     fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>);
+    /// `out = gelu_tanh(gate) · up` of `gate_up = [gate | up]`, with GELU's
+    /// tanh approximation `g/2 · (1 + tanh(√(2/π) · (g + 0.044715·g³)))`
+    /// (PyTorch's `gelu(approximate="tanh")`, Gemma's MLP).
+    fn gelu_tanh_glu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>);
+    /// `x *= s` (Gemma's embedding scale).
+    fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32);
     /// `x += y`.
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>);
     /// `dst[t][to head i] = src[t][from head i]` for every row.

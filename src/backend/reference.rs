@@ -277,6 +277,26 @@ impl Backend for Reference {
         }
     }
 
+    fn gelu_tanh_glu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+        let inter = out.width();
+        check::glu("gelu_tanh_glu", gate_up, out);
+        let k = (2.0 / std::f64::consts::PI).sqrt();
+        for (gu, o) in gate_up.storage().chunks_exact(2 * inter).zip(out.storage_mut().chunks_exact_mut(inter)) {
+            for i in 0..inter {
+                let g = gu[i] as f64;
+                // PyTorch's formula as written, in f64.
+                let gelu = 0.5 * g * (1.0 + (k * (g + 0.044715 * g * g * g)).tanh());
+                o[i] = (gelu * gu[inter + i] as f64) as f32;
+            }
+        }
+    }
+
+    fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32) {
+        for x in x.storage_mut() {
+            *x = (*x as f64 * s as f64) as f32;
+        }
+    }
+
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
         check::add(x, y);
         for (x, y) in x.storage_mut().iter_mut().zip(y.storage()) {

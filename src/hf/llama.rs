@@ -238,7 +238,11 @@ fn num(obj: &Value, key: &'static str, field: &'static str) -> Result<Option<f32
     }
 }
 
-fn parse_rope(params: Option<&Value>, field: &'static str) -> Result<(Option<f32>, RopeScaling), ConfigError> {
+/// `(rope_theta, scaling)` of one RoPE parameters object (`None`: plain RoPE, theta unsaid).
+pub(crate) fn parse_rope(
+    params: Option<&Value>,
+    field: &'static str,
+) -> Result<(Option<f32>, RopeScaling), ConfigError> {
     let Some(p) = params.filter(|v| !v.is_null()) else {
         return Ok((None, RopeScaling::None));
     };
@@ -301,6 +305,33 @@ fn default_max_positions(arch: Arch) -> usize {
         Arch::Mixtral => 4096 * 32,
         Arch::Glm4Moe => 131072,
         Arch::MiniMaxM2 => 196608,
+    }
+}
+
+/// RoPE's inverse frequencies of `d` rotated columns at base `theta`, after
+/// linear or llama3 scaling (the Llama family's, and Gemma 3's).
+pub(crate) fn inv_freq(theta: f32, d: usize, scaling: &RopeScaling) -> Vec<f32> {
+    let base: Vec<f32> = (0..d / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / d as f32)).collect();
+    match *scaling {
+        RopeScaling::None => base,
+        RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings: old } => {
+            let low_wavelen = old / low_freq_factor;
+            let high_wavelen = old / high_freq_factor;
+            base.into_iter()
+                .map(|f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
     }
 }
 
@@ -663,35 +694,7 @@ impl LlamaConfig {
     }
 
     fn rope_inv_freq(&self) -> Vec<f32> {
-        let c = self;
-        let d = c.rotary_dim;
-        let base: Vec<f32> = (0..d / 2).map(|i| 1.0 / c.rope_theta.powf((2 * i) as f32 / d as f32)).collect();
-        match c.rope_scaling {
-            RopeScaling::None => base,
-            RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_max_position_embeddings: old,
-            } => {
-                let low_wavelen = old / low_freq_factor;
-                let high_wavelen = old / high_freq_factor;
-                base.into_iter()
-                    .map(|f| {
-                        let wavelen = 2.0 * std::f32::consts::PI / f;
-                        if wavelen < high_wavelen {
-                            f
-                        } else if wavelen > low_wavelen {
-                            f / factor
-                        } else {
-                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
-                            (1.0 - smooth) * f / factor + smooth * f
-                        }
-                    })
-                    .collect()
-            }
-        }
+        inv_freq(self.rope_theta, self.rotary_dim, &self.rope_scaling)
     }
 
     /// The outer shape.

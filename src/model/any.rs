@@ -4,10 +4,10 @@
 //! hands back one [`AnyModel`] the pipeline can run. Adding a family or a
 //! backend adds a case here; the model files do not change.
 
-use super::{deepseek, llama, Decoder, Model, ModelError, PendingStates, TpModel};
+use super::{deepseek, gemma3, llama, Decoder, Model, ModelError, PendingStates, TpModel};
 use crate::backend::{Backend, Bf16, Compute, ComputeDtype, Cpu, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
-use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, LlamaConfig};
+use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, Gemma3Config, LlamaConfig};
 use crate::pipeline::batch::PackedBatch;
 use crate::pipeline::capture::CaptureSet;
 use crate::shape::{CapturedStates, DType, Dim};
@@ -18,6 +18,10 @@ use std::path::Path;
 pub type Llama<H = usize, B = Cpu> = Decoder<B, llama::DecoderLayer<B>, H>;
 /// A DeepSeek V2/V3 / Kimi-K2 model with hidden dim `H` on backend `B`.
 pub type Deepseek<H = usize, B = Cpu> = Decoder<B, deepseek::DecoderLayer<B>, H>;
+/// A Gemma 3 text model with hidden dim `H` on backend `B`.
+pub type Gemma3<H = usize, B = Cpu> = Decoder<B, gemma3::DecoderLayer<B>, H>;
+/// A Gemma 3 text model over `TP` ranks.
+pub type TpGemma3<H, TP = usize, B = Cpu> = TpModel<Gemma3<H, B>, TP>;
 /// A Llama-family model over `TP` ranks.
 pub type TpLlama<H, TP = usize, B = Cpu> = TpModel<Llama<H, B>, TP>;
 /// A DeepSeek V2/V3 / Kimi-K2 model over `TP` ranks.
@@ -137,6 +141,8 @@ pub enum AnyConfig {
     Llama(LlamaConfig),
     /// DeepSeek V2/V3, Kimi-K2, Kimi-K2.5.
     Deepseek(DeepseekConfig),
+    /// Gemma 3 (`gemma3_text`, and the text model of `gemma3`).
+    Gemma3(Gemma3Config),
 }
 
 impl AnyConfig {
@@ -148,6 +154,8 @@ impl AnyConfig {
             .unwrap_or_default();
         Ok(if DeepseekConfig::handles(&model_type) {
             AnyConfig::Deepseek(DeepseekConfig::from_json(text)?)
+        } else if Gemma3Config::handles(&model_type) {
+            AnyConfig::Gemma3(Gemma3Config::from_json(text)?)
         } else {
             AnyConfig::Llama(LlamaConfig::from_json(text)?)
         })
@@ -169,6 +177,7 @@ impl AnyConfig {
         match self {
             AnyConfig::Llama(c) => c.info(),
             AnyConfig::Deepseek(c) => c.info(),
+            AnyConfig::Gemma3(c) => c.info(),
         }
     }
 
@@ -177,13 +186,15 @@ impl AnyConfig {
         match self {
             AnyConfig::Llama(_) => "",
             AnyConfig::Deepseek(c) => &c.tensor_prefix,
+            AnyConfig::Gemma3(c) => &c.tensor_prefix,
         }
     }
 
     /// The quantisation scheme of the weights, if any, in words.
     pub fn quantization(&self) -> Option<String> {
         match self {
-            AnyConfig::Llama(_) => None, // refused at parse time
+            AnyConfig::Llama(c) => c.quant.as_ref().map(|q| q.describe()),
+            AnyConfig::Gemma3(_) => None, // refused at parse time
             AnyConfig::Deepseek(c) => c.quant.as_ref().map(|q| q.describe()),
         }
     }
@@ -209,6 +220,7 @@ impl AnyConfig {
             match self {
                 AnyConfig::Llama(c) => llama::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
                 AnyConfig::Deepseek(c) => c.check_tp(opts.tp).map_err(ModelError::Parallel)?,
+                AnyConfig::Gemma3(c) => gemma3::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
             }
         }
         Ok(())
@@ -249,6 +261,10 @@ impl AnyConfig {
             (AnyConfig::Deepseek(c), tp) => {
                 Box::new(TpDeepseek::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
             }
+            (AnyConfig::Gemma3(c), 1) => Box::new(Gemma3::<usize, Cpu<C>>::from_checkpoint(c, &open()?)?),
+            (AnyConfig::Gemma3(c), tp) => {
+                Box::new(TpGemma3::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
+            }
         })
     }
 
@@ -279,6 +295,8 @@ impl AnyConfig {
                 (AnyConfig::Deepseek(c), tp) => {
                     Box::new(TpDeepseek::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?)
                 }
+                (AnyConfig::Gemma3(c), 1) => Box::new(Gemma3::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?),
+                (AnyConfig::Gemma3(c), tp) => Box::new(TpGemma3::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?),
             };
             Ok((model, kernel))
         }
@@ -306,6 +324,7 @@ impl AnyConfig {
         Ok(match self {
             AnyConfig::Llama(c) => Box::new(Llama::<usize, Reference>::from_checkpoint(c, &open()?)?),
             AnyConfig::Deepseek(c) => Box::new(Deepseek::<usize, Reference>::from_checkpoint(c, &open()?)?),
+            AnyConfig::Gemma3(c) => Box::new(Gemma3::<usize, Reference>::from_checkpoint(c, &open()?)?),
         })
     }
 }

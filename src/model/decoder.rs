@@ -28,6 +28,38 @@ pub struct Frame {
     /// Layers the checkpoint may hold past `info.num_layers` and the model
     /// never runs (DeepSeek-V3's multi-token-prediction module).
     pub extra_layers: usize,
+    /// A second rotary embedding some layers use instead of `rope` (Gemma 3's
+    /// local sliding layers, with their own base and no scaling).
+    pub rope_local: Option<RopeFreqs>,
+    /// A factor on the embeddings (Gemma's √hidden), rounded to the compute
+    /// dtype first, as HF rounds it to the dtype the model runs in.
+    pub embed_scale: Option<f32>,
+    /// Added to the final norm's weight at load: 1 for the `(1 + w)` RMSNorm
+    /// of Gemma, whose checkpoints store `w` centred on 0; 0 otherwise.
+    pub norm_offset: f32,
+}
+
+impl Frame {
+    /// The frame of an architecture with one RoPE table, unscaled embeddings
+    /// and a plain final norm.
+    pub fn plain(
+        info: ArchInfo,
+        rms_norm_eps: f32,
+        rope: RopeFreqs,
+        tensor_prefix: String,
+        extra_layers: usize,
+    ) -> Self {
+        Frame {
+            info,
+            rms_norm_eps,
+            rope,
+            tensor_prefix,
+            extra_layers,
+            rope_local: None,
+            embed_scale: None,
+            norm_offset: 0.0,
+        }
+    }
 }
 
 /// The inputs every layer of one step shares.
@@ -36,6 +68,8 @@ pub struct Step<'a, B: Backend> {
     pub batch: &'a PackedBatch,
     /// cos/sin of every position the step reaches.
     pub rope: &'a B::RopeTable,
+    /// The same of [`Frame::rope_local`], if the architecture has one.
+    pub rope_local: Option<&'a B::RopeTable>,
 }
 
 /// One decoder layer of an architecture (`model.layers.{i}.*`), over backend `B`.
@@ -82,6 +116,7 @@ pub struct Decoder<B: Backend, L: Block<B>, H: Dim = usize> {
     dtype: DType,
     embed_tokens: B::Embedding,
     layers: Vec<L>,
+    /// `model.norm.weight`, plus [`Frame::norm_offset`].
     norm: B::Vector,
 }
 
@@ -177,7 +212,9 @@ impl<B: Backend, L: Block<B>, H: Dim + Default> Decoder<B, L, H> {
         // Layers are read and packed on the backend's threads (the CPU's
         // packing is most of a dense model's load time).
         let layers = backend.build_many(info.num_layers, |l| L::load(&backend, &config, ckpt, l))?;
-        let norm = backend.vector(ckpt.read_f32("model.norm.weight", &[h])?);
+        let mut norm = ckpt.read_f32("model.norm.weight", &[h])?;
+        norm.iter_mut().for_each(|w| *w += frame.norm_offset);
+        let norm = backend.vector(norm);
         // A device backend reports a failed upload (out of memory) here, at
         // load, before any output is opened.
         backend.end_step()?;
@@ -240,7 +277,8 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
     pub fn resident_bytes(&self) -> usize {
         use crate::backend::Resident;
         let layers: usize = self.layers.iter().map(Block::weight_bytes).sum();
-        self.embed_tokens.resident_bytes() + layers + self.norm.resident_bytes() + self.frame.rope.inv_freq.len() * 4
+        let ropes = self.frame.rope.inv_freq.len() + self.frame.rope_local.as_ref().map_or(0, |r| r.inv_freq.len());
+        self.embed_tokens.resident_bytes() + layers + self.norm.resident_bytes() + ropes * 4
     }
 
     /// Runs the decoder over a packed batch of whole samples and returns the
@@ -300,8 +338,12 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         let _span = info_span!("forward", tokens = t, samples = batch.num_samples()).entered();
         let mut x = Tensor::zeros(b, t, self.hidden); // the residual stream [T, H]
         b.embed(&self.embed_tokens, batch, &mut x);
+        if let Some(s) = f.embed_scale {
+            b.scale(&mut x, b.compute().round(s));
+        }
         let rope = b.rope_table(&f.rope, batch.max_position());
-        let step = Step { batch, rope: &rope };
+        let rope_local = f.rope_local.as_ref().map(|r| b.rope_table(r, batch.max_position()));
+        let step = Step { batch, rope: &rope, rope_local: rope_local.as_ref() };
         let mut scratch = L::scratch(b, &self.config, t, self.hidden);
         for (k, layer) in self.layers.iter().enumerate().take(caps.depth) {
             if let Err(e) = caps.record(b, Tap::Residual(k), &x) {

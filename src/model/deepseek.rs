@@ -405,13 +405,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn frame(c: &DeepseekConfig) -> Frame {
-        Frame {
-            info: c.info(),
-            rms_norm_eps: c.rms_norm_eps,
-            rope: c.rope(),
-            tensor_prefix: c.tensor_prefix.clone(),
-            extra_layers: c.num_nextn_predict_layers,
-        }
+        Frame::plain(c.info(), c.rms_norm_eps, c.rope(), c.tensor_prefix.clone(), c.num_nextn_predict_layers)
     }
 
     fn check_split(c: &DeepseekConfig, ranks: usize) -> Result<(), ModelError> {

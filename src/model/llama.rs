@@ -70,23 +70,24 @@ pub fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), String> {
 
 /// Reads one layer's tensors: weights as stored (bf16 stays bf16, f32/f16 as
 /// f32, FP8 E4M3 blocks as codes and scales when the config declares them).
-struct Reader<'a> {
-    ckpt: &'a Checkpoint,
-    prefix: String,
-    quant: Option<&'a QuantConfig>,
+pub(super) struct Reader<'a> {
+    pub(super) ckpt: &'a Checkpoint,
+    /// `model.layers.{i}`.
+    pub(super) prefix: String,
+    pub(super) quant: Option<&'a QuantConfig>,
 }
 
 impl Reader<'_> {
     /// A vector `[n]`, whole.
-    fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
+    pub(super) fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
         Ok(self.ckpt.read_f32(&format!("{}.{name}", self.prefix), &[n])?)
     }
     /// Entries `r` of a vector `[n]`.
-    fn vector_rows(&self, name: &str, n: usize, r: &Range<usize>) -> Result<Vec<f32>, ModelError> {
+    pub(super) fn vector_rows(&self, name: &str, n: usize, r: &Range<usize>) -> Result<Vec<f32>, ModelError> {
         Ok(self.ckpt.read_f32_block(&format!("{}.{name}", self.prefix), &[n], r.clone(), 0..1)?)
     }
     /// Block `rows × cols` of `{name}.weight` (`shape = [out, in]`).
-    fn linear(
+    pub(super) fn linear(
         &self,
         name: &str,
         shape: [usize; 2],
@@ -270,7 +271,7 @@ impl<B: Backend> Mlp<B> {
 /// This rank's slice of a gated MLP, from its `[gate, up, down]` modules
 /// (`{gate,up,down}_proj` or Mixtral's `w1`, `w3`, `w2`): its rows of gate
 /// and up, stacked, and its columns of down; with biases if `bias`.
-fn gated<B: Backend>(
+pub(super) fn gated<B: Backend>(
     b: &B,
     r: &Reader<'_>,
     [gate, up, down]: [&str; 3],
@@ -441,13 +442,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn frame(c: &LlamaConfig) -> Frame {
-        Frame {
-            info: c.info(),
-            rms_norm_eps: c.rms_norm_eps,
-            rope: c.rope(),
-            tensor_prefix: String::new(),
-            extra_layers: c.extra_layers,
-        }
+        Frame::plain(c.info(), c.rms_norm_eps, c.rope(), String::new(), c.extra_layers)
     }
 
     fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), ModelError> {

@@ -12,13 +12,15 @@
 pub mod any;
 pub mod decoder;
 pub mod deepseek;
+pub mod gemma3;
 pub mod llama;
 pub mod moe;
 pub mod shard;
 pub mod tp_model;
 
 pub use any::{
-    load, AnyCache, AnyConfig, AnyModel, BackendKind, ComputeChoice, Deepseek, Llama, LoadOptions, TpDeepseek, TpLlama,
+    load, AnyCache, AnyConfig, AnyModel, BackendKind, ComputeChoice, Deepseek, Gemma3, Llama, LoadOptions, TpDeepseek,
+    TpGemma3, TpLlama,
 };
 pub use decoder::Decoder;
 pub use tp_model::{RankModel, RankWorker, TpModel};

@@ -23,6 +23,9 @@ pub const FIXTURES: &[&str] = &[
     "minimax-m2",
 ];
 
+/// The Gemma 3 parity fixtures: `gemma3_text`, and the `gemma3` multimodal wrapper (scripts/make_fixtures.py).
+pub const GEMMA: &[&str] = &["gemma3-text", "gemma3"];
+
 /// The DeepSeek-family parity fixtures with plain weights (scripts/make_fixtures.py).
 pub const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"];
 

@@ -320,6 +320,16 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         ops::swiglu(gate_up.storage(), inter, out.storage_mut());
     }
 
+    fn gelu_tanh_glu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+        let inter = out.width();
+        check::glu("gelu_tanh_glu", gate_up, out);
+        ops::gelu_tanh_glu(gate_up.storage(), inter, out.storage_mut());
+    }
+
+    fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32) {
+        x.storage_mut().iter_mut().for_each(|x| *x *= s);
+    }
+
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
         check::add(x, y);
         x.storage_mut().iter_mut().zip(y.storage()).for_each(|(x, y)| *x += y);

@@ -204,9 +204,19 @@ pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32], tmp: &mut [f32]
 
 /// `gu[t] = [gate | up]` → `out[t] = silu(gate) * up`.
 pub fn swiglu(gu: &[f32], inter: usize, out: &mut [f32]) {
+    glu_rows(gu, inter, out, swiglu_into)
+}
+
+/// `gu[t] = [gate | up]` → `out[t] = gelu_tanh(gate) * up`.
+pub fn gelu_tanh_glu(gu: &[f32], inter: usize, out: &mut [f32]) {
+    glu_rows(gu, inter, out, gelu_tanh_glu_into)
+}
+
+/// `out[t] = f(gate, up)` of each row `gu[t] = [gate | up]`, rows in parallel when there are many.
+fn glu_rows(gu: &[f32], inter: usize, out: &mut [f32], f: fn(&[f32], &[f32], &mut [f32])) {
     let row = |(g, o): (&[f32], &mut [f32])| {
         let (gate, up) = g.split_at(inter);
-        swiglu_into(gate, up, o)
+        f(gate, up, o)
     };
     if out.len() / inter > ROWS_PER_TASK {
         gu.par_chunks(2 * inter * ROWS_PER_TASK)
@@ -256,9 +266,72 @@ unsafe fn swiglu_row_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
     swiglu_row(gate, up, out)
 }
 
+/// `out = gelu_tanh(gate) · up`, element by element (the same bits on every
+/// ISA, any part of a row as the whole). `g/2 · (1 + tanh(u))` is computed as
+/// `g · σ(2u)`, the same function, through the [`exp`] SwiGLU uses.
+pub fn gelu_tanh_glu_into(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, checked just above.
+            return unsafe { gelu_tanh_glu_row_avx512(gate, up, out) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA, checked just above.
+            return unsafe { gelu_tanh_glu_row_avx2(gate, up, out) };
+        }
+    }
+    gelu_tanh_glu_row(gate, up, out)
+}
+
+/// √(2/π), GELU's tanh approximation's factor.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+/// One row of [`gelu_tanh_glu_into`].
+#[inline(always)]
+fn gelu_tanh_glu_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), u) in out.iter_mut().zip(gate).zip(up) {
+        let inner = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g);
+        *o = g / (1.0 + exp(-2.0 * inner)) * u;
+    }
+}
+
+/// [`gelu_tanh_glu_row`] compiled for AVX-512 (the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gelu_tanh_glu_row_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    gelu_tanh_glu_row(gate, up, out)
+}
+
+/// [`gelu_tanh_glu_row`] compiled for AVX2 and FMA (the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gelu_tanh_glu_row_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    gelu_tanh_glu_row(gate, up, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gelu_tanh_matches_the_tanh_form() {
+        // PyTorch's formula, in f64, against the sigmoid form in f32.
+        let gate: Vec<f32> = (-40..=40).map(|i| i as f32 * 0.25).collect();
+        let up = vec![1.5f32; gate.len()];
+        let mut out = vec![0f32; gate.len()];
+        gelu_tanh_glu_into(&gate, &up, &mut out);
+        for (&g, &o) in gate.iter().zip(&out) {
+            let g64 = g as f64;
+            let want =
+                0.5 * g64 * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g64 + 0.044715 * g64.powi(3))).tanh());
+            assert!(
+                (o as f64 - 1.5 * want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "gelu_tanh({g}) = {o}, want {}",
+                1.5 * want
+            );
+        }
+    }
 
     #[test]
     fn rms_norm_unit_rows() {

@@ -1269,6 +1269,18 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         self.run(|| launch::swiglu(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), o));
     }
 
+    fn gelu_tanh_glu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+        check::glu("gelu_tanh_glu", gate_up, out);
+        let (rows, inter) = (out.rows(), out.width());
+        let (gu, o) = (gate_up.storage().ptr, out.storage().ptr);
+        self.run(|| launch::gelu_tanh_glu(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), o));
+    }
+
+    fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32) {
+        let (xp, n) = (x.storage().ptr, x.len());
+        self.run(|| launch::scale(&*self.dev, elementwise(n)?, xp, s, int(n)));
+    }
+
     fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
         check::add(x, y);
         let (xp, yp, n) = (x.storage().ptr, y.storage().ptr, x.len());
