@@ -46,11 +46,11 @@ fn main() {
     println!("threads {}, {samples} × {len} tokens, {heads}/{kv_heads} heads × {hd}", rayon::current_num_threads());
     let only = std::env::args().skip_while(|a| a != "--compute").nth(1);
     for compute in Compute::ALL.into_iter().filter(|c| only.as_deref().is_none_or(|o| o == c.to_string())) {
-        varlen_attention(&qkv, stride, &segments, s, compute, &mut out);
+        varlen_attention(&qkv, stride, &segments, s, None, compute, &mut out);
         let mut times: Vec<f64> = (0..runs)
             .map(|_| {
                 let t = Instant::now();
-                varlen_attention(&qkv, stride, &segments, s, compute, &mut out);
+                varlen_attention(&qkv, stride, &segments, s, None, compute, &mut out);
                 t.elapsed().as_secs_f64()
             })
             .collect();

@@ -374,6 +374,7 @@ fn attention(a: &Args) {
                     qkv.cols(qw, kw),
                     qkv.cols(qw + kw, kw),
                     shape,
+                    None,
                     &batch,
                     &mut cache,
                     0,

@@ -46,6 +46,18 @@ extern "C" __global__ void gelu_tanh_glu(const float* gate_up, int rows, int int
     }
 }
 
+// out [T, inter] = (u + 1) · g · σ(alpha · g) with g = min(gate, limit), u = clamp(up, ±limit)
+// (gpt-oss's clamped GLU), of gate_up [T, 2·inter] = [gate | up].
+extern "C" __global__ void clamped_glu(const float* gate_up, int rows, int inter, float alpha, float limit,
+                                       float* out) {
+    GRID_STRIDE(i, (u32)rows * inter) {
+        u32 t = i / inter, c = i - t * inter;
+        const float* gu = gate_up + (u64)t * 2 * inter;
+        float g = fminf(gu[c], limit), u = fminf(fmaxf(gu[inter + c], -limit), limit);
+        out[i] = (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+    }
+}
+
 // x[i] *= s over n values.
 extern "C" __global__ void scale(float* x, float s, int n) {
     GRID_STRIDE(i, n) { x[i] *= s; }

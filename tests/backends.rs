@@ -135,3 +135,38 @@ fn no_model_file_names_a_concrete_backend() {
     }
     assert!(checked >= 6, "only {checked} files in src/model");
 }
+
+/// Attention sinks (gpt-oss: one logit per head in every softmax's
+/// denominator) agree between the CPU backend, in both computes, and the
+/// reference backend, over two packed samples with a window; and they move
+/// the output, so the comparison sees them.
+#[test]
+fn attention_sinks_agree_between_backends() {
+    use strata::backend::{AttnShape, Backend, Bf16, Cpu, KvStore, Reference, Tensor, F32};
+    use strata::pipeline::batch::Segment;
+    fn run<B: Backend>(b: &B, qkv: &[f32], sinks: Option<&[f32]>, batch: &PackedBatch) -> Vec<f32> {
+        let (nh, nkv, hd) = (4, 2, 16);
+        let s = AttnShape { heads: nh, kv_heads: nkv, head_dim: hd, v_dim: hd, window: Some(9), scale: 0.25 };
+        let t = batch.num_tokens();
+        let x = Tensor::<B>::from_host(b, qkv, t, (nh + 2 * nkv) * hd).unwrap();
+        let sinks = sinks.map(|k| b.vector(k.to_vec()));
+        let mut out = Tensor::<B>::zeros(b, t, nh * hd);
+        let mut cache = B::KvCache::default();
+        cache.begin(batch).unwrap();
+        let (q, k, v) = (x.cols(0, nh * hd), x.cols(nh * hd, nkv * hd), x.cols((nh + nkv) * hd, nkv * hd));
+        b.attention(q, k, v, s, sinks.as_ref(), batch, &mut cache, 0, &mut out);
+        out.to_host(b)
+    }
+    let mut batch = PackedBatch::new();
+    batch.push_segment(&[1; 13], Segment { key: 0, pos0: 0, keep: false });
+    batch.push_segment(&[1; 30], Segment { key: 1, pos0: 0, keep: false });
+    let qkv: Vec<f32> = (0..43 * 128).map(|i| ((i * 7919 % 997) as f32 / 250.0) - 2.0).collect();
+    let sinks = [1.5f32, -0.5, 0.0, -4.0];
+    let want = run(&Reference, &qkv, Some(&sinks), &batch);
+    let plain = run(&Reference, &qkv, None, &batch);
+    assert!(max_err(&plain, &want) > 1e-2, "the sinks change the output");
+    let f32 = run(&Cpu::<F32>::default(), &qkv, Some(&sinks), &batch);
+    assert!(max_err(&f32, &want) <= 1e-5, "cpu f32 vs reference: {:e}", max_err(&f32, &want));
+    let bf16 = run(&Cpu::<Bf16>::default(), &qkv, Some(&sinks), &batch);
+    assert!(max_err(&bf16, &want) <= 3e-2, "cpu bf16 vs reference: {:e}", max_err(&bf16, &want));
+}

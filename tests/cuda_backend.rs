@@ -541,6 +541,7 @@ fn the_bf16_attention_block_keeps_q_k_v_in_bf16() {
         norm: (&norm, 1e-6),
         qk_norm: Some(QkNorm { q: &qn, k: &kn, eps: 1e-6, all_heads: false }),
         shape,
+        sinks: None,
         rotary_dim: hd,
     };
     let x0 = vals(rows * h, 7);

@@ -12,7 +12,7 @@ mod cuda_emu;
 
 use cuda_emu::{emulation_source, gxx_accepts, gxx_or_skip, lib};
 use strata::backend::cuda::backend::{attention_bf16_smem, pad16};
-use strata::backend::{AttnShape, Backend, HeadSpan, KvCache, KvStore, Reference, Router, Tensor};
+use strata::backend::{AttnShape, Backend, Glu, HeadSpan, KvCache, KvStore, Reference, Router, Tensor};
 use strata::hf::moe::{Scoring, TopkMethod};
 use strata::hf::quant::{QuantKind, QuantRows};
 use strata::hf::RopeFreqs;
@@ -202,11 +202,20 @@ fn elementwise_kernels_compute_their_definitions() {
     // gate range where the tails matter (values × 6: |g| up to 6).
     let gu6: Vec<f32> = gu.iter().map(|v| v * 6.0).collect();
     let mut want = Tensor::<Reference>::zeros(&r, rows, inter);
-    r.gelu_tanh_glu(&Tensor::from_host(&r, &gu6, rows, 2 * inter).unwrap(), &mut want);
+    r.glu(Glu::GeluTanh, &Tensor::from_host(&r, &gu6, rows, 2 * inter).unwrap(), &mut want);
     let f: Sw = unsafe { std::mem::transmute(l.sym("gelu_tanh_glu")) };
     let (gp6, op) = (p(&gu6), pm(&mut got));
     l.launch((2, 1), 32, || unsafe { f(gp6, rows as i32, inter as i32, op) });
     assert_close("gelu_tanh_glu", &got, &want.to_host(&r), 2e-6);
+    // gpt-oss's clamped GLU (limit 4 inside the ±6 range: both clamps bite).
+    let act = Glu::Clamped { alpha: 1.702, limit: 4.0 };
+    let mut want = Tensor::<Reference>::zeros(&r, rows, inter);
+    r.glu(act, &Tensor::from_host(&r, &gu6, rows, 2 * inter).unwrap(), &mut want);
+    type Cg = unsafe extern "C" fn(usize, i32, i32, f32, f32, usize);
+    let f: Cg = unsafe { std::mem::transmute(l.sym("clamped_glu")) };
+    let op = pm(&mut got);
+    l.launch((2, 1), 32, || unsafe { f(gp6, rows as i32, inter as i32, 1.702, 4.0, op) });
+    assert_close("clamped_glu", &got, &want.to_host(&r), 2e-6);
     // Scale (Gemma's embedding scale).
     let mut got = gu.clone();
     type Sc = unsafe extern "C" fn(usize, f32, i32);
@@ -480,7 +489,17 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
         let rounded: Vec<f32> = if bf16_kernel { qkv.iter().map(|&v| bf16(v)).collect() } else { qkv.clone() };
         let rbuf = Tensor::<Reference>::from_host(&r, &rounded, t, width).unwrap();
         cache.begin(b).unwrap();
-        r.attention(rbuf.cols(0, qw), rbuf.cols(qw, kw), rbuf.cols(qw + kw, vw), shape, b, &mut cache, 0, &mut want);
+        r.attention(
+            rbuf.cols(0, qw),
+            rbuf.cols(qw, kw),
+            rbuf.cols(qw + kw, vw),
+            shape,
+            None,
+            b,
+            &mut cache,
+            0,
+            &mut want,
+        );
         // Rows `rows` of the `heads` heads at column `at` (width `w` each), as bf16 padded to `wp`.
         let packed_heads = |rows: std::ops::Range<usize>, at: usize, w: usize, wp: usize, heads: usize| -> Vec<u16> {
             let mut out = Vec::new();

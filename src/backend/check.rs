@@ -90,6 +90,14 @@ pub(crate) fn swiglu<B: Backend>(gate_up: &Tensor<B>, out: &Tensor<B>) {
     glu("swiglu", gate_up, out);
 }
 
+/// Panics unless attention sinks, if any, are one per query head.
+#[track_caller]
+pub(crate) fn sinks(len: Option<usize>, s: super::AttnShape) {
+    if let Some(n) = len {
+        shape("attention", "sinks", s.heads, n);
+    }
+}
+
 /// Panics unless `gate_up` is `[T, 2·I]` for `out` `[T, I]` (op `op`).
 #[track_caller]
 pub(crate) fn glu<B: Backend>(op: &'static str, gate_up: &Tensor<B>, out: &Tensor<B>) {

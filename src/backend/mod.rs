@@ -213,6 +213,9 @@ pub struct AttnBlock<'a, B: Backend> {
     pub qk_norm: Option<QkNorm<'a, B>>,
     /// Heads, widths (`v_dim == head_dim`), window and scale.
     pub shape: AttnShape,
+    /// gpt-oss's attention sinks: one logit per local query head in every
+    /// softmax's denominator.
+    pub sinks: Option<&'a B::Vector>,
     /// Columns of each q and k head RoPE rotates, from the first: `head_dim`,
     /// or fewer under a partial rotary factor (GLM-4.5's half).
     pub rotary_dim: usize,
@@ -280,7 +283,7 @@ pub fn attention_block_ops<B: Backend, H: Dim>(
     }
     b.rope(qkv, a.rope_span(), false, rope, batch);
     let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
-    b.attention(q, k, v, a.shape, batch, cache, layer, out);
+    b.attention(q, k, v, a.shape, a.sinks, batch, cache, layer, out);
     b.linear_add(a.o_proj, out, x);
 }
 
@@ -303,7 +306,43 @@ pub struct Router {
     pub routed_scaling_factor: f32,
 }
 
-/// A gated MLP's weights: `down_proj(silu(gate) · up)` of `[gate | up] = gate_up_proj(x)`.
+/// The gated activation of an MLP, `act(gate, up)` of `[gate | up]`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Glu {
+    /// SwiGLU, `silu(gate) · up` (Llama, DeepSeek).
+    Silu,
+    /// `gelu_tanh(gate) · up`, GELU's tanh approximation
+    /// `g/2 · (1 + tanh(√(2/π) · (g + 0.044715·g³)))` (PyTorch's
+    /// `gelu(approximate="tanh")`, Gemma's MLP).
+    GeluTanh,
+    /// gpt-oss's clamped GLU: `g = min(gate, limit)`, `u = clamp(up, ±limit)`,
+    /// `(u + 1) · g · σ(alpha · g)`.
+    Clamped {
+        /// `swiglu_alpha`.
+        alpha: f32,
+        /// `swiglu_limit`.
+        limit: f32,
+    },
+}
+
+impl Glu {
+    /// `act(gate, up)` of one element, in f32 (the definition every backend follows).
+    pub fn apply(self, g: f32, u: f32) -> f32 {
+        match self {
+            Glu::Silu => g / (1.0 + (-g).exp()) * u,
+            Glu::GeluTanh => {
+                let inner = 0.797_884_6 * (g + 0.044715 * g * g * g);
+                g / (1.0 + (-2.0 * inner).exp()) * u
+            }
+            Glu::Clamped { alpha, limit } => {
+                let (g, u) = (g.min(limit), u.clamp(-limit, limit));
+                (u + 1.0) * (g / (1.0 + (-alpha * g).exp()))
+            }
+        }
+    }
+}
+
+/// A gated MLP's weights: `down_proj(act(gate, up))` of `[gate | up] = gate_up_proj(x)`.
 /// Used for routed and shared experts, whose partial outputs the MoE op sums
 /// before one all-reduce.
 pub struct GatedLinear<B: Backend> {
@@ -311,6 +350,8 @@ pub struct GatedLinear<B: Backend> {
     pub gate_up_proj: B::Linear,
     /// `down_proj`: `[hidden, inter]` (row-parallel).
     pub down_proj: B::Linear,
+    /// The activation between them.
+    pub act: Glu,
 }
 
 impl<B: Backend> Resident for GatedLinear<B> {
@@ -458,10 +499,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     );
     /// `out = silu(gate) · up` of `gate_up = [gate | up]`.
     fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>);
-    /// `out = gelu_tanh(gate) · up` of `gate_up = [gate | up]`, with GELU's
-    /// tanh approximation `g/2 · (1 + tanh(√(2/π) · (g + 0.044715·g³)))`
-    /// (PyTorch's `gelu(approximate="tanh")`, Gemma's MLP).
-    fn gelu_tanh_glu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>);
+    /// `out = act(gate, up)` of `gate_up = [gate | up]`, for each [`Glu`]
+    /// (`Glu::Silu` is [`Self::swiglu`]).
+    fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>);
     /// `x *= s` (Gemma's embedding scale).
     fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32);
     /// `x += y`.
@@ -548,7 +588,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
         attention_block_ops(self, a, x, normed, qkv, out, rope, batch, cache, layer);
     }
     /// Causal attention over the packed variable-length segments of `batch`:
-    /// `out = softmax(q·kᵀ·scale + mask)·v` per head. A segment that
+    /// `out = softmax(q·kᵀ·scale + mask)·v` per head; with `sinks` (one logit
+    /// per query head, gpt-oss), `exp(sink)` joins each row's denominator
+    /// and nothing its values. A segment that
     /// continues a sample (chunked prefill) reads its earlier keys and values
     /// from `cache` (layer `layer`); a segment with more chunks to come leaves
     /// its own there.
@@ -559,6 +601,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         k: Cols<'_, Self>,
         v: Cols<'_, Self>,
         shape: AttnShape,
+        sinks: Option<&Self::Vector>,
         batch: &PackedBatch,
         cache: &mut Self::KvCache,
         layer: usize,

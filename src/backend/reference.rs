@@ -10,8 +10,8 @@
 
 use super::{check, host};
 use super::{
-    AttnShape, Backend, BackendError, Cols, GatedLinear, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router,
-    Tensor, F32,
+    AttnShape, Backend, BackendError, Cols, GatedLinear, Glu, HeadSpan, KvCache, LinearInfo, Parallel, Resident,
+    Router, Tensor, F32,
 };
 use crate::hf::checkpoint::TensorBytes;
 use crate::hf::moe::{Scoring, TopkMethod};
@@ -92,6 +92,21 @@ fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
 }
 
+/// `act(gate, up)` in f64, each written as its model's code writes it.
+fn glu_f64(act: Glu, g: f64, u: f64) -> f64 {
+    match act {
+        Glu::Silu => silu(g) * u,
+        Glu::GeluTanh => {
+            let k = (2.0 / std::f64::consts::PI).sqrt();
+            0.5 * g * (1.0 + (k * (g + 0.044715 * g * g * g)).tanh()) * u
+        }
+        Glu::Clamped { alpha, limit } => {
+            let (g, u) = (g.min(limit as f64), u.clamp(-limit as f64, limit as f64));
+            (u + 1.0) * (g / (1.0 + (-(alpha as f64) * g).exp()))
+        }
+    }
+}
+
 /// `x / rms(x) · w`, in f64.
 fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / x.len() as f64;
@@ -108,7 +123,7 @@ fn gated_rows(m: &GatedLinear<Reference>, x: &[f32]) -> Vec<Vec<f64>> {
     let inter = gu.first().map_or(0, |r| r.len() / 2);
     let act: Vec<f32> = gu
         .iter()
-        .flat_map(|g| (0..inter).map(move |i| (silu(g[i] as f32 as f64) * (g[inter + i] as f32 as f64)) as f32))
+        .flat_map(|g| (0..inter).map(move |i| glu_f64(m.act, g[i] as f32 as f64, g[inter + i] as f32 as f64) as f32))
         .collect();
     m.down_proj.apply(&act).into_iter().map(|r| r.into_iter().map(|v| v as f32 as f64).collect()).collect()
 }
@@ -277,16 +292,12 @@ impl Backend for Reference {
         }
     }
 
-    fn gelu_tanh_glu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+    fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
-        check::glu("gelu_tanh_glu", gate_up, out);
-        let k = (2.0 / std::f64::consts::PI).sqrt();
+        check::glu("glu", gate_up, out);
         for (gu, o) in gate_up.storage().chunks_exact(2 * inter).zip(out.storage_mut().chunks_exact_mut(inter)) {
             for i in 0..inter {
-                let g = gu[i] as f64;
-                // PyTorch's formula as written, in f64.
-                let gelu = 0.5 * g * (1.0 + (k * (g + 0.044715 * g * g * g)).tanh());
-                o[i] = (gelu * gu[inter + i] as f64) as f32;
+                o[i] = glu_f64(act, gu[i] as f64, gu[inter + i] as f64) as f32;
             }
         }
     }
@@ -338,11 +349,13 @@ impl Backend for Reference {
         k: Cols<'_, Self>,
         v: Cols<'_, Self>,
         s: AttnShape,
+        sinks: Option<&Vec<f32>>,
         batch: &PackedBatch,
         cache: &mut KvCache,
         layer: usize,
         out: &mut Tensor<Self>,
     ) {
+        check::sinks(sinks.map(Vec::len), s);
         check::attention(&q, &k, &v, s, batch, (out.rows(), out.width()));
         let (nh, nkv, hd, vd) = (s.heads, s.kv_heads, s.head_dim, s.v_dim);
         let (kw, vw, ow) = (nkv * hd, nkv * vd, nh * vd);
@@ -374,9 +387,11 @@ impl Backend for Reference {
                             qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * s.scale as f64
                         })
                         .collect();
-                    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    // A sink is one more logit in the softmax, with no value.
+                    let sink = sinks.map(|k| k[h] as f64);
+                    let max = scores.iter().cloned().chain(sink).fold(f64::NEG_INFINITY, f64::max);
                     let e: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
-                    let z: f64 = e.iter().sum();
+                    let z: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |k| (k - max).exp());
                     for d in 0..vd {
                         let o: f64 = (lo..=p).zip(&e).map(|(j, w)| w / z * values[j * vw + g * vd + d] as f64).sum();
                         out.storage_mut()[row * ow + h * vd + d] = o as f32;

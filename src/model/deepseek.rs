@@ -19,7 +19,7 @@ use super::decoder::{Block, Decoder, Frame, Step};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnShape, Backend, GatedLinear, HeadSpan, LinearInfo, Parallel, Resident, Router, Tensor};
+use crate::backend::{AttnShape, Backend, GatedLinear, Glu, HeadSpan, LinearInfo, Parallel, Resident, Router, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::deepseek::DeepseekConfig;
 use crate::hf::moe::TopkMethod;
@@ -96,6 +96,7 @@ impl Reader<'_> {
         Ok(GatedLinear {
             gate_up_proj: b.linear(LinearWeight::stack(vec![gate, up]), None, Parallel::Column),
             down_proj: b.linear(down, None, Parallel::Row),
+            act: Glu::Silu,
         })
     }
 }
@@ -252,7 +253,7 @@ impl<B: Backend> Mla<B> {
         b.copy_heads(&s.kvb, kvb(nope, vd), &mut s.v, HeadSpan::heads(0, nh, vd));
         let shape = AttnShape { heads: nh, kv_heads: nh, head_dim: qk, v_dim: vd, window: None, scale: d.scale };
         s.out.resize(b, t, nh * vd);
-        b.attention(s.q.all(), s.k.all(), s.v.all(), shape, step.batch, cache, layer, &mut s.out);
+        b.attention(s.q.all(), s.k.all(), s.v.all(), shape, None, step.batch, cache, layer, &mut s.out);
         b.linear_add(&self.o_proj, &s.out, x);
     }
 

@@ -22,7 +22,7 @@ use super::decoder::{Block, Frame, Step};
 use super::llama::{gated, Reader};
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnShape, Backend, HeadSpan, Parallel, Resident, Tensor};
+use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Parallel, Resident, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::gemma3::Gemma3Config;
 use crate::hf::quant::LinearWeight;
@@ -130,7 +130,7 @@ impl<B: Backend> Attention<B> {
         b.rope(&mut s.qkv, HeadSpan::heads(0, nh + nkv, hd), false, rope, step.batch);
         let qkv = &s.qkv;
         let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
-        b.attention(q, k, v, self.shape, step.batch, cache, layer, &mut s.attn);
+        b.attention(q, k, v, self.shape, None, step.batch, cache, layer, &mut s.attn);
         b.linear_forward(&self.o_proj, &s.attn, &mut s.proj);
     }
 
@@ -154,7 +154,7 @@ impl<B: Backend> Mlp<B> {
     /// `out = down_proj(gelu_tanh(gate_proj(h)) · up_proj(h))`, `h` the pre-norm of `x`.
     fn forward<H: Dim>(&self, b: &B, (norm, eps): (&B::Vector, f32), x: &Tensor<B, H>, s: &mut Scratch<B, H>) {
         b.norm_linear_forward(&self.gate_up_proj, x, norm, eps, &mut s.normed, &mut s.gate_up);
-        b.gelu_tanh_glu(&s.gate_up, &mut s.act);
+        b.glu(Glu::GeluTanh, &s.gate_up, &mut s.act);
         b.linear_forward(&self.down_proj, &s.act, &mut s.proj);
     }
 }

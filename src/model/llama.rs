@@ -20,7 +20,7 @@ use super::decoder::{Block, Frame, Step};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{self, AttnBlock, AttnShape, Backend, GatedLinear, Parallel, Resident, Router, Tensor};
+use crate::backend::{self, AttnBlock, AttnShape, Backend, GatedLinear, Glu, Parallel, Resident, Router, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe, QkNorm};
 use crate::hf::moe::TopkMethod;
@@ -209,6 +209,7 @@ impl<B: Backend> Attention<B> {
             norm: (norm.weight, norm.eps),
             qk_norm,
             shape,
+            sinks: None,
             rotary_dim: self.rotary_dim,
         };
         b.norm_attention_add(&block, x, norm.normed, &mut s.qkv, &mut s.out, step.rope, step.batch, cache, layer);
@@ -296,6 +297,7 @@ pub(super) fn gated<B: Backend>(
     Ok(GatedLinear {
         gate_up_proj: b.linear(gate_up, gate_up_bias, Parallel::Column),
         down_proj: b.linear(down_w, down_bias, Parallel::Row),
+        act: Glu::Silu,
     })
 }
 

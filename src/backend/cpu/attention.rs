@@ -96,23 +96,35 @@ impl<P: Path> Default for Scratch<P> {
 
 /// `out[rows, heads·v_dim]` = softmax(q·kᵀ·scale + causal mask)·v for every
 /// segment, with GEMM inputs in `compute`. `q` holds the queries with row
-/// stride `q_stride` (head `h` at column `h·head_dim`).
+/// stride `q_stride` (head `h` at column `h·head_dim`). `sinks` (one logit
+/// per head) start each row's running max and sum, so `exp(sink)` is in
+/// every denominator.
 pub fn varlen_attention(
     q: &[f32],
     q_stride: usize,
     segments: &[AttnSegment],
     s: AttnShape,
+    sinks: Option<&[f32]>,
     compute: Compute,
     out: &mut [f32],
 ) {
     match compute {
-        Compute::F32 => attend(F32Path::detect(), q, q_stride, segments, s, out),
-        Compute::Bf16 => with_bf16_path!(bf16::detect(), p => attend(p, q, q_stride, segments, s, out)),
+        Compute::F32 => attend(F32Path::detect(), q, q_stride, segments, s, sinks, out),
+        Compute::Bf16 => with_bf16_path!(bf16::detect(), p => attend(p, q, q_stride, segments, s, sinks, out)),
     }
 }
 
-fn attend<P: Path>(path: P, q: &[f32], q_stride: usize, segments: &[AttnSegment], s: AttnShape, out: &mut [f32]) {
+fn attend<P: Path>(
+    path: P,
+    q: &[f32],
+    q_stride: usize,
+    segments: &[AttnSegment],
+    s: AttnShape,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+) {
     let (nh, nkv, hd, vd) = (s.heads, s.kv_heads, s.head_dim, s.v_dim);
+    assert!(sinks.is_none_or(|k| k.len() == nh), "attention: one sink per head");
     let ostride = nh * vd;
     let rows: usize = segments.iter().map(|g| g.rows.end).max().unwrap_or(0);
     assert!(rows == 0 || q.len() >= (rows - 1) * q_stride + nh * hd, "attention: q size");
@@ -142,7 +154,7 @@ fn attend<P: Path>(path: P, q: &[f32], q_stride: usize, segments: &[AttnSegment]
         let r1 = (r0 + QB).min(seg.rows.len());
         // SAFETY: this task owns rows [start+r0, start+r1) × the columns of
         // kv head g's query heads of `out`; no other task writes them.
-        unsafe { block(path, q, q_stride, seg, &packs[si * nkv + g], s, g, r0..r1, optr, scratch) };
+        unsafe { block(path, q, q_stride, seg, &packs[si * nkv + g], s, sinks, g, r0..r1, optr, scratch) };
     };
     if parallel {
         tasks.par_iter().for_each_init(Scratch::<P>::default, run);
@@ -210,6 +222,7 @@ unsafe fn block<P: Path>(
     seg: &AttnSegment,
     kv: &KvPack<P::B>,
     s: AttnShape,
+    sinks: Option<&[f32]>,
     g: usize,
     r: Range<usize>,
     out: SharedMut,
@@ -239,6 +252,12 @@ unsafe fn block<P: Path>(
     sc.max.resize(m, f32::NEG_INFINITY);
     sc.sum.clear();
     sc.sum.resize(m, 0.0);
+    if let Some(sinks) = sinks {
+        // The sink as a key seen before all others: max `sink`, sum `e^0`, no value.
+        for (row_i, (max, sum)) in sc.max.iter_mut().zip(sc.sum.iter_mut()).enumerate() {
+            (*max, *sum) = (sinks[g * group + row_i / qlen], 1.0);
+        }
+    }
     sc.rescale.resize(m, None);
     let mut b0 = first_key(&s, qa0) / KB * KB;
     while b0 < qa1 {
@@ -458,7 +477,7 @@ mod tests {
     }
 
     /// Direct transcription of the definition, in f64.
-    fn reference(qkv: &[f32], cu: &[usize], s: AttnShape) -> Vec<f32> {
+    fn reference(qkv: &[f32], cu: &[usize], s: AttnShape, sinks: Option<&[f32]>) -> Vec<f32> {
         let (nh, nkv, hd) = (s.heads, s.kv_heads, s.head_dim);
         let stride = (nh + 2 * nkv) * hd;
         let total = *cu.last().unwrap();
@@ -478,9 +497,11 @@ mod tests {
                                 * s.scale as f64
                         })
                         .collect();
-                    let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    // A sink: one more logit in the denominator, with no value (gpt-oss).
+                    let sink = sinks.map(|k| k[h] as f64);
+                    let max = scores.iter().cloned().chain(sink).fold(f64::MIN, f64::max);
                     let e: Vec<f64> = scores.iter().map(|v| (v - max).exp()).collect();
-                    let z: f64 = e.iter().sum();
+                    let z: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |k| (k - max).exp());
                     for d in 0..hd {
                         let v: f64 = (lo..=i)
                             .zip(&e)
@@ -515,12 +536,17 @@ mod tests {
                     },
                 })
                 .collect();
-            let want = reference(&qkv, &cu, s);
-            // bf16 rounds q, k, v and the probabilities: 2^-8 relative each.
-            for (compute, tol) in [(Compute::F32, 1e-5), (Compute::Bf16, 2e-2)] {
-                varlen_attention(&qkv, stride, &segs, s, compute, &mut out);
-                for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-                    assert!((a - b).abs() < tol, "{compute} window {window:?} at {i}: {a} vs {b}");
+            // Sinks above, among and below the scores (which lie within ±3).
+            let sinks = [2.5f32, -0.7, 0.0, -6.0];
+            for sinks in [None, Some(&sinks[..])] {
+                let want = reference(&qkv, &cu, s, sinks);
+                // bf16 rounds q, k, v and the probabilities: 2^-8 relative each.
+                for (compute, tol) in [(Compute::F32, 1e-5), (Compute::Bf16, 2e-2)] {
+                    varlen_attention(&qkv, stride, &segs, s, sinks, compute, &mut out);
+                    for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                        let what = format!("{compute} window {window:?} sinks {}", sinks.is_some());
+                        assert!((a - b).abs() < tol, "{what} at {i}: {a} vs {b}");
+                    }
                 }
             }
         }
@@ -537,13 +563,13 @@ mod tests {
             let qkv: Vec<f32> = (0..t * stride).map(|i| ((i * 7919 % 1013) as f32 / 500.0) - 1.0).collect();
             let kv = KvRef { k: &qkv[2 * hd..], v: &qkv[3 * hd..], stride, v_stride: stride };
             let mut whole = vec![0f32; t * 2 * hd];
-            varlen_attention(&qkv, stride, &[AttnSegment { rows: 0..t, pos0: 0, kv }], s, compute, &mut whole);
+            varlen_attention(&qkv, stride, &[AttnSegment { rows: 0..t, pos0: 0, kv }], s, None, compute, &mut whole);
             let mut chunked = vec![0f32; t * 2 * hd];
             for (a, b) in [(0, 1000), (1000, 1037), (1037, 2900), (2900, 4000)] {
                 // The chunk's queries are its own rows; K/V cover positions 0..b.
                 let mut out = vec![0f32; (b - a) * 2 * hd];
                 let seg = AttnSegment { rows: 0..b - a, pos0: a, kv };
-                varlen_attention(&qkv[a * stride..], stride, &[seg], s, compute, &mut out);
+                varlen_attention(&qkv[a * stride..], stride, &[seg], s, None, compute, &mut out);
                 chunked[a * 2 * hd..b * 2 * hd].copy_from_slice(&out);
             }
             assert!(whole == chunked, "{compute}: chunked attention differs from whole");

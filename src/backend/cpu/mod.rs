@@ -21,7 +21,7 @@ pub use panels::{pack_b, MR, NR};
 
 use super::{check, host};
 use super::{
-    AttnShape, Backend, BackendError, Cols, Compute, ComputeDtype, GatedLinear, HeadSpan, KvCache, LinearInfo,
+    AttnShape, Backend, BackendError, Cols, Compute, ComputeDtype, GatedLinear, Glu, HeadSpan, KvCache, LinearInfo,
     Parallel, Resident, Router, Tensor, F32,
 };
 use crate::hf::checkpoint::TensorBytes;
@@ -320,10 +320,10 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         ops::swiglu(gate_up.storage(), inter, out.storage_mut());
     }
 
-    fn gelu_tanh_glu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+    fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
-        check::glu("gelu_tanh_glu", gate_up, out);
-        ops::gelu_tanh_glu(gate_up.storage(), inter, out.storage_mut());
+        check::glu("glu", gate_up, out);
+        ops::glu(act, gate_up.storage(), inter, out.storage_mut());
     }
 
     fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32) {
@@ -420,12 +420,14 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         k: Cols<'_, Self>,
         v: Cols<'_, Self>,
         shape: AttnShape,
+        sinks: Option<&Vec<f32>>,
         batch: &PackedBatch,
         cache: &mut KvCache,
         layer: usize,
         out: &mut Tensor<Self>,
     ) {
         check::attention(&q, &k, &v, shape, batch, (out.rows(), out.width()));
+        check::sinks(sinks.map(Vec::len), shape);
         // Chunks of longer samples add their keys/values to the cache and read
         // all earlier positions from it; whole samples read their own rows.
         let (kw, vw) = (k.width, v.width);
@@ -456,7 +458,8 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
                 AttnSegment { rows, pos0: seg.pos0, kv }
             })
             .collect();
-        varlen_attention(&q.storage[q.offset..], q.stride, &segments, shape, C::COMPUTE, out.storage_mut());
+        let (q0, sinks) = (&q.storage[q.offset..], sinks.map(|s| s.as_slice()));
+        varlen_attention(q0, q.stride, &segments, shape, sinks, C::COMPUTE, out.storage_mut());
     }
 
     fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Vec<f32>>) -> moe::Routes {
@@ -472,11 +475,15 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         routes: &moe::Routes,
         out: &mut Tensor<Self, H>,
     ) {
-        fn pair<C: ComputeDtype>(m: &GatedLinear<Cpu<C>>) -> (&PackedLinear, &PackedLinear) {
-            (&m.gate_up_proj.packed, &m.down_proj.packed)
+        fn pair<C: ComputeDtype>(m: &GatedLinear<Cpu<C>>) -> moe::Expert<'_> {
+            (&m.gate_up_proj.packed, &m.down_proj.packed, m.act)
         }
         check::shape("moe_experts", "experts", experts.len(), routes.len());
         check::shape("moe_experts", "tokens", x.rows(), out.rows());
+        // A row-parallel bias held outside the GEMM (several ranks) would have
+        // to be added once after the all-reduce, which no expert needs yet.
+        let split_bias = experts.iter().chain(shared).any(|m| m.down_proj.post_bias.is_some());
+        assert!(!split_bias, "moe_experts: experts with down_proj biases are not split over ranks yet");
         let routed: Vec<_> = experts.iter().map(pair).collect();
         moe::experts(&routed, shared.map(pair), x.storage(), x.width().size(), routes, out.storage_mut());
         // Every rank ran its slice of every expert: one all-reduce for the whole block.

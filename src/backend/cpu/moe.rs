@@ -3,8 +3,8 @@
 //! expert over the rows routed to it.
 
 use super::gemm::PackedLinear;
-use super::ops::swiglu;
-use crate::backend::Router;
+use super::ops::glu;
+use crate::backend::{Glu, Router};
 use crate::hf::moe::{Scoring, TopkMethod};
 use rayon::prelude::*;
 
@@ -71,6 +71,9 @@ pub fn route(logits: &[f32], e: usize, r: &Router, correction: Option<&[f32]>) -
     routes
 }
 
+/// One expert's gate/up and down GEMMs and the activation between them.
+pub type Expert<'a> = (&'a PackedLinear, &'a PackedLinear, Glu);
+
 /// Working buffers of one MoE layer.
 #[derive(Default)]
 struct Scratch {
@@ -80,12 +83,11 @@ struct Scratch {
     eout: Vec<f32>,
 }
 
-/// `out = down(silu(gate(x)) · up(x))` for `t` rows; with `split`, each GEMM
+/// `out = down(act(gate(x), up(x)))` for `t` rows; with `split`, each GEMM
 /// is split over the threads, else it runs on this one (inside a parallel task).
 #[allow(clippy::too_many_arguments)]
 pub fn gated(
-    gate_up: &PackedLinear,
-    down: &PackedLinear,
+    (gate_up, down, act_fn): Expert<'_>,
     x: &[f32],
     t: usize,
     gu: &mut Vec<f32>,
@@ -97,7 +99,7 @@ pub fn gated(
     gu.resize(t * 2 * inter, 0.0);
     act.resize(t * inter, 0.0);
     gate_up.forward_split(x, t, gu, false, split);
-    swiglu(gu, inter, act);
+    glu(act_fn, gu, inter, act);
     down.forward_split(act, t, out, false, split);
 }
 
@@ -108,8 +110,8 @@ pub fn gated(
 /// task's A block whole); their outputs are then added in expert index
 /// order, token order within, so the sum does not depend on the threads.
 pub fn experts(
-    experts: &[(&PackedLinear, &PackedLinear)],
-    shared: Option<(&PackedLinear, &PackedLinear)>,
+    experts: &[Expert<'_>],
+    shared: Option<Expert<'_>>,
     x: &[f32],
     h: usize,
     routes: &Routes,
@@ -124,7 +126,6 @@ pub fn experts(
     let outs: Vec<Vec<f32>> = active
         .par_iter()
         .map_init(Scratch::default, |s, &e| {
-            let (gate_up, down) = experts[e];
             let tokens = &routes[e];
             let n = tokens.len();
             s.rows.resize(n * h, 0.0);
@@ -132,7 +133,7 @@ pub fn experts(
                 dst.copy_from_slice(&x[tok * h..(tok + 1) * h]);
             }
             let mut eout = vec![0f32; n * h];
-            gated(gate_up, down, &s.rows, n, &mut s.gu, &mut s.act, &mut eout, split);
+            gated(experts[e], &s.rows, n, &mut s.gu, &mut s.act, &mut eout, split);
             eout
         })
         .collect();
@@ -142,10 +143,10 @@ pub fn experts(
             out[tok * h..(tok + 1) * h].iter_mut().zip(src).for_each(|(o, v)| *o += v * w);
         }
     }
-    if let Some((gate_up, down)) = shared {
+    if let Some(shared) = shared {
         let s = &mut Scratch::default();
         s.eout.resize(t * h, 0.0);
-        gated(gate_up, down, x, t, &mut s.gu, &mut s.act, &mut s.eout, true);
+        gated(shared, x, t, &mut s.gu, &mut s.act, &mut s.eout, true);
         out.iter_mut().zip(&s.eout).for_each(|(o, v)| *o += v);
     }
 }

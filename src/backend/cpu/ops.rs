@@ -1,6 +1,7 @@
 //! Element-wise and row-wise kernels of the decoder: RMSNorm, RoPE, SwiGLU,
 //! and the `exp` of SwiGLU and the softmax.
 
+use crate::backend::Glu;
 use rayon::prelude::*;
 
 /// `e^x` within 2 ulp of the true value, NaN kept: a branch-free polynomial
@@ -207,9 +208,22 @@ pub fn swiglu(gu: &[f32], inter: usize, out: &mut [f32]) {
     glu_rows(gu, inter, out, swiglu_into)
 }
 
-/// `gu[t] = [gate | up]` → `out[t] = gelu_tanh(gate) * up`.
-pub fn gelu_tanh_glu(gu: &[f32], inter: usize, out: &mut [f32]) {
-    glu_rows(gu, inter, out, gelu_tanh_glu_into)
+/// `gu[t] = [gate | up]` → `out[t] = act(gate, up)`.
+pub fn glu(act: Glu, gu: &[f32], inter: usize, out: &mut [f32]) {
+    match act {
+        Glu::Silu => glu_rows(gu, inter, out, swiglu_into),
+        Glu::GeluTanh => glu_rows(gu, inter, out, gelu_tanh_glu_into),
+        Glu::Clamped { alpha, limit } => {
+            // Rare (gpt-oss's experts, a few hundred rows each) and not fused: a plain loop.
+            for (g, o) in gu.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
+                let (gate, up) = g.split_at(inter);
+                for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+                    let (g, u) = (g.min(limit), u.clamp(-limit, limit));
+                    *o = (u + 1.0) * (g / (1.0 + exp(-alpha * g)));
+                }
+            }
+        }
+    }
 }
 
 /// `out[t] = f(gate, up)` of each row `gu[t] = [gate | up]`, rows in parallel when there are many.
@@ -313,6 +327,24 @@ unsafe fn gelu_tanh_glu_row_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_glu_matches_its_definition() {
+        let gu: Vec<f32> = (0..64).map(|i| (i as f32 - 32.0) * 0.4).collect(); // gate | up, ±12.8
+        for act in [Glu::Silu, Glu::GeluTanh, Glu::Clamped { alpha: 1.702, limit: 7.0 }] {
+            let mut out = vec![0f32; 32];
+            glu(act, &gu, 32, &mut out);
+            for (i, o) in out.iter().enumerate() {
+                let want = act.apply(gu[i], gu[32 + i]);
+                assert!((o - want).abs() <= 1e-5 * want.abs().max(1.0), "{act:?}[{i}]: {o} vs {want}");
+            }
+        }
+        // The clamps: gate from above only, up on both sides.
+        let c = Glu::Clamped { alpha: 1.702, limit: 7.0 };
+        assert_eq!(c.apply(9.0, 9.0), c.apply(7.0, 7.0));
+        assert_eq!(c.apply(1.0, -9.0), c.apply(1.0, -7.0));
+        assert!(c.apply(-9.0, 0.0) != c.apply(-7.0, 0.0));
+    }
 
     #[test]
     fn gelu_tanh_matches_the_tanh_form() {

@@ -19,8 +19,8 @@ use super::driver::Driver;
 use super::kernels as launch;
 use super::CudaError;
 use crate::backend::{
-    check, AttnBlock, AttnShape, Backend, BackendError, Cols, ComputeDtype, GatedLinear, HeadSpan, KvStore, LinearInfo,
-    Parallel, PendingCopies, Resident, Router, Tensor, F32,
+    check, AttnBlock, AttnShape, Backend, BackendError, Cols, ComputeDtype, GatedLinear, Glu, HeadSpan, KvStore,
+    LinearInfo, Parallel, PendingCopies, Resident, Router, Tensor, F32,
 };
 use crate::hf::checkpoint::TensorBytes;
 use crate::hf::moe::{Scoring, TopkMethod};
@@ -784,8 +784,21 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 Ok(())
             };
             project(false, xe + (r0 * h * es) as u64, h, gu, 2 * inter)?;
-            let swiglu = if bf16 { launch::swiglu_bf16 } else { launch::swiglu };
-            swiglu(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), act)?;
+            let cfg = elementwise(rows * inter)?;
+            match (first.act, bf16) {
+                (Glu::Silu, true) => launch::swiglu_bf16(&*self.dev, cfg, gu, int(rows), int(inter), act)?,
+                (Glu::Silu, false) => launch::swiglu(&*self.dev, cfg, gu, int(rows), int(inter), act)?,
+                (Glu::GeluTanh, false) => launch::gelu_tanh_glu(&*self.dev, cfg, gu, int(rows), int(inter), act)?,
+                (Glu::Clamped { alpha, limit }, false) => {
+                    launch::clamped_glu(&*self.dev, cfg, gu, int(rows), int(inter), alpha, limit, act)?
+                }
+                (other, true) => {
+                    return Err(CudaError::Kernel {
+                        name: "moe_experts".into(),
+                        log: format!("no bf16 kernel for the experts' activation {other:?}"),
+                    })
+                }
+            }
             project(true, act, inter, ye + (r0 * h_out * es) as u64, h_out)?;
         }
         Ok(())
@@ -1269,11 +1282,18 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         self.run(|| launch::swiglu(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), o));
     }
 
-    fn gelu_tanh_glu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
-        check::glu("gelu_tanh_glu", gate_up, out);
+    fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+        check::glu("glu", gate_up, out);
         let (rows, inter) = (out.rows(), out.width());
         let (gu, o) = (gate_up.storage().ptr, out.storage().ptr);
-        self.run(|| launch::gelu_tanh_glu(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), o));
+        let cfg = elementwise(rows * inter);
+        self.run(|| match act {
+            Glu::Silu => launch::swiglu(&*self.dev, cfg?, gu, int(rows), int(inter), o),
+            Glu::GeluTanh => launch::gelu_tanh_glu(&*self.dev, cfg?, gu, int(rows), int(inter), o),
+            Glu::Clamped { alpha, limit } => {
+                launch::clamped_glu(&*self.dev, cfg?, gu, int(rows), int(inter), alpha, limit, o)
+            }
+        });
     }
 
     fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32) {
@@ -1449,7 +1469,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         // (A norm over all heads sums its squares across ranks between two
         // f32 ops: that block runs op by op.)
         let all_heads = a.qk_norm.as_ref().is_some_and(|n| n.all_heads);
-        if !self.bf16_inputs(l) || l.kind == Parallel::Row || all_heads {
+        if !self.bf16_inputs(l) || l.kind == Parallel::Row || all_heads || a.sinks.is_some() {
             return crate::backend::attention_block_ops(self, a, x, normed, qkv, out, rope, batch, cache, layer);
         }
         let s = a.shape;
@@ -1508,12 +1528,19 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         k: Cols<'_, Self>,
         v: Cols<'_, Self>,
         shape: AttnShape,
+        sinks: Option<&Vector<D>>,
         batch: &PackedBatch,
         cache: &mut KvCache<D>,
         layer: usize,
         out: &mut Tensor<Self>,
     ) {
         check::attention(&q, &k, &v, shape, batch, (out.rows(), out.width()));
+        if sinks.is_some() {
+            // The registry refuses gpt_oss on cuda before loading; this keeps
+            // any other caller from getting sink-less scores silently.
+            let log = "attention sinks (gpt-oss) are not in the CUDA kernels yet".into();
+            return self.run(|| Err(CudaError::Kernel { name: "attention".into(), log }));
+        }
         let src = [Src::f32(&q), Src::f32(&k), Src::f32(&v)];
         self.run(|| self.attention_launch(src, shape, batch, cache, layer, out));
     }
