@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 import transformers
 from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig,
-                          SiglipVisionConfig)
+                          GptOssConfig, GptOssForCausalLM, Mxfp4Config, SiglipVisionConfig)
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig,
                           Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
@@ -179,7 +179,94 @@ FIXTURES = {
                  vision_config=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
                                     image_size=28, patch_size=14),
                  mm_tokens_per_image=4)),
+    # gpt-oss: attention sinks, q/k/v/o biases, sliding (7) and full layers, YaRN with
+    # truncate=false (a fractional correction range on head_dim 16), a router with a bias, fused
+    # interleaved gate_up experts with biases and a clamped GLU whose limit (1.0) the gates cross.
+    # Written twice (make_gpt_oss): `gpt-oss-mxfp4`, the experts in MXFP4 blocks as the hub ships
+    # them, and `gpt-oss`, its dense twin made by transformers' own dequantiser; both are checked
+    # against HF run on the twin.
+    "gpt-oss": dict(
+        cls=(GptOssConfig, GptOssForCausalLM), dtype=torch.bfloat16, shard=None, legacy=False, router_scale=4.0,
+        maker="gpt_oss",
+        cfg=dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, vocab_size=160,
+                 max_position_embeddings=256, sliding_window=7, swiglu_limit=1.0,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                 pad_token_id=None, eos_token_id=None, bos_token_id=None,
+                 rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                      beta_slow=1.0, truncate=False, original_max_position_embeddings=64))),
 }
+
+# transformers' FP4_VALUES: the E2M1 value of each 4-bit code.
+FP4 = [+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+
+def mxfp4_quantize(w):
+    """`w` [E, out, in] to the hub's MXFP4 tensors: blocks u8 [E, out, in/32, 16] (two codes per
+    byte, low nibble first) and E8M0 scales u8 [E, out, in/32] (2^(s-127), the smallest that
+    keeps each block within +-6), codes the nearest E2M1 value."""
+    e, o, i = w.shape
+    g = w.float().reshape(e, o, i // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=1e-30)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = g / torch.exp2(exp)[..., None]
+    idx = (scaled[..., None] - torch.tensor(FP4)).abs().argmin(-1).to(torch.uint8)
+    blocks = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8).contiguous()
+    return blocks, (exp + 127).to(torch.uint8).contiguous()
+
+
+def make_gpt_oss(name, spec, out_root, seed):
+    """OUT/NAME-mxfp4 (experts as MXFP4 blocks, config quant_method mxfp4) and OUT/NAME, the
+    dense twin transformers' Mxfp4Config(dequantize=True) makes of it; HF in f32 on the twin
+    gives both their expected states."""
+    out, cfg, model_cls, model, gen = build(name, spec, out_root, seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("mlp.router.weight"):
+                p.mul_(spec["router_scale"])
+            elif pname.endswith("self_attn.sinks"):
+                p.copy_(1.5 * torch.randn(p.shape, generator=gen))  # sinks that take a real share
+    model = model.to(spec["dtype"])
+    qdir = out + "-mxfp4"
+    shutil.rmtree(qdir, ignore_errors=True)
+    model.save_pretrained(qdir)
+    path = os.path.join(qdir, "model.safetensors")
+    tensors = load_file(path)
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # [E, in, out] as the module holds it; the hub stores [E, out, in] blocks.
+        blocks, scales = mxfp4_quantize(tensors.pop(key).transpose(1, 2))
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+    save_file(tensors, path, metadata={"format": "pt"})
+    cpath = os.path.join(qdir, "config.json")
+    with open(cpath) as f:
+        c = json.load(f)
+    # As the hub's files: only the experts are converted.
+    c["quantization_config"] = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+    with open(cpath, "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+    to_legacy(cpath)  # the hub's rope_theta and rope_scaling keys
+    # The twin: transformers' dequantiser, on the CPU, saved with hub names.
+    twin = model_cls.from_pretrained(qdir, quantization_config=Mxfp4Config(dequantize=True), dtype=spec["dtype"],
+                                     device_map="cpu")
+    twin.save_pretrained(out)
+    cpath = os.path.join(out, "config.json")
+    with open(cpath) as f:
+        c = json.load(f)
+    c.pop("quantization_config", None)  # the twin's weights are plain bf16
+    with open(cpath, "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+    for d in (out, qdir):
+        p = os.path.join(d, "generation_config.json")
+        if os.path.exists(p):
+            os.remove(p)
+    ref = model_cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+    write_expected(ref, ref.config, out, gen, twin="transformers Mxfp4Config(dequantize=True) of gpt-oss-mxfp4")
+    for f in ("data.jsonl", "expected.safetensors"):
+        shutil.copy(os.path.join(out, f), os.path.join(qdir, f))
+    for d in (out, qdir):
+        size = sum(os.path.getsize(os.path.join(d, x)) for x in os.listdir(d))
+        print(f"{os.path.basename(d)}: {size / 1024:.0f} KiB")
 
 
 def randomize(model, gen):
@@ -336,7 +423,7 @@ def cli(doc, fixtures, make, seed0):
     for seed, (name, spec) in enumerate(fixtures.items()):
         if args.only and name not in args.only:
             continue
-        make(name, spec, args.out, seed0 + seed)
+        {"gpt_oss": make_gpt_oss}.get(spec.get("maker"), make)(name, spec, args.out, seed0 + seed)
 
 
 def main():

@@ -12,7 +12,7 @@ use strata::pipeline::capture::CaptureSet;
 const BACKENDS: &[BackendKind] = &[BackendKind::Cpu, BackendKind::Reference];
 
 fn all_fixtures() -> impl Iterator<Item = &'static str> {
-    FIXTURES.iter().chain(GEMMA).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT).copied()
+    FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT).copied()
 }
 
 /// Runs every sample of a fixture, packed into one step, on `backend`; returns

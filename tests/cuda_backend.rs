@@ -19,7 +19,7 @@ use std::sync::atomic::AtomicUsize;
 use strata::backend::cuda::Cuda;
 use strata::backend::{Bf16, Compute, ComputeDtype, F32};
 use strata::hf::checkpoint::Checkpoint;
-use strata::model::any::{AnyConfig, Deepseek, Gemma3, Llama, TpDeepseek, TpGemma3, TpLlama};
+use strata::model::any::{AnyConfig, Deepseek, Gemma3, GptOss, Llama, TpDeepseek, TpGemma3, TpGptOss, TpLlama};
 use strata::model::{AnyCache, LoadOptions, Model};
 use strata::pipeline::batch::{PackedBatch, Segment};
 use strata::pipeline::capture::CaptureSet;
@@ -62,6 +62,12 @@ fn run<C: ComputeDtype>(name: &str, tp: usize, batches: &[PackedBatch]) -> Vec<C
         }
         (AnyConfig::Gemma3(c), tp) => {
             steps(TpGemma3::<usize, usize, Emu<C>>::build_on(&b, c, tp, open).unwrap(), &set, batches)
+        }
+        (AnyConfig::GptOss(c), 1) => {
+            steps(GptOss::<usize, Emu<C>>::from_checkpoint_on(b, c, &open().unwrap()).unwrap(), &set, batches)
+        }
+        (AnyConfig::GptOss(c), tp) => {
+            steps(TpGptOss::<usize, usize, Emu<C>>::build_on(&b, c, tp, open).unwrap(), &set, batches)
         }
     }
 }
@@ -185,6 +191,10 @@ fn a_rank_failing_mid_step_does_not_hang_its_peers() {
                     .unwrap()
                     .forward_step(&batch, &set, &mut ())
                     .map(drop),
+                AnyConfig::GptOss(c) => TpGptOss::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open)
+                    .unwrap()
+                    .forward_step(&batch, &set, &mut ())
+                    .map(drop),
             };
             let _ = tx.send(r.map_err(|e| e.to_string()));
         });
@@ -230,6 +240,10 @@ fn a_rank_panicking_mid_step_ends_the_step_with_an_error() {
                 }
                 AnyConfig::Gemma3(c) => {
                     let m = TpGemma3::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
+                    (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
+                }
+                AnyConfig::GptOss(c) => {
+                    let m = TpGptOss::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
                     (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
                 }
             }; // the model (and its rank threads) dropped here, inside the watchdog's bound

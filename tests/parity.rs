@@ -9,6 +9,7 @@ use strata::backend::Cpu;
 use strata::hf::llama::LlamaConfig;
 use strata::model::decoder::{Block, Decoder};
 use strata::model::gemma3::DecoderLayer as GemmaLayer;
+use strata::model::gpt_oss::DecoderLayer as GptOssLayer;
 use strata::model::llama::DecoderLayer as LlamaLayer;
 use strata::model::Llama;
 use strata::pipeline::batch::PackedBatch;
@@ -22,6 +23,9 @@ fn library_matches_hf_at_every_capture_point() {
     }
     for name in GEMMA {
         library_matches::<GemmaLayer<Cpu>>(name);
+    }
+    for name in GPT_OSS {
+        library_matches::<GptOssLayer<Cpu>>(name);
     }
 }
 
@@ -52,7 +56,7 @@ fn library_matches<L: Block<Cpu>>(name: &str) {
 
 #[test]
 fn cli_matches_hf_at_every_capture_point() {
-    for name in FIXTURES.iter().chain(GEMMA) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS) {
         let n = num_layers(name);
         let points = all_points(n);
         let list: Vec<String> = points.iter().map(|p| p.to_string()).collect();
@@ -87,7 +91,7 @@ fn cli_matches_hf_at_every_capture_point() {
 
 #[test]
 fn native_format_matches_hf_at_every_capture_point() {
-    for name in FIXTURES.iter().chain(GEMMA) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS) {
         let n = num_layers(name);
         let points = all_points(n);
         let list: Vec<String> = points.iter().map(|p| p.to_string()).collect();

@@ -23,7 +23,7 @@ fn extract_fixture(name: &str, out: &Path, extra: &[&str]) {
 fn output_is_identical_whatever_the_batch_budget() {
     // 64, 512 and 8192 as the issue asks; 5 also chunks every sample longer than 5
     // tokens, one token at a time at the chunk edges.
-    for name in FIXTURES.iter().chain(GEMMA) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS) {
         let capture = format!("embeddings,input:1,final,final-norm,output:{}", num_layers(name) - 1);
         for format in ["strata", "speculators"] {
             let mut reference = None;

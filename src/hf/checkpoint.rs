@@ -587,6 +587,97 @@ impl Checkpoint {
         Ok(q)
     }
 
+    /// Expert `e`'s weight from a fused expert tensor stored input-major,
+    /// `name` of shape `[experts, inp, out]` (gpt-oss's `mlp.experts.gate_up_proj`
+    /// and `down_proj`), as a `[rows, cols]` linear weight: output rows `rows`
+    /// (in the order given, so an interleaved gate/up can be split) by input
+    /// columns `cols`. bf16 stays bf16 (codes with scale 1); f32 and f16 are f32.
+    pub fn read_expert_linear(
+        &self,
+        name: &str,
+        [experts, inp, out]: [usize; 3],
+        e: usize,
+        rows: &[usize],
+        cols: std::ops::Range<usize>,
+    ) -> Result<LinearWeight, CheckpointError> {
+        let (bytes, dtype) = self.checked(name, &[experts, inp, out])?;
+        assert!(e < experts && cols.end <= inp && rows.iter().all(|&r| r < out), "block outside tensor {name}");
+        let es = dtype.size();
+        // Element (e, c, r) of the input-major tensor: a strided gather per output row.
+        let at = |r: usize, c: usize| ((e * inp + c) * out + r) * es;
+        if dtype == DType::BF16 {
+            let mut q = QuantRows::with_capacity(QuantKind::Bf16, rows.len(), cols.len(), vec![0, cols.len()]);
+            for &r in rows {
+                cols.clone().for_each(|c| q.codes.extend_from_slice(&bytes[at(r, c)..at(r, c) + 2]));
+                q.scales.push(1.0);
+            }
+            return Ok(LinearWeight::Quant(q));
+        }
+        let mut w = Vec::with_capacity(rows.len() * cols.len());
+        for &r in rows {
+            cols.clone().for_each(|c| dtype.decode_append(&bytes[at(r, c)..at(r, c) + es], &mut w));
+        }
+        Ok(LinearWeight::Dense { rows: rows.len(), cols: cols.len(), w })
+    }
+
+    /// Expert `e`'s MXFP4 weight from `{module}_blocks` (`U8 [experts, out,
+    /// inp/32, 16]`, two E2M1 codes per byte, low nibble first) and
+    /// `{module}_scales` (`U8 [experts, out, inp/32]`, E8M0 exponents with
+    /// bias 127): output rows `rows` (in the order given) by input columns
+    /// `cols`, kept as codes with one scale `2^(s - 127)` per row and
+    /// 32-column block (a block a tensor-parallel cut shares keeps its scale
+    /// on both sides). A scale byte of 0xFF (E8M0's NaN) is refused.
+    pub fn read_mxfp4(
+        &self,
+        module: &str,
+        [experts, out, inp]: [usize; 3],
+        e: usize,
+        rows: &[usize],
+        cols: std::ops::Range<usize>,
+    ) -> Result<QuantRows, CheckpointError> {
+        let (bname, sname) = (format!("{module}_blocks"), format!("{module}_scales"));
+        if !self.contains(&bname) {
+            let plain = if self.contains(module) { " (it has the plain tensor)" } else { "" };
+            return Err(CheckpointError::Quant {
+                name: self.full(&bname),
+                problem: format!(
+                    "missing: config.json's quantization_config says mxfp4{plain}; is the config from another checkpoint?"
+                ),
+            });
+        }
+        let nb = inp.div_ceil(32);
+        let (blocks, bdt) = self.raw(&bname, &[experts, out, nb, 16])?;
+        let (scales, sdt) = self.raw(&sname, &[experts, out, nb])?;
+        for (n, dt) in [(&bname, bdt), (&sname, sdt)] {
+            if dt != safetensors::Dtype::U8 {
+                return Err(CheckpointError::DType { name: self.full(n), dtype: format!("{dt:?}"), expected: "U8" });
+            }
+        }
+        assert!(e < experts && cols.end <= inp && rows.iter().all(|&r| r < out), "block outside tensor {module}");
+        let seg = QuantRows::segments(cols.start, cols.len(), 32);
+        let ns = seg.len() - 1;
+        let mut q = QuantRows::with_capacity(QuantKind::Mxfp4, rows.len(), cols.len(), seg);
+        for &r in rows {
+            let row = (e * out + r) * nb;
+            let codes = &blocks[row * 16..(row + nb) * 16];
+            q.codes.extend(cols.clone().map(|c| (codes[c / 2] >> (4 * (c % 2))) & 0xf));
+            for i in 0..ns {
+                let b = (cols.start + q.seg[i]) / 32;
+                let s = scales[row + b];
+                if s == 0xff {
+                    return Err(CheckpointError::Quant {
+                        name: self.full(&sname),
+                        problem: format!(
+                            "holds 0xFF (E8M0's NaN) for expert {e}, row {r}, block {b}; corrupt checkpoint?"
+                        ),
+                    });
+                }
+                q.scales.push(super::quant::e8m0_to_f32(s));
+            }
+        }
+        Ok(q)
+    }
+
     /// Reads an optional tensor (e.g. a bias): `Ok(None)` when absent.
     pub fn read_f32_opt(&self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>, CheckpointError> {
         if self.contains(name) {

@@ -1,5 +1,5 @@
 //! Hugging Face checkpoints: safetensors weights ([`checkpoint`]), one
-//! normalised `config.json` per architecture family ([`llama`], [`deepseek`], [`gemma3`]),
+//! normalised `config.json` per architecture family ([`llama`], [`deepseek`], [`gemma3`], [`gpt_oss`]),
 //! and the quantisation schemes weights may be stored in ([`quant`]).
 //!
 //! Everything here is host-side parsing and checking; nothing runs a model.
@@ -7,6 +7,7 @@
 pub mod checkpoint;
 pub mod deepseek;
 pub mod gemma3;
+pub mod gpt_oss;
 pub mod llama;
 pub mod moe;
 pub mod quant;
@@ -14,6 +15,7 @@ pub mod quant;
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use deepseek::DeepseekConfig;
 pub use gemma3::Gemma3Config;
+pub use gpt_oss::GptOssConfig;
 pub use llama::LlamaConfig;
 
 /// Why a `config.json` cannot be used.
@@ -32,7 +34,7 @@ pub enum ConfigError {
     Json(#[from] serde_json::Error),
     /// A `model_type` Strata does not run.
     #[error(
-        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, glm4_moe, minimax_m2, gemma3, gemma3_text, deepseek_v2, deepseek_v3, kimi_k2, kimi_k25)"
+        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, glm4_moe, minimax_m2, gemma3, gemma3_text, gpt_oss, deepseek_v2, deepseek_v3, kimi_k2, kimi_k25)"
     )]
     UnsupportedModel(String),
     /// A field the architecture needs is absent.

@@ -1,6 +1,6 @@
 //! Quantised weights as real checkpoints store them.
 //!
-//! Two schemes, read exactly (every weight decodes to the f32 value the
+//! Three schemes, read exactly (every weight decodes to the f32 value the
 //! reference dequantisation gives):
 //! - FP8 blocks (DeepSeek-V3, Kimi-K2): `F8_E4M3 [out, in]` weights and an
 //!   f32 `weight_scale_inv [ceil(out/128), ceil(in/128)]`,
@@ -9,6 +9,10 @@
 //!   I32 [out, ceil(in/8)]` (element `8j+i` in bits `4i..4i+3` of word `j`,
 //!   stored as `q + 8`), `weight_scale [out, ceil(in/32)]`, symmetric groups
 //!   of 32 along the input: `W[i, j] = q · s[i, j/32]`.
+//! - MXFP4 (gpt-oss's experts, `quant_method: mxfp4`): E2M1 codes two per
+//!   byte in `*_blocks`, E8M0 exponents per 32 inputs in `*_scales`:
+//!   `W[i, j] = fp4(q) · 2^(s[i, j/32] - 127)` (read by the gpt-oss config
+//!   and [`crate::hf::Checkpoint::read_mxfp4`], not through [`QuantConfig`]).
 //!
 //! Weights stay in these codes in memory ([`QuantRows`], then the GEMM's
 //! panels) and are decoded one tile at a time inside the GEMM; plain bf16
@@ -264,13 +268,27 @@ pub enum QuantKind {
     /// A plain bf16 weight (two little-endian bytes) with scale 1: kept at
     /// its checkpoint size rather than widened to f32.
     Bf16,
+    /// One MXFP4 (E2M1) code (0..=15) per weight, with an E8M0 scale per 32 inputs.
+    Mxfp4,
+}
+
+/// The E2M1 values of the 16 MXFP4 codes: sign bit 3, then exponent and mantissa.
+pub const FP4_VALUES: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+
+/// `2^(s - 127)`, the value of an E8M0 scale byte below 0xFF (its NaN), exact in f32.
+pub fn e8m0_to_f32(s: u8) -> f32 {
+    match s {
+        0 => f32::from_bits(1 << 22), // 2^-127, an f32 subnormal
+        s => f32::from_bits((s as u32) << 23),
+    }
 }
 
 impl QuantKind {
     /// Bytes per weight in a [`QuantRows`].
     pub fn code_bytes(self) -> usize {
         match self {
-            QuantKind::Fp8 | QuantKind::Int4 => 1,
+            QuantKind::Fp8 | QuantKind::Int4 | QuantKind::Mxfp4 => 1,
             QuantKind::Bf16 => 2,
         }
     }
@@ -282,6 +300,7 @@ impl QuantKind {
             QuantKind::Fp8 => fp8_e4m3_to_f32(c[0]),
             QuantKind::Int4 => (c[0] as i32 - 8) as f32,
             QuantKind::Bf16 => f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16),
+            QuantKind::Mxfp4 => FP4_VALUES[(c[0] & 0xf) as usize],
         }
     }
 }
@@ -614,6 +633,17 @@ mod tests {
             assert_eq!(fp8_e4m3_to_f32(code).to_bits(), want.to_bits(), "code {code:#04x}");
         }
         assert!(fp8_e4m3_to_f32(0x7f).is_nan() && fp8_e4m3_to_f32(0xff).is_nan());
+    }
+
+    #[test]
+    fn mxfp4_codes_and_scales_decode_exactly() {
+        // transformers' FP4_VALUES, and E8M0 = 2^(s - 127).
+        assert_eq!(QuantKind::Mxfp4.decode(&[7]), 6.0);
+        assert_eq!(QuantKind::Mxfp4.decode(&[9]), -0.5);
+        assert_eq!(QuantKind::Mxfp4.decode(&[8]).to_bits(), (-0.0f32).to_bits());
+        assert_eq!((e8m0_to_f32(127), e8m0_to_f32(128), e8m0_to_f32(120)), (1.0, 2.0, 1.0 / 128.0));
+        assert_eq!((e8m0_to_f32(254), e8m0_to_f32(0)), (2f32.powi(127), 2f32.powi(-127)));
+        assert_eq!(e8m0_to_f32(1), f32::MIN_POSITIVE);
     }
 
     #[test]

@@ -4,10 +4,10 @@
 //! hands back one [`AnyModel`] the pipeline can run. Adding a family or a
 //! backend adds a case here; the model files do not change.
 
-use super::{deepseek, gemma3, llama, Decoder, Model, ModelError, PendingStates, TpModel};
+use super::{deepseek, gemma3, gpt_oss, llama, Decoder, Model, ModelError, PendingStates, TpModel};
 use crate::backend::{Backend, Bf16, Compute, ComputeDtype, Cpu, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
-use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, Gemma3Config, LlamaConfig};
+use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, Gemma3Config, GptOssConfig, LlamaConfig};
 use crate::pipeline::batch::PackedBatch;
 use crate::pipeline::capture::CaptureSet;
 use crate::shape::{CapturedStates, DType, Dim};
@@ -22,6 +22,10 @@ pub type Deepseek<H = usize, B = Cpu> = Decoder<B, deepseek::DecoderLayer<B>, H>
 pub type Gemma3<H = usize, B = Cpu> = Decoder<B, gemma3::DecoderLayer<B>, H>;
 /// A Gemma 3 text model over `TP` ranks.
 pub type TpGemma3<H, TP = usize, B = Cpu> = TpModel<Gemma3<H, B>, TP>;
+/// gpt-oss on backend `B` (the CPU unless named).
+pub type GptOss<H = usize, B = Cpu> = Decoder<B, gpt_oss::DecoderLayer<B>, H>;
+/// gpt-oss as tensor-parallel ranks.
+pub type TpGptOss<H, TP = usize, B = Cpu> = TpModel<GptOss<H, B>, TP>;
 /// A Llama-family model over `TP` ranks.
 pub type TpLlama<H, TP = usize, B = Cpu> = TpModel<Llama<H, B>, TP>;
 /// A DeepSeek V2/V3 / Kimi-K2 model over `TP` ranks.
@@ -143,6 +147,8 @@ pub enum AnyConfig {
     Deepseek(DeepseekConfig),
     /// Gemma 3 (`gemma3_text`, and the text model of `gemma3`).
     Gemma3(Gemma3Config),
+    /// gpt-oss (`gpt_oss`).
+    GptOss(GptOssConfig),
 }
 
 impl AnyConfig {
@@ -156,6 +162,8 @@ impl AnyConfig {
             AnyConfig::Deepseek(DeepseekConfig::from_json(text)?)
         } else if Gemma3Config::handles(&model_type) {
             AnyConfig::Gemma3(Gemma3Config::from_json(text)?)
+        } else if GptOssConfig::handles(&model_type) {
+            AnyConfig::GptOss(GptOssConfig::from_json(text)?)
         } else {
             AnyConfig::Llama(LlamaConfig::from_json(text)?)
         })
@@ -178,6 +186,7 @@ impl AnyConfig {
             AnyConfig::Llama(c) => c.info(),
             AnyConfig::Deepseek(c) => c.info(),
             AnyConfig::Gemma3(c) => c.info(),
+            AnyConfig::GptOss(c) => c.info(),
         }
     }
 
@@ -187,6 +196,7 @@ impl AnyConfig {
             AnyConfig::Llama(_) => "",
             AnyConfig::Deepseek(c) => &c.tensor_prefix,
             AnyConfig::Gemma3(c) => &c.tensor_prefix,
+            AnyConfig::GptOss(_) => "",
         }
     }
 
@@ -195,6 +205,7 @@ impl AnyConfig {
         match self {
             AnyConfig::Llama(c) => c.quant.as_ref().map(|q| q.describe()),
             AnyConfig::Gemma3(_) => None, // refused at parse time
+            AnyConfig::GptOss(c) => c.mxfp4.then(|| "MXFP4 experts (E2M1 codes, E8M0 scales per 32 inputs)".into()),
             AnyConfig::Deepseek(c) => c.quant.as_ref().map(|q| q.describe()),
         }
     }
@@ -221,7 +232,16 @@ impl AnyConfig {
                 AnyConfig::Llama(c) => llama::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
                 AnyConfig::Deepseek(c) => c.check_tp(opts.tp).map_err(ModelError::Parallel)?,
                 AnyConfig::Gemma3(c) => gemma3::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
+                AnyConfig::GptOss(c) => gpt_oss::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
             }
+        }
+        if opts.backend == BackendKind::Cuda && matches!(self, AnyConfig::GptOss(_)) {
+            // Refused rather than run wrong: the CUDA attention kernels have no sink term yet, and MXFP4 no kernel.
+            return Err(ModelError::Backend(
+                "gpt_oss does not run on --backend cuda yet (attention sinks and MXFP4 are not in its kernels); \
+                 use --backend cpu"
+                    .into(),
+            ));
         }
         Ok(())
     }
@@ -265,6 +285,10 @@ impl AnyConfig {
             (AnyConfig::Gemma3(c), tp) => {
                 Box::new(TpGemma3::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
             }
+            (AnyConfig::GptOss(c), 1) => Box::new(GptOss::<usize, Cpu<C>>::from_checkpoint(c, &open()?)?),
+            (AnyConfig::GptOss(c), tp) => {
+                Box::new(TpGptOss::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
+            }
         })
     }
 
@@ -297,6 +321,9 @@ impl AnyConfig {
                 }
                 (AnyConfig::Gemma3(c), 1) => Box::new(Gemma3::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?),
                 (AnyConfig::Gemma3(c), tp) => Box::new(TpGemma3::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?),
+                (AnyConfig::GptOss(_), _) => {
+                    return Err(ModelError::Backend("gpt_oss does not run on --backend cuda yet".into()))
+                }
             };
             Ok((model, kernel))
         }
@@ -325,6 +352,7 @@ impl AnyConfig {
             AnyConfig::Llama(c) => Box::new(Llama::<usize, Reference>::from_checkpoint(c, &open()?)?),
             AnyConfig::Deepseek(c) => Box::new(Deepseek::<usize, Reference>::from_checkpoint(c, &open()?)?),
             AnyConfig::Gemma3(c) => Box::new(Gemma3::<usize, Reference>::from_checkpoint(c, &open()?)?),
+            AnyConfig::GptOss(c) => Box::new(GptOss::<usize, Reference>::from_checkpoint(c, &open()?)?),
         })
     }
 }

@@ -13,14 +13,15 @@ pub mod any;
 pub mod decoder;
 pub mod deepseek;
 pub mod gemma3;
+pub mod gpt_oss;
 pub mod llama;
 pub mod moe;
 pub mod shard;
 pub mod tp_model;
 
 pub use any::{
-    load, AnyCache, AnyConfig, AnyModel, BackendKind, ComputeChoice, Deepseek, Gemma3, Llama, LoadOptions, TpDeepseek,
-    TpGemma3, TpLlama,
+    load, AnyCache, AnyConfig, AnyModel, BackendKind, ComputeChoice, Deepseek, Gemma3, GptOss, Llama, LoadOptions,
+    TpDeepseek, TpGemma3, TpGptOss, TpLlama,
 };
 pub use decoder::Decoder;
 pub use tp_model::{RankModel, RankWorker, TpModel};

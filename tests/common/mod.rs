@@ -26,6 +26,10 @@ pub const FIXTURES: &[&str] = &[
 /// The Gemma 3 parity fixtures: `gemma3_text`, and the `gemma3` multimodal wrapper (scripts/make_fixtures.py).
 pub const GEMMA: &[&str] = &["gemma3-text", "gemma3"];
 
+/// The gpt-oss parity fixtures: MXFP4 experts as the hub ships them, and the dense twin
+/// transformers' dequantiser makes of them (scripts/make_fixtures.py).
+pub const GPT_OSS: &[&str] = &["gpt-oss", "gpt-oss-mxfp4"];
+
 /// The DeepSeek-family parity fixtures with plain weights (scripts/make_fixtures.py).
 pub const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"];
 

@@ -1269,10 +1269,10 @@ mod tests {
 
     #[test]
     fn quantized_tiles_are_the_rounded_dequantized_weight() {
-        for kind in [QuantKind::Fp8, QuantKind::Int4] {
+        for kind in [QuantKind::Fp8, QuantKind::Int4, QuantKind::Mxfp4] {
             let (n, k) = (40, 301);
             let seg = QuantRows::segments(0, k, 128);
-            let mask = if kind == QuantKind::Int4 { 0x0f } else { 0x77 };
+            let mask = if kind == QuantKind::Fp8 { 0x77 } else { 0x0f };
             let codes = rand(n * k, 8).iter().map(|v| ((v + 0.5) * 255.9) as u8 & mask).collect();
             let scales = rand(n * (seg.len() - 1), 9).iter().map(|v| v + 0.75).collect();
             let q = QuantRows { kind, rows: n, cols: k, codes, seg, scales };

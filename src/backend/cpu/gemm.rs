@@ -1376,14 +1376,14 @@ mod tests {
     #[test]
     fn quantized_weights_give_the_dequantized_product_bitwise() {
         use crate::hf::quant::QuantRows;
-        for kind in [QuantKind::Fp8, QuantKind::Int4, QuantKind::Bf16] {
+        for kind in [QuantKind::Fp8, QuantKind::Int4, QuantKind::Bf16, QuantKind::Mxfp4] {
             for &(m, n, k, c0, block) in &[(7, 70, 300, 0, 128), (500, 45, 1100, 3, 32), (1, 33, 64, 0, 32)] {
                 let (seg, codes, scales) = if kind == QuantKind::Bf16 {
                     let codes = rand(n * k, 8).iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
                     (vec![0, k], codes, vec![1.0; n])
                 } else {
                     let seg = QuantRows::segments(c0, k, block);
-                    let mask = if kind == QuantKind::Int4 { 0x0f } else { 0x77 }; // no FP8 NaN codes
+                    let mask = if kind == QuantKind::Fp8 { 0x77 } else { 0x0f }; // no FP8 NaN codes
                     let codes = rand(n * k, 8).iter().map(|v| ((v + 0.5) * 255.9) as u8 & mask).collect();
                     let scales = rand(n * (seg.len() - 1), 9).iter().map(|v| v + 0.75).collect();
                     (seg, codes, scales)

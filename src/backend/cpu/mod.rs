@@ -475,17 +475,18 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         routes: &moe::Routes,
         out: &mut Tensor<Self, H>,
     ) {
-        fn pair<C: ComputeDtype>(m: &GatedLinear<Cpu<C>>) -> moe::Expert<'_> {
-            (&m.gate_up_proj.packed, &m.down_proj.packed, m.act)
+        // A down bias held outside the GEMM (several ranks) is added by rank 0
+        // alone, weighted like the rest of its expert's output: the
+        // all-reduce then adds it once (gpt-oss's `down_proj_bias`).
+        fn pair<C: ComputeDtype>(m: &GatedLinear<Cpu<C>>, first: bool) -> moe::Expert<'_> {
+            let post = m.down_proj.post_bias.as_deref().filter(|_| first);
+            (&m.gate_up_proj.packed, &m.down_proj.packed, m.act, post)
         }
+        let first = self.rank() == 0;
         check::shape("moe_experts", "experts", experts.len(), routes.len());
         check::shape("moe_experts", "tokens", x.rows(), out.rows());
-        // A row-parallel bias held outside the GEMM (several ranks) would have
-        // to be added once after the all-reduce, which no expert needs yet.
-        let split_bias = experts.iter().chain(shared).any(|m| m.down_proj.post_bias.is_some());
-        assert!(!split_bias, "moe_experts: experts with down_proj biases are not split over ranks yet");
-        let routed: Vec<_> = experts.iter().map(pair).collect();
-        moe::experts(&routed, shared.map(pair), x.storage(), x.width().size(), routes, out.storage_mut());
+        let routed: Vec<_> = experts.iter().map(|m| pair(m, first)).collect();
+        moe::experts(&routed, shared.map(|m| pair(m, first)), x.storage(), x.width().size(), routes, out.storage_mut());
         // Every rank ran its slice of every expert: one all-reduce for the whole block.
         self.all_reduce(out);
     }

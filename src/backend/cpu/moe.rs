@@ -71,8 +71,10 @@ pub fn route(logits: &[f32], e: usize, r: &Router, correction: Option<&[f32]>) -
     routes
 }
 
-/// One expert's gate/up and down GEMMs and the activation between them.
-pub type Expert<'a> = (&'a PackedLinear, &'a PackedLinear, Glu);
+/// One expert's gate/up and down GEMMs, the activation between them, and
+/// a bias `[h]` to add to its output outside the down GEMM (a row-parallel
+/// bias, which one rank of several adds: the all-reduce then counts it once).
+pub type Expert<'a> = (&'a PackedLinear, &'a PackedLinear, Glu, Option<&'a [f32]>);
 
 /// Working buffers of one MoE layer.
 #[derive(Default)]
@@ -87,7 +89,7 @@ struct Scratch {
 /// is split over the threads, else it runs on this one (inside a parallel task).
 #[allow(clippy::too_many_arguments)]
 pub fn gated(
-    (gate_up, down, act_fn): Expert<'_>,
+    (gate_up, down, act_fn, post_bias): Expert<'_>,
     x: &[f32],
     t: usize,
     gu: &mut Vec<f32>,
@@ -101,6 +103,9 @@ pub fn gated(
     gate_up.forward_split(x, t, gu, false, split);
     glu(act_fn, gu, inter, act);
     down.forward_split(act, t, out, false, split);
+    if let Some(b) = post_bias {
+        out[..t * b.len()].chunks_exact_mut(b.len()).for_each(|row| row.iter_mut().zip(b).for_each(|(o, b)| *o += b));
+    }
 }
 
 /// `out = Σ_e Σ_(tok, w) w · expert_e(x[tok]) + shared(x)` for the `[T, h]`

@@ -31,7 +31,7 @@ impl QuantPanels {
         let row_bytes = row_bytes(q.kind);
         // Padding columns hold the code of 0 with scale 0.
         let zero = match q.kind {
-            QuantKind::Fp8 | QuantKind::Bf16 => 0u8,
+            QuantKind::Fp8 | QuantKind::Bf16 | QuantKind::Mxfp4 => 0u8,
             QuantKind::Int4 => 0x88,
         };
         let mut codes = vec![zero; panels * k * row_bytes];
@@ -48,7 +48,7 @@ impl QuantPanels {
                         panel[p * row_bytes + 2 * jj..p * row_bytes + 2 * jj + 2].copy_from_slice(c);
                     }
                 }
-                QuantKind::Int4 => {
+                QuantKind::Int4 | QuantKind::Mxfp4 => {
                     let (b, shift) = (jj % (NR / 2), if jj < NR / 2 { 0 } else { 4 });
                     for (p, &c) in src.iter().enumerate() {
                         let byte = &mut panel[p * row_bytes + b];
@@ -100,7 +100,7 @@ impl QuantPanels {
 fn row_bytes(kind: QuantKind) -> usize {
     match kind {
         QuantKind::Fp8 => NR,
-        QuantKind::Int4 => NR / 2,
+        QuantKind::Int4 | QuantKind::Mxfp4 => NR / 2,
         QuantKind::Bf16 => 2 * NR,
     }
 }
@@ -116,6 +116,8 @@ fn row_decoder(kind: QuantKind) -> RowDecoder {
                 QuantKind::Fp8 => avx512::fp8_row,
                 QuantKind::Int4 => avx512::int4_row,
                 QuantKind::Bf16 => avx512::bf16_row,
+                // A table lookup per nibble; no AVX-512 form yet (none could be tested here).
+                QuantKind::Mxfp4 => portable::mxfp4_row,
             };
         }
     }
@@ -123,12 +125,13 @@ fn row_decoder(kind: QuantKind) -> RowDecoder {
         QuantKind::Fp8 => portable::fp8_row,
         QuantKind::Int4 => portable::int4_row,
         QuantKind::Bf16 => portable::bf16_row,
+        QuantKind::Mxfp4 => portable::mxfp4_row,
     }
 }
 
 mod portable {
     use super::NR;
-    use crate::hf::quant::fp8_e4m3_to_f32;
+    use crate::hf::quant::{fp8_e4m3_to_f32, FP4_VALUES};
 
     pub(super) unsafe fn fp8_row(codes: &[u8], scale: &[f32; NR], out: &mut [f32; NR]) {
         for ((o, &c), s) in out.iter_mut().zip(codes).zip(scale) {
@@ -148,6 +151,15 @@ mod portable {
         for (b, &byte) in codes.iter().enumerate() {
             out[b] = ((byte & 0xf) as i32 - 8) as f32 * scale[b];
             out[b + h] = ((byte >> 4) as i32 - 8) as f32 * scale[b + h];
+        }
+    }
+
+    // Nibbles packed as INT4's; each is an index into the E2M1 values.
+    pub(super) unsafe fn mxfp4_row(codes: &[u8], scale: &[f32; NR], out: &mut [f32; NR]) {
+        let h = NR / 2;
+        for (b, &byte) in codes.iter().enumerate() {
+            out[b] = FP4_VALUES[(byte & 0xf) as usize] * scale[b];
+            out[b + h] = FP4_VALUES[(byte >> 4) as usize] * scale[b + h];
         }
     }
 }
@@ -237,7 +249,7 @@ mod tests {
         let codes = (0..n * k * kind.code_bytes())
             .map(|_| match kind {
                 QuantKind::Fp8 | QuantKind::Bf16 => (next() & 0xff) as u8,
-                QuantKind::Int4 => (next() & 0xf) as u8,
+                QuantKind::Int4 | QuantKind::Mxfp4 => (next() & 0xf) as u8,
             })
             .collect();
         let scales = (0..n * ns)
@@ -249,7 +261,7 @@ mod tests {
     /// Every decoded tile, on every path this CPU has, equals the row-major dequantisation bit for bit.
     #[test]
     fn tiles_equal_the_dequantized_matrix() {
-        for kind in [QuantKind::Fp8, QuantKind::Int4, QuantKind::Bf16] {
+        for kind in [QuantKind::Fp8, QuantKind::Int4, QuantKind::Bf16, QuantKind::Mxfp4] {
             for &(n, k, c0, block) in &[(70, 300, 0, 128), (33, 97, 100, 32), (5, 1030, 7, 128), (64, 64, 0, 32)] {
                 let q = rows(kind, n, k, c0, block);
                 let want = q.dequantize();
