@@ -5,7 +5,9 @@
 // its sample's KV cache when it continues one (chunked prefill). Query row i
 // of a segment is at position pos0 + i and sees keys j <= pos0 + i (and
 // j > pos0 + i - window with a sliding window). GQA: query head h reads kv
-// head h / (heads / kv_heads).
+// head h / (heads / kv_heads). With `sinks` (gpt-oss; null otherwise), head h's
+// logit sinks[h] joins every softmax's denominator with no value row: the
+// running max starts at it and the running sum at 1.
 //
 // - attention_f32: the exact path (f32 inputs and products): one warp per
 //   (token, head); lanes score 32 keys at a time, then own output columns.
@@ -29,7 +31,8 @@
 // Grid (tokens, ceil(heads / 4)), 128 threads. seg_of[t]: token t's segment.
 // q: row stride q_stride, head h at columns h·hd; out [T, heads·vd].
 extern "C" __global__ void attention_f32(const float* q, int q_stride, const Seg* segs, const u32* seg_of, int heads,
-                                        int kv_heads, int hd, int vd, int window, float scale, float* out) {
+                                        int kv_heads, int hd, int vd, int window, float scale, const float* sinks,
+                                        float* out) {
     __shared__ float qs[4][256];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x, h = blockIdx.y * 4 + warp;
@@ -43,7 +46,7 @@ extern "C" __global__ void attention_f32(const float* q, int q_stride, const Seg
     __syncwarp();
     const float* kb = (const float*)sg.k + (u64)g * hd;
     const float* vb = (const float*)sg.v + (u64)g * vd;
-    float m = NEG_INF, l = 0.0f, acc[8];
+    float m = sinks ? sinks[h] : NEG_INF, l = sinks ? 1.0f : 0.0f, acc[8];
     for (int i = 0; i < 8; i++) acc[i] = 0.0f;
     for (int j0 = lo; j0 <= p; j0 += 32) {
         int j = j0 + lane;
@@ -141,7 +144,8 @@ __device__ __forceinline__ void load_tile(u16* dst, int ld, const u16* src, u64 
 // K 2×[BK][dp+8], V 2×[BK][vp+8] bf16, dp and vp the head dims rounded up to 16.
 template <int VT>
 __device__ __forceinline__ void attention_bf16(const u16* q, int q_stride, const Seg* segs, const int* tiles, int heads,
-                               int kv_heads, int hd, int vd, int window, float scale, float* out) {
+                               int kv_heads, int hd, int vd, int window, float scale, const float* sinks,
+                               float* out) {
     extern __shared__ __align__(16) u16 smem[];  // ldmatrix and cp.async take 16-byte rows
     const int dp = (hd + 15) & ~15, vp = (vd + 15) & ~15, ldk = dp + 8, ldv = vp + 8;
     const int kc = dp >> 4, vt = vp >> 3;  // Q/K 16-column chunks, V 8-column tiles
@@ -181,7 +185,9 @@ __device__ __forceinline__ void attention_bf16(const u16* q, int q_stride, const
     const float scale2 = scale * 1.4426950408889634f;  // scores in base 2
     int ra = warp * 16 + gid;                          // this thread's rows ra and ra + 8
     int pos[2] = {p_first + ra, p_first + ra + 8};
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    // A sink starts each row's softmax (in base 2, as the scores are).
+    float sink2 = sinks ? sinks[h] * 1.4426950408889634f : NEG_INF;
+    float m[2] = {sink2, sink2}, l[2] = {sinks ? 1.0f : 0.0f, sinks ? 1.0f : 0.0f};
     float o[VT][4];
 #pragma unroll
     for (int n = 0; n < VT; n++)
@@ -304,26 +310,26 @@ __device__ __forceinline__ void attention_bf16(const u16* q, int q_stride, const
 // One entry point per value width (written out: build.rs reads these signatures).
 extern "C" __global__ void attention_bf16_v16(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                              float* out) {
-    attention_bf16<2>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+                                              const float* sinks, float* out) {
+    attention_bf16<2>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
 }
 extern "C" __global__ void attention_bf16_v32(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                              float* out) {
-    attention_bf16<4>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+                                              const float* sinks, float* out) {
+    attention_bf16<4>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
 }
 extern "C" __global__ void attention_bf16_v64(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                              float* out) {
-    attention_bf16<8>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+                                              const float* sinks, float* out) {
+    attention_bf16<8>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
 }
 extern "C" __global__ void attention_bf16_v128(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                                int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                               float* out) {
-    attention_bf16<16>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+                                               const float* sinks, float* out) {
+    attention_bf16<16>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
 }
 extern "C" __global__ void attention_bf16_v256(const u16* q, int q_stride, const Seg* segs, const int* tiles,
                                                int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                               float* out) {
-    attention_bf16<32>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, out);
+                                               const float* sinks, float* out) {
+    attention_bf16<32>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
 }

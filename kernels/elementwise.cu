@@ -157,6 +157,17 @@ extern "C" __global__ void swiglu_bf16(const u16* gate_up, int rows, int inter, 
     }
 }
 
+// out [T, inter] = bf16 of gpt-oss's clamped GLU (see clamped_glu), gate_up [T, 2·inter] bf16, in f32.
+extern "C" __global__ void clamped_glu_bf16(const u16* gate_up, int rows, int inter, float alpha, float limit,
+                                            u16* out) {
+    GRID_STRIDE(i, (u32)rows * inter) {
+        u32 t = i / inter, c = i - t * inter;
+        const u16* gu = gate_up + (u64)t * 2 * inter;
+        float g = fminf(bf16_to_f32(gu[c]), limit), u = fminf(fmaxf(bf16_to_f32(gu[inter + c]), -limit), limit);
+        out[i] = f32_to_bf16((u + 1.0f) * (g / (1.0f + expf(-alpha * g))));
+    }
+}
+
 // y [rows, width] bf16 = bf16(y + bias [width]).
 extern "C" __global__ void add_bias_bf16(u16* y, const float* bias, int rows, int width) {
     GRID_STRIDE(i, (u32)rows * width) { y[i] = f32_to_bf16(bf16_to_f32(y[i]) + bias[i % width]); }

@@ -41,3 +41,27 @@ extern "C" __global__ void dequant_int4_f32(const u8* codes, const float* scales
         out[i] = int4_at(codes, cols, r, c) * scales[r * nseg + colseg[c]];
     }
 }
+
+// MXFP4 (gpt-oss's experts): E2M1 codes two per byte as INT4's ([rows,
+// (cols + 1) / 2], the even column in the low nibble), each an index into
+// the FP4 values; the scales are the E8M0 block exponents already as f32.
+__device__ __forceinline__ float mxfp4_at(const u8* codes, int cols, u64 r, u64 c) {
+    const float fp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                           -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    u8 b = codes[r * ((cols + 1) / 2) + c / 2];
+    return fp4[(c & 1) ? (b >> 4) : (b & 15)];
+}
+extern "C" __global__ void dequant_mxfp4_bf16(const u8* codes, const float* scales, const u32* colseg, int rows,
+                                             int cols, int nseg, u16* out) {
+    GRID_STRIDE(i, (u32)rows * cols) {
+        u32 r = i / cols, c = i - r * cols;
+        out[i] = f32_to_bf16(mxfp4_at(codes, cols, r, c) * scales[r * nseg + colseg[c]]);
+    }
+}
+extern "C" __global__ void dequant_mxfp4_f32(const u8* codes, const float* scales, const u32* colseg, int rows,
+                                            int cols, int nseg, float* out) {
+    GRID_STRIDE(i, (u32)rows * cols) {
+        u32 r = i / cols, c = i - r * cols;
+        out[i] = mxfp4_at(codes, cols, r, c) * scales[r * nseg + colseg[c]];
+    }
+}

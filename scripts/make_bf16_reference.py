@@ -33,7 +33,7 @@ from transformers import AutoModel
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIXTURES = ["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3", "qwen3-moe", "mixtral", "glm4-moe", "minimax-m2",
-            "gemma3-text", "gemma3", "deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"]
+            "gemma3-text", "gemma3", "gpt-oss", "gpt-oss-mxfp4", "deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"]
 
 
 def run(model, samples):
@@ -53,19 +53,26 @@ def run(model, samples):
 
 
 def bf16_run(d, samples, out_path):
-    model = AutoModel.from_pretrained(d, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    attn = "sdpa"
+    try:
+        model = AutoModel.from_pretrained(d, dtype=torch.bfloat16, attn_implementation=attn).eval()
+    except ValueError as e:
+        # gpt-oss has no sdpa path (its sinks): eager is what transformers runs it with on the CPU.
+        print(f"  {os.path.basename(d)}: {e}; attn_implementation='eager'")
+        attn = "eager"
+        model = AutoModel.from_pretrained(d, dtype=torch.bfloat16, attn_implementation=attn).eval()
     experts = getattr(model.config, "_experts_implementation", None)
     try:
         states = run(model, samples)
     except RuntimeError as e:
         # grouped_mm wants 16-byte strides, which the tiny fixtures' expert widths are not.
         print(f"  {os.path.basename(d)}: {e}; experts_implementation='eager'")
-        model = AutoModel.from_pretrained(d, dtype=torch.bfloat16, attn_implementation="sdpa",
+        model = AutoModel.from_pretrained(d, dtype=torch.bfloat16, attn_implementation=attn,
                                           experts_implementation="eager").eval()
         experts = "eager"
         states = run(model, samples)
     save_file(states, out_path, metadata={"transformers": transformers.__version__, "torch": torch.__version__,
-                                          "dtype": "bfloat16", "attn_implementation": "sdpa",
+                                          "dtype": "bfloat16", "attn_implementation": attn,
                                           "experts_implementation": str(experts)})
 
 

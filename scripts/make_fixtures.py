@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 import transformers
 from transformers import (Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig,
-                          GptOssConfig, GptOssForCausalLM, Mxfp4Config, SiglipVisionConfig)
+                          GptOssConfig, GptOssForCausalLM, Llama4Config, Llama4ForCausalLM, Llama4ForConditionalGeneration,
+                          Llama4TextConfig, Mxfp4Config, SiglipVisionConfig)
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig,
                           Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
@@ -195,6 +196,40 @@ FIXTURES = {
                  pad_token_id=None, eos_token_id=None, bos_token_id=None,
                  rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                       beta_slow=1.0, truncate=False, original_max_position_embeddings=64))),
+    # Llama 4 text (llama4_text, as Scout's text model): every layer a mixture of experts, a shared
+    # expert plus top-2 of 4 routed ones, each routed expert's INPUT scaled by the sigmoid of its
+    # router logit; RoPE on complex pairs with llama3 scaling on layers 0-2, which attend within
+    # chunks of 8 positions (every sample but the shortest crosses chunks) and norm q and k without
+    # weights after RoPE; layer 3 is NoPE, attends to every position and scales q by its temperature
+    # (floor_scale 4, so it changes every 4 positions). The hub's keys: rope_theta/rope_scaling, no
+    # layer_types (HF derives it from no_rope_layers and attention_chunk_size).
+    "llama4-text": dict(
+        cls=(Llama4TextConfig, Llama4ForCausalLM), dtype=torch.float32, shard=None, legacy=True, router_scale=4.0,
+        drop_keys=["layer_types"],
+        cfg=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=2,
+                 vocab_size=200, max_position_embeddings=256, attention_chunk_size=8, floor_scale=4, attn_scale=0.1,
+                 use_qk_norm=True, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                 rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                                      high_freq_factor=4.0, original_max_position_embeddings=16))),
+    # Llama 4 in its multimodal wrapper (llama4, as Maverick): the text model under
+    # `language_model.model.*` beside a vision model Strata does not read, bf16 weights, dense
+    # layers (intermediate_size_mlp) alternating with MoE ones (interleave_moe_layer_step 2, top-1
+    # of 4), no q/k norm, NoPE layers 1 and 3 from an explicit no_rope_layers, chunks of 12,
+    # temperature with floor_scale 8 and attn_scale 0.2; transformers 5's keys (layer_types,
+    # rope_parameters).
+    "llama4": dict(
+        cls=(Llama4Config, Llama4ForConditionalGeneration), dtype=torch.bfloat16, shard=None, legacy=False,
+        router_scale=4.0,
+        cfg=dict(text_config=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4,
+                                  num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 0, 1, 0],
+                                  use_qk_norm=False, attention_chunk_size=12, floor_scale=8, attn_scale=0.2,
+                                  vocab_size=180, max_position_embeddings=256, pad_token_id=None,
+                                  rope_parameters=dict(rope_type="default", rope_theta=1000.0)),
+                 vision_config=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                                    projector_output_dim=32))),
 }
 
 # transformers' FP4_VALUES: the E2M1 value of each 4-bit code.
@@ -337,6 +372,16 @@ def hub_rotary_dim(cfg_path):
         json.dump(c, f, indent=2, sort_keys=True)
 
 
+def drop_keys(cfg_path, drop):
+    """Removes keys transformers 5 writes that the hub's older files lack (Llama 4's layer_types)."""
+    with open(cfg_path) as f:
+        c = json.load(f)
+    for k in drop:
+        c.pop(k)
+    with open(cfg_path, "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+
+
 def build(name, spec, out_root, seed):
     """A fresh OUT/NAME, and spec's transformers model with random weights (routers scaled by
     `router_scale`): (out, cfg, model class, model, generator)."""
@@ -356,7 +401,7 @@ def build(name, spec, out_root, seed):
         # accuracy test, whichever implementation flips).
         with torch.no_grad():
             for pname, p in model.named_parameters():
-                if pname.endswith("mlp.gate.weight"):
+                if pname.endswith(("mlp.gate.weight", "feed_forward.router.weight")):
                     p.mul_(spec["router_scale"])
     return out, cfg, model_cls, model, gen
 
@@ -375,6 +420,8 @@ def make(name, spec, out_root, seed):
         hub_rotary_dim(os.path.join(out, "config.json"))
     if spec.get("mtp_layer"):
         add_mtp_layer(out, cfg, gen)
+    if spec.get("drop_keys"):
+        drop_keys(os.path.join(out, "config.json"), spec["drop_keys"])
     for extra in ("generation_config.json",):
         p = os.path.join(out, extra)
         if os.path.exists(p):
@@ -394,8 +441,10 @@ def write_expected(model, cfg, out, gen, **metadata):
     """Random samples into OUT/data.jsonl and the f32 `model`'s hidden states for them
     into OUT/expected.safetensors (every output_hidden_states entry, plus the final norm's input)."""
     captured = {}
-    # The text model: `model.model`, or a multimodal wrapper's `model.model.language_model`.
-    text_model = getattr(model.model, "language_model", model.model)
+    # The text model: `model.model`, or a multimodal wrapper's `model.model.language_model`
+    # (Llama 4's wrapper holds a whole causal LM as `model.language_model`).
+    lm = getattr(model, "language_model", None)
+    text_model = lm.model if hasattr(lm, "lm_head") else getattr(model.model, "language_model", model.model)
     cfg = cfg.get_text_config()
     text_model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0].detach().clone()))
     expected = {}

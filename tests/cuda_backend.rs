@@ -77,7 +77,7 @@ fn every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16() {
     if !gxx_or_skip("every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16") {
         return;
     }
-    for name in FIXTURES.iter().chain(GEMMA).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT) {
         let batch = whole(name);
         let f32_states = run::<F32>(name, 1, std::slice::from_ref(&batch)).remove(0);
         let (worst, _) = errors(name, &f32_states, &batch);
@@ -113,7 +113,7 @@ fn chunks_and_tensor_parallel_ranks_give_the_whole_samples_states() {
     }
     // (minimax-m2: its q/k norms sum squares across the two ranks; gemma3-text
     // chunks its local and global layers, each with its own RoPE table.)
-    for name in ["qwen3", "minimax-m2", "gemma3-text", "deepseek-v3", "kimi-k2-int4"] {
+    for name in ["qwen3", "minimax-m2", "gemma3-text", "gpt-oss-mxfp4", "deepseek-v3", "kimi-k2-int4"] {
         let samples = samples(name);
         let s = samples.iter().max_by_key(|s| s.len()).unwrap();
         let batch = PackedBatch::from_samples([s.as_slice()]);
@@ -462,6 +462,35 @@ fn expanded_weights_are_kept_when_memory_allows() {
         let (each, [first_t, second_t]) = two_steps(name, tight);
         assert_eq!((first_t, second_t), (first, first), "{name}: a device without room kept expansions");
         assert!(kept == each, "{name}: kept expansions changed the states");
+    }
+}
+
+/// gpt-oss's MXFP4 experts go to the device packed: at load, the resident
+/// bytes (as the extract summary reports them) are within 1.25x of the
+/// file at both compute dtypes. After a forward the backend keeps their
+/// expansions when memory allows (as above), and says so in the count.
+#[test]
+fn mxfp4_weights_are_uploaded_packed() {
+    if !gxx_or_skip("mxfp4_weights_are_uploaded_packed") {
+        return;
+    }
+    fn resident<C: ComputeDtype>() -> (f64, f64, usize) {
+        let dir = fixture("gpt-oss-mxfp4");
+        let file = std::fs::metadata(dir.join("model.safetensors")).unwrap().len() as f64;
+        let AnyConfig::GptOss(c) = AnyConfig::read(&dir).unwrap() else { panic!("a gpt-oss fixture") };
+        let ckpt = Checkpoint::open_scoped(&dir, "").unwrap();
+        let m =
+            GptOss::<usize, Emu<C>>::from_checkpoint_on(Emu::<C>::new(Emulated::default(), vec![0]), c, &ckpt).unwrap();
+        let at_load = m.weight_bytes() as f64 / file;
+        let set = CaptureSet::<usize>::try_new(all_points(num_layers("gpt-oss-mxfp4"))).unwrap();
+        m.forward_step(&whole("gpt-oss-mxfp4"), &set, &mut Default::default()).unwrap();
+        let d = m.backend().device();
+        (at_load, m.weight_bytes() as f64 / file, d.count("dequant_mxfp4_bf16") + d.count("dequant_mxfp4_f32"))
+    }
+    for (compute, (at_load, after, dequants)) in [("f32", resident::<F32>()), ("bf16", resident::<Bf16>())] {
+        println!("gpt-oss-mxfp4 cuda {compute}: {at_load:.3}x the file at load, {after:.3}x after a forward that kept its expansions");
+        assert!(at_load <= 1.25, "{compute}: resident {at_load:.3}x the file size at load");
+        assert!(dequants > 0, "{compute}: no MXFP4 weight went through the dequantising kernel");
     }
 }
 

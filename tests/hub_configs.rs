@@ -110,3 +110,29 @@ fn gemma_3_4b_takes_the_defaults_its_text_config_leaves_out() {
     assert!((g.inv_freq[64] - 1e6f32.powf(-0.5) / 8.0).abs() < 1e-9);
     assert!((l.inv_freq[64] - 1e4f32.powf(-0.5)).abs() < 1e-9);
 }
+
+#[test]
+fn gpt_oss_20b_alternates_sliding_and_full_layers_with_mxfp4_experts() {
+    let AnyConfig::GptOss(c) = config("gpt-oss-20b") else { panic!("gpt_oss is a gpt-oss config") };
+    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (24, 2880, 64, 8, 64));
+    assert_eq!((c.num_experts, c.top_k, c.intermediate_size, c.vocab_size), (32, 4, 2880, 201_088));
+    assert!(c.mxfp4, "quant_method mxfp4: the experts are read from *_blocks and *_scales");
+    assert!(c.attention_bias);
+    let sliding: Vec<usize> = (0..24).filter(|&i| c.sliding_windows[i].is_some()).collect();
+    assert_eq!(sliding, (0..24).step_by(2).collect::<Vec<_>>(), "layer_types: sliding first, then full");
+    assert!(c.sliding_windows.iter().flatten().all(|&w| w == 128));
+    assert_eq!((c.swiglu_limit, c.swiglu_alpha), (7.0, 1.702), "alpha is GptOssConfig's, the file names none");
+    let yarn = c.yarn.expect("rope_scaling is YaRN");
+    assert_eq!((yarn.factor, yarn.beta_fast, yarn.beta_slow), (32.0, 32.0, 1.0));
+    assert_eq!(yarn.original_max_position_embeddings, 4096.0);
+    assert!(!yarn.truncate, "truncate: false (the correction range is not rounded to whole dims)");
+    assert_eq!(c.rope_theta, 150_000.0);
+    // --tp 8 cuts each expert's 2880 columns into 360 (90 MXFP4 blocks do not split 8 ways):
+    // accepted, each rank keeping the codes of its columns and the scale of the block it shares.
+    let opts = |tp| strata::model::LoadOptions { tp, ..Default::default() };
+    for tp in [2, 4, 8] {
+        AnyConfig::GptOss(c.clone()).check(&opts(tp)).unwrap_or_else(|e| panic!("--tp {tp}: {e}"));
+    }
+    let err = AnyConfig::GptOss(c.clone()).check(&opts(3)).unwrap_err().to_string();
+    assert!(err.contains("num_attention_heads"), "{err}");
+}

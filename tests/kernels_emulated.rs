@@ -216,6 +216,17 @@ fn elementwise_kernels_compute_their_definitions() {
     let op = pm(&mut got);
     l.launch((2, 1), 32, || unsafe { f(gp6, rows as i32, inter as i32, 1.702, 4.0, op) });
     assert_close("clamped_glu", &got, &want.to_host(&r), 2e-6);
+    // Its bf16 form (the experts' bf16 path): the f32 kernel's value on bf16 inputs, rounded once.
+    let gu6b: Vec<u16> = gu6.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let gu6r: Vec<f32> = gu6b.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+    let (gr, op) = (p(&gu6r), pm(&mut got));
+    l.launch((2, 1), 32, || unsafe { f(gr, rows as i32, inter as i32, 1.702, 4.0, op) });
+    let mut got16 = vec![0u16; rows * inter];
+    let f: Cg = unsafe { std::mem::transmute(l.sym("clamped_glu_bf16")) };
+    let (gb, ob) = (p(&gu6b), pm(&mut got16));
+    l.launch((2, 1), 32, || unsafe { f(gb, rows as i32, inter as i32, 1.702, 4.0, ob) });
+    let rounded: Vec<u16> = got.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    assert!(got16 == rounded, "clamped_glu_bf16 is not clamped_glu of the bf16 inputs, rounded");
     // Scale (Gemma's embedding scale).
     let mut got = gu.clone();
     type Sc = unsafe extern "C" fn(usize, f32, i32);
@@ -335,7 +346,7 @@ fn dequant_kernels_give_code_times_scale() {
     let seg = vec![0usize, 5, 9, cols];
     let colseg: Vec<u32> = (0..cols).map(|c| seg.iter().rposition(|&s| s <= c).unwrap() as u32).collect();
     let scales = values(rows * 3, 15);
-    for kind in [QuantKind::Fp8, QuantKind::Int4] {
+    for kind in [QuantKind::Fp8, QuantKind::Int4, QuantKind::Mxfp4] {
         let codes: Vec<u8> = (0..rows * cols)
             .map(|i| match kind {
                 QuantKind::Fp8 => ((i * 37 + 11) % 256) as u8 & !0x78 | (((i % 14) as u8) << 3), // no NaN codes
@@ -344,7 +355,7 @@ fn dequant_kernels_give_code_times_scale() {
             .collect();
         let q = QuantRows { kind, rows, cols, codes: codes.clone(), seg: seg.clone(), scales: scales.clone() };
         let want = q.dequantize();
-        // Device layout: FP8 one byte a code; INT4 two a byte, the even column low.
+        // Device layout: FP8 one byte a code; INT4 and MXFP4 two a byte, the even column low.
         let dev: Vec<u8> = match kind {
             QuantKind::Fp8 => codes.clone(),
             _ => (0..rows)
@@ -354,7 +365,11 @@ fn dequant_kernels_give_code_times_scale() {
                 })
                 .collect(),
         };
-        let name = if kind == QuantKind::Fp8 { "fp8" } else { "int4" };
+        let name = match kind {
+            QuantKind::Fp8 => "fp8",
+            QuantKind::Mxfp4 => "mxfp4",
+            _ => "int4",
+        };
         type Dq = unsafe extern "C" fn(usize, usize, usize, i32, i32, i32, usize);
         let mut f32_out = vec![0f32; rows * cols];
         let mut bf_out = vec![0u16; rows * cols];
@@ -459,10 +474,13 @@ struct Seg {
 /// Two steps through the reference and the kernel: step 1 packs a whole
 /// sample and the first chunk of another, step 2 that sample's next chunk,
 /// whose keys come from the cache.
-fn attention_case(bf16_kernel: bool, shape: AttnShape) {
+fn attention_case(bf16_kernel: bool, shape: AttnShape, with_sinks: bool) {
     let l = lib("attention");
     let r = Reference;
     let (nh, nkv, hd, vd) = (shape.heads, shape.kv_heads, shape.head_dim, shape.v_dim);
+    // gpt-oss's sink logits, one per head, of the scores' size (some above them).
+    let sinks: Option<Vec<f32>> = with_sinks.then(|| values(nh, 7).iter().map(|v| 3.0 * v).collect());
+    let sink_vec = sinks.clone().map(|s| r.vector(s));
     // The tensor-core kernel's tiles are 64 queries by 32 keys: its segments
     // span several of each. The f32 kernel (a block per token) gets short ones.
     let [a, b1, b2] = if bf16_kernel { [70, 37, 75] } else { [9, 6, 7] };
@@ -494,7 +512,7 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
             rbuf.cols(qw, kw),
             rbuf.cols(qw + kw, vw),
             shape,
-            None,
+            sink_vec.as_ref(),
             b,
             &mut cache,
             0,
@@ -552,8 +570,9 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
         }
         let mut got = vec![f32::NAN; t * nh * vd];
         let window = shape.window.map_or(0, |w| w as i32);
-        type F = unsafe extern "C" fn(usize, i32, usize, usize, i32, i32, i32, i32, i32, f32, usize);
+        type F = unsafe extern "C" fn(usize, i32, usize, usize, i32, i32, i32, i32, i32, f32, usize, usize);
         let (qp, sp, op) = (p(&qkv), p(&segs), pm(&mut got));
+        let kp = sinks.as_ref().map_or(0, |s| p(s)); // null: no sinks
         if bf16_kernel {
             let n = [16, 32, 64, 128, 256].into_iter().find(|&n| n >= vd).unwrap();
             let tiles: Vec<i32> = segs
@@ -566,7 +585,7 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
             let smem = attention_bf16_smem(hd, vd);
             let (qp, qs) = (p(&step_q16), (nh * dp) as i32);
             l.launch_smem(((tiles.len() / 2) as u32, nh as u32), 128, smem, || unsafe {
-                f(qp, qs, sp, tp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, op)
+                f(qp, qs, sp, tp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, kp, op)
             });
             // Scores and probabilities are rounded to bf16 by the tensor-core path only.
             assert_close(&format!("attention_bf16 step {step}"), &got, &want.to_host(&r), 2e-2);
@@ -575,7 +594,7 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape) {
             let f: F = unsafe { std::mem::transmute(l.sym("attention_f32")) };
             let gp = p(&seg_of);
             l.launch((t as u32, nh.div_ceil(4) as u32), 128, || unsafe {
-                f(qp, width as i32, sp, gp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, op)
+                f(qp, width as i32, sp, gp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, kp, op)
             });
             assert_close(&format!("attention_f32 step {step}"), &got, &want.to_host(&r), 1e-5);
         }
@@ -592,8 +611,13 @@ fn attention_kernels_match_the_reference_over_packed_chunked_segments() {
     let window = AttnShape { window: Some(5), ..gqa };
     let mha = AttnShape { heads: 5, kv_heads: 5, head_dim: 16, v_dim: 16, window: None, scale: 0.25 };
     for shape in [gqa, window, mha] {
-        attention_case(false, shape);
-        attention_case(true, shape);
+        attention_case(false, shape, false);
+        attention_case(true, shape, false);
+    }
+    // gpt-oss's sinks, on full and sliding layers alike.
+    for shape in [gqa, window] {
+        attention_case(false, shape, true);
+        attention_case(true, shape, true);
     }
 }
 

@@ -271,6 +271,30 @@ fn resident_weights_stay_within_1_25x_of_the_files() {
     }
 }
 
+/// gpt-oss's MXFP4 experts stay packed (4.25 bits a weight) at both compute
+/// dtypes, measured at load as the extract summary reports it
+/// (`Model::weight_bytes`), before any forward. The attention, router and
+/// embedding weights are bf16 in the file as on the hub, and stay bf16.
+#[test]
+fn gpt_oss_mxfp4_weights_stay_within_1_25x_of_the_file() {
+    use strata::backend::Compute;
+    use strata::model::{LoadOptions, Model};
+    let dir = fixture("gpt-oss-mxfp4");
+    let file = std::fs::metadata(dir.join("model.safetensors")).unwrap().len() as f64;
+    let dense = std::fs::metadata(fixture("gpt-oss").join("model.safetensors")).unwrap().len() as f64;
+    for compute in [Compute::F32, Compute::Bf16] {
+        let model = strata::model::load(&dir, LoadOptions { compute, ..Default::default() }).unwrap();
+        let ratio = model.weight_bytes() as f64 / file;
+        println!(
+            "gpt-oss-mxfp4 --compute {compute}: {:.1} KB on disk, {:.1} KB resident ({ratio:.3}x; the dense twin's file is {:.2}x)",
+            file / 1e3,
+            model.weight_bytes() as f64 / 1e3,
+            dense / file
+        );
+        assert!(ratio <= 1.25, "--compute {compute}: resident {ratio:.3}x the file size");
+    }
+}
+
 #[test]
 fn fp8_nan_codes_are_refused_as_corruption() {
     let tmp = tempfile::tempdir().unwrap();

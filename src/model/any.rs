@@ -235,14 +235,6 @@ impl AnyConfig {
                 AnyConfig::GptOss(c) => gpt_oss::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
             }
         }
-        if opts.backend == BackendKind::Cuda && matches!(self, AnyConfig::GptOss(_)) {
-            // Refused rather than run wrong: the CUDA attention kernels have no sink term yet, and MXFP4 no kernel.
-            return Err(ModelError::Backend(
-                "gpt_oss does not run on --backend cuda yet (attention sinks and MXFP4 are not in its kernels); \
-                 use --backend cpu"
-                    .into(),
-            ));
-        }
         Ok(())
     }
 
@@ -321,9 +313,8 @@ impl AnyConfig {
                 }
                 (AnyConfig::Gemma3(c), 1) => Box::new(Gemma3::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?),
                 (AnyConfig::Gemma3(c), tp) => Box::new(TpGemma3::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?),
-                (AnyConfig::GptOss(_), _) => {
-                    return Err(ModelError::Backend("gpt_oss does not run on --backend cuda yet".into()))
-                }
+                (AnyConfig::GptOss(c), 1) => Box::new(GptOss::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?),
+                (AnyConfig::GptOss(c), tp) => Box::new(TpGptOss::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?),
             };
             Ok((model, kernel))
         }

@@ -90,7 +90,7 @@ pub struct Linear<D: Device> {
     /// GEMM inputs in f32 whatever the compute dtype (the MoE router).
     f32_inputs: bool,
     held: Option<QuantKind>,
-    /// An FP8/INT4 weight expanded once and kept, when device memory allowed
+    /// A quantised weight (or a bf16 one under f32 compute) expanded once and kept, when device memory allowed
     /// it (see `weight_operand`): its GEMMs then read it as bf16 or f32.
     kept: std::sync::OnceLock<Bytes<D>>,
 }
@@ -103,6 +103,18 @@ impl<D: Device> Resident for Linear<D> {
         };
         let kept = self.kept.get().map_or(0, |k| k.len);
         w + kept + self.bias.as_ref().map_or(0, |b| b.len) + self.post_bias.as_ref().map_or(0, |b| b.len)
+    }
+}
+
+impl<D: Device> Linear<D> {
+    /// Whether a GEMM with (or without) bf16 inputs reads this weight through
+    /// an expansion: quantised codes, or bf16 under an f32 GEMM.
+    fn expands(&self, bf16_inputs: bool) -> bool {
+        match self.w {
+            Weight::F32(_) => false,
+            Weight::Bf16(_) => !bf16_inputs,
+            Weight::Quant { .. } => true,
+        }
     }
 }
 
@@ -449,7 +461,8 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             LinearWeight::Quant(q) => Some(q.kind),
         };
         let to_bf16 = |v: &[f32]| -> Vec<u16> { v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect() };
-        let widen = |v: &[u16]| -> Vec<f32> { v.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
+        // bf16 weights stay bf16 under either compute dtype: an f32 GEMM
+        // reads them widened (`weight_operand`), as FP8/INT4 are expanded.
         let w = match w {
             LinearWeight::Dense { w, .. } if bf16_inputs => {
                 Weight::Bf16(self.bytes(bytemuck::cast_slice(&to_bf16(&w))))
@@ -459,16 +472,11 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 Weight::Bf16(self.bytes(bytemuck::cast_slice(&to_bf16(&m.to_vec()))))
             }
             LinearWeight::Mapped(m) => Weight::F32(self.f32s(&m.to_vec())),
-            LinearWeight::MappedBf16(m) if bf16_inputs => Weight::Bf16(self.bytes(bytemuck::cast_slice(&m.to_vec()))),
-            LinearWeight::MappedBf16(m) => Weight::F32(self.f32s(&widen(&m.to_vec()))),
+            LinearWeight::MappedBf16(m) => Weight::Bf16(self.bytes(bytemuck::cast_slice(&m.to_vec()))),
             LinearWeight::Quant(q) if q.kind == QuantKind::Bf16 => {
                 // bf16 codes with scale 1 (every scale is 1 by construction).
                 let bits: Vec<u16> = q.codes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
-                if bf16_inputs {
-                    Weight::Bf16(self.bytes(bytemuck::cast_slice(&bits)))
-                } else {
-                    Weight::F32(self.f32s(&widen(&bits)))
-                }
+                Weight::Bf16(self.bytes(bytemuck::cast_slice(&bits)))
             }
             LinearWeight::Quant(q) => self.quant(&q),
         };
@@ -493,18 +501,20 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         let ns = q.num_segments();
         let colseg: Vec<u32> = (0..q.cols).map(|c| (q.seg.partition_point(|&s| s <= c) - 1) as u32).collect();
         let codes = match q.kind {
-            QuantKind::Int4 => {
+            // Two codes per byte, as the checkpoint holds them (a padding nibble codes 0).
+            QuantKind::Int4 | QuantKind::Mxfp4 => {
+                let pad = if q.kind == QuantKind::Int4 { 8 } else { 0 };
                 let half = q.cols.div_ceil(2);
                 let mut packed = vec![0u8; q.rows * half];
                 for r in 0..q.rows {
                     let row = &q.codes[r * q.cols..(r + 1) * q.cols];
                     for (i, pair) in row.chunks(2).enumerate() {
-                        packed[r * half + i] = pair[0] | (pair.get(1).copied().unwrap_or(8) << 4);
+                        packed[r * half + i] = pair[0] | (pair.get(1).copied().unwrap_or(pad) << 4);
                     }
                 }
                 packed
             }
-            _ => q.codes.clone(),
+            QuantKind::Fp8 | QuantKind::Bf16 => q.codes.clone(),
         };
         Weight::Quant {
             kind: q.kind,
@@ -571,7 +581,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         let (out, inp) = (l.rows, l.cols);
         let bf16_inputs = self.bf16_inputs(l);
         let w = match &l.w {
-            Weight::Quant { .. } if l.kept.get().is_none() => {
+            _ if l.expands(bf16_inputs) && l.kept.get().is_none() => {
                 let es = if bf16_inputs { 2 } else { 4 };
                 let wexp = {
                     let mut s = self.scratch()?;
@@ -645,52 +655,61 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         });
     }
 
-    /// Where a GEMM reads `l`'s weight: resident as stored, or (FP8/INT4)
-    /// expanded by a dequantising kernel. The expansion is kept, on the first
-    /// use, while device memory stays above [`keep_reserve`] after it (the
-    /// same kernel, so the same bits, once instead of every forward: three
-    /// times less weight traffic); otherwise it goes into `dst`, which holds
-    /// `rows · cols` values of the GEMM's input type, every time.
+    /// Where a GEMM reads `l`'s weight: resident as stored, or (FP8/INT4/MXFP4,
+    /// or bf16 under an f32 GEMM) expanded by a kernel. The expansion is kept,
+    /// on the first use, while device memory stays above [`keep_reserve`]
+    /// after it (the same kernel, so the same bits, once instead of every
+    /// forward: three times less weight traffic); otherwise it goes into
+    /// `dst`, which holds `rows · cols` values of the GEMM's input type, every time.
     fn weight_operand(&self, l: &Linear<D>, bf16_inputs: bool, dst: DevPtr) -> Result<(DevPtr, GemmType), CudaError> {
         use std::sync::atomic::Ordering;
-        Ok(match &l.w {
-            Weight::F32(b) => (b.ptr, GemmType::F32),
-            Weight::Bf16(b) => (b.ptr, GemmType::Bf16),
+        let ty = if bf16_inputs { GemmType::Bf16 } else { GemmType::F32 };
+        match &l.w {
+            Weight::F32(b) => return Ok((b.ptr, GemmType::F32)),
+            Weight::Bf16(b) if bf16_inputs => return Ok((b.ptr, GemmType::Bf16)),
+            _ => {}
+        }
+        if let Some(k) = l.kept.get() {
+            return Ok((k.ptr, ty));
+        }
+        let (out, inp) = (l.rows, l.cols);
+        let bytes = out * inp * if bf16_inputs { 2 } else { 4 };
+        let mut into = dst;
+        let mut keep = None;
+        if !self.keep_refused.load(Ordering::Relaxed) {
+            // A device that cannot say what is free keeps nothing (the step goes on).
+            let (free, total) = self.dev.memory().unwrap_or((0, 0));
+            if free >= bytes.saturating_add(keep_reserve(total)) {
+                let m = self.dev.alloc(bytes)?;
+                into = self.dev.ptr(&m);
+                keep = Some(Bytes { mem: Some(m), ptr: into, len: bytes });
+            } else {
+                self.keep_refused.store(true, Ordering::Relaxed);
+                tracing::debug!("cuda: {free} bytes free of {total}: quantised and bf16 weights expanded per forward");
+            }
+        }
+        let cfg = elementwise(out * inp)?;
+        match &l.w {
             Weight::Quant { kind, codes, scales, colseg, segments } => {
-                let ty = if bf16_inputs { GemmType::Bf16 } else { GemmType::F32 };
-                if let Some(k) = l.kept.get() {
-                    return Ok((k.ptr, ty));
-                }
-                let (out, inp) = (l.rows, l.cols);
-                let bytes = out * inp * if bf16_inputs { 2 } else { 4 };
-                let mut into = dst;
-                let mut keep = None;
-                if !self.keep_refused.load(Ordering::Relaxed) {
-                    // A device that cannot say what is free keeps nothing (the step goes on).
-                    let (free, total) = self.dev.memory().unwrap_or((0, 0));
-                    if free >= bytes.saturating_add(keep_reserve(total)) {
-                        let m = self.dev.alloc(bytes)?;
-                        into = self.dev.ptr(&m);
-                        keep = Some(Bytes { mem: Some(m), ptr: into, len: bytes });
-                    } else {
-                        self.keep_refused.store(true, Ordering::Relaxed);
-                        tracing::debug!("cuda: {free} bytes free of {total}: FP8/INT4 weights expanded per forward");
-                    }
-                }
                 let dequant = match (kind, ty) {
                     (QuantKind::Fp8, GemmType::Bf16) => launch::dequant_fp8_bf16,
                     (QuantKind::Fp8, GemmType::F32) => launch::dequant_fp8_f32,
-                    (_, GemmType::Bf16) => launch::dequant_int4_bf16,
-                    (_, GemmType::F32) => launch::dequant_int4_f32,
+                    (QuantKind::Mxfp4, GemmType::Bf16) => launch::dequant_mxfp4_bf16,
+                    (QuantKind::Mxfp4, GemmType::F32) => launch::dequant_mxfp4_f32,
+                    // bf16 codes never reach here: `linear_in` holds them as `Weight::Bf16`.
+                    (QuantKind::Int4 | QuantKind::Bf16, GemmType::Bf16) => launch::dequant_int4_bf16,
+                    (QuantKind::Int4 | QuantKind::Bf16, GemmType::F32) => launch::dequant_int4_f32,
                 };
-                let cfg = elementwise(out * inp)?;
                 dequant(&*self.dev, cfg, codes.ptr, scales.ptr, colseg.ptr, int(out), int(inp), int(*segments), into)?;
-                if let Some(k) = keep {
-                    let _ = l.kept.set(k); // one thread per rank: unset until now
-                }
-                (into, ty)
             }
-        })
+            // Widened for an f32 GEMM (bf16 GEMMs returned above).
+            Weight::Bf16(b) => launch::bf16_to_f32_n(&*self.dev, cfg, b.ptr, int(out * inp), into)?,
+            Weight::F32(_) => unreachable!("f32 weights returned above"),
+        }
+        if let Some(k) = keep {
+            let _ = l.kept.set(k); // one thread per rank: unset until now
+        }
+        Ok((into, ty))
     }
 
     /// The routed experts' gated MLPs over the rows each received (expert
@@ -716,9 +735,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         let (h, inter, h_out) = (first.gate_up_proj.cols, first.down_proj.cols, first.down_proj.rows);
         let bf16 = self.experts_bf16(first);
         let (ty, es) = if bf16 { (GemmType::Bf16, 2) } else { (GemmType::F32, 4) };
-        let quant = experts
-            .iter()
-            .any(|m| matches!(m.gate_up_proj.w, Weight::Quant { .. }) || matches!(m.down_proj.w, Weight::Quant { .. }));
+        let quant = experts.iter().any(|m| m.gate_up_proj.expands(bf16) || m.down_proj.expands(bf16));
         let per_expert = 2 * inter * h * es; // the larger of gate/up and down, expanded
         let max_experts = if quant { (budget / per_expert).max(1) } else { usize::MAX };
         let max_rows = (budget / (3 * inter * 4)).max(1);
@@ -792,6 +809,9 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 (Glu::Clamped { alpha, limit }, false) => {
                     launch::clamped_glu(&*self.dev, cfg, gu, int(rows), int(inter), alpha, limit, act)?
                 }
+                (Glu::Clamped { alpha, limit }, true) => {
+                    launch::clamped_glu_bf16(&*self.dev, cfg, gu, int(rows), int(inter), alpha, limit, act)?
+                }
                 (other, true) => {
                     return Err(CudaError::Kernel {
                         name: "moe_experts".into(),
@@ -861,10 +881,12 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
 
     /// Causal attention of `[q, k, v]` (see [`Backend::attention`]), each
     /// read where `src` says: f32 columns, or (bf16 compute) bf16 ones.
+    #[allow(clippy::too_many_arguments)]
     fn attention_launch(
         &self,
         [q, k, v]: [Src; 3],
         s: AttnShape,
+        sinks: Option<&Vector<D>>,
         batch: &PackedBatch,
         cache: &mut KvCache<D>,
         layer: usize,
@@ -983,6 +1005,10 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         let window = s.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
         let op = out.storage().ptr;
         let (heads, kvh, hd, vd) = (int(s.heads), int(s.kv_heads), int(s.head_dim), int(s.v_dim));
+        if let Some(v) = sinks {
+            Self::holds("attention sinks", s.heads, v.0.len / 4)?;
+        }
+        let sinkp = sinks.map_or(0, |v| v.0.ptr); // null: no sinks
         if let Some((_, _, qb)) = packed {
             let tiles: Vec<i32> = (0..batch.num_samples())
                 .flat_map(|i| (0..batch.range(i).len()).step_by(64).flat_map(move |q0| [i as i32, q0 as i32]))
@@ -992,7 +1018,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             let cfg = Launch { grid: ((tiles.len() / 2) as u32, s.heads as u32), block: 128, smem };
             let qs = int(s.heads * pad16(s.head_dim));
             attention_bf16_kernel(s.v_dim)(
-                &*self.dev, cfg, qb, qs, segs, table, heads, kvh, hd, vd, window, s.scale, op,
+                &*self.dev, cfg, qb, qs, segs, table, heads, kvh, hd, vd, window, s.scale, sinkp, op,
             )
         } else {
             let (qp, qs) = (q.at(q.offset), int(q.stride));
@@ -1000,7 +1026,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 (0..batch.num_samples()).flat_map(|i| batch.range(i).map(move |_| i as u32)).collect();
             let table = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
             let cfg = Launch { grid: (t as u32, s.heads.div_ceil(4) as u32), block: 128, smem: 0 };
-            launch::attention_f32(&*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, s.scale, op)
+            launch::attention_f32(&*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, s.scale, sinkp, op)
         }
     }
 }
@@ -1061,7 +1087,7 @@ pub fn attention_bf16_smem(hd: usize, vd: usize) -> u32 {
 
 /// The launcher of one `attention_bf16_vN` (they share a signature).
 pub type AttentionLaunch<D> =
-    fn(&D, Launch, DevPtr, i32, DevPtr, DevPtr, i32, i32, i32, i32, i32, f32, DevPtr) -> Result<(), CudaError>;
+    fn(&D, Launch, DevPtr, i32, DevPtr, DevPtr, i32, i32, i32, i32, i32, f32, DevPtr, DevPtr) -> Result<(), CudaError>;
 
 impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     type Compute = C;
@@ -1469,7 +1495,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         // (A norm over all heads sums its squares across ranks between two
         // f32 ops: that block runs op by op.)
         let all_heads = a.qk_norm.as_ref().is_some_and(|n| n.all_heads);
-        if !self.bf16_inputs(l) || l.kind == Parallel::Row || all_heads || a.sinks.is_some() {
+        if !self.bf16_inputs(l) || l.kind == Parallel::Row || all_heads {
             return crate::backend::attention_block_ops(self, a, x, normed, qkv, out, rope, batch, cache, layer);
         }
         let s = a.shape;
@@ -1517,7 +1543,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             }
             self.rope_launch((qkvb, GemmType::Bf16), width, a.rope_span(), false, rope, batch)?;
             let col = |offset: usize| Src { ptr: qkvb, stride: width, offset, bf16: true };
-            self.attention_launch([col(0), col(nh * hd), col((nh + nkv) * hd)], s, batch, cache, layer, out)
+            self.attention_launch([col(0), col(nh * hd), col((nh + nkv) * hd)], s, a.sinks, batch, cache, layer, out)
         });
         self.linear_add(a.o_proj, out, x);
     }
@@ -1535,14 +1561,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         out: &mut Tensor<Self>,
     ) {
         check::attention(&q, &k, &v, shape, batch, (out.rows(), out.width()));
-        if sinks.is_some() {
-            // The registry refuses gpt_oss on cuda before loading; this keeps
-            // any other caller from getting sink-less scores silently.
-            let log = "attention sinks (gpt-oss) are not in the CUDA kernels yet".into();
-            return self.run(|| Err(CudaError::Kernel { name: "attention".into(), log }));
-        }
         let src = [Src::f32(&q), Src::f32(&k), Src::f32(&v)];
-        self.run(|| self.attention_launch(src, shape, batch, cache, layer, out));
+        self.run(|| self.attention_launch(src, shape, sinks, batch, cache, layer, out));
     }
 
     fn moe_route(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vector<D>>) -> Routes<D> {
