@@ -11,7 +11,7 @@ static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAl
 
 use std::time::Instant;
 use strata::backend::cpu::attention::{varlen_attention, AttnSegment, KvRef};
-use strata::backend::{AttnShape, Compute};
+use strata::backend::{AttnShape, Compute, Mask};
 
 fn main() {
     let runs = std::env::args().skip_while(|a| a != "--runs").nth(1).and_then(|v| v.parse().ok()).unwrap_or(7usize);
@@ -28,7 +28,7 @@ fn main() {
             (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
         })
         .collect();
-    let s = AttnShape { heads, kv_heads, head_dim: hd, v_dim: hd, window: None, scale: (hd as f32).powf(-0.5) };
+    let s = AttnShape { heads, kv_heads, head_dim: hd, v_dim: hd, mask: Mask::Causal, scale: (hd as f32).powf(-0.5) };
     let segments: Vec<AttnSegment> = (0..samples)
         .map(|i| {
             let base = &qkv[i * len * stride..];

@@ -344,7 +344,7 @@ fn main() {
 /// (d): the attention op's TFLOP/s at 4K and 16K tokens, head dims 128 and 256.
 fn attention(a: &Args) {
     use strata::backend::cuda::{Cuda, Driver};
-    use strata::backend::{AttnShape, Backend, Bf16, KvStore, Tensor};
+    use strata::backend::{AttnShape, Backend, Bf16, KvStore, Mask, Tensor};
     use strata::pipeline::batch::Segment;
     println!("(d) bf16 attention alone, 32 query / 8 KV heads, one causal sample");
     let dev = match Driver::open(0) {
@@ -354,7 +354,7 @@ fn attention(a: &Args) {
     let b = Cuda::<Bf16, Driver>::new(dev, vec![0]);
     for hd in [128usize, 256] {
         for t in [4096usize, 16384] {
-            let shape = AttnShape { heads: 32, kv_heads: 8, head_dim: hd, v_dim: hd, window: None, scale: 0.1 };
+            let shape = AttnShape { heads: 32, kv_heads: 8, head_dim: hd, v_dim: hd, mask: Mask::Causal, scale: 0.1 };
             let (qw, kw) = (32 * hd, 8 * hd);
             let values: Vec<f32> = {
                 let mut rng = strata_testkit::Rng::new(7);

@@ -4,7 +4,8 @@
 // 0..kv_len (positions) at its own pointers: its rows of this step's k/v, or
 // its sample's KV cache when it continues one (chunked prefill). Query row i
 // of a segment is at position pos0 + i and sees keys j <= pos0 + i (and
-// j > pos0 + i - window with a sliding window). GQA: query head h reads kv
+// j > pos0 + i - window with a sliding window, or j in its chunk,
+// j / chunk == (pos0 + i) / chunk, with attention chunks: Llama 4). GQA: query head h reads kv
 // head h / (heads / kv_heads). With `sinks` (gpt-oss; null otherwise), head h's
 // logit sinks[h] joins every softmax's denominator with no value row: the
 // running max starts at it and the running sum at 1.
@@ -28,18 +29,25 @@
 
 #define NEG_INF (-__int_as_float(0x7f800000))
 
+// The first key position a query at position p sees: the last `window`
+// positions (0: all), within its chunk of `chunk` positions (0: none).
+__device__ __forceinline__ int first_key(int p, int window, int chunk) {
+    int lo = window > 0 ? max(0, p - window + 1) : 0;
+    return chunk > 0 ? max(lo, p - p % chunk) : lo;
+}
+
 // Grid (tokens, ceil(heads / 4)), 128 threads. seg_of[t]: token t's segment.
 // q: row stride q_stride, head h at columns h·hd; out [T, heads·vd].
 extern "C" __global__ void attention_f32(const float* q, int q_stride, const Seg* segs, const u32* seg_of, int heads,
-                                        int kv_heads, int hd, int vd, int window, float scale, const float* sinks,
-                                        float* out) {
+                                        int kv_heads, int hd, int vd, int window, int chunk, float scale,
+                                        const float* sinks, float* out) {
     __shared__ float qs[4][256];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x, h = blockIdx.y * 4 + warp;
     if (h >= heads) return;  // whole warps leave; no block barrier follows
     Seg sg = segs[seg_of[t]];
     int p = sg.pos0 + (t - sg.q_row0);
-    int lo = window > 0 ? max(0, p - window + 1) : 0;
+    int lo = first_key(p, window, chunk);
     int g = h / (heads / kv_heads);
     const float* qr = q + (u64)t * q_stride + (u64)h * hd;
     for (int c = lane; c < hd; c += 32) qs[warp][c] = qr[c];
@@ -144,8 +152,8 @@ __device__ __forceinline__ void load_tile(u16* dst, int ld, const u16* src, u64 
 // K 2×[BK][dp+8], V 2×[BK][vp+8] bf16, dp and vp the head dims rounded up to 16.
 template <int VT>
 __device__ __forceinline__ void attention_bf16(const u16* q, int q_stride, const Seg* segs, const int* tiles, int heads,
-                               int kv_heads, int hd, int vd, int window, float scale, const float* sinks,
-                               float* out) {
+                               int kv_heads, int hd, int vd, int window, int chunk, float scale,
+                               const float* sinks, float* out) {
     extern __shared__ __align__(16) u16 smem[];  // ldmatrix and cp.async take 16-byte rows
     const int dp = (hd + 15) & ~15, vp = (vd + 15) & ~15, ldk = dp + 8, ldv = vp + 8;
     const int kc = dp >> 4, vt = vp >> 3;  // Q/K 16-column chunks, V 8-column tiles
@@ -158,7 +166,7 @@ __device__ __forceinline__ void attention_bf16(const u16* q, int q_stride, const
     int h = blockIdx.y, g = h / (heads / kv_heads);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     int p_first = sg.pos0 + qi0, p_last = p_first + nq - 1;
-    int lo = window > 0 ? max(0, p_first - window + 1) : 0;
+    int lo = first_key(p_first, window, chunk);  // the tile's lowest: first_key grows with p
     int k_begin = (lo / BK) * BK;
     const u16* kb = (const u16*)sg.k + (u64)g * dp;
     const u16* vb = (const u16*)sg.v + (u64)g * vp;
@@ -241,7 +249,7 @@ __device__ __forceinline__ void attention_bf16(const u16* q, int q_stride, const
         for (int n = 0; n < 4; n++)
             for (int e = 0; e < 4; e++) {
                 int r = e >> 1, j = k0 + n * 8 + 2 * tig + (e & 1);
-                bool ok = j <= pos[r] && (window <= 0 || j > pos[r] - window);
+                bool ok = j <= pos[r] && j >= first_key(pos[r], window, chunk);
                 s[n][e] = ok ? s[n][e] * scale2 : NEG_INF;
                 mx[r] = fmaxf(mx[r], s[n][e]);
             }
@@ -309,27 +317,27 @@ __device__ __forceinline__ void attention_bf16(const u16* q, int q_stride, const
 
 // One entry point per value width (written out: build.rs reads these signatures).
 extern "C" __global__ void attention_bf16_v16(const u16* q, int q_stride, const Seg* segs, const int* tiles,
-                                              int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                              const float* sinks, float* out) {
-    attention_bf16<2>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
+                                              int heads, int kv_heads, int hd, int vd, int window, int chunk,
+                                              float scale, const float* sinks, float* out) {
+    attention_bf16<2>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, chunk, scale, sinks, out);
 }
 extern "C" __global__ void attention_bf16_v32(const u16* q, int q_stride, const Seg* segs, const int* tiles,
-                                              int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                              const float* sinks, float* out) {
-    attention_bf16<4>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
+                                              int heads, int kv_heads, int hd, int vd, int window, int chunk,
+                                              float scale, const float* sinks, float* out) {
+    attention_bf16<4>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, chunk, scale, sinks, out);
 }
 extern "C" __global__ void attention_bf16_v64(const u16* q, int q_stride, const Seg* segs, const int* tiles,
-                                              int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                              const float* sinks, float* out) {
-    attention_bf16<8>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
+                                              int heads, int kv_heads, int hd, int vd, int window, int chunk,
+                                              float scale, const float* sinks, float* out) {
+    attention_bf16<8>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, chunk, scale, sinks, out);
 }
 extern "C" __global__ void attention_bf16_v128(const u16* q, int q_stride, const Seg* segs, const int* tiles,
-                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                               const float* sinks, float* out) {
-    attention_bf16<16>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
+                                               int heads, int kv_heads, int hd, int vd, int window, int chunk,
+                                               float scale, const float* sinks, float* out) {
+    attention_bf16<16>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, chunk, scale, sinks, out);
 }
 extern "C" __global__ void attention_bf16_v256(const u16* q, int q_stride, const Seg* segs, const int* tiles,
-                                               int heads, int kv_heads, int hd, int vd, int window, float scale,
-                                               const float* sinks, float* out) {
-    attention_bf16<32>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, scale, sinks, out);
+                                               int heads, int kv_heads, int hd, int vd, int window, int chunk,
+                                               float scale, const float* sinks, float* out) {
+    attention_bf16<32>(q, q_stride, segs, tiles, heads, kv_heads, hd, vd, window, chunk, scale, sinks, out);
 }

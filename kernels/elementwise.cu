@@ -121,14 +121,28 @@ extern "C" __global__ void gather_rows(const float* x, const u32* src, int n, in
     }
 }
 
+// MoE with input gating (Llama 4): grouped row slot[e] = weight[e] · x[e / top_k]
+// for each entry e (token e / top_k's (e % top_k)-th expert), instead of gather_rows.
+extern "C" __global__ void scatter_rows_scaled(const float* x, const u32* slot, const float* weight, int n, int top_k,
+                                               int hidden, float* xe) {
+    GRID_STRIDE(i, (u32)n * hidden) {
+        u32 e = i / hidden, c = i - e * hidden;
+        xe[(u64)slot[e] * hidden + c] = weight[e] * x[(u64)(e / top_k) * hidden + c];
+    }
+}
+
 // MoE: out[t] = Σ_k weight[t][k] · ye[slot[t][k]] (+ shared[t]), k in order:
 // the experts' rows of each token summed in a fixed order, no atomics.
+// A null weight is 1 for every row (input gating weighed the inputs).
 extern "C" __global__ void moe_combine(const float* ye, const u32* slot, const float* weight, int tokens, int top_k,
                                        int hidden, const float* shared, float* out) {
     GRID_STRIDE(i, (u32)tokens * hidden) {
         u32 t = i / hidden, c = i - t * hidden;
         float acc = 0.0f;
-        for (int k = 0; k < top_k; k++) acc += weight[t * top_k + k] * ye[(u64)slot[t * top_k + k] * hidden + c];
+        for (int k = 0; k < top_k; k++) {
+            float w = weight ? weight[t * top_k + k] : 1.0f;
+            acc += w * ye[(u64)slot[t * top_k + k] * hidden + c];
+        }
         if (shared) acc += shared[i];
         out[i] = acc;
     }
@@ -145,6 +159,15 @@ extern "C" __global__ void gather_rows_bf16(const float* x, const u32* src, int 
     GRID_STRIDE(i, (u32)n * hidden) {
         u32 r = i / hidden, c = i - r * hidden;
         xe[i] = f32_to_bf16(x[(u64)src[r] * hidden + c]);
+    }
+}
+
+// scatter_rows_scaled into bf16 rows: the product in f32, rounded once.
+extern "C" __global__ void scatter_rows_scaled_bf16(const float* x, const u32* slot, const float* weight, int n,
+                                                    int top_k, int hidden, u16* xe) {
+    GRID_STRIDE(i, (u32)n * hidden) {
+        u32 e = i / hidden, c = i - e * hidden;
+        xe[(u64)slot[e] * hidden + c] = f32_to_bf16(weight[e] * x[(u64)(e / top_k) * hidden + c]);
     }
 }
 
@@ -173,14 +196,17 @@ extern "C" __global__ void add_bias_bf16(u16* y, const float* bias, int rows, in
     GRID_STRIDE(i, (u32)rows * width) { y[i] = f32_to_bf16(bf16_to_f32(y[i]) + bias[i % width]); }
 }
 
-// moe_combine over bf16 rows: out[t] = Σ_k weight[t][k] · ye[slot[t][k]] (+ shared[t]), in f32, k in order.
+// moe_combine over bf16 rows: out[t] = Σ_k weight[t][k] · ye[slot[t][k]] (+ shared[t]), in f32, k in order
+// (a null weight: 1).
 extern "C" __global__ void moe_combine_bf16(const u16* ye, const u32* slot, const float* weight, int tokens,
                                             int top_k, int hidden, const u16* shared, float* out) {
     GRID_STRIDE(i, (u32)tokens * hidden) {
         u32 t = i / hidden, c = i - t * hidden;
         float acc = 0.0f;
-        for (int k = 0; k < top_k; k++)
-            acc += weight[t * top_k + k] * bf16_to_f32(ye[(u64)slot[t * top_k + k] * hidden + c]);
+        for (int k = 0; k < top_k; k++) {
+            float w = weight ? weight[t * top_k + k] : 1.0f;
+            acc += w * bf16_to_f32(ye[(u64)slot[t * top_k + k] * hidden + c]);
+        }
         if (shared) acc += bf16_to_f32(shared[i]);
         out[i] = acc;
     }

@@ -1,5 +1,6 @@
-// rope.cu: rotary embeddings in place, both layouts. Pairs are (i, i + half)
-// (HF's rotate_half) or, with `interleave`, (2i, 2i + 1) written back as
+// rope.cu: what depends on a token's position: rotary embeddings in place,
+// both layouts, and Llama 4's attention temperature. RoPE's pairs are
+// (i, i + half) (HF's rotate_half) or, with `interleave`, (2i, 2i + 1) written back as
 // [rotated evens | rotated odds] (DeepSeek). The interleaved write overlaps
 // other pairs' reads, so a block first copies its heads to shared memory.
 #include "common.cuh"
@@ -50,4 +51,18 @@ extern "C" __global__ void rope(float* x, int stride, int offset, int count, int
 extern "C" __global__ void rope_bf16(u16* x, int stride, int offset, int count, int hstride, int half, int interleave,
                                     const float* cos_t, const float* sin_t, const u32* pos, int chunk) {
     rope_rows(x, stride, offset, count, hstride, half, interleave, cos_t, sin_t, pos, chunk);
+}
+
+// Llama 4's attention temperature on its NoPE layers, in place: `count`
+// heads of `width` columns at offset + h·hstride of row t (f32 rows of
+// `stride` values) times log1p(floor((pos[t] + 1) / floor_scale)) ·
+// attn_scale + 1, in f32 as transformers computes it.
+extern "C" __global__ void attn_temperature(float* x, int rows, int stride, int offset, int count, int hstride,
+                                            int width, const u32* pos, float floor_scale, float attn_scale) {
+    GRID_STRIDE(i, (u32)rows * count * width) {
+        u32 per = (u32)count * width;
+        u32 t = i / per, r = i - t * per, h = r / width, c = r - h * width;
+        float f = log1pf(floorf(((float)pos[t] + 1.0f) / floor_scale)) * attn_scale + 1.0f;
+        x[(u64)t * stride + offset + (u64)h * hstride + c] *= f;
+    }
 }

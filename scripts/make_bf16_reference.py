@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch's own bf16 run of each parity fixture, for tests/accuracy.rs (run by hand, not in CI).
 
-For every fixture of tests/common FIXTURES, GEMMA and DEEPSEEK, loads the checkpoint with HF
+For every fixture of tests/common FIXTURES, GEMMA, GPT_OSS, LLAMA4 and DEEPSEEK, loads the checkpoint with HF
 transformers in bf16 with sdpa attention (as a user runs a bf16 model on the CPU), runs
 the fixture's data.jsonl and writes
 
@@ -33,13 +33,15 @@ from transformers import AutoModel
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIXTURES = ["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3", "qwen3-moe", "mixtral", "glm4-moe", "minimax-m2",
-            "gemma3-text", "gemma3", "gpt-oss", "gpt-oss-mxfp4", "deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"]
+            "gemma3-text", "gemma3", "gpt-oss", "gpt-oss-mxfp4", "llama4-text", "llama4", "deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"]
 
 
 def run(model, samples):
     """HF's hidden states and final-norm inputs of each sample, as f32."""
-    # A multimodal wrapper (gemma3's Gemma3Model) runs its text model alone.
+    # A multimodal wrapper (gemma3's Gemma3Model) runs its text model alone;
+    # Llama 4's wrapper holds a whole causal LM there.
     model = getattr(model, "language_model", model)
+    model = model.model if hasattr(model, "lm_head") else model
     captured = {}
     hook = model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0].detach().clone()))
     out = {}

@@ -205,7 +205,7 @@ FIXTURES = {
     # layer_types (HF derives it from no_rope_layers and attention_chunk_size).
     "llama4-text": dict(
         cls=(Llama4TextConfig, Llama4ForCausalLM), dtype=torch.float32, shard=None, legacy=True, router_scale=4.0,
-        drop_keys=["layer_types"],
+        min_router_gap=0.1, drop_keys=["layer_types"],
         cfg=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=2,
                  vocab_size=200, max_position_embeddings=256, attention_chunk_size=8, floor_scale=4, attn_scale=0.1,
@@ -220,7 +220,7 @@ FIXTURES = {
     # rope_parameters).
     "llama4": dict(
         cls=(Llama4Config, Llama4ForConditionalGeneration), dtype=torch.bfloat16, shard=None, legacy=False,
-        router_scale=4.0,
+        router_scale=4.0, min_router_gap=0.1,
         cfg=dict(text_config=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                   head_dim=16, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4,
                                   num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 0, 1, 0],
@@ -432,15 +432,25 @@ def make(name, spec, out_root, seed):
     model = model_cls(cfg).eval()
     model.load_state_dict(rounded)
 
-    write_expected(model, cfg, out, gen)
+    write_expected(model, cfg, out, gen, min_router_gap=spec.get("min_router_gap"))
     size = sum(os.path.getsize(os.path.join(out, x)) for x in os.listdir(out))
     print(f"{name}: {size / 1024:.0f} KiB")
 
 
-def write_expected(model, cfg, out, gen, **metadata):
+def write_expected(model, cfg, out, gen, min_router_gap=None, **metadata):
     """Random samples into OUT/data.jsonl and the f32 `model`'s hidden states for them
-    into OUT/expected.safetensors (every output_hidden_states entry, plus the final norm's input)."""
+    into OUT/expected.safetensors (every output_hidden_states entry, plus the final norm's input).
+
+    With `min_router_gap` (Llama 4's `feed_forward.router`s), a sample is drawn again while some
+    router's k-th and (k+1)-th logits of some token lie closer than that: a near-tie that any bf16
+    run flips at random (one flipped top-1 expert outweighs every other token's error in the bf16
+    accuracy test), whichever implementation runs it."""
     captured = {}
+    logits = []
+    if min_router_gap:
+        for name, mod in model.named_modules():
+            if name.endswith("feed_forward.router"):
+                mod.register_forward_hook(lambda mod, args, res: logits.append((mod.top_k, res[1].detach())))
     # The text model: `model.model`, or a multimodal wrapper's `model.model.language_model`
     # (Llama 4's wrapper holds a whole causal LM as `model.language_model`).
     lm = getattr(model, "language_model", None)
@@ -450,10 +460,17 @@ def write_expected(model, cfg, out, gen, **metadata):
     expected = {}
     with open(os.path.join(out, "data.jsonl"), "w") as f:
         for i, n in enumerate(LENGTHS):
-            ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+            while True:
+                ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+                logits.clear()
+                with torch.no_grad():
+                    res = text_model(input_ids=ids[None], output_hidden_states=True)
+                gaps = [(l.topk(k + 1, dim=-1).values[:, k - 1] - l.topk(k + 1, dim=-1).values[:, k]).min().item()
+                        for k, l in logits]
+                if not gaps or min(gaps) >= min_router_gap:
+                    break
+                print(f"  sample {i}: a router's top-k gap is {min(gaps):.3f}; drawing it again")
             f.write(json.dumps({"input_ids": ids.tolist()}) + "\n")
-            with torch.no_grad():
-                res = text_model(input_ids=ids[None], output_hidden_states=True)
             hs = torch.stack([h[0] for h in res.hidden_states]).contiguous()
             assert hs.shape == (cfg.num_hidden_layers + 1, n, cfg.hidden_size)
             expected[f"sample{i}.hidden_states"] = hs

@@ -12,7 +12,7 @@ use strata::pipeline::capture::CaptureSet;
 const BACKENDS: &[BackendKind] = &[BackendKind::Cpu, BackendKind::Reference];
 
 fn all_fixtures() -> impl Iterator<Item = &'static str> {
-    FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT).copied()
+    FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT).copied()
 }
 
 /// Runs every sample of a fixture, packed into one step, on `backend`; returns
@@ -142,11 +142,11 @@ fn no_model_file_names_a_concrete_backend() {
 /// the output, so the comparison sees them.
 #[test]
 fn attention_sinks_agree_between_backends() {
-    use strata::backend::{AttnShape, Backend, Bf16, Cpu, KvStore, Reference, Tensor, F32};
+    use strata::backend::{AttnShape, Backend, Bf16, Cpu, KvStore, Mask, Reference, Tensor, F32};
     use strata::pipeline::batch::Segment;
     fn run<B: Backend>(b: &B, qkv: &[f32], sinks: Option<&[f32]>, batch: &PackedBatch) -> Vec<f32> {
         let (nh, nkv, hd) = (4, 2, 16);
-        let s = AttnShape { heads: nh, kv_heads: nkv, head_dim: hd, v_dim: hd, window: Some(9), scale: 0.25 };
+        let s = AttnShape { heads: nh, kv_heads: nkv, head_dim: hd, v_dim: hd, mask: Mask::Sliding(9), scale: 0.25 };
         let t = batch.num_tokens();
         let x = Tensor::<B>::from_host(b, qkv, t, (nh + 2 * nkv) * hd).unwrap();
         let sinks = sinks.map(|k| b.vector(k.to_vec()));

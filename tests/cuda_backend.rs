@@ -17,9 +17,9 @@ use common::*;
 use cuda_emu::{gxx_or_skip, Emulated, Faults};
 use std::sync::atomic::AtomicUsize;
 use strata::backend::cuda::Cuda;
-use strata::backend::{Bf16, Compute, ComputeDtype, F32};
+use strata::backend::{Bf16, Compute, ComputeDtype, Mask, F32};
 use strata::hf::checkpoint::Checkpoint;
-use strata::model::any::{AnyConfig, Deepseek, Gemma3, GptOss, Llama, TpDeepseek, TpGemma3, TpGptOss, TpLlama};
+use strata::model::any::{AnyConfig, Deepseek, GptOss, Llama};
 use strata::model::{AnyCache, LoadOptions, Model};
 use strata::pipeline::batch::{PackedBatch, Segment};
 use strata::pipeline::capture::CaptureSet;
@@ -32,7 +32,7 @@ type Emu<C> = Cuda<C, Emulated>;
 fn run<C: ComputeDtype>(name: &str, tp: usize, batches: &[PackedBatch]) -> Vec<CapturedStates<usize, usize>> {
     let dir = fixture(name);
     let config = AnyConfig::read(&dir).unwrap();
-    let prefix = config.tensor_prefix().to_string();
+    let prefix = config.tensor_prefix();
     let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
     let b = Emu::<C>::new(Emulated::default(), vec![0]);
     let open = move || Checkpoint::open_scoped(&dir, &prefix);
@@ -44,32 +44,7 @@ fn run<C: ComputeDtype>(name: &str, tp: usize, batches: &[PackedBatch]) -> Vec<C
         let mut cache = M::Cache::default();
         batches.iter().map(|b| m.forward_step(b, set, &mut cache).unwrap()).collect()
     }
-    match (config, tp) {
-        (AnyConfig::Llama(c), 1) => {
-            steps(Llama::<usize, Emu<C>>::from_checkpoint_on(b, c, &open().unwrap()).unwrap(), &set, batches)
-        }
-        (AnyConfig::Llama(c), tp) => {
-            steps(TpLlama::<usize, usize, Emu<C>>::build_on(&b, c, tp, open).unwrap(), &set, batches)
-        }
-        (AnyConfig::Deepseek(c), 1) => {
-            steps(Deepseek::<usize, Emu<C>>::from_checkpoint_on(b, c, &open().unwrap()).unwrap(), &set, batches)
-        }
-        (AnyConfig::Deepseek(c), tp) => {
-            steps(TpDeepseek::<usize, usize, Emu<C>>::build_on(&b, c, tp, open).unwrap(), &set, batches)
-        }
-        (AnyConfig::Gemma3(c), 1) => {
-            steps(Gemma3::<usize, Emu<C>>::from_checkpoint_on(b, c, &open().unwrap()).unwrap(), &set, batches)
-        }
-        (AnyConfig::Gemma3(c), tp) => {
-            steps(TpGemma3::<usize, usize, Emu<C>>::build_on(&b, c, tp, open).unwrap(), &set, batches)
-        }
-        (AnyConfig::GptOss(c), 1) => {
-            steps(GptOss::<usize, Emu<C>>::from_checkpoint_on(b, c, &open().unwrap()).unwrap(), &set, batches)
-        }
-        (AnyConfig::GptOss(c), tp) => {
-            steps(TpGptOss::<usize, usize, Emu<C>>::build_on(&b, c, tp, open).unwrap(), &set, batches)
-        }
-    }
+    steps(config.load_on(b, tp, open).unwrap(), &set, batches)
 }
 
 #[test]
@@ -77,7 +52,9 @@ fn every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16() {
     if !gxx_or_skip("every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16") {
         return;
     }
-    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT) {
+    for name in
+        FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT)
+    {
         let batch = whole(name);
         let f32_states = run::<F32>(name, 1, std::slice::from_ref(&batch)).remove(0);
         let (worst, _) = errors(name, &f32_states, &batch);
@@ -113,7 +90,7 @@ fn chunks_and_tensor_parallel_ranks_give_the_whole_samples_states() {
     }
     // (minimax-m2: its q/k norms sum squares across the two ranks; gemma3-text
     // chunks its local and global layers, each with its own RoPE table.)
-    for name in ["qwen3", "minimax-m2", "gemma3-text", "gpt-oss-mxfp4", "deepseek-v3", "kimi-k2-int4"] {
+    for name in ["qwen3", "minimax-m2", "gemma3-text", "gpt-oss-mxfp4", "llama4-text", "deepseek-v3", "kimi-k2-int4"] {
         let samples = samples(name);
         let s = samples.iter().max_by_key(|s| s.len()).unwrap();
         let batch = PackedBatch::from_samples([s.as_slice()]);
@@ -178,24 +155,8 @@ fn a_rank_failing_mid_step_does_not_hang_its_peers() {
             let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
             let batch = whole(name);
             let open = move || Checkpoint::open(&dir);
-            let r = match AnyConfig::read(&fixture(name)).unwrap() {
-                AnyConfig::Llama(c) => TpLlama::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open)
-                    .unwrap()
-                    .forward_step(&batch, &set, &mut ())
-                    .map(drop),
-                AnyConfig::Deepseek(c) => TpDeepseek::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open)
-                    .unwrap()
-                    .forward_step(&batch, &set, &mut ())
-                    .map(drop),
-                AnyConfig::Gemma3(c) => TpGemma3::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open)
-                    .unwrap()
-                    .forward_step(&batch, &set, &mut ())
-                    .map(drop),
-                AnyConfig::GptOss(c) => TpGptOss::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open)
-                    .unwrap()
-                    .forward_step(&batch, &set, &mut ())
-                    .map(drop),
-            };
+            let m = AnyConfig::read(&fixture(name)).unwrap().load_on(b, 2, open).unwrap();
+            let r = m.forward_step(&batch, &set, &mut AnyCache::default()).map(drop);
             let _ = tx.send(r.map_err(|e| e.to_string()));
         });
         match rx.recv_timeout(std::time::Duration::from_secs(120)) {
@@ -229,23 +190,10 @@ fn a_rank_panicking_mid_step_ends_the_step_with_an_error() {
             let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
             let batch = whole(name);
             let open = move || Checkpoint::open(&dir);
-            let (first, second) = match AnyConfig::read(&fixture(name)).unwrap() {
-                AnyConfig::Llama(c) => {
-                    let m = TpLlama::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
-                    (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
-                }
-                AnyConfig::Deepseek(c) => {
-                    let m = TpDeepseek::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
-                    (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
-                }
-                AnyConfig::Gemma3(c) => {
-                    let m = TpGemma3::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
-                    (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
-                }
-                AnyConfig::GptOss(c) => {
-                    let m = TpGptOss::<usize, usize, Emu<F32>>::build_on(&b, c, 2, open).unwrap();
-                    (m.forward_step(&batch, &set, &mut ()).map(drop), m.forward_step(&batch, &set, &mut ()).map(drop))
-                }
+            let (first, second) = {
+                let m = AnyConfig::read(&fixture(name)).unwrap().load_on(b, 2, open).unwrap();
+                let mut cache = AnyCache::default();
+                (m.forward_step(&batch, &set, &mut cache).map(drop), m.forward_step(&batch, &set, &mut cache).map(drop))
             }; // the model (and its rank threads) dropped here, inside the watchdog's bound
             let _ = tx.send((first.map_err(|e| e.to_string()), second.map_err(|e| e.to_string())));
         });
@@ -275,7 +223,7 @@ fn expert_chunks_do_not_change_the_states() {
         let states = |budget: usize| {
             let AnyConfig::Deepseek(c) = AnyConfig::read(&dir).unwrap() else { panic!("{name} is a DeepSeek fixture") };
             let b = Emu::<Bf16>::new(Emulated::default(), vec![0]).moe_scratch(budget);
-            let ckpt = Checkpoint::open_scoped(&dir, AnyConfig::read(&dir).unwrap().tensor_prefix()).unwrap();
+            let ckpt = Checkpoint::open_scoped(&dir, &AnyConfig::read(&dir).unwrap().tensor_prefix()).unwrap();
             let m = Deepseek::<usize, Emu<Bf16>>::from_checkpoint_on(b, c, &ckpt).unwrap();
             m.forward_step(&batch, &set, &mut Default::default()).unwrap()
         };
@@ -300,7 +248,7 @@ fn the_experts_take_the_grouped_gemm_where_cublas_has_it() {
         let dir = fixture(name);
         let AnyConfig::Deepseek(c) = AnyConfig::read(&dir).unwrap() else { panic!("{name} is a DeepSeek fixture") };
         let kernel = strata::backend::cuda::Device::gemm_path(&dev).kernel(C::COMPUTE);
-        let ckpt = Checkpoint::open_scoped(&dir, AnyConfig::read(&dir).unwrap().tensor_prefix()).unwrap();
+        let ckpt = Checkpoint::open_scoped(&dir, &AnyConfig::read(&dir).unwrap().tensor_prefix()).unwrap();
         let m = Deepseek::<usize, Emu<C>>::from_checkpoint_on(Emu::<C>::new(dev, vec![0]), c, &ckpt).unwrap();
         let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
         let states = m.forward_step(&whole(name), &set, &mut Default::default()).unwrap();
@@ -438,7 +386,7 @@ fn expanded_weights_are_kept_when_memory_allows() {
     fn two_steps(name: &str, dev: Emulated) -> (Vec<f32>, [usize; 2]) {
         let dir = fixture(name);
         let AnyConfig::Deepseek(c) = AnyConfig::read(&dir).unwrap() else { panic!("{name} is a DeepSeek fixture") };
-        let ckpt = Checkpoint::open_scoped(&dir, AnyConfig::read(&dir).unwrap().tensor_prefix()).unwrap();
+        let ckpt = Checkpoint::open_scoped(&dir, &AnyConfig::read(&dir).unwrap().tensor_prefix()).unwrap();
         let m = Deepseek::<usize, Emu<Bf16>>::from_checkpoint_on(Emu::<Bf16>::new(dev, vec![0]), c, &ckpt).unwrap();
         let set = CaptureSet::<usize>::try_new(all_points(num_layers(name))).unwrap();
         let dequants = |m: &Deepseek<usize, Emu<Bf16>>| {
@@ -577,7 +525,7 @@ fn the_bf16_attention_block_keeps_q_k_v_in_bf16() {
     let (norm, qn, kn) = (b.vector(vals(h, 4)), b.vector(vals(hd, 5)), b.vector(vals(hd, 6)));
     let inv_freq = (0..hd / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / hd as f32)).collect();
     let rope = b.rope_table(&RopeFreqs { inv_freq, scale: 1.0 }, batch.max_position());
-    let shape = AttnShape { heads: nh, kv_heads: nkv, head_dim: hd, v_dim: hd, window: None, scale: 0.088 };
+    let shape = AttnShape { heads: nh, kv_heads: nkv, head_dim: hd, v_dim: hd, mask: Mask::Causal, scale: 0.088 };
     let block = AttnBlock {
         qkv_proj: &qkv_proj,
         o_proj: &o_proj,

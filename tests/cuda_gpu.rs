@@ -54,7 +54,7 @@ fn forward(m: &AnyModel, name: &str, batches: &[PackedBatch]) -> Vec<CapturedSta
 }
 
 fn all_fixtures() -> impl Iterator<Item = &'static str> {
-    FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT).copied()
+    FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT).copied()
 }
 
 #[test]

@@ -136,3 +136,39 @@ fn gpt_oss_20b_alternates_sliding_and_full_layers_with_mxfp4_experts() {
     let err = AnyConfig::GptOss(c.clone()).check(&opts(3)).unwrap_err().to_string();
     assert!(err.contains("num_attention_heads"), "{err}");
 }
+
+#[test]
+fn llama_4_scout_routes_every_layer_and_chunks_its_rope_layers() {
+    let AnyConfig::Llama4(c) = config("llama-4-scout-17b-16e") else { panic!("llama4 is a Llama 4 config") };
+    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (48, 5120, 40, 8, 128));
+    assert_eq!((c.num_experts, c.top_k, c.intermediate_size, c.vocab_size), (16, 1, 8192, 202_048));
+    assert_eq!(c.tensor_prefix, "language_model.", "the wrapper's text model: language_model.model.*");
+    assert!(c.layers.iter().all(|l| l.moe), "moe_layers 0..47");
+    // no_rope_layers [1, 1, 1, 0] × 12: a 1 means the layer USES RoPE.
+    let nope: Vec<usize> = (0..48).filter(|&i| !c.layers[i].rope).collect();
+    assert_eq!(nope, (3..48).step_by(4).collect::<Vec<_>>());
+    assert!(c.layers.iter().all(|l| l.chunk == l.rope.then_some(8192)), "the RoPE layers attend in chunks of 8192");
+    assert!(c.qk_norm, "use_qk_norm: q and k normed after RoPE on the RoPE layers");
+    let t = c.temperature.expect("attn_temperature_tuning: 4 (the hub's integer) is on");
+    assert_eq!((t.floor_scale, t.attn_scale), (8192.0, 0.1));
+    // llama3 scaling by 8 over 8192 original positions on base 5e5: the highest frequency is kept.
+    assert_eq!((c.rope_theta, c.rope().inv_freq[0]), (500_000.0, 1.0));
+    let low = 500_000f32.powf(-126.0 / 128.0);
+    assert!((c.rope().inv_freq[63] - low / 8.0).abs() < 1e-6 * low, "the lowest frequency divided by 8");
+    let opts = |tp| strata::model::LoadOptions { tp, ..Default::default() };
+    AnyConfig::Llama4(c.clone()).check(&opts(8)).expect("40 heads, 8 kv heads, 8192 expert columns over 8 ranks");
+    let err = AnyConfig::Llama4(c.clone()).check(&opts(3)).unwrap_err().to_string();
+    assert!(err.contains("num_attention_heads"), "{err}");
+}
+
+#[test]
+fn llama_4_maverick_alternates_dense_and_moe_layers_without_qk_norm() {
+    let AnyConfig::Llama4(c) = config("llama-4-maverick-17b-128e") else { panic!("llama4 is a Llama 4 config") };
+    assert_eq!((c.num_layers, c.num_experts, c.top_k, c.intermediate_size_mlp), (48, 128, 1, 16384));
+    let moe: Vec<usize> = (0..48).filter(|&i| c.layers[i].moe).collect();
+    assert_eq!(moe, (1..48).step_by(2).collect::<Vec<_>>(), "interleave_moe_layer_step 2: the odd layers route");
+    assert!(!c.qk_norm, "use_qk_norm: false");
+    assert_eq!((c.layers[3].rope, c.layers[3].chunk, c.layers[4].chunk), (false, None, Some(8192)));
+    assert!(c.temperature.is_some(), "attn_temperature_tuning defaults to on");
+    assert_eq!(c.max_position_embeddings, 1_048_576);
+}

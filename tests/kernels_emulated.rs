@@ -12,7 +12,9 @@ mod cuda_emu;
 
 use cuda_emu::{emulation_source, gxx_accepts, gxx_or_skip, lib};
 use strata::backend::cuda::backend::{attention_bf16_smem, pad16};
-use strata::backend::{AttnShape, Backend, Glu, HeadSpan, KvCache, KvStore, Reference, Router, Tensor};
+use strata::backend::{
+    AttnShape, Backend, Glu, HeadSpan, KvCache, KvStore, Mask, Reference, Router, Temperature, Tensor,
+};
 use strata::hf::moe::{Scoring, TopkMethod};
 use strata::hf::quant::{QuantKind, QuantRows};
 use strata::hf::RopeFreqs;
@@ -170,6 +172,20 @@ fn rope_kernel_matches_the_reference_in_both_layouts() {
         });
         assert_close(&format!("rope interleave={interleave}"), &got, &want.to_host(&r), 1e-5);
     }
+    // Llama 4's attention temperature over the same rows and heads (floor_scale 2,
+    // so each position of the continuing chunk has its own factor), against the
+    // reference's f64 definition.
+    let t = Temperature { floor_scale: 2.0, attn_scale: 0.3 };
+    let span = HeadSpan { offset: 3, count: 5, stride: 18, width: 16 };
+    let mut want = Tensor::<Reference>::from_host(&r, &x, rows, width).unwrap();
+    r.attn_temperature(&mut want, span, t, &b);
+    let mut got = x.clone();
+    type T = unsafe extern "C" fn(usize, i32, i32, i32, i32, i32, i32, usize, f32, f32);
+    let f: T = unsafe { std::mem::transmute(l.sym("attn_temperature")) };
+    let (xp, pp) = (pm(&mut got), p(&positions));
+    l.launch((2, 1), 32, || unsafe { f(xp, rows as i32, width as i32, 3, 5, 18, 16, pp, 2.0, 0.3) });
+    assert_close("attn_temperature", &got, &want.to_host(&r), 1e-6);
+    assert!(got != x, "the temperature changed the rows");
 }
 
 #[test]
@@ -332,6 +348,35 @@ fn moe_gather_and_combine_sum_each_tokens_experts_in_order() {
     let f: C = unsafe { std::mem::transmute(l.sym("moe_combine")) };
     let (ep, sp, wp, hp, op) = (p(&xe), p(&slot), p(&w), p(&shared), pm(&mut got));
     l.launch((1, 1), 32, || unsafe { f(ep, sp, wp, tokens as i32, top_k as i32, hidden as i32, hp, op) });
+    assert_eq!(got, want);
+
+    // Input gating (Llama 4): entry e's row goes to grouped row slot[e], times
+    // its weight; the combine then takes a null weight as 1 for every row.
+    let mut xs = vec![f32::NAN; src.len() * hidden];
+    type S = unsafe extern "C" fn(usize, usize, usize, i32, i32, i32, usize);
+    let f: S = unsafe { std::mem::transmute(l.sym("scatter_rows_scaled")) };
+    let (xp, sp, wp, ep) = (p(&x), p(&slot), p(&w), pm(&mut xs));
+    l.launch((1, 1), 32, || unsafe { f(xp, sp, wp, src.len() as i32, top_k as i32, hidden as i32, ep) });
+    for (e, &row) in slot.iter().enumerate() {
+        let want: Vec<f32> = x[e / top_k * hidden..][..hidden].iter().map(|v| w[e] * v).collect();
+        assert_eq!(&xs[row as usize * hidden..][..hidden], &want[..], "entry {e}");
+    }
+    let mut xs16 = vec![0u16; src.len() * hidden];
+    type S16 = unsafe extern "C" fn(usize, usize, usize, i32, i32, i32, usize);
+    let f: S16 = unsafe { std::mem::transmute(l.sym("scatter_rows_scaled_bf16")) };
+    let ep = pm(&mut xs16);
+    l.launch((1, 1), 32, || unsafe { f(xp, sp, wp, src.len() as i32, top_k as i32, hidden as i32, ep) });
+    let rounded: Vec<u16> = xs.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    assert!(xs16 == rounded, "scatter_rows_scaled_bf16 is the f32 rows rounded once");
+    let want: Vec<f32> = (0..tokens * hidden)
+        .map(|i| {
+            let (t, c) = (i / hidden, i % hidden);
+            (0..top_k).map(|k| xs[slot[t * top_k + k] as usize * hidden + c]).sum::<f32>()
+        })
+        .collect();
+    let f: C = unsafe { std::mem::transmute(l.sym("moe_combine")) };
+    let (ep, sp, op) = (p(&xs), p(&slot), pm(&mut got));
+    l.launch((1, 1), 32, || unsafe { f(ep, sp, 0, tokens as i32, top_k as i32, hidden as i32, 0, op) });
     assert_eq!(got, want);
 }
 
@@ -569,8 +614,9 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape, with_sinks: bool) {
             });
         }
         let mut got = vec![f32::NAN; t * nh * vd];
-        let window = shape.window.map_or(0, |w| w as i32);
-        type F = unsafe extern "C" fn(usize, i32, usize, usize, i32, i32, i32, i32, i32, f32, usize, usize);
+        let (window, chunk) = shape.mask.window_and_chunk();
+        let (window, chunk) = (window as i32, chunk as i32);
+        type F = unsafe extern "C" fn(usize, i32, usize, usize, i32, i32, i32, i32, i32, i32, f32, usize, usize);
         let (qp, sp, op) = (p(&qkv), p(&segs), pm(&mut got));
         let kp = sinks.as_ref().map_or(0, |s| p(s)); // null: no sinks
         if bf16_kernel {
@@ -585,7 +631,7 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape, with_sinks: bool) {
             let smem = attention_bf16_smem(hd, vd);
             let (qp, qs) = (p(&step_q16), (nh * dp) as i32);
             l.launch_smem(((tiles.len() / 2) as u32, nh as u32), 128, smem, || unsafe {
-                f(qp, qs, sp, tp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, kp, op)
+                f(qp, qs, sp, tp, nh as i32, nkv as i32, hd as i32, vd as i32, window, chunk, shape.scale, kp, op)
             });
             // Scores and probabilities are rounded to bf16 by the tensor-core path only.
             assert_close(&format!("attention_bf16 step {step}"), &got, &want.to_host(&r), 2e-2);
@@ -594,7 +640,8 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape, with_sinks: bool) {
             let f: F = unsafe { std::mem::transmute(l.sym("attention_f32")) };
             let gp = p(&seg_of);
             l.launch((t as u32, nh.div_ceil(4) as u32), 128, || unsafe {
-                f(qp, width as i32, sp, gp, nh as i32, nkv as i32, hd as i32, vd as i32, window, shape.scale, kp, op)
+                let (nh, nkv, hd, vd) = (nh as i32, nkv as i32, hd as i32, vd as i32);
+                f(qp, width as i32, sp, gp, nh, nkv, hd, vd, window, chunk, shape.scale, kp, op)
             });
             assert_close(&format!("attention_f32 step {step}"), &got, &want.to_host(&r), 1e-5);
         }
@@ -607,13 +654,18 @@ fn attention_kernels_match_the_reference_over_packed_chunked_segments() {
         return;
     }
     // GQA, a head dim that is not a multiple of 16, MLA-like distinct value width.
-    let gqa = AttnShape { heads: 6, kv_heads: 2, head_dim: 24, v_dim: 12, window: None, scale: 0.3 };
-    let window = AttnShape { window: Some(5), ..gqa };
-    let mha = AttnShape { heads: 5, kv_heads: 5, head_dim: 16, v_dim: 16, window: None, scale: 0.25 };
+    let gqa = AttnShape { heads: 6, kv_heads: 2, head_dim: 24, v_dim: 12, mask: Mask::Causal, scale: 0.3 };
+    let window = AttnShape { mask: Mask::Sliding(5), ..gqa };
+    let mha = AttnShape { heads: 5, kv_heads: 5, head_dim: 16, v_dim: 16, mask: Mask::Causal, scale: 0.25 };
     for shape in [gqa, window, mha] {
         attention_case(false, shape, false);
         attention_case(true, shape, false);
     }
+    // Llama 4's attention chunks: several per segment and across the chunked
+    // prefill's step boundary (the f32 kernel's segments are 9, 6 and 7
+    // positions long, the bf16 kernel's 70, 37 and 75, over 32-key tiles).
+    attention_case(false, AttnShape { mask: Mask::Chunked(4), ..gqa }, false);
+    attention_case(true, AttnShape { mask: Mask::Chunked(24), ..gqa }, false);
     // gpt-oss's sinks, on full and sliding layers alike.
     for shape in [gqa, window] {
         attention_case(false, shape, true);

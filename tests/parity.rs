@@ -11,6 +11,7 @@ use strata::model::decoder::{Block, Decoder};
 use strata::model::gemma3::DecoderLayer as GemmaLayer;
 use strata::model::gpt_oss::DecoderLayer as GptOssLayer;
 use strata::model::llama::DecoderLayer as LlamaLayer;
+use strata::model::llama4::DecoderLayer as Llama4Layer;
 use strata::model::Llama;
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
@@ -26,6 +27,9 @@ fn library_matches_hf_at_every_capture_point() {
     }
     for name in GPT_OSS {
         library_matches::<GptOssLayer<Cpu>>(name);
+    }
+    for name in LLAMA4 {
+        library_matches::<Llama4Layer<Cpu>>(name);
     }
 }
 
@@ -56,7 +60,7 @@ fn library_matches<L: Block<Cpu>>(name: &str) {
 
 #[test]
 fn cli_matches_hf_at_every_capture_point() {
-    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4) {
         let n = num_layers(name);
         let points = all_points(n);
         let list: Vec<String> = points.iter().map(|p| p.to_string()).collect();
@@ -91,7 +95,7 @@ fn cli_matches_hf_at_every_capture_point() {
 
 #[test]
 fn native_format_matches_hf_at_every_capture_point() {
-    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4) {
         let n = num_layers(name);
         let points = all_points(n);
         let list: Vec<String> = points.iter().map(|p| p.to_string()).collect();

@@ -23,7 +23,7 @@ fn extract_fixture(name: &str, out: &Path, extra: &[&str]) {
 fn output_is_identical_whatever_the_batch_budget() {
     // 64, 512 and 8192 as the issue asks; 5 also chunks every sample longer than 5
     // tokens, one token at a time at the chunk edges.
-    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4) {
         let capture = format!("embeddings,input:1,final,final-norm,output:{}", num_layers(name) - 1);
         for format in ["strata", "speculators"] {
             let mut reference = None;
@@ -43,9 +43,10 @@ fn output_is_identical_whatever_the_batch_budget() {
 
 #[test]
 fn bf16_compute_output_is_identical_whatever_the_batch_budget() {
-    // Dense and MLA + MoE: the bf16 GEMMs, attention and router keep their
+    // Dense, MLA + MoE and Llama 4 (chunked masks, tempered queries, input-gated
+    // experts): the bf16 GEMMs, attention and router keep their
     // order whatever the step holds.
-    for name in ["mistral-swa", "qwen3", "deepseek-v3", "kimi-k2-int4"] {
+    for name in ["mistral-swa", "qwen3", "llama4-text", "deepseek-v3", "kimi-k2-int4"] {
         let capture = format!("embeddings,input:1,final,output:{}", num_layers(name) - 1);
         let mut reference = None;
         for budget in ["3", "17", "8192"] {

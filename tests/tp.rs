@@ -45,7 +45,7 @@ fn run(name: &str, tp: &str, budget: &str, out: &std::path::Path) {
 
 #[test]
 fn tp_1_2_4_agree_for_every_fixture() {
-    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4) {
         let tmp = tempfile::tempdir().unwrap();
         let n = num_layers(name);
         let points = all_points(n);

@@ -84,6 +84,13 @@ pub(crate) fn rope<B: Backend>(x: &Tensor<B>, span: HeadSpan, half: usize, batch
     shape("rope", "tokens", batch.num_tokens(), x.rows());
 }
 
+/// Panics unless the scaled heads fit the buffer, which holds the batch's tokens.
+#[track_caller]
+pub(crate) fn temperature<B: Backend>(x: &Tensor<B>, span: HeadSpan, batch: &PackedBatch) {
+    heads("attn_temperature", span, x.width());
+    shape("attn_temperature", "tokens", batch.num_tokens(), x.rows());
+}
+
 /// Panics unless `gate_up` is `[T, 2·inter]` and `out` `[T, inter]`.
 #[track_caller]
 pub(crate) fn swiglu<B: Backend>(gate_up: &Tensor<B>, out: &Tensor<B>) {

@@ -193,10 +193,71 @@ pub struct AttnShape {
     pub head_dim: usize,
     /// Per-head width of values (and of the output); MLA's differs from `head_dim`.
     pub v_dim: usize,
-    /// `Some(w)`: a query sees itself and the `w - 1` positions before it.
-    pub window: Option<usize>,
+    /// Which earlier positions a query sees.
+    pub mask: Mask,
     /// Score scale, `head_dim^-0.5` (times YaRN's factor).
     pub scale: f32,
+}
+
+/// Which positions a causal query sees beyond itself, by absolute positions
+/// within its sample (so the same however a sample is chunked or packed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mask {
+    /// Every earlier position.
+    Causal,
+    /// The `w - 1` positions before it (Mistral, Gemma 3's local layers, gpt-oss's sliding ones).
+    Sliding(usize),
+    /// The earlier positions of its chunk: keys `j` with `j / c == p / c`
+    /// (Llama 4's RoPE layers, `attention_chunk_size`).
+    Chunked(usize),
+}
+
+impl Mask {
+    /// The first key position the query at position `p` sees (it sees every one up to `p`).
+    pub fn first_key(self, p: usize) -> usize {
+        match self {
+            Mask::Causal => 0,
+            Mask::Sliding(w) => (p + 1).saturating_sub(w),
+            Mask::Chunked(c) => p - p % c.max(1),
+        }
+    }
+
+    /// The sliding window `w`, 0 for none, and the chunk `c`, 0 for none:
+    /// what the CUDA kernels take.
+    pub fn window_and_chunk(self) -> (usize, usize) {
+        match self {
+            Mask::Causal => (0, 0),
+            Mask::Sliding(w) => (w, 0),
+            Mask::Chunked(c) => (0, c),
+        }
+    }
+}
+
+/// Llama 4's attention temperature on its NoPE layers: the query at
+/// absolute position `p` is scaled by `ln(1 + floor((p + 1) / floor_scale)) ·
+/// attn_scale + 1` (`attn_temperature_tuning`, arXiv:2501.19399).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Temperature {
+    /// `floor_scale` (8192 in the releases).
+    pub floor_scale: f32,
+    /// `attn_scale` (0.1).
+    pub attn_scale: f32,
+}
+
+impl Temperature {
+    /// The factor at position `p`, in f32 as transformers computes it.
+    pub fn at(self, p: usize) -> f32 {
+        ((p as f32 + 1.0) / self.floor_scale).floor().ln_1p() * self.attn_scale + 1.0
+    }
+}
+
+/// Where a routed expert's router weight applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// `w · expert(x)`: every MoE family but Llama 4.
+    Output,
+    /// `expert(w · x)` (Llama 4: the sigmoid of the router logit scales the expert's input).
+    Input,
 }
 
 /// A pre-norm attention block of the Llama family, as one op takes it
@@ -502,6 +563,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// `out = act(gate, up)` of `gate_up = [gate | up]`, for each [`Glu`]
     /// (`Glu::Silu` is [`Self::swiglu`]).
     fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>);
+    /// In place: each row's `heads` times the [`Temperature`] at its token's
+    /// absolute position within its sample (Llama 4's NoPE queries).
+    fn attn_temperature(&self, x: &mut Tensor<Self>, heads: HeadSpan, t: Temperature, batch: &PackedBatch);
     /// `x *= s` (Gemma's embedding scale).
     fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32);
     /// `x += y`.
@@ -610,13 +674,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Each token's top-k experts and weights from the router's logits `[T, E]`
     /// (`correction`: noaux_tc's `e_score_correction_bias`).
     fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Self::Vector>) -> Self::Routes;
-    /// `out = Σ_k w_k · expert_k(x) + shared(x)`, summed over ranks (one all-reduce).
+    /// `out = Σ_k w_k · expert_k(x) + shared(x)` (or, [`Gating::Input`],
+    /// `Σ_k expert_k(w_k · x) + shared(x)`), summed over ranks (one all-reduce).
+    #[allow(clippy::too_many_arguments)]
     fn moe_experts<H: Dim>(
         &self,
         experts: &[GatedLinear<Self>],
         shared: Option<&GatedLinear<Self>>,
         x: &Tensor<Self, H>,
         routes: &Self::Routes,
+        gating: Gating,
         out: &mut Tensor<Self, H>,
     );
     /// Sums `x` over the ranks of the group, in rank order (deterministic).

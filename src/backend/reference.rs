@@ -10,8 +10,8 @@
 
 use super::{check, host};
 use super::{
-    AttnShape, Backend, BackendError, Cols, GatedLinear, Glu, HeadSpan, KvCache, LinearInfo, Parallel, Resident,
-    Router, Tensor, F32,
+    AttnShape, Backend, BackendError, Cols, GatedLinear, Gating, Glu, HeadSpan, KvCache, LinearInfo, Parallel,
+    Resident, Router, Temperature, Tensor, F32,
 };
 use crate::hf::checkpoint::TensorBytes;
 use crate::hf::moe::{Scoring, TopkMethod};
@@ -302,6 +302,24 @@ impl Backend for Reference {
         }
     }
 
+    fn attn_temperature(&self, x: &mut Tensor<Self>, heads: HeadSpan, t: Temperature, batch: &PackedBatch) {
+        check::temperature(x, heads, batch);
+        let width = x.width();
+        for (s, seg) in batch.segments().iter().enumerate() {
+            for (i, row) in batch.range(s).enumerate() {
+                // The definition in f64: ln(1 + floor((p + 1) / floor_scale)) · attn_scale + 1.
+                let p = (seg.pos0 + i) as f64;
+                let f = ((p + 1.0) / t.floor_scale as f64).floor().ln_1p() * t.attn_scale as f64 + 1.0;
+                for h in 0..heads.count {
+                    let o = row * width + heads.offset + h * heads.stride;
+                    for v in &mut x.storage_mut()[o..o + heads.width] {
+                        *v = (*v as f64 * f) as f32;
+                    }
+                }
+            }
+        }
+    }
+
     fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32) {
         for x in x.storage_mut() {
             *x = (*x as f64 * s as f64) as f32;
@@ -377,7 +395,7 @@ impl Backend for Reference {
             };
             for (i, row) in rows.enumerate() {
                 let p = seg.pos0 + i; // the query's position within its sample
-                let lo = s.window.map_or(0, |w| (p + 1).saturating_sub(w));
+                let lo = s.mask.first_key(p);
                 for h in 0..nh {
                     let g = h / (nh / nkv);
                     let qh = &q.storage[row * q.stride + q.offset + h * hd..][..hd];
@@ -451,6 +469,7 @@ impl Backend for Reference {
         shared: Option<&GatedLinear<Self>>,
         x: &Tensor<Self, H>,
         routes: &Self::Routes,
+        gating: Gating,
         out: &mut Tensor<Self, H>,
     ) {
         let (t, h) = (x.rows(), x.width().size());
@@ -467,9 +486,17 @@ impl Backend for Reference {
             if picked.is_empty() {
                 continue;
             }
-            let rows: Vec<f32> =
-                picked.iter().flat_map(|&(tok, _)| x.storage()[tok * h..(tok + 1) * h].to_vec()).collect();
+            // Input gating scales each row, rounded to f32 as the expert's input is.
+            let input = gating == Gating::Input;
+            let rows: Vec<f32> = picked
+                .iter()
+                .flat_map(|&(tok, w)| {
+                    let row = &x.storage()[tok * h..(tok + 1) * h];
+                    row.iter().map(move |&v| if input { (v as f64 * w) as f32 } else { v })
+                })
+                .collect();
             for (y, &(tok, w)) in gated_rows(expert, &rows).into_iter().zip(&picked) {
+                let w = if input { 1.0 } else { w };
                 acc[tok].iter_mut().zip(y).for_each(|(a, y)| *a += w * y);
             }
         }

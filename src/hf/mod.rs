@@ -1,5 +1,5 @@
 //! Hugging Face checkpoints: safetensors weights ([`checkpoint`]), one
-//! normalised `config.json` per architecture family ([`llama`], [`deepseek`], [`gemma3`], [`gpt_oss`]),
+//! normalised `config.json` per architecture family ([`llama`], [`deepseek`], [`gemma3`], [`gpt_oss`], [`llama4`]),
 //! and the quantisation schemes weights may be stored in ([`quant`]).
 //!
 //! Everything here is host-side parsing and checking; nothing runs a model.
@@ -9,6 +9,7 @@ pub mod deepseek;
 pub mod gemma3;
 pub mod gpt_oss;
 pub mod llama;
+pub mod llama4;
 pub mod moe;
 pub mod quant;
 
@@ -17,6 +18,7 @@ pub use deepseek::DeepseekConfig;
 pub use gemma3::Gemma3Config;
 pub use gpt_oss::GptOssConfig;
 pub use llama::LlamaConfig;
+pub use llama4::Llama4Config;
 
 /// Why a `config.json` cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -34,7 +36,7 @@ pub enum ConfigError {
     Json(#[from] serde_json::Error),
     /// A `model_type` Strata does not run.
     #[error(
-        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, glm4_moe, minimax_m2, gemma3, gemma3_text, gpt_oss, deepseek_v2, deepseek_v3, kimi_k2, kimi_k25)"
+        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, glm4_moe, minimax_m2, gemma3, gemma3_text, gpt_oss, llama4, llama4_text, deepseek_v2, deepseek_v3, kimi_k2, kimi_k25)"
     )]
     UnsupportedModel(String),
     /// A field the architecture needs is absent.

@@ -172,7 +172,7 @@ impl ModelRequest {
         let _span = tracing::info_span!("open_model", model = %self.source.name()).entered();
         let t = Instant::now();
         let CheckedConfig { text, config } = checked;
-        let open = self.source.opener(config.tensor_prefix());
+        let open = self.source.opener(&config.tensor_prefix());
         let ckpt = open()?;
         let weights_digest = ckpt.digest();
         let compute = resolve_compute(self.compute, self.backend, &config, &ckpt);

@@ -4,10 +4,11 @@
 //! hands back one [`AnyModel`] the pipeline can run. Adding a family or a
 //! backend adds a case here; the model files do not change.
 
-use super::{deepseek, gemma3, gpt_oss, llama, Decoder, Model, ModelError, PendingStates, TpModel};
+use super::decoder::{Block, Frame};
+use super::{deepseek, gemma3, gpt_oss, llama, llama4, Decoder, Model, ModelError, PendingStates, TpModel};
 use crate::backend::{Backend, Bf16, Compute, ComputeDtype, Cpu, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
-use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, Gemma3Config, GptOssConfig, LlamaConfig};
+use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, Gemma3Config, GptOssConfig, Llama4Config, LlamaConfig};
 use crate::pipeline::batch::PackedBatch;
 use crate::pipeline::capture::CaptureSet;
 use crate::shape::{CapturedStates, DType, Dim};
@@ -26,6 +27,10 @@ pub type TpGemma3<H, TP = usize, B = Cpu> = TpModel<Gemma3<H, B>, TP>;
 pub type GptOss<H = usize, B = Cpu> = Decoder<B, gpt_oss::DecoderLayer<B>, H>;
 /// gpt-oss as tensor-parallel ranks.
 pub type TpGptOss<H, TP = usize, B = Cpu> = TpModel<GptOss<H, B>, TP>;
+/// Llama 4's text model on backend `B` (the CPU unless named).
+pub type Llama4<H = usize, B = Cpu> = Decoder<B, llama4::DecoderLayer<B>, H>;
+/// Llama 4's text model as tensor-parallel ranks.
+pub type TpLlama4<H, TP = usize, B = Cpu> = TpModel<Llama4<H, B>, TP>;
 /// A Llama-family model over `TP` ranks.
 pub type TpLlama<H, TP = usize, B = Cpu> = TpModel<Llama<H, B>, TP>;
 /// A DeepSeek V2/V3 / Kimi-K2 model over `TP` ranks.
@@ -141,7 +146,7 @@ impl ComputeChoice {
 /// A parsed `config.json` of any supported family, before any weight is read.
 #[derive(Clone, Debug)]
 pub enum AnyConfig {
-    /// Llama, Mistral, Qwen2, Qwen3.
+    /// Llama, Mistral, Qwen2, Qwen3, and their mixtures of experts.
     Llama(LlamaConfig),
     /// DeepSeek V2/V3, Kimi-K2, Kimi-K2.5.
     Deepseek(DeepseekConfig),
@@ -149,6 +154,38 @@ pub enum AnyConfig {
     Gemma3(Gemma3Config),
     /// gpt-oss (`gpt_oss`).
     GptOss(GptOssConfig),
+    /// Llama 4 (`llama4_text`, and the text model of `llama4`).
+    Llama4(Llama4Config),
+}
+
+/// The one list of families: runs `$body` with `$c` bound to the config
+/// `$config` holds and `$L<B>` naming its family's decoder layer over a
+/// backend `B`. A new family adds a variant above and a line here.
+macro_rules! dispatch {
+    ($config:expr, |$c:ident, $L:ident| $body:expr) => {
+        match $config {
+            AnyConfig::Llama($c) => {
+                type $L<B> = llama::DecoderLayer<B>;
+                $body
+            }
+            AnyConfig::Deepseek($c) => {
+                type $L<B> = deepseek::DecoderLayer<B>;
+                $body
+            }
+            AnyConfig::Gemma3($c) => {
+                type $L<B> = gemma3::DecoderLayer<B>;
+                $body
+            }
+            AnyConfig::GptOss($c) => {
+                type $L<B> = gpt_oss::DecoderLayer<B>;
+                $body
+            }
+            AnyConfig::Llama4($c) => {
+                type $L<B> = llama4::DecoderLayer<B>;
+                $body
+            }
+        }
+    };
 }
 
 impl AnyConfig {
@@ -164,6 +201,8 @@ impl AnyConfig {
             AnyConfig::Gemma3(Gemma3Config::from_json(text)?)
         } else if GptOssConfig::handles(&model_type) {
             AnyConfig::GptOss(GptOssConfig::from_json(text)?)
+        } else if Llama4Config::handles(&model_type) {
+            AnyConfig::Llama4(Llama4Config::from_json(text)?)
         } else {
             AnyConfig::Llama(LlamaConfig::from_json(text)?)
         })
@@ -180,34 +219,24 @@ impl AnyConfig {
         super::decoder::read_config_text(dir)
     }
 
-    /// The outer shape.
-    pub fn info(&self) -> ArchInfo {
-        match self {
-            AnyConfig::Llama(c) => c.info(),
-            AnyConfig::Deepseek(c) => c.info(),
-            AnyConfig::Gemma3(c) => c.info(),
-            AnyConfig::GptOss(c) => c.info(),
-        }
+    /// What the shared skeleton needs of the config.
+    fn frame(&self) -> Frame {
+        dispatch!(self, |c, L| <L<Reference> as Block<Reference>>::frame(c))
     }
 
-    /// Prefix of the text model's tensor names.
-    pub fn tensor_prefix(&self) -> &str {
-        match self {
-            AnyConfig::Llama(_) => "",
-            AnyConfig::Deepseek(c) => &c.tensor_prefix,
-            AnyConfig::Gemma3(c) => &c.tensor_prefix,
-            AnyConfig::GptOss(_) => "",
-        }
+    /// The outer shape.
+    pub fn info(&self) -> ArchInfo {
+        self.frame().info
+    }
+
+    /// Prefix of the text model's tensor names (`language_model.` in a multimodal wrapper).
+    pub fn tensor_prefix(&self) -> String {
+        self.frame().tensor_prefix
     }
 
     /// The quantisation scheme of the weights, if any, in words.
     pub fn quantization(&self) -> Option<String> {
-        match self {
-            AnyConfig::Llama(c) => c.quant.as_ref().map(|q| q.describe()),
-            AnyConfig::Gemma3(_) => None, // refused at parse time
-            AnyConfig::GptOss(c) => c.mxfp4.then(|| "MXFP4 experts (E2M1 codes, E8M0 scales per 32 inputs)".into()),
-            AnyConfig::Deepseek(c) => c.quant.as_ref().map(|q| q.describe()),
-        }
+        dispatch!(self, |c, L| <L<Reference> as Block<Reference>>::quantization(c))
     }
 
     /// Checks the options against the config before any weight is read:
@@ -228,12 +257,7 @@ impl AnyConfig {
             )));
         }
         if opts.tp > 1 {
-            match self {
-                AnyConfig::Llama(c) => llama::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
-                AnyConfig::Deepseek(c) => c.check_tp(opts.tp).map_err(ModelError::Parallel)?,
-                AnyConfig::Gemma3(c) => gemma3::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
-                AnyConfig::GptOss(c) => gpt_oss::check_split(c, opts.tp).map_err(ModelError::Parallel)?,
-            }
+            dispatch!(self, |c, L| <L<Reference> as Block<Reference>>::check_split(c, opts.tp))?;
         }
         Ok(())
     }
@@ -245,43 +269,46 @@ impl AnyConfig {
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<AnyModel, ModelError> {
         self.check(&opts)?;
-        let info = self.info();
-        let compute = opts.compute;
-        let inner: Box<dyn ErasedModel> = match (opts.backend, compute) {
-            (BackendKind::Cpu, Compute::F32) => self.load_cpu::<F32>(opts.tp, open)?,
-            (BackendKind::Cpu, Compute::Bf16) => self.load_cpu::<Bf16>(opts.tp, open)?,
-            (BackendKind::Reference, _) => self.load_reference(open)?,
+        let (tp, compute, info) = (opts.tp, opts.compute, self.info());
+        let (inner, cuda_kernel) = match (opts.backend, compute) {
+            (BackendKind::Cpu, Compute::F32) => (self.erased_on(Cpu::<F32>::default(), tp, open)?, None),
+            (BackendKind::Cpu, Compute::Bf16) => (self.erased_on(Cpu::<Bf16>::default(), tp, open)?, None),
+            (BackendKind::Reference, _) => (self.erased_on(Reference, 1, open)?, None),
             (BackendKind::Cuda, compute) => {
                 let (inner, kernel) = self.load_cuda(compute, &opts, open)?;
-                return Ok(AnyModel { inner, info, options: opts, compute, cuda_kernel: Some(kernel) });
+                (inner, Some(kernel))
             }
         };
-        Ok(AnyModel { inner, info, options: opts, compute, cuda_kernel: None })
+        Ok(AnyModel { inner, info, options: opts, compute, cuda_kernel })
     }
 
-    fn load_cpu<C: ComputeDtype>(
+    /// The model on `backend`, as `tp` ranks of its group when `tp > 1`, each
+    /// reading its weights from `open`: what [`load`](Self::load) does for the
+    /// backends it names, for any backend (an emulated GPU in the tests).
+    pub fn load_on<B: Backend>(
         self,
+        backend: B,
+        tp: usize,
+        open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
+    ) -> Result<AnyModel, ModelError> {
+        let (compute, info) = (backend.compute(), self.info());
+        let kind = B::NAME.parse().map_err(ModelError::Backend)?;
+        let inner = self.erased_on(backend, tp, open)?;
+        let options = LoadOptions { backend: kind, compute, tp, devices: Vec::new() };
+        Ok(AnyModel { inner, info, options, compute, cuda_kernel: None })
+    }
+
+    fn erased_on<B: Backend>(
+        self,
+        backend: B,
         tp: usize,
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<Box<dyn ErasedModel>, ModelError> {
-        Ok(match (self, tp) {
-            (AnyConfig::Llama(c), 1) => Box::new(Llama::<usize, Cpu<C>>::from_checkpoint(c, &open()?)?),
-            (AnyConfig::Llama(c), tp) => {
-                Box::new(TpLlama::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
-            }
-            (AnyConfig::Deepseek(c), 1) => Box::new(Deepseek::<usize, Cpu<C>>::from_checkpoint(c, &open()?)?),
-            (AnyConfig::Deepseek(c), tp) => {
-                Box::new(TpDeepseek::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
-            }
-            (AnyConfig::Gemma3(c), 1) => Box::new(Gemma3::<usize, Cpu<C>>::from_checkpoint(c, &open()?)?),
-            (AnyConfig::Gemma3(c), tp) => {
-                Box::new(TpGemma3::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
-            }
-            (AnyConfig::GptOss(c), 1) => Box::new(GptOss::<usize, Cpu<C>>::from_checkpoint(c, &open()?)?),
-            (AnyConfig::GptOss(c), tp) => {
-                Box::new(TpGptOss::<usize, usize, Cpu<C>>::build_on(&Cpu::default(), c, tp, open)?)
-            }
-        })
+        Ok(dispatch!(self, |c, L| if tp == 1 {
+            Box::new(Decoder::<B, L<B>>::from_checkpoint_on(backend, c, &open()?)?) as Box<dyn ErasedModel>
+        } else {
+            Box::new(TpModel::<Decoder<B, L<B>>, usize>::build_on(&backend, c, tp, open)?)
+        }))
     }
 
     #[cfg(feature = "cuda")]
@@ -301,22 +328,7 @@ impl AnyConfig {
             let first = Driver::open(devices[0]).map_err(|e| ModelError::Backend(e.to_string()))?;
             let kernel = first.gemm_path().kernel(C::COMPUTE);
             tracing::info!(kernels = first.image.name(), gemm = kernel, "GPU {} opened", devices[0]);
-            let b = Cuda::<C>::new(first, devices);
-            let model: Box<dyn ErasedModel> = match (config, opts.tp) {
-                (AnyConfig::Llama(c), 1) => Box::new(Llama::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?),
-                (AnyConfig::Llama(c), tp) => Box::new(TpLlama::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?),
-                (AnyConfig::Deepseek(c), 1) => {
-                    Box::new(Deepseek::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?)
-                }
-                (AnyConfig::Deepseek(c), tp) => {
-                    Box::new(TpDeepseek::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?)
-                }
-                (AnyConfig::Gemma3(c), 1) => Box::new(Gemma3::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?),
-                (AnyConfig::Gemma3(c), tp) => Box::new(TpGemma3::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?),
-                (AnyConfig::GptOss(c), 1) => Box::new(GptOss::<usize, Cuda<C>>::from_checkpoint_on(b, c, &open()?)?),
-                (AnyConfig::GptOss(c), tp) => Box::new(TpGptOss::<usize, usize, Cuda<C>>::build_on(&b, c, tp, open)?),
-            };
-            Ok((model, kernel))
+            Ok((config.erased_on(Cuda::<C>::new(first, devices), opts.tp, open)?, kernel))
         }
         match compute {
             Compute::F32 => on::<F32>(self, opts, open),
@@ -333,18 +345,6 @@ impl AnyConfig {
     ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
         // Refused by `check` already; the same error if called another way.
         probe_cuda(&[]).and(Err(ModelError::Backend("built without --features cuda".into())))
-    }
-
-    fn load_reference(
-        self,
-        open: impl Fn() -> Result<Checkpoint, CheckpointError>,
-    ) -> Result<Box<dyn ErasedModel>, ModelError> {
-        Ok(match self {
-            AnyConfig::Llama(c) => Box::new(Llama::<usize, Reference>::from_checkpoint(c, &open()?)?),
-            AnyConfig::Deepseek(c) => Box::new(Deepseek::<usize, Reference>::from_checkpoint(c, &open()?)?),
-            AnyConfig::Gemma3(c) => Box::new(Gemma3::<usize, Reference>::from_checkpoint(c, &open()?)?),
-            AnyConfig::GptOss(c) => Box::new(GptOss::<usize, Reference>::from_checkpoint(c, &open()?)?),
-        })
     }
 }
 
@@ -398,7 +398,7 @@ fn probe_cuda(_devices: &[usize]) -> Result<(), ModelError> {
 /// over the ranks `opts` names.
 pub fn load(dir: &Path, opts: LoadOptions) -> Result<AnyModel, ModelError> {
     let config = AnyConfig::read(dir)?;
-    let (dir, prefix) = (dir.to_path_buf(), config.tensor_prefix().to_string());
+    let (dir, prefix) = (dir.to_path_buf(), config.tensor_prefix());
     config.load(opts, move || Checkpoint::open_scoped(&dir, &prefix))
 }
 

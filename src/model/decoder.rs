@@ -86,6 +86,10 @@ pub trait Block<B: Backend>: Sized + Send + Sync + 'static {
     fn frame(config: &Self::Config) -> Frame;
     /// Checks that the config splits over `ranks` tensor-parallel ranks, before any weight is read.
     fn check_split(config: &Self::Config, ranks: usize) -> Result<(), ModelError>;
+    /// The quantisation scheme of the weights, if any, in words (plain weights: `None`).
+    fn quantization(_config: &Self::Config) -> Option<String> {
+        None
+    }
     /// Loads layer `index`: this rank's share of it (`b.rank()` of `b.world_size()`).
     fn load(b: &B, config: &Self::Config, ckpt: &Checkpoint, index: usize) -> Result<Self, ModelError>;
     /// Buffers for a step of `tokens` tokens.

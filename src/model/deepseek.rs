@@ -19,7 +19,9 @@ use super::decoder::{Block, Decoder, Frame, Step};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnShape, Backend, GatedLinear, Glu, HeadSpan, LinearInfo, Parallel, Resident, Router, Tensor};
+use crate::backend::{
+    AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, Tensor,
+};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::deepseek::DeepseekConfig;
 use crate::hf::moe::TopkMethod;
@@ -251,7 +253,7 @@ impl<B: Backend> Mla<B> {
             HeadSpan { offset: nope, count: nh, stride: qk, width: rope },
         );
         b.copy_heads(&s.kvb, kvb(nope, vd), &mut s.v, HeadSpan::heads(0, nh, vd));
-        let shape = AttnShape { heads: nh, kv_heads: nh, head_dim: qk, v_dim: vd, window: None, scale: d.scale };
+        let shape = AttnShape { heads: nh, kv_heads: nh, head_dim: qk, v_dim: vd, mask: Mask::Causal, scale: d.scale };
         s.out.resize(b, t, nh * vd);
         b.attention(s.q.all(), s.k.all(), s.v.all(), shape, None, step.batch, cache, layer, &mut s.out);
         b.linear_add(&self.o_proj, &s.out, x);
@@ -328,6 +330,7 @@ fn load_moe<B: Backend>(b: &B, r: &Reader<'_>, p: &str) -> Result<Moe<B>, ModelE
         },
         experts,
         shared_experts,
+        gating: Gating::Output,
     })
 }
 
@@ -411,6 +414,10 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
 
     fn check_split(c: &DeepseekConfig, ranks: usize) -> Result<(), ModelError> {
         c.check_tp(ranks).map_err(ModelError::Parallel)
+    }
+
+    fn quantization(c: &DeepseekConfig) -> Option<String> {
+        c.quant.as_ref().map(|q| q.describe())
     }
 
     fn load(b: &B, c: &DeepseekConfig, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {

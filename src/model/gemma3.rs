@@ -22,7 +22,7 @@ use super::decoder::{Block, Frame, Step};
 use super::llama::{gated, Reader};
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Parallel, Resident, Tensor};
+use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Mask, Parallel, Resident, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::gemma3::Gemma3Config;
 use crate::hf::quant::LinearWeight;
@@ -103,7 +103,7 @@ impl<B: Backend> Attention<B> {
                 kv_heads: s.kv_heads.local(b),
                 head_dim: hd,
                 v_dim: hd,
-                window,
+                mask: window.map_or(Mask::Causal, Mask::Sliding),
                 scale: c.query_pre_attn_scalar.powf(-0.5),
             },
         })
@@ -258,9 +258,9 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     ) {
         let eps = self.eps;
         // Local layers rotate with their own table, which Gemma's frame always supplies.
-        let rope = match self.self_attn.shape.window {
-            Some(_) => step.rope_local.expect("gemma3's frame has a local RoPE table"),
-            None => step.rope,
+        let rope = match self.self_attn.shape.mask {
+            Mask::Sliding(_) => step.rope_local.expect("gemma3's frame has a local RoPE table"),
+            _ => step.rope,
         };
         // x += post_attention_layernorm(self_attn(input_layernorm(x)))
         self.self_attn.forward(b, (&self.input_layernorm, eps), x, rope, step, s, cache, index);

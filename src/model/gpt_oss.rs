@@ -26,7 +26,9 @@ use super::llama::Reader;
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnBlock, AttnShape, Backend, GatedLinear, Glu, Parallel, Resident, Router, Tensor};
+use crate::backend::{
+    AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, Tensor,
+};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::gpt_oss::GptOssConfig;
 use crate::hf::moe::{Scoring, TopkMethod};
@@ -101,7 +103,7 @@ impl<B: Backend> Attention<B> {
                 kv_heads: s.kv_heads.local(b),
                 head_dim: hd,
                 v_dim: hd,
-                window,
+                mask: window.map_or(Mask::Causal, Mask::Sliding),
                 scale: (hd as f32).powf(-0.5),
             },
         })
@@ -162,7 +164,7 @@ fn load_mlp<B: Backend>(b: &B, c: &GptOssConfig, r: &Reader<'_>, s: &Splits) -> 
         norm_topk_prob: true,
         routed_scaling_factor: 1.0,
     };
-    Ok(Moe { gate, e_score_correction_bias: None, router, experts, shared_experts: None })
+    Ok(Moe { gate, e_score_correction_bias: None, router, experts, shared_experts: None, gating: Gating::Output })
 }
 
 /// One decoder layer (`model.layers.{i}.*`).
@@ -211,6 +213,10 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
 
     fn check_split(c: &GptOssConfig, ranks: usize) -> Result<(), ModelError> {
         check_split(c, ranks).map_err(ModelError::Parallel)
+    }
+
+    fn quantization(c: &GptOssConfig) -> Option<String> {
+        c.mxfp4.then(|| "MXFP4 experts (E2M1 codes, E8M0 scales per 32 inputs)".into())
     }
 
     fn load(b: &B, c: &GptOssConfig, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {

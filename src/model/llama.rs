@@ -20,7 +20,9 @@ use super::decoder::{Block, Frame, Step};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{self, AttnBlock, AttnShape, Backend, GatedLinear, Glu, Parallel, Resident, Router, Tensor};
+use crate::backend::{
+    self, AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, Tensor,
+};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe, QkNorm};
 use crate::hf::moe::TopkMethod;
@@ -195,7 +197,7 @@ impl<B: Backend> Attention<B> {
             kv_heads: self.kv_heads,
             head_dim: hd,
             v_dim: hd,
-            window: self.window,
+            mask: self.window.map_or(Mask::Causal, Mask::Sliding),
             scale: (hd as f32).powf(-0.5),
         };
         // q/k norm (Qwen3), then RoPE at each token's position within its sample.
@@ -345,7 +347,7 @@ fn load_moe<B: Backend>(
         }
         _ => None,
     };
-    Ok(Moe { gate, e_score_correction_bias, router, experts, shared_experts })
+    Ok(Moe { gate, e_score_correction_bias, router, experts, shared_experts, gating: Gating::Output })
 }
 
 impl<B: Backend> Attention<B> {
@@ -449,6 +451,10 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
 
     fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), ModelError> {
         check_split(c, ranks).map_err(ModelError::Parallel)
+    }
+
+    fn quantization(c: &LlamaConfig) -> Option<String> {
+        c.quant.as_ref().map(|q| q.describe())
     }
 
     fn load(b: &B, c: &LlamaConfig, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {

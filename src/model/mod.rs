@@ -2,8 +2,8 @@
 //!
 //! - [`decoder`]: the skeleton every architecture shares ([`Decoder`]) and
 //!   what an architecture provides ([`decoder::Block`]);
-//! - [`llama`], [`deepseek`]: one file per architecture family, blocks named
-//!   like the checkpoint's tensors;
+//! - [`llama`], [`deepseek`], [`gemma3`], [`gpt_oss`], [`llama4`]: one file
+//!   per architecture family, blocks named like the checkpoint's tensors;
 //! - [`shard`]: how a layer's weights split over tensor-parallel ranks;
 //! - [`tp_model`]: any decoder run as tensor-parallel ranks;
 //! - [`any`]: the registry, the one file that names every family and every
@@ -15,13 +15,14 @@ pub mod deepseek;
 pub mod gemma3;
 pub mod gpt_oss;
 pub mod llama;
+pub mod llama4;
 pub mod moe;
 pub mod shard;
 pub mod tp_model;
 
 pub use any::{
-    load, AnyCache, AnyConfig, AnyModel, BackendKind, ComputeChoice, Deepseek, Gemma3, GptOss, Llama, LoadOptions,
-    TpDeepseek, TpGemma3, TpGptOss, TpLlama,
+    load, AnyCache, AnyConfig, AnyModel, BackendKind, ComputeChoice, Deepseek, Gemma3, GptOss, Llama, Llama4,
+    LoadOptions, TpDeepseek, TpGemma3, TpGptOss, TpLlama, TpLlama4,
 };
 pub use decoder::Decoder;
 pub use tp_model::{RankModel, RankWorker, TpModel};

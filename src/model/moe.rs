@@ -5,7 +5,7 @@
 //! A family's model file reads the weights under its own names and builds a
 //! [`Moe`]; this file never names a checkpoint tensor.
 
-use crate::backend::{Backend, GatedLinear, Resident, Router, Tensor};
+use crate::backend::{Backend, GatedLinear, Gating, Resident, Router, Tensor};
 use crate::shape::Dim;
 
 /// A mixture of experts of one layer (this rank's slice of every expert).
@@ -20,15 +20,18 @@ pub struct Moe<B: Backend> {
     pub experts: Vec<GatedLinear<B>>,
     /// The shared experts, over every token (DeepSeek), if any.
     pub shared_experts: Option<GatedLinear<B>>,
+    /// Where the router's weights apply: the experts' outputs, or (Llama 4) their inputs.
+    pub gating: Gating,
 }
 
 impl<B: Backend> Moe<B> {
-    /// `out = Σ_topk w_e · experts[e](h) + shared_experts(h)`; `logits` `[T, experts]` is the router's output.
+    /// `out = Σ_topk w_e · experts[e](h) + shared_experts(h)` (or `experts[e](w_e · h)`,
+    /// [`Gating::Input`]); `logits` `[T, experts]` is the router's output.
     pub fn forward<H: Dim>(&self, b: &B, h: &Tensor<B, H>, out: &mut Tensor<B, H>, logits: &mut Tensor<B>) {
         logits.resize(b, h.rows(), self.experts.len());
         b.linear_forward(&self.gate, h, logits);
         let routes = b.moe_route(logits, &self.router, self.e_score_correction_bias.as_ref());
-        b.moe_experts(&self.experts, self.shared_experts.as_ref(), h, &routes, out);
+        b.moe_experts(&self.experts, self.shared_experts.as_ref(), h, &routes, self.gating, out);
     }
 
     /// Every linear layer: the router, then each expert's gate/up and down.

@@ -30,6 +30,11 @@ pub const GEMMA: &[&str] = &["gemma3-text", "gemma3"];
 /// transformers' dequantiser makes of them (scripts/make_fixtures.py).
 pub const GPT_OSS: &[&str] = &["gpt-oss", "gpt-oss-mxfp4"];
 
+/// The Llama 4 parity fixtures: `llama4_text` (Scout's layout: MoE everywhere, q/k norm, the
+/// hub's older keys) and the `llama4` multimodal wrapper (Maverick's: dense and MoE layers
+/// alternating, no q/k norm), both with chunked RoPE layers and tempered NoPE ones (scripts/make_fixtures.py).
+pub const LLAMA4: &[&str] = &["llama4-text", "llama4"];
+
 /// The DeepSeek-family parity fixtures with plain weights (scripts/make_fixtures.py).
 pub const DEEPSEEK: &[&str] = &["deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"];
 

@@ -73,7 +73,7 @@ pub fn bf16_against_f32<D: Device>(dev: &D, hd: usize, vd: usize) -> (f32, f32) 
         |name: &str, kernel: AttentionLaunch<D>, (q, qs): (u64, usize), segs: &D::Mem, table: u64, cfg: Launch| {
             let out = dev.alloc(T * HEADS * vd * 4).unwrap();
             let (qs, segs, o) = (qs as i32, dev.ptr(segs), dev.ptr(&out));
-            kernel(dev, cfg, q, qs, segs, table, HEADS as i32, 1, hd as i32, vd as i32, 0, scale, 0, o)
+            kernel(dev, cfg, q, qs, segs, table, HEADS as i32, 1, hd as i32, vd as i32, 0, 0, scale, 0, o)
                 .unwrap_or_else(|e| panic!("{name} at {hd}/{vd}: {e}"));
             let mut host = vec![0f32; T * HEADS * vd];
             dev.download(dev.ptr(&out), bytemuck::cast_slice_mut(&mut host)).unwrap();

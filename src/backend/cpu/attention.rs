@@ -181,7 +181,7 @@ struct KvPack<B> {
 impl<B> KvPack<B> {
     fn new<P: Path<B = B>>(path: P, seg: &AttnSegment, s: &AttnShape, g: usize) -> Self {
         let (hd, vd, kv) = (s.head_dim, s.v_dim, seg.kv);
-        let from = first_key(s, seg.pos0) / KB * KB;
+        let from = s.mask.first_key(seg.pos0) / KB * KB;
         let len = seg.pos0 + seg.rows.len() - from;
         let (mut k, mut v) = (Vec::new(), Vec::new());
         if len > 0 {
@@ -203,11 +203,6 @@ impl<B> KvPack<B> {
         // An even depth offset: pair panels start a pair there.
         InPlace { ptr: self.v[(b0 - self.from) * NR..].as_ptr(), kpad: self.v_kpad }
     }
-}
-
-/// The first key position query `i` sees.
-fn first_key(s: &AttnShape, i: usize) -> usize {
-    s.window.map_or(0, |w| (i + 1).saturating_sub(w))
 }
 
 /// Query rows `r` (relative to the segment) of kv head `g`'s query heads.
@@ -259,7 +254,7 @@ unsafe fn block<P: Path>(
         }
     }
     sc.rescale.resize(m, None);
-    let mut b0 = first_key(&s, qa0) / KB * KB;
+    let mut b0 = s.mask.first_key(qa0) / KB * KB;
     while b0 < qa1 {
         let kb = KB.min(qa1 - b0);
         let (kpanels, vpanels) = (kv.keys(b0), kv.values(b0));
@@ -282,7 +277,7 @@ unsafe fn block<P: Path>(
         // Online softmax: each row's probabilities against its running max.
         for (row_i, row) in sc.scores.chunks_exact_mut(kb).enumerate() {
             let i = qa0 + row_i % qlen;
-            let lo = first_key(&s, i).max(b0) - b0;
+            let lo = s.mask.first_key(i).max(b0) - b0;
             let hi = (i + 1).min(b0 + kb).saturating_sub(b0);
             if lo >= hi {
                 row.fill(0.0);
@@ -452,6 +447,7 @@ fn softmax_terms_body(row: &mut [f32], scale: f32, max0: f32) -> (f32, f32, f32)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Mask;
 
     #[test]
     fn softmax_terms_match_a_plain_loop_and_every_isa() {
@@ -486,7 +482,7 @@ mod tests {
             for i in w[0]..w[1] {
                 for h in 0..nh {
                     let g = h / (nh / nkv);
-                    let lo = s.window.map_or(w[0], |win| (i + 1).saturating_sub(win).max(w[0]));
+                    let lo = w[0] + s.mask.first_key(i - w[0]);
                     let scores: Vec<f64> = (lo..=i)
                         .map(|j| {
                             (0..hd)
@@ -516,10 +512,11 @@ mod tests {
     }
 
     #[test]
-    fn matches_reference_with_gqa_window_and_ragged_lengths() {
+    fn matches_reference_with_gqa_masks_and_ragged_lengths() {
         let cu = [0usize, 1, 70, 75, 205];
-        for window in [None, Some(5), Some(100)] {
-            let s = AttnShape { heads: 4, kv_heads: 2, head_dim: 24, v_dim: 24, window, scale: 24f32.powf(-0.5) };
+        let masks = [Mask::Causal, Mask::Sliding(5), Mask::Sliding(100), Mask::Chunked(8), Mask::Chunked(64)];
+        for mask in masks {
+            let s = AttnShape { heads: 4, kv_heads: 2, head_dim: 24, v_dim: 24, mask, scale: 24f32.powf(-0.5) };
             let stride = (4 + 4) * 24;
             let qkv: Vec<f32> = (0..205 * stride).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
             let mut out = vec![f32::NAN; 205 * 4 * 24];
@@ -544,7 +541,7 @@ mod tests {
                 for (compute, tol) in [(Compute::F32, 1e-5), (Compute::Bf16, 2e-2)] {
                     varlen_attention(&qkv, stride, &segs, s, sinks, compute, &mut out);
                     for (i, (a, b)) in out.iter().zip(&want).enumerate() {
-                        let what = format!("{compute} window {window:?} sinks {}", sinks.is_some());
+                        let what = format!("{compute} {mask:?} sinks {}", sinks.is_some());
                         assert!((a - b).abs() < tol, "{what} at {i}: {a} vs {b}");
                     }
                 }
@@ -554,11 +551,14 @@ mod tests {
 
     #[test]
     fn chunks_equal_whole_bitwise_in_both_computes() {
-        // Positions over many key blocks, with a window: blocks start at
-        // absolute multiples of KB, so chunk boundaries cannot change the rounding.
-        for compute in Compute::ALL {
+        // Positions over many key blocks, with a window or attention chunks
+        // (of 700: not a multiple of KB): blocks start at absolute multiples
+        // of KB, so chunk boundaries cannot change the rounding.
+        for (compute, mask) in
+            Compute::ALL.into_iter().flat_map(|c| [(c, Mask::Sliding(1500)), (c, Mask::Chunked(700))])
+        {
             let (t, hd) = (4000usize, 8usize);
-            let s = AttnShape { heads: 2, kv_heads: 1, head_dim: hd, v_dim: hd, window: Some(1500), scale: 0.3 };
+            let s = AttnShape { heads: 2, kv_heads: 1, head_dim: hd, v_dim: hd, mask, scale: 0.3 };
             let stride = 4 * hd;
             let qkv: Vec<f32> = (0..t * stride).map(|i| ((i * 7919 % 1013) as f32 / 500.0) - 1.0).collect();
             let kv = KvRef { k: &qkv[2 * hd..], v: &qkv[3 * hd..], stride, v_stride: stride };
@@ -572,7 +572,7 @@ mod tests {
                 varlen_attention(&qkv[a * stride..], stride, &[seg], s, None, compute, &mut out);
                 chunked[a * 2 * hd..b * 2 * hd].copy_from_slice(&out);
             }
-            assert!(whole == chunked, "{compute}: chunked attention differs from whole");
+            assert!(whole == chunked, "{compute} {mask:?}: chunked attention differs from whole");
         }
     }
 }

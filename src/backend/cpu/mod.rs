@@ -21,8 +21,8 @@ pub use panels::{pack_b, MR, NR};
 
 use super::{check, host};
 use super::{
-    AttnShape, Backend, BackendError, Cols, Compute, ComputeDtype, GatedLinear, Glu, HeadSpan, KvCache, LinearInfo,
-    Parallel, Resident, Router, Tensor, F32,
+    AttnShape, Backend, BackendError, Cols, Compute, ComputeDtype, GatedLinear, Gating, Glu, HeadSpan, KvCache,
+    LinearInfo, Parallel, Resident, Router, Temperature, Tensor, F32,
 };
 use crate::hf::checkpoint::TensorBytes;
 use crate::hf::quant::{LinearWeight, QuantKind};
@@ -326,6 +326,22 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         ops::glu(act, gate_up.storage(), inter, out.storage_mut());
     }
 
+    fn attn_temperature(&self, x: &mut Tensor<Self>, heads: HeadSpan, t: Temperature, batch: &PackedBatch) {
+        check::temperature(x, heads, batch);
+        let width = x.width();
+        let rows = x.storage_mut();
+        for (s, seg) in batch.segments().iter().enumerate() {
+            for (i, row) in batch.range(s).enumerate() {
+                let f = t.at(seg.pos0 + i);
+                let row = &mut rows[row * width..(row + 1) * width];
+                for h in 0..heads.count {
+                    let o = heads.offset + h * heads.stride;
+                    row[o..o + heads.width].iter_mut().for_each(|v| *v *= f);
+                }
+            }
+        }
+    }
+
     fn scale<W: Dim>(&self, x: &mut Tensor<Self, W>, s: f32) {
         x.storage_mut().iter_mut().for_each(|x| *x *= s);
     }
@@ -473,6 +489,7 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         shared: Option<&GatedLinear<Self>>,
         x: &Tensor<Self, H>,
         routes: &moe::Routes,
+        gating: Gating,
         out: &mut Tensor<Self, H>,
     ) {
         // A down bias held outside the GEMM (several ranks) is added by rank 0
@@ -486,7 +503,8 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         check::shape("moe_experts", "experts", experts.len(), routes.len());
         check::shape("moe_experts", "tokens", x.rows(), out.rows());
         let routed: Vec<_> = experts.iter().map(|m| pair(m, first)).collect();
-        moe::experts(&routed, shared.map(|m| pair(m, first)), x.storage(), x.width().size(), routes, out.storage_mut());
+        let (shared, h) = (shared.map(|m| pair(m, first)), x.width().size());
+        moe::experts(&routed, shared, x.storage(), h, routes, gating, out.storage_mut());
         // Every rank ran its slice of every expert: one all-reduce for the whole block.
         self.all_reduce(out);
     }

@@ -4,7 +4,7 @@
 
 use super::gemm::PackedLinear;
 use super::ops::glu;
-use crate::backend::{Glu, Router};
+use crate::backend::{Gating, Glu, Router};
 use crate::hf::moe::{Scoring, TopkMethod};
 use rayon::prelude::*;
 
@@ -109,7 +109,8 @@ pub fn gated(
 }
 
 /// `out = Σ_e Σ_(tok, w) w · expert_e(x[tok]) + shared(x)` for the `[T, h]`
-/// rows of `x` (this rank's part of every expert). The experts run in
+/// rows of `x` (this rank's part of every expert); with [`Gating::Input`],
+/// `expert_e(w · x[tok])` (each row scaled in f32 as it is gathered). The experts run in
 /// parallel, one per task, each over all the rows routed to it (a few
 /// hundred rows: one GEMM per expert keeps its weights' packing and the
 /// task's A block whole); their outputs are then added in expert index
@@ -120,6 +121,7 @@ pub fn experts(
     x: &[f32],
     h: usize,
     routes: &Routes,
+    gating: Gating,
     out: &mut [f32],
 ) {
     let t = x.len() / h;
@@ -134,8 +136,12 @@ pub fn experts(
             let tokens = &routes[e];
             let n = tokens.len();
             s.rows.resize(n * h, 0.0);
-            for (dst, &(tok, _)) in s.rows.chunks_exact_mut(h).zip(tokens) {
-                dst.copy_from_slice(&x[tok * h..(tok + 1) * h]);
+            for (dst, &(tok, w)) in s.rows.chunks_exact_mut(h).zip(tokens) {
+                let src = &x[tok * h..(tok + 1) * h];
+                match gating {
+                    Gating::Output => dst.copy_from_slice(src),
+                    Gating::Input => dst.iter_mut().zip(src).for_each(|(d, v)| *d = v * w),
+                }
             }
             let mut eout = vec![0f32; n * h];
             gated(experts[e], &s.rows, n, &mut s.gu, &mut s.act, &mut eout, split);
@@ -145,7 +151,11 @@ pub fn experts(
     out[..t * h].fill(0.0);
     for (&e, eout) in active.iter().zip(&outs) {
         for (src, &(tok, w)) in eout.chunks_exact(h).zip(&routes[e]) {
-            out[tok * h..(tok + 1) * h].iter_mut().zip(src).for_each(|(o, v)| *o += v * w);
+            let dst = &mut out[tok * h..(tok + 1) * h];
+            match gating {
+                Gating::Output => dst.iter_mut().zip(src).for_each(|(o, v)| *o += v * w),
+                Gating::Input => dst.iter_mut().zip(src).for_each(|(o, v)| *o += v),
+            }
         }
     }
     if let Some(shared) = shared {

@@ -19,8 +19,8 @@ use super::driver::Driver;
 use super::kernels as launch;
 use super::CudaError;
 use crate::backend::{
-    check, AttnBlock, AttnShape, Backend, BackendError, Cols, ComputeDtype, GatedLinear, Glu, HeadSpan, KvStore,
-    LinearInfo, Parallel, PendingCopies, Resident, Router, Tensor, F32,
+    check, AttnBlock, AttnShape, Backend, BackendError, Cols, ComputeDtype, GatedLinear, Gating, Glu, HeadSpan,
+    KvStore, LinearInfo, Parallel, PendingCopies, Resident, Router, Temperature, Tensor, F32,
 };
 use crate::hf::checkpoint::TensorBytes;
 use crate::hf::moe::{Scoring, TopkMethod};
@@ -405,6 +405,17 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             b.mem = Some(m);
         }
         Ok(())
+    }
+
+    /// Each token's position within its sample, `[T]` u32, into scratch slot 0.
+    fn upload_positions(&self, batch: &PackedBatch) -> Result<DevPtr, CudaError> {
+        let positions: Vec<u32> = batch
+            .segments()
+            .iter()
+            .enumerate()
+            .flat_map(|(i, g)| (0..batch.range(i).len()).map(move |j| (g.pos0 + j) as u32))
+            .collect();
+        self.upload_table(0, bytemuck::cast_slice(&positions))
     }
 
     /// Uploads a small host table into scratch slot `which` (0 or 1), returning its address.
@@ -844,14 +855,8 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         table: &RopeTable<D>,
         batch: &PackedBatch,
     ) -> Result<(), CudaError> {
-        let positions: Vec<u32> = batch
-            .segments()
-            .iter()
-            .enumerate()
-            .flat_map(|(i, g)| (0..batch.range(i).len()).map(move |j| (g.pos0 + j) as u32))
-            .collect();
         Self::holds("rope table positions", batch.max_position(), table.len)?;
-        let pos = self.upload_table(0, bytemuck::cast_slice(&positions))?;
+        let pos = self.upload_positions(batch)?;
         // Heads per block: their rotated columns fit 32 KiB of shared memory.
         let chunk = (8192 / (2 * table.half).max(1)).clamp(1, heads.count.max(1));
         let cfg = Launch {
@@ -1002,7 +1007,8 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             }
         }
         let segs = self.upload_table(0, &segs)?;
-        let window = s.window.map_or(0, |w| w.min(i32::MAX as usize) as i32);
+        let (window, chunk) = s.mask.window_and_chunk();
+        let (window, chunk) = (window.min(i32::MAX as usize) as i32, chunk.min(i32::MAX as usize) as i32);
         let op = out.storage().ptr;
         let (heads, kvh, hd, vd) = (int(s.heads), int(s.kv_heads), int(s.head_dim), int(s.v_dim));
         if let Some(v) = sinks {
@@ -1018,7 +1024,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             let cfg = Launch { grid: ((tiles.len() / 2) as u32, s.heads as u32), block: 128, smem };
             let qs = int(s.heads * pad16(s.head_dim));
             attention_bf16_kernel(s.v_dim)(
-                &*self.dev, cfg, qb, qs, segs, table, heads, kvh, hd, vd, window, s.scale, sinkp, op,
+                &*self.dev, cfg, qb, qs, segs, table, heads, kvh, hd, vd, window, chunk, s.scale, sinkp, op,
             )
         } else {
             let (qp, qs) = (q.at(q.offset), int(q.stride));
@@ -1026,7 +1032,10 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 (0..batch.num_samples()).flat_map(|i| batch.range(i).map(move |_| i as u32)).collect();
             let table = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
             let cfg = Launch { grid: (t as u32, s.heads.div_ceil(4) as u32), block: 128, smem: 0 };
-            launch::attention_f32(&*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, s.scale, sinkp, op)
+            let sc = s.scale;
+            launch::attention_f32(
+                &*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, chunk, sc, sinkp, op,
+            )
         }
     }
 }
@@ -1086,8 +1095,23 @@ pub fn attention_bf16_smem(hd: usize, vd: usize) -> u32 {
 }
 
 /// The launcher of one `attention_bf16_vN` (they share a signature).
-pub type AttentionLaunch<D> =
-    fn(&D, Launch, DevPtr, i32, DevPtr, DevPtr, i32, i32, i32, i32, i32, f32, DevPtr, DevPtr) -> Result<(), CudaError>;
+pub type AttentionLaunch<D> = fn(
+    &D,
+    Launch,
+    DevPtr,
+    i32,
+    DevPtr,
+    DevPtr,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    f32,
+    DevPtr,
+    DevPtr,
+) -> Result<(), CudaError>;
 
 impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     type Compute = C;
@@ -1319,6 +1343,32 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             Glu::Clamped { alpha, limit } => {
                 launch::clamped_glu(&*self.dev, cfg?, gu, int(rows), int(inter), alpha, limit, o)
             }
+        });
+    }
+
+    fn attn_temperature(&self, x: &mut Tensor<Self>, heads: HeadSpan, t: Temperature, batch: &PackedBatch) {
+        check::temperature(x, heads, batch);
+        let (xp, rows, stride) = (x.storage().ptr, x.rows(), x.width());
+        self.run(|| {
+            let pos = self.upload_positions(batch)?;
+            let (offset, count, hstride, width) =
+                (int(heads.offset), int(heads.count), int(heads.stride), int(heads.width));
+            let cfg = elementwise(rows * heads.count * heads.width)?;
+            let (fs, s) = (t.floor_scale, t.attn_scale);
+            launch::attn_temperature(
+                &*self.dev,
+                cfg,
+                xp,
+                int(rows),
+                int(stride),
+                offset,
+                count,
+                hstride,
+                width,
+                pos,
+                fs,
+                s,
+            )
         });
     }
 
@@ -1635,6 +1685,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         shared: Option<&GatedLinear<Self>>,
         x: &Tensor<Self, H>,
         routes: &Routes<D>,
+        gating: Gating,
         out: &mut Tensor<Self, H>,
     ) {
         let (t, h, top_k) = (x.rows(), x.width().size(), routes.top_k);
@@ -1673,8 +1724,19 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                 }
                 (s.moe[1].ptr, s.moe[2].ptr, s.moe[5].ptr, s.xb.ptr)
             };
-            let gather = if bf16 { launch::gather_rows_bf16 } else { launch::gather_rows };
-            gather(&*self.dev, elementwise(t * top_k * h)?, x.storage().ptr, srcp, int(t * top_k), int(h), xe)?;
+            let cfg = elementwise(t * top_k * h)?;
+            let (xp, wp) = (x.storage().ptr, routes.weights.ptr);
+            match (gating, bf16) {
+                (Gating::Output, false) => launch::gather_rows(&*self.dev, cfg, xp, srcp, int(n), int(h), xe)?,
+                (Gating::Output, true) => launch::gather_rows_bf16(&*self.dev, cfg, xp, srcp, int(n), int(h), xe)?,
+                // Each row times its weight on the way in; the combine then weighs them 1.
+                (Gating::Input, false) => {
+                    launch::scatter_rows_scaled(&*self.dev, cfg, xp, slotp, wp, int(n), int(top_k), int(h), xe)?
+                }
+                (Gating::Input, true) => {
+                    launch::scatter_rows_scaled_bf16(&*self.dev, cfg, xp, slotp, wp, int(n), int(top_k), int(h), xe)?
+                }
+            }
             self.experts_grouped(experts, &starts, xe, ye)?;
             if let Some(m) = shared {
                 // The shared expert: one more expert, over every token.
@@ -1688,7 +1750,8 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
             }
             let combine = if bf16 { launch::moe_combine_bf16 } else { launch::moe_combine };
             let (sh, o) = (if shared.is_some() { sh } else { 0 }, out.storage().ptr);
-            combine(&*self.dev, elementwise(t * h)?, ye, slotp, routes.weights.ptr, int(t), int(top_k), int(h), sh, o)
+            let weights = if gating == Gating::Input { 0 } else { wp }; // null: every row weighs 1
+            combine(&*self.dev, elementwise(t * h)?, ye, slotp, weights, int(t), int(top_k), int(h), sh, o)
         });
         self.join_all_reduce(out.storage().ptr, t * h);
     }
