@@ -8,7 +8,9 @@
 //! names six fields). Every refusal is a [`ConfigError`] that names the field.
 
 use super::llama::{inv_freq, parse_rope, RopeScaling};
-use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
+use super::{
+    bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, TextModel, MAX_COUNT, MAX_LAYERS,
+};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -55,7 +57,6 @@ pub struct Gemma3Config {
 
 #[derive(Deserialize)]
 struct Raw {
-    model_type: Option<String>,
     hidden_size: Option<usize>,
     num_hidden_layers: Option<usize>,
     num_attention_heads: Option<usize>,
@@ -80,7 +81,6 @@ struct Raw {
     max_position_embeddings: Option<usize>,
     attn_logit_softcapping: Option<f64>,
     use_bidirectional_attention: Option<bool>,
-    quantization_config: Option<Value>,
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
@@ -95,26 +95,10 @@ impl Gemma3Config {
 
     /// Parses and normalises `config.json` text.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let top: Value = serde_json::from_str(text)?;
-        let model_type = top.get("model_type").and_then(Value::as_str).ok_or(ConfigError::Missing("model_type"))?;
-        let (text_config, tensor_prefix) = match model_type {
-            "gemma3_text" => (top.clone(), String::new()),
-            "gemma3" => {
-                let tc = top.get("text_config").filter(|v| !v.is_null()).ok_or(ConfigError::Missing("text_config"))?;
-                if !tc.is_object() {
-                    return Err(invalid("text_config", format!("expected an object, got {tc}")));
-                }
-                (tc.clone(), "language_model.".to_string())
-            }
-            other => return Err(ConfigError::UnsupportedModel(other.into())),
-        };
-        let raw: Raw = serde_json::from_value(text_config)?;
-        if let Some(t) = raw.model_type.as_deref().filter(|t| *t != "gemma3_text") {
-            return Err(invalid("model_type", format!("the text model of gemma3 is gemma3_text, not {t:?}")));
-        }
-        // A wrapper's quantization_config sits at top level; a text model's in its own.
-        let quant = top.get("quantization_config").or(raw.quantization_config.as_ref()).filter(|v| !v.is_null());
-        if let Some(q) = super::quant::QuantConfig::from_json(quant)? {
+        let TextModel { model_type, config, tensor_prefix, quantization } =
+            TextModel::of(text, "gemma3_text", "gemma3")?;
+        let raw: Raw = serde_json::from_value(config)?;
+        if let Some(q) = super::quant::QuantConfig::from_json(quantization.as_ref())? {
             return Err(invalid(
                 "quantization_config",
                 format!("{} weights are not read for gemma3 (plain bf16, f16 or f32 only)", q.describe()),
@@ -173,7 +157,7 @@ impl Gemma3Config {
         let sliding_windows = Self::windows(&raw, num_layers)?;
         let (rope_theta, rope_scaling, rope_local_theta) = Self::ropes(&raw)?;
         Ok(Gemma3Config {
-            model_type: model_type.to_string(),
+            model_type,
             hidden_size,
             num_layers,
             num_heads,

@@ -15,7 +15,9 @@
 //! Every refusal is a [`ConfigError`] that names the field.
 
 use super::llama::{inv_freq, parse_rope, RopeScaling};
-use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
+use super::{
+    bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, TextModel, MAX_COUNT, MAX_LAYERS,
+};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -79,7 +81,6 @@ pub struct Llama4Config {
 
 #[derive(Deserialize)]
 struct Raw {
-    model_type: Option<String>,
     hidden_size: Option<usize>,
     num_hidden_layers: Option<usize>,
     num_attention_heads: Option<usize>,
@@ -110,7 +111,6 @@ struct Raw {
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
     max_position_embeddings: Option<usize>,
-    quantization_config: Option<Value>,
 }
 
 /// A key that is present, null or not (`Some(None)` for null), apart from an absent one (`None`).
@@ -130,25 +130,10 @@ impl Llama4Config {
 
     /// Parses and normalises `config.json` text.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let top: Value = serde_json::from_str(text)?;
-        let model_type = top.get("model_type").and_then(Value::as_str).ok_or(ConfigError::Missing("model_type"))?;
-        let (text_config, tensor_prefix) = match model_type {
-            "llama4_text" => (top.clone(), String::new()),
-            "llama4" => {
-                let tc = top.get("text_config").filter(|v| !v.is_null()).ok_or(ConfigError::Missing("text_config"))?;
-                if !tc.is_object() {
-                    return Err(invalid("text_config", format!("expected an object, got {tc}")));
-                }
-                (tc.clone(), "language_model.".to_string())
-            }
-            other => return Err(ConfigError::UnsupportedModel(other.into())),
-        };
-        let raw: Raw = serde_json::from_value(text_config)?;
-        if let Some(t) = raw.model_type.as_deref().filter(|t| *t != "llama4_text") {
-            return Err(invalid("model_type", format!("the text model of llama4 is llama4_text, not {t:?}")));
-        }
-        let quant = top.get("quantization_config").or(raw.quantization_config.as_ref()).filter(|v| !v.is_null());
-        if let Some(q) = quant {
+        let TextModel { model_type, config, tensor_prefix, quantization } =
+            TextModel::of(text, "llama4_text", "llama4")?;
+        let raw: Raw = serde_json::from_value(config)?;
+        if let Some(q) = quantization {
             let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("an unnamed method");
             return Err(invalid(
                 "quantization_config",
@@ -196,7 +181,7 @@ impl Llama4Config {
         let temperature = Self::temperature(&raw)?;
         let (rope_theta, rope_scaling) = Self::rope_params(&raw)?;
         Ok(Llama4Config {
-            model_type: model_type.to_string(),
+            model_type,
             hidden_size,
             num_layers,
             num_heads,

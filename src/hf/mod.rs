@@ -133,6 +133,50 @@ pub(crate) fn elements(field: &'static str, what: &str, dims: &[usize]) -> Resul
         })
 }
 
+/// The text model's part of a `config.json` that holds either a text model
+/// alone (`model_type` is `text_type`) or a multimodal wrapper of one
+/// (`wrapper_type`, the text model in `text_config`, its tensors under
+/// `language_model.`; the vision model is not read).
+pub(crate) struct TextModel {
+    /// `model_type`: `text_type` or `wrapper_type`.
+    pub model_type: String,
+    /// The text model's keys: the file itself, or the wrapper's `text_config`.
+    pub config: serde_json::Value,
+    /// The text model's tensor prefix: empty, or `language_model.`.
+    pub tensor_prefix: String,
+    /// `quantization_config`: the wrapper's at the top, or the text model's own.
+    pub quantization: Option<serde_json::Value>,
+}
+
+impl TextModel {
+    /// Splits `text` as `model_type` says; a `text_config` naming another
+    /// `model_type` than `text_type` is refused.
+    pub(crate) fn of(text: &str, text_type: &str, wrapper_type: &str) -> Result<Self, ConfigError> {
+        use serde_json::Value;
+        let top: Value = serde_json::from_str(text)?;
+        let model_type = top.get("model_type").and_then(Value::as_str).ok_or(ConfigError::Missing("model_type"))?;
+        let (config, tensor_prefix) = if model_type == text_type {
+            (top.clone(), String::new())
+        } else if model_type == wrapper_type {
+            let tc = top.get("text_config").filter(|v| !v.is_null()).ok_or(ConfigError::Missing("text_config"))?;
+            if !tc.is_object() {
+                let problem = format!("expected an object, got {tc}");
+                return Err(ConfigError::Invalid { field: "text_config", problem });
+            }
+            (tc.clone(), "language_model.".to_string())
+        } else {
+            return Err(ConfigError::UnsupportedModel(model_type.into()));
+        };
+        if let Some(t) = config.get("model_type").and_then(Value::as_str).filter(|t| *t != text_type) {
+            let problem = format!("the text model of {wrapper_type} is {text_type}, not {t:?}");
+            return Err(ConfigError::Invalid { field: "model_type", problem });
+        }
+        let quantization =
+            top.get("quantization_config").or(config.get("quantization_config")).filter(|v| !v.is_null()).cloned();
+        Ok(TextModel { model_type: model_type.to_string(), config, tensor_prefix, quantization })
+    }
+}
+
 /// The rotary embedding of one architecture: inverse frequencies of the
 /// rotated dim pairs (after linear, llama3 or YaRN scaling) and the factor
 /// cos/sin are multiplied by (YaRN's `mscale`; 1 otherwise).

@@ -19,13 +19,12 @@
 //! before the post-norm), heads divided, kv heads replicated when fewer.
 
 use super::decoder::{Block, Frame, Step};
-use super::llama::{gated, Reader};
+use super::llama::{gated, qkv_o, Reader};
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Mask, Parallel, Resident, Tensor};
+use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Mask, Resident, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::gemma3::Gemma3Config;
-use crate::hf::quant::LinearWeight;
 use crate::hf::ConfigError;
 use crate::shape::Dim;
 
@@ -77,25 +76,10 @@ pub struct Attention<B: Backend> {
 impl<B: Backend> Attention<B> {
     fn load(b: &B, c: &Gemma3Config, r: &Reader<'_>, s: &Splits, window: Option<usize>) -> Result<Self, ModelError> {
         let (h, hd) = (c.hidden_size, c.head_dim);
-        let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
-        let (q_rows, kv_rows) = (s.heads.block(b, hd), s.kv_heads.block(b, hd));
-        let qkv = LinearWeight::stack(vec![
-            r.linear("self_attn.q_proj", [q_out, h], q_rows.clone(), 0..h)?,
-            r.linear("self_attn.k_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-            r.linear("self_attn.v_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-        ]);
-        let (qkv_bias, o_bias) = if c.attention_bias {
-            let mut bias = r.vector_rows("self_attn.q_proj.bias", q_out, &q_rows)?;
-            bias.extend(r.vector_rows("self_attn.k_proj.bias", kv_out, &kv_rows)?);
-            bias.extend(r.vector_rows("self_attn.v_proj.bias", kv_out, &kv_rows)?);
-            (Some(bias), Some(r.vector("self_attn.o_proj.bias", h)?))
-        } else {
-            (None, None)
-        };
-        let o_proj = r.linear("self_attn.o_proj", [h, q_out], 0..h, q_rows)?;
+        let (qkv_proj, o_proj) = qkv_o(b, r, (h, hd), (&s.heads, &s.kv_heads), [c.attention_bias; 2])?;
         Ok(Attention {
-            qkv_proj: b.linear(qkv, qkv_bias, Parallel::Column),
-            o_proj: b.linear(o_proj, o_bias, Parallel::Row),
+            qkv_proj,
+            o_proj,
             q_norm: b.vector(plus_one(r.vector("self_attn.q_norm.weight", hd)?)),
             k_norm: b.vector(plus_one(r.vector("self_attn.k_norm.weight", hd)?)),
             shape: AttnShape {

@@ -22,7 +22,7 @@
 //! codes of its columns and the block's scale.
 
 use super::decoder::{Block, Frame, Step};
-use super::llama::Reader;
+use super::llama::{qkv_o, Reader};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
@@ -78,25 +78,10 @@ pub struct Attention<B: Backend> {
 impl<B: Backend> Attention<B> {
     fn load(b: &B, c: &GptOssConfig, r: &Reader<'_>, s: &Splits, window: Option<usize>) -> Result<Self, ModelError> {
         let (h, hd) = (c.hidden_size, c.head_dim);
-        let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
-        let (q_rows, kv_rows) = (s.heads.block(b, hd), s.kv_heads.block(b, hd));
-        let qkv = LinearWeight::stack(vec![
-            r.linear("self_attn.q_proj", [q_out, h], q_rows.clone(), 0..h)?,
-            r.linear("self_attn.k_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-            r.linear("self_attn.v_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-        ]);
-        let (qkv_bias, o_bias) = if c.attention_bias {
-            let mut bias = r.vector_rows("self_attn.q_proj.bias", q_out, &q_rows)?;
-            bias.extend(r.vector_rows("self_attn.k_proj.bias", kv_out, &kv_rows)?);
-            bias.extend(r.vector_rows("self_attn.v_proj.bias", kv_out, &kv_rows)?);
-            (Some(bias), Some(r.vector("self_attn.o_proj.bias", h)?))
-        } else {
-            (None, None)
-        };
-        let o_proj = r.linear("self_attn.o_proj", [h, q_out], 0..h, q_rows)?;
+        let (qkv_proj, o_proj) = qkv_o(b, r, (h, hd), (&s.heads, &s.kv_heads), [c.attention_bias; 2])?;
         Ok(Attention {
-            qkv_proj: b.linear(qkv, qkv_bias, Parallel::Column),
-            o_proj: b.linear(o_proj, o_bias, Parallel::Row),
+            qkv_proj,
+            o_proj,
             sinks: b.vector(r.vector_rows("self_attn.sinks", c.num_heads, &s.heads.block(b, 1))?),
             shape: AttnShape {
                 heads: s.heads.local(b),

@@ -102,6 +102,38 @@ impl Reader<'_> {
     }
 }
 
+/// This rank's share of a GQA layer's projections: `self_attn.{q,k,v}_proj`
+/// stacked (its heads' rows, column-parallel, with their biases if
+/// `qkv_bias`) and `self_attn.o_proj` (its heads' columns, row-parallel,
+/// with its bias if `o_bias`), heads of `head_dim` over `hidden`.
+pub(super) fn qkv_o<B: Backend>(
+    b: &B,
+    r: &Reader<'_>,
+    (hidden, head_dim): (usize, usize),
+    (heads, kv_heads): (&Split, &Split),
+    [qkv_bias, o_bias]: [bool; 2],
+) -> Result<(B::Linear, B::Linear), ModelError> {
+    let h = hidden;
+    let (q_out, kv_out) = (heads.units() * head_dim, kv_heads.units() * head_dim);
+    let (q_rows, kv_rows) = (heads.block(b, head_dim), kv_heads.block(b, head_dim));
+    let qkv = LinearWeight::stack(vec![
+        r.linear("self_attn.q_proj", [q_out, h], q_rows.clone(), 0..h)?,
+        r.linear("self_attn.k_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
+        r.linear("self_attn.v_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
+    ]);
+    let qkv_bias = if qkv_bias {
+        let mut bias = r.vector_rows("self_attn.q_proj.bias", q_out, &q_rows)?;
+        bias.extend(r.vector_rows("self_attn.k_proj.bias", kv_out, &kv_rows)?);
+        bias.extend(r.vector_rows("self_attn.v_proj.bias", kv_out, &kv_rows)?);
+        Some(bias)
+    } else {
+        None
+    };
+    let o_bias = if o_bias { Some(r.vector("self_attn.o_proj.bias", h)?) } else { None };
+    let o_proj = r.linear("self_attn.o_proj", [h, q_out], 0..h, q_rows)?;
+    Ok((b.linear(qkv, qkv_bias, Parallel::Column), b.linear(o_proj, o_bias, Parallel::Row)))
+}
+
 /// Self-attention (`self_attn.*`) of this rank's heads.
 pub struct Attention<B: Backend> {
     /// `q_proj`, `k_proj`, `v_proj` stacked: `[(heads + 2·kv_heads) · head_dim, hidden]`, column-parallel.
@@ -136,21 +168,8 @@ impl<B: Backend> Attention<B> {
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (q_out, kv_out) = (c.num_heads * hd, c.num_kv_heads * hd);
         // This rank's heads: its rows of q/k/v and columns of o_proj.
+        let (qkv_proj, o_proj) = qkv_o(b, r, (h, hd), (&s.heads, &s.kv_heads), [c.qkv_bias, c.o_bias])?;
         let (q_rows, kv_rows) = (s.heads.block(b, hd), s.kv_heads.block(b, hd));
-        let qkv = LinearWeight::stack(vec![
-            r.linear("self_attn.q_proj", [q_out, h], q_rows.clone(), 0..h)?,
-            r.linear("self_attn.k_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-            r.linear("self_attn.v_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-        ]);
-        let qkv_bias = if c.qkv_bias {
-            let mut bias = r.vector_rows("self_attn.q_proj.bias", q_out, &q_rows)?;
-            bias.extend(r.vector_rows("self_attn.k_proj.bias", kv_out, &kv_rows)?);
-            bias.extend(r.vector_rows("self_attn.v_proj.bias", kv_out, &kv_rows)?);
-            Some(bias)
-        } else {
-            None
-        };
-        let o_bias = if c.o_bias { Some(r.vector("self_attn.o_proj.bias", h)?) } else { None };
         let (q_norm, k_norm) = match c.qk_norm {
             QkNorm::PerHead => (
                 Some(b.vector(r.vector("self_attn.q_norm.weight", hd)?)),
@@ -163,10 +182,9 @@ impl<B: Backend> Attention<B> {
             ),
             QkNorm::None => (None, None),
         };
-        let o_proj = r.linear("self_attn.o_proj", [h, q_out], 0..h, q_rows)?;
         Ok(Attention {
-            qkv_proj: b.linear(qkv, qkv_bias, Parallel::Column),
-            o_proj: b.linear(o_proj, o_bias, Parallel::Row),
+            qkv_proj,
+            o_proj,
             q_norm,
             k_norm,
             qk_norm_all_heads: c.qk_norm == QkNorm::AllHeads,

@@ -72,6 +72,11 @@ impl Split {
         self.block_of(b.rank(), b.world_size(), width)
     }
 
+    /// Units in the whole layer.
+    pub fn units(&self) -> usize {
+        self.units
+    }
+
     /// Units on this backend's rank.
     pub fn local<B: Backend>(&self, b: &B) -> usize {
         self.per_rank(b.world_size()).expect("the split was checked before any weight was read")
