@@ -51,9 +51,10 @@ fn tp_1_2_4_agree_for_every_fixture() {
         let points = all_points(n);
         let exp = read_tensors(&fixture(name).join("expected.safetensors"));
         let mut base = None;
-        for tp in ["1", "2", "4"] {
-            let out = tmp.path().join(tp);
-            run(name, tp, "8192", &out);
+        // --tp 2 also at a budget of 7 tokens: chunked prefill across the ranks.
+        for (tp, budget) in [("1", "8192"), ("2", "8192"), ("2", "7"), ("4", "8192")] {
+            let out = tmp.path().join(format!("{tp}-{budget}"));
+            run(name, tp, budget, &out);
             let got = read_tensors(&out.join("shard-00000.safetensors"));
             let mut worst = 0f32;
             for (i, ids) in samples(name).iter().enumerate() {
@@ -62,19 +63,19 @@ fn tp_1_2_4_agree_for_every_fixture() {
                 for (slot, p) in points.iter().enumerate() {
                     let mine = &hs.data[slot * per..(slot + 1) * per];
                     let err = max_err(mine, expected(&exp, i, *p, n));
-                    assert!(err <= TOL, "{name} --tp {tp} sample {i} {p}: {err:e} from HF");
+                    assert!(err <= TOL, "{name} --tp {tp} budget {budget} sample {i} {p}: {err:e} from HF");
                 }
                 if let Some(b) = &base {
                     let b: &std::collections::HashMap<String, Tensor> = b;
                     let err = max_err(&hs.data, &b[&format!("{i}.hidden_states")].data);
-                    assert!(err <= TP_TOL, "{name} --tp {tp} sample {i}: {err:e} from --tp 1");
+                    assert!(err <= TP_TOL, "{name} --tp {tp} budget {budget} sample {i}: {err:e} from --tp 1");
                     worst = worst.max(err);
                 }
             }
             if base.is_none() {
                 base = Some(got);
             } else {
-                println!("{name} --tp {tp}: worst relative difference from --tp 1: {worst:.2e}");
+                println!("{name} --tp {tp} budget {budget}: worst relative difference from --tp 1: {worst:.2e}");
             }
         }
     }
