@@ -6,7 +6,7 @@
 
 use super::decoder::{Block, Frame};
 use super::{deepseek, gemma3, gpt_oss, llama, llama4, Decoder, Model, ModelError, PendingStates, TpModel};
-use crate::backend::{Backend, Bf16, Compute, ComputeDtype, Cpu, Reference, F32};
+use crate::backend::{Backend, Bf16, Compute, Cpu, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, Gemma3Config, GptOssConfig, Llama4Config, LlamaConfig};
 use crate::pipeline::batch::PackedBatch;
@@ -319,6 +319,7 @@ impl AnyConfig {
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
         use crate::backend::cuda::{Cuda, Device, Driver};
+        use crate::backend::ComputeDtype;
         fn on<C: ComputeDtype>(
             config: AnyConfig,
             opts: &LoadOptions,
