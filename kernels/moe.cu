@@ -3,7 +3,8 @@
 // backend's order: scores (softmax or sigmoid), plus noaux_tc's correction
 // bias; groups ranked by their best expert (or the sum of their two best,
 // noaux_tc) with ties to the lower group; the rest masked (-inf for noaux_tc,
-// 0 otherwise); experts ranked with ties to the lower index.
+// 0 otherwise); experts ranked with ties to the lower index, a plain sigmoid
+// router's by its logits.
 #include "common.cuh"
 
 #define MAX_EXPERTS 1024
@@ -29,7 +30,10 @@ extern "C" __global__ void moe_route(const float* logits, const float* correctio
     } else {
         for (int e = 0; e < experts; e++) s[e] = 1.0f / (1.0f + expf(-l[e]));
     }
-    for (int e = 0; e < experts; e++) ch[e] = s[e] + (correction ? correction[e] : 0.0f);
+    // A plain sigmoid router (no groups, no correction: Llama 4's) ranks by the
+    // logits, which its f32 sigmoids, equal from about 17 on, cannot always do.
+    bool by_logit = scoring == 1 && method == 0 && !correction;
+    for (int e = 0; e < experts; e++) ch[e] = by_logit ? l[e] : s[e] + (correction ? correction[e] : 0.0f);
     const float neg_inf = -__int_as_float(0x7f800000);
     if (method != 0 && n_group > 1) {
         int per = experts / n_group;
@@ -63,7 +67,7 @@ extern "C" __global__ void moe_route(const float* logits, const float* correctio
         for (int e = 0; e < experts; e++)
             if (!((taken[e >> 5] >> (e & 31)) & 1) && (best < 0 || ch[e] > ch[best])) best = e;
         taken[best >> 5] |= 1u << (best & 31);
-        float w = method == 2 ? s[best] : ch[best];
+        float w = (method == 2 || by_logit) ? s[best] : ch[best];
         ids[(u64)t * top_k + k] = (u32)best;
         weights[(u64)t * top_k + k] = w;
         denom += w;

@@ -441,6 +441,11 @@ fn router_kernel_picks_the_references_experts_in_every_mode() {
     let mut logits = values(tokens * experts, 16);
     // A tie: experts 3 and 4 of token 0 score the same (the lower index wins).
     logits[4] = logits[3];
+    // Logits whose f32 sigmoids all round to 1.0: a plain sigmoid router still
+    // ranks them (by the logits, as Llama 4's takes the top-k before the sigmoid).
+    logits[experts + 2] = 25.0;
+    logits[experts + 5] = 30.0;
+    logits[experts + 9] = 20.0;
     let correction = values(experts, 17).iter().map(|v| v * 0.1).collect::<Vec<_>>();
     let modes = [
         (Scoring::Softmax, TopkMethod::Greedy, 1, 1, true),

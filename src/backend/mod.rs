@@ -367,6 +367,18 @@ pub struct Router {
     pub routed_scaling_factor: f32,
 }
 
+impl Router {
+    /// Whether the top-k is taken of the logits rather than of the sigmoid
+    /// scores: a sigmoid router with neither groups nor a correction (Llama
+    /// 4's, which takes the top-k of its logits, then their sigmoids). The
+    /// same choice, as the sigmoid is monotonic, except where f32 sigmoids
+    /// round equal (to 1.0 from a logit of about 17): the logits still tell
+    /// those apart. The weights are the sigmoids either way.
+    pub fn ranks_by_logit(&self, corrected: bool) -> bool {
+        self.scoring == Scoring::Sigmoid && self.topk_method == TopkMethod::Greedy && !corrected
+    }
+}
+
 /// The gated activation of an MLP, `act(gate, up)` of `[gate | up]`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Glu {

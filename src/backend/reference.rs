@@ -435,9 +435,14 @@ impl Backend for Reference {
                         l.iter().map(|&x| (x as f64 - max).exp() / z).collect()
                     }
                 };
-                // What experts are chosen by; noaux_tc adds the correction bias.
-                let mut choice: Vec<f64> =
-                    (0..e).map(|i| scores[i] + correction.map_or(0.0, |c| c[i] as f64)).collect();
+                // What experts are chosen by: the scores (noaux_tc adds the
+                // correction bias), or the logits of a plain sigmoid router.
+                let by_logit = r.ranks_by_logit(correction.is_some());
+                let mut choice: Vec<f64> = if by_logit {
+                    l.iter().map(|&x| x as f64).collect()
+                } else {
+                    (0..e).map(|i| scores[i] + correction.map_or(0.0, |c| c[i] as f64)).collect()
+                };
                 if r.topk_method != TopkMethod::Greedy && r.n_group > 1 {
                     // A group's score: its best expert, or (noaux_tc) the sum of its two best.
                     let mut groups: Vec<(usize, f64)> = (0..r.n_group)
@@ -456,7 +461,8 @@ impl Backend for Reference {
                 let mut order: Vec<usize> = (0..e).collect();
                 order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
                 let picked = &order[..r.top_k];
-                let weight = |i: usize| if r.topk_method == TopkMethod::NoauxTc { scores[i] } else { choice[i] };
+                let weight =
+                    |i: usize| if r.topk_method == TopkMethod::NoauxTc || by_logit { scores[i] } else { choice[i] };
                 let denom = if r.norm_topk_prob { picked.iter().map(|&i| weight(i)).sum::<f64>() + 1e-20 } else { 1.0 };
                 picked.iter().map(|&i| (i, weight(i) / denom * r.routed_scaling_factor as f64)).collect()
             })

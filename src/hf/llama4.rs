@@ -156,7 +156,8 @@ impl Llama4Config {
                 format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
             ));
         }
-        let head_dim = bounded("head_dim", raw.head_dim.unwrap_or(hidden_size / num_heads), MAX_COUNT)?;
+        // The dataclass's 128, not hidden / heads (transformers uses that only for an explicit null).
+        let head_dim = bounded("head_dim", raw.head_dim.unwrap_or(128), MAX_COUNT)?;
         if head_dim % 2 != 0 {
             return Err(invalid("head_dim", format!("must be even for RoPE, got {head_dim}")));
         }
@@ -347,6 +348,9 @@ mod tests {
         assert!(c.layers.iter().all(|l| l.chunk == if l.rope { Some(8192) } else { None }));
         assert_eq!(c.temperature, Some(crate::backend::Temperature { floor_scale: 8192.0, attn_scale: 0.1 }));
         assert!(c.qk_norm);
+        // No head_dim: the dataclass's 128, not hidden / heads (16 here).
+        let c = Llama4Config::from_json(&text("").replace(r#""head_dim": 16,"#, "")).unwrap();
+        assert_eq!(c.head_dim, 128);
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub fn route(logits: &[f32], e: usize, r: &Router, correction: Option<&[f32]>) -
     let mut scores = vec![0f32; e];
     let mut choice = vec![0f32; e];
     let mut order: Vec<usize> = Vec::with_capacity(e);
+    let by_logit = r.ranks_by_logit(correction.is_some());
     for (tok, logits) in logits.chunks_exact(e).enumerate() {
         match r.scoring {
             Scoring::Sigmoid => scores.iter_mut().zip(logits).for_each(|(s, l)| *s = 1.0 / (1.0 + (-l).exp())),
@@ -28,7 +29,11 @@ pub fn route(logits: &[f32], e: usize, r: &Router, correction: Option<&[f32]>) -
                 scores.iter_mut().zip(logits).for_each(|(s, l)| *s = (l - max).exp() / z);
             }
         }
-        choice.copy_from_slice(&scores);
+        if by_logit {
+            choice.copy_from_slice(logits);
+        } else {
+            choice.copy_from_slice(&scores);
+        }
         if let Some(b) = correction {
             choice.iter_mut().zip(b).for_each(|(c, b)| *c += b);
         }
@@ -62,7 +67,7 @@ pub fn route(logits: &[f32], e: usize, r: &Router, correction: Option<&[f32]>) -
         order.extend(0..e);
         order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
         let picked = &order[..r.top_k];
-        let weight = |i: usize| if r.topk_method == TopkMethod::NoauxTc { scores[i] } else { choice[i] };
+        let weight = |i: usize| if r.topk_method == TopkMethod::NoauxTc || by_logit { scores[i] } else { choice[i] };
         let denom = if r.norm_topk_prob { picked.iter().map(|&i| weight(i)).sum::<f32>() + 1e-20 } else { 1.0 };
         for &i in picked {
             routes[i].push((tok, weight(i) / denom * r.routed_scaling_factor));
@@ -163,5 +168,28 @@ pub fn experts(
         s.eout.resize(t * h, 0.0);
         gated(shared, x, t, &mut s.gu, &mut s.act, &mut s.eout, true);
         out.iter_mut().zip(&s.eout).for_each(|(o, v)| *o += v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plain_sigmoid_router_ranks_logits_its_f32_sigmoids_cannot_tell_apart() {
+        // sigmoid(20), sigmoid(25) and sigmoid(30) all round to 1.0 in f32.
+        let r = Router {
+            scoring: Scoring::Sigmoid,
+            topk_method: TopkMethod::Greedy,
+            top_k: 2,
+            n_group: 1,
+            topk_group: 1,
+            norm_topk_prob: false,
+            routed_scaling_factor: 1.0,
+        };
+        let routes = route(&[20.0, 30.0, 25.0, 0.0], 4, &r, None);
+        let picked: Vec<usize> = (0..4).filter(|&e| !routes[e].is_empty()).collect();
+        assert_eq!(picked, vec![1, 2], "the two largest logits, not the lowest indices among equal sigmoids");
+        assert_eq!(routes[1], vec![(0, 1.0)], "the weight is the sigmoid");
     }
 }
