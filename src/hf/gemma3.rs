@@ -8,9 +8,7 @@
 //! names six fields). Every refusal is a [`ConfigError`] that names the field.
 
 use super::llama::{inv_freq, parse_rope, RopeScaling};
-use super::{
-    bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, TextModel, MAX_COUNT, MAX_LAYERS,
-};
+use super::{elements, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, TextModel};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -125,20 +123,14 @@ impl Gemma3Config {
         }
 
         // Gemma3TextConfig's defaults.
-        let hidden_size = positive("hidden_size", raw.hidden_size.unwrap_or(2304))?;
-        let num_layers = bounded("num_hidden_layers", raw.num_hidden_layers.unwrap_or(26), MAX_LAYERS)?;
-        let num_heads = bounded("num_attention_heads", raw.num_attention_heads.unwrap_or(8), MAX_COUNT)?;
-        let num_kv_heads = bounded("num_key_value_heads", raw.num_key_value_heads.unwrap_or(4), MAX_COUNT)?;
-        if num_heads % num_kv_heads != 0 {
-            return Err(invalid(
-                "num_key_value_heads",
-                format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
-            ));
+        let GqaSizes { hidden_size, num_layers, num_heads, num_kv_heads, head_dim } = GqaSizes {
+            hidden_size: raw.hidden_size.unwrap_or(2304),
+            num_layers: raw.num_hidden_layers.unwrap_or(26),
+            num_heads: raw.num_attention_heads.unwrap_or(8),
+            num_kv_heads: raw.num_key_value_heads.unwrap_or(4),
+            head_dim: raw.head_dim.unwrap_or(256),
         }
-        let head_dim = bounded("head_dim", raw.head_dim.unwrap_or(256), MAX_COUNT)?;
-        if head_dim % 2 != 0 {
-            return Err(invalid("head_dim", format!("must be even for RoPE, got {head_dim}")));
-        }
+        .check()?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size.unwrap_or(9216))?;
         let vocab_size = positive("vocab_size", raw.vocab_size.unwrap_or(262_208))?;
         elements("vocab_size", "embed_tokens", &[vocab_size, hidden_size])?;

@@ -7,7 +7,7 @@
 //! with `quant_method: mxfp4`, the hub's format) or plain (a dequantised
 //! copy). Every refusal is a [`ConfigError`] that names the field.
 
-use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
+use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, MAX_COUNT};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -136,20 +136,14 @@ impl GptOssConfig {
         let mxfp4 = Self::quant(raw.quantization_config.as_ref())?;
 
         // GptOssConfig's defaults (gpt-oss-120b's sizes).
-        let hidden_size = positive("hidden_size", raw.hidden_size.unwrap_or(2880))?;
-        let num_layers = bounded("num_hidden_layers", raw.num_hidden_layers.unwrap_or(36), MAX_LAYERS)?;
-        let num_heads = bounded("num_attention_heads", raw.num_attention_heads.unwrap_or(64), MAX_COUNT)?;
-        let num_kv_heads = bounded("num_key_value_heads", raw.num_key_value_heads.unwrap_or(8), MAX_COUNT)?;
-        if num_heads % num_kv_heads != 0 {
-            return Err(invalid(
-                "num_key_value_heads",
-                format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
-            ));
+        let GqaSizes { hidden_size, num_layers, num_heads, num_kv_heads, head_dim } = GqaSizes {
+            hidden_size: raw.hidden_size.unwrap_or(2880),
+            num_layers: raw.num_hidden_layers.unwrap_or(36),
+            num_heads: raw.num_attention_heads.unwrap_or(64),
+            num_kv_heads: raw.num_key_value_heads.unwrap_or(8),
+            head_dim: raw.head_dim.unwrap_or(64),
         }
-        let head_dim = bounded("head_dim", raw.head_dim.unwrap_or(64), MAX_COUNT)?;
-        if head_dim % 2 != 0 {
-            return Err(invalid("head_dim", format!("must be even for RoPE, got {head_dim}")));
-        }
+        .check()?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size.unwrap_or(2880))?;
         let num_experts = bounded("num_local_experts", raw.num_local_experts.unwrap_or(128), MAX_COUNT)?;
         // transformers reads `num_experts_per_tok`; the original release's `experts_per_token` is the same number.

@@ -16,7 +16,7 @@
 
 use super::llama::{inv_freq, parse_rope, RopeScaling};
 use super::{
-    bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, TextModel, MAX_COUNT, MAX_LAYERS,
+    bounded, elements, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, TextModel, MAX_COUNT,
 };
 use serde::Deserialize;
 use serde_json::Value;
@@ -146,21 +146,15 @@ impl Llama4Config {
         }
 
         // Llama4TextConfig's defaults.
-        let hidden_size = positive("hidden_size", raw.hidden_size.unwrap_or(5120))?;
-        let num_layers = bounded("num_hidden_layers", raw.num_hidden_layers.unwrap_or(48), MAX_LAYERS)?;
-        let num_heads = bounded("num_attention_heads", raw.num_attention_heads.unwrap_or(40), MAX_COUNT)?;
-        let num_kv_heads = bounded("num_key_value_heads", raw.num_key_value_heads.unwrap_or(8), MAX_COUNT)?;
-        if num_heads % num_kv_heads != 0 {
-            return Err(invalid(
-                "num_key_value_heads",
-                format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
-            ));
+        // head_dim: the dataclass's 128, not hidden / heads (transformers uses that only for an explicit null).
+        let GqaSizes { hidden_size, num_layers, num_heads, num_kv_heads, head_dim } = GqaSizes {
+            hidden_size: raw.hidden_size.unwrap_or(5120),
+            num_layers: raw.num_hidden_layers.unwrap_or(48),
+            num_heads: raw.num_attention_heads.unwrap_or(40),
+            num_kv_heads: raw.num_key_value_heads.unwrap_or(8),
+            head_dim: raw.head_dim.unwrap_or(128),
         }
-        // The dataclass's 128, not hidden / heads (transformers uses that only for an explicit null).
-        let head_dim = bounded("head_dim", raw.head_dim.unwrap_or(128), MAX_COUNT)?;
-        if head_dim % 2 != 0 {
-            return Err(invalid("head_dim", format!("must be even for RoPE, got {head_dim}")));
-        }
+        .check()?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size.unwrap_or(8192))?;
         let intermediate_size_mlp = positive("intermediate_size_mlp", raw.intermediate_size_mlp.unwrap_or(16384))?;
         let num_experts = bounded("num_local_experts", raw.num_local_experts.unwrap_or(16), MAX_COUNT)?;

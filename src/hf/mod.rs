@@ -133,6 +133,40 @@ pub(crate) fn elements(field: &'static str, what: &str, dims: &[usize]) -> Resul
         })
 }
 
+/// A GQA decoder's outer sizes, checked: each positive and bounded, the kv
+/// heads dividing the query heads, an even head width (RoPE rotates pairs).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GqaSizes {
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl GqaSizes {
+    /// Checks the sizes a config gives (its class's defaults already taken).
+    pub(crate) fn check(self) -> Result<Self, ConfigError> {
+        positive("hidden_size", self.hidden_size)?;
+        bounded("num_hidden_layers", self.num_layers, MAX_LAYERS)?;
+        let (heads, kv) = (self.num_heads, self.num_kv_heads);
+        bounded("num_attention_heads", heads, MAX_COUNT)?;
+        bounded("num_key_value_heads", kv, MAX_COUNT)?;
+        if heads % kv != 0 {
+            let problem = format!("{kv} does not divide num_attention_heads {heads}");
+            return Err(ConfigError::Invalid { field: "num_key_value_heads", problem });
+        }
+        let hd = bounded("head_dim", self.head_dim, MAX_COUNT)?;
+        if hd % 2 != 0 {
+            return Err(ConfigError::Invalid {
+                field: "head_dim",
+                problem: format!("must be even for RoPE, got {hd}"),
+            });
+        }
+        Ok(self)
+    }
+}
+
 /// The text model's part of a `config.json` that holds either a text model
 /// alone (`model_type` is `text_type`) or a multimodal wrapper of one
 /// (`wrapper_type`, the text model in `text_config`, its tensors under
