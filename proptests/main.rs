@@ -88,7 +88,7 @@ proptest! {
         seed in any::<u64>(),
     ) {
         use strata::pipeline::gather::Gatherer;
-        use strata::backend::{KvCache, KvStore};
+        use strata::backend::{KvStore, SeqState};
         use strata::pipeline::schedule::Scheduler;
         use strata::pipeline::source::Sample;
         let m = model();
@@ -109,7 +109,7 @@ proptest! {
         let set = CaptureSet::<usize>::try_new(vec![CapturePoint::LayerInput(2), CapturePoint::FinalPreNorm]).unwrap();
         let mut source = samples.clone().into_iter().map(Ok::<_, ()>);
         let mut scheduler = Scheduler::new(budget);
-        let mut cache = KvCache::default();
+        let mut cache = SeqState::default();
         let mut gatherer = Gatherer::default();
         let mut got = Vec::new();
         while let Some(step) = scheduler.next_step(&mut source).unwrap() {

@@ -31,6 +31,7 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
                           Glm4MoeForCausalLM, LlamaConfig, LlamaForCausalLM, MiniMaxM2Config, MiniMaxM2ForCausalLM, MistralConfig,
                           MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 LENGTHS = [1, 6, 19, 40]
 
@@ -230,6 +231,43 @@ FIXTURES = {
                  vision_config=dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
                                     image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
                                     projector_output_dim=32))),
+    # Qwen3-Next (Gated DeltaNet hybrid): layers 2 and 5 gated full attention (q with an output
+    # gate, zero-centred q/k norms, RoPE on a quarter of head_dim 32), the others Gated DeltaNet
+    # with grouped `in_proj_qkvz`/`in_proj_ba`, 2 key heads serving 4 value heads, k_dim 64 !=
+    # v_dim 32; top-2 of 6 experts with a sigmoid-gated shared expert, layer 1 dense. Decays slow
+    # enough that state carries across 64-position chunks; samples of 64, 65 and 150 tokens cross
+    # them. The hub's keys: rope_theta, partial_rotary_factor and full_attention_interval at top
+    # level, no layer_types; a multi-token-prediction tensor (`mtp.*`) that must be skipped.
+    "qwen3-next": dict(
+        cls=(Qwen3NextConfig, Qwen3NextForCausalLM), dtype=torch.float32, shard=None, legacy=True, router_scale=4.0,
+        lengths=[1, 7, 64, 65, 150], drop_keys=["layer_types"], set_keys=dict(full_attention_interval=3),
+        mtp_tensor=True, expected_f64=True,
+        cfg=dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                 linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=2,
+                 moe_intermediate_size=24, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+                 mlp_only_layers=[1], norm_topk_prob=True, vocab_size=160, max_position_embeddings=512,
+                 full_attention_interval=3,
+                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))),
+    # Qwen3.5-MoE in its multimodal wrapper (qwen3_5_moe, as the hub ships it): the text model under
+    # `model.language_model.*` beside a vision tower Strata does not read, bf16 weights, split
+    # `in_proj_qkv`/`in_proj_z`/`in_proj_b`/`in_proj_a`, experts fused as the hub stores them
+    # (`mlp.experts.gate_up_proj [E, 2·inter, hidden]`, `down_proj [E, hidden, inter]`), MRoPE
+    # sections (1-D on text), transformers 5's keys (layer_types, rope_parameters).
+    "qwen3_5-moe": dict(
+        cls=(Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration), dtype=torch.bfloat16, shard=None, legacy=False,
+        router_scale=4.0, lengths=[1, 7, 64, 65, 150], fuse_experts=True, expected_f64=True,
+        cfg=dict(text_config=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  linear_key_head_dim=48, linear_value_head_dim=48, linear_conv_kernel_dim=4,
+                                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                  shared_expert_intermediate_size=32, vocab_size=180, max_position_embeddings=512,
+                                  layer_types=["linear_attention", "linear_attention", "linear_attention",
+                                               "full_attention"],
+                                  rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                       partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+                                                       mrope_interleaved=True)),
+                 vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=40, out_hidden_size=64))),
 }
 
 # transformers' FP4_VALUES: the E2M1 value of each 4-bit code.
@@ -307,7 +345,12 @@ def make_gpt_oss(name, spec, out_root, seed):
 def randomize(model, gen):
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if name.endswith("A_log"):
+                # Decays e^(-A·softplus(a + dt_bias)) near 1, so state carries across chunks.
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 0.5, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) - 2.0)
+            elif "norm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
@@ -382,6 +425,34 @@ def drop_keys(cfg_path, drop):
         json.dump(c, f, indent=2, sort_keys=True)
 
 
+def set_keys(cfg_path, keys):
+    """Adds keys the hub's files have and transformers 5 does not write (Qwen3-Next's full_attention_interval)."""
+    with open(cfg_path) as f:
+        c = json.load(f)
+    c.update(keys)
+    with open(cfg_path, "w") as f:
+        json.dump(c, f, indent=2, sort_keys=True)
+
+
+def fuse_experts(path):
+    """The hub's fused experts, `mlp.experts.gate_up_proj [E, 2·inter, hidden]` (gate rows first) and
+    `mlp.experts.down_proj [E, hidden, inter]`, from per-expert tensors if that is what was saved."""
+    tensors = load_file(path)
+    layers = {}
+    for k in list(tensors):
+        parts = k.split(".mlp.experts.")
+        if len(parts) == 2 and parts[1].split(".")[0].isdigit():
+            e, proj = parts[1].split(".")[:2]
+            layers.setdefault(parts[0], {}).setdefault(proj, {})[int(e)] = tensors.pop(k)
+    for prefix, projs in layers.items():
+        n = len(projs["gate_proj"])
+        gate_up = [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)]
+        tensors[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(gate_up).contiguous()
+        tensors[f"{prefix}.mlp.experts.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)]).contiguous()
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in tensors), "no experts found"
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def build(name, spec, out_root, seed):
     """A fresh OUT/NAME, and spec's transformers model with random weights (routers scaled by
     `router_scale`): (out, cfg, model class, model, generator)."""
@@ -422,6 +493,15 @@ def make(name, spec, out_root, seed):
         add_mtp_layer(out, cfg, gen)
     if spec.get("drop_keys"):
         drop_keys(os.path.join(out, "config.json"), spec["drop_keys"])
+    if spec.get("set_keys"):
+        set_keys(os.path.join(out, "config.json"), spec["set_keys"])
+    if spec.get("mtp_tensor"):
+        path = os.path.join(out, "model.safetensors")
+        tensors = load_file(path)
+        tensors["mtp.fc.weight"] = torch.randn((cfg.hidden_size, 2 * cfg.hidden_size), generator=gen)
+        save_file(tensors, path, metadata={"format": "pt"})
+    if spec.get("fuse_experts"):
+        fuse_experts(os.path.join(out, "model.safetensors"))
     for extra in ("generation_config.json",):
         p = os.path.join(out, extra)
         if os.path.exists(p):
@@ -432,12 +512,14 @@ def make(name, spec, out_root, seed):
     model = model_cls(cfg).eval()
     model.load_state_dict(rounded)
 
-    write_expected(model, cfg, out, gen, min_router_gap=spec.get("min_router_gap"))
+    write_expected(model, cfg, out, gen, min_router_gap=spec.get("min_router_gap"), lengths=spec.get("lengths", LENGTHS))
+    if spec.get("expected_f64"):
+        add_f64_states(model_cls, cfg, rounded, out)
     size = sum(os.path.getsize(os.path.join(out, x)) for x in os.listdir(out))
     print(f"{name}: {size / 1024:.0f} KiB")
 
 
-def write_expected(model, cfg, out, gen, min_router_gap=None, **metadata):
+def write_expected(model, cfg, out, gen, min_router_gap=None, lengths=LENGTHS, **metadata):
     """Random samples into OUT/data.jsonl and the f32 `model`'s hidden states for them
     into OUT/expected.safetensors (every output_hidden_states entry, plus the final norm's input).
 
@@ -459,7 +541,7 @@ def write_expected(model, cfg, out, gen, min_router_gap=None, **metadata):
     text_model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0].detach().clone()))
     expected = {}
     with open(os.path.join(out, "data.jsonl"), "w") as f:
-        for i, n in enumerate(LENGTHS):
+        for i, n in enumerate(lengths):
             while True:
                 ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
                 logits.clear()
@@ -477,6 +559,28 @@ def write_expected(model, cfg, out, gen, min_router_gap=None, **metadata):
             expected[f"sample{i}.final_pre_norm"] = captured["pre"][0].contiguous()
     save_file(expected, os.path.join(out, "expected.safetensors"),
               metadata={"transformers": transformers.__version__, "torch": torch.__version__, **metadata})
+
+
+def add_f64_states(model_cls, cfg, rounded, out):
+    """`sample{i}.hidden_states_f64`: HF run in f64 on the same weights. A hybrid model's f32 states
+    are ill-conditioned (each head's gated norm divides out the magnitude of a DeltaNet output that
+    may cancel), so HF's own f32 run is some 1e-4 from its f64 one; the f64 states check the
+    reference backend's f64 arithmetic at the tight tolerance."""
+    cfg = type(cfg).from_dict(cfg.to_dict())
+    cfg._experts_implementation = "eager"  # grouped_mm has no f64
+    model = model_cls(cfg).eval().to(torch.float64)
+    model.load_state_dict({k: v.double() for k, v in rounded.items()})
+    lm = getattr(model, "language_model", None)
+    text_model = lm.model if hasattr(lm, "lm_head") else getattr(model.model, "language_model", model.model)
+    path = os.path.join(out, "expected.safetensors")
+    expected = load_file(path)
+    with open(os.path.join(out, "data.jsonl")) as f:
+        for i, line in enumerate(f):
+            ids = torch.tensor(json.loads(line)["input_ids"])[None]
+            with torch.no_grad():
+                res = text_model(input_ids=ids, output_hidden_states=True)
+            expected[f"sample{i}.hidden_states_f64"] = torch.stack([h[0] for h in res.hidden_states]).float().contiguous()
+    save_file(expected, path, metadata={"transformers": transformers.__version__, "torch": torch.__version__})
 
 
 def cli(doc, fixtures, make, seed0):

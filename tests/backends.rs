@@ -12,7 +12,16 @@ use strata::pipeline::capture::CaptureSet;
 const BACKENDS: &[BackendKind] = &[BackendKind::Cpu, BackendKind::Reference];
 
 fn all_fixtures() -> impl Iterator<Item = &'static str> {
-    FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT).copied()
+    FIXTURES
+        .iter()
+        .chain(GEMMA)
+        .chain(GPT_OSS)
+        .chain(LLAMA4)
+        .chain(DEEPSEEK)
+        .chain(QUANT)
+        .chain(LLAMA_QUANT)
+        .chain(HYBRID)
+        .copied()
 }
 
 /// Runs every sample of a fixture, packed into one step, on `backend`; returns
@@ -31,7 +40,8 @@ fn run(name: &str, backend: BackendKind) -> (Vec<f32>, f32) {
         let one = states.slice_tokens(batch.range(i)).unwrap();
         for (slot, p) in points.iter().enumerate() {
             let err = max_err(one.layer(slot), expected(&exp, i, *p, n));
-            assert!(err <= TOL, "{name} on {backend}: sample {i} {p}: error {err:e} > {TOL:e}");
+            let tol = tol(name);
+            assert!(err <= tol, "{name} on {backend}: sample {i} {p}: error {err:e} > {tol:e}");
             worst = worst.max(err);
         }
     }
@@ -50,7 +60,7 @@ fn every_backend_matches_hf_on_every_fixture() {
                 None => first = Some(states),
                 Some(cpu) => {
                     let d = max_err(&states, cpu);
-                    assert!(d <= TOL, "{name}: {backend} differs from cpu by {d:e}");
+                    assert!(d <= tol(name), "{name}: {backend} differs from cpu by {d:e}");
                     line += &format!(" (vs cpu {d:.1e})");
                 }
             }
@@ -169,4 +179,32 @@ fn attention_sinks_agree_between_backends() {
     assert!(max_err(&f32, &want) <= 1e-5, "cpu f32 vs reference: {:e}", max_err(&f32, &want));
     let bf16 = run(&Cpu::<Bf16>::default(), &qkv, Some(&sinks), &batch);
     assert!(max_err(&bf16, &want) <= 3e-2, "cpu bf16 vs reference: {:e}", max_err(&bf16, &want));
+}
+
+/// The reference backend's f64 recurrence (token by token) against HF run in f64 on the same
+/// weights, at the tight tolerance: its f64 arithmetic is the Gated DeltaNet's definition, so
+/// what separates the f32 implementations (HYBRID_TOL) is f32 rounding, not a formula.
+#[test]
+fn reference_backend_matches_hf_f64_on_the_hybrids() {
+    for name in HYBRID {
+        let n = num_layers(name);
+        let m =
+            model::load(&fixture(name), LoadOptions { backend: BackendKind::Reference, ..Default::default() }).unwrap();
+        let exp = read_tensors(&fixture(name).join("expected.safetensors"));
+        let set = CaptureSet::<usize>::try_new(all_points(n)).unwrap();
+        let mut worst = 0f32;
+        for (i, ids) in samples(name).iter().enumerate() {
+            let batch = PackedBatch::from_samples([ids.as_slice()]);
+            let states = m.forward_step(&batch, &set, &mut Default::default()).unwrap();
+            let f64_states = &exp[&format!("sample{i}.hidden_states_f64")];
+            let per = ids.len() * f64_states.shape[2];
+            for (slot, p) in all_points(n).iter().enumerate() {
+                let Some(k) = p.hf_index(n) else { continue };
+                let err = max_err(states.layer(slot), &f64_states.data[k * per..(k + 1) * per]);
+                assert!(err <= TOL, "{name} sample {i} {p}: {err:e} from HF in f64");
+                worst = worst.max(err);
+            }
+        }
+        println!("{name}: reference vs HF f64 worst {worst:.2e}");
+    }
 }

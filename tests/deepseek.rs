@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use strata::backend::KvCache;
+use strata::backend::SeqState;
 use strata::model::Deepseek;
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::CaptureSet;
@@ -18,7 +18,7 @@ fn library_matches_hf_at_every_capture_point() {
         let samples = samples(name);
         let batch = PackedBatch::from_samples(samples.iter().map(|s| s.as_slice()));
         let set = CaptureSet::<usize>::try_new(points.clone()).unwrap();
-        let states = model.forward_step(&batch, &set, &mut KvCache::default()).unwrap();
+        let states = model.forward_step(&batch, &set, &mut SeqState::default()).unwrap();
         let mut worst = 0f32;
         for i in 0..samples.len() {
             let one = states.slice_tokens(batch.range(i)).unwrap();

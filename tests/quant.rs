@@ -6,8 +6,8 @@ mod common;
 
 use common::*;
 use std::path::Path;
-use strata::backend::KvCache;
 use strata::backend::LinearInfo;
+use strata::backend::SeqState;
 use strata::hf::quant::QuantKind;
 use strata::model::{Deepseek, Llama};
 use strata::pipeline::batch::PackedBatch;
@@ -103,7 +103,7 @@ fn llama_family_keeps_fp8_weights_fp8() {
     for name in LLAMA_QUANT {
         let model: Llama = Llama::load(&fixture(name)).unwrap();
         let (batch, set) = whole_step(name);
-        assert_matches_hf(name, &model.forward_step(&batch, &set, &mut KvCache::default()).unwrap(), &batch);
+        assert_matches_hf(name, &model.forward_step(&batch, &set, &mut SeqState::default()).unwrap(), &batch);
         let linears = model.linears();
         let held = |k: QuantKind| linears.iter().filter(|l| l.held_as() == Some(k)).count();
         let (fp8, bf16, total) = (held(QuantKind::Fp8), held(QuantKind::Bf16), linears.len());
@@ -118,7 +118,7 @@ fn library_keeps_quantized_weights_quantized() {
     for name in QUANT {
         let model: Deepseek = Deepseek::load(&fixture(name)).unwrap();
         let (batch, set) = whole_step(name);
-        assert_matches_hf(name, &model.forward_step(&batch, &set, &mut KvCache::default()).unwrap(), &batch);
+        assert_matches_hf(name, &model.forward_step(&batch, &set, &mut SeqState::default()).unwrap(), &batch);
         // Every weight the checkpoint quantises is held as its codes, and the bf16 ones as bf16.
         let linears = model.linears();
         let held = |k: QuantKind| linears.iter().filter(|l| l.held_as() == Some(k)).count();
@@ -266,7 +266,7 @@ fn resident_weights_stay_within_1_25x_of_the_files() {
         // And it runs.
         let batch = PackedBatch::from_samples([&[1u32, 2, 3, 500][..], &[7, 8]]);
         let set = CaptureSet::<usize>::try_new(all_points(spec.num_layers)).unwrap();
-        let states = model.forward_step(&batch, &set, &mut KvCache::default()).unwrap();
+        let states = model.forward_step(&batch, &set, &mut SeqState::default()).unwrap();
         assert!(states.as_slice().iter().all(|v| v.is_finite()), "{storage:?}: non-finite states");
     }
 }

@@ -181,3 +181,62 @@ pub(crate) fn capture<L: Dim, H: Dim>(
     }
     Ok(())
 }
+
+/// Panics unless the conv1d's input and output are `[T, C]` for the batch,
+/// and its weight `[C, K]`.
+#[track_caller]
+pub(crate) fn conv1d<B: Backend>(
+    x: &Cols<'_, B>,
+    w: usize,
+    s: super::DeltaShape,
+    batch: &PackedBatch,
+    out: &Tensor<B>,
+) {
+    let c = s.channels();
+    shape("causal_conv1d", "tokens", batch.num_tokens(), x.rows);
+    shape("causal_conv1d", "channels", c, x.width);
+    shape("causal_conv1d", "weight", c * s.conv_kernel, w);
+    shape("causal_conv1d", "output tokens", x.rows, out.rows());
+    shape("causal_conv1d", "output channels", c, out.width());
+    if s.conv_kernel == 0 {
+        panic!("causal_conv1d: a kernel of no taps");
+    }
+}
+
+/// Panics unless the delta rule's inputs and output fit its shape and the batch.
+#[track_caller]
+pub(crate) fn delta_rule<B: Backend>(
+    qkv: &Tensor<B>,
+    z: &Cols<'_, B>,
+    ba: &Cols<'_, B>,
+    s: super::DeltaShape,
+    vectors: [usize; 3],
+    batch: &PackedBatch,
+    out: &Tensor<B>,
+) {
+    let t = batch.num_tokens();
+    let op = "gated_delta_rule";
+    if s.k_heads == 0 || !s.v_heads.is_multiple_of(s.k_heads) {
+        panic!("{op}: {} value heads over {} key heads", s.v_heads, s.k_heads);
+    }
+    shape(op, "tokens", t, qkv.rows());
+    shape(op, "qkv width", s.channels(), qkv.width());
+    shape(op, "z tokens", t, z.rows);
+    shape(op, "z width", s.v_heads * s.v_dim, z.width);
+    shape(op, "ba tokens", t, ba.rows);
+    shape(op, "ba width", 2 * s.v_heads, ba.width);
+    shape(op, "A_log", s.v_heads, vectors[0]);
+    shape(op, "dt_bias", s.v_heads, vectors[1]);
+    shape(op, "norm weight", s.v_dim, vectors[2]);
+    shape(op, "output tokens", t, out.rows());
+    shape(op, "output width", s.v_heads * s.v_dim, out.width());
+}
+
+/// Panics unless `gate` has `x`'s rows and either its width or one column.
+#[track_caller]
+pub(crate) fn sigmoid_mul<B: Backend, W: Dim>(x: &Tensor<B, W>, gate: &Cols<'_, B>) {
+    shape("sigmoid_mul", "tokens", x.rows(), gate.rows);
+    if gate.width != 1 {
+        shape("sigmoid_mul", "gate width", x.width().size(), gate.width);
+    }
+}

@@ -1,5 +1,7 @@
-//! Keys and values kept in host memory between the steps of samples
-//! processed in chunks (the CPU and reference backends' KV cache).
+//! What the CPU and reference backends keep in host memory between the
+//! steps of samples processed in chunks: per sample, per layer, a state whose
+//! type the layer's kind decides (keys and values of an attention layer, the
+//! conv and recurrent state of a Gated DeltaNet layer).
 
 use super::{BackendError, KvStore};
 use crate::pipeline::batch::PackedBatch;
@@ -12,11 +14,17 @@ pub(crate) struct LayerKv {
     pub(crate) v: Vec<f32>,
 }
 
-/// Keys/values of samples being processed in chunks, kept between steps.
-/// Holds only samples whose last chunk has not run yet.
-#[derive(Default, Debug)]
-pub struct KvCache {
-    entries: HashMap<u64, (usize, Vec<LayerKv>)>,
+/// One state `T` per layer of every sample being processed in chunks, kept
+/// between steps. Holds only samples whose last chunk has not run yet.
+#[derive(Debug)]
+pub(crate) struct SeqStore<T> {
+    entries: HashMap<u64, (usize, Vec<T>)>,
+}
+
+impl<T> Default for SeqStore<T> {
+    fn default() -> Self {
+        SeqStore { entries: HashMap::new() }
+    }
 }
 
 /// Checks that every segment of `batch` that uses a cache continues exactly
@@ -34,7 +42,7 @@ pub(crate) fn check_continuations(batch: &PackedBatch, cached: impl Fn(u64) -> u
     Ok(())
 }
 
-impl KvStore for KvCache {
+impl<T: Default + Send> SeqStore<T> {
     fn len(&self) -> usize {
         self.entries.len()
     }
@@ -52,20 +60,64 @@ impl KvStore for KvCache {
             self.entries.remove(&seg.key);
         }
     }
-}
 
-impl KvCache {
-    /// Layer `layer` of sample `key` (which [`KvStore::begin`] has registered), to append to.
-    pub(crate) fn layer_mut(&mut self, key: u64, layer: usize) -> &mut LayerKv {
+    /// Layer `layer` of sample `key` (which `begin` has registered), to update.
+    pub(crate) fn layer_mut(&mut self, key: u64, layer: usize) -> &mut T {
         let layers = &mut self.entries.get_mut(&key).expect("checked").1;
         if layers.len() <= layer {
-            layers.resize_with(layer + 1, LayerKv::default);
+            layers.resize_with(layer + 1, T::default);
         }
         &mut layers[layer]
     }
 
     /// Layer `layer` of sample `key`.
-    pub(crate) fn layer(&self, key: u64, layer: usize) -> &LayerKv {
+    pub(crate) fn layer(&self, key: u64, layer: usize) -> &T {
         &self.entries[&key].1[layer]
+    }
+}
+
+/// Keys/values of the attention layers of samples being processed in
+/// chunks, kept between steps.
+#[derive(Default, Debug)]
+pub struct KvCache(pub(crate) SeqStore<LayerKv>);
+
+/// The sequence state of the Gated DeltaNet layers of samples being
+/// processed in chunks (a backend's per-layer state `S`), kept between steps.
+#[derive(Debug)]
+pub struct DeltaCache<S>(pub(crate) SeqStore<S>);
+
+impl<S> Default for DeltaCache<S> {
+    fn default() -> Self {
+        DeltaCache(SeqStore::default())
+    }
+}
+
+macro_rules! store {
+    ($ty:ty $(, $p:ident)?) => {
+        impl$(<$p: Default + Send>)? KvStore for $ty {
+            fn len(&self) -> usize {
+                self.0.len()
+            }
+            fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
+                self.0.begin(batch)
+            }
+            fn retire(&mut self, batch: &PackedBatch) {
+                self.0.retire(batch)
+            }
+        }
+    };
+}
+store!(KvCache);
+store!(DeltaCache<S>, S);
+
+impl KvCache {
+    /// Layer `layer` of sample `key` (which [`KvStore::begin`] has registered), to append to.
+    pub(crate) fn layer_mut(&mut self, key: u64, layer: usize) -> &mut LayerKv {
+        self.0.layer_mut(key, layer)
+    }
+
+    /// Layer `layer` of sample `key`.
+    pub(crate) fn layer(&self, key: u64, layer: usize) -> &LayerKv {
+        self.0.layer(key, layer)
     }
 }

@@ -24,7 +24,7 @@ pub mod reference;
 mod tensor;
 
 pub use cpu::Cpu;
-pub use kv_cache::KvCache;
+pub use kv_cache::{DeltaCache, KvCache};
 pub use reference::Reference;
 pub use tensor::{Cols, Tensor};
 
@@ -197,6 +197,60 @@ pub struct AttnShape {
     pub mask: Mask,
     /// Score scale, `head_dim^-0.5` (times YaRN's factor).
     pub scale: f32,
+}
+
+/// Positions of a sample's Gated DeltaNet chunks: chunk `c` covers
+/// positions `64c .. 64c + 63`, however the sample is split into steps
+/// (transformers' `chunk_size`). Fixing the grid to positions is what keeps
+/// the chunked delta rule bitwise independent of `--max-batch-tokens`.
+pub const DELTA_CHUNK: usize = 64;
+
+/// The sizes of a Gated DeltaNet layer on one rank (its share of the heads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaShape {
+    /// Query/key heads.
+    pub k_heads: usize,
+    /// Value heads, a multiple of `k_heads`: key head `i` serves value heads
+    /// `i·r .. (i + 1)·r` with `r = v_heads / k_heads`.
+    pub v_heads: usize,
+    /// Width of a query/key head.
+    pub k_dim: usize,
+    /// Width of a value head.
+    pub v_dim: usize,
+    /// Taps of the depthwise causal conv1d (4).
+    pub conv_kernel: usize,
+}
+
+impl DeltaShape {
+    /// Channels of the conv1d: `[q | k | v]`, `2·k_heads·k_dim + v_heads·v_dim`.
+    pub fn channels(&self) -> usize {
+        2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    }
+
+    /// Bytes of sequence state one sample keeps in one layer between steps:
+    /// the recurrent state `[v_heads, k_dim, v_dim]` and the conv's last
+    /// `conv_kernel - 1` inputs, in f32 (32 × 128 × 128 × 4 B = 2 MiB for
+    /// Qwen3-Next's recurrent state). The CPU backend also keeps the inputs
+    /// of a chunk a step left unfinished, up to 63 rows more.
+    pub fn state_bytes(&self) -> usize {
+        4 * (self.v_heads * self.k_dim * self.v_dim + (self.conv_kernel - 1) * self.channels())
+    }
+}
+
+/// A Gated DeltaNet layer's weights of the recurrence, as
+/// [`Backend::gated_delta_rule`] takes them (this rank's heads).
+pub struct DeltaRule<'a, B: Backend> {
+    /// The sizes.
+    pub shape: DeltaShape,
+    /// `A_log`, `[v_heads]`: the decay of value head `h` at a token is
+    /// `g = -exp(A_log[h]) · softplus(a + dt_bias[h])`, in log space.
+    pub a_log: &'a B::Vector,
+    /// `dt_bias`, `[v_heads]`.
+    pub dt_bias: &'a B::Vector,
+    /// The gated RMSNorm's weight, `[v_dim]` (plain: `w`, not `1 + w`).
+    pub norm: &'a B::Vector,
+    /// Its epsilon.
+    pub eps: f32,
 }
 
 /// Which positions a causal query sees beyond itself, by absolute positions
@@ -448,6 +502,37 @@ pub trait KvStore: Default + Send {
     }
 }
 
+/// Everything a backend keeps of chunked samples between steps, by layer
+/// kind: keys and values for attention layers, conv and recurrent state
+/// for Gated DeltaNet layers. A [`crate::model::decoder::Block`] hands each
+/// of its layers the part its kind keeps.
+pub struct SeqState<B: Backend> {
+    /// The attention layers' keys and values.
+    pub kv: B::KvCache,
+    /// The Gated DeltaNet layers' state.
+    pub delta: B::DeltaState,
+}
+
+impl<B: Backend> Default for SeqState<B> {
+    fn default() -> Self {
+        SeqState { kv: B::KvCache::default(), delta: B::DeltaState::default() }
+    }
+}
+
+impl<B: Backend> KvStore for SeqState<B> {
+    fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
+        self.kv.begin(batch)?;
+        self.delta.begin(batch)
+    }
+    fn retire(&mut self, batch: &PackedBatch) {
+        self.kv.retire(batch);
+        self.delta.retire(batch);
+    }
+    fn len(&self) -> usize {
+        self.kv.len().max(self.delta.len())
+    }
+}
+
 /// A device a decoder runs on: its buffers, weights, kernels, KV cache and
 /// collective. One value per tensor-parallel rank.
 ///
@@ -470,8 +555,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     type RopeTable;
     /// Each token's experts and weights, for one MoE layer of one step.
     type Routes;
-    /// Keys and values kept between steps.
+    /// Keys and values of the attention layers, kept between steps.
     type KvCache: KvStore;
+    /// The conv and recurrent state of the Gated DeltaNet layers, kept
+    /// between steps: another type than [`Self::KvCache`], so a layer of one
+    /// kind cannot be handed the other's state.
+    type DeltaState: KvStore;
 
     /// The name `--backend` takes.
     const NAME: &'static str;
@@ -683,6 +772,50 @@ pub trait Backend: Send + Sync + Sized + 'static {
         layer: usize,
         out: &mut Tensor<Self>,
     );
+    /// Depthwise causal conv1d over each segment's positions, then SiLU:
+    /// `out[t, c] = silu(Σ_j w[c, j] · x[p - K + 1 + j, c])` at position `p`
+    /// of token `t` within its sample (`K = shape.conv_kernel`, `w` `[C, K]`,
+    /// `C = shape.channels()`, inputs before position 0 are zeros). A
+    /// segment that continues a sample reads its last `K - 1` inputs from
+    /// `state` (layer `layer`); a segment with more chunks to come leaves its own there.
+    #[allow(clippy::too_many_arguments)]
+    fn causal_conv1d(
+        &self,
+        x: Cols<'_, Self>,
+        w: &Self::Vector,
+        shape: DeltaShape,
+        batch: &PackedBatch,
+        state: &mut Self::DeltaState,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    );
+    /// The gated delta rule of a Gated DeltaNet layer, then its gated norm.
+    /// From the conv's output `qkv` `[T, C]` (`[q | k | v]`), `z` `[T,
+    /// v_heads·v_dim]` and `ba` `[T, 2·v_heads]` (`[b | a]`), per value head
+    /// `h` (its key head `h / r`) and token at position `p` of its sample:
+    /// `q ← q·rsqrt(Σq² + 1e-6)/√k_dim`, `k ← k·rsqrt(Σk² + 1e-6)`,
+    /// `β = σ(b)`, `g = -exp(A_log)·softplus(a + dt_bias)`,
+    /// `S ← e^g·S`, `S ← S + k ⊗ β(v - Sᵀk)`, `o = Sᵀq` (S `[k_dim, v_dim]`,
+    /// zero at position 0), then `out = rms_norm(o)·w·silu(z)` per head.
+    /// Recurrence in f32 (or better) on every backend. A segment that
+    /// continues a sample starts from the state its earlier chunks left in
+    /// `state` (layer `layer`); a segment with more chunks to come leaves its own there.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &self,
+        qkv: &Tensor<Self>,
+        z: Cols<'_, Self>,
+        ba: Cols<'_, Self>,
+        rule: &DeltaRule<'_, Self>,
+        batch: &PackedBatch,
+        state: &mut Self::DeltaState,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    );
+    /// In place: `x[t, i] *= σ(gate[t, i])` with a gate as wide as `x`, or
+    /// `x[t, i] *= σ(gate[t, 0])` with a gate of one column (Qwen3-Next's
+    /// attention output gate and shared-expert gate).
+    fn sigmoid_mul<W: Dim>(&self, x: &mut Tensor<Self, W>, gate: Cols<'_, Self>);
     /// Each token's top-k experts and weights from the router's logits `[T, E]`
     /// (`correction`: noaux_tc's `e_score_correction_bias`).
     fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Self::Vector>) -> Self::Routes;

@@ -10,8 +10,8 @@
 
 use super::{check, host};
 use super::{
-    AttnShape, Backend, BackendError, Cols, GatedLinear, Gating, Glu, HeadSpan, KvCache, LinearInfo, Parallel,
-    Resident, Router, Temperature, Tensor, F32,
+    AttnShape, Backend, BackendError, Cols, DeltaCache, DeltaRule, DeltaShape, GatedLinear, Gating, Glu, HeadSpan,
+    KvCache, LinearInfo, Parallel, Resident, Router, Temperature, Tensor, F32,
 };
 use crate::hf::checkpoint::TensorBytes;
 use crate::hf::moe::{Scoring, TopkMethod};
@@ -128,6 +128,30 @@ fn gated_rows(m: &GatedLinear<Reference>, x: &[f32]) -> Vec<Vec<f64>> {
     m.down_proj.apply(&act).into_iter().map(|r| r.into_iter().map(|v| v as f32 as f64).collect()).collect()
 }
 
+/// What a Gated DeltaNet layer keeps of a chunked sample: the conv's last
+/// inputs and the recurrent state, in f64.
+#[derive(Default, Debug)]
+pub struct DeltaLayer {
+    /// The inputs of the `K - 1` positions before the next chunk, `[K - 1, C]`
+    /// (empty before the first chunk: zeros).
+    conv: Vec<f32>,
+    /// `[v_heads, k_dim, v_dim]` (empty before the first chunk: zeros).
+    s: Vec<f64>,
+}
+
+/// `ln(1 + e^x)`, as PyTorch's `softplus` (the input itself above 20).
+fn softplus(x: f64) -> f64 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
 impl Backend for Reference {
     type Compute = F32;
     type Storage = Vec<f32>;
@@ -138,6 +162,7 @@ impl Backend for Reference {
     /// Per token, its experts and weights.
     type Routes = Vec<Vec<(usize, f64)>>;
     type KvCache = KvCache;
+    type DeltaState = DeltaCache<DeltaLayer>;
 
     const NAME: &'static str = "reference";
 
@@ -415,6 +440,118 @@ impl Backend for Reference {
                         out.storage_mut()[row * ow + h * vd + d] = o as f32;
                     }
                 }
+            }
+        }
+    }
+
+    fn causal_conv1d(
+        &self,
+        x: Cols<'_, Self>,
+        w: &Vec<f32>,
+        shape: DeltaShape,
+        batch: &PackedBatch,
+        state: &mut Self::DeltaState,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    ) {
+        check::conv1d(&x, w.len(), shape, batch, out);
+        let (c, k) = (shape.channels(), shape.conv_kernel);
+        for (si, seg) in batch.segments().iter().enumerate() {
+            let rows = batch.range(si);
+            // The inputs of positions pos0 - (K - 1) .. end, zeros before position 0.
+            let mut inputs = vec![0f32; (k - 1) * c];
+            if seg.uses_cache() {
+                let held = &state.0.layer_mut(seg.key, layer).conv;
+                if !held.is_empty() {
+                    inputs.copy_from_slice(held);
+                }
+            }
+            for r in rows.clone() {
+                inputs.extend_from_slice(&x.storage[r * x.stride + x.offset..][..c]);
+            }
+            for (i, r) in rows.clone().enumerate() {
+                for ch in 0..c {
+                    let acc: f64 = (0..k).map(|j| w[ch * k + j] as f64 * inputs[(i + j) * c + ch] as f64).sum();
+                    out.storage_mut()[r * c + ch] = silu(acc) as f32;
+                }
+            }
+            if seg.uses_cache() {
+                let tail = inputs[inputs.len() - (k - 1) * c..].to_vec();
+                state.0.layer_mut(seg.key, layer).conv = tail;
+            }
+        }
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &Tensor<Self>,
+        z: Cols<'_, Self>,
+        ba: Cols<'_, Self>,
+        rule: &DeltaRule<'_, Self>,
+        batch: &PackedBatch,
+        state: &mut Self::DeltaState,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    ) {
+        let sh = rule.shape;
+        check::delta_rule(qkv, &z, &ba, sh, [rule.a_log.len(), rule.dt_bias.len(), rule.norm.len()], batch, out);
+        let (nk, nv, dk, dv) = (sh.k_heads, sh.v_heads, sh.k_dim, sh.v_dim);
+        let (c, per) = (sh.channels(), nv / nk);
+        let l2 = |x: &[f32]| -> Vec<f64> {
+            let inv = 1.0 / (x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() + 1e-6).sqrt();
+            x.iter().map(|&v| v as f64 * inv).collect()
+        };
+        for (si, seg) in batch.segments().iter().enumerate() {
+            // The recurrent state of every value head, [v_heads, k_dim, v_dim].
+            let mut s = vec![0f64; nv * dk * dv];
+            if seg.uses_cache() {
+                let held = &state.0.layer_mut(seg.key, layer).s;
+                if !held.is_empty() {
+                    s.copy_from_slice(held);
+                }
+            }
+            for r in batch.range(si) {
+                let row = &qkv.storage()[r * c..][..c];
+                let (zr, bar) =
+                    (&z.storage[r * z.stride + z.offset..][..nv * dv], &ba.storage[r * ba.stride + ba.offset..]);
+                for h in 0..nv {
+                    let hk = h / per;
+                    let q: Vec<f64> = l2(&row[hk * dk..][..dk]).iter().map(|v| v / (dk as f64).sqrt()).collect();
+                    let k = l2(&row[nk * dk + hk * dk..][..dk]);
+                    let v = &row[2 * nk * dk + h * dv..][..dv];
+                    let beta = sigmoid(bar[h] as f64);
+                    let g = -(rule.a_log[h] as f64).exp() * softplus(bar[nv + h] as f64 + rule.dt_bias[h] as f64);
+                    let sh = &mut s[h * dk * dv..][..dk * dv]; // [k_dim, v_dim]
+                    let decay = g.exp();
+                    sh.iter_mut().for_each(|x| *x *= decay);
+                    for d in 0..dv {
+                        let mem: f64 = (0..dk).map(|a| sh[a * dv + d] * k[a]).sum();
+                        let delta = (v[d] as f64 - mem) * beta;
+                        (0..dk).for_each(|a| sh[a * dv + d] += k[a] * delta);
+                    }
+                    let o: Vec<f64> = (0..dv).map(|d| (0..dk).map(|a| sh[a * dv + d] * q[a]).sum()).collect();
+                    // The gated RMSNorm of the head's output.
+                    let inv = 1.0 / (o.iter().map(|x| x * x).sum::<f64>() / dv as f64 + rule.eps as f64).sqrt();
+                    for d in 0..dv {
+                        let gate = silu(zr[h * dv + d] as f64);
+                        out.storage_mut()[r * nv * dv + h * dv + d] = (o[d] * inv * rule.norm[d] as f64 * gate) as f32;
+                    }
+                }
+            }
+            if seg.uses_cache() {
+                state.0.layer_mut(seg.key, layer).s = s;
+            }
+        }
+    }
+
+    fn sigmoid_mul<W: Dim>(&self, x: &mut Tensor<Self, W>, gate: Cols<'_, Self>) {
+        check::sigmoid_mul(x, &gate);
+        let w = x.width().size();
+        for (r, row) in x.storage_mut().chunks_exact_mut(w.max(1)).enumerate() {
+            let g = &gate.storage[r * gate.stride + gate.offset..][..gate.width];
+            for (i, v) in row.iter_mut().enumerate() {
+                let gi = if gate.width == 1 { g[0] } else { g[i] };
+                *v = (*v as f64 * sigmoid(gi as f64)) as f32;
             }
         }
     }

@@ -280,13 +280,18 @@ impl Checkpoint {
         if self.prefix.is_empty() {
             self.entries.get(name)
         } else {
-            self.entries.get(&format!("{}{name}", self.prefix))
+            self.entries.get(&self.full(name))
         }
     }
 
-    /// The name as stored in the files.
-    fn full(&self, name: &str) -> String {
-        format!("{}{name}", self.prefix)
+    /// The name as stored in the files. A prefix under `model.` (Qwen3.5's
+    /// `model.language_model.`) takes the place of the name's own `model.`;
+    /// any other (Gemma 3's and Llama 4's `language_model.`) is prepended.
+    pub fn full(&self, name: &str) -> String {
+        match (self.prefix.strip_prefix("model."), name.strip_prefix("model.")) {
+            (Some(_), Some(rest)) => format!("{}{rest}", self.prefix),
+            _ => format!("{}{name}", self.prefix),
+        }
     }
 
     /// The prefix names are looked up under (see [`open_scoped`](Self::open_scoped)).
@@ -302,7 +307,7 @@ impl Checkpoint {
     /// Decoder layers the checkpoint holds tensors of: one past the highest
     /// `k` of a `model.layers.{k}.*` name (under the prefix); 0 if none.
     pub fn layer_count(&self) -> usize {
-        let head = format!("{}model.layers.", self.prefix);
+        let head = self.full("model.layers.");
         self.entries
             .keys()
             .filter_map(|n| n.strip_prefix(&head)?.split('.').next()?.parse::<usize>().ok())
@@ -600,22 +605,49 @@ impl Checkpoint {
         rows: &[usize],
         cols: std::ops::Range<usize>,
     ) -> Result<LinearWeight, CheckpointError> {
-        let (bytes, dtype) = self.checked(name, &[experts, inp, out])?;
-        assert!(e < experts && cols.end <= inp && rows.iter().all(|&r| r < out), "block outside tensor {name}");
-        let es = dtype.size();
         // Element (e, c, r) of the input-major tensor: a strided gather per output row.
-        let at = |r: usize, c: usize| ((e * inp + c) * out + r) * es;
+        self.expert_gather(name, [experts, inp, out], [e, out, inp], rows, cols, |r, c| (e * inp + c) * out + r)
+    }
+
+    /// [`read_expert_linear`](Self::read_expert_linear) of a fused expert
+    /// tensor stored output-major, `[experts, out, inp]` (Qwen3.5-MoE's
+    /// `mlp.experts.gate_up_proj` and `down_proj`, as `nn.Linear` weights).
+    pub fn read_expert_rows(
+        &self,
+        name: &str,
+        [experts, out, inp]: [usize; 3],
+        e: usize,
+        rows: &[usize],
+        cols: std::ops::Range<usize>,
+    ) -> Result<LinearWeight, CheckpointError> {
+        self.expert_gather(name, [experts, out, inp], [e, out, inp], rows, cols, |r, c| (e * out + r) * inp + c)
+    }
+
+    /// Gathers expert `e`'s `rows × cols` from a 3-D tensor of `shape`,
+    /// element `(r, c)` at index `at(r, c)`.
+    fn expert_gather(
+        &self,
+        name: &str,
+        shape: [usize; 3],
+        [e, out, inp]: [usize; 3],
+        rows: &[usize],
+        cols: std::ops::Range<usize>,
+        at: impl Fn(usize, usize) -> usize,
+    ) -> Result<LinearWeight, CheckpointError> {
+        let (bytes, dtype) = self.checked(name, &shape)?;
+        assert!(e < shape[0] && cols.end <= inp && rows.iter().all(|&r| r < out), "block outside tensor {name}");
+        let es = dtype.size();
         if dtype == DType::BF16 {
             let mut q = QuantRows::with_capacity(QuantKind::Bf16, rows.len(), cols.len(), vec![0, cols.len()]);
             for &r in rows {
-                cols.clone().for_each(|c| q.codes.extend_from_slice(&bytes[at(r, c)..at(r, c) + 2]));
+                cols.clone().for_each(|c| q.codes.extend_from_slice(&bytes[at(r, c) * es..][..2]));
                 q.scales.push(1.0);
             }
             return Ok(LinearWeight::Quant(q));
         }
         let mut w = Vec::with_capacity(rows.len() * cols.len());
         for &r in rows {
-            cols.clone().for_each(|c| dtype.decode_append(&bytes[at(r, c)..at(r, c) + es], &mut w));
+            cols.clone().for_each(|c| dtype.decode_append(&bytes[at(r, c) * es..][..es], &mut w));
         }
         Ok(LinearWeight::Dense { rows: rows.len(), cols: cols.len(), w })
     }

@@ -12,6 +12,7 @@ pub mod llama;
 pub mod llama4;
 pub mod moe;
 pub mod quant;
+pub mod qwen3_next;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
 pub use deepseek::DeepseekConfig;

@@ -5,9 +5,10 @@
 //! backend adds a case here; the model files do not change.
 
 use super::decoder::{Block, Frame};
-use super::{deepseek, gemma3, gpt_oss, llama, llama4, Decoder, Model, ModelError, PendingStates, TpModel};
+use super::{deepseek, gemma3, gpt_oss, llama, llama4, qwen3_next, Decoder, Model, ModelError, PendingStates, TpModel};
 use crate::backend::{Backend, Bf16, Compute, Cpu, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
+use crate::hf::qwen3_next::Qwen3NextConfig;
 use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, Gemma3Config, GptOssConfig, Llama4Config, LlamaConfig};
 use crate::pipeline::batch::PackedBatch;
 use crate::pipeline::capture::CaptureSet;
@@ -31,6 +32,10 @@ pub type TpGptOss<H, TP = usize, B = Cpu> = TpModel<GptOss<H, B>, TP>;
 pub type Llama4<H = usize, B = Cpu> = Decoder<B, llama4::DecoderLayer<B>, H>;
 /// Llama 4's text model as tensor-parallel ranks.
 pub type TpLlama4<H, TP = usize, B = Cpu> = TpModel<Llama4<H, B>, TP>;
+/// A hybrid linear-attention Qwen model (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on backend `B`.
+pub type Qwen3Next<H = usize, B = Cpu> = Decoder<B, qwen3_next::DecoderLayer<B>, H>;
+/// A hybrid linear-attention Qwen model as tensor-parallel ranks.
+pub type TpQwen3Next<H, TP = usize, B = Cpu> = TpModel<Qwen3Next<H, B>, TP>;
 /// A Llama-family model over `TP` ranks.
 pub type TpLlama<H, TP = usize, B = Cpu> = TpModel<Llama<H, B>, TP>;
 /// A DeepSeek V2/V3 / Kimi-K2 model over `TP` ranks.
@@ -156,6 +161,8 @@ pub enum AnyConfig {
     GptOss(GptOssConfig),
     /// Llama 4 (`llama4_text`, and the text model of `llama4`).
     Llama4(Llama4Config),
+    /// Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet hybrids).
+    Qwen3Next(Qwen3NextConfig),
 }
 
 /// The one list of families: runs `$body` with `$c` bound to the config
@@ -184,6 +191,10 @@ macro_rules! dispatch {
                 type $L<B> = llama4::DecoderLayer<B>;
                 $body
             }
+            AnyConfig::Qwen3Next($c) => {
+                type $L<B> = qwen3_next::DecoderLayer<B>;
+                $body
+            }
         }
     };
 }
@@ -203,6 +214,8 @@ impl AnyConfig {
             AnyConfig::GptOss(GptOssConfig::from_json(text)?)
         } else if Llama4Config::handles(&model_type) {
             AnyConfig::Llama4(Llama4Config::from_json(text)?)
+        } else if Qwen3NextConfig::handles(&model_type) {
+            AnyConfig::Qwen3Next(Qwen3NextConfig::from_json(text)?)
         } else {
             AnyConfig::Llama(LlamaConfig::from_json(text)?)
         })

@@ -5,7 +5,7 @@
 //! chunked prefill.
 
 use super::{ModelError, PendingStates};
-use crate::backend::{Backend, KvStore, PendingCopies, Tensor};
+use crate::backend::{Backend, KvStore, PendingCopies, SeqState, Tensor};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError, PrefixMismatch};
 use crate::hf::{ArchInfo, ConfigError, RopeFreqs};
 use crate::pipeline::batch::PackedBatch;
@@ -94,7 +94,8 @@ pub trait Block<B: Backend>: Sized + Send + Sync + 'static {
     fn load(b: &B, config: &Self::Config, ckpt: &Checkpoint, index: usize) -> Result<Self, ModelError>;
     /// Buffers for a step of `tokens` tokens.
     fn scratch<H: Dim>(b: &B, config: &Self::Config, tokens: usize, hidden: H) -> Self::Scratch<H>;
-    /// `x ← layer(x)`, keeping keys and values of chunked samples in `cache` (as layer `index`).
+    /// `x ← layer(x)`, keeping what its kind needs of chunked samples in
+    /// `cache` (keys and values, or a Gated DeltaNet's state), as layer `index`.
     #[allow(clippy::too_many_arguments)]
     fn forward<H: Dim>(
         &self,
@@ -102,7 +103,7 @@ pub trait Block<B: Backend>: Sized + Send + Sync + 'static {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut Self::Scratch<H>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
         index: usize,
     );
     /// Bytes the layer's weights hold.
@@ -145,7 +146,7 @@ fn check_fits(frame: &Frame, ckpt: &Checkpoint) -> Result<(), ModelError> {
             )))
         }
         Some(_) => {}
-        None => return Err(CheckpointError::Missing(format!("{}{embed}", ckpt.prefix())).into()),
+        None => return Err(CheckpointError::Missing(ckpt.full(embed)).into()),
     }
     let (n, held) = (info.num_layers, ckpt.layer_count());
     if held < n {
@@ -293,19 +294,19 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         batch: &PackedBatch,
         captures: &CaptureSet<LD>,
     ) -> Result<CapturedStates<LD, H>, ModelError> {
-        self.forward_step(batch, captures, &mut B::KvCache::default())
+        self.forward_step(batch, captures, &mut SeqState::default())
     }
 
     /// [`forward`](Self::forward) for batches that hold chunks of samples:
-    /// a segment with `pos0 > 0` attends to the keys/values its sample's
-    /// earlier chunks left in `cache`; a segment with `keep` leaves its own
-    /// there for the next chunk. The states of a token do not depend on how
+    /// a segment with `pos0 > 0` continues from what its sample's earlier
+    /// chunks left in `cache` (keys/values, Gated DeltaNet state); a segment
+    /// with `keep` leaves its own there for the next chunk. The states of a token do not depend on how
     /// its sample was chunked or packed (bitwise, on the CPU backend).
     pub fn forward_step<LD: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<LD>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
     ) -> Result<CapturedStates<LD, H>, ModelError> {
         self.forward_step_pending(batch, captures, cache)?.wait()
     }
@@ -317,7 +318,7 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<LD>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
     ) -> Result<PendingStates<LD, H>, ModelError> {
         Ok(self.forward_rank(batch, captures, cache, true)?.expect("a capturing forward returns states"))
     }
@@ -331,7 +332,7 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<LD>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
         capture: bool,
     ) -> Result<Option<PendingStates<LD, H>>, ModelError> {
         let (b, f) = (&self.backend, &self.frame);

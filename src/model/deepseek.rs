@@ -20,7 +20,8 @@ use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
-    AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, Tensor,
+    AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, SeqState,
+    Tensor,
 };
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::deepseek::DeepseekConfig;
@@ -465,7 +466,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut Scratch<B, H>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
         index: usize,
     ) {
         let (t, hidden) = (x.rows(), x.width());
@@ -473,7 +474,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         s.ffn.resize(b, t, hidden);
         // x += self_attn(input_layernorm(x))
         b.rms_norm(x.all(), &self.input_layernorm, self.eps, &mut s.normed);
-        self.self_attn.forward_add(b, &s.normed, x, step, &mut s.attn, cache, index);
+        self.self_attn.forward_add(b, &s.normed, x, step, &mut s.attn, &mut cache.kv, index);
         // x += mlp(post_attention_layernorm(x))
         b.rms_norm(x.all(), &self.post_attention_layernorm, self.eps, &mut s.normed);
         self.mlp.forward(b, &s.normed, &mut s.ffn, &mut s.mlp);

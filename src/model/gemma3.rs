@@ -22,7 +22,7 @@ use super::decoder::{Block, Frame, Step};
 use super::llama::{gated, qkv_o, Reader};
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Mask, Resident, Tensor};
+use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Mask, Resident, SeqState, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::gemma3::Gemma3Config;
 use crate::hf::ConfigError;
@@ -237,7 +237,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut Scratch<B, H>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
         index: usize,
     ) {
         let eps = self.eps;
@@ -247,7 +247,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
             _ => step.rope,
         };
         // x += post_attention_layernorm(self_attn(input_layernorm(x)))
-        self.self_attn.forward(b, (&self.input_layernorm, eps), x, rope, step, s, cache, index);
+        self.self_attn.forward(b, (&self.input_layernorm, eps), x, rope, step, s, &mut cache.kv, index);
         b.rms_norm(s.proj.all(), &self.post_attention_layernorm, eps, &mut s.normed);
         b.add(x, &s.normed);
         // x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))

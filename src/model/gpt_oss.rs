@@ -27,7 +27,7 @@ use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
-    AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, Tensor,
+    AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, SeqState, Tensor,
 };
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::gpt_oss::GptOssConfig;
@@ -235,7 +235,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut Scratch<B, H>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
         index: usize,
     ) {
         let a = &self.self_attn;
@@ -249,7 +249,17 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
             sinks: Some(&a.sinks),
             rotary_dim: a.shape.head_dim,
         };
-        b.norm_attention_add(&block, x, &mut s.normed, &mut s.qkv, &mut s.attn, step.rope, step.batch, cache, index);
+        b.norm_attention_add(
+            &block,
+            x,
+            &mut s.normed,
+            &mut s.qkv,
+            &mut s.attn,
+            step.rope,
+            step.batch,
+            &mut cache.kv,
+            index,
+        );
         // x += mlp(post_attention_layernorm(x))
         b.rms_norm(x.all(), &self.post_attention_layernorm, self.eps, &mut s.normed);
         s.ffn.resize(b, x.rows(), x.width());

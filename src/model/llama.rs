@@ -21,7 +21,7 @@ use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
-    self, AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, Tensor,
+    self, AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, SeqState, Tensor,
 };
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe, QkNorm};
@@ -513,12 +513,12 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut Scratch<B, H>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
         index: usize,
     ) {
         // x += self_attn(input_layernorm(x))
         let norm = PreNorm { weight: &self.input_layernorm, eps: self.eps, normed: &mut s.normed };
-        self.self_attn.forward_add(b, norm, x, step, &mut s.attn, cache, index);
+        self.self_attn.forward_add(b, norm, x, step, &mut s.attn, &mut cache.kv, index);
         // x += mlp(post_attention_layernorm(x))
         let norm = PreNorm { weight: &self.post_attention_layernorm, eps: self.eps, normed: &mut s.normed };
         self.mlp.forward_add(b, norm, x, &mut s.mlp, &mut s.ffn);

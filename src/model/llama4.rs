@@ -25,8 +25,8 @@ use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
-    AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, Temperature,
-    Tensor,
+    AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, SeqState,
+    Temperature, Tensor,
 };
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama4::{Llama4Config, Llama4Layer};
@@ -297,12 +297,12 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut Scratch<B, H>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
         index: usize,
     ) {
         let eps = self.eps;
         // x += self_attn(input_layernorm(x))
-        self.self_attn.forward_add(b, (&self.input_layernorm, eps), x, step, s, cache, index);
+        self.self_attn.forward_add(b, (&self.input_layernorm, eps), x, step, s, &mut cache.kv, index);
         // x += feed_forward(post_attention_layernorm(x))
         match &self.feed_forward {
             FeedForward::Dense(m) => {

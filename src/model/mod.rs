@@ -17,6 +17,7 @@ pub mod gpt_oss;
 pub mod llama;
 pub mod llama4;
 pub mod moe;
+pub mod qwen3_next;
 pub mod shard;
 pub mod tp_model;
 
@@ -27,7 +28,7 @@ pub use any::{
 pub use decoder::Decoder;
 pub use tp_model::{RankModel, RankWorker, TpModel};
 
-use crate::backend::{Backend, BackendError, PendingCopies};
+use crate::backend::{Backend, BackendError, PendingCopies, SeqState};
 use crate::hf::checkpoint::CheckpointError;
 use crate::hf::ConfigError;
 use crate::pipeline::batch::PackedBatch;
@@ -152,7 +153,7 @@ pub trait Model {
 
 impl<B: Backend, L: decoder::Block<B>, H: Dim> Model for Decoder<B, L, H> {
     type Hidden = H;
-    type Cache = B::KvCache;
+    type Cache = SeqState<B>;
     fn hidden(&self) -> H {
         Decoder::hidden(self)
     }
@@ -169,7 +170,7 @@ impl<B: Backend, L: decoder::Block<B>, H: Dim> Model for Decoder<B, L, H> {
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<LD>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
     ) -> Result<PendingStates<LD, H>, ModelError> {
         Decoder::forward_step_pending(self, batch, captures, cache)
     }

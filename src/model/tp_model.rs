@@ -6,7 +6,7 @@
 
 use super::decoder::{read_config_text, Block, Decoder};
 use super::{Model, ModelError, PendingStates};
-use crate::backend::Backend;
+use crate::backend::{Backend, SeqState};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::parallel::{Executor, PerRank, RpcError, ShardDim, ShardedStates, TpSize};
 use crate::pipeline::batch::PackedBatch;
@@ -36,7 +36,7 @@ impl<B: Backend, L: Block<B>, H: Dim> RankModel for Decoder<B, L, H> {
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<LD>,
-        cache: &mut B::KvCache,
+        cache: &mut SeqState<B>,
         capture: bool,
     ) -> Result<Option<PendingStates<LD, H>>, ModelError> {
         Decoder::forward_rank(self, batch, captures, cache, capture)

@@ -9,6 +9,7 @@
 pub mod alloc;
 pub mod attention;
 pub mod bf16;
+pub mod delta;
 pub mod gemm;
 pub mod moe;
 pub mod ops;
@@ -21,8 +22,8 @@ pub use panels::{pack_b, MR, NR};
 
 use super::{check, host};
 use super::{
-    AttnShape, Backend, BackendError, Cols, Compute, ComputeDtype, GatedLinear, Gating, Glu, HeadSpan, KvCache,
-    LinearInfo, Parallel, Resident, Router, Temperature, Tensor, F32,
+    AttnShape, Backend, BackendError, Cols, Compute, ComputeDtype, DeltaCache, DeltaRule, DeltaShape, GatedLinear,
+    Gating, Glu, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router, Temperature, Tensor, F32,
 };
 use crate::hf::checkpoint::TensorBytes;
 use crate::hf::quant::{LinearWeight, QuantKind};
@@ -118,6 +119,7 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
     type RopeTable = RopeTable;
     type Routes = moe::Routes;
     type KvCache = KvCache;
+    type DeltaState = DeltaCache<delta::DeltaLayer>;
 
     const NAME: &'static str = "cpu";
 
@@ -476,6 +478,52 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
             .collect();
         let (q0, sinks) = (&q.storage[q.offset..], sinks.map(|s| s.as_slice()));
         varlen_attention(q0, q.stride, &segments, shape, sinks, C::COMPUTE, out.storage_mut());
+    }
+
+    fn causal_conv1d(
+        &self,
+        x: Cols<'_, Self>,
+        w: &Vec<f32>,
+        shape: DeltaShape,
+        batch: &PackedBatch,
+        state: &mut Self::DeltaState,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    ) {
+        check::conv1d(&x, w.len(), shape, batch, out);
+        let x = delta::ColsRef { data: x.storage, stride: x.stride, offset: x.offset };
+        delta::conv1d(x, w, shape, batch, state, layer, out.storage_mut());
+    }
+
+    fn gated_delta_rule(
+        &self,
+        qkv: &Tensor<Self>,
+        z: Cols<'_, Self>,
+        ba: Cols<'_, Self>,
+        rule: &DeltaRule<'_, Self>,
+        batch: &PackedBatch,
+        state: &mut Self::DeltaState,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    ) {
+        let sh = rule.shape;
+        check::delta_rule(qkv, &z, &ba, sh, [rule.a_log.len(), rule.dt_bias.len(), rule.norm.len()], batch, out);
+        let z = delta::ColsRef { data: z.storage, stride: z.stride, offset: z.offset };
+        let ba = delta::ColsRef { data: ba.storage, stride: ba.stride, offset: ba.offset };
+        let w = delta::RuleWeights { a_log: rule.a_log, dt_bias: rule.dt_bias, norm: rule.norm, eps: rule.eps };
+        delta::delta_rule(qkv.storage(), z, ba, &w, sh, batch, state, layer, out.storage_mut());
+    }
+
+    fn sigmoid_mul<W: Dim>(&self, x: &mut Tensor<Self, W>, gate: Cols<'_, Self>) {
+        check::sigmoid_mul(x, &gate);
+        let w = x.width().size().max(1);
+        for (r, row) in x.storage_mut().chunks_exact_mut(w).enumerate() {
+            let g = &gate.storage[r * gate.stride + gate.offset..][..gate.width];
+            for (i, v) in row.iter_mut().enumerate() {
+                let gi = if gate.width == 1 { g[0] } else { g[i] };
+                *v *= 1.0 / (1.0 + ops::exp(-gi));
+            }
+        }
     }
 
     fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Vec<f32>>) -> moe::Routes {

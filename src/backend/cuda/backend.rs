@@ -1113,6 +1113,10 @@ pub type AttentionLaunch<D> = fn(
     DevPtr,
 ) -> Result<(), CudaError>;
 
+/// Why the CUDA backend does not run a hybrid model (yet).
+pub const NO_DELTA_NET: &str =
+    "Gated DeltaNet layers (Qwen3-Next, Qwen3.5) have no CUDA kernels yet; run this model with --backend cpu";
+
 impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     type Compute = C;
     type Storage = Buf<D>;
@@ -1122,6 +1126,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     type RopeTable = RopeTable<D>;
     type Routes = Routes<D>;
     type KvCache = KvCache<D>;
+    type DeltaState = crate::backend::DeltaCache<()>;
 
     const NAME: &'static str = "cuda";
 
@@ -1613,6 +1618,39 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         check::attention(&q, &k, &v, shape, batch, (out.rows(), out.width()));
         let src = [Src::f32(&q), Src::f32(&k), Src::f32(&v)];
         self.run(|| self.attention_launch(src, shape, sinks, batch, cache, layer, out));
+    }
+
+    // Gated DeltaNet has no CUDA kernels yet: the loader refuses hybrid
+    // models on this backend, and these ops record the same refusal.
+    fn causal_conv1d(
+        &self,
+        _x: Cols<'_, Self>,
+        _w: &Vector<D>,
+        _shape: crate::backend::DeltaShape,
+        _batch: &PackedBatch,
+        _state: &mut Self::DeltaState,
+        _layer: usize,
+        _out: &mut Tensor<Self>,
+    ) {
+        self.fail(NO_DELTA_NET.into());
+    }
+
+    fn gated_delta_rule(
+        &self,
+        _qkv: &Tensor<Self>,
+        _z: Cols<'_, Self>,
+        _ba: Cols<'_, Self>,
+        _rule: &crate::backend::DeltaRule<'_, Self>,
+        _batch: &PackedBatch,
+        _state: &mut Self::DeltaState,
+        _layer: usize,
+        _out: &mut Tensor<Self>,
+    ) {
+        self.fail(NO_DELTA_NET.into());
+    }
+
+    fn sigmoid_mul<W: Dim>(&self, _x: &mut Tensor<Self, W>, _gate: Cols<'_, Self>) {
+        self.fail(NO_DELTA_NET.into());
     }
 
     fn moe_route(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vector<D>>) -> Routes<D> {

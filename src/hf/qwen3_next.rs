@@ -1,0 +1,379 @@
+//! `config.json` of the hybrid linear-attention Qwen models: Qwen3-Next
+//! (`qwen3_next`), Qwen3.5 (`qwen3_5_text`, dense) and Qwen3.5-MoE
+//! (`qwen3_5_moe_text`), the last two also as the multimodal wrappers
+//! (`qwen3_5`, `qwen3_5_moe`) the hub ships, whose text model is read from
+//! `text_config` and whose tensors live under `model.language_model.` (the
+//! vision tower and the `mtp.*` module are not read).
+//!
+//! Layers are Gated DeltaNet (`linear_attention`) or gated full attention
+//! (`full_attention`), from `layer_types` or, without it, every
+//! `full_attention_interval`-th layer (4) full. Sizes a field leaves out
+//! take transformers' defaults. Every refusal names its field.
+
+use super::llama::{inv_freq, parse_rope, LlamaMoe, RopeScaling};
+use super::moe::{Scoring, TopkMethod};
+use super::{elements, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, TextModel};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// How a checkpoint stores a Gated DeltaNet layer's input projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InProj {
+    /// Qwen3-Next: `in_proj_qkvz` `[k_heads × (q, k, v, z), hidden]`, each
+    /// key head's group `[q (k_dim) | k (k_dim) | v (r·v_dim) | z (r·v_dim)]`,
+    /// and `in_proj_ba` `[k_heads × (b, a), hidden]`, groups `[b (r) | a (r)]`
+    /// (`r = v_heads / k_heads`). A rank's heads are whole groups: its rows of
+    /// both tensors are one contiguous block each.
+    Grouped,
+    /// Qwen3.5: `in_proj_qkv` `[q (k_heads·k_dim) | k | v (v_heads·v_dim)]`,
+    /// `in_proj_z` `[v_heads·v_dim]`, `in_proj_b` and `in_proj_a` `[v_heads]`:
+    /// a rank reads one block of each of q, k, v, z, b and a.
+    Split,
+}
+
+/// The kind of a layer's token mixer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Gated DeltaNet (`linear_attn.*`).
+    Linear,
+    /// Gated softmax attention (`self_attn.*`).
+    Full,
+}
+
+/// The Gated DeltaNet layers' sizes (the whole layer, every rank's heads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearSizes {
+    /// `linear_num_key_heads`.
+    pub k_heads: usize,
+    /// `linear_num_value_heads`, a multiple of `k_heads`.
+    pub v_heads: usize,
+    /// `linear_key_head_dim`.
+    pub k_dim: usize,
+    /// `linear_value_head_dim`.
+    pub v_dim: usize,
+    /// `linear_conv_kernel_dim`.
+    pub conv_kernel: usize,
+}
+
+/// A hybrid Qwen text decoder's sizes and options, normalised.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Qwen3NextConfig {
+    /// As config.json names it (the wrapper's for a multimodal checkpoint).
+    pub model_type: String,
+    /// The input projections' layout.
+    pub in_proj: InProj,
+    /// Residual stream width.
+    pub hidden_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Full attention's query heads.
+    pub num_heads: usize,
+    /// Full attention's key/value heads.
+    pub num_kv_heads: usize,
+    /// Full attention's head width (256).
+    pub head_dim: usize,
+    /// Columns of each q/k head RoPE rotates (`head_dim · partial_rotary_factor`, 0.25 by default).
+    pub rotary_dim: usize,
+    /// RoPE base.
+    pub rope_theta: f32,
+    /// RoPE scaling.
+    pub rope_scaling: RopeScaling,
+    /// Bias on q/k/v/o.
+    pub attention_bias: bool,
+    /// The Gated DeltaNet sizes.
+    pub linear: LinearSizes,
+    /// Each layer's token mixer.
+    pub layer_types: Vec<LayerKind>,
+    /// The dense MLP's width (Qwen3.5; Qwen3-Next's dense layers).
+    pub intermediate_size: usize,
+    /// The mixture of experts, if any: softmax top-k, renormalised, with
+    /// `shared_intermediate_size` the sigmoid-gated shared expert's width.
+    pub moe: Option<LlamaMoe>,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Epsilon of every RMSNorm.
+    pub rms_norm_eps: f32,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
+    /// config.json has no `max_position_embeddings`: the limit is HF's default.
+    pub max_position_default: bool,
+    /// Prefix of the text model's tensor names: `model.language_model.` in a wrapper.
+    pub tensor_prefix: String,
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    hidden_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    intermediate_size: Option<usize>,
+    vocab_size: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    hidden_act: Option<String>,
+    attention_bias: Option<bool>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<Value>,
+    rope_parameters: Option<Value>,
+    partial_rotary_factor: Option<f64>,
+    max_position_embeddings: Option<usize>,
+    linear_conv_kernel_dim: Option<usize>,
+    linear_key_head_dim: Option<usize>,
+    linear_value_head_dim: Option<usize>,
+    linear_num_key_heads: Option<usize>,
+    linear_num_value_heads: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    full_attention_interval: Option<usize>,
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    shared_expert_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+}
+
+fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field, problem: problem.into() }
+}
+
+/// Which family a `model_type` is: (text type, wrapper type, layout, mixture).
+fn family(model_type: &str) -> Option<(&'static str, &'static str, InProj, bool)> {
+    match model_type {
+        "qwen3_next" => Some(("qwen3_next", "qwen3_next", InProj::Grouped, true)),
+        "qwen3_5" | "qwen3_5_text" => Some(("qwen3_5_text", "qwen3_5", InProj::Split, false)),
+        "qwen3_5_moe" | "qwen3_5_moe_text" => Some(("qwen3_5_moe_text", "qwen3_5_moe", InProj::Split, true)),
+        _ => None,
+    }
+}
+
+impl Qwen3NextConfig {
+    /// Whether `model_type` is one of these.
+    pub fn handles(model_type: &str) -> bool {
+        family(model_type).is_some()
+    }
+
+    /// Parses and normalises `config.json` text.
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        let top: Value = serde_json::from_str(text)?;
+        let ty = top.get("model_type").and_then(Value::as_str).ok_or(ConfigError::Missing("model_type"))?;
+        let (text_type, wrapper, in_proj, mixture) =
+            family(ty).ok_or_else(|| ConfigError::UnsupportedModel(ty.to_string()))?;
+        let TextModel { model_type, config, tensor_prefix, quantization } = TextModel::of(text, text_type, wrapper)?;
+        // The wrapper's text model lives under `model.language_model.` (its own `model.` dropped).
+        let tensor_prefix = if tensor_prefix.is_empty() { tensor_prefix } else { "model.language_model.".into() };
+        if let Some(q) = super::quant::QuantConfig::from_json(quantization.as_ref())? {
+            return Err(invalid(
+                "quantization_config",
+                format!("{} weights are not read for {model_type} (plain bf16, f16 or f32 only)", q.describe()),
+            ));
+        }
+        let raw: Raw = serde_json::from_value(config)?;
+        if let Some(act) = &raw.hidden_act {
+            if act != "silu" && act != "swish" {
+                return Err(invalid("hidden_act", format!("{act:?} is not supported (only silu)")));
+            }
+        }
+        let defaults = Defaults::of(text_type);
+        let GqaSizes { hidden_size, num_layers, num_heads, num_kv_heads, head_dim } = GqaSizes {
+            hidden_size: raw.hidden_size.unwrap_or(defaults.hidden),
+            num_layers: raw.num_hidden_layers.unwrap_or(defaults.layers),
+            num_heads: raw.num_attention_heads.unwrap_or(16),
+            num_kv_heads: raw.num_key_value_heads.unwrap_or(defaults.kv_heads),
+            head_dim: raw.head_dim.unwrap_or(256),
+        }
+        .check()?;
+        let vocab_size = positive("vocab_size", raw.vocab_size.unwrap_or(defaults.vocab))?;
+        let intermediate_size = positive("intermediate_size", raw.intermediate_size.unwrap_or(defaults.inter))?;
+        elements("vocab_size", "embed_tokens", &[vocab_size, hidden_size])?;
+        // q_proj holds each head's query and its output gate.
+        elements("num_attention_heads", "qkv_proj", &[2 * num_heads + 2 * num_kv_heads, head_dim, hidden_size])?;
+        elements("intermediate_size", "gate_up_proj", &[2, intermediate_size, hidden_size])?;
+        let linear = LinearSizes {
+            k_heads: positive("linear_num_key_heads", raw.linear_num_key_heads.unwrap_or(16))?,
+            v_heads: positive("linear_num_value_heads", raw.linear_num_value_heads.unwrap_or(32))?,
+            k_dim: positive("linear_key_head_dim", raw.linear_key_head_dim.unwrap_or(128))?,
+            v_dim: positive("linear_value_head_dim", raw.linear_value_head_dim.unwrap_or(128))?,
+            conv_kernel: positive("linear_conv_kernel_dim", raw.linear_conv_kernel_dim.unwrap_or(4))?,
+        };
+        if !linear.v_heads.is_multiple_of(linear.k_heads) {
+            return Err(invalid(
+                "linear_num_value_heads",
+                format!("{} is not a multiple of linear_num_key_heads {}", linear.v_heads, linear.k_heads),
+            ));
+        }
+        let LinearSizes { k_heads, v_heads, k_dim, v_dim, conv_kernel } = linear;
+        let proj = [2 * k_heads * k_dim + 2 * v_heads * v_dim + 2 * v_heads, hidden_size];
+        elements("linear_num_value_heads", "in_proj", &proj)?;
+        elements("linear_conv_kernel_dim", "conv1d", &[2 * k_heads * k_dim + v_heads * v_dim, conv_kernel])?;
+        elements("linear_num_value_heads", "recurrent state", &[v_heads, k_dim, v_dim])?;
+        let rms_norm_eps = positive_f32("rms_norm_eps", "rms_norm_eps", raw.rms_norm_eps.unwrap_or(1e-6) as f32)?;
+        let (max_position_embeddings, max_position_default) = match raw.max_position_embeddings {
+            Some(n) => (positive("max_position_embeddings", n)?, false),
+            None => (defaults.positions, true),
+        };
+        let layer_types = Self::layer_types(&raw, num_layers)?;
+        let (rope_theta, rope_scaling, rotary_dim) = Self::rope(&raw, head_dim)?;
+        let moe = if mixture { Self::moe(&raw, text_type, hidden_size, num_layers)? } else { None };
+        Ok(Qwen3NextConfig {
+            model_type,
+            in_proj,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rotary_dim,
+            rope_theta,
+            rope_scaling,
+            attention_bias: raw.attention_bias.unwrap_or(false),
+            linear,
+            layer_types,
+            intermediate_size,
+            moe,
+            vocab_size,
+            rms_norm_eps,
+            max_position_embeddings,
+            max_position_default,
+            tensor_prefix,
+        })
+    }
+
+    fn layer_types(raw: &Raw, n: usize) -> Result<Vec<LayerKind>, ConfigError> {
+        if let Some(types) = &raw.layer_types {
+            if types.len() != n {
+                return Err(invalid("layer_types", format!("has {} entries for {n} layers", types.len())));
+            }
+            return types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "linear_attention" => Ok(LayerKind::Linear),
+                    "full_attention" => Ok(LayerKind::Full),
+                    other => Err(invalid("layer_types", format!("unknown layer type {other:?}"))),
+                })
+                .collect();
+        }
+        let every = raw.full_attention_interval.unwrap_or(4);
+        if every == 0 {
+            return Err(invalid("full_attention_interval", "must be positive"));
+        }
+        Ok((0..n).map(|i| if (i + 1).is_multiple_of(every) { LayerKind::Full } else { LayerKind::Linear }).collect())
+    }
+
+    /// (theta, scaling, rotary_dim): transformers 5's `rope_parameters`
+    /// (where `partial_rotary_factor` and Qwen3.5's `mrope_section` live), or
+    /// the older top-level `rope_theta`, `rope_scaling` and `partial_rotary_factor`.
+    /// MRoPE's three position components are equal on text, so its sections
+    /// all rotate by the one text position: 1-D RoPE.
+    fn rope(raw: &Raw, head_dim: usize) -> Result<(f32, RopeScaling, usize), ConfigError> {
+        let params = raw.rope_parameters.as_ref().filter(|p| !p.is_null());
+        let (theta_new, scaling_new) = parse_rope(params, "rope_parameters")?;
+        let (theta_old, scaling_old) = parse_rope(raw.rope_scaling.as_ref(), "rope_scaling")?;
+        let theta = theta_new.or(raw.rope_theta.map(|t| t as f32)).or(theta_old).unwrap_or(10_000.0);
+        positive_f32("rope_theta", "rope_theta", theta)?;
+        let scaling = if params.is_some() { scaling_new } else { scaling_old };
+        let factor = params
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .and_then(Value::as_f64)
+            .or(raw.partial_rotary_factor)
+            .unwrap_or(0.25);
+        if !(factor > 0.0 && factor <= 1.0) {
+            return Err(invalid("partial_rotary_factor", format!("{factor}: must be in (0, 1]")));
+        }
+        let rotary_dim = (head_dim as f64 * factor) as usize;
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) {
+            return Err(invalid(
+                "partial_rotary_factor",
+                format!("{factor} of head_dim {head_dim} rotates {rotary_dim} columns: must be a positive even number"),
+            ));
+        }
+        Ok((theta, scaling, rotary_dim))
+    }
+
+    fn moe(raw: &Raw, text_type: &str, hidden: usize, n: usize) -> Result<Option<LlamaMoe>, ConfigError> {
+        let qwen35 = text_type == "qwen3_5_moe_text";
+        let experts = raw.num_experts.unwrap_or(if qwen35 { 256 } else { 512 });
+        if experts == 0 {
+            return Ok(None); // Qwen3NextConfig: no experts, every MLP dense
+        }
+        let top_k = positive("num_experts_per_tok", raw.num_experts_per_tok.unwrap_or(if qwen35 { 8 } else { 10 }))?;
+        if top_k > experts {
+            return Err(invalid("num_experts_per_tok", format!("{top_k} exceeds num_experts {experts}")));
+        }
+        let inter = positive("moe_intermediate_size", raw.moe_intermediate_size.unwrap_or(512))?;
+        let shared = positive("shared_expert_intermediate_size", raw.shared_expert_intermediate_size.unwrap_or(512))?;
+        elements("num_experts", "experts", &[experts, 3, inter, hidden])?;
+        // Qwen3.5-MoE: every layer's MLP is the mixture, always renormalised.
+        let sparse = if qwen35 {
+            vec![true; n]
+        } else {
+            let step = raw.decoder_sparse_step.unwrap_or(1);
+            if step == 0 {
+                return Err(invalid("decoder_sparse_step", "must be positive"));
+            }
+            let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
+            if let Some(bad) = dense_only.iter().find(|&&l| l >= n) {
+                return Err(invalid("mlp_only_layers", format!("names layer {bad} of {n}")));
+            }
+            (0..n).map(|l| !dense_only.contains(&l) && (l + 1).is_multiple_of(step)).collect()
+        };
+        Ok(Some(LlamaMoe {
+            scoring: Scoring::Softmax,
+            topk_method: TopkMethod::Greedy,
+            n_group: 1,
+            topk_group: 1,
+            routed_scaling_factor: 1.0,
+            shared_intermediate_size: Some(shared),
+            experts,
+            top_k,
+            intermediate_size: inter,
+            norm_topk_prob: qwen35 || raw.norm_topk_prob.unwrap_or(true),
+            sparse,
+        }))
+    }
+
+    /// The full-attention layers' RoPE (over `rotary_dim` columns).
+    pub fn rope_freqs(&self) -> RopeFreqs {
+        RopeFreqs { inv_freq: inv_freq(self.rope_theta, self.rotary_dim, &self.rope_scaling), scale: 1.0 }
+    }
+
+    /// The outer shape.
+    pub fn info(&self) -> ArchInfo {
+        ArchInfo {
+            architecture: self.model_type.clone(),
+            num_layers: self.num_layers,
+            hidden_size: self.hidden_size,
+            vocab_size: self.vocab_size,
+            max_position_embeddings: self.max_position_embeddings,
+            max_position_default: self.max_position_default,
+        }
+    }
+}
+
+/// transformers' defaults of the sizes that differ between the three configs.
+struct Defaults {
+    hidden: usize,
+    layers: usize,
+    kv_heads: usize,
+    vocab: usize,
+    inter: usize,
+    positions: usize,
+}
+
+impl Defaults {
+    fn of(text_type: &str) -> Self {
+        match text_type {
+            // Qwen3NextConfig.
+            "qwen3_next" => {
+                Defaults { hidden: 2048, layers: 48, kv_heads: 2, vocab: 151_936, inter: 5632, positions: 32768 }
+            }
+            // Qwen3_5TextConfig.
+            "qwen3_5_text" => {
+                Defaults { hidden: 4096, layers: 32, kv_heads: 4, vocab: 248_320, inter: 12288, positions: 32768 }
+            }
+            // Qwen3_5MoeTextConfig (no dense MLP: the width is unused).
+            _ => Defaults { hidden: 2048, layers: 40, kv_heads: 2, vocab: 248_320, inter: 512, positions: 32768 },
+        }
+    }
+}
