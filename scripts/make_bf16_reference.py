@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch's own bf16 run of each parity fixture, for tests/accuracy.rs (run by hand, not in CI).
 
-For every fixture of tests/common FIXTURES, GEMMA, GPT_OSS, LLAMA4 and DEEPSEEK, loads the checkpoint with HF
+For every fixture of tests/common FIXTURES, GEMMA, GPT_OSS, LLAMA4, DEEPSEEK and HYBRID, loads the checkpoint with HF
 transformers in bf16 with sdpa attention (as a user runs a bf16 model on the CPU), runs
 the fixture's data.jsonl and writes
 
@@ -33,7 +33,8 @@ from transformers import AutoModel
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 FIXTURES = ["llama-default", "llama-gqa-sharded", "mistral-swa", "qwen2-swa", "qwen3", "qwen3-moe", "mixtral", "glm4-moe", "minimax-m2",
-            "gemma3-text", "gemma3", "gpt-oss", "gpt-oss-mxfp4", "llama4-text", "llama4", "deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group"]
+            "gemma3-text", "gemma3", "gpt-oss", "gpt-oss-mxfp4", "llama4-text", "llama4", "deepseek-v3", "deepseek-v3-nolora", "deepseek-v2-lite", "deepseek-v2-group",
+            "qwen3-next", "qwen3_5-moe"]
 
 
 def run(model, samples):

@@ -55,7 +55,7 @@ fn check(dir: &std::path::Path, name: &str, report: &mut HashMap<String, (f64, f
 #[test]
 fn bf16_compute_is_at_least_as_accurate_as_pytorch_bf16() {
     let mut report = HashMap::new();
-    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4).chain(DEEPSEEK) {
+    for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4).chain(DEEPSEEK).chain(HYBRID) {
         check(&fixture(name), name, &mut report);
     }
     // The bench model's weights are regenerated (311 MB), not committed.

@@ -172,3 +172,57 @@ fn llama_4_maverick_alternates_dense_and_moe_layers_without_qk_norm() {
     assert!(c.temperature.is_some(), "attn_temperature_tuning defaults to on");
     assert_eq!(c.max_position_embeddings, 1_048_576);
 }
+
+use strata::hf::qwen3_next::{InProj, LayerKind};
+
+/// The full-attention layers of `types`.
+fn full_layers(types: &[LayerKind]) -> Vec<usize> {
+    (0..types.len()).filter(|&i| types[i] == LayerKind::Full).collect()
+}
+
+#[test]
+fn qwen3_coder_next_is_a_grouped_deltanet_hybrid_with_512_experts() {
+    let AnyConfig::Qwen3Next(c) = config("qwen3-coder-next") else { panic!("qwen3_next is a hybrid config") };
+    assert_eq!(c.in_proj, InProj::Grouped, "in_proj_qkvz / in_proj_ba");
+    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (48, 2048, 16, 2, 256));
+    let l = c.linear;
+    assert_eq!((l.k_heads, l.v_heads, l.k_dim, l.v_dim, l.conv_kernel), (16, 32, 128, 128, 4));
+    assert_eq!(full_layers(&c.layer_types), (3..48).step_by(4).collect::<Vec<_>>());
+    assert_eq!((c.rotary_dim, c.rope_theta), (64, 5e6), "a quarter of head_dim 256 rotated");
+    let m = c.moe.as_ref().expect("512 experts");
+    assert_eq!((m.experts, m.top_k, m.intermediate_size, m.shared_intermediate_size), (512, 10, 512, Some(512)));
+    assert!(m.norm_topk_prob && m.sparse.iter().all(|&s| s), "every layer a mixture");
+    assert_eq!((c.tensor_prefix.as_str(), c.vocab_size, c.max_position_embeddings), ("", 151_936, 262_144));
+    let opts = |tp| strata::model::LoadOptions { tp, ..Default::default() };
+    AnyConfig::Qwen3Next(c.clone()).check(&opts(8)).expect("16 key heads, 32 value heads, 16 heads over 8 ranks");
+    let err = AnyConfig::Qwen3Next(c.clone()).check(&opts(32)).unwrap_err().to_string();
+    assert!(err.contains("linear_num_key_heads 16"), "{err}");
+}
+
+#[test]
+fn qwen3_5_moe_text_config_is_a_split_hybrid_whose_mrope_is_1d_on_text() {
+    let AnyConfig::Qwen3Next(c) = config("qwen3.6-35b-a3b-text") else { panic!("qwen3_5_moe_text is a hybrid config") };
+    assert_eq!(c.in_proj, InProj::Split, "in_proj_qkv / in_proj_z / in_proj_b / in_proj_a");
+    assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (40, 2048, 16, 2, 256));
+    assert_eq!(full_layers(&c.layer_types).len(), 10);
+    let m = c.moe.as_ref().expect("256 experts");
+    assert_eq!((m.experts, m.top_k, m.shared_intermediate_size), (256, 8, Some(512)));
+    assert!(m.norm_topk_prob, "Qwen3.5-MoE's router always renormalises");
+    // mrope_section [11, 11, 10] covers the 32 rotated pairs; on text the three
+    // components are the one position, so it is RoPE over the first 64 columns.
+    assert_eq!((c.rotary_dim, c.rope_theta), (64, 1e7));
+    let f = c.rope_freqs();
+    assert_eq!(f.inv_freq.len(), 32);
+    assert!((f.inv_freq[1] - 1e7f32.powf(-2.0 / 64.0)).abs() < 1e-9);
+}
+
+#[test]
+fn qwen3_5_9b_is_the_dense_wrapper_under_model_language_model() {
+    let AnyConfig::Qwen3Next(c) = config("qwen3.5-9b") else { panic!("qwen3_5 is a hybrid config") };
+    assert_eq!(c.model_type, "qwen3_5");
+    assert_eq!(c.tensor_prefix, "model.language_model.", "the text model's tensors");
+    assert!(c.moe.is_none(), "dense");
+    assert_eq!((c.num_layers, c.hidden_size, c.intermediate_size, c.num_kv_heads), (32, 4096, 12288, 4));
+    assert_eq!(full_layers(&c.layer_types), vec![3, 7, 11, 15, 19, 23, 27, 31]);
+    assert_eq!(c.rotary_dim, 64);
+}

@@ -288,6 +288,23 @@ impl Qwen3NextConfig {
                 format!("{factor} of head_dim {head_dim} rotates {rotary_dim} columns: must be a positive even number"),
             ));
         }
+        // Each section is the rotated pairs one position component drives; on text
+        // all three are the token's position, but sections that do not cover the
+        // rotated pairs are a config HF would not run either.
+        if let Some(sections) = params.and_then(|p| p.get("mrope_section")).filter(|v| !v.is_null()) {
+            let sum = sections.as_array().and_then(|a| a.iter().map(Value::as_u64).sum::<Option<u64>>()).ok_or_else(
+                || invalid("rope_parameters", format!("mrope_section {sections}: expected a list of counts")),
+            )?;
+            if sum as usize != rotary_dim / 2 {
+                return Err(invalid(
+                    "rope_parameters",
+                    format!(
+                        "mrope_section {sections} covers {sum} pairs, but RoPE rotates {} (rotary dim {rotary_dim})",
+                        rotary_dim / 2
+                    ),
+                ));
+            }
+        }
         Ok((theta, scaling, rotary_dim))
     }
 
