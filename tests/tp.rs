@@ -47,8 +47,9 @@ fn run(name: &str, tp: &str, budget: &str, out: &std::path::Path) {
 fn tp_1_2_4_agree_for_every_fixture() {
     for name in FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4).chain(HYBRID) {
         let tmp = tempfile::tempdir().unwrap();
-        // A hybrid's f32 rounding shows ten times more (see HYBRID_TOL), the order of a sum too.
-        let tp_tol = if HYBRID.contains(name) { 10.0 * TP_TOL } else { TP_TOL };
+        // A hybrid's f32 rounding shows as much as two f32 implementations differ (HYBRID_TOL):
+        // the order of the all-reduce's sum too.
+        let tp_tol = if HYBRID.contains(name) { HYBRID_TOL } else { TP_TOL };
         let n = num_layers(name);
         let points = all_points(n);
         let exp = read_tensors(&fixture(name).join("expected.safetensors"));

@@ -12,7 +12,7 @@
 //! where steps cut its sample (bitwise). Heads run in parallel; each head's
 //! arithmetic is sequential in a fixed order.
 
-use super::ops::{self, exp, LANES};
+use super::ops::{self, exp};
 use super::SharedMut;
 use crate::backend::{DeltaCache, DeltaShape, DELTA_CHUNK};
 use crate::pipeline::batch::PackedBatch;
@@ -230,8 +230,7 @@ pub fn delta_rule(
 ) {
     let (nk, nv, dk, dv) = (shape.k_heads, shape.v_heads, shape.k_dim, shape.v_dim);
     let p = Prepared { nk, nv, dk, dv };
-    let (c, pw) = (shape.channels(), p.width());
-    let scale = (dk as f32).powf(-0.5);
+    let pw = p.width();
     for (si, seg) in batch.segments().iter().enumerate() {
         let rows = batch.range(si);
         let n = rows.len();
@@ -242,68 +241,180 @@ pub fn delta_rule(
         };
         let done = pending.len() / pw; // rows of the unfinished chunk run before
         assert_eq!(done, seg.pos0 % CH, "the cached chunk does not end where the segment starts");
-        // This segment's rows, prepared, after the pending ones: [done + n, pw].
-        let mut prep = pending;
-        prep.resize((done + n) * pw, 0.0);
-        prep[done * pw..].par_chunks_mut(pw).enumerate().for_each(|(i, dst)| {
-            let r = rows.start + i;
-            let src = &qkv[r * c..][..c];
-            for hk in 0..nk {
-                let (q, k) = (&src[hk * dk..][..dk], &src[(nk + hk) * dk..][..dk]);
-                let (qi, ki) = (l2_inverse(q), l2_inverse(k));
-                dst[p.q(hk)..][..dk].iter_mut().zip(q).for_each(|(d, v)| *d = v * qi * scale);
-                dst[p.k(hk)..][..dk].iter_mut().zip(k).for_each(|(d, v)| *d = v * ki);
-            }
-            dst[p.v(0)..][..nv * dv].copy_from_slice(&src[2 * nk * dk..][..nv * dv]);
-            let bar = ba.row(r, 2 * nv);
-            for h in 0..nv {
-                dst[p.g(h)] = -wts.a_log[h].exp() * softplus(bar[nv + h] + wts.dt_bias[h]);
-                dst[p.beta(h)] = 1.0 / (1.0 + (-bar[h]).exp());
-            }
-        });
+        let job = Job { p, qkv, ba, z, wts, pending: &pending, done, row0: rows.start, n };
         // Each value head: its chunks in order, its state carried between them.
         let out_ptr = SharedMut::new(out.as_mut_ptr());
-        let width = nv * dv;
         let states: Vec<Vec<f32>> = (0..nv)
             .into_par_iter()
             .map(|h| {
                 let mut s = s0[h * dk * dv..][..dk * dv].to_vec();
-                let mut w = Work::new(dk, dv);
-                let mut c0 = 0; // the chunk's first row in `prep`
-                while c0 < done + n {
-                    let rows_in = (done + n - c0).min(CH);
-                    let first = if c0 == 0 { done } else { 0 }; // rows to emit from
-                    w.load(&prep, pw, &p, h, c0, rows_in);
-                    w.chunk(&mut s, rows_in, first, rows_in == CH);
-                    for i in first..rows_in {
-                        let r = rows.start + c0 + i - done;
-                        // SAFETY: head h writes only its columns of its rows.
-                        let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * width + h * dv), dv) };
-                        gated_norm(&w.out[i * dv..][..dv], z.row(r, width)[h * dv..][..dv].as_ref(), wts, o);
-                    }
-                    c0 += rows_in;
-                }
+                job.head(h, &mut s, out_ptr);
                 s
             })
             .collect();
         if let Some(mut l) = layer_state {
-            // The unfinished chunk's rows, and the state at its start.
+            // The unfinished chunk's rows, prepared, and the state at its start.
             let kept = (done + n) % CH;
-            l.pending = prep[(done + n - kept) * pw..].to_vec();
+            let mut rows_kept = vec![0f32; kept * pw];
+            for (i, dst) in rows_kept.chunks_exact_mut(pw).enumerate() {
+                job.prepared_row(done + n - kept + i, dst);
+            }
+            l.pending = rows_kept;
             l.s = states.concat();
             *store.0.layer_mut(seg.key, layer) = l;
         }
     }
 }
 
-/// `1 / sqrt(Σx² + 1e-6)`, the sum in [`ops::sum_squares`]'s fixed order.
-fn l2_inverse(x: &[f32]) -> f32 {
-    1.0 / (ops::sum_squares(x) + 1e-6).sqrt()
+/// One segment's inputs to the recurrence: the prepared rows its sample's
+/// unfinished chunk left in the cache (`done` of them), then its own tokens
+/// (rows `row0 .. row0 + n` of the step), prepared as they are read. A row's
+/// prepared values are the same bits whichever way they are reached.
+struct Job<'a> {
+    p: Prepared,
+    qkv: &'a [f32],
+    ba: ColsRef<'a>,
+    z: ColsRef<'a>,
+    wts: &'a RuleWeights<'a>,
+    pending: &'a [f32],
+    done: usize,
+    row0: usize,
+    n: usize,
+}
+
+impl Job<'_> {
+    /// Value head `h` over every chunk the segment reaches, from state `s`
+    /// (left at the start of its unfinished chunk), its rows of the output
+    /// written through `out`.
+    fn head(&self, h: usize, s: &mut [f32], out: SharedMut) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F, checked just above.
+                return unsafe { self.head_avx512(h, s, out) };
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has AVX2 and FMA, checked just above.
+                return unsafe { self.head_avx2(h, s, out) };
+            }
+        }
+        self.head_body(h, s, out)
+    }
+
+    /// [`Self::head`] compiled for AVX-512: every product and sum is one
+    /// `mul_add` or one rounding, in the same order, so the bits are the same on every path.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn head_avx512(&self, h: usize, s: &mut [f32], out: SharedMut) {
+        self.head_body(h, s, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn head_avx2(&self, h: usize, s: &mut [f32], out: SharedMut) {
+        self.head_body(h, s, out)
+    }
+
+    #[inline(always)]
+    fn head_body(&self, h: usize, s: &mut [f32], out: SharedMut) {
+        let Prepared { nv, dk, dv, .. } = self.p;
+        let width = nv * dv;
+        let total = self.done + self.n;
+        let mut w = Work::new(dk, dv);
+        let mut c0 = 0; // the chunk's first row, counted from the unfinished chunk's start
+        while c0 < total {
+            let rows_in = (total - c0).min(CH);
+            let first = if c0 == 0 { self.done } else { 0 }; // rows to emit from
+            for i in 0..rows_in {
+                self.load_row(h, c0 + i, &mut w, i);
+            }
+            w.chunk_body(s, rows_in, first, rows_in == CH);
+            for i in first..rows_in {
+                let r = self.row0 + c0 + i - self.done;
+                // SAFETY: head h writes only its columns of its rows.
+                let o = unsafe { std::slice::from_raw_parts_mut(out.get().add(r * width + h * dv), dv) };
+                gated_norm(&w.out[i * dv..][..dv], &self.z.row(r, width)[h * dv..][..dv], self.wts, o);
+            }
+            c0 += rows_in;
+        }
+    }
+
+    /// Head `h`'s inputs of row `idx` into row `i` of `w`.
+    #[inline(always)]
+    fn load_row(&self, h: usize, idx: usize, w: &mut Work, i: usize) {
+        let p = self.p;
+        let (dk, dv, hk) = (p.dk, p.dv, h / (p.nv / p.nk));
+        let (g, beta) = if idx < self.done {
+            let src = &self.pending[idx * p.width()..][..p.width()];
+            w.q[i * dk..][..dk].copy_from_slice(&src[p.q(hk)..][..dk]);
+            w.k[i * dk..][..dk].copy_from_slice(&src[p.k(hk)..][..dk]);
+            w.vb[i * dv..][..dv].copy_from_slice(&src[p.v(h)..][..dv]);
+            (src[p.g(h)], src[p.beta(h)])
+        } else {
+            let r = self.row0 + idx - self.done;
+            let c = 2 * p.nk * dk + p.nv * dv;
+            let src = &self.qkv[r * c..][..c];
+            self.normed(&src[hk * dk..][..dk], true, &mut w.q[i * dk..][..dk]);
+            self.normed(&src[(p.nk + hk) * dk..][..dk], false, &mut w.k[i * dk..][..dk]);
+            w.vb[i * dv..][..dv].copy_from_slice(&src[2 * p.nk * dk + h * dv..][..dv]);
+            self.gates(r, h)
+        };
+        for v in &mut w.vb[i * dv..][..dv] {
+            *v *= beta;
+        }
+        for (d, &v) in w.kb[i * dk..][..dk].iter_mut().zip(&w.k[i * dk..][..dk]) {
+            *d = v * beta;
+        }
+        w.g[i] = g;
+        w.beta[i] = beta;
+    }
+
+    /// `x·rsqrt(Σx² + 1e-6)`, times `1/√k_dim` for a query.
+    #[inline(always)]
+    fn normed(&self, x: &[f32], query: bool, dst: &mut [f32]) {
+        let inv = 1.0 / (ops::sum_squares_body(x) + 1e-6).sqrt();
+        let scale = (self.p.dk as f32).powf(-0.5);
+        for (d, &v) in dst.iter_mut().zip(x) {
+            *d = if query { v * inv * scale } else { v * inv };
+        }
+    }
+
+    /// `(g, β)` of head `h` at step row `r`: `-exp(A_log)·softplus(a + dt_bias)` and `σ(b)`.
+    #[inline(always)]
+    fn gates(&self, r: usize, h: usize) -> (f32, f32) {
+        let nv = self.p.nv;
+        let bar = self.ba.row(r, 2 * nv);
+        let g = -self.wts.a_log[h].exp() * softplus(bar[nv + h] + self.wts.dt_bias[h]);
+        (g, 1.0 / (1.0 + (-bar[h]).exp()))
+    }
+
+    /// Row `idx` (counted from the unfinished chunk's start) in the prepared
+    /// form the cache keeps, every head: `[q̂ | k̂ | v | g | β]`.
+    fn prepared_row(&self, idx: usize, dst: &mut [f32]) {
+        let p = self.p;
+        if idx < self.done {
+            dst.copy_from_slice(&self.pending[idx * p.width()..][..p.width()]);
+            return;
+        }
+        let r = self.row0 + idx - self.done;
+        let (dk, dv) = (p.dk, p.dv);
+        let c = 2 * p.nk * dk + p.nv * dv;
+        let src = &self.qkv[r * c..][..c];
+        for hk in 0..p.nk {
+            self.normed(&src[hk * dk..][..dk], true, &mut dst[p.q(hk)..][..dk]);
+            self.normed(&src[(p.nk + hk) * dk..][..dk], false, &mut dst[p.k(hk)..][..dk]);
+        }
+        dst[p.v(0)..][..p.nv * dv].copy_from_slice(&src[2 * p.nk * dk..][..p.nv * dv]);
+        for h in 0..p.nv {
+            (dst[p.g(h)], dst[p.beta(h)]) = self.gates(r, h);
+        }
+    }
 }
 
 /// `out = (o · rsqrt(mean(o²) + eps)) · w · silu(z)`.
+#[inline(always)]
 fn gated_norm(o: &[f32], z: &[f32], wts: &RuleWeights<'_>, out: &mut [f32]) {
-    let inv = 1.0 / (ops::sum_squares(o) / o.len() as f32 + wts.eps).sqrt();
+    let inv = 1.0 / (ops::sum_squares_body(o) / o.len() as f32 + wts.eps).sqrt();
     for (((d, &v), &w), &g) in out.iter_mut().zip(o).zip(wts.norm).zip(z) {
         *d = v * inv * w * (g / (1.0 + exp(-g)));
     }
@@ -332,8 +443,10 @@ struct Work {
     wk: Vec<f32>,
     /// `[CH, dv]`: the rows' outputs before the gated norm.
     out: Vec<f32>,
-    /// `[dk]` / `[dv]` row scratch.
-    row_k: Vec<f32>,
+    /// `[dk, CH]`: k̂ transposed (decayed to the chunk's end for the state update).
+    kt: Vec<f32>,
+    /// `[CH, dk]`: q̂ e^G.
+    qe: Vec<f32>,
 }
 
 impl Work {
@@ -353,34 +466,9 @@ impl Work {
             u: vec![0.0; CH * dv],
             wk: vec![0.0; CH * dk],
             out: vec![0.0; CH * dv],
-            row_k: vec![0.0; dk],
+            kt: vec![0.0; dk * CH],
+            qe: vec![0.0; CH * dk],
         }
-    }
-
-    /// Gathers head `h`'s inputs of `rows` prepared rows from row `c0`.
-    fn load(&mut self, prep: &[f32], pw: usize, p: &Prepared, h: usize, c0: usize, rows: usize) {
-        let (dk, dv) = (self.dk, self.dv);
-        let hk = h / (p.nv / p.nk);
-        for i in 0..rows {
-            let src = &prep[(c0 + i) * pw..][..pw];
-            let beta = src[p.beta(h)];
-            self.q[i * dk..][..dk].copy_from_slice(&src[p.q(hk)..][..dk]);
-            self.k[i * dk..][..dk].copy_from_slice(&src[p.k(hk)..][..dk]);
-            for (d, &v) in self.kb[i * dk..][..dk].iter_mut().zip(&src[p.k(hk)..][..dk]) {
-                *d = v * beta;
-            }
-            for (d, &v) in self.vb[i * dv..][..dv].iter_mut().zip(&src[p.v(h)..][..dv]) {
-                *d = v * beta;
-            }
-            self.g[i] = src[p.g(h)];
-            self.beta[i] = beta;
-        }
-    }
-
-    /// Rows `first .. rows` of the chunk's output from the state `s`
-    /// `[dk, dv]` at its start; with `full`, `s` moves to the chunk's end.
-    fn chunk(&mut self, s: &mut [f32], rows: usize, first: usize, full: bool) {
-        dispatch(|| self.chunk_body(s, rows, first, full))
     }
 
     #[inline(always)]
@@ -391,52 +479,70 @@ impl Work {
             acc += self.g[i];
             self.cum[i] = acc;
         }
-        // L[i, j] = (β k̂_i · k̂_j) e^(G_i - G_j) and P[i, j] = (q̂_i · k̂_j) e^(G_i - G_j), j < i (j ≤ i for P).
+        // k̂ transposed, [dk, CH]: the columns of the chunk's key products.
+        for j in 0..rows {
+            for a in 0..dk {
+                self.kt[a * CH + j] = self.k[j * dk + a];
+            }
+        }
+        // L[i, j] = (β k̂_i · k̂_j) e^(G_i - G_j), j < i; P[i, j] = (q̂_i · k̂_j) e^(G_i - G_j), j ≤ i.
+        self.l[..rows * CH].fill(0.0);
+        self.pq[..rows * CH].fill(0.0);
+        mac(&mut self.l, CH, 0..rows, &self.kb, (dk, 1), 1.0, dk, &self.kt, CH, rows);
+        mac(&mut self.pq, CH, 0..rows, &self.q, (dk, 1), 1.0, dk, &self.kt, CH, rows);
         for i in 0..rows {
             for j in 0..=i {
                 let decay = exp(self.cum[i] - self.cum[j]);
-                let kj = &self.k[j * dk..][..dk];
-                if j < i {
-                    self.l[i * CH + j] = dot(&self.kb[i * dk..][..dk], kj) * decay;
-                }
-                self.pq[i * CH + j] = dot(&self.q[i * dk..][..dk], kj) * decay;
+                self.l[i * CH + j] *= decay;
+                self.pq[i * CH + j] *= decay;
             }
         }
-        // Forward substitution: U_i = β v_i - Σ_{j<i} L[i, j] U_j; W_i = β k̂_i e^(G_i) - Σ_{j<i} L[i, j] W_j.
+        // Forward substitution, a row at a time: U_i = β v_i - Σ_{j<i} L[i, j] U_j,
+        // W_i = β k̂_i e^(G_i) - Σ_{j<i} L[i, j] W_j.
+        self.u[..rows * dv].copy_from_slice(&self.vb[..rows * dv]);
         for i in 0..rows {
             let e = exp(self.cum[i]);
-            let (done_u, rest_u) = self.u.split_at_mut(i * dv);
-            let ui = &mut rest_u[..dv];
-            ui.copy_from_slice(&self.vb[i * dv..][..dv]);
-            let (done_w, rest_w) = self.wk.split_at_mut(i * dk);
-            let wi = &mut rest_w[..dk];
-            for (d, &v) in wi.iter_mut().zip(&self.kb[i * dk..][..dk]) {
+            for (d, &v) in self.wk[i * dk..][..dk].iter_mut().zip(&self.kb[i * dk..][..dk]) {
                 *d = v * e;
             }
-            for j in 0..i {
-                let lij = -self.l[i * CH + j];
-                axpy(ui, lij, &done_u[j * dv..][..dv]);
-                axpy(wi, lij, &done_w[j * dk..][..dk]);
-            }
+            let (done, row) = self.u.split_at_mut(i * dv);
+            mac(row, dv, 0..1, &self.l[i * CH..], (CH, 1), -1.0, i, done, dv, dv);
+            let (done, row) = self.wk.split_at_mut(i * dk);
+            mac(row, dk, 0..1, &self.l[i * CH..], (CH, 1), -1.0, i, done, dk, dk);
         }
-        // v_new_i = U_i - W_i·S (in `u`), and the output of every row from `first`:
-        // o_i = (q̂_i e^(G_i))·S + Σ_{j≤i} P[i, j] v_new_j.
-        for i in 0..rows {
-            let ui = &mut self.u[i * dv..][..dv];
-            for (a, &wa) in self.wk[i * dk..][..dk].iter().enumerate() {
-                axpy(ui, -wa, &s[a * dv..][..dv]);
-            }
-        }
+        // v_new = U - W·S, in `u`.
+        mac(&mut self.u, dv, 0..rows, &self.wk, (dk, 1), -1.0, dk, s, dv, dv);
+        // The output of every row from `first`: o_i = (q̂_i e^(G_i))·S + Σ_{j≤i} P[i, j] v_new_j.
         for i in first..rows {
             let e = exp(self.cum[i]);
-            let oi = &mut self.out[i * dv..][..dv];
-            oi.fill(0.0);
-            for (a, &qa) in self.q[i * dk..][..dk].iter().enumerate() {
-                axpy(oi, qa * e, &s[a * dv..][..dv]);
+            for (d, &v) in self.qe[i * dk..][..dk].iter_mut().zip(&self.q[i * dk..][..dk]) {
+                *d = v * e;
             }
-            for j in 0..=i {
-                axpy(oi, self.pq[i * CH + j], &self.u[j * dv..][..dv]);
+        }
+        self.out[first * dv..rows * dv].fill(0.0);
+        mac(&mut self.out, dv, first..rows, &self.qe, (dk, 1), 1.0, dk, s, dv, dv);
+        // Rows in fours share the products with v_new_j for j up to the first's
+        // index; each then adds its own last few, in the same order of j.
+        let mut i0 = first;
+        while i0 < rows {
+            let r = (rows - i0).min(4);
+            mac(&mut self.out, dv, i0..i0 + r, &self.pq, (CH, 1), 1.0, i0 + 1, &self.u, dv, dv);
+            for i in i0 + 1..i0 + r {
+                let (from, to) = (i0 + 1, i + 1);
+                mac(
+                    &mut self.out[i * dv..],
+                    dv,
+                    0..1,
+                    &self.pq[i * CH + from..],
+                    (CH, 1),
+                    1.0,
+                    to - from,
+                    &self.u[from * dv..],
+                    dv,
+                    dv,
+                );
             }
+            i0 += r;
         }
         if full {
             // S ← e^(G_last) S + Σ_j (k̂_j e^(G_last - G_j)) ⊗ v_new_j.
@@ -445,54 +551,98 @@ impl Work {
             s.iter_mut().for_each(|x| *x *= decay);
             for j in 0..CH {
                 let e = exp(last - self.cum[j]);
-                for (a, &ka) in self.k[j * dk..][..dk].iter().enumerate() {
-                    self.row_k[a] = ka * e;
-                }
                 for a in 0..dk {
-                    axpy(&mut s[a * dv..][..dv], self.row_k[a], &self.u[j * dv..][..dv]);
+                    self.kt[a * CH + j] *= e;
+                }
+            }
+            mac(s, dv, 0..dk, &self.kt, (CH, 1), 1.0, CH, &self.u, dv, dv);
+        }
+    }
+}
+
+/// `out[i·os + c] += Σ_{a<k} sign · x[i·xr + a·xc] · m[a·ms + c]` for the rows `rows` and
+/// the columns `c < n`: for each element one chain of fused multiply-adds from its
+/// value in `out`, in the order of `a`. Tiles of 4 rows × 64 columns keep their sums in
+/// registers; an element's bits are the same whichever tile computes it.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn mac(
+    out: &mut [f32],
+    os: usize,
+    rows: std::ops::Range<usize>,
+    x: &[f32],
+    (xr, xc): (usize, usize),
+    sign: f32,
+    k: usize,
+    m: &[f32],
+    ms: usize,
+    n: usize,
+) {
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn tile<const R: usize, const C: usize>(
+        out: &mut [f32],
+        os: usize,
+        (i0, c0): (usize, usize),
+        x: &[f32],
+        (xr, xc): (usize, usize),
+        sign: f32,
+        k: usize,
+        m: &[f32],
+        ms: usize,
+    ) {
+        let mut acc = [[0f32; C]; R];
+        for (r, a) in acc.iter_mut().enumerate() {
+            a.copy_from_slice(&out[(i0 + r) * os + c0..][..C]);
+        }
+        for a in 0..k {
+            let mrow: &[f32; C] = m[a * ms + c0..][..C].try_into().expect("C columns");
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let xv = sign * x[(i0 + r) * xr + a * xc];
+                for c in 0..C {
+                    acc[c] = xv.mul_add(mrow[c], acc[c]);
                 }
             }
         }
-    }
-}
-
-/// Runs `f` compiled for AVX-512 where the CPU has it (the same bits: every
-/// product and sum is one `mul_add` or one rounding, in the same order).
-fn dispatch<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
-        f()
-    }
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F, checked just above.
-        return unsafe { avx512(f) };
-    }
-    f()
-}
-
-/// `y += a · x`, element by element in fused multiply-adds.
-#[inline(always)]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = a.mul_add(x, *y);
-    }
-}
-
-/// `a · b` in a fixed order: element `i` into lane `i mod 16`, then the lanes' tree.
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..LANES {
-            lanes[l] = x[l].mul_add(y[l], lanes[l]);
+        for (r, a) in acc.iter().enumerate() {
+            out[(i0 + r) * os + c0..][..C].copy_from_slice(a);
         }
     }
-    for (l, (x, y)) in ra.iter().zip(rb).enumerate() {
-        lanes[l] = x.mul_add(*y, lanes[l]);
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn row_block<const R: usize>(
+        out: &mut [f32],
+        os: usize,
+        i0: usize,
+        x: &[f32],
+        xs: (usize, usize),
+        sign: f32,
+        k: usize,
+        m: &[f32],
+        ms: usize,
+        n: usize,
+    ) {
+        let mut c = 0;
+        while c + 64 <= n {
+            tile::<R, 64>(out, os, (i0, c), x, xs, sign, k, m, ms);
+            c += 64;
+        }
+        while c + 16 <= n {
+            tile::<R, 16>(out, os, (i0, c), x, xs, sign, k, m, ms);
+            c += 16;
+        }
+        while c < n {
+            tile::<R, 1>(out, os, (i0, c), x, xs, sign, k, m, ms);
+            c += 1;
+        }
     }
-    ops::lanes_sum(lanes)
+    let mut i = rows.start;
+    while i + 4 <= rows.end {
+        row_block::<4>(out, os, i, x, (xr, xc), sign, k, m, ms, n);
+        i += 4;
+    }
+    while i < rows.end {
+        row_block::<1>(out, os, i, x, (xr, xc), sign, k, m, ms, n);
+        i += 1;
+    }
 }

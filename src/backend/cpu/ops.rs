@@ -140,7 +140,7 @@ unsafe fn sum_squares_avx512(x: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn sum_squares_body(x: &[f32]) -> f32 {
+pub(crate) fn sum_squares_body(x: &[f32]) -> f32 {
     let mut lanes = [0f32; LANES];
     let mut chunks = x.chunks_exact(LANES);
     for c in &mut chunks {
