@@ -156,3 +156,45 @@ fn packed_samples_do_not_share_state() {
     assert!(both[..70 * w] == alone[..], "the first sample changed when packed");
     assert!(both[70 * w..] == b.whole(&cpu)[..], "the second sample changed when packed");
 }
+
+#[test]
+fn the_run_summary_counts_the_sequence_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let name = "qwen3-next";
+    let (fx, data) = (common::fixture(name), common::fixture(name).join("data.jsonl"));
+    let (ok, stdout, err) = common::strata(&[
+        "extract".as_ref(),
+        "--model".as_ref(),
+        fx.as_os_str(),
+        "--data".as_ref(),
+        data.as_os_str(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ]);
+    assert!(ok, "{err}");
+    // 4 DeltaNet layers × (4 × 64 × 32 recurrent + 3 × (2·2·64 + 4·32) conv) × 4 bytes = 0.14 MiB.
+    let text = format!("{stdout}{err}");
+    assert!(text.contains("state       0.14 MiB per sample split across steps"), "{text}");
+}
+
+#[test]
+fn the_cuda_backend_refuses_a_hybrid_by_name_before_reading_anything() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let fx = common::fixture("qwen3-next");
+    let (ok, _, err) = common::strata(&[
+        "extract".as_ref(),
+        "--model".as_ref(),
+        fx.as_os_str(),
+        "--data".as_ref(),
+        fx.join("data.jsonl").as_os_str(),
+        "--backend".as_ref(),
+        "cuda".as_ref(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ]);
+    assert!(!ok);
+    assert!(err.contains("qwen3_next: Gated DeltaNet layers have no CUDA kernels yet"), "{err}");
+    assert!(!out.exists(), "nothing written");
+}

@@ -37,7 +37,7 @@ pub enum ConfigError {
     Json(#[from] serde_json::Error),
     /// A `model_type` Strata does not run.
     #[error(
-        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, glm4_moe, minimax_m2, gemma3, gemma3_text, gpt_oss, llama4, llama4_text, deepseek_v2, deepseek_v3, kimi_k2, kimi_k25)"
+        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, glm4_moe, minimax_m2, gemma3, gemma3_text, gpt_oss, llama4, llama4_text, qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, deepseek_v2, deepseek_v3, kimi_k2, kimi_k25)"
     )]
     UnsupportedModel(String),
     /// A field the architecture needs is absent.

@@ -188,6 +188,8 @@ pub struct Summary {
     pub load_time: Duration,
     /// Bytes the loaded weights hold in memory (all ranks).
     pub weight_bytes: usize,
+    /// Bytes of sequence state each sample split across steps holds (Gated DeltaNet layers).
+    pub state_bytes: usize,
     /// How the checkpoint stores its weights (quantisation scheme or dtype).
     pub weight_storage: String,
     /// Samples left out for non-finite states (`--on-nonfinite skip`).
@@ -366,6 +368,7 @@ impl ExtractJob {
         let opened = self.model.open(checked)?;
         summary.load_time = opened.load_time;
         summary.weight_bytes = opened.model.weight_bytes();
+        summary.state_bytes = opened.config.sequence_state_bytes();
         summary.weight_storage = opened.storage.clone();
         summary.compute = Some(opened.model.compute());
         let model = &opened.model;

@@ -247,6 +247,15 @@ impl AnyConfig {
         self.frame().tensor_prefix
     }
 
+    /// Bytes of sequence state a sample keeps between the steps it is split
+    /// over, beyond its keys and values (the Gated DeltaNet layers' conv and
+    /// recurrent state, all ranks together; 0 for attention-only models).
+    /// A run holds it for each sample cut across steps (`serve` for each
+    /// request in flight), whatever the sample's length.
+    pub fn sequence_state_bytes(&self) -> usize {
+        dispatch!(self, |c, L| <L<Reference> as Block<Reference>>::sequence_state_bytes(c))
+    }
+
     /// The quantisation scheme of the weights, if any, in words.
     pub fn quantization(&self) -> Option<String> {
         dispatch!(self, |c, L| <L<Reference> as Block<Reference>>::quantization(c))
@@ -257,6 +266,12 @@ impl AnyConfig {
     pub fn check(&self, opts: &LoadOptions) -> Result<(), ModelError> {
         if opts.tp == 0 {
             return Err(ModelError::Parallel("--tp must be at least 1".into()));
+        }
+        if opts.backend == BackendKind::Cuda && matches!(self, AnyConfig::Qwen3Next(_)) {
+            return Err(ModelError::Backend(format!(
+                "{}: Gated DeltaNet layers have no CUDA kernels yet; run it with --backend cpu",
+                self.info().architecture
+            )));
         }
         check_devices(opts)?;
         if opts.backend == BackendKind::Reference && opts.tp > 1 {

@@ -108,6 +108,12 @@ pub trait Block<B: Backend>: Sized + Send + Sync + 'static {
     );
     /// Bytes the layer's weights hold.
     fn weight_bytes(&self) -> usize;
+    /// Bytes of sequence state one sample keeps between steps, all layers
+    /// and ranks together, beyond its keys and values (which grow with its
+    /// positions): the Gated DeltaNet layers' conv and recurrent state.
+    fn sequence_state_bytes(_config: &Self::Config) -> usize {
+        0
+    }
 }
 
 /// A decoder-only transformer: embedding, `layers` of one architecture's

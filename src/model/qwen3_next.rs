@@ -512,6 +512,18 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         check_split(c, ranks).map_err(ModelError::Parallel)
     }
 
+    fn sequence_state_bytes(c: &Qwen3NextConfig) -> usize {
+        let l = c.linear;
+        let shape = DeltaShape {
+            k_heads: l.k_heads,
+            v_heads: l.v_heads,
+            k_dim: l.k_dim,
+            v_dim: l.v_dim,
+            conv_kernel: l.conv_kernel,
+        };
+        c.layer_types.iter().filter(|&&k| k == LayerKind::Linear).count() * shape.state_bytes()
+    }
+
     fn load(b: &B, c: &Qwen3NextConfig, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {
         let s = Splits::of(c);
         let r = Reader { ckpt, prefix: format!("model.layers.{l}"), quant: None };

@@ -764,6 +764,12 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
         );
     }
     say!("  weights     {:.1} MiB in memory ({})", s.weight_bytes as f64 / (1 << 20) as f64, s.weight_storage);
+    if s.state_bytes > 0 {
+        say!(
+            "  state       {:.2} MiB per sample split across steps (Gated DeltaNet conv and recurrent state)",
+            s.state_bytes as f64 / (1 << 20) as f64
+        );
+    }
     say!("  throughput  {:.0} tokens/s over {:.2}s ({} steps)", p.tokens as f64 / secs, secs, r.steps);
     say!(
         "  stages      load {:.2}s, read {:.2}s, forward {:.2}s, gather {:.2}s, write {:.2}s",
