@@ -52,13 +52,20 @@ fn every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16() {
     if !gxx_or_skip("every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16") {
         return;
     }
-    for name in
-        FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT)
+    for name in FIXTURES
+        .iter()
+        .chain(GEMMA)
+        .chain(GPT_OSS)
+        .chain(LLAMA4)
+        .chain(DEEPSEEK)
+        .chain(QUANT)
+        .chain(LLAMA_QUANT)
+        .chain(HYBRID)
     {
         let batch = whole(name);
         let f32_states = run::<F32>(name, 1, std::slice::from_ref(&batch)).remove(0);
         let (worst, _) = errors(name, &f32_states, &batch);
-        assert!(worst <= TOL, "{name}: cuda f32 differs from HF by {worst:e}");
+        assert!(worst <= tol(name), "{name}: cuda f32 differs from HF by {worst:e}");
         let bf16_states = run::<Bf16>(name, 1, std::slice::from_ref(&batch)).remove(0);
         let (_, ours) = errors(name, &bf16_states, &batch);
         if fixture(name).join("expected_bf16.safetensors").exists() {
@@ -90,7 +97,17 @@ fn chunks_and_tensor_parallel_ranks_give_the_whole_samples_states() {
     }
     // (minimax-m2: its q/k norms sum squares across the two ranks; gemma3-text
     // chunks its local and global layers, each with its own RoPE table.)
-    for name in ["qwen3", "minimax-m2", "gemma3-text", "gpt-oss-mxfp4", "llama4-text", "deepseek-v3", "kimi-k2-int4"] {
+    // (qwen3-next: its 150-token sample is cut at 75, inside its second DeltaNet chunk.)
+    for name in [
+        "qwen3",
+        "minimax-m2",
+        "gemma3-text",
+        "gpt-oss-mxfp4",
+        "llama4-text",
+        "deepseek-v3",
+        "kimi-k2-int4",
+        "qwen3-next",
+    ] {
         let samples = samples(name);
         let s = samples.iter().max_by_key(|s| s.len()).unwrap();
         let batch = PackedBatch::from_samples([s.as_slice()]);
@@ -104,7 +121,7 @@ fn chunks_and_tensor_parallel_ranks_give_the_whole_samples_states() {
         for (slot, _) in all_points(num_layers(name)).iter().enumerate() {
             let joined: Vec<f32> = got.iter().flat_map(|st| st.layer(slot).to_vec()).collect();
             let d = max_err(&joined, want.layer(slot));
-            assert!(d <= TOL, "{name}: chunked differs from whole by {d:e} at slot {slot}");
+            assert!(d <= tol(name), "{name}: chunked differs from whole by {d:e} at slot {slot}");
         }
         // bf16: the second chunk's keys come from the bf16 cache, in the
         // layout the step's own keys are packed in, and the kernel walks the
@@ -118,7 +135,7 @@ fn chunks_and_tensor_parallel_ranks_give_the_whole_samples_states() {
         let want = run::<F32>(name, 1, std::slice::from_ref(&batch)).remove(0);
         let tp = run::<F32>(name, 2, std::slice::from_ref(&batch)).remove(0);
         let d = max_err(tp.as_slice(), want.as_slice());
-        assert!(d <= TOL, "{name}: --tp 2 differs from one rank by {d:e}");
+        assert!(d <= tol(name), "{name}: --tp 2 differs from one rank by {d:e}");
     }
 }
 

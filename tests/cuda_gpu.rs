@@ -54,7 +54,16 @@ fn forward(m: &AnyModel, name: &str, batches: &[PackedBatch]) -> Vec<CapturedSta
 }
 
 fn all_fixtures() -> impl Iterator<Item = &'static str> {
-    FIXTURES.iter().chain(GEMMA).chain(GPT_OSS).chain(LLAMA4).chain(DEEPSEEK).chain(QUANT).chain(LLAMA_QUANT).copied()
+    FIXTURES
+        .iter()
+        .chain(GEMMA)
+        .chain(GPT_OSS)
+        .chain(LLAMA4)
+        .chain(DEEPSEEK)
+        .chain(QUANT)
+        .chain(LLAMA_QUANT)
+        .chain(HYBRID)
+        .copied()
 }
 
 #[test]
@@ -80,8 +89,8 @@ fn every_fixture_on_the_gpu_matches_the_reference_in_f32_and_pytorch_in_bf16() {
             (1.5 * errors(name, &cpu, &batch).1 + 1e-4, "1.5 x CPU bf16")
         };
         println!("{name:22} {vs_ref:>12.2e} {vs_hf:>12.2e} {ours:>14.3e} {bar:>9.3e} {what}");
-        assert!(vs_ref <= TOL, "{name}: cuda f32 differs from the reference backend by {vs_ref:e}");
-        assert!(vs_hf <= TOL, "{name}: cuda f32 differs from HF by {vs_hf:e}");
+        assert!(vs_ref <= tol(name), "{name}: cuda f32 differs from the reference backend by {vs_ref:e}");
+        assert!(vs_hf <= tol(name), "{name}: cuda f32 differs from HF by {vs_hf:e}");
         assert!(ours <= bar, "{name}: cuda bf16 error {ours:e} exceeds the bar {bar:e} ({what})");
     }
 }
@@ -94,7 +103,7 @@ fn chunked_prefill_and_batch_invariance_on_the_gpu() {
     if !gpus_or_skip("chunked_prefill_and_batch_invariance_on_the_gpu", 1) {
         return;
     }
-    for name in ["qwen3", "mistral-swa", "deepseek-v3", "kimi-k2-int4"] {
+    for name in ["qwen3", "mistral-swa", "deepseek-v3", "kimi-k2-int4", "qwen3-next"] {
         for compute in [Compute::F32, Compute::Bf16] {
             let m = load(name, BackendKind::Cuda, compute, 1);
             let batch = whole(name);
@@ -121,7 +130,7 @@ fn chunked_prefill_and_batch_invariance_on_the_gpu() {
                     for slot in 0..alone.layers() {
                         let joined: Vec<f32> = got.iter().flat_map(|st| st.layer(slot).to_vec()).collect();
                         let d = max_err(&joined, alone.layer(slot));
-                        assert!(d <= TOL, "{name}: chunked differs from whole by {d:e} at slot {slot}");
+                        assert!(d <= tol(name), "{name}: chunked differs from whole by {d:e} at slot {slot}");
                     }
                 }
             }
@@ -131,7 +140,7 @@ fn chunked_prefill_and_batch_invariance_on_the_gpu() {
             // Dense models only: on MoE ones a different GEMM kernel can flip
             // a router near-tie, a difference of the routing, not of indexing.
             if compute == Compute::F32 && !name.starts_with("deepseek") && !name.starts_with("kimi") {
-                assert!(rel <= TOL, "{name}: f32 alone vs packed differ by {rel:e} (relative)");
+                assert!(rel <= tol(name), "{name}: f32 alone vs packed differ by {rel:e} (relative)");
             }
         }
     }
@@ -160,14 +169,14 @@ fn tensor_parallel_over_two_gpus_matches_one() {
     if !gpus_or_skip("tensor_parallel_over_two_gpus_matches_one", 2) {
         return;
     }
-    for name in ["qwen3", "deepseek-v3", "kimi-k2-int4"] {
+    for name in ["qwen3", "deepseek-v3", "kimi-k2-int4", "qwen3-next"] {
         let batch = whole(name);
         let one = std::slice::from_ref(&batch);
         let want = forward(&load(name, BackendKind::Cuda, Compute::F32, 1), name, one).remove(0);
         let got = forward(&load(name, BackendKind::Cuda, Compute::F32, 2), name, one).remove(0);
         let d = max_err(got.as_slice(), want.as_slice());
         println!("{name:14} --tp 2 vs one GPU: {d:.2e}");
-        assert!(d <= TOL, "{name}: --tp 2 differs from one GPU by {d:e}");
+        assert!(d <= tol(name), "{name}: --tp 2 differs from one GPU by {d:e}");
     }
 }
 

@@ -267,12 +267,6 @@ impl AnyConfig {
         if opts.tp == 0 {
             return Err(ModelError::Parallel("--tp must be at least 1".into()));
         }
-        if opts.backend == BackendKind::Cuda && matches!(self, AnyConfig::Qwen3Next(_)) {
-            return Err(ModelError::Backend(format!(
-                "{}: Gated DeltaNet layers have no CUDA kernels yet; run it with --backend cpu",
-                self.info().architecture
-            )));
-        }
         check_devices(opts)?;
         if opts.backend == BackendKind::Reference && opts.tp > 1 {
             Reference.group(opts.tp)?;

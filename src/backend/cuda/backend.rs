@@ -230,6 +230,26 @@ impl<D: Device> KvStore for KvCache<D> {
     }
 }
 
+/// What a Gated DeltaNet layer keeps of a chunked sample on the device: the
+/// conv's last `K - 1` inputs `[K - 1, C]`, the recurrent state `[v_heads,
+/// dk, dv]` at the start of its unfinished chunk, and that chunk's prepared
+/// rows `[64, pw]`, in two buffers a step reads one of and writes the other
+/// (value heads sharing a key head read its rows while another writes).
+pub struct DeltaLayer<D: Device> {
+    conv: Bytes<D>,
+    s: Bytes<D>,
+    pend: [Bytes<D>; 2],
+    /// Which of `pend` holds the rows to read.
+    flip: usize,
+}
+
+impl<D: Device> Default for DeltaLayer<D> {
+    fn default() -> Self {
+        let e = || Bytes { mem: None, ptr: 0, len: 0 };
+        DeltaLayer { conv: e(), s: e(), pend: [e(), e()], flip: 0 }
+    }
+}
+
 /// Working buffers of one rank, reused step to step (grown, never shrunk).
 struct Scratch<D: Device> {
     /// bf16 GEMM inputs.
@@ -252,6 +272,8 @@ struct Scratch<D: Device> {
     group: Bytes<D>,
     /// MoE: router scratch, grouped rows in and out, gate/up, activation, shared output.
     moe: [Bytes<D>; 6],
+    /// Gated DeltaNet: each block's work area (`delta_work_floats` in kernels/delta.cu).
+    delta: Bytes<D>,
 }
 
 /// The CUDA backend for compute dtype `C` on device `D` (a GPU: [`Driver`]).
@@ -407,6 +429,17 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         Ok(())
     }
 
+    /// Makes `b` a zero-filled block of `bytes` if it holds none yet (a
+    /// sample's sequence state, zeros before its first step).
+    fn zeroed(&self, b: &mut Bytes<D>, bytes: usize) -> Result<(), CudaError> {
+        if b.mem.is_none() {
+            let m = self.dev.alloc_zeroed(bytes.max(256))?;
+            (b.ptr, b.len) = (self.dev.ptr(&m), bytes.max(256));
+            b.mem = Some(m);
+        }
+        Ok(())
+    }
+
     /// Each token's position within its sample, `[T]` u32, into scratch slot 0.
     fn upload_positions(&self, batch: &PackedBatch) -> Result<DevPtr, CudaError> {
         let positions: Vec<u32> = batch
@@ -443,6 +476,7 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 group: e(),
                 mlp: e(),
                 moe: [e(), e(), e(), e(), e(), e()],
+                delta: e(),
             });
         }
         Ok(g)
@@ -1113,10 +1147,6 @@ pub type AttentionLaunch<D> = fn(
     DevPtr,
 ) -> Result<(), CudaError>;
 
-/// Why the CUDA backend does not run a hybrid model (yet).
-pub const NO_DELTA_NET: &str =
-    "Gated DeltaNet layers (Qwen3-Next, Qwen3.5) have no CUDA kernels yet; run this model with --backend cpu";
-
 impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     type Compute = C;
     type Storage = Buf<D>;
@@ -1126,7 +1156,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
     type RopeTable = RopeTable<D>;
     type Routes = Routes<D>;
     type KvCache = KvCache<D>;
-    type DeltaState = crate::backend::DeltaCache<()>;
+    type DeltaState = crate::backend::DeltaCache<DeltaLayer<D>>;
 
     const NAME: &'static str = "cuda";
 
@@ -1620,37 +1650,159 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         self.run(|| self.attention_launch(src, shape, sinks, batch, cache, layer, out));
     }
 
-    // Gated DeltaNet has no CUDA kernels yet: the loader refuses hybrid
-    // models on this backend, and these ops record the same refusal.
     fn causal_conv1d(
         &self,
-        _x: Cols<'_, Self>,
-        _w: &Vector<D>,
-        _shape: crate::backend::DeltaShape,
-        _batch: &PackedBatch,
-        _state: &mut Self::DeltaState,
-        _layer: usize,
-        _out: &mut Tensor<Self>,
+        x: Cols<'_, Self>,
+        w: &Vector<D>,
+        shape: crate::backend::DeltaShape,
+        batch: &PackedBatch,
+        state: &mut Self::DeltaState,
+        layer: usize,
+        out: &mut Tensor<Self>,
     ) {
-        self.fail(NO_DELTA_NET.into());
+        check::conv1d(&x, w.0.len / 4, shape, batch, out);
+        let (c, k, t) = (shape.channels(), shape.conv_kernel, batch.num_tokens());
+        self.run(|| {
+            if k > 9 {
+                return Err(CudaError::Kernel {
+                    name: "causal_conv1d".into(),
+                    log: format!("a conv of {k} taps: the kernel keeps at most 8 earlier inputs"),
+                });
+            }
+            // One 16-byte `ConvSeg` per segment (kernels/delta.cu), and each token's segment.
+            let mut segs = Vec::with_capacity(batch.num_samples() * 16);
+            let mut seg_of = Vec::with_capacity(t);
+            for (si, seg) in batch.segments().iter().enumerate() {
+                let rows = batch.range(si);
+                let ptr = if seg.uses_cache() {
+                    let l = state.0.layer_mut(seg.key, layer);
+                    self.zeroed(&mut l.conv, (k - 1) * c * 4)?;
+                    l.conv.ptr
+                } else {
+                    0
+                };
+                segs.extend_from_slice(&ptr.to_le_bytes());
+                for v in [rows.start, rows.len()] {
+                    segs.extend_from_slice(&int(v).to_le_bytes());
+                }
+                seg_of.extend(std::iter::repeat_n(si as u32, rows.len()));
+            }
+            let segs = self.upload_table(0, &segs)?;
+            let seg_of = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
+            let (xp, xs, xo) = (x.storage.ptr, int(x.stride), int(x.offset));
+            let cfg = elementwise(t * c)?;
+            launch::causal_conv1d(
+                &*self.dev,
+                cfg,
+                xp,
+                xs,
+                xo,
+                int(t),
+                int(c),
+                int(k),
+                w.0.ptr,
+                segs,
+                seg_of,
+                out.storage().ptr,
+            )?;
+            let n = batch.num_samples();
+            launch::conv_state_update(&*self.dev, elementwise(n * c)?, xp, xs, xo, int(n), int(c), int(k), segs)
+        });
     }
 
     fn gated_delta_rule(
         &self,
-        _qkv: &Tensor<Self>,
-        _z: Cols<'_, Self>,
-        _ba: Cols<'_, Self>,
-        _rule: &crate::backend::DeltaRule<'_, Self>,
-        _batch: &PackedBatch,
-        _state: &mut Self::DeltaState,
-        _layer: usize,
-        _out: &mut Tensor<Self>,
+        qkv: &Tensor<Self>,
+        z: Cols<'_, Self>,
+        ba: Cols<'_, Self>,
+        rule: &crate::backend::DeltaRule<'_, Self>,
+        batch: &PackedBatch,
+        state: &mut Self::DeltaState,
+        layer: usize,
+        out: &mut Tensor<Self>,
     ) {
-        self.fail(NO_DELTA_NET.into());
+        use crate::backend::DELTA_CHUNK;
+        let sh = rule.shape;
+        let vectors = [rule.a_log.0.len / 4, rule.dt_bias.0.len / 4, rule.norm.0.len / 4];
+        check::delta_rule(qkv, &z, &ba, sh, vectors, batch, out);
+        let (nk, nv, dk, dv) = (sh.k_heads, sh.v_heads, sh.k_dim, sh.v_dim);
+        let pw = sh.channels() + 2 * nv;
+        self.run(|| {
+            // One 40-byte `DeltaSeg` per segment (kernels/delta.cu).
+            let mut segs = Vec::with_capacity(batch.num_samples() * 40);
+            for (si, seg) in batch.segments().iter().enumerate() {
+                let rows = batch.range(si);
+                let (sp, pin, pout, done) = if seg.uses_cache() {
+                    let l = state.0.layer_mut(seg.key, layer);
+                    self.zeroed(&mut l.s, nv * dk * dv * 4)?;
+                    for p in &mut l.pend {
+                        self.zeroed(p, DELTA_CHUNK * pw * 4)?;
+                    }
+                    let (pin, pout) = (l.pend[l.flip].ptr, l.pend[1 - l.flip].ptr);
+                    if seg.keep {
+                        l.flip = 1 - l.flip;
+                    }
+                    (l.s.ptr, pin, pout, seg.pos0 % DELTA_CHUNK)
+                } else {
+                    (0, 0, 0, 0)
+                };
+                for p in [sp, pin, pout] {
+                    segs.extend_from_slice(&p.to_le_bytes());
+                }
+                for v in [rows.start, rows.len(), done, usize::from(seg.keep)] {
+                    segs.extend_from_slice(&int(v).to_le_bytes());
+                }
+            }
+            let segs = self.upload_table(0, &segs)?;
+            let n = batch.num_samples();
+            // Blocks over (segments, value heads); a block takes segments blocks apart.
+            let blocks = n.min(16);
+            let per_block = dk * dv + DELTA_CHUNK * (5 * dk + 3 * dv) + 2 * DELTA_CHUNK * DELTA_CHUNK + 3 * DELTA_CHUNK;
+            let work = {
+                let mut sc = self.scratch()?;
+                let sc = sc.as_mut().expect("scratch made");
+                self.ensure(&mut sc.delta, blocks * nv * per_block * 4)?;
+                sc.delta.ptr
+            };
+            let cfg = Launch { grid: (blocks as u32, nv as u32), block: 256, smem: 0 };
+            let (zp, zs, zo) = (z.storage.ptr, int(z.stride), int(z.offset));
+            let (bp, bs, bo) = (ba.storage.ptr, int(ba.stride), int(ba.offset));
+            let (a_log, dt, norm) = (rule.a_log.0.ptr, rule.dt_bias.0.ptr, rule.norm.0.ptr);
+            let (nk, nv, dk, dv) = (int(nk), int(nv), int(dk), int(dv));
+            launch::gated_delta_rule(
+                &*self.dev,
+                cfg,
+                qkv.storage().ptr,
+                zp,
+                zs,
+                zo,
+                bp,
+                bs,
+                bo,
+                a_log,
+                dt,
+                norm,
+                rule.eps,
+                nk,
+                nv,
+                dk,
+                dv,
+                segs,
+                int(n),
+                work,
+                out.storage().ptr,
+            )
+        });
     }
 
-    fn sigmoid_mul<W: Dim>(&self, _x: &mut Tensor<Self, W>, _gate: Cols<'_, Self>) {
-        self.fail(NO_DELTA_NET.into());
+    fn sigmoid_mul<W: Dim>(&self, x: &mut Tensor<Self, W>, gate: Cols<'_, Self>) {
+        check::sigmoid_mul(x, &gate);
+        let (rows, width) = (x.rows(), x.width().size());
+        let (xp, gp) = (x.storage().ptr, gate.storage.ptr);
+        self.run(|| {
+            let (gs, go, gw) = (int(gate.stride), int(gate.offset), int(gate.width));
+            launch::sigmoid_mul(&*self.dev, elementwise(rows * width)?, xp, int(rows), int(width), gp, gs, go, gw)
+        });
     }
 
     fn moe_route(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vector<D>>) -> Routes<D> {

@@ -24,6 +24,7 @@ pub const COMMON: &str = include_str!("../../../kernels/common.cuh");
 /// Every kernel source of `kernels/`: (file stem, text).
 pub const SOURCES: &[(&str, &str)] = &[
     ("attention", include_str!("../../../kernels/attention.cu")),
+    ("delta", include_str!("../../../kernels/delta.cu")),
     ("elementwise", include_str!("../../../kernels/elementwise.cu")),
     ("moe", include_str!("../../../kernels/moe.cu")),
     ("norm", include_str!("../../../kernels/norm.cu")),
