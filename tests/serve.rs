@@ -177,6 +177,50 @@ fn concurrent_requests_of_mixed_lengths_get_the_offline_files_byte_for_byte() {
     assert!(m["strata_steps_total"] >= (all.iter().map(Vec::len).sum::<usize>() / 24) as f64);
 }
 
+/// A hybrid model under continuous batching: requests split across steps of 24 tokens,
+/// several at once, each carrying its Gated DeltaNet state (and a partial 64-position
+/// chunk) between steps beside the others', get the offline files byte for byte.
+#[test]
+fn a_hybrid_models_requests_carry_their_deltanet_state_across_steps() {
+    let model = fixture("qwen3-next");
+    let states = tempfile::tempdir().unwrap();
+    let server = serve(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--max-batch-tokens",
+        "24",
+        "--hidden-states-dir",
+        states.path().to_str().unwrap(),
+    ]);
+    let name = model.to_str().unwrap().to_string();
+    let all = prompts(12, &[1, 70, 24, 130, 65, 9], 160, 5);
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let (addr, name, mine) = (server.addr.clone(), name.clone(), all.clone());
+            std::thread::spawn(move || {
+                (t..mine.len())
+                    .step_by(4)
+                    .map(|i| {
+                        let (status, reply) = complete(&addr, &name, &mine[i]);
+                        assert_eq!(status, 200, "{reply}");
+                        (i, take_file(&reply, &mine[i]))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut served: Vec<(usize, Vec<u8>)> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    served.sort();
+    let expected = offline(&model, &all, &[]);
+    for (i, bytes) in served {
+        assert!(
+            bytes == expected[i],
+            "prompt {i} ({} tokens): the served file differs from the offline one",
+            all[i].len()
+        );
+    }
+}
+
 /// Parses Prometheus' text format strictly: every line a comment (`# HELP`,
 /// `# TYPE` with a known type) or `name{labels} value`.
 fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {

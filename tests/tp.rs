@@ -57,7 +57,7 @@ fn tp_1_2_4_agree_for_every_fixture() {
         // --tp 2 also at a budget of 7 tokens: chunked prefill across the ranks.
         // The hybrid fixtures have 2 key heads: --tp 4 is refused (hybrid_tp_4_is_refused).
         let runs: &[(&str, &str)] = if HYBRID.contains(name) {
-            &[("1", "8192"), ("2", "8192"), ("2", "7")]
+            &[("1", "8192"), ("1", "7"), ("2", "8192"), ("2", "7")]
         } else {
             &[("1", "8192"), ("2", "8192"), ("2", "7"), ("4", "8192")]
         };

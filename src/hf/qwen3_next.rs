@@ -394,3 +394,64 @@ impl Defaults {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NEXT: &str = r#"{"model_type": "qwen3_next", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+        "vocab_size": 100 KEY}"#;
+
+    fn with(key: &str) -> Result<Qwen3NextConfig, ConfigError> {
+        Qwen3NextConfig::from_json(&NEXT.replace(" KEY", key))
+    }
+
+    #[test]
+    fn defaults_and_the_interval() {
+        let c = with("").unwrap();
+        assert_eq!(c.layer_types, vec![LayerKind::Linear, LayerKind::Linear, LayerKind::Linear, LayerKind::Full]);
+        assert_eq!((c.rotary_dim, c.in_proj, c.tensor_prefix.as_str()), (8, InProj::Grouped, ""));
+        let every_other = with(r#", "full_attention_interval": 2"#).unwrap();
+        assert_eq!(every_other.layer_types[1], LayerKind::Full);
+        let m = c.moe.unwrap();
+        assert!(m.norm_topk_prob && m.sparse == vec![true; 4]);
+        // A dense Qwen3-Next: no experts.
+        assert!(with(r#", "num_experts": 0"#).unwrap().moe.is_none());
+    }
+
+    #[test]
+    fn the_wrapper_splits_its_text_model_under_model_language_model() {
+        let text = NEXT.replace("qwen3_next", "qwen3_5_moe_text").replace(" KEY", "");
+        let wrapper = format!(r#"{{"model_type": "qwen3_5_moe", "text_config": {text}, "vision_config": {{}}}}"#);
+        let c = Qwen3NextConfig::from_json(&wrapper).unwrap();
+        assert_eq!((c.model_type.as_str(), c.tensor_prefix.as_str()), ("qwen3_5_moe", "model.language_model."));
+        assert_eq!(c.in_proj, InProj::Split);
+        let other = wrapper.replace("qwen3_5_moe_text", "qwen3_5_text");
+        let err = Qwen3NextConfig::from_json(&other).unwrap_err().to_string();
+        assert!(err.contains("model_type"), "{err}");
+    }
+
+    #[test]
+    fn refusals_name_their_field() {
+        for (key, field) in [
+            (r#", "linear_num_value_heads": 3"#, "linear_num_value_heads"),
+            (r#", "layer_types": ["full_attention"]"#, "layer_types"),
+            (r#", "layer_types": ["linear_attention", "mamba", "full_attention", "full_attention"]"#, "layer_types"),
+            (r#", "full_attention_interval": 0"#, "full_attention_interval"),
+            (r#", "partial_rotary_factor": 1.5"#, "partial_rotary_factor"),
+            (r#", "rope_parameters": {"rope_theta": 1e4, "mrope_section": [2, 1, 2]}"#, "rope_parameters"),
+            (r#", "hidden_act": "gelu""#, "hidden_act"),
+            (r#", "num_experts_per_tok": 9"#, "num_experts_per_tok"),
+            (r#", "mlp_only_layers": [7]"#, "mlp_only_layers"),
+            (
+                r#", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}"#,
+                "quantization_config",
+            ),
+        ] {
+            let err = with(key).unwrap_err();
+            assert!(matches!(&err, ConfigError::Invalid { field: f, .. } if *f == field), "{key}: {err}");
+        }
+    }
+}

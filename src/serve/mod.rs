@@ -139,6 +139,9 @@ pub struct ReadyInfo {
     pub states_dir: PathBuf,
     /// The longest prompt taken, and why.
     pub max_tokens: usize,
+    /// Bytes of sequence state each request split across steps holds
+    /// between them (Gated DeltaNet layers; 0 for attention-only models).
+    pub state_bytes: usize,
     /// Why chat requests cannot be served, when they cannot.
     pub no_chat: Option<String>,
 }
@@ -426,6 +429,7 @@ fn start(
         load_time: opened.load_time,
         states_dir: store.path().to_path_buf(),
         max_tokens,
+        state_bytes: opened.config.sequence_state_bytes(),
         no_chat: no_chat.clone(),
     };
     let limits =

@@ -1189,6 +1189,12 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 ids(&r.target_layer_ids)
             );
             say!("  prompts     at most {} tokens", r.max_tokens);
+            if r.state_bytes > 0 {
+                say!(
+                    "  state       {:.2} MiB per request split across steps (Gated DeltaNet conv and recurrent state)",
+                    r.state_bytes as f64 / (1 << 20) as f64
+                );
+            }
             if let Some(why) = &r.no_chat {
                 say!("  chat        /v1/chat/completions is off: {why}");
             }
