@@ -11,19 +11,6 @@ use strata::pipeline::capture::CaptureSet;
 
 const BACKENDS: &[BackendKind] = &[BackendKind::Cpu, BackendKind::Reference];
 
-fn all_fixtures() -> impl Iterator<Item = &'static str> {
-    FIXTURES
-        .iter()
-        .chain(GEMMA)
-        .chain(GPT_OSS)
-        .chain(LLAMA4)
-        .chain(DEEPSEEK)
-        .chain(QUANT)
-        .chain(LLAMA_QUANT)
-        .chain(HYBRID)
-        .copied()
-}
-
 /// Runs every sample of a fixture, packed into one step, on `backend`; returns
 /// the states `[L, T, H]` and the worst relative error from HF.
 fn run(name: &str, backend: BackendKind) -> (Vec<f32>, f32) {

@@ -52,16 +52,7 @@ fn every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16() {
     if !gxx_or_skip("every_fixture_matches_hf_through_the_cuda_backend_in_f32_and_bf16") {
         return;
     }
-    for name in FIXTURES
-        .iter()
-        .chain(GEMMA)
-        .chain(GPT_OSS)
-        .chain(LLAMA4)
-        .chain(DEEPSEEK)
-        .chain(QUANT)
-        .chain(LLAMA_QUANT)
-        .chain(HYBRID)
-    {
+    for name in all_fixtures() {
         let batch = whole(name);
         let f32_states = run::<F32>(name, 1, std::slice::from_ref(&batch)).remove(0);
         let (worst, _) = errors(name, &f32_states, &batch);

@@ -53,19 +53,6 @@ fn forward(m: &AnyModel, name: &str, batches: &[PackedBatch]) -> Vec<CapturedSta
     batches.iter().map(|b| m.forward_step(b, &set, &mut cache).unwrap()).collect()
 }
 
-fn all_fixtures() -> impl Iterator<Item = &'static str> {
-    FIXTURES
-        .iter()
-        .chain(GEMMA)
-        .chain(GPT_OSS)
-        .chain(LLAMA4)
-        .chain(DEEPSEEK)
-        .chain(QUANT)
-        .chain(LLAMA_QUANT)
-        .chain(HYBRID)
-        .copied()
-}
-
 #[test]
 fn every_fixture_on_the_gpu_matches_the_reference_in_f32_and_pytorch_in_bf16() {
     if !gpus_or_skip("every_fixture_on_the_gpu_matches_the_reference_in_f32_and_pytorch_in_bf16", 1) {

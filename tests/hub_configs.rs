@@ -230,8 +230,9 @@ fn qwen3_5_9b_is_the_dense_wrapper_under_model_language_model() {
 #[test]
 fn a_hybrids_sequence_state_is_counted() {
     // Qwen3-Coder-Next: 36 Gated DeltaNet layers, each keeping 32 × 128 × 128 f32 of
-    // recurrent state (2 MiB) and the conv's last 3 inputs of 2·16·128 + 32·128 channels.
+    // recurrent state (2 MiB), the conv's last 3 inputs of 2·16·128 + 32·128 channels,
+    // and up to 64 prepared rows (those channels, g and β of 32 heads) of an unfinished chunk.
     let c = config("qwen3-coder-next");
-    assert_eq!(c.sequence_state_bytes(), 36 * (32 * 128 * 128 * 4 + 3 * 8192 * 4));
+    assert_eq!(c.sequence_state_bytes(), 36 * 4 * (32 * 128 * 128 + 3 * 8192 + 64 * (8192 + 64)));
     assert_eq!(config("qwen3-30b-a3b").sequence_state_bytes(), 0, "attention keeps keys and values only");
 }

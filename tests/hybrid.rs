@@ -177,9 +177,9 @@ fn the_run_summary_counts_the_sequence_state() {
         out.as_os_str(),
     ]);
     assert!(ok, "{err}");
-    // 4 DeltaNet layers × (4 × 64 × 32 recurrent + 3 × (2·2·64 + 4·32) conv) × 4 bytes = 0.14 MiB.
+    // 4 DeltaNet layers × (4 × 64 × 32 recurrent + 3 × 384 conv + 64 × (384 + 8) rows) × 4 bytes = 0.53 MiB.
     let text = format!("{stdout}{err}");
-    assert!(text.contains("state       0.14 MiB per sample split across steps"), "{text}");
+    assert!(text.contains("state       0.53 MiB per sample split across steps"), "{text}");
 }
 
 /// The CUDA conv1d and chunked delta-rule kernels through the CUDA backend on

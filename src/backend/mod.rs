@@ -227,13 +227,17 @@ impl DeltaShape {
         2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
     }
 
-    /// Bytes of sequence state one sample keeps in one layer between steps:
-    /// the recurrent state `[v_heads, k_dim, v_dim]` and the conv's last
-    /// `conv_kernel - 1` inputs, in f32 (32 × 128 × 128 × 4 B = 2 MiB for
-    /// Qwen3-Next's recurrent state). The CPU backend also keeps the inputs
-    /// of a chunk a step left unfinished, up to 63 rows more.
+    /// Bytes of sequence state one sample keeps in one layer between steps,
+    /// at most: the recurrent state `[v_heads, k_dim, v_dim]` (32 × 128 × 128
+    /// × 4 B = 2 MiB for Qwen3-Next), the conv's last `conv_kernel - 1`
+    /// inputs, and the prepared rows of a chunk a step left unfinished (up to
+    /// 63; counted as `DELTA_CHUNK`), all f32. The CUDA backend keeps two
+    /// buffers of those rows (one read, one written per step).
     pub fn state_bytes(&self) -> usize {
-        4 * (self.v_heads * self.k_dim * self.v_dim + (self.conv_kernel - 1) * self.channels())
+        let recurrent = self.v_heads * self.k_dim * self.v_dim;
+        let conv = (self.conv_kernel - 1) * self.channels();
+        let rows = DELTA_CHUNK * (self.channels() + 2 * self.v_heads);
+        4 * (recurrent + conv + rows)
     }
 }
 

@@ -287,6 +287,7 @@ impl Checkpoint {
     /// The name as stored in the files. A prefix under `model.` (Qwen3.5's
     /// `model.language_model.`) takes the place of the name's own `model.`;
     /// any other (Gemma 3's and Llama 4's `language_model.`) is prepended.
+    /// Only the text model's `model.*` tensors are read through a prefix.
     pub fn full(&self, name: &str) -> String {
         match (self.prefix.strip_prefix("model."), name.strip_prefix("model.")) {
             (Some(_), Some(rest)) => format!("{}{rest}", self.prefix),
@@ -637,17 +638,28 @@ impl Checkpoint {
         let (bytes, dtype) = self.checked(name, &shape)?;
         assert!(e < shape[0] && cols.end <= inp && rows.iter().all(|&r| r < out), "block outside tensor {name}");
         let es = dtype.size();
+        // A row whose columns lie side by side (an output-major tensor) is one slice.
+        let contiguous = cols.len() < 2 || at(0, cols.start + 1) == at(0, cols.start) + 1;
+        let row_bytes = |r: usize| &bytes[at(r, cols.start) * es..][..cols.len() * es];
         if dtype == DType::BF16 {
             let mut q = QuantRows::with_capacity(QuantKind::Bf16, rows.len(), cols.len(), vec![0, cols.len()]);
             for &r in rows {
-                cols.clone().for_each(|c| q.codes.extend_from_slice(&bytes[at(r, c) * es..][..2]));
+                if contiguous {
+                    q.codes.extend_from_slice(row_bytes(r));
+                } else {
+                    cols.clone().for_each(|c| q.codes.extend_from_slice(&bytes[at(r, c) * es..][..2]));
+                }
                 q.scales.push(1.0);
             }
             return Ok(LinearWeight::Quant(q));
         }
         let mut w = Vec::with_capacity(rows.len() * cols.len());
         for &r in rows {
-            cols.clone().for_each(|c| dtype.decode_append(&bytes[at(r, c) * es..][..es], &mut w));
+            if contiguous {
+                dtype.decode_append(row_bytes(r), &mut w);
+            } else {
+                cols.clone().for_each(|c| dtype.decode_append(&bytes[at(r, c) * es..][..es], &mut w));
+            }
         }
         Ok(LinearWeight::Dense { rows: rows.len(), cols: cols.len(), w })
     }

@@ -132,6 +132,7 @@ struct Raw {
     norm_topk_prob: Option<bool>,
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
+    attn_output_gate: Option<bool>,
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
@@ -174,6 +175,11 @@ impl Qwen3NextConfig {
             if act != "silu" && act != "swish" {
                 return Err(invalid("hidden_act", format!("{act:?} is not supported (only silu)")));
             }
+        }
+        // transformers reads no such key and always gates; a checkpoint without
+        // the gate's rows in q_proj would fail on its shape, so say why here.
+        if raw.attn_output_gate == Some(false) {
+            return Err(invalid("attn_output_gate", "false: these models' attention always has an output gate"));
         }
         let defaults = Defaults::of(text_type);
         let GqaSizes { hidden_size, num_layers, num_heads, num_kv_heads, head_dim } = GqaSizes {
@@ -443,6 +449,7 @@ mod tests {
             (r#", "partial_rotary_factor": 1.5"#, "partial_rotary_factor"),
             (r#", "rope_parameters": {"rope_theta": 1e4, "mrope_section": [2, 1, 2]}"#, "rope_parameters"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
+            (r#", "attn_output_gate": false"#, "attn_output_gate"),
             (r#", "num_experts_per_tok": 9"#, "num_experts_per_tok"),
             (r#", "mlp_only_layers": [7]"#, "mlp_only_layers"),
             (

@@ -65,6 +65,20 @@ pub const QUANT: &[&str] = &["deepseek-v3-fp8", "kimi-k2-fp8-sharded", "kimi-k2-
 /// Llama-family parity fixtures with FP8 weights (scripts/make_quant_fixtures.py).
 pub const LLAMA_QUANT: &[&str] = &["minimax-m2-fp8"];
 
+/// Every HF-parity fixture, of every family and storage format.
+pub fn all_fixtures() -> impl Iterator<Item = &'static str> {
+    FIXTURES
+        .iter()
+        .chain(GEMMA)
+        .chain(GPT_OSS)
+        .chain(LLAMA4)
+        .chain(DEEPSEEK)
+        .chain(QUANT)
+        .chain(LLAMA_QUANT)
+        .chain(HYBRID)
+        .copied()
+}
+
 /// Path of a fixture directory: in the checkout the test was built from, or,
 /// where that is gone (test binaries carried to a GPU machine by
 /// scripts/gpu-check.sh), under the current directory.

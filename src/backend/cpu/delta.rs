@@ -231,38 +231,56 @@ pub fn delta_rule(
     let (nk, nv, dk, dv) = (shape.k_heads, shape.v_heads, shape.k_dim, shape.v_dim);
     let p = Prepared { nk, nv, dk, dv };
     let pw = p.width();
-    for (si, seg) in batch.segments().iter().enumerate() {
-        let rows = batch.range(si);
-        let n = rows.len();
-        let layer_state = seg.uses_cache().then(|| std::mem::take(store.0.layer_mut(seg.key, layer)));
-        let (s0, pending) = match &layer_state {
-            Some(l) if !l.s.is_empty() => (l.s.clone(), l.pending.clone()),
-            _ => (vec![0f32; nv * dk * dv], Vec::new()),
-        };
-        let done = pending.len() / pw; // rows of the unfinished chunk run before
-        assert_eq!(done, seg.pos0 % CH, "the cached chunk does not end where the segment starts");
-        let job = Job { p, qkv, ba, z, wts, pending: &pending, done, row0: rows.start, n };
-        // Each value head: its chunks in order, its state carried between them.
-        let out_ptr = SharedMut::new(out.as_mut_ptr());
-        let states: Vec<Vec<f32>> = (0..nv)
-            .into_par_iter()
-            .map(|h| {
-                let mut s = s0[h * dk * dv..][..dk * dv].to_vec();
-                job.head(h, &mut s, out_ptr);
-                s
-            })
-            .collect();
-        if let Some(mut l) = layer_state {
-            // The unfinished chunk's rows, prepared, and the state at its start.
-            let kept = (done + n) % CH;
-            let mut rows_kept = vec![0f32; kept * pw];
-            for (i, dst) in rows_kept.chunks_exact_mut(pw).enumerate() {
-                job.prepared_row(done + n - kept + i, dst);
+    // Each segment's state and cached rows, taken out of the store (zeros for a new sample).
+    let segs: Vec<(Vec<f32>, Vec<f32>, bool)> = batch
+        .segments()
+        .iter()
+        .map(|seg| {
+            if !seg.uses_cache() {
+                return (vec![0f32; nv * dk * dv], Vec::new(), false);
             }
-            l.pending = rows_kept;
-            l.s = states.concat();
-            *store.0.layer_mut(seg.key, layer) = l;
+            let l = store.0.layer_mut(seg.key, layer);
+            match (std::mem::take(&mut l.s), std::mem::take(&mut l.pending)) {
+                (s, pending) if !s.is_empty() => (s, pending, true),
+                _ => (vec![0f32; nv * dk * dv], Vec::new(), true),
+            }
+        })
+        .collect();
+    let jobs: Vec<Job<'_>> = segs
+        .iter()
+        .enumerate()
+        .map(|(si, (_, pending, _))| {
+            let (done, seg) = (pending.len() / pw, &batch.segments()[si]);
+            assert_eq!(done, seg.pos0 % CH, "the cached chunk does not end where the segment starts");
+            let rows = batch.range(si);
+            Job { p, qkv, ba, z, wts, pending, done, row0: rows.start, n: rows.len() }
+        })
+        .collect();
+    // Every (segment, value head) pair in parallel: a head's chunks in order,
+    // its state carried between them; each writes its own columns of its rows.
+    let out_ptr = SharedMut::new(out.as_mut_ptr());
+    let states: Vec<Vec<f32>> = (0..jobs.len() * nv)
+        .into_par_iter()
+        .map(|e| {
+            let (si, h) = (e / nv, e % nv);
+            let mut s = segs[si].0[h * dk * dv..][..dk * dv].to_vec();
+            jobs[si].head(h, &mut s, out_ptr);
+            s
+        })
+        .collect();
+    for (si, (seg, job)) in batch.segments().iter().zip(&jobs).enumerate() {
+        if !segs[si].2 {
+            continue;
         }
+        // The unfinished chunk's rows, prepared, and the state at its start.
+        let kept = (job.done + job.n) % CH;
+        let mut pending = vec![0f32; kept * pw];
+        for (i, dst) in pending.chunks_exact_mut(pw).enumerate() {
+            job.prepared_row(job.done + job.n - kept + i, dst);
+        }
+        let l = store.0.layer_mut(seg.key, layer);
+        l.pending = pending;
+        l.s = states[si * nv..(si + 1) * nv].concat();
     }
 }
 
