@@ -130,6 +130,37 @@ fn prompts(n: usize, lens: &[usize], vocab: u64, seed: u64) -> Vec<Vec<u32>> {
     (0..n).map(|i| (0..lens[i % lens.len()]).map(|_| rng.below(vocab) as u32).collect()).collect()
 }
 
+/// Sends `all` from `threads` client threads at once (thread t sends prompts t, t + threads, ...)
+/// and checks each served file against the offline run's, byte for byte.
+fn served_equal_offline(addr: &str, model: &Path, all: &[Vec<u32>], threads: usize) {
+    let name = model.to_str().unwrap().to_string();
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (addr, name, mine) = (addr.to_string(), name.clone(), all.to_vec());
+            std::thread::spawn(move || {
+                (t..mine.len())
+                    .step_by(threads)
+                    .map(|i| {
+                        let (status, reply) = complete(&addr, &name, &mine[i]);
+                        assert_eq!(status, 200, "{reply}");
+                        (i, take_file(&reply, &mine[i]))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut served: Vec<(usize, Vec<u8>)> = handles.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    served.sort();
+    let expected = offline(model, all, &[]);
+    for (i, bytes) in served {
+        assert!(
+            bytes == expected[i],
+            "prompt {i} ({} tokens): the served file differs from the offline one",
+            all[i].len()
+        );
+    }
+}
+
 #[test]
 fn concurrent_requests_of_mixed_lengths_get_the_offline_files_byte_for_byte() {
     let model = fixture("llama-default");
@@ -143,33 +174,8 @@ fn concurrent_requests_of_mixed_lengths_get_the_offline_files_byte_for_byte() {
         "--hidden-states-dir",
         states.path().to_str().unwrap(),
     ]);
-    let name = model.to_str().unwrap().to_string();
     let all = prompts(36, &[1, 7, 24, 25, 40, 3, 200, 13, 90], 256, 11);
-    let threads: Vec<_> = (0..6)
-        .map(|t| {
-            let (addr, name, mine) = (server.addr.clone(), name.clone(), all.clone());
-            std::thread::spawn(move || {
-                (t..mine.len())
-                    .step_by(6)
-                    .map(|i| {
-                        let (status, reply) = complete(&addr, &name, &mine[i]);
-                        assert_eq!(status, 200, "{reply}");
-                        (i, take_file(&reply, &mine[i]))
-                    })
-                    .collect::<Vec<_>>()
-            })
-        })
-        .collect();
-    let mut served: Vec<(usize, Vec<u8>)> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
-    served.sort();
-    let expected = offline(&model, &all, &[]);
-    for (i, bytes) in served {
-        assert!(
-            bytes == expected[i],
-            "prompt {i} ({} tokens): the served file differs from the offline one",
-            all[i].len()
-        );
-    }
+    served_equal_offline(&server.addr, &model, &all, 6);
     assert_eq!(names_in(states.path()), Vec::<String>::new(), "files or temporaries remain");
     let (_, metrics) = http(&server.addr, "GET", "/metrics", None);
     let m = parse_metrics(&metrics);
@@ -192,33 +198,8 @@ fn a_hybrid_models_requests_carry_their_deltanet_state_across_steps() {
         "--hidden-states-dir",
         states.path().to_str().unwrap(),
     ]);
-    let name = model.to_str().unwrap().to_string();
     let all = prompts(12, &[1, 70, 24, 130, 65, 9], 160, 5);
-    let threads: Vec<_> = (0..4)
-        .map(|t| {
-            let (addr, name, mine) = (server.addr.clone(), name.clone(), all.clone());
-            std::thread::spawn(move || {
-                (t..mine.len())
-                    .step_by(4)
-                    .map(|i| {
-                        let (status, reply) = complete(&addr, &name, &mine[i]);
-                        assert_eq!(status, 200, "{reply}");
-                        (i, take_file(&reply, &mine[i]))
-                    })
-                    .collect::<Vec<_>>()
-            })
-        })
-        .collect();
-    let mut served: Vec<(usize, Vec<u8>)> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
-    served.sort();
-    let expected = offline(&model, &all, &[]);
-    for (i, bytes) in served {
-        assert!(
-            bytes == expected[i],
-            "prompt {i} ({} tokens): the served file differs from the offline one",
-            all[i].len()
-        );
-    }
+    served_equal_offline(&server.addr, &model, &all, 4);
 }
 
 /// Parses Prometheus' text format strictly: every line a comment (`# HELP`,

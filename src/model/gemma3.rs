@@ -19,7 +19,7 @@
 //! before the post-norm), heads divided, kv heads replicated when fewer.
 
 use super::decoder::{Block, Frame, Step};
-use super::llama::{gated, qkv_o, Reader};
+use super::llama::{gated, plus_one, qkv_o, Reader};
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Mask, Resident, SeqState, Tensor};
@@ -52,12 +52,6 @@ pub fn check_split(c: &Gemma3Config, ranks: usize) -> Result<(), String> {
         split.per_rank(ranks)?;
     }
     Ok(())
-}
-
-/// A `(1 + w)` RMSNorm weight as the plain RMSNorm op takes it.
-fn plus_one(mut w: Vec<f32>) -> Vec<f32> {
-    w.iter_mut().for_each(|w| *w += 1.0);
-    w
 }
 
 /// Self-attention (`self_attn.*`) of this rank's heads.

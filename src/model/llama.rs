@@ -102,6 +102,13 @@ impl Reader<'_> {
     }
 }
 
+/// A zero-centred `(1 + w)` RMSNorm weight (Gemma's, Qwen3-Next's) as the
+/// plain RMSNorm op takes it: `1 + w` of the stored `w`.
+pub(super) fn plus_one(mut w: Vec<f32>) -> Vec<f32> {
+    w.iter_mut().for_each(|w| *w += 1.0);
+    w
+}
+
 /// This rank's share of a GQA layer's projections: `self_attn.{q,k,v}_proj`
 /// stacked (its heads' rows, column-parallel, with their biases if
 /// `qkv_bias`) and `self_attn.o_proj` (its heads' columns, row-parallel,

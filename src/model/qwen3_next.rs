@@ -23,7 +23,7 @@
 //! parallel in, row-parallel out); the conv's channels follow their heads.
 
 use super::decoder::{Block, Frame, Step};
-use super::llama::{gated, Reader};
+use super::llama::{gated, plus_one, Reader};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
@@ -79,12 +79,6 @@ pub fn check_split(c: &Qwen3NextConfig, ranks: usize) -> Result<(), String> {
         split.per_rank(ranks)?;
     }
     Ok(())
-}
-
-/// `w + 1` of a zero-centred norm's stored `w`.
-fn centred(mut w: Vec<f32>) -> Vec<f32> {
-    w.iter_mut().for_each(|v| *v += 1.0);
-    w
 }
 
 /// A Gated DeltaNet layer (`linear_attn.*`) of this rank's heads.
@@ -266,8 +260,8 @@ impl<B: Backend> GatedAttention<B> {
         Ok(GatedAttention {
             qkvg_proj: b.linear(LinearWeight::stack(parts), bias, Parallel::Column),
             o_proj: b.linear(r.linear("self_attn.o_proj", [h, c.num_heads * hd], 0..h, o_cols)?, o_bias, Parallel::Row),
-            q_norm: b.vector(centred(r.vector("self_attn.q_norm.weight", hd)?)),
-            k_norm: b.vector(centred(r.vector("self_attn.k_norm.weight", hd)?)),
+            q_norm: b.vector(plus_one(r.vector("self_attn.q_norm.weight", hd)?)),
+            k_norm: b.vector(plus_one(r.vector("self_attn.k_norm.weight", hd)?)),
             heads: heads.len(),
             kv_heads: s.kv_heads.local(b),
             head_dim: hd,
@@ -529,12 +523,12 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         let r = Reader { ckpt, prefix: format!("model.layers.{l}"), quant: None };
         let h = c.hidden_size;
         Ok(DecoderLayer {
-            input_layernorm: b.vector(centred(r.vector("input_layernorm.weight", h)?)),
+            input_layernorm: b.vector(plus_one(r.vector("input_layernorm.weight", h)?)),
             mixer: match c.layer_types[l] {
                 LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(b, c, &r, &s)?),
                 LayerKind::Full => Mixer::Full(GatedAttention::load(b, c, &r, &s)?),
             },
-            post_attention_layernorm: b.vector(centred(r.vector("post_attention_layernorm.weight", h)?)),
+            post_attention_layernorm: b.vector(plus_one(r.vector("post_attention_layernorm.weight", h)?)),
             mlp: Ffn::load(b, c, &r, &s, l)?,
             eps: c.rms_norm_eps,
         })
