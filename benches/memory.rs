@@ -2,7 +2,14 @@
 //! length distribution (100–400 tokens) on a random `medium` Llama (hidden
 //! 512, 4 layers, MLP 1408, vocab 8000): streaming keeps it flat.
 //!
-//!     cargo bench --bench memory
+//! (d) Memory per sample of the writers and of `merge`: peak RSS of `strata
+//! extract` over 4,000 and 40,000 short samples (4–32 tokens) of the
+//! `llama-default` fixture, in each format, and of `strata merge` over the
+//! same inputs written as 4 parts; the median of `--reps` runs (default 3)
+//! and the bytes per sample between the two sizes. `STRATA_BIN` measures
+//! another build of the binary (an older commit's) the same way.
+//!
+//!     cargo bench --bench memory [-- --only d --reps 3]
 
 /// Large buffers on cache lines, as the `strata` binary has them.
 #[global_allocator]
@@ -13,9 +20,120 @@ use strata::shape::DType;
 use strata_testkit::{write_llama, write_tokens, LlamaSpec, Rng};
 
 fn main() {
-    if std::env::args().any(|a| a == "--list") {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--list") {
         return;
     }
+    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let reps: usize = flag("--reps").and_then(|v| v.parse().ok()).unwrap_or(3);
+    match flag("--only").as_deref() {
+        Some("c") => peak_by_length(),
+        Some("d") => per_sample(reps),
+        _ => {
+            peak_by_length();
+            per_sample(reps);
+        }
+    }
+}
+
+/// The binary measured: `STRATA_BIN`, else this build's.
+fn strata_bin() -> std::path::PathBuf {
+    std::env::var_os("STRATA_BIN").map_or_else(|| env!("CARGO_BIN_EXE_strata").into(), Into::into)
+}
+
+/// Runs `cmd` to its end; its peak RSS in KiB (from wait4's rusage, this child's alone).
+fn peak_kib(mut cmd: Command) -> u64 {
+    let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let pid = child.id() as libc::pid_t;
+    let mut err = child.stderr.unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut err, &mut s).unwrap();
+        s
+    });
+    let mut status = 0;
+    // SAFETY: wait4 on our own child, with pointers to locals.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    let err = reader.join().unwrap();
+    assert!(r == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{err}");
+    usage.ru_maxrss as u64
+}
+
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+/// (d): see the module's doc.
+fn per_sample(reps: usize) {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama-default");
+    let work = std::env::current_dir().unwrap().join("target/bench-memory-d");
+    std::fs::create_dir_all(&work).unwrap();
+    let sizes = [4000usize, 40000];
+    for &n in &sizes {
+        let mut rng = Rng::new(5);
+        let lens: Vec<usize> = (0..n).map(|_| 4 + rng.below(29) as usize).collect();
+        let data = work.join(format!("tokens-{n}.jsonl"));
+        if !data.exists() {
+            write_tokens(&data, 256, &lens, 29).unwrap();
+        }
+    }
+    println!("(d) peak RSS (median of {reps}), {}:", strata_bin().display());
+    for format in ["strata", "speculators"] {
+        let mut peaks = Vec::new();
+        let mut merged = Vec::new();
+        for &n in &sizes {
+            let data = work.join(format!("tokens-{n}.jsonl"));
+            let out = work.join(format!("out-{format}-{n}"));
+            let extract = |out: &std::path::Path, part: Option<usize>| {
+                let mut cmd = Command::new(strata_bin());
+                cmd.args(["extract", "--overwrite", "--format", format, "--model"]).arg(&model);
+                cmd.arg("--data").arg(&data).arg("--out").arg(out);
+                if let Some(i) = part {
+                    cmd.args(["--num-parts", "4", "--part-index", &i.to_string()]);
+                }
+                cmd
+            };
+            peaks.push(median((0..reps).map(|_| peak_kib(extract(&out, None))).collect()));
+            // The same input in 4 parts, then merged.
+            let parts = work.join(format!("parts-{format}-{n}"));
+            let _ = std::fs::remove_dir_all(&parts);
+            (0..4).for_each(|i| {
+                peak_kib(extract(&parts, Some(i)));
+            });
+            merged.push(median(
+                (0..reps)
+                    .map(|_| {
+                        let mut cmd = Command::new(strata_bin());
+                        cmd.arg("merge").arg(&parts);
+                        peak_kib(cmd)
+                    })
+                    .collect(),
+            ));
+        }
+        let per = |v: &[u64]| (v[1] as f64 - v[0] as f64) * 1024.0 / (sizes[1] - sizes[0]) as f64;
+        println!(
+            "    {format:<11} extract {:>6.1} MiB at {}, {:>6.1} MiB at {}: {:>6.0} bytes per sample",
+            peaks[0] as f64 / 1024.0,
+            sizes[0],
+            peaks[1] as f64 / 1024.0,
+            sizes[1],
+            per(&peaks)
+        );
+        println!(
+            "    {format:<11} merge   {:>6.1} MiB at {}, {:>6.1} MiB at {}: {:>6.0} bytes per sample",
+            merged[0] as f64 / 1024.0,
+            sizes[0],
+            merged[1] as f64 / 1024.0,
+            sizes[1],
+            per(&merged)
+        );
+    }
+}
+
+/// (c): see the module's doc.
+fn peak_by_length() {
     let dir = std::env::temp_dir().join("strata-bench-medium");
     let spec = LlamaSpec {
         hidden_size: 512,

@@ -237,13 +237,30 @@ fn remove(dir: &Dir, name: &str) -> Result<(), SinkError> {
     dir.remove(name).map(|_| ()).map_err(io_err(&dir.join(name)))
 }
 
-/// An output directory, locked, with its manifest as written so far.
+/// What an output directory lists so far: the counts a run needs. The
+/// listing itself (every shard and sample) is in the journal on disk, never
+/// in memory: a million samples would hold a gigabyte.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Listed {
+    /// Shards (files) listed.
+    pub shards: usize,
+    /// Samples they hold.
+    pub samples: usize,
+    /// Samples left out (non-finite states).
+    pub skipped: usize,
+    /// The input position after the last listed shard's samples.
+    pub input: Option<InputPos>,
+}
+
+/// An output directory, locked, with its job and what it lists so far.
 pub struct OutputDir {
     dir: Dir,
     // Held for the run: the advisory lock lives as long as the descriptor.
     lock: File,
     nonce: String,
+    // The job: its listing (shards, samples, skipped) is empty; see `listed`.
     manifest: Manifest,
+    listed: Listed,
     journal: Option<File>,
     // Subdirectories (`hidden_states/`) whose entry this run has made durable.
     durable_subs: Vec<PathBuf>,
@@ -465,18 +482,36 @@ impl Plan {
         manifest.complete = false;
         manifest.input = None;
         manifest.nonce = nonce.clone();
-        let out = OutputDir {
+        // The listing a resume keeps moves to the journal (replacing the old
+        // one whole), and the manifest keeps the job alone: the run holds
+        // counts, never the listing. A crash between the two leaves the old
+        // manifest with a journal that only repeats (a prefix of) its listing.
+        let shards = std::mem::take(&mut manifest.shards);
+        let samples = std::mem::take(&mut manifest.samples);
+        let skipped = std::mem::take(&mut manifest.skipped);
+        let listed = Listed {
+            shards: shards.len(),
+            samples: samples.len(),
+            skipped: skipped.len(),
+            input: shards.last().and_then(|s| s.input.clone()),
+        };
+        let mut out = OutputDir {
             dir,
             lock,
             nonce,
             manifest,
+            listed,
             journal: None,
             durable_subs: vec![],
             skipped: vec![],
             skipped_end: None,
         };
+        if shards.is_empty() {
+            remove(&out.dir, JOURNAL)?;
+        } else {
+            out.rewrite_journal(shards, samples, skipped)?;
+        }
         out.write_manifest()?;
-        remove(&out.dir, JOURNAL)?;
         out.dir.sync();
         Ok(out)
     }
@@ -572,9 +607,59 @@ impl OutputDir {
         let _ = self.dir.remove(&tmp.name);
     }
 
+    /// Writes the job as `manifest.json` (its listing is in the journal).
     fn write_manifest(&self) -> Result<(), SinkError> {
         let (tmp, f) = self.create_temp(MANIFEST)?;
         persist_manifest(&self.manifest, f, &tmp, &self.dir)
+    }
+
+    /// Replaces the journal with one line per listed shard (its samples;
+    /// the skipped samples ride on the first), fsynced before it is renamed in.
+    fn rewrite_journal(
+        &mut self,
+        shards: Vec<ShardInfo>,
+        samples: Vec<SampleInfo>,
+        mut skipped: Vec<SkippedInfo>,
+    ) -> Result<(), SinkError> {
+        let (tmp, f) = self.create_temp(JOURNAL)?;
+        let r = (|| -> Result<(), SinkError> {
+            let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+            let mut samples = samples.into_iter().peekable();
+            for (index, shard) in shards.into_iter().enumerate() {
+                let mut mine = Vec::with_capacity(shard.samples);
+                while let Some(s) = samples.next_if(|s| s.shard == index) {
+                    mine.push(s);
+                }
+                let entry = JournalEntry { index, shard, samples: mine, skipped: std::mem::take(&mut skipped) };
+                serde_json::to_writer(&mut w, &entry).map_err(|e| dir_err(format!("journal: {e}")))?;
+                w.write_all(b"\n").map_err(io_err(&tmp))?;
+            }
+            if let Some(s) = samples.next() {
+                return Err(dir_err(format!(
+                    "the manifest lists sample {:?} in shard {}, which it does not list",
+                    s.id, s.shard
+                )));
+            }
+            let f = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
+            f.sync_all().map_err(io_err(&tmp))
+        })();
+        if let Err(e) = r {
+            self.discard(&tmp);
+            return Err(e);
+        }
+        self.dir.rename(&tmp.name, &self.dir, JOURNAL).map_err(io_err(&self.dir.join(JOURNAL)))?;
+        self.dir.sync();
+        Ok(())
+    }
+
+    /// What the directory lists so far (the listing itself is in the journal).
+    pub fn listed(&self) -> &Listed {
+        &self.listed
+    }
+
+    /// Reads the journal's entries in order (the listing so far), one at a time.
+    pub fn journal_entries(&self) -> Result<JournalEntries, SinkError> {
+        JournalEntries::open(&self.dir)
     }
 
     /// Records a sample left out for non-finite states; `end` is the input position after it.
@@ -628,7 +713,7 @@ impl OutputDir {
             };
             c.info.input = Some(end);
             let entry = JournalEntry {
-                index: self.manifest.shards.len() + i,
+                index: self.listed.shards + i,
                 shard: c.info,
                 samples: c.samples,
                 skipped: std::mem::take(&mut self.skipped),
@@ -677,7 +762,10 @@ impl OutputDir {
         }
         targets.iter().for_each(|d| d.sync());
         for (_, _, entry) in entries {
-            self.manifest.apply(entry).map_err(dir_err)?;
+            self.listed.shards += 1;
+            self.listed.samples += entry.samples.len();
+            self.listed.skipped += entry.skipped.len();
+            self.listed.input = entry.shard.input;
         }
         Ok(())
     }
@@ -695,14 +783,25 @@ impl OutputDir {
     /// which records the whole input.
     pub fn finish(&mut self, input: InputInfo) -> Result<(), SinkError> {
         self.skipped_end = None;
-        self.manifest.skipped.append(&mut self.skipped);
         self.manifest.input = Some(input);
         self.manifest.complete = true;
         // Nothing of this run is temporary any more.
         self.manifest.nonce.clear();
-        self.write_manifest()?;
-        failpoint("compacted");
+        // The listing streams from the journal into the manifest: never whole in memory.
         self.journal = None;
+        let (tmp, f) = self.create_temp(MANIFEST)?;
+        let has_journal = self.dir.kind(JOURNAL).map_err(io_err(&self.dir.join(JOURNAL)))?.is_some();
+        let dir = &self.dir;
+        let entries = || -> Result<Box<dyn Iterator<Item = Result<JournalEntry, SinkError>>>, SinkError> {
+            Ok(match has_journal {
+                true => Box::new(JournalEntries::open(dir)?),
+                false => Box::new(std::iter::empty()),
+            })
+        };
+        persist_manifest_streamed(&self.manifest, &entries, &self.skipped, f, &tmp, &self.dir)?;
+        self.listed.skipped += self.skipped.len();
+        self.skipped.clear();
+        failpoint("compacted");
         remove(&self.dir, JOURNAL)?;
         // No temporary file is left to find by its nonce.
         self.lock.set_len(0).map_err(io_err(&self.dir.join(LOCK)))?;
@@ -732,6 +831,150 @@ pub(crate) fn persist_manifest(m: &Manifest, f: File, tmp: &Temp, dir: &Dir) -> 
     if let Err(e) = r {
         let _ = dir.remove(&tmp.name);
         return Err(io_err(&path)(e));
+    }
+    dir.sync();
+    Ok(())
+}
+
+/// The entries of a journal, read one line at a time. A torn last line
+/// (never made durable) ends it, as [`Manifest::read`] takes it.
+pub struct JournalEntries {
+    lines: std::iter::Peekable<std::io::Split<std::io::BufReader<File>>>,
+    path: PathBuf,
+    line: usize,
+}
+
+impl JournalEntries {
+    fn open(dir: &Dir) -> Result<Self, SinkError> {
+        let path = dir.join(JOURNAL);
+        let f = dir.open_file(JOURNAL).map_err(io_err(&path))?;
+        use std::io::BufRead;
+        Ok(JournalEntries {
+            lines: std::io::BufReader::with_capacity(1 << 20, f).split(b'\n').peekable(),
+            path,
+            line: 0,
+        })
+    }
+}
+
+impl Iterator for JournalEntries {
+    type Item = Result<JournalEntry, SinkError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let line = match self.lines.next()? {
+            Ok(l) => l,
+            Err(e) => return Some(Err(io_err(&self.path)(e))),
+        };
+        self.line += 1;
+        match serde_json::from_slice::<JournalEntry>(&line) {
+            Ok(e) => Some(Ok(e)),
+            // `split` drops the newline: a last line is torn when the file does not end with one,
+            // which only a crash leaves (this run's own lines are whole).
+            Err(_) if self.lines.peek().is_none() => None,
+            Err(e) => Some(Err(dir_err(format!("{}:{}: malformed journal line: {e}", self.path.display(), self.line)))),
+        }
+    }
+}
+
+/// [`persist_manifest`] for a manifest whose listing is `entries` (each
+/// call reads them anew from the start: once for the shards, once for the
+/// samples, once for the skipped) followed by `more_skipped`; `m`'s own
+/// listing is empty. The bytes are those of the whole manifest written at
+/// once: the listing is never in memory.
+pub(crate) fn persist_manifest_streamed<I>(
+    m: &Manifest,
+    entries: &dyn Fn() -> Result<I, SinkError>,
+    more_skipped: &[SkippedInfo],
+    f: File,
+    tmp: &Temp,
+    dir: &Dir,
+) -> Result<(), SinkError>
+where
+    I: Iterator<Item = Result<JournalEntry, SinkError>>,
+{
+    use serde::ser::{Error as _, SerializeMap, SerializeSeq};
+    use std::cell::RefCell;
+    debug_assert!(m.shards.is_empty() && m.samples.is_empty() && m.skipped.is_empty());
+    // The job's fields in the struct's order (serde_json keeps it), the listing's streamed in place.
+    let job = match serde_json::to_value(m) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => return Err(dir_err("the manifest does not serialize as an object".into())),
+    };
+    #[derive(Clone, Copy)]
+    enum Part {
+        Shards,
+        Samples,
+        Skipped,
+    }
+    // The first error of a read while streaming (serde's error carries only text).
+    let failed: RefCell<Option<SinkError>> = RefCell::new(None);
+    struct Listing<'a, I> {
+        part: Part,
+        entries: &'a dyn Fn() -> Result<I, SinkError>,
+        more_skipped: &'a [SkippedInfo],
+        failed: &'a RefCell<Option<SinkError>>,
+    }
+    impl<I: Iterator<Item = Result<JournalEntry, SinkError>>> serde::Serialize for Listing<'_, I> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            let fail = |e: SinkError| {
+                let text = e.to_string();
+                *self.failed.borrow_mut() = Some(e);
+                S::Error::custom(text)
+            };
+            let mut seq = s.serialize_seq(None)?;
+            for e in (self.entries)().map_err(fail)? {
+                let e = e.map_err(fail)?;
+                match self.part {
+                    Part::Shards => seq.serialize_element(&e.shard)?,
+                    Part::Samples => e.samples.iter().try_for_each(|x| seq.serialize_element(x))?,
+                    Part::Skipped => e.skipped.iter().try_for_each(|x| seq.serialize_element(x))?,
+                }
+            }
+            if let Part::Skipped = self.part {
+                self.more_skipped.iter().try_for_each(|x| seq.serialize_element(x))?;
+            }
+            seq.end()
+        }
+    }
+    struct Whole<'a, I> {
+        job: &'a serde_json::Map<String, serde_json::Value>,
+        entries: &'a dyn Fn() -> Result<I, SinkError>,
+        more_skipped: &'a [SkippedInfo],
+        failed: &'a RefCell<Option<SinkError>>,
+    }
+    impl<I: Iterator<Item = Result<JournalEntry, SinkError>>> serde::Serialize for Whole<'_, I> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            let mut map = s.serialize_map(Some(self.job.len()))?;
+            for (k, v) in self.job {
+                let part = match k.as_str() {
+                    "shards" => Part::Shards,
+                    "samples" => Part::Samples,
+                    "skipped" => Part::Skipped,
+                    _ => {
+                        map.serialize_entry(k, v)?;
+                        continue;
+                    }
+                };
+                let listing =
+                    Listing { part, entries: self.entries, more_skipped: self.more_skipped, failed: self.failed };
+                map.serialize_entry(k, &listing)?;
+            }
+            map.end()
+        }
+    }
+    let whole = Whole { job: &job, entries, more_skipped, failed: &failed };
+    let path = dir.join(MANIFEST);
+    let r = (|| {
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        serde_json::to_writer_pretty(&mut w, &whole)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
+        f.sync_all()?;
+        failpoint("manifest-temp");
+        dir.rename(&tmp.name, dir, MANIFEST)
+    })();
+    if let Err(e) = r {
+        let _ = dir.remove(&tmp.name);
+        return Err(failed.into_inner().unwrap_or_else(|| io_err(&path)(e)));
     }
     dir.sync();
     Ok(())
@@ -835,6 +1078,84 @@ mod tests {
         let e = out.create_temp("shard-00000.safetensors").expect_err("refused");
         assert!(e.to_string().contains(&name), "{e}");
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+    }
+
+    /// A run of `shards` shards of `per` samples each (every third sample
+    /// skipped instead), resumed once half-way when `resume`.
+    fn run(dir: &Path, shards: usize, per: usize, resume: bool) -> Manifest {
+        let job = Manifest {
+            schema_version: crate::dataset::manifest::SCHEMA_VERSION,
+            format: "strata".into(),
+            capture: vec![crate::dataset::manifest::CaptureInfo {
+                point: "final".into(),
+                hf_index: None,
+                layer_id: Some(4),
+            }],
+            ..Default::default()
+        };
+        let mut index = 0;
+        let mut out = OutputDir::open(dir, OpenMode::Create, job.clone()).unwrap();
+        for i in 0..shards {
+            if resume && i == shards / 2 {
+                drop(out);
+                out = Plan::new(&dir.into(), OpenMode::Resume, job.clone()).unwrap().apply().unwrap();
+                assert_eq!(out.listed().shards, i);
+                assert!(out.manifest().shards.is_empty() && out.manifest().samples.is_empty());
+            }
+            let name = format!("shard-{i:05}.safetensors");
+            let (tmp, mut f) = out.create_temp(&name).unwrap();
+            f.write_all(b"bytes").unwrap();
+            f.sync_all().unwrap();
+            let mut samples = Vec::new();
+            for _ in 0..per {
+                let end = InputPos {
+                    samples: index + 1,
+                    bytes: 10 * index as u64 + 10,
+                    digest: format!("xxh3:{index:016x}"),
+                };
+                if index % 3 == 2 {
+                    out.skip(
+                        SkippedInfo { index, id: format!("s{index}"), tokens: 3, reason: "NaN \"x\"\n".into() },
+                        end,
+                    );
+                } else {
+                    samples.push(SampleInfo {
+                        id: format!("s{index} \u{e9}"),
+                        shard: i,
+                        tokens: index + 1,
+                        checksum: format!("xxh3:{index:016x}"),
+                        index: Some(index),
+                    });
+                }
+                index += 1;
+            }
+            let end = InputPos { samples: index, bytes: 10 * index as u64, digest: format!("xxh3:{index:016x}") };
+            let info = ShardInfo { file: name, samples: samples.len(), bytes: 5, input: None };
+            out.commit(tmp, info, samples, end).unwrap();
+        }
+        out.skip(SkippedInfo { index, id: "last".into(), tokens: 1, reason: "Inf".into() }, InputPos::default());
+        let whole = InputPos { samples: index + 1, bytes: 1234, digest: "xxh3:00".into() };
+        out.finish(InputInfo { path: "data.jsonl".into(), whole }).unwrap();
+        Manifest::read(dir).unwrap()
+    }
+
+    #[test]
+    fn the_listing_streams_from_the_journal_into_the_manifest_byte_for_byte() {
+        for (shards, per, resume) in [(0, 0, false), (1, 1, false), (3, 4, false), (6, 5, true), (4, 1, true)] {
+            let tmp = tempfile::tempdir().unwrap();
+            let dir = tmp.path().join("out");
+            let m = run(&dir, shards, per, resume);
+            assert_eq!(m.shards.len(), shards);
+            assert_eq!(m.samples.len() + m.skipped.len(), shards * per + 1, "every sample is listed once");
+            assert!(m.complete && !dir.join(JOURNAL).exists());
+            // What serde writes for the whole manifest at once, byte for byte.
+            let whole = serde_json::to_string_pretty(&m).unwrap();
+            assert_eq!(
+                std::fs::read_to_string(dir.join(MANIFEST)).unwrap(),
+                whole,
+                "{shards} x {per}, resume {resume}"
+            );
+        }
     }
 
     #[test]

@@ -254,10 +254,14 @@ impl SpeculatorsSink {
         if self.table.is_none() {
             let mut out = lock(&self.out);
             let out = out.get()?;
-            let _span = tracing::info_span!("dataset_table", listed = out.manifest().shards.len()).entered();
+            let _span = tracing::info_span!("dataset_table", listed = out.listed().shards).entered();
             let (tmp, f) = out.create_temp(hf_dataset::DATA_FILE)?;
             let mut table = Table::new(tmp.clone(), f, out.manifest()).inspect_err(|_| out.discard(&tmp))?;
-            table.push_listed(out.dir(), &out.manifest().shards).inspect_err(|_| out.discard(&tmp))?;
+            if out.listed().shards > 0 {
+                let listed = out.journal_entries().inspect_err(|_| out.discard(&tmp))?;
+                let shards = listed.map(|e| e.map(|e| e.shard));
+                table.push_listed(out.dir(), shards).inspect_err(|_| out.discard(&tmp))?;
+            }
             self.table = Some(table);
         }
         Ok(self.table.as_mut().expect("started above"))
@@ -291,7 +295,7 @@ impl SpeculatorsSink {
         if self.threads.is_none() {
             let mut out = lock(&self.out);
             let out = out.get()?;
-            self.next_index = out.manifest().shards.len();
+            self.next_index = out.listed().shards;
             let temps = Arc::new(out.temps()?);
             let (spare_tx, spare) = mpsc::channel();
             let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -586,8 +590,13 @@ impl Table {
 
     /// Appends the rows of the files `shards` lists, read back from `dir`
     /// (through its handle, links not followed).
-    fn push_listed(&mut self, dir: &Dir, shards: &[ShardInfo]) -> Result<(), SinkError> {
+    fn push_listed(
+        &mut self,
+        dir: &Dir,
+        shards: impl Iterator<Item = Result<ShardInfo, SinkError>>,
+    ) -> Result<(), SinkError> {
         for shard in shards {
+            let shard = shard?;
             let path = dir.join(&shard.file);
             let opened = dir.walk(&shard.file, false).and_then(|(sub, name)| sub.open_file(&name));
             let opened = opened.map_err(io_err(&path))?;
@@ -698,7 +707,7 @@ pub(crate) fn write_table(
             return Err(e);
         }
     };
-    if let Err(e) = table.push_listed(dir, &manifest.shards) {
+    if let Err(e) = table.push_listed(dir, manifest.shards.iter().cloned().map(Ok)) {
         discard(&table.tmp);
         return Err(e);
     }

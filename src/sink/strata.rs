@@ -270,7 +270,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for StrataSink<L, H> {
                 )));
             }
             let out = self.out.get()?;
-            let index = out.manifest().shards.len();
+            let index = out.listed().shards;
             self.shard = Some(ShardWriter::create(out, index, self.reserve)?);
         }
         let shard = self.shard.as_mut().expect("opened above");
