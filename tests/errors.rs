@@ -234,3 +234,163 @@ fn cuda_without_a_gpu_or_the_feature_is_a_clear_error() {
     );
     fails_with(extract(None, GOOD, &["--devices", "0"]), &["only --backend cuda uses"]);
 }
+
+// Hub ids: `--model org/name` from the local Hugging Face cache, never downloaded.
+
+/// Puts the checkpoint in `fixture` into the cache under `cache` as `org/name` at
+/// commit `commit`, named by the refs `refs`: files in `blobs/`, linked from the snapshot, as the hub library lays them out.
+fn cache_model(cache: &Path, id: &str, fixture_name: &str, commit: &str, refs: &[&str]) -> PathBuf {
+    let repo = cache.join(format!("models--{}", id.replace('/', "--")));
+    let snap = repo.join("snapshots").join(commit);
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        let blob = format!("{commit}-{file}");
+        std::fs::copy(fixture(fixture_name).join(file), repo.join("blobs").join(&blob)).unwrap();
+        std::os::unix::fs::symlink(format!("../../blobs/{blob}"), snap.join(file)).unwrap();
+    }
+    for r in refs {
+        std::fs::write(repo.join("refs").join(r), commit).unwrap();
+    }
+    snap
+}
+
+/// `strata ARGS` in `cwd` with `env` (and none of the cache variables of this process): (ok, stderr).
+fn strata_in(cwd: &Path, env: &[(&str, &Path)], args: &[&str]) -> (bool, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_strata"));
+    cmd.current_dir(cwd).args(args);
+    for k in ["HF_HUB_CACHE", "HF_HOME"] {
+        cmd.env_remove(k);
+    }
+    cmd.env("HOME", cwd.join("no-home"));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let o = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!err.contains("panicked"), "{err}");
+    (o.status.success(), String::from_utf8_lossy(&o.stdout).to_string(), err)
+}
+
+fn manifest_of(out: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn a_hub_id_is_found_in_the_local_cache_by_revision_and_named_as_given() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    std::fs::write(t.join("d.jsonl"), GOOD).unwrap();
+    let hub = t.join("hub");
+    cache_model(&hub, "meta-llama/Llama-Test", "llama-default", "c0ffee11", &["main"]);
+    cache_model(&hub, "meta-llama/Llama-Test", "qwen3", "beef2222", &["v2"]);
+    let run = |env: &[(&str, &Path)], out: &str, extra: &[&str]| {
+        let mut args = vec!["extract", "--model", "meta-llama/Llama-Test", "--data", "d.jsonl", "--out", out];
+        args.extend(extra);
+        strata_in(t, env, &args)
+    };
+    // HF_HUB_CACHE, revision main by default: the output is the directory's own, named by the id.
+    let (ok, _, err) = run(&[("HF_HUB_CACHE", &hub)], "o1", &[]);
+    assert!(ok, "{err}");
+    let m = manifest_of(&t.join("o1"));
+    assert_eq!(
+        (m["model"]["path"].as_str(), m["model"]["architecture"].as_str()),
+        (Some("meta-llama/Llama-Test"), Some("llama"))
+    );
+    let (ok, _, err) = strata_in(
+        t,
+        &[],
+        &["extract", "--model", fixture("llama-default").to_str().unwrap(), "--data", "d.jsonl", "--out", "direct"],
+    );
+    assert!(ok, "{err}");
+    let shard = |o: &str| std::fs::read(t.join(o).join("shard-00000.safetensors")).unwrap();
+    assert!(shard("o1") == shard("direct"), "the cached snapshot gives other states than its files read directly");
+    // A tag, and a commit given as the revision.
+    for rev in ["v2", "beef2222"] {
+        let out = format!("o-{rev}");
+        let (ok, _, err) = run(&[("HF_HUB_CACHE", &hub)], &out, &["--revision", rev]);
+        assert!(ok, "{err}");
+        assert_eq!(manifest_of(&t.join(&out))["model"]["architecture"], "qwen3");
+    }
+    // HF_HOME/hub, then ~/.cache/huggingface/hub.
+    let (ok, _, err) = run(&[("HF_HOME", t)], "o2", &[]);
+    assert!(ok, "{err}");
+    std::fs::create_dir_all(t.join("home/.cache/huggingface")).unwrap();
+    std::fs::rename(&hub, t.join("home/.cache/huggingface/hub")).unwrap();
+    let (ok, _, err) = run(&[("HOME", &t.join("home"))], "o3", &[]);
+    assert!(ok, "{err}");
+    assert_eq!(manifest_of(&t.join("o3"))["model"]["path"], "meta-llama/Llama-Test");
+}
+
+#[test]
+fn a_missing_hub_id_says_where_it_looked_and_how_to_fetch_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    std::fs::write(t.join("d.jsonl"), GOOD).unwrap();
+    let hub = t.join("hub");
+    cache_model(&hub, "meta-llama/Llama-Test", "llama-default", "c0ffee11", &["main"]);
+    for (model, rev, needles) in [
+        (
+            "meta-llama/Llama-Other",
+            None,
+            vec![
+                "models--meta-llama--Llama-Other/refs/main",
+                "huggingface-cli download meta-llama/Llama-Other",
+                "HF_HUB_CACHE",
+            ],
+        ),
+        ("meta-llama/Llama-Test", Some("v9"), vec!["refs/v9", "--revision v9", "downloads nothing"]),
+    ] {
+        let mut args = vec!["extract", "--model", model, "--data", "d.jsonl", "--out", "o"];
+        if let Some(r) = rev {
+            args.extend(["--revision", r]);
+        }
+        let (ok, _, err) = strata_in(t, &[("HF_HUB_CACHE", &hub)], &args);
+        assert!(!ok, "{model} {rev:?} was found");
+        for n in needles {
+            assert!(err.contains(n), "{n:?} missing from:\n{err}");
+        }
+        assert!(!t.join("o").exists(), "an output was started");
+    }
+    // --revision with a directory is refused, not ignored.
+    let (ok, _, err) = strata_in(
+        t,
+        &[],
+        &[
+            "extract",
+            "--model",
+            fixture("llama-default").to_str().unwrap(),
+            "--revision",
+            "v2",
+            "--data",
+            "d.jsonl",
+            "--out",
+            "o",
+        ],
+    );
+    assert!(!ok && err.contains("--revision v2 applies to hub ids"), "{err}");
+}
+
+#[test]
+fn a_directory_named_like_a_hub_id_wins_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    std::fs::write(t.join("d.jsonl"), GOOD).unwrap();
+    let hub = t.join("hub");
+    cache_model(&hub, "meta-llama/Llama-Test", "llama-default", "c0ffee11", &["main"]);
+    // ./meta-llama/Llama-Test holds another model.
+    let local = t.join("meta-llama/Llama-Test");
+    std::fs::create_dir_all(&local).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("qwen3").join(f), local.join(f)).unwrap();
+    }
+    let (ok, _, err) = strata_in(
+        t,
+        &[("HF_HUB_CACHE", &hub)],
+        &["extract", "--model", "meta-llama/Llama-Test", "--data", "d.jsonl", "--out", "o"],
+    );
+    assert!(ok, "{err}");
+    assert!(err.contains("a directory of that name wins"), "{err}");
+    assert_eq!(manifest_of(&t.join("o"))["model"]["architecture"], "qwen3");
+}

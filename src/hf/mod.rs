@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod deepseek;
 pub mod gemma3;
 pub mod gpt_oss;
+pub mod hub;
 pub mod llama;
 pub mod llama4;
 pub mod moe;

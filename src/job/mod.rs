@@ -33,6 +33,14 @@ use std::time::{Duration, Instant};
 pub enum ModelSource {
     /// A Hugging Face checkpoint directory (`config.json` + safetensors).
     Dir(PathBuf),
+    /// A hub id (`org/name`) found in the local Hugging Face cache: named by
+    /// the id as given, read from its snapshot directory.
+    Hub {
+        /// The id as given.
+        id: String,
+        /// `snapshots/<commit>/` of the revision asked for.
+        snapshot: PathBuf,
+    },
     /// A model compiled into the program (a demo, a test): its name in
     /// messages and manifests, its `config.json` text and its one safetensors file.
     Static {
@@ -46,10 +54,30 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
-    /// How messages and the manifest name the model: the directory as given, or the static name.
+    /// `--model` as given, with `--revision`: a directory, or a hub id found
+    /// in the local Hugging Face cache (see [`crate::hf::hub`]); with a note
+    /// when a directory of an id's name wins over the cached id.
+    pub fn locate(model: &str, revision: Option<&str>) -> Result<(Self, Option<String>), crate::hf::hub::HubError> {
+        use crate::hf::hub::{locate, HubEnv, Located};
+        let (found, note) = locate(model, revision, &HubEnv::from_process())?;
+        let source = match found {
+            Located::Dir(d) => ModelSource::Dir(d),
+            Located::Hub { id, revision, commit, snapshot } => {
+                tracing::info!(
+                    "--model {id}: revision {revision} is commit {commit}, read from {}",
+                    snapshot.display()
+                );
+                ModelSource::Hub { id, snapshot }
+            }
+        };
+        Ok((source, note))
+    }
+
+    /// How messages and the manifest name the model: the directory or hub id as given, or the static name.
     pub fn name(&self) -> String {
         match self {
             ModelSource::Dir(d) => d.display().to_string(),
+            ModelSource::Hub { id, .. } => id.clone(),
             ModelSource::Static { name, .. } => name.to_string(),
         }
     }
@@ -57,7 +85,7 @@ impl ModelSource {
     /// The checkpoint directory, when there is one (tokenizer, chat template).
     pub fn dir(&self) -> Option<&std::path::Path> {
         match self {
-            ModelSource::Dir(d) => Some(d),
+            ModelSource::Dir(d) | ModelSource::Hub { snapshot: d, .. } => Some(d),
             ModelSource::Static { .. } => None,
         }
     }
@@ -65,7 +93,7 @@ impl ModelSource {
     /// The text of `config.json` (a regular file of bounded size).
     pub fn config_text(&self) -> Result<String, ModelError> {
         match self {
-            ModelSource::Dir(d) => Ok(AnyConfig::read_text(d)?),
+            ModelSource::Dir(d) | ModelSource::Hub { snapshot: d, .. } => Ok(AnyConfig::read_text(d)?),
             ModelSource::Static { config_json, .. } => Ok(config_json.to_string()),
         }
     }
@@ -78,7 +106,7 @@ impl ModelSource {
         let source = self.clone();
         let prefix = prefix.to_string();
         move || match &source {
-            ModelSource::Dir(d) => Checkpoint::open_scoped(d, &prefix),
+            ModelSource::Dir(d) | ModelSource::Hub { snapshot: d, .. } => Checkpoint::open_scoped(d, &prefix),
             ModelSource::Static { name, weights, .. } => Checkpoint::from_static(name, weights),
         }
     }

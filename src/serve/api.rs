@@ -23,6 +23,27 @@ impl ApiError {
     pub fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
         ApiError { status: 400, kind: "BadRequestError", message: message.into(), param }
     }
+    /// 401: `--api-key` is set and the request did not carry it.
+    pub fn unauthorized() -> Self {
+        ApiError {
+            status: 401,
+            kind: "AuthenticationError",
+            message: "this server requires an API key: send the header `Authorization: Bearer KEY` with the key \
+                      strata serve was started with (--api-key or STRATA_API_KEY)"
+                .into(),
+            param: None,
+        }
+    }
+    /// 400 to a client that closed its sending side before its reply: its
+    /// request was dropped (answered in case it can still read).
+    pub fn client_closed() -> Self {
+        ApiError::bad(
+            "the client closed its sending side before the reply (a half-close, or it hung up): strata serve \
+             takes that as a client that has gone, as vLLM and nginx do: the request was dropped, its file (if \
+             any) removed; keep the connection open until the reply arrives",
+            None,
+        )
+    }
     /// 404.
     pub fn not_found(message: impl Into<String>) -> Self {
         ApiError { status: 404, kind: "NotFoundError", message: message.into(), param: None }

@@ -45,13 +45,46 @@ pub struct Job {
     pub span: tracing::Span,
 }
 
-/// Seconds of work the queue may hold at the measured throughput: the
-/// trainer's client waits 120 s for a reply before it asks again, so a full
-/// queue still answers its last request well within that.
-pub const QUEUE_SECONDS: f64 = 60.0;
 /// Requests the queue holds at most, whatever their tokens (bounds the
 /// memory of their ids and reservations).
 pub const QUEUE_REQUESTS: usize = 4096;
+
+/// Tokens of each step [`measure`] runs (fewer when the budget is smaller).
+pub const WARM_UP_TOKENS: usize = 256;
+
+/// Tokens per second of `model`'s forward with `captures`, measured before
+/// the server opens so that the queue is bounded from its first request: a
+/// step of `min(budget, WARM_UP_TOKENS)` tokens pays for what only the first
+/// step pays (kernels compiled, pages faulted in), a second one is timed,
+/// the states' copy included. A short step runs no faster per token than a
+/// full one, so the queue it bounds errs short; real steps correct it.
+pub fn measure(
+    model: &AnyModel,
+    captures: &CaptureSet<usize>,
+    budget: usize,
+    vocab: usize,
+) -> Result<f64, crate::model::ModelError> {
+    let tokens = budget.clamp(1, WARM_UP_TOKENS);
+    let mut secs = 0.0;
+    for _ in 0..2 {
+        let sample = Sample {
+            index: 0,
+            line: 0,
+            id: "warm-up".into(),
+            input_ids: (0..tokens).map(|i| ((i * 7919 + 13) % vocab.max(1)) as u32).collect(),
+            loss_mask: None,
+            end: Default::default(),
+        };
+        let mut scheduler = Scheduler::new(tokens);
+        let mut source = std::iter::once(Ok::<_, std::convert::Infallible>(sample));
+        let Ok(Some(step)) = scheduler.next_step(&mut source) else { continue };
+        let mut cache = AnyCache::default();
+        let t = Instant::now();
+        model.forward_step_pending(&step.batch, captures, &mut cache)?.wait()?;
+        secs = t.elapsed().as_secs_f64();
+    }
+    Ok(tokens as f64 / secs.max(1e-6))
+}
 
 #[derive(Debug, Default)]
 struct Queue {
@@ -69,7 +102,10 @@ pub struct Engine {
     running: Mutex<HashMap<usize, Job>>,
     next_index: AtomicUsize,
     budget: usize,
-    /// Tokens per second of forward, measured (0 until the first step).
+    /// `--max-queue-time`: the work the queue holds at the measured throughput.
+    queue_time: Duration,
+    /// Tokens per second of forward: measured before the server opened
+    /// (see [`measure`]), then by every step.
     throughput: Mutex<f64>,
     /// The model thread is between steps with nothing in flight.
     idle: AtomicBool,
@@ -81,8 +117,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine packing steps of `budget` tokens, writing into `store`.
-    pub fn new(budget: usize, store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
+    /// An engine packing steps of `budget` tokens, writing into `store`;
+    /// its queue holds `queue_time` of work at `throughput` tokens per
+    /// second until steps measure it anew.
+    pub fn new(budget: usize, queue_time: Duration, throughput: f64, store: Arc<Store>, metrics: Arc<Metrics>) -> Self {
         metrics.budget.store(budget as u64, Relaxed);
         Engine {
             queue: Mutex::new(Queue::default()),
@@ -90,7 +128,8 @@ impl Engine {
             running: Mutex::new(HashMap::new()),
             next_index: AtomicUsize::new(0),
             budget,
-            throughput: Mutex::new(0.0),
+            queue_time,
+            throughput: Mutex::new(throughput),
             idle: AtomicBool::new(true),
             collect_failed: AtomicBool::new(false),
             store,
@@ -106,16 +145,13 @@ impl Engine {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Tokens the queue may hold: [`QUEUE_SECONDS`] of the measured
-    /// throughput, and never less than four steps. Before the first step
-    /// there is no measure, and waiting is preferred to refusing: only
-    /// [`QUEUE_REQUESTS`] bounds the queue then.
+    /// Tokens the queue may hold: `--max-queue-time` of the measured
+    /// throughput (measured before the server opened, so a cold burst is
+    /// bounded too), and never less than one step, so that the next step
+    /// can be filled.
     pub fn queue_bound(&self) -> usize {
         let tps = *self.throughput.lock().unwrap_or_else(|e| e.into_inner());
-        if tps == 0.0 {
-            return usize::MAX;
-        }
-        ((tps * QUEUE_SECONDS) as usize).max(4 * self.budget)
+        ((tps * self.queue_time.as_secs_f64()) as usize).max(self.budget)
     }
 
     /// Whether a request of `tokens` would be admitted now (checked before
@@ -133,9 +169,10 @@ impl Engine {
         // An empty queue takes any one request (a prompt may be longer than the bound).
         if !q.jobs.is_empty() && (q.tokens.saturating_add(tokens) > bound || q.jobs.len() >= QUEUE_REQUESTS) {
             return Err(ApiError::unavailable(format!(
-                "the queue is full ({} requests, {} tokens: about {QUEUE_SECONDS:.0} s of work); try again",
+                "the queue is full ({} requests, {} tokens: about {:.0} s of work, --max-queue-time); try again",
                 q.jobs.len(),
-                q.tokens
+                q.tokens,
+                self.queue_time.as_secs_f64()
             )));
         }
         Ok(())

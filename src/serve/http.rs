@@ -1,17 +1,20 @@
 //! The HTTP side of `strata serve`: hyper's HTTP/1.1 connections, bounded
-//! (connections, header read time, body size and read time), and the five
-//! routes. A request's future is dropped by hyper when its client hangs up;
-//! its queued job sees that and is dropped before its forward, and a file
-//! made for it is removed.
+//! (connections, header read time, read buffer, body size, body bytes held
+//! in total, body read time), `--api-key`, and the five routes. A request's
+//! future is dropped by hyper when its connection fails, and its client
+//! closing its side is seen by [`Watched`](super::conn::Watched): either
+//! way its queued job is dropped before its forward, and a file made for it
+//! is removed.
 
 use super::api::{self, ApiError, Limits};
+use super::conn::Conn;
 use super::engine::{Engine, Job};
 use super::metrics::Metrics;
 use super::store::{Served, Store};
 use crate::chat::Chat;
 use bytes::Bytes;
 use http_body::Frame;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response};
 use std::pin::Pin;
@@ -19,9 +22,10 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 
-/// How long a request body may take to arrive once its headers have.
+/// How long a request body may take to arrive once its headers have; and,
+/// before that, how long it may wait for room among the bodies held.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What a loaded server answers with.
@@ -36,6 +40,136 @@ pub struct Ready {
     pub no_chat: String,
     /// The bytes of a file of `t` tokens (what a request reserves).
     pub file_bytes: Box<dyn Fn(usize) -> u64 + Send + Sync>,
+}
+
+/// `--api-key`: never printed, compared in constant time.
+#[derive(Clone)]
+pub struct ApiKey(String);
+
+impl ApiKey {
+    /// A key; `None` when empty (an empty key would let any request through).
+    pub fn new(key: String) -> Option<Self> {
+        (!key.is_empty()).then_some(ApiKey(key))
+    }
+
+    /// Whether an `Authorization` header carries this key (`Bearer KEY`).
+    pub fn admits(&self, header: Option<&hyper::header::HeaderValue>) -> bool {
+        use subtle::ConstantTimeEq;
+        let given = header.map(|h| h.as_bytes()).unwrap_or_default();
+        let given = given.strip_prefix(b"Bearer ").unwrap_or(b"");
+        // Equal lengths are compared in constant time; a length is no secret worth hiding.
+        given.ct_eq(self.0.as_bytes()).into()
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(<not shown>)")
+    }
+}
+
+/// The request bodies held in memory, all connections together: at most
+/// `--max-body-bytes` (a body larger than that is read alone).
+pub struct Bodies {
+    room: Arc<Semaphore>,
+    budget: u32,
+    metrics: Arc<Metrics>,
+}
+
+/// Bytes of bodies held by one request.
+struct Held<'a> {
+    bodies: &'a Bodies,
+    permits: Vec<OwnedSemaphorePermit>,
+    bytes: u64,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.bodies.metrics.body_bytes.fetch_sub(self.bytes, Relaxed);
+    }
+}
+
+impl Bodies {
+    /// Room for `budget` bytes of bodies at once.
+    pub fn new(budget: u64, metrics: Arc<Metrics>) -> Self {
+        let budget = budget.clamp(1, u32::MAX as u64) as u32;
+        Bodies { room: Arc::new(Semaphore::new(budget as usize)), budget, metrics }
+    }
+
+    /// Takes room for `bytes` more into `held`, waiting until `until`; `false` when it did not come.
+    async fn take(&self, held: &mut Held<'_>, bytes: u64, until: tokio::time::Instant) -> bool {
+        // A body larger than the budget is read alone: it takes all of it.
+        let n = bytes.min((self.budget as u64).saturating_sub(held.bytes.min(self.budget as u64))) as u32;
+        if n > 0 {
+            match tokio::time::timeout_at(until, self.room.clone().acquire_many_owned(n)).await {
+                Ok(Ok(p)) => held.permits.push(p),
+                _ => return false,
+            }
+        }
+        held.bytes += bytes;
+        self.metrics.body_bytes.fetch_add(bytes, Relaxed);
+        true
+    }
+}
+
+/// Bodies from this size on are held in memory mapped for them alone.
+const MAPPED_FROM: usize = 64 << 10;
+
+/// A request body as it arrives. A large one lives in an anonymous mapping
+/// of its own, returned to the system the moment the body is dropped: the
+/// `strata` binary keeps freed heap memory for the next forward step
+/// (`mallopt`), and bodies must not leave the server holding what a burst
+/// of them took.
+enum BodyBuf {
+    Heap(Vec<u8>),
+    Mapped(memmap2::MmapMut, usize),
+}
+
+impl BodyBuf {
+    /// Room for `declared` bytes, and at most `limit`.
+    fn new(declared: usize, limit: usize) -> std::io::Result<Self> {
+        if declared >= MAPPED_FROM {
+            return Ok(BodyBuf::Mapped(memmap2::MmapMut::map_anon(declared.min(limit))?, 0));
+        }
+        Ok(BodyBuf::Heap(Vec::with_capacity(declared)))
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            BodyBuf::Heap(v) => v.len(),
+            BodyBuf::Mapped(_, n) => *n,
+        }
+    }
+
+    /// Appends `data`, moving to a mapping of `limit` bytes once the body is large.
+    fn extend(&mut self, data: &[u8], limit: usize) -> std::io::Result<()> {
+        let len = self.len() + data.len();
+        let room = match self {
+            BodyBuf::Heap(v) if len < MAPPED_FROM => {
+                v.extend_from_slice(data);
+                return Ok(());
+            }
+            BodyBuf::Heap(_) => 0,
+            BodyBuf::Mapped(m, _) => m.len(),
+        };
+        if len > room {
+            let mut grown = memmap2::MmapMut::map_anon(limit.max(len))?;
+            grown[..self.len()].copy_from_slice(self.as_slice());
+            *self = BodyBuf::Mapped(grown, self.len());
+        }
+        if let BodyBuf::Mapped(m, n) = self {
+            m[*n..len].copy_from_slice(data);
+            *n = len;
+        }
+        Ok(())
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            BodyBuf::Heap(v) => v,
+            BodyBuf::Mapped(m, n) => &m[..*n],
+        }
+    }
 }
 
 /// What every connection shares.
@@ -54,20 +188,28 @@ pub struct Shared {
     pub max_model_len: usize,
     /// The largest request body taken.
     pub body_limit: usize,
+    /// The bodies held, all connections together.
+    pub bodies: Bodies,
+    /// `--api-key`: every route but `/health` and `/metrics` needs it.
+    pub api_key: Option<ApiKey>,
+    /// `--max-queue-time`: the longest a request waits for room in the states directory.
+    pub queue_time: Duration,
     /// Request ids.
     pub next_id: AtomicU64,
 }
 
 /// A response body sent once; while it holds a served file, dropping it
 /// before the connection took it removes the file (its client is gone).
+/// It keeps its connection busy until sent.
 pub struct Reply {
     data: Option<Bytes>,
     file: Option<(Arc<Store>, Arc<Metrics>, Served)>,
+    busy: Option<super::conn::Busy>,
 }
 
 impl Reply {
     fn text(data: String) -> Self {
-        Reply { data: Some(Bytes::from(data)), file: None }
+        Reply { data: Some(Bytes::from(data)), file: None, busy: None }
     }
 }
 
@@ -109,35 +251,61 @@ fn json(status: u16, body: String) -> Response<Reply> {
 
 fn error(metrics: &Metrics, e: ApiError) -> Response<Reply> {
     metrics.reply(e.status);
-    json(e.status, e.body())
+    let mut r = json(e.status, e.body());
+    if e.status == 401 {
+        r.headers_mut().insert(hyper::header::WWW_AUTHENTICATE, hyper::header::HeaderValue::from_static("Bearer"));
+    }
+    r
 }
 
-/// Answers one request.
-pub async fn handle(req: Request<Incoming>, shared: Arc<Shared>) -> Result<Response<Reply>, std::convert::Infallible> {
+/// Answers one request on `conn`, which stays busy until the reply is sent.
+pub async fn handle(
+    req: Request<Incoming>,
+    shared: Arc<Shared>,
+    conn: Arc<Conn>,
+) -> Result<Response<Reply>, std::convert::Infallible> {
+    let busy = conn.busy();
+    let mut r = route(req, &shared, &conn).await;
+    conn.reply_ready();
+    r.body_mut().busy = Some(busy);
+    Ok(r)
+}
+
+async fn route(req: Request<Incoming>, shared: &Arc<Shared>, conn: &Arc<Conn>) -> Response<Reply> {
     let m = &shared.metrics;
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    Ok(match (method.clone(), path.as_str()) {
-        (Method::GET, "/health") => match (shared.ready.get(), *shared.stopping.borrow()) {
+    // With a key, every route but the two a load balancer or a scraper probes needs it, unknown ones too.
+    if let Some(key) = &shared.api_key {
+        if !matches!(path.as_str(), "/health" | "/metrics")
+            && !key.admits(req.headers().get(hyper::header::AUTHORIZATION))
+        {
+            return error(m, ApiError::unauthorized());
+        }
+    }
+    // HEAD is GET without the body (hyper sends none).
+    let get = method == Method::GET || method == Method::HEAD;
+    match (get, method == Method::POST, path.as_str()) {
+        (true, _, "/health") => match (shared.ready.get(), *shared.stopping.borrow()) {
             (Some(_), false) => json(200, String::new()),
             (None, _) => error(m, ApiError::unavailable("the model is loading")),
             (_, true) => error(m, ApiError::unavailable("the server is stopping")),
         },
-        (Method::GET, "/metrics") => Response::builder()
+        (true, _, "/metrics") => Response::builder()
             .status(200)
             .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
             .body(Reply::text(m.render()))
             .expect("a valid response"),
-        (Method::GET, "/v1/models") => json(200, api::models_reply(&shared.model_name, shared.max_model_len)),
-        (Method::POST, "/v1/completions") => match completion(req, &shared, false).await {
+        (true, _, "/v1/models") => json(200, api::models_reply(&shared.model_name, shared.max_model_len)),
+        (_, true, "/v1/completions") => match completion(req, shared, conn, false).await {
             Ok(r) => r,
             Err(e) => error(m, e),
         },
-        (Method::POST, "/v1/chat/completions") => match completion(req, &shared, true).await {
+        (_, true, "/v1/chat/completions") => match completion(req, shared, conn, true).await {
             Ok(r) => r,
             Err(e) => error(m, e),
         },
-        (_, "/health" | "/metrics" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => {
+        (_, _, "/health" | "/metrics" | "/v1/models" | "/v1/completions" | "/v1/chat/completions") => {
             error(m, ApiError::method(format!("{method} is not served on {path}")))
         }
         _ => error(
@@ -148,38 +316,92 @@ pub async fn handle(req: Request<Incoming>, shared: Arc<Shared>) -> Result<Respo
                 crate::clip(&path, crate::QUOTE_MAX)
             )),
         ),
-    })
-}
-
-/// Reads the body within [`BODY_TIMEOUT`] and the size limit.
-async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
-    let body = Limited::new(req.into_body(), limit);
-    match tokio::time::timeout(BODY_TIMEOUT, body.collect()).await {
-        Err(_) => {
-            Err(ApiError::timeout(format!("the request body did not arrive within {} s", BODY_TIMEOUT.as_secs())))
-        }
-        Ok(Ok(c)) => Ok(c.to_bytes()),
-        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-            Err(ApiError::too_large(format!(
-                "the request body is over {limit} bytes, more than a prompt of the longest length this server takes"
-            )))
-        }
-        Ok(Err(e)) => Err(ApiError::bad(format!("the request body could not be read: {e}"), None)),
     }
 }
 
-async fn completion(req: Request<Incoming>, shared: &Arc<Shared>, chat: bool) -> Result<Response<Reply>, ApiError> {
+/// Reads the body: a `Content-Length` over `limit` is refused at once; room
+/// among the bodies held is waited for up to [`BODY_TIMEOUT`]; the body must
+/// then arrive within [`BODY_TIMEOUT`] more.
+async fn read_body(req: Request<Incoming>, shared: &Shared) -> Result<(BodyBuf, Held<'_>), ApiError> {
+    let limit = shared.body_limit;
+    let too_large = |what: String| {
+        ApiError::too_large(format!(
+            "the request body is {what}, over {limit} bytes: more than a prompt of the longest length this server takes"
+        ))
+    };
+    let declared = match req.headers().get(hyper::header::CONTENT_LENGTH) {
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .ok_or_else(|| ApiError::bad("the Content-Length header is not a number", None))?,
+        ),
+        None => None,
+    };
+    if let Some(n) = declared.filter(|&n| n > limit as u64) {
+        return Err(too_large(format!("declared as {n} bytes (Content-Length)")));
+    }
+    let bodies = &shared.bodies;
+    let mut held = Held { bodies, permits: Vec::new(), bytes: 0 };
+    let full = || {
+        ApiError::unavailable(format!(
+            "the request bodies being received fill --max-body-bytes ({} bytes) and none finished within {} s; \
+             try again",
+            bodies.budget,
+            BODY_TIMEOUT.as_secs()
+        ))
+    };
+    let declared = declared.unwrap_or(0) as usize;
+    if !bodies.take(&mut held, declared as u64, tokio::time::Instant::now() + BODY_TIMEOUT).await {
+        return Err(full());
+    }
+    let mut body = req.into_body();
+    let no_memory = |e: std::io::Error| ApiError::unavailable(format!("no memory for the request body: {e}"));
+    let mut data = BodyBuf::new(declared, limit).map_err(no_memory)?;
+    let until = tokio::time::Instant::now() + BODY_TIMEOUT;
+    let timeout = || ApiError::timeout(format!("the request body did not arrive within {} s", BODY_TIMEOUT.as_secs()));
+    loop {
+        let frame = match tokio::time::timeout_at(until, body.frame()).await {
+            Err(_) => return Err(timeout()),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(ApiError::bad(format!("the request body could not be read: {e}"), None)),
+            Ok(Some(Ok(f))) => f,
+        };
+        let Ok(chunk) = frame.into_data() else { continue };
+        if data.len() + chunk.len() > limit {
+            return Err(too_large(format!("more than {limit} bytes")));
+        }
+        // A body without a Content-Length takes its room as it comes.
+        let beyond = (data.len() + chunk.len()).saturating_sub(held.bytes as usize);
+        if beyond > 0 && !bodies.take(&mut held, beyond as u64, until).await {
+            return Err(full());
+        }
+        data.extend(&chunk, limit).map_err(no_memory)?;
+    }
+    Ok((data, held))
+}
+
+async fn completion(
+    req: Request<Incoming>,
+    shared: &Arc<Shared>,
+    conn: &Arc<Conn>,
+    chat: bool,
+) -> Result<Response<Reply>, ApiError> {
     let admitted = Instant::now();
     let Some(ready) = shared.ready.get() else { return Err(ApiError::unavailable("the model is loading")) };
     if *shared.stopping.borrow() {
         return Err(ApiError::unavailable("the server is stopping"));
     }
-    let body = read_body(req, shared.body_limit).await?;
+    let (body, held) = read_body(req, shared).await?;
+    // From here a client closing its side is seen, and drops the request.
+    conn.awaiting_reply();
+    let m = &shared.metrics;
+    let gone = || json(400, ApiError::client_closed().body());
     let id = shared.next_id.fetch_add(1, Relaxed);
     let span = tracing::info_span!("request", id, chat, tokens = tracing::field::Empty);
     let ids = if chat {
-        let request = api::parse_chat(&body, &ready.limits)?;
-        drop(body);
+        let request = api::parse_chat(body.as_slice(), &ready.limits)?;
+        drop((body, held));
         let Some(c) = ready.chat.clone() else {
             return Err(ApiError::bad(
                 format!("/v1/chat/completions needs the model's chat template: {}", ready.no_chat),
@@ -191,11 +413,36 @@ async fn completion(req: Request<Incoming>, shared: &Arc<Shared>, chat: bool) ->
             .await
             .map_err(|e| ApiError::internal(format!("the render failed: {e}")))??
     } else {
-        api::parse_completion(&body, &ready.limits)?
+        let ids = api::parse_completion(body.as_slice(), &ready.limits)?;
+        drop((body, held));
+        ids
     };
     span.record("tokens", ids.len());
-    let served = run(ready, shared, &ids, span).await?;
-    let m = &shared.metrics;
+    let mut rx = tokio::select! {
+        r = submit(ready, shared, &ids, span) => r?,
+        _ = conn.closed_by_client() => {
+            m.reply(499);
+            return Ok(gone());
+        }
+    };
+    let outcome = tokio::select! {
+        o = &mut rx => o,
+        _ = conn.closed_by_client() => {
+            // The engine sees the closed channel: a queued job is dropped
+            // before its forward, a file made after this is removed there.
+            rx.close();
+            if let Ok(Ok(served)) = rx.try_recv() {
+                shared.store.remove(&served.name);
+                m.removed_unclaimed.fetch_add(1, Relaxed);
+                m.reply(499);
+            }
+            return Ok(gone());
+        }
+    };
+    let served = match outcome {
+        Ok(outcome) => outcome?,
+        Err(_) => return Err(ApiError::unavailable("the server is stopping")),
+    };
     m.reply(200);
     m.prompt_tokens.fetch_add(ids.len() as u64, Relaxed);
     m.latency(admitted.elapsed().as_secs_f64());
@@ -211,21 +458,33 @@ async fn completion(req: Request<Incoming>, shared: &Arc<Shared>, chat: bool) ->
     Ok(r)
 }
 
-/// Queues the prompt and waits for its file.
-async fn run(ready: &Ready, shared: &Shared, ids: &[u32], span: tracing::Span) -> Result<Served, ApiError> {
+/// Reserves the prompt's file bytes (waiting up to `--max-queue-time` for
+/// readers to delete theirs) and queues it; its outcome comes on the receiver.
+async fn submit(
+    ready: &Ready,
+    shared: &Shared,
+    ids: &[u32],
+    span: tracing::Span,
+) -> Result<oneshot::Receiver<super::engine::Outcome>, ApiError> {
     ready.engine.has_room(ids.len())?;
     let mut stopping = shared.stopping.clone();
+    let bytes = (ready.file_bytes)(ids.len());
     let reservation = tokio::select! {
-        r = shared.store.reserve((ready.file_bytes)(ids.len())) => r,
+        r = shared.store.reserve(bytes, shared.queue_time) => r.ok_or_else(|| {
+            let (files, held) = shared.store.pending();
+            ApiError::unavailable(format!(
+                "the hidden-states directory is full: {files} files served and not yet deleted hold {held} bytes, \
+                 and this prompt's file needs {bytes} more than --max-pending-bytes leaves; none was deleted within \
+                 --max-queue-time ({} s). Their readers delete them once read (or --pending-ttl removes them); try again",
+                shared.queue_time.as_secs_f64()
+            ))
+        })?,
         _ = super::stopped(&mut stopping) => return Err(ApiError::unavailable("the server is stopping")),
     };
     let (tx, rx) = oneshot::channel();
     let job = Job { ids: ids.to_vec(), reservation, reply: tx, admitted: Instant::now(), span };
     ready.engine.submit(job)?;
-    match rx.await {
-        Ok(outcome) => outcome,
-        Err(_) => Err(ApiError::unavailable("the server is stopping")),
-    }
+    Ok(rx)
 }
 
 /// Renders a chat request with the model's template and tokenizes it, as

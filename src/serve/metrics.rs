@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
 /// HTTP statuses counted per value; others go to `other`.
-const STATUSES: [u16; 9] = [200, 400, 404, 405, 408, 413, 500, 503, 499];
+const STATUSES: [u16; 10] = [200, 400, 401, 404, 405, 408, 413, 500, 503, 499];
 
 /// The server's counters.
 #[derive(Debug, Default)]
@@ -41,6 +41,12 @@ pub struct Metrics {
     pub write_us: AtomicU64,
     /// The token budget of a step (for the fill ratio).
     pub budget: AtomicU64,
+    /// Bytes of request bodies held now (bounded by `--max-body-bytes`).
+    pub body_bytes: AtomicU64,
+    /// Connections open now.
+    pub connections: AtomicU64,
+    /// Idle connections closed to make room for new ones (every slot was taken).
+    pub evicted: AtomicU64,
     /// Histogram of step fill (tokens / budget) in tenths: bucket `i` counts steps with fill ≤ (i+1)/10.
     fill: [AtomicU64; 10],
     /// Request latency histogram (seconds), admitted to replied.
@@ -140,6 +146,19 @@ impl Metrics {
             n(&self.pending_bytes),
         );
         one("pending_files", "gauge", "Served files not yet deleted by their reader.", n(&self.pending_files));
+        one(
+            "body_bytes",
+            "gauge",
+            "Bytes of request bodies held now (--max-body-bytes bounds them).",
+            n(&self.body_bytes),
+        );
+        one("connections", "gauge", "Connections open now.", n(&self.connections));
+        one(
+            "evicted_connections_total",
+            "counter",
+            "Idle connections closed to make room for new ones (every --max-connections slot was taken).",
+            n(&self.evicted),
+        );
         one("forward_seconds_total", "counter", "Seconds in forward steps.", secs(&self.forward_us));
         one("write_seconds_total", "counter", "Seconds gathering, encoding and writing files.", secs(&self.write_us));
         let _ = writeln!(

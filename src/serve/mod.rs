@@ -9,11 +9,13 @@
 //!
 //! - [`api`]: requests and replies (OpenAI's and vLLM's shapes), errors;
 //! - [`engine`]: the queue and continuous batching (one model thread, one writer thread);
-//! - [`store`]: the states directory: atomic files, reserved bytes, TTL;
-//! - [`http`]: connections and routes (hyper on tokio);
+//! - [`store`]: the states directory: one server's, atomic files, reserved bytes, TTL;
+//! - [`http`]: requests, bodies and routes (hyper on tokio), `--api-key`;
+//! - [`conn`]: the connections, the idle ones closed to make room;
 //! - [`metrics`]: `GET /metrics`.
 
 pub mod api;
+pub mod conn;
 pub mod engine;
 pub mod http;
 pub mod metrics;
@@ -26,7 +28,8 @@ use crate::pipeline::capture::{CaptureError, CapturePoint};
 use crate::shape::DType;
 use crate::sink::SpeculatorsEncoder;
 use engine::Engine;
-use http::{Ready, Shared};
+pub use http::ApiKey;
+use http::{Bodies, Ready, Shared};
 use metrics::Metrics;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -60,8 +63,15 @@ pub struct ServeOptions {
     pub served_model_name: String,
     /// `--max-pending-bytes`: files served and not deleted, and those being made, at most.
     pub max_pending_bytes: u64,
-    /// `--pending-ttl`: a file not deleted by then is removed.
+    /// `--pending-ttl`: a file not deleted by then is removed (at least [`MIN_PENDING_TTL`]).
     pub pending_ttl: Duration,
+    /// `--max-queue-time`: the work the queue holds at the measured speed, and
+    /// the longest a request waits for room in the states directory.
+    pub max_queue_time: Duration,
+    /// `--max-body-bytes`: request bodies held in memory at once, all connections together.
+    pub max_body_bytes: u64,
+    /// `--api-key`: when set, every route but `/health` and `/metrics` needs `Authorization: Bearer KEY`.
+    pub api_key: Option<ApiKey>,
     /// `--shutdown-grace`: how long requests in a step may finish after SIGTERM.
     pub shutdown_grace: Duration,
     /// `--max-connections`.
@@ -82,7 +92,10 @@ pub enum ServeError {
     /// Options that do not go together.
     #[error("{0}")]
     Usage(String),
-    /// The address or the states directory.
+    /// The states directory: another server's, or unusable.
+    #[error(transparent)]
+    States(#[from] store::StoreError),
+    /// The address, the runtime, a thread.
     #[error("{what}: {cause}")]
     Io {
         /// What was being done.
@@ -98,9 +111,20 @@ impl From<CaptureError> for ServeError {
     }
 }
 
+/// The shortest `--pending-ttl`: a trainer reads its file right after the
+/// reply, but a busy one may take seconds to get to it.
+pub const MIN_PENDING_TTL: Duration = Duration::from_secs(10);
+
+/// Read buffer of a connection at most (hyper's default grows to about
+/// 400 KiB): what a connection holds beyond its body's share of
+/// `--max-body-bytes`. Headers must fit in it.
+pub const CONNECTION_BUFFER: usize = 16 << 10;
+
 /// What the server tells its caller as it runs.
 #[derive(Debug)]
 pub enum Event<'a> {
+    /// Something the operator should know (listening beyond loopback without a key).
+    Warning(String),
     /// Bound: answering `/health` (503 until loaded).
     Listening(SocketAddr),
     /// Loaded and serving.
@@ -210,16 +234,37 @@ pub fn serve(opts: ServeOptions, mut events: impl FnMut(Event<'_>)) -> Result<()
     if opts.max_batch_tokens == 0 {
         return Err(ServeError::Usage("--max-batch-tokens must be at least 1".into()));
     }
+    if opts.pending_ttl < MIN_PENDING_TTL {
+        return Err(ServeError::Usage(format!(
+            "--pending-ttl {:?} is too short: files would be removed before the trainer reads them; give at least \
+             {}s (the default is 300s)",
+            opts.pending_ttl,
+            MIN_PENDING_TTL.as_secs()
+        )));
+    }
+    if opts.max_queue_time.is_zero() {
+        return Err(ServeError::Usage("--max-queue-time must be more than 0s".into()));
+    }
     let metrics = Arc::new(Metrics::default());
-    let store =
-        Store::open(&opts.states_dir, opts.max_pending_bytes, opts.pending_ttl, metrics.clone()).map_err(|cause| {
-            ServeError::Io { what: format!("--hidden-states-dir {}", opts.states_dir.display()), cause }
-        })?;
+    let store = Store::open(&opts.states_dir, opts.max_pending_bytes, opts.pending_ttl, metrics.clone())?;
     let addr = format!("{}:{}", opts.host, opts.port);
     let listener = std::net::TcpListener::bind(&addr)
         .map_err(|cause| ServeError::Io { what: format!("cannot listen on {addr}"), cause })?;
     listener.set_nonblocking(true).map_err(|cause| ServeError::Io { what: addr.clone(), cause })?;
     let local = listener.local_addr().map_err(|cause| ServeError::Io { what: addr.clone(), cause })?;
+    // std listens with a backlog of 128; a burst of connections beyond it would wait a second per retry.
+    // SAFETY: listen(2) on a socket this function owns; calling it again only changes the backlog.
+    unsafe { libc::listen(std::os::fd::AsRawFd::as_raw_fd(&listener), 4096) };
+    let max_connections = fd_room(opts.max_connections.max(1), &mut events);
+    if !local.ip().is_loopback() && opts.api_key.is_none() {
+        let w = format!(
+            "listening on {local}, beyond loopback, with no --api-key: anyone who can reach the port can run the \
+             model and fill --hidden-states-dir. Set STRATA_API_KEY (the speculators trainer cannot send a key: \
+             keep it on loopback, or put a proxy that adds the key in front)"
+        );
+        tracing::warn!("{w}");
+        events(Event::Warning(w));
+    }
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -238,13 +283,16 @@ pub fn serve(opts: ServeOptions, mut events: impl FnMut(Event<'_>)) -> Result<()
         model_name: opts.served_model_name.clone(),
         max_model_len: max_tokens,
         body_limit,
+        bodies: Bodies::new(opts.max_body_bytes, metrics.clone()),
+        api_key: opts.api_key.clone(),
+        queue_time: opts.max_queue_time,
         next_id: Default::default(),
     });
     let result: Result<Option<usize>, ServeError> = runtime.block_on(async {
         let listener = tokio::net::TcpListener::from_std(listener)
             .map_err(|cause| ServeError::Io { what: addr.clone(), cause })?;
         let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-        let accept = tokio::spawn(accept_loop(listener, shared.clone(), opts.clone(), graceful));
+        let accept = tokio::spawn(accept_loop(listener, shared.clone(), opts.clone(), max_connections, graceful));
         events(Event::Listening(local));
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
             .map_err(|cause| ServeError::Io { what: "cannot handle SIGTERM".into(), cause })?;
@@ -256,10 +304,16 @@ pub fn serve(opts: ServeOptions, mut events: impl FnMut(Event<'_>)) -> Result<()
         };
         tokio::pin!(stop_signal);
 
-        // The model loads while /health answers 503; a signal stops the wait.
+        // The model loads, and its speed is measured, while /health answers 503; a signal stops the wait.
         let request = opts.model.clone();
-        let loading = tokio::task::spawn_blocking(move || request.open(checked));
-        let opened = tokio::select! {
+        let (budget, vocab) = (opts.max_batch_tokens, info.vocab_size);
+        let warm_captures = captures.clone();
+        let loading = tokio::task::spawn_blocking(move || -> Result<(OpenedModel, f64), ModelError> {
+            let opened = request.open(checked)?;
+            let tps = engine::measure(&opened.model, &warm_captures, budget, vocab)?;
+            Ok((opened, tps))
+        });
+        let (opened, tps) = tokio::select! {
             r = loading => r.map_err(|e| ServeError::Usage(format!("loading the model failed: {e}")))??,
             _ = &mut stop_signal => {
                 events(Event::Stopping);
@@ -271,6 +325,7 @@ pub fn serve(opts: ServeOptions, mut events: impl FnMut(Event<'_>)) -> Result<()
         let ready_info = start(
             &opts,
             opened,
+            tps,
             &captures,
             &points,
             layer_ids,
@@ -344,7 +399,7 @@ struct Snapshot {
 
 impl Snapshot {
     fn take(m: &Metrics) -> Self {
-        let errors = [400, 404, 405, 408, 413, 500, 503].iter().map(|&s| m.replies(s)).sum();
+        let errors = [400, 401, 404, 405, 408, 413, 500, 503].iter().map(|&s| m.replies(s)).sum();
         Snapshot {
             served: m.replies(200),
             tokens: m.prompt_tokens.load(Relaxed),
@@ -402,6 +457,7 @@ fn load_chat(opts: &ServeOptions) -> Result<(Option<Arc<Chat>>, Option<String>),
 fn start(
     opts: &ServeOptions,
     opened: OpenedModel,
+    throughput: f64,
     captures: &crate::pipeline::capture::CaptureSet<usize>,
     points: &[CapturePoint],
     layer_ids: Vec<usize>,
@@ -415,7 +471,8 @@ fn start(
 ) -> Result<ReadyInfo, ServeError> {
     let info = opened.info().clone();
     let dtype = opts.dtype.unwrap_or(opened.model.dtype());
-    let engine = Arc::new(Engine::new(opts.max_batch_tokens, store.clone(), metrics.clone()));
+    let engine =
+        Arc::new(Engine::new(opts.max_batch_tokens, opts.max_queue_time, throughput, store.clone(), metrics.clone()));
     let encoder = SpeculatorsEncoder::new(dtype);
     let (l, h) = (points.len(), info.hidden_size);
     let ready_info = ReadyInfo {
@@ -464,21 +521,54 @@ pub(crate) async fn stopped(rx: &mut tokio::sync::watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
 }
 
-/// Accepts connections until stopping, at most `--max-connections` at once;
-/// returns the handle that shuts the open ones down.
+/// Raises the process's open-file limit to fit `want` connections (and the
+/// model's files); returns the connections it fits, warning when fewer.
+fn fd_room(want: usize, events: &mut impl FnMut(Event<'_>)) -> usize {
+    const RESERVED: u64 = 256;
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return want;
+    }
+    let need = want as u64 + RESERVED;
+    if lim.rlim_cur < need {
+        let raised = libc::rlimit { rlim_cur: need.min(lim.rlim_max), rlim_max: lim.rlim_max };
+        // SAFETY: as above.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim.rlim_cur = raised.rlim_cur;
+        }
+    }
+    let fits = lim.rlim_cur.saturating_sub(RESERVED) as usize;
+    if fits < want {
+        let w = format!(
+            "--max-connections {want} does not fit the open-file limit ({}, ulimit -n, hard limit {}): at most {} \
+             connections are kept open",
+            lim.rlim_cur,
+            lim.rlim_max,
+            fits.max(1)
+        );
+        tracing::warn!("{w}");
+        events(Event::Warning(w));
+        return fits.max(1);
+    }
+    want
+}
+
+/// Accepts connections until stopping, at most `max_connections` at once:
+/// when every slot is taken, the connection idle longest is closed to make
+/// room (while every one is busy with a request, the next waits). Returns
+/// the handle that shuts the open ones down.
 async fn accept_loop(
     listener: tokio::net::TcpListener,
     shared: Arc<Shared>,
     opts: ServeOptions,
+    max_connections: usize,
     graceful: hyper_util::server::graceful::GracefulShutdown,
 ) -> hyper_util::server::graceful::GracefulShutdown {
-    let slots = Arc::new(tokio::sync::Semaphore::new(opts.max_connections.max(1)));
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let registry = conn::Registry::new();
     let mut stopping = shared.stopping.clone();
     loop {
-        let permit = tokio::select! {
-            p = slots.clone().acquire_owned() => p.expect("never closed"),
-            _ = stopped(&mut stopping) => break,
-        };
         let stream = tokio::select! {
             a = listener.accept() => match a {
                 Ok((s, _)) => s,
@@ -491,19 +581,41 @@ async fn accept_loop(
             },
             _ = stopped(&mut stopping) => break,
         };
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                if registry.evict_idlest() {
+                    shared.metrics.evicted.fetch_add(1, Relaxed);
+                }
+                tokio::select! {
+                    p = slots.clone().acquire_owned() => p.expect("never closed"),
+                    _ = stopped(&mut stopping) => break,
+                }
+            }
+        };
         let _ = stream.set_nodelay(true);
-        let shared = shared.clone();
-        let service = hyper::service::service_fn(move |req| http::handle(req, shared.clone()));
-        let conn = hyper::server::conn::http1::Builder::new()
+        let conn = registry.add();
+        shared.metrics.connections.fetch_add(1, Relaxed);
+        let (for_requests, c) = (shared.clone(), conn.clone());
+        let service = hyper::service::service_fn(move |req| http::handle(req, for_requests.clone(), c.clone()));
+        let served = hyper::server::conn::http1::Builder::new()
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(opts.header_timeout)
+            .max_buf_size(CONNECTION_BUFFER)
             .keep_alive(true)
-            .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-        let conn = graceful.watch(conn);
+            .serve_connection(hyper_util::rt::TokioIo::new(conn::Watched::new(stream, conn.clone())), service);
+        let served = graceful.watch(served);
+        let metrics = shared.metrics.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!("connection: {e}");
+            tokio::select! {
+                r = served => if let Err(e) = r {
+                    tracing::debug!("connection: {e}");
+                },
+                // Dropping the connection closes it.
+                _ = conn.evicted() => tracing::debug!("an idle connection closed to make room"),
             }
+            conn.remove();
+            metrics.connections.fetch_sub(1, Relaxed);
             drop(permit);
         });
     }

@@ -96,17 +96,39 @@ is id K, final is id N) and the trainer's --target-layer-ids: the ids before the
 final one. Nothing in the protocol checks them: other ids train on the wrong states.
 
 FILES: written whole under a temporary name and renamed before the reply, named
-unguessably (strata-<128 bits>.safetensors) in --hidden-states-dir, which the
+unguessably (strata-RUN-<128 bits>.safetensors) in --hidden-states-dir, which the
 trainer must be able to read and delete in (the same path on its machine).
 --max-pending-bytes bounds the files served and not yet deleted plus those being
-made: a request waits for room (the trainer deletes each file once loaded); one
-larger than the cap is served alone. A file whose client hung up is removed at
-once; one nobody deletes within --pending-ttl is removed then.
+made: a request waits for room up to --max-queue-time, then gets a 503; one larger
+than the cap is served alone. A file whose client hung up is removed at once; one
+nobody deletes within --pending-ttl is removed then.
+
+DIRECTORY: one server per --hidden-states-dir. A server locks DIR/.strata-serve.lock
+while it runs (a second server there is refused, naming the first's pid); the same
+file records the runs that wrote there. Only files of the exact served form whose
+RUN is recorded are ever deleted: after a restart, a dead run's temporary files at
+once and its unread files after --pending-ttl. Anything else in the directory is
+never touched, so it may be shared (/dev/shm, a home directory).
+
+SECURITY: listens on 127.0.0.1 by default, with no authentication unless a key is
+set (STRATA_API_KEY, or --api-key, which shows in `ps`). With a key every route but
+/health and /metrics needs `Authorization: Bearer KEY`; a missing or wrong one gets
+a 401. The speculators trainer always sends `Bearer EMPTY`: keep its server on
+loopback, or behind a proxy that adds the key. Listening beyond loopback without a
+key prints a warning.
+
+CLIENTS: request bodies held in memory are bounded in total by --max-body-bytes (a
+body waits up to 30 s for room, then 503); a Content-Length over the largest valid
+request gets a 413 at once. When all --max-connections are open, the one idle
+longest is closed to make room. A client that closes its sending side (a
+half-close, or a hang-up) before its reply is taken as gone: its request is dropped
+and answered 400 saying why.
 
 BATCHING: requests from all connections are packed into forward steps of
 --max-batch-tokens; a longer prompt is split across steps. A request whose client
-hung up while queued is dropped before its forward. The queue holds about 60 s of
-work at the measured throughput (never less than four steps), then answers 503.
+hung up while queued is dropped before its forward. The queue holds --max-queue-time
+of work at the measured throughput (measured before the port answers 200, so a cold
+burst is bounded too; never less than one step), then answers 503.
 
 STOPPING: SIGTERM or SIGINT stops accepting, lets requests in a step finish within
 --shutdown-grace, answers the rest 503 (removing their files) and exits 0.
@@ -149,9 +171,25 @@ struct ServeArgs {
     #[arg(long, value_name = "SIZE", default_value = "16GiB", value_parser = parse_size)]
     max_pending_bytes: u64,
     /// A served file not deleted this long after its reply is removed (its
-    /// reader is gone), e.g. 300s, 10m.
+    /// reader is gone), e.g. 300s, 10m; at least 10s.
     #[arg(long, value_name = "TIME", default_value = "300s", value_parser = parse_duration)]
     pending_ttl: Duration,
+    /// The work the queue holds, in seconds at the measured speed (measured
+    /// before the port answers, so a cold burst is bounded too; the trainer
+    /// resends after 120 s); and the longest a request waits for room in
+    /// --hidden-states-dir. Past either, a 503.
+    #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_duration)]
+    max_queue_time: Duration,
+    /// Request bodies held in memory at once, all connections together
+    /// (each connection also holds up to 16 KiB of read buffer); a body
+    /// waits for room up to 30 s, then gets a 503.
+    #[arg(long, value_name = "SIZE", default_value = "256MiB", value_parser = parse_size)]
+    max_body_bytes: u64,
+    /// Require `Authorization: Bearer KEY` on every route but /health and
+    /// /metrics. Prefer the environment variable: a key on the command line
+    /// shows in `ps`. The speculators trainer cannot send a key (see SECURITY).
+    #[arg(long, value_name = "KEY", env = "STRATA_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// After SIGTERM, how long requests already in a forward step may finish.
     #[arg(long, value_name = "TIME", default_value = "5s", value_parser = parse_duration)]
     shutdown_grace: Duration,
@@ -447,9 +485,16 @@ enum FormatArg {
 /// The model and how it runs: the flags `extract` and `serve` share (one contract).
 #[derive(clap::Args)]
 struct ModelArgs {
-    /// HF checkpoint directory (config.json + *.safetensors). Default: the embedded demo model.
-    #[arg(long, value_name = "DIR")]
+    /// HF checkpoint directory (config.json + *.safetensors), or a hub id
+    /// (org/name) found in the local Hugging Face cache (HF_HUB_CACHE, else
+    /// HF_HOME/hub, else ~/.cache/huggingface/hub; nothing is downloaded; a
+    /// directory of that name wins). Default: the embedded demo model.
+    #[arg(long, value_name = "DIR|ORG/NAME")]
     model: Option<PathBuf>,
+    /// With a hub id: the revision read from the cache (a branch, tag or
+    /// commit; its ref names the snapshot). Default: main.
+    #[arg(long, value_name = "REV")]
+    revision: Option<String>,
     /// Comma list of capture points (see below), in output order.
     #[arg(long, value_name = "LIST", default_value = "eagle3")]
     capture: String,
@@ -909,7 +954,7 @@ impl ModelArgs {
             _ => self.devices.clone(),
         };
         Ok(ModelRequest {
-            source: model_source(self.model.clone()),
+            source: model_source(self.model.as_deref(), self.revision.as_deref())?,
             backend: self.backend.into(),
             compute: self.compute.choice(),
             tp: self.tp,
@@ -1042,12 +1087,21 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--model DIR`, or the embedded demo model.
-fn model_source(dir: Option<PathBuf>) -> ModelSource {
-    match dir {
-        Some(d) => ModelSource::Dir(d),
-        None => embedded::source(),
+/// `--model DIR|ORG/NAME` (with `--revision`), or the embedded demo model.
+fn model_source(model: Option<&std::path::Path>, revision: Option<&str>) -> anyhow::Result<ModelSource> {
+    let Some(model) = model else {
+        if let Some(r) = revision {
+            anyhow::bail!("--revision {r} needs --model with a hub id (org/name)");
+        }
+        return Ok(embedded::source());
+    };
+    // A path that is not UTF-8 cannot be a hub id.
+    let Some(text) = model.to_str() else { return Ok(ModelSource::Dir(model.to_path_buf())) };
+    let (source, note) = ModelSource::locate(text, revision)?;
+    if let Some(note) = note {
+        eprintln!("note: {note}");
     }
+    Ok(source)
 }
 
 /// Keeps freed memory in the process for reuse. glibc returns large blocks to
@@ -1061,6 +1115,17 @@ fn keep_freed_memory() {
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
+/// A write past `ulimit -f` then fails with EFBIG, which the stage that
+/// wrote reports (a 500 for that request in `serve`, an error naming the
+/// file in `extract`, whose temporary file goes), instead of SIGXFSZ
+/// killing the process and leaving the temporary file behind.
+fn ignore_file_size_signal() {
+    // SAFETY: setting a signal's disposition to SIG_IGN, before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
 }
 
@@ -1095,6 +1160,7 @@ fn main() -> ExitCode {
         };
     }
     keep_freed_memory();
+    ignore_file_size_signal();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
@@ -1140,6 +1206,9 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         served_model_name: name.clone(),
         max_pending_bytes: a.max_pending_bytes,
         pending_ttl: a.pending_ttl,
+        max_queue_time: a.max_queue_time,
+        max_body_bytes: a.max_body_bytes,
+        api_key: a.api_key.clone().and_then(strata::serve::ApiKey::new),
         shutdown_grace: a.shutdown_grace,
         max_connections: a.max_connections,
         header_timeout: Duration::from_secs(10),
@@ -1148,7 +1217,11 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         eprintln!("note: a served prompt whose states hold NaN or Inf gets a 500 either way (--on-nonfinite skip has nothing to skip)");
     }
     let mut addr = None;
+    if a.api_key.as_deref() == Some("") {
+        anyhow::bail!("--api-key (or STRATA_API_KEY) is empty: an empty key would let every request through");
+    }
     strata::serve::serve(opts, |event| match event {
+        Event::Warning(w) => eprintln!("warning: {w}"),
         Event::Listening(at) => {
             addr = Some(at);
             say!("listening on http://{at} (GET /health answers 503 until the model is loaded)");

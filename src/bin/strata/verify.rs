@@ -83,16 +83,21 @@ impl VerifyJob {
         let m = &ds.manifest;
         // The model: --model, else the manifest's path (or the embedded demo model).
         let source = match &self.model {
-            Some(dir) => ModelSource::Dir(dir.clone()),
+            Some(dir) => crate::model_source(Some(dir), None)?,
             None if m.model.path == embedded::NAME => embedded::source(),
             None => {
-                let dir = PathBuf::from(&m.model.path);
-                if !dir.join("config.json").is_file() {
-                    // The path comes from the manifest and may be of any length.
-                    let shown = clip(&m.model.path, 4 * QUOTE_MAX);
-                    bail!("the dataset's model {shown} has no config.json here; pass --model DIR");
+                // The path comes from the manifest and may be of any length.
+                let shown = clip(&m.model.path, 4 * QUOTE_MAX);
+                // A hub id is found in the cache again; a directory must still hold the model.
+                let found = ModelSource::locate(&m.model.path, None)
+                    .map_err(|e| anyhow::anyhow!("the dataset's model {shown}: {e}; or pass --model DIR"))?
+                    .0;
+                if let ModelSource::Dir(dir) = &found {
+                    if !dir.join("config.json").is_file() {
+                        bail!("the dataset's model {shown} has no config.json here; pass --model DIR");
+                    }
                 }
-                ModelSource::Dir(dir)
+                found
             }
         };
         let name = source.name();
