@@ -7,7 +7,9 @@
 //! the field.
 
 use super::moe::{Scoring, TopkMethod};
-use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
+use super::{
+    bounded, elements, positive, positive_f32, py_repr, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS,
+};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
@@ -283,12 +285,15 @@ pub(crate) fn parse_rope(
             positive_f32(field, "`low_freq_factor`", low_freq_factor)?;
             positive_f32(field, "`high_freq_factor`", high_freq_factor)?;
             positive_f32(field, "`original_max_position_embeddings`", original_max_position_embeddings)?;
-            // The smoothing between the two divides by their difference.
+            // transformers accepts this (Llama 4 Scout ships 1.0 and 1.0) with this warning:
+            // no frequency then lies between the two wavelengths, and `inv_freq` never
+            // evaluates the smoothing, which divides by their difference.
             if high_freq_factor <= low_freq_factor {
-                return Err(invalid(
-                    field,
-                    format!("`high_freq_factor` {high_freq_factor} must exceed `low_freq_factor` {low_freq_factor}"),
-                ));
+                let (high, low) = (py_repr(&p["high_freq_factor"]), py_repr(&p["low_freq_factor"]));
+                tracing::warn!(
+                    "`rope_parameters`'s high_freq_factor field must be greater than low_freq_factor, \
+                     got high_freq_factor={high} and low_freq_factor={low}"
+                );
             }
         }
     }
@@ -321,10 +326,14 @@ pub(crate) fn inv_freq(theta: f32, d: usize, scaling: &RopeScaling) -> Vec<f32> 
             base.into_iter()
                 .map(|f| {
                     let wavelen = 2.0 * std::f32::consts::PI / f;
-                    if wavelen < high_wavelen {
-                        f
-                    } else if wavelen > low_wavelen {
+                    // transformers' order: divided past the low-frequency wavelength, kept
+                    // below the high one, smoothed between, a band that is empty unless
+                    // high_freq_factor > low_freq_factor (and whose smoothing divides by
+                    // their difference, so it is not evaluated otherwise).
+                    if wavelen > low_wavelen {
                         f / factor
+                    } else if high_freq_factor <= low_freq_factor || wavelen < high_wavelen {
+                        f
                     } else {
                         let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
@@ -739,6 +748,49 @@ mod tests {
             .replace("rope_scaling", "rope_parameters")
             .replace(r#""rope_type": "llama3""#, r#""rope_type": "llama3", "rope_theta": 500000.0"#);
         assert_eq!(LlamaConfig::from_json(&new).unwrap(), old);
+    }
+
+    /// `LlamaConfig::from_json` of LEGACY_LLAMA3 at head_dim 16 with `rope_scaling` replaced.
+    fn llama3_freqs(scaling: &str, max_positions: usize) -> Vec<f32> {
+        let text = LEGACY_LLAMA3
+            .replace(r#""hidden_size": 4096"#, r#""hidden_size": 512"#)
+            .replace(r#""max_position_embeddings": 131072"#, &format!(r#""max_position_embeddings": {max_positions}"#));
+        let (start, end) = (text.find(r#""rope_scaling""#).unwrap(), text.find("},").unwrap() + 1);
+        let text = format!("{}\"rope_scaling\": {scaling}{}", &text[..start], &text[end..]);
+        LlamaConfig::from_json(&text).unwrap_or_else(|e| panic!("{scaling}: {e}")).rope().inv_freq
+    }
+
+    /// `got` is `want` within a relative 1e-6.
+    fn close(got: &[f32], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
+        }
+    }
+
+    #[test]
+    fn llama3_with_high_freq_factor_below_low_freq_factor_is_transformers_two_branch_rule() {
+        // transformers 5.25.0 (LlamaConfig, ROPE_INIT_FUNCTIONS["llama3"]) for head_dim 16, base 5e5,
+        // factor 8, low_freq_factor 4, high_freq_factor 1, 8192 original positions: divided by 8
+        // past wavelength 8192 / 4 (from index 4 on), kept below, no smoothing; and a warning.
+        let got = llama3_freqs(
+            r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192}"#,
+            131072,
+        );
+        close(
+            &got,
+            &[
+                1.0,
+                0.193922758102417,
+                0.03760603070259094,
+                0.00729266507551074,
+                0.00017677668074611574,
+                3.428102354519069e-05,
+                6.647869668086059e-06,
+                1.289173155782919e-06,
+            ],
+        );
     }
 
     #[test]

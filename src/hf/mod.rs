@@ -122,6 +122,43 @@ pub(crate) fn positive_f32(field: &'static str, what: &str, v: f32) -> Result<f3
     Ok(v)
 }
 
+/// A JSON number as Python prints it (`1`, `1.0`, `1e-05`), so that a warning
+/// transformers also logs reads the same, word for word.
+pub(crate) fn py_repr(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Number(n) if n.is_f64() => py_float(n.as_f64().unwrap_or(f64::NAN)),
+        serde_json::Value::Null => "None".into(),
+        other => other.to_string(),
+    }
+}
+
+/// Python's `repr` of a float: the shortest digits that round-trip, positional
+/// for exponents in [-4, 16), else `d.ddde±XX`.
+fn py_float(x: f64) -> String {
+    if !x.is_finite() {
+        return if x.is_nan() {
+            "nan".into()
+        } else if x > 0.0 {
+            "inf".into()
+        } else {
+            "-inf".into()
+        };
+    }
+    let sci = format!("{x:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if (-4..16).contains(&exp) {
+        let s = x.to_string();
+        if s.contains('.') {
+            s
+        } else {
+            s + ".0"
+        }
+    } else {
+        format!("{mantissa}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs())
+    }
+}
+
 /// The elements of a weight of shape `dims`, refusing shapes whose f32 bytes
 /// overflow: sizes multiply only through here, so no product can wrap.
 pub(crate) fn elements(field: &'static str, what: &str, dims: &[usize]) -> Result<usize, ConfigError> {
@@ -221,4 +258,31 @@ pub struct RopeFreqs {
     pub inv_freq: Vec<f32>,
     /// cos/sin magnitude.
     pub scale: f32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_print_as_python_prints_them() {
+        // What `repr` gives in Python for each (checked with CPython 3.11).
+        for (json, python) in [
+            ("1", "1"),
+            ("1.0", "1.0"),
+            ("4.0", "4.0"),
+            ("0.5", "0.5"),
+            ("-1.0", "-1.0"),
+            ("1e-5", "1e-05"),
+            ("0.0001", "0.0001"),
+            ("1e16", "1e+16"),
+            ("1.5e16", "1.5e+16"),
+            ("123456789012345.0", "123456789012345.0"),
+            ("8192", "8192"),
+            ("null", "None"),
+        ] {
+            let v: serde_json::Value = serde_json::from_str(json).unwrap();
+            assert_eq!(py_repr(&v), python, "{json}");
+        }
+    }
 }
