@@ -280,7 +280,7 @@ fn values_that_can_only_give_nan_are_refused() {
         (vec![("rope.factor", json!(0.0))], "`rope_parameters`: `factor` must be a finite positive number"),
         (vec![("rope.factor", json!(-4.0))], "`factor` must be a finite positive number"),
         (vec![("rope.factor", json!("4"))], "`rope_parameters`: `factor` must be a number, got \"4\""),
-        (vec![("rope.beta_fast", json!(0))], "`beta_fast` must be a finite positive number"),
+        (vec![("rope.beta_fast", json!(-2))], "`beta_fast` must be a finite positive number"),
         (vec![("rope.beta_slow", json!(-1))], "`beta_slow` must be a finite positive number"),
         (vec![("rope.original_max_position_embeddings", json!(0))], "`original_max_position_embeddings` must be"),
         (vec![("rope.mscale", json!(-1.0))], "`mscale` must be a finite number >= 0"),

@@ -24,9 +24,9 @@ pub enum DsRope {
         beta_fast: f32,
         /// Slow boundary (rotations).
         beta_slow: f32,
-        /// cos/sin magnitude factor.
+        /// cos/sin magnitude factor, with `mscale_all_dim` (0 when absent: then `mscale(factor, 1)`).
         mscale: f32,
-        /// Softmax scale factor.
+        /// Softmax scale factor (0 when absent: no softmax scaling).
         mscale_all_dim: f32,
     },
 }
@@ -215,11 +215,8 @@ impl DeepseekConfig {
                 return Err(invalid("hidden_act", format!("{act:?} is not supported (only silu)")));
             }
         }
-        let (params, field) = match (&r.rope_parameters, &r.rope_scaling) {
-            (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
-            (_, Some(p)) if !p.is_null() => (Some(p), "rope_scaling"),
-            _ => (None, "rope_parameters"),
-        };
+        // Of `rope_parameters` and `rope_scaling`, the one transformers reads.
+        let (params, field) = super::rope_source(r.rope_parameters.as_ref(), r.rope_scaling.as_ref());
         if let Some(p) = params.filter(|p| !p.is_object()) {
             return Err(invalid(field, format!("expected an object, got {p}")));
         }
@@ -238,9 +235,14 @@ impl DeepseekConfig {
             .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
             .and_then(Value::as_str)
             .unwrap_or("default");
+        let (max_position_embeddings, max_position_default) = match r.max_position_embeddings {
+            Some(n) => (positive("max_position_embeddings", n)?, false),
+            // HF's DeepseekV2Config says 2048; V3's (and the remote code Kimi-K2 ships) 4096.
+            None => (if v3 { 4096 } else { 2048 }, true),
+        };
         let rope = match kind {
             "default" => DsRope::Default,
-            "yarn" => Self::yarn(field, rope_theta, &num)?,
+            "yarn" => Self::yarn(field, rope_theta, max_position_embeddings, &num)?,
             other => {
                 return Err(invalid(
                     field,
@@ -281,11 +283,6 @@ impl DeepseekConfig {
         let hidden_size = positive("hidden_size", need(r.hidden_size, "hidden_size")?)?;
         let num_layers = bounded("num_hidden_layers", need(r.num_hidden_layers, "num_hidden_layers")?, MAX_LAYERS)?;
         let num_heads = bounded("num_attention_heads", need(r.num_attention_heads, "num_attention_heads")?, MAX_COUNT)?;
-        let (max_position_embeddings, max_position_default) = match r.max_position_embeddings {
-            Some(n) => (positive("max_position_embeddings", n)?, false),
-            // HF's DeepseekV2Config says 2048; V3's (and the remote code Kimi-K2 ships) 4096.
-            None => (if v3 { 4096 } else { 2048 }, true),
-        };
         let q_lora_rank = match r.q_lora_rank {
             Some(0) => return Err(invalid("q_lora_rank", "must be positive (null means plain q_proj, no q LoRA)")),
             rank => rank,
@@ -339,10 +336,12 @@ impl DeepseekConfig {
         Ok(c)
     }
 
-    /// YaRN's parameters, refusing values that can only give NaN or infinite frequencies.
+    /// YaRN's parameters as `_compute_yarn_parameters` reads them, refusing
+    /// values that can only give NaN or infinite frequencies.
     fn yarn(
         field: &'static str,
         theta: f32,
+        max_positions: usize,
         num: &dyn Fn(&str) -> Result<Option<f32>, ConfigError>,
     ) -> Result<DsRope, ConfigError> {
         let need = |k: &'static str| num(k)?.ok_or_else(|| invalid(field, format!("yarn needs `{k}`")));
@@ -360,13 +359,16 @@ impl DeepseekConfig {
         }
         Ok(DsRope::Yarn {
             factor: pos("factor", need("factor")?)?,
+            // Absent: the model's context, as `standardize_rope_params` fills it.
             original_max_position_embeddings: pos(
                 "original_max_position_embeddings",
-                need("original_max_position_embeddings")?,
+                num("original_max_position_embeddings")?.unwrap_or(max_positions as f32),
             )?,
-            beta_fast: pos("beta_fast", num("beta_fast")?.unwrap_or(32.0))?,
-            beta_slow: pos("beta_slow", num("beta_slow")?.unwrap_or(1.0))?,
-            mscale: non_negative("mscale", num("mscale")?.unwrap_or(1.0))?,
+            // `beta_fast or 32`, `beta_slow or 1`: 0 takes the default too.
+            beta_fast: pos("beta_fast", num("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0))?,
+            beta_slow: pos("beta_slow", num("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0))?,
+            // Absent counts as 0: the two take part only when both are nonzero.
+            mscale: non_negative("mscale", num("mscale")?.unwrap_or(0.0))?,
             mscale_all_dim: non_negative("mscale_all_dim", num("mscale_all_dim")?.unwrap_or(0.0))?,
         })
     }
@@ -519,5 +521,80 @@ impl DeepseekConfig {
             }
             _ => base,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small DeepSeek-V3 config with YaRN in `rope_parameters`, edited by `rope`.
+    fn v3(rope: &str) -> DeepseekConfig {
+        let text = format!(
+            r#"{{"model_type": "deepseek_v3", "hidden_size": 72, "num_hidden_layers": 3, "num_attention_heads": 4,
+                "intermediate_size": 96, "vocab_size": 100, "kv_lora_rank": 16, "q_lora_rank": 40,
+                "qk_nope_head_dim": 8, "qk_rope_head_dim": 16, "v_head_dim": 8, "max_position_embeddings": 512,
+                "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4,
+                "topk_group": 2, {rope}}}"#
+        );
+        DeepseekConfig::from_json(&text).unwrap_or_else(|e| panic!("{rope}: {e}"))
+    }
+
+    /// `got` is `want` within a relative 1e-6.
+    fn close(got: &[f32], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
+        }
+    }
+
+    const YARN: &str = r#""rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0"#;
+
+    #[test]
+    fn yarn_reads_its_keys_as_transformers_does() {
+        // Expected values: transformers 5.25.0, `ROPE_INIT_FUNCTIONS["yarn"](DeepseekV3Config.from_dict(...))`
+        // and `yarn_apply_mscale` on qk_head_dim^-0.5 for the config above, edited per case.
+        let reference = v3(&format!("{YARN}}}"));
+        close(
+            &reference.rope().inv_freq,
+            &[
+                1.0,
+                0.07905694097280502,
+                0.02500000037252903,
+                0.007905694656074047,
+                0.0024999999441206455,
+                0.0007905694656074047,
+                0.0002500000118743628,
+                7.905694656074047e-05,
+            ],
+        );
+        assert_eq!(reference.rope().scale, 1.0);
+        assert!((reference.softmax_scale() as f64 - 0.2646422579642267).abs() < 1e-6);
+        // `beta_fast or 32`, `beta_slow or 1`.
+        let zeros = v3(&format!(r#"{YARN}, "beta_fast": 0, "beta_slow": 0}}"#));
+        assert_eq!((zeros.rope(), zeros.softmax_scale()), (reference.rope(), reference.softmax_scale()));
+        // No original context: max_position_embeddings (512).
+        let absent = v3(&format!("{}}}", YARN.replace(r#", "original_max_position_embeddings": 16"#, "")));
+        close(
+            &absent.rope().inv_freq,
+            &[
+                1.0,
+                0.2569350600242615,
+                0.0625,
+                0.013834965415298939,
+                0.0024999999441206455,
+                0.0007905694656074047,
+                0.0002500000118743628,
+                7.905694656074047e-05,
+            ],
+        );
+        // No `mscale`: not both set, so the magnitude is mscale(factor, 1), not a ratio of 1.
+        let m = v3(&format!("{}}}", YARN.replace(r#""mscale": 1.0, "#, "")));
+        assert!((m.rope().scale as f64 - 1.138629436111989).abs() < 1e-6, "{}", m.rope().scale);
+        assert!((m.softmax_scale() as f64 - 0.2646422579642267).abs() < 1e-6);
+        // With `rope_scaling` beside it, `rope_parameters` is not read (transformers' `rope_scaling or ...`).
+        let both = v3(&format!(r#"{YARN}}}, "rope_scaling": {{"rope_type": "default"}}"#));
+        assert_eq!(both.rope, DsRope::Default);
     }
 }

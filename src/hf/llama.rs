@@ -240,10 +240,13 @@ fn num(obj: &Value, key: &'static str, field: &'static str) -> Result<Option<f32
     }
 }
 
-/// `(rope_theta, scaling)` of one RoPE parameters object (`None`: plain RoPE, theta unsaid).
+/// `(rope_theta, scaling)` of one RoPE parameters object (`None`: plain RoPE,
+/// theta unsaid). llama3's `original_max_position_embeddings` defaults to
+/// `max_position_embeddings`, as transformers' `standardize_rope_params` fills it.
 pub(crate) fn parse_rope(
     params: Option<&Value>,
     field: &'static str,
+    max_position_embeddings: usize,
 ) -> Result<(Option<f32>, RopeScaling), ConfigError> {
     let Some(p) = params.filter(|v| !v.is_null()) else {
         return Ok((None, RopeScaling::None));
@@ -263,7 +266,11 @@ pub(crate) fn parse_rope(
             factor: need("factor")?,
             low_freq_factor: need("low_freq_factor")?,
             high_freq_factor: need("high_freq_factor")?,
-            original_max_position_embeddings: need("original_max_position_embeddings")?,
+            // Absent: the model's context (null stays an error, as transformers' division by None).
+            original_max_position_embeddings: match p.get("original_max_position_embeddings") {
+                None => max_position_embeddings as f32,
+                Some(_) => need("original_max_position_embeddings")?,
+            },
         },
         other => {
             return Err(invalid(
@@ -293,6 +300,15 @@ pub(crate) fn parse_rope(
                 tracing::warn!(
                     "`rope_parameters`'s high_freq_factor field must be greater than low_freq_factor, \
                      got high_freq_factor={high} and low_freq_factor={low}"
+                );
+            }
+            // transformers' other warning on these values (a filled-in context included).
+            if original_max_position_embeddings >= max_position_embeddings as f32 {
+                let original =
+                    p.get("original_max_position_embeddings").map_or(max_position_embeddings.to_string(), py_repr);
+                tracing::warn!(
+                    "`rope_parameters`'s original_max_position_embeddings field must be less than \
+                     max_position_embeddings, got {original} and max_position_embeddings={max_position_embeddings}"
                 );
             }
         }
@@ -429,14 +445,14 @@ impl LlamaConfig {
             }
         }
         // transformers 5 folds theta and scaling into `rope_parameters`; the hub's
-        // older files keep `rope_theta` and `rope_scaling` at top level.
-        let (theta_new, scaling_new) = parse_rope(raw.rope_parameters.as_ref(), "rope_parameters")?;
-        let (theta_old, scaling_old) = parse_rope(raw.rope_scaling.as_ref(), "rope_scaling")?;
+        // older files keep `rope_theta` and `rope_scaling` at top level. Of the two
+        // objects, transformers reads one (`rope_source`), theta from it or the top level.
+        let (rope, rope_field) = super::rope_source(raw.rope_parameters.as_ref(), raw.rope_scaling.as_ref());
+        let (theta_in, rope_scaling) = parse_rope(rope, rope_field, max_position_embeddings)?;
         // MiniMaxM2Config's default theta is 5e6, the others' 1e4.
         let theta_default = if arch == Arch::MiniMaxM2 { 5e6 } else { 10000.0 };
-        let rope_theta = theta_new.or(raw.rope_theta.map(|t| t as f32)).or(theta_old).unwrap_or(theta_default);
+        let rope_theta = theta_in.or(raw.rope_theta.map(|t| t as f32)).unwrap_or(theta_default);
         positive_f32("rope_theta", "rope_theta", rope_theta)?;
-        let rope_scaling = if raw.rope_parameters.is_some() { scaling_new } else { scaling_old };
 
         let (qkv_bias, o_bias) = match arch {
             // Qwen2 always has q/k/v bias and never an o bias, whatever the config says.
@@ -454,12 +470,8 @@ impl LlamaConfig {
         // transformers 5 keeps `partial_rotary_factor` in `rope_parameters`, the
         // hub's files at top level; transformers takes 0.5 for glm4_moe without
         // one, and MiniMax-M2's files give `rotary_dim` (factor rotary_dim / head_dim).
-        let factor = raw
-            .rope_parameters
-            .as_ref()
-            .and_then(|p| p.get("partial_rotary_factor"))
-            .and_then(Value::as_f64)
-            .or(raw.partial_rotary_factor);
+        let factor =
+            rope.and_then(|p| p.get("partial_rotary_factor")).and_then(Value::as_f64).or(raw.partial_rotary_factor);
         let (rotary_dim, key) = match arch {
             Arch::MiniMaxM2 if factor.is_none() && raw.rotary_dim.is_some() => {
                 (raw.rotary_dim.unwrap_or(head_dim), "rotary_dim")
@@ -791,6 +803,91 @@ mod tests {
                 1.289173155782919e-06,
             ],
         );
+    }
+
+    #[test]
+    fn llama3_without_an_original_context_takes_max_position_embeddings() {
+        // transformers 5.25.0 fills original_max_position_embeddings with max_position_embeddings
+        // (2048 here; a warning says it is not less): base 5e5, head_dim 16, factor 8, low 1, high 4.
+        let got = llama3_freqs(
+            r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}"#,
+            2048,
+        );
+        close(
+            &got,
+            &[
+                1.0,
+                0.193922758102417,
+                0.03760603070259094,
+                0.00384058291092515,
+                0.00017677668074611574,
+                3.428102354519069e-05,
+                6.647869668086059e-06,
+                1.289173155782919e-06,
+            ],
+        );
+    }
+
+    #[test]
+    fn of_rope_scaling_and_rope_parameters_the_one_transformers_reads_counts() {
+        // transformers 5.25.0: `rope_scaling or rope_parameters`; theta from the one read, else the
+        // top level, else 1e4 (LlamaConfig, head_dim 16).
+        let base = r#"{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 2048 KEY}"#;
+        let parse =
+            |key: &str| LlamaConfig::from_json(&base.replace(" KEY", key)).unwrap_or_else(|e| panic!("{key}: {e}"));
+        let c = parse(
+            r#", "rope_theta": 5000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+        );
+        assert_eq!((c.rope_theta, &c.rope_scaling), (5000.0, &RopeScaling::Linear { factor: 2.0 }));
+        close(
+            &c.rope().inv_freq,
+            &[
+                0.5,
+                0.17242442071437836,
+                0.0594603568315506,
+                0.02050483413040638,
+                0.0070710680447518826,
+                0.002438449300825596,
+                0.0008408963913097978,
+                0.00028998212656006217,
+            ],
+        );
+        let c = parse(
+            r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+        );
+        close(
+            &c.rope().inv_freq,
+            &[
+                0.5,
+                0.15811388194561005,
+                0.05000000074505806,
+                0.015811389312148094,
+                0.004999999888241291,
+                0.0015811389312148094,
+                0.0005000000237487257,
+                0.00015811389312148094,
+            ],
+        );
+        // The object not read is not checked either (transformers runs this); an empty
+        // `rope_scaling` is false, so `rope_parameters` counts.
+        let c = parse(
+            r#", "rope_parameters": {"rope_type": "bogus"}, "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+        );
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
+        let c = parse(
+            r#", "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}, "rope_scaling": {}"#,
+        );
+        assert_eq!((c.rope_theta, c.rope_scaling), (1000.0, RopeScaling::Linear { factor: 2.0 }));
+        // A bad `rope_scaling` is read, and refused, as transformers raises on it.
+        let e = LlamaConfig::from_json(&base.replace(
+            " KEY",
+            r#", "rope_parameters": {"rope_type": "default"}, "rope_scaling": {"rope_type": "bogus"}"#,
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("`rope_scaling`: rope type \"bogus\""), "{e}");
     }
 
     #[test]

@@ -174,7 +174,7 @@ impl Llama4Config {
         };
         let layers = Self::layers(&raw, num_layers)?;
         let temperature = Self::temperature(&raw)?;
-        let (rope_theta, rope_scaling) = Self::rope_params(&raw)?;
+        let (rope_theta, rope_scaling) = Self::rope_params(&raw, max_position_embeddings)?;
         Ok(Llama4Config {
             model_type,
             hidden_size,
@@ -292,13 +292,10 @@ impl Llama4Config {
     }
 
     /// `(rope_theta, scaling)`: transformers 5's `rope_parameters`, or the
-    /// hub's `rope_theta` and `rope_scaling`.
-    fn rope_params(raw: &Raw) -> Result<(f32, RopeScaling), ConfigError> {
-        let (params, field) = match raw.rope_parameters.as_ref().filter(|p| !p.is_null()) {
-            Some(p) => (Some(p), "rope_parameters"),
-            None => (raw.rope_scaling.as_ref(), "rope_scaling"),
-        };
-        let (theta, scaling) = parse_rope(params, field)?;
+    /// hub's `rope_theta` and `rope_scaling` (that one when a file has both, as transformers).
+    fn rope_params(raw: &Raw, max_position_embeddings: usize) -> Result<(f32, RopeScaling), ConfigError> {
+        let (params, field) = super::rope_source(raw.rope_parameters.as_ref(), raw.rope_scaling.as_ref());
+        let (theta, scaling) = parse_rope(params, field, max_position_embeddings)?;
         let theta = theta.or(raw.rope_theta.map(|t| t as f32)).unwrap_or(500_000.0);
         positive_f32("rope_theta", "rope_theta", theta)?;
         Ok((theta, scaling))

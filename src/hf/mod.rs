@@ -122,6 +122,44 @@ pub(crate) fn positive_f32(field: &'static str, what: &str, v: f32) -> Result<f3
     Ok(v)
 }
 
+/// Python's truth value of a JSON value: how transformers reads a key it tests
+/// with `if value:` or `value or default` (null, false, 0, "", [] and {} are false).
+pub(crate) fn truthy(v: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
+/// The RoPE parameters transformers reads from a config that may carry
+/// `rope_parameters` (transformers 5), `rope_scaling` (the hub's older files)
+/// or both, and the key they came from: `rope_scaling or rope_parameters`, as
+/// `convert_rope_params_to_dict` does, so a truthy `rope_scaling` wins and the
+/// other is never read.
+pub(crate) fn rope_source<'a>(
+    rope_parameters: Option<&'a serde_json::Value>,
+    rope_scaling: Option<&'a serde_json::Value>,
+) -> (Option<&'a serde_json::Value>, &'static str) {
+    let parameters = rope_parameters.filter(|p| !p.is_null());
+    match rope_scaling.filter(|s| truthy(s)) {
+        Some(scaling) => {
+            if parameters.is_some() {
+                tracing::warn!(
+                    "config.json has both `rope_scaling` and `rope_parameters`: `rope_scaling` is read, as \
+                     transformers reads it, and `rope_parameters` is ignored"
+                );
+            }
+            (Some(scaling), "rope_scaling")
+        }
+        None => (parameters, "rope_parameters"),
+    }
+}
+
 /// A JSON number as Python prints it (`1`, `1.0`, `1e-05`), so that a warning
 /// transformers also logs reads the same, word for word.
 pub(crate) fn py_repr(v: &serde_json::Value) -> String {
