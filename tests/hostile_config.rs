@@ -154,7 +154,6 @@ fn deepseek_sizes_are_validated_like_llamas() {
         (vec![("num_experts_per_tok", json!(0))], "`num_experts_per_tok`: 0 is not in 1..=8"),
         (vec![("moe_intermediate_size", json!(0))], "`moe_intermediate_size`: must be positive"),
         (vec![("moe_layer_freq", json!(0))], "`moe_layer_freq`: must be positive"),
-        (vec![("first_k_dense_replace", json!(4))], "`first_k_dense_replace`: 4 is more than num_hidden_layers 3"),
         (vec![("n_group", json!(0))], "`n_group`: must be positive"),
         (vec![("topk_group", json!(0))], "`topk_group`: must be positive"),
         (vec![("n_group", json!(3))], "`n_group`: 3 groups of 8 experts"),
@@ -177,6 +176,11 @@ fn deepseek_sizes_are_validated_like_llamas() {
     dense["n_routed_experts"] = Value::Null;
     let c = DeepseekConfig::from_json(&dense.to_string()).unwrap();
     assert_eq!((c.q_lora_rank, c.n_routed_experts), (None, 0));
+    // More leading dense layers than layers: every layer dense, as transformers builds it.
+    let mut all_dense = base.clone();
+    all_dense["first_k_dense_replace"] = json!(4);
+    let c = DeepseekConfig::from_json(&all_dense.to_string()).unwrap();
+    assert!((0..c.num_layers).all(|l| !c.is_moe(l)), "first_k_dense_replace 4 of 3 layers");
 }
 
 #[test]

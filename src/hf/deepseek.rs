@@ -81,7 +81,7 @@ pub struct DeepseekConfig {
     pub num_experts_per_tok: usize,
     /// Expert MLP width.
     pub moe_intermediate_size: usize,
-    /// Leading dense layers.
+    /// Leading dense layers (every layer when it is `num_layers` or more).
     pub first_k_dense_replace: usize,
     /// MoE on every `moe_layer_freq`-th layer after them.
     pub moe_layer_freq: usize,
@@ -382,12 +382,6 @@ impl DeepseekConfig {
         }
         if c.num_nextn_predict_layers > MAX_LAYERS {
             return Err(invalid("num_nextn_predict_layers", "is implausibly large"));
-        }
-        if c.first_k_dense_replace > c.num_layers {
-            return Err(invalid(
-                "first_k_dense_replace",
-                format!("{} is more than num_hidden_layers {}", c.first_k_dense_replace, c.num_layers),
-            ));
         }
         let (h, nh, qk) = (c.hidden_size, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim);
         elements("vocab_size", "embed_tokens", &[c.vocab_size, h])?;

@@ -188,10 +188,10 @@ impl Gemma3Config {
             }
             return types
                 .iter()
-                .map(|t| match t.as_str() {
+                .map(|t| match super::layer_type(t) {
                     "full_attention" => Ok(None),
                     "sliding_attention" => Ok(Some(w)),
-                    other => Err(invalid("layer_types", format!("unknown layer type {other:?}"))),
+                    _ => Err(invalid("layer_types", format!("unknown layer type {t:?}"))),
                 })
                 .collect();
         }
@@ -301,6 +301,13 @@ mod tests {
         assert_eq!(g.inv_freq[0], 1.0 / 8.0);
         assert_eq!(l.inv_freq[0], 1.0);
         assert!((l.inv_freq[1] - 1e4f32.powf(-2.0 / 256.0)).abs() < 1e-7);
+    }
+
+    #[test]
+    fn the_legacy_attention_layer_type_is_full_attention() {
+        let text = r#"{"model_type": "gemma3_text", "num_hidden_layers": 3, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "attention", "sliding_attention"]}"#;
+        assert_eq!(Gemma3Config::from_json(text).unwrap().sliding_windows, [Some(8), None, Some(8)]);
     }
 
     #[test]

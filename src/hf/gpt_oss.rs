@@ -245,12 +245,12 @@ impl GptOssConfig {
         }
         types
             .iter()
-            .map(|t| match t.as_str() {
+            .map(|t| match super::layer_type(t) {
                 "full_attention" => Ok(None),
                 "sliding_attention" => Ok(Some(w)),
-                other => Err(invalid(
+                _ => Err(invalid(
                     "layer_types",
-                    format!("unknown layer type {other:?} (gpt-oss has sliding_attention and full_attention)"),
+                    format!("unknown layer type {t:?} (gpt-oss has sliding_attention and full_attention)"),
                 )),
             })
             .collect()
@@ -415,6 +415,9 @@ mod tests {
         assert_eq!((y.factor, y.original_max_position_embeddings, y.truncate), (32.0, 4096.0, false));
         let plain = with(r#", "rope_theta": 1000, "rope_scaling": {"rope_type": "default"}"#).unwrap();
         assert_eq!((plain.rope_theta, plain.yarn), (1000.0, None));
+        // The legacy "attention" is full_attention.
+        let legacy = with(r#", "layer_types": ["attention", "sliding_attention"]"#).unwrap();
+        assert_eq!(legacy.sliding_windows, vec![None, Some(128)]);
         assert!(c.attention_bias && !c.mxfp4);
     }
 

@@ -566,9 +566,7 @@ impl LlamaConfig {
                 return Err(invalid("decoder_sparse_step", "must be positive"));
             }
             let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
-            if let Some(&bad) = dense_only.iter().find(|&&l| l >= n) {
-                return Err(invalid("mlp_only_layers", format!("names layer {bad} of {n}")));
-            }
+            super::warn_past_the_last("mlp_only_layers", &dense_only, n);
             (0..n).map(|l| !dense_only.contains(&l) && (l + 1) % step == 0).collect()
         } else {
             vec![true; n]
@@ -694,10 +692,10 @@ impl LlamaConfig {
             }
             return types
                 .iter()
-                .map(|t| match t.as_str() {
+                .map(|t| match super::layer_type(t) {
                     "full_attention" => Ok(None),
                     "sliding_attention" => Ok(Some(w)),
-                    other => Err(invalid("layer_types", format!("unknown layer type {other:?}"))),
+                    _ => Err(invalid("layer_types", format!("unknown layer type {t:?}"))),
                 })
                 .collect();
         }
@@ -900,6 +898,13 @@ mod tests {
         assert!(off.qkv_bias && !off.o_bias);
         let on = LlamaConfig::from_json(&base.replace("USE", "true")).unwrap();
         assert_eq!(on.sliding_windows, vec![None, None, Some(32), Some(32)]);
+        // transformers renames the legacy "attention" full_attention as it loads a config; other names are refused.
+        let types = |t: &str| base.replace("USE", &format!(r#"true,"layer_types":{t}"#));
+        let legacy =
+            LlamaConfig::from_json(&types(r#"["attention","sliding_attention","attention","sliding_attention"]"#));
+        assert_eq!(legacy.unwrap().sliding_windows, vec![None, Some(32), None, Some(32)]);
+        let e = LlamaConfig::from_json(&types(r#"["mamba","attention","attention","attention"]"#)).unwrap_err();
+        assert!(e.to_string().contains("`layer_types`: unknown layer type \"mamba\""), "{e}");
     }
 
     #[test]
@@ -911,10 +916,12 @@ mod tests {
         let moe = c.moe.unwrap();
         // Layers 1 and 3 are every second one; 3 is dense by name.
         assert_eq!(moe.sparse, [false, true, false, false]);
+        // A layer past the last is never looked up by transformers (`layer_idx in mlp_only_layers`): ignored.
+        let past = LlamaConfig::from_json(&base.replace(r#""mlp_only_layers":[3]"#, r#""mlp_only_layers":[3,4,9]"#));
+        assert_eq!(past.unwrap().moe.unwrap().sparse, moe.sparse);
         assert!(!moe.norm_topk_prob, "Qwen3MoeConfig's default");
         for (from, to, want) in [
             (r#""num_experts_per_tok":2"#, r#""num_experts_per_tok":9"#, "between 1 and num_experts 8"),
-            (r#""mlp_only_layers":[3]"#, r#""mlp_only_layers":[4]"#, "names layer 4 of 4"),
             (r#""decoder_sparse_step":2"#, r#""decoder_sparse_step":0"#, "`decoder_sparse_step`: must be positive"),
             (r#""num_experts":8,"#, "", "lacks required field `num_experts`"),
             (r#""moe_intermediate_size":32,"#, "", "`moe_intermediate_size`"),

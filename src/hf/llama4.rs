@@ -5,7 +5,7 @@
 //!
 //! Sizes a field leaves out take transformers' `Llama4TextConfig` defaults.
 //! Per layer the config says three things, each from its own key:
-//! - whether it rotates q and k (`no_rope_layers[i] == 1`: the name is
+//! - whether it rotates q and k (`no_rope_layers[i]` nonzero: the name is
 //!   inverted; default every fourth layer is NoPE, `no_rope_layer_interval`);
 //! - whether it attends within chunks (`layer_types`, or, in the hub's
 //!   files, every RoPE layer when `attention_chunk_size` is set);
@@ -202,22 +202,14 @@ impl Llama4Config {
 
     /// Each layer's RoPE, chunking and MLP, as `Llama4TextConfig.__post_init__` resolves them.
     fn layers(raw: &Raw, n: usize) -> Result<Vec<Llama4Layer>, ConfigError> {
-        // RoPE: `no_rope_layers` (1 = rotates; an empty list counts as unset), or a NoPE layer every interval-th.
+        // RoPE: `no_rope_layers` (by its Python truth, as transformers reads it: nonzero
+        // rotates; an empty list counts as unset), or a NoPE layer every interval-th.
         let rope: Vec<bool> = match raw.no_rope_layers.as_deref().filter(|l| !l.is_empty()) {
             Some(list) => {
                 if list.len() < n {
                     return Err(invalid("no_rope_layers", format!("has {} entries for {n} layers", list.len())));
                 }
-                list[..n]
-                    .iter()
-                    .map(|&v| match v {
-                        0 => Ok(false),
-                        1 => Ok(true),
-                        other => {
-                            Err(invalid("no_rope_layers", format!("entries are 1 (RoPE) or 0 (NoPE), got {other}")))
-                        }
-                    })
-                    .collect::<Result<_, _>>()?
+                list[..n].iter().map(|&v| v != 0).collect()
             }
             None => {
                 let interval = positive("no_rope_layer_interval", raw.no_rope_layer_interval.unwrap_or(4))?;
@@ -237,15 +229,15 @@ impl Llama4Config {
                 }
                 types
                     .iter()
-                    .map(|t| match t.as_str() {
+                    .map(|t| match super::layer_type(t) {
                         "full_attention" => Ok(false),
                         "chunked_attention" if chunk_size.is_some() => Ok(true),
                         "chunked_attention" => {
                             Err(invalid("layer_types", "chunked_attention needs attention_chunk_size"))
                         }
-                        other => Err(invalid(
+                        _ => Err(invalid(
                             "layer_types",
-                            format!("unknown layer type {other:?} (supported: full_attention, chunked_attention)"),
+                            format!("unknown layer type {t:?} (supported: full_attention, chunked_attention)"),
                         )),
                     })
                     .collect::<Result<_, _>>()?
@@ -255,9 +247,7 @@ impl Llama4Config {
         // MoE: `moe_layers`, or every step-th layer from step - 1.
         let moe: Vec<bool> = match &raw.moe_layers {
             Some(list) => {
-                if let Some(&bad) = list.iter().find(|&&i| i >= n) {
-                    return Err(invalid("moe_layers", format!("names layer {bad} of a {n}-layer model")));
-                }
+                super::warn_past_the_last("moe_layers", list, n);
                 (0..n).map(|i| list.contains(&i)).collect()
             }
             None => {
@@ -354,6 +344,25 @@ mod tests {
     }
 
     #[test]
+    fn layer_lists_are_read_as_transformers_reads_them() {
+        // no_rope_layers by its Python truth (`self.use_rope = config.no_rope_layers[i]`): 2 and -1 rotate.
+        let c = Llama4Config::from_json(&text(r#", "no_rope_layers": [1, 1, 1, 2, -1, 1, 1, 0]"#)).unwrap();
+        assert_eq!(
+            c.layers.iter().map(|l| l.rope).collect::<Vec<_>>(),
+            [true, true, true, true, true, true, true, false]
+        );
+        assert!(c.layers[3].chunk.is_some(), "a RoPE layer is chunked, as transformers derives layer_types");
+        // moe_layers past the last layer are never looked up (`layer_idx in config.moe_layers`).
+        let c = Llama4Config::from_json(&text(r#", "moe_layers": [1, 8, 30]"#)).unwrap();
+        assert_eq!((0..8).filter(|&i| c.layers[i].moe).collect::<Vec<_>>(), [1]);
+        // The legacy "attention" is full_attention.
+        let types = r#", "layer_types": ["attention", "chunked_attention", "attention", "attention",
+            "attention", "attention", "attention", "attention"]"#;
+        let c = Llama4Config::from_json(&text(types)).unwrap();
+        assert_eq!((0..8).filter(|&i| c.layers[i].chunk.is_some()).collect::<Vec<_>>(), [1]);
+    }
+
+    #[test]
     fn moe_layers_and_layer_types_override_the_intervals() {
         let c = Llama4Config::from_json(&text(
             r#", "moe_layers": [1, 5], "interleave_moe_layer_step": 4, "attention_chunk_size": 16,
@@ -375,8 +384,6 @@ mod tests {
     fn bad_layer_lists_are_refused_by_name() {
         let cases = [
             (r#", "no_rope_layers": [1, 1]"#, "no_rope_layers"),
-            (r#", "no_rope_layers": [1, 1, 1, 2, 1, 1, 1, 0]"#, "no_rope_layers"),
-            (r#", "moe_layers": [8]"#, "moe_layers"),
             (r#", "layer_types": ["sliding_attention"]"#, "layer_types"),
             (r#", "attention_chunk_size": 0"#, "attention_chunk_size"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),

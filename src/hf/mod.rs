@@ -122,6 +122,17 @@ pub(crate) fn positive_f32(field: &'static str, what: &str, v: f32) -> Result<f3
     Ok(v)
 }
 
+/// Layers a per-layer list names past the model's last, which transformers
+/// never looks up (`layer_idx in list`): ignored, with a warning.
+pub(crate) fn warn_past_the_last(field: &str, list: &[usize], n: usize) {
+    let past: Vec<usize> = list.iter().copied().filter(|&l| l >= n).collect();
+    if !past.is_empty() {
+        tracing::warn!(
+            "`{field}` names layers {past:?} of a {n}-layer model; they are ignored, as transformers ignores them"
+        );
+    }
+}
+
 /// Python's truth value of a JSON value: how transformers reads a key it tests
 /// with `if value:` or `value or default` (null, false, 0, "", [] and {} are false).
 pub(crate) fn truthy(v: &serde_json::Value) -> bool {
@@ -157,6 +168,17 @@ pub(crate) fn rope_source<'a>(
             (Some(scaling), "rope_scaling")
         }
         None => (parameters, "rope_parameters"),
+    }
+}
+
+/// A `layer_types` entry under transformers' names: the legacy `"attention"`
+/// and `"mamba"` are read as `full_attention` and `linear_attention`
+/// (`_LEGACY_LAYER_TYPE_REMAP`, applied to every config as it loads).
+pub(crate) fn layer_type(name: &str) -> &str {
+    match name {
+        "attention" => "full_attention",
+        "mamba" => "linear_attention",
+        other => other,
     }
 }
 

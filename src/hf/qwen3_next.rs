@@ -251,12 +251,13 @@ impl Qwen3NextConfig {
             if types.len() != n {
                 return Err(invalid("layer_types", format!("has {} entries for {n} layers", types.len())));
             }
+            // The legacy "mamba" and "attention" too, as transformers renames them.
             return types
                 .iter()
-                .map(|t| match t.as_str() {
+                .map(|t| match super::layer_type(t) {
                     "linear_attention" => Ok(LayerKind::Linear),
                     "full_attention" => Ok(LayerKind::Full),
-                    other => Err(invalid("layer_types", format!("unknown layer type {other:?}"))),
+                    _ => Err(invalid("layer_types", format!("unknown layer type {t:?}"))),
                 })
                 .collect();
         }
@@ -327,9 +328,7 @@ impl Qwen3NextConfig {
                 return Err(invalid("decoder_sparse_step", "must be positive"));
             }
             let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
-            if let Some(bad) = dense_only.iter().find(|&&l| l >= n) {
-                return Err(invalid("mlp_only_layers", format!("names layer {bad} of {n}")));
-            }
+            super::warn_past_the_last("mlp_only_layers", &dense_only, n);
             (0..n).map(|l| !dense_only.contains(&l) && (l + 1).is_multiple_of(step)).collect()
         };
         Ok(Some(LlamaMoe {
@@ -416,6 +415,12 @@ mod tests {
         assert!(m.norm_topk_prob && m.sparse == vec![true; 4]);
         // A dense Qwen3-Next: no experts.
         assert!(with(r#", "num_experts": 0"#).unwrap().moe.is_none());
+        // transformers renames the legacy "mamba" and "attention" as it loads a config.
+        let legacy = with(r#", "layer_types": ["mamba", "mamba", "attention", "attention"]"#).unwrap();
+        assert_eq!(legacy.layer_types, [LayerKind::Linear, LayerKind::Linear, LayerKind::Full, LayerKind::Full]);
+        // mlp_only_layers past the last layer are never looked up by transformers: ignored.
+        let dense = with(r#", "mlp_only_layers": [1, 7]"#).unwrap().moe.unwrap().sparse;
+        assert_eq!(dense, [true, false, true, true]);
     }
 
     #[test]
@@ -456,14 +461,16 @@ mod tests {
         for (key, field) in [
             (r#", "linear_num_value_heads": 3"#, "linear_num_value_heads"),
             (r#", "layer_types": ["full_attention"]"#, "layer_types"),
-            (r#", "layer_types": ["linear_attention", "mamba", "full_attention", "full_attention"]"#, "layer_types"),
+            (
+                r#", "layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]"#,
+                "layer_types",
+            ),
             (r#", "full_attention_interval": 0"#, "full_attention_interval"),
             (r#", "partial_rotary_factor": 1.5"#, "partial_rotary_factor"),
             (r#", "rope_parameters": {"rope_theta": 1e4, "mrope_section": ["a"]}"#, "rope_parameters"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
             (r#", "attn_output_gate": false"#, "attn_output_gate"),
             (r#", "num_experts_per_tok": 9"#, "num_experts_per_tok"),
-            (r#", "mlp_only_layers": [7]"#, "mlp_only_layers"),
             (
                 r#", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}"#,
                 "quantization_config",
