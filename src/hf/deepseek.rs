@@ -115,7 +115,9 @@ struct Raw {
     max_position_embeddings: Option<usize>,
     num_nextn_predict_layers: Option<usize>,
     rms_norm_eps: Option<f64>,
-    q_lora_rank: Option<usize>,
+    // Null and absent differ: null is "none", absent the class default.
+    #[serde(default, deserialize_with = "super::present")]
+    q_lora_rank: Option<Option<usize>>,
     kv_lora_rank: Option<usize>,
     qk_nope_head_dim: Option<usize>,
     qk_rope_head_dim: Option<usize>,
@@ -126,7 +128,8 @@ struct Raw {
     rope_interleave: Option<bool>,
     attention_bias: Option<bool>,
     hidden_act: Option<String>,
-    n_routed_experts: Option<usize>,
+    #[serde(default, deserialize_with = "super::present")]
+    n_routed_experts: Option<Option<usize>>,
     n_shared_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
@@ -143,6 +146,56 @@ struct Raw {
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { field, problem: problem.into() }
+}
+
+/// transformers' class defaults of the keys a config may leave out:
+/// `DeepseekV3Config`'s for deepseek_v3 and the Kimi models (transformers reads
+/// Kimi-K2's text model as deepseek_v3), `DeepseekV2Config`'s for deepseek_v2.
+struct MoeDefaults {
+    q_lora_rank: usize,
+    n_routed_experts: usize,
+    n_shared_experts: usize,
+    num_experts_per_tok: usize,
+    moe_intermediate_size: usize,
+    first_k_dense_replace: usize,
+    routed_scaling_factor: f64,
+    norm_topk_prob: bool,
+    n_group: usize,
+    topk_group: usize,
+}
+
+impl MoeDefaults {
+    fn of(v3: bool) -> Self {
+        if v3 {
+            MoeDefaults {
+                q_lora_rank: 1536,
+                n_routed_experts: 256,
+                n_shared_experts: 1,
+                num_experts_per_tok: 8,
+                moe_intermediate_size: 2048,
+                first_k_dense_replace: 3,
+                routed_scaling_factor: 2.5,
+                norm_topk_prob: true,
+                n_group: 8,
+                topk_group: 4,
+            }
+        } else {
+            // n_group, topk_group and num_experts_per_tok are None there: one group, and no
+            // top-k (refused, as transformers' top-k of None raises).
+            MoeDefaults {
+                q_lora_rank: 1536,
+                n_routed_experts: 64,
+                n_shared_experts: 2,
+                num_experts_per_tok: 0,
+                moe_intermediate_size: 1407,
+                first_k_dense_replace: 0,
+                routed_scaling_factor: 1.0,
+                norm_topk_prob: false,
+                n_group: 1,
+                topk_group: 1,
+            }
+        }
+    }
 }
 
 impl DeepseekConfig {
@@ -283,19 +336,27 @@ impl DeepseekConfig {
         let hidden_size = positive("hidden_size", need(r.hidden_size, "hidden_size")?)?;
         let num_layers = bounded("num_hidden_layers", need(r.num_hidden_layers, "num_hidden_layers")?, MAX_LAYERS)?;
         let num_heads = bounded("num_attention_heads", need(r.num_attention_heads, "num_attention_heads")?, MAX_COUNT)?;
+        let d = MoeDefaults::of(v3);
+        // Null means plain q_proj; absent, the class's q LoRA rank.
         let q_lora_rank = match r.q_lora_rank {
-            Some(0) => return Err(invalid("q_lora_rank", "must be positive (null means plain q_proj, no q LoRA)")),
-            rank => rank,
+            Some(Some(0)) => {
+                return Err(invalid("q_lora_rank", "must be positive (null means plain q_proj, no q LoRA)"))
+            }
+            Some(rank) => rank,
+            None => Some(d.q_lora_rank),
         };
-        // Absent or null means no routed experts; an explicit 0 is a mistake.
+        // Null means no routed experts (every layer dense); absent, the class's count; 0 is a mistake.
         let n_routed_experts = match r.n_routed_experts {
-            Some(0) => return Err(invalid("n_routed_experts", "must be positive (null means every layer is dense)")),
-            Some(e) => bounded("n_routed_experts", e, MAX_COUNT)?,
-            None => 0,
+            Some(Some(0)) => {
+                return Err(invalid("n_routed_experts", "must be positive (null means every layer is dense)"))
+            }
+            Some(Some(e)) => bounded("n_routed_experts", e, MAX_COUNT)?,
+            Some(None) => 0,
+            None => d.n_routed_experts,
         };
-        let group = |v: Option<usize>, f: &'static str| match v {
-            Some(0) => Err(invalid(f, "must be positive (null means 1)")),
-            v => Ok(v.unwrap_or(1)),
+        let group = |v: Option<usize>, f: &'static str, default: usize| match v {
+            Some(0) => Err(invalid(f, format!("must be positive (null means {default})"))),
+            v => Ok(v.unwrap_or(default)),
         };
         let c = DeepseekConfig {
             hidden_size,
@@ -317,17 +378,18 @@ impl DeepseekConfig {
             rope_interleave: r.rope_interleave.unwrap_or(true),
             attention_bias: r.attention_bias.unwrap_or(false),
             n_routed_experts,
-            n_shared_experts: r.n_shared_experts.unwrap_or(0),
-            num_experts_per_tok: r.num_experts_per_tok.unwrap_or(0),
-            moe_intermediate_size: r.moe_intermediate_size.unwrap_or(0),
-            first_k_dense_replace: r.first_k_dense_replace.unwrap_or(0),
+            n_shared_experts: r.n_shared_experts.unwrap_or(d.n_shared_experts),
+            // DeepseekV2Config has no default (None): 0, refused below when there are experts.
+            num_experts_per_tok: r.num_experts_per_tok.unwrap_or(d.num_experts_per_tok),
+            moe_intermediate_size: r.moe_intermediate_size.unwrap_or(d.moe_intermediate_size),
+            first_k_dense_replace: r.first_k_dense_replace.unwrap_or(d.first_k_dense_replace),
             moe_layer_freq: r.moe_layer_freq.unwrap_or(1),
-            routed_scaling_factor: r.routed_scaling_factor.unwrap_or(1.0) as f32,
-            norm_topk_prob: r.norm_topk_prob.unwrap_or(false),
+            routed_scaling_factor: r.routed_scaling_factor.unwrap_or(d.routed_scaling_factor) as f32,
+            norm_topk_prob: r.norm_topk_prob.unwrap_or(d.norm_topk_prob),
             scoring,
             topk_method,
-            n_group: group(r.n_group, "n_group")?,
-            topk_group: group(r.topk_group, "topk_group")?,
+            n_group: group(r.n_group, "n_group", d.n_group)?,
+            topk_group: group(r.topk_group, "topk_group", d.topk_group)?,
             quant: QuantConfig::from_json(r.quantization_config.as_ref())?,
             tensor_prefix: String::new(),
             model_type,
@@ -540,6 +602,39 @@ mod tests {
         for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
             assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
         }
+    }
+
+    #[test]
+    fn absent_moe_keys_take_the_config_classes_defaults() {
+        // transformers 5.25.0's DeepseekV3Config / DeepseekV2Config defaults for the keys left out.
+        let text = |model_type: &str| {
+            format!(
+                r#"{{"model_type": "{model_type}", "hidden_size": 72, "num_hidden_layers": 4, "num_attention_heads": 4,
+                    "intermediate_size": 96, "vocab_size": 100, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                    "qk_rope_head_dim": 16, "v_head_dim": 8 EXTRA}}"#
+            )
+        };
+        for model_type in ["deepseek_v3", "kimi_k2"] {
+            let c = DeepseekConfig::from_json(&text(model_type).replace(" EXTRA", "")).unwrap();
+            assert_eq!(c.q_lora_rank, Some(1536), "{model_type}");
+            assert_eq!((c.n_routed_experts, c.n_shared_experts, c.num_experts_per_tok), (256, 1, 8));
+            assert_eq!((c.moe_intermediate_size, c.first_k_dense_replace, c.n_group, c.topk_group), (2048, 3, 8, 4));
+            assert_eq!((c.routed_scaling_factor, c.norm_topk_prob), (2.5, true));
+        }
+        // V2 has no default top-k (None: transformers' top-k fails), so it is required with experts.
+        let e = DeepseekConfig::from_json(&text("deepseek_v2").replace(" EXTRA", "")).unwrap_err().to_string();
+        assert!(e.contains("`num_experts_per_tok`"), "{e}");
+        let c = DeepseekConfig::from_json(&text("deepseek_v2").replace(" EXTRA", r#", "num_experts_per_tok": 6"#));
+        let c = c.unwrap();
+        assert_eq!(
+            (c.q_lora_rank, c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size),
+            (Some(1536), 64, 2, 1407)
+        );
+        assert_eq!((c.first_k_dense_replace, c.routed_scaling_factor, c.norm_topk_prob), (0, 1.0, false));
+        // Null still says "none": plain q_proj, every layer dense.
+        let null = text("deepseek_v3").replace(" EXTRA", r#", "q_lora_rank": null, "n_routed_experts": null"#);
+        let c = DeepseekConfig::from_json(&null).unwrap();
+        assert_eq!((c.q_lora_rank, c.n_routed_experts), (None, 0));
     }
 
     const YARN: &str = r#""rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,

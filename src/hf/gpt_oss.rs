@@ -149,13 +149,15 @@ impl GptOssConfig {
         .check()?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size.unwrap_or(2880))?;
         let num_experts = bounded("num_local_experts", raw.num_local_experts.unwrap_or(128), MAX_COUNT)?;
-        // transformers reads `num_experts_per_tok`; the original release's `experts_per_token` is the same number.
-        let top_k = match (raw.num_experts_per_tok, raw.experts_per_token) {
-            (Some(a), Some(b)) if a != b => {
-                return Err(invalid("num_experts_per_tok", format!("{a}, but experts_per_token says {b}")));
-            }
-            (a, b) => positive("num_experts_per_tok", a.or(b).unwrap_or(4))?,
-        };
+        // transformers reads `num_experts_per_tok` (default 4) only; the original release's
+        // `experts_per_token` (the same number in the hub's files) is never read.
+        let top_k = positive("num_experts_per_tok", raw.num_experts_per_tok.unwrap_or(4))?;
+        if let Some(e) = raw.experts_per_token.filter(|&e| e != top_k) {
+            tracing::warn!(
+                "`experts_per_token` is {e} but num_experts_per_tok is {top_k}: transformers reads \
+                 num_experts_per_tok only, and so does Strata"
+            );
+        }
         if top_k > num_experts {
             return Err(invalid("num_experts_per_tok", format!("{top_k} exceeds num_local_experts {num_experts}")));
         }
@@ -449,6 +451,14 @@ mod tests {
     }
 
     #[test]
+    fn only_num_experts_per_tok_counts_as_in_transformers() {
+        // GptOssConfig has no `experts_per_token`: num_experts_per_tok, default 4, whatever it says.
+        assert_eq!(with(r#", "experts_per_token": 3"#).unwrap().top_k, 2);
+        let alone = SMALL.replace(r#""num_experts_per_tok": 2,"#, r#""experts_per_token": 2,"#).replace(" KEY", "");
+        assert_eq!(GptOssConfig::from_json(&alone).unwrap().top_k, 4);
+    }
+
+    #[test]
     fn yarn_reads_its_keys_as_transformers_does() {
         // Expected values: transformers 5.25.0, `ROPE_INIT_FUNCTIONS["yarn"](GptOssConfig.from_dict(...))`
         // for SMALL (head_dim 16, base 150000) with the YaRN block below, edited per case.
@@ -539,7 +549,6 @@ mod tests {
             (r#", "rope_scaling": {"rope_type": "yarn"}"#, "yarn needs `factor`"),
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "attention_factor": 0}"#, "attention_factor"),
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "rope_theta": 1.0}"#, "yarn needs rope_theta > 1"),
-            (r#", "experts_per_token": 3"#, "experts_per_token says 3"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
         ] {
             let e = with(extra).unwrap_err().to_string();

@@ -400,7 +400,14 @@ impl LlamaConfig {
         let num_layers = bounded("num_hidden_layers", need(raw.num_hidden_layers, "num_hidden_layers")?, MAX_LAYERS)?;
         let num_heads =
             bounded("num_attention_heads", need(raw.num_attention_heads, "num_attention_heads")?, MAX_COUNT)?;
-        let num_kv_heads = bounded("num_key_value_heads", raw.num_key_value_heads.unwrap_or(num_heads), MAX_COUNT)?;
+        // The config classes' defaults: Llama's is the query heads, the others' a number.
+        let kv_default = match arch {
+            Arch::Llama => num_heads,
+            Arch::Qwen2 | Arch::Qwen3 => 32,
+            Arch::Qwen3Moe => 4,
+            Arch::Mistral | Arch::Mixtral | Arch::Glm4Moe | Arch::MiniMaxM2 => 8,
+        };
+        let num_kv_heads = bounded("num_key_value_heads", raw.num_key_value_heads.unwrap_or(kv_default), MAX_COUNT)?;
         let intermediate_size = positive("intermediate_size", need(raw.intermediate_size, "intermediate_size")?)?;
         let vocab_size = positive("vocab_size", need(raw.vocab_size, "vocab_size")?)?;
         if num_heads % num_kv_heads != 0 {
@@ -411,10 +418,10 @@ impl LlamaConfig {
         }
         let head_dim = match raw.head_dim {
             Some(d) => d,
-            // MiniMaxM2Config's default head_dim.
-            None if arch == Arch::MiniMaxM2 => 128,
-            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => {
+            // Qwen3Config's and MiniMaxM2Config's default head_dim, whatever the widths.
+            None if matches!(arch, Arch::Qwen3 | Arch::MiniMaxM2) => 128,
+            // LlamaConfig refuses widths that do not split into the heads.
+            None if arch == Arch::Llama && !hidden_size.is_multiple_of(num_heads) => {
                 return Err(invalid(
                     "head_dim",
                     format!(
@@ -422,6 +429,8 @@ impl LlamaConfig {
                     ),
                 ))
             }
+            // The others take `hidden_size // num_attention_heads`, rounded down.
+            None => hidden_size / num_heads,
         };
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(invalid("head_dim", format!("must be a positive even number for RoPE, got {head_dim}")));
@@ -431,8 +440,8 @@ impl LlamaConfig {
         elements("vocab_size", "embed_tokens", &[vocab_size, hidden_size])?;
         elements("num_attention_heads", "qkv_proj", &[num_heads + 2 * num_kv_heads, head_dim, hidden_size])?;
         elements("intermediate_size", "gate_up_proj", &[2, intermediate_size, hidden_size])?;
-        // Glm4MoeConfig's default is 1e-5, the others' 1e-6.
-        let eps_default = if arch == Arch::Glm4Moe { 1e-5 } else { 1e-6 };
+        // Glm4MoeConfig's and MixtralConfig's default is 1e-5, the others' 1e-6.
+        let eps_default = if matches!(arch, Arch::Glm4Moe | Arch::Mixtral) { 1e-5 } else { 1e-6 };
         let rms_norm_eps =
             positive_f32("rms_norm_eps", "rms_norm_eps", raw.rms_norm_eps.unwrap_or(eps_default) as f32)?;
         let (max_position_embeddings, max_position_default) = match raw.max_position_embeddings {
@@ -449,8 +458,12 @@ impl LlamaConfig {
         // objects, transformers reads one (`rope_source`), theta from it or the top level.
         let (rope, rope_field) = super::rope_source(raw.rope_parameters.as_ref(), raw.rope_scaling.as_ref());
         let (theta_in, rope_scaling) = parse_rope(rope, rope_field, max_position_embeddings)?;
-        // MiniMaxM2Config's default theta is 5e6, the others' 1e4.
-        let theta_default = if arch == Arch::MiniMaxM2 { 5e6 } else { 10000.0 };
+        // MiniMaxM2Config's default theta is 5e6, MixtralConfig's 1e6, the others' 1e4.
+        let theta_default = match arch {
+            Arch::MiniMaxM2 => 5e6,
+            Arch::Mixtral => 1e6,
+            _ => 10000.0,
+        };
         let rope_theta = theta_in.or(raw.rope_theta.map(|t| t as f32)).unwrap_or(theta_default);
         positive_f32("rope_theta", "rope_theta", rope_theta)?;
 
@@ -547,6 +560,11 @@ impl LlamaConfig {
             Arch::MiniMaxM2 => (raw.num_local_experts, "num_local_experts", Some(dense)),
             _ => return Ok(None),
         };
+        // Qwen3MoeDecoderLayer builds the mixture only when `num_experts > 0`: with none,
+        // every layer is the dense MLP of `intermediate_size`.
+        if arch == Arch::Qwen3Moe && experts == Some(0) {
+            return Ok(None);
+        }
         let experts = bounded(key, experts.ok_or(ConfigError::Missing(key))?, MAX_COUNT)?;
         let top_k = raw.num_experts_per_tok.ok_or(ConfigError::Missing("num_experts_per_tok"))?;
         if top_k == 0 || top_k > experts {
@@ -608,7 +626,14 @@ impl LlamaConfig {
                     ),
                 ));
             }
-            let shared = bounded("n_shared_experts", raw.n_shared_experts.unwrap_or(1), MAX_COUNT)?;
+            // 0: no shared expert, as transformers' shared MLP of width 0 adds nothing.
+            let shared = raw.n_shared_experts.unwrap_or(1);
+            if shared > MAX_COUNT {
+                return Err(invalid(
+                    "n_shared_experts",
+                    format!("{shared} is implausibly large (Strata accepts at most {MAX_COUNT})"),
+                ));
+            }
             moe.scoring = Scoring::Sigmoid;
             moe.topk_method = TopkMethod::NoauxTc;
             (moe.n_group, moe.topk_group) = (n_group, topk_group);
@@ -929,7 +954,7 @@ mod tests {
             let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
             assert!(e.contains(want), "{to}: {e}");
         }
-        let mixtral = r#"{"model_type":"mixtral","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+        let mixtral = r#"{"model_type":"mixtral","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
             "intermediate_size":96,"vocab_size":100,"num_local_experts":4,"num_experts_per_tok":2,"sliding_window":16}"#;
         let c = LlamaConfig::from_json(mixtral).unwrap();
         let moe = c.moe.as_ref().unwrap();
@@ -938,6 +963,43 @@ mod tests {
         // A dense family has no mixture, whatever keys it carries.
         let dense = base.replace("qwen3_moe", "qwen3");
         assert!(LlamaConfig::from_json(&dense).unwrap().moe.is_none());
+        // Qwen3-MoE without experts: transformers builds every layer's dense MLP (`num_experts > 0 and ...`).
+        let none = LlamaConfig::from_json(&base.replace(r#""num_experts":8"#, r#""num_experts":0"#)).unwrap();
+        assert_eq!((none.moe, none.intermediate_size), (None, 128));
+    }
+
+    #[test]
+    fn absent_keys_take_the_config_classes_defaults() {
+        // transformers 5.25.0: the model's q_proj for hidden 100 and 8 heads without head_dim
+        // (Qwen3Config's 128; the others hidden // heads, 12; LlamaConfig raises), and each
+        // config class's num_key_value_heads, rms_norm_eps and rope theta defaults.
+        let base = r#"{"model_type":"MT","hidden_size":100,"num_hidden_layers":1,"num_attention_heads":8,
+            "num_key_value_heads":4,"intermediate_size":32,"vocab_size":50,"num_experts":4,"num_local_experts":4,
+            "n_routed_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":16,"n_group":1}"#;
+        for (arch, head_dim) in
+            [("qwen3", 128), ("qwen3_moe", 12), ("mistral", 12), ("mixtral", 12), ("qwen2", 12), ("glm4_moe", 12)]
+        {
+            let c = LlamaConfig::from_json(&base.replace("MT", arch)).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            assert_eq!(c.head_dim, head_dim, "{arch}");
+        }
+        let e = LlamaConfig::from_json(&base.replace("MT", "llama")).unwrap_err().to_string();
+        assert!(e.contains("`head_dim`: absent, and hidden_size 100"), "{e}");
+        let bare = r#"{"model_type":"MT","hidden_size":2048,"num_hidden_layers":1,"num_attention_heads":32,
+            "intermediate_size":32,"vocab_size":50,"num_experts":4,"num_local_experts":4,"n_routed_experts":4,
+            "num_experts_per_tok":2,"moe_intermediate_size":16}"#;
+        for (arch, kv, eps, theta) in [
+            ("llama", 32, 1e-6, 1e4),
+            ("mistral", 8, 1e-6, 1e4),
+            ("mixtral", 8, 1e-5, 1e6),
+            ("qwen2", 32, 1e-6, 1e4),
+            ("qwen3", 32, 1e-6, 1e4),
+            ("qwen3_moe", 4, 1e-6, 1e4),
+            ("glm4_moe", 8, 1e-5, 1e4),
+            ("minimax_m2", 8, 1e-6, 5e6),
+        ] {
+            let c = LlamaConfig::from_json(&bare.replace("MT", arch)).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            assert_eq!((c.num_kv_heads, c.rms_norm_eps, c.rope_theta), (kv, eps, theta), "{arch}");
+        }
     }
 
     #[test]
@@ -947,6 +1009,9 @@ mod tests {
             "num_experts_per_tok":3,"moe_intermediate_size":16,"n_group":2,"topk_group":1,"n_shared_experts":2,
             "first_k_dense_replace":2,"routed_scaling_factor":2.5,"attention_bias":true}"#;
         let c = LlamaConfig::from_json(base).unwrap();
+        // No shared expert: transformers' shared MLP of width 0 adds nothing.
+        let none = LlamaConfig::from_json(&base.replace(r#""n_shared_experts":2"#, r#""n_shared_experts":0"#));
+        assert_eq!(none.unwrap().moe.unwrap().shared_intermediate_size, None);
         // Glm4MoeConfig's default partial_rotary_factor is 0.5: 12 of 24 columns, 6 frequencies.
         assert_eq!((c.rotary_dim, c.rope().inv_freq.len()), (12, 6));
         assert!(c.qkv_bias && !c.o_bias && c.qk_norm == QkNorm::None);

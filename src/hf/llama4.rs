@@ -102,7 +102,7 @@ struct Raw {
     no_rope_layers: Option<Vec<i64>>,
     no_rope_layer_interval: Option<usize>,
     // Absent: transformers' 8192; null: no chunking.
-    #[serde(default, deserialize_with = "present")]
+    #[serde(default, deserialize_with = "super::present")]
     attention_chunk_size: Option<Option<usize>>,
     layer_types: Option<Vec<String>>,
     moe_layers: Option<Vec<usize>>,
@@ -111,11 +111,6 @@ struct Raw {
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
     max_position_embeddings: Option<usize>,
-}
-
-/// A key that is present, null or not (`Some(None)` for null), apart from an absent one (`None`).
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<usize>>, D::Error> {
-    Option::<usize>::deserialize(d).map(Some)
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {

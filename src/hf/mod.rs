@@ -90,6 +90,12 @@ pub fn read_config(path: &std::path::Path) -> Result<String, ConfigError> {
         .map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })
 }
 
+/// A key that is present, null or not (`Some(None)` for null), apart from an
+/// absent one (`None`): `#[serde(default, deserialize_with = "present")]`.
+pub(crate) fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<usize>>, D::Error> {
+    <Option<usize> as serde::Deserialize>::deserialize(d).map(Some)
+}
+
 /// Refuses a size that is zero.
 pub(crate) fn positive(field: &'static str, v: usize) -> Result<usize, ConfigError> {
     if v == 0 {
