@@ -635,6 +635,9 @@ mod tests {
         let null = text("deepseek_v3").replace(" EXTRA", r#", "q_lora_rank": null, "n_routed_experts": null"#);
         let c = DeepseekConfig::from_json(&null).unwrap();
         assert_eq!((c.q_lora_rank, c.n_routed_experts), (None, 0));
+        // Kimi-K2.5's wrapper without its text model: refused, not transformers' 61-layer default.
+        let e = DeepseekConfig::from_json(r#"{"model_type": "kimi_k25"}"#).unwrap_err().to_string();
+        assert!(e.contains("lacks required field `text_config"), "{e}");
     }
 
     const YARN: &str = r#""rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,

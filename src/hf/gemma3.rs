@@ -402,6 +402,12 @@ mod tests {
             (r#""rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}"#, "rope_parameters"),
             (r#""rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": -2.0}}"#, "rope_parameters"),
             (r#""num_key_value_heads": 3"#, "num_key_value_heads"),
+            // Degenerate values transformers runs (an empty residual, zero MLP, eps 0, no context).
+            (r#""hidden_size": 0"#, "hidden_size"),
+            (r#""intermediate_size": 0"#, "intermediate_size"),
+            (r#""rms_norm_eps": 0.0"#, "rms_norm_eps"),
+            (r#""max_position_embeddings": 0"#, "max_position_embeddings"),
+            (r#""head_dim": 15"#, "head_dim"),
         ] {
             match Gemma3Config::from_json(&text.replace("KEY", key)) {
                 Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field, "{key}"),
@@ -410,5 +416,9 @@ mod tests {
         }
         let wrapper = r#"{"model_type": "gemma3"}"#;
         assert!(matches!(Gemma3Config::from_json(wrapper), Err(ConfigError::Missing("text_config"))));
+        // transformers ignores the inner model_type (the wrapper fixes the class); another
+        // model's name says the checkpoint is not a Gemma 3 text model.
+        let other = r#"{"model_type": "gemma3", "text_config": {"model_type": "llama"}}"#;
+        assert!(matches!(Gemma3Config::from_json(other), Err(ConfigError::Invalid { field: "model_type", .. })));
     }
 }

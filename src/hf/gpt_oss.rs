@@ -550,6 +550,14 @@ mod tests {
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "attention_factor": 0}"#, "attention_factor"),
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "rope_theta": 1.0}"#, "yarn needs rope_theta > 1"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
+            (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "rope_theta": 0.5}"#, "yarn needs rope_theta > 1"),
+            // Degenerate values transformers runs (no routed expert, eps 0, clamps at or below 0, no context).
+            (r#", "num_experts_per_tok": 0"#, "`num_experts_per_tok`"),
+            (r#", "rms_norm_eps": 0"#, "`rms_norm_eps`"),
+            (r#", "swiglu_limit": 0"#, "`swiglu_limit`"),
+            (r#", "swiglu_alpha": -1"#, "`swiglu_alpha`"),
+            (r#", "max_position_embeddings": 0"#, "`max_position_embeddings`"),
+            (r#", "num_local_experts": 99999999"#, "`num_local_experts`: 99999999 is implausibly large"),
         ] {
             let e = with(extra).unwrap_err().to_string();
             assert!(e.contains(needle), "{extra}: {e}");

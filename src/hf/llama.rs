@@ -950,6 +950,8 @@ mod tests {
             (r#""decoder_sparse_step":2"#, r#""decoder_sparse_step":0"#, "`decoder_sparse_step`: must be positive"),
             (r#""num_experts":8,"#, "", "lacks required field `num_experts`"),
             (r#""moe_intermediate_size":32,"#, "", "`moe_intermediate_size`"),
+            (r#""num_experts_per_tok":2,"#, "", "lacks required field `num_experts_per_tok`"),
+            (r#""num_experts":8,"#, r#""num_experts":99999999,"#, "`num_experts`: 99999999 is implausibly large"),
         ] {
             let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
             assert!(e.contains(want), "{to}: {e}");
@@ -1047,6 +1049,16 @@ mod tests {
             (r#""topk_group":1"#, r#""topk_group":3"#, "not a valid grouping"),
             (r#""num_experts_per_tok":3"#, r#""num_experts_per_tok":5"#, "cannot give 5 experts per token"),
             (r#""routed_scaling_factor":2.5"#, r#""routed_scaling_factor":0"#, "routed_scaling_factor"),
+            (r#""routed_scaling_factor":2.5"#, r#""routed_scaling_factor":-1"#, "routed_scaling_factor"),
+            // transformers runs these (no rotation; a shared-expert-free zero; an odd head
+            // rotating 2 · ceil(int(15 · 0.5) / 2) columns), degenerate or odd: refused.
+            (
+                r#""attention_bias":true"#,
+                r#""partial_rotary_factor":0"#,
+                "`partial_rotary_factor`: 0: must be in (0, 1]",
+            ),
+            (r#""head_dim":24"#, r#""head_dim":15"#, "`head_dim`: must be a positive even number for RoPE, got 15"),
+            (r#""num_experts_per_tok":3"#, r#""num_experts_per_tok":0"#, "`num_experts_per_tok`: 0 must be between 1"),
             (r#""n_routed_experts":8,"#, "", "n_routed_experts"),
         ] {
             let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
@@ -1098,6 +1110,7 @@ mod tests {
             (r#""use_routing_bias":true"#, r#""use_routing_bias":false"#, "always adds its correction bias"),
             (r#""shared_intermediate_size":0"#, r#""shared_intermediate_size":64"#, "no shared experts"),
             (r#""rotary_dim":8"#, r#""rotary_dim":7"#, "`rotary_dim`: rotates 7 columns"),
+            (r#""rotary_dim":8"#, r#""rotary_dim":0"#, "`rotary_dim`: rotates 0 columns"),
             (r#""rotary_dim":8"#, r#""rotary_dim":8,"attn_type_list":[1,0]"#, "layer 1 is not full attention"),
             (r#""rotary_dim":8"#, r#""rotary_dim":32"#, "`rotary_dim`: rotates 32 columns of head_dim 16"),
         ] {

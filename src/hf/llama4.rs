@@ -385,10 +385,22 @@ mod tests {
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#, "rope_scaling"),
             (r#", "quantization_config": {"quant_method": "fbgemm_fp8"}"#, "quantization_config"),
             (r#", "num_experts_per_tok": 17"#, "num_experts_per_tok"),
+            // Degenerate values transformers runs (zero widths, no routed expert, eps 0, no context).
+            (r#", "intermediate_size": 0"#, "`intermediate_size`"),
+            (r#", "intermediate_size_mlp": 0"#, "`intermediate_size_mlp`"),
+            (r#", "num_experts_per_tok": 0"#, "`num_experts_per_tok`"),
+            (r#", "rms_norm_eps": 0.0"#, "`rms_norm_eps`"),
+            (r#", "max_position_embeddings": 0"#, "`max_position_embeddings`"),
+            (r#", "num_hidden_layers": 0"#, "`num_hidden_layers`"),
+            (r#", "rope_theta": 1e39"#, "`rope_theta`"),
+            (r#", "num_local_experts": 99999999"#, "`num_local_experts`: 99999999 is implausibly large"),
         ];
         for (extra, field) in cases {
             let e = Llama4Config::from_json(&text(extra)).unwrap_err().to_string();
             assert!(e.contains(field), "{extra}: {e}");
         }
+        // The wrapper without its text model: refused, not transformers' default Scout-sized one.
+        let e = Llama4Config::from_json(r#"{"model_type": "llama4"}"#).unwrap_err().to_string();
+        assert!(e.contains("lacks required field `text_config`"), "{e}");
     }
 }

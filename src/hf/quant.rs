@@ -697,6 +697,12 @@ mod tests {
             (r#"{"quant_method":"gptq","bits":4}"#, "quant_method \"gptq\""),
             (r#"{"quant_method":"awq"}"#, "quant_method \"awq\""),
             (r#"{"quant_method":"fp8","weight_block_size":null}"#, "per-tensor FP8"),
+            // compressed-tensors validates it (nothing quantized), but a checkpoint that says it is
+            // compressed-tensors and quantizes nothing is not what its file claims: refused.
+            (
+                r#"{"quant_method":"compressed-tensors","format":"pack-quantized","config_groups":{}}"#,
+                "no config groups",
+            ),
             (r#"{"quant_method":"fp8","fmt":"e5m2","weight_block_size":[128,128]}"#, "e5m2"),
             (
                 r#"{"quant_method":"compressed-tensors","format":"float-quantized","config_groups":{"g":{"targets":["Linear"],"weights":{"num_bits":8,"type":"float"}}}}"#,

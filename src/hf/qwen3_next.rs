@@ -433,6 +433,9 @@ mod tests {
         let other = wrapper.replace("qwen3_5_moe_text", "qwen3_5_text");
         let err = Qwen3NextConfig::from_json(&other).unwrap_err().to_string();
         assert!(err.contains("model_type"), "{err}");
+        // Without its text model: refused, not transformers' default one.
+        let err = Qwen3NextConfig::from_json(r#"{"model_type": "qwen3_5"}"#).unwrap_err().to_string();
+        assert!(err.contains("lacks required field `text_config`"), "{err}");
     }
 
     #[test]
@@ -470,6 +473,17 @@ mod tests {
             (r#", "rope_parameters": {"rope_theta": 1e4, "mrope_section": ["a"]}"#, "rope_parameters"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
             (r#", "attn_output_gate": false"#, "attn_output_gate"),
+            // Degenerate values transformers runs (zero widths, no routed expert, eps 0, no
+            // context, no rotation), and odd rotations (15-wide heads; 0.3 of 32 is 9 columns).
+            (r#", "intermediate_size": 0"#, "intermediate_size"),
+            (r#", "shared_expert_intermediate_size": 0"#, "shared_expert_intermediate_size"),
+            (r#", "num_experts_per_tok": 0"#, "num_experts_per_tok"),
+            (r#", "rms_norm_eps": 0"#, "rms_norm_eps"),
+            (r#", "max_position_embeddings": 0"#, "max_position_embeddings"),
+            (r#", "num_hidden_layers": 0"#, "num_hidden_layers"),
+            (r#", "partial_rotary_factor": 0"#, "partial_rotary_factor"),
+            (r#", "partial_rotary_factor": 0.3"#, "partial_rotary_factor"),
+            (r#", "head_dim": 15"#, "head_dim"),
             (r#", "num_experts_per_tok": 9"#, "num_experts_per_tok"),
             (
                 r#", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}"#,
