@@ -295,7 +295,12 @@ impl DeepseekConfig {
         };
         let rope = match kind {
             "default" => DsRope::Default,
-            "yarn" => Self::yarn(field, rope_theta, max_position_embeddings, &num)?,
+            "yarn" => {
+                // Absent (not null) takes the model's context, as standardize_rope_params fills it.
+                let original_absent = params.is_some_and(|p| p.get("original_max_position_embeddings").is_none());
+                let original = original_absent.then_some(max_position_embeddings);
+                Self::yarn(field, rope_theta, original, &num)?
+            }
             other => {
                 return Err(invalid(
                     field,
@@ -399,11 +404,12 @@ impl DeepseekConfig {
     }
 
     /// YaRN's parameters as `_compute_yarn_parameters` reads them, refusing
-    /// values that can only give NaN or infinite frequencies.
+    /// values that can only give NaN or infinite frequencies; `original`: the
+    /// context to take when the config has no `original_max_position_embeddings`.
     fn yarn(
         field: &'static str,
         theta: f32,
-        max_positions: usize,
+        original: Option<usize>,
         num: &dyn Fn(&str) -> Result<Option<f32>, ConfigError>,
     ) -> Result<DsRope, ConfigError> {
         let need = |k: &'static str| num(k)?.ok_or_else(|| invalid(field, format!("yarn needs `{k}`")));
@@ -421,10 +427,12 @@ impl DeepseekConfig {
         }
         Ok(DsRope::Yarn {
             factor: pos("factor", need("factor")?)?,
-            // Absent: the model's context, as `standardize_rope_params` fills it.
             original_max_position_embeddings: pos(
                 "original_max_position_embeddings",
-                num("original_max_position_embeddings")?.unwrap_or(max_positions as f32),
+                match original {
+                    Some(context) => context as f32,
+                    None => need("original_max_position_embeddings")?,
+                },
             )?,
             // `beta_fast or 32`, `beta_slow or 1`: 0 takes the default too.
             beta_fast: pos("beta_fast", num("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0))?,
@@ -681,6 +689,18 @@ mod tests {
                 7.905694656074047e-05,
             ],
         );
+        // Null is not absent: transformers divides by it.
+        let text = format!(
+            "{}}}",
+            YARN.replace(r#""original_max_position_embeddings": 16"#, r#""original_max_position_embeddings": null"#)
+        );
+        let text = format!(
+            r#"{{"model_type": "deepseek_v3", "hidden_size": 72, "num_hidden_layers": 3, "num_attention_heads": 4,
+                "intermediate_size": 96, "vocab_size": 100, "kv_lora_rank": 16, "q_lora_rank": 40,
+                "qk_nope_head_dim": 8, "qk_rope_head_dim": 16, "v_head_dim": 8, {text}}}"#
+        );
+        let e = DeepseekConfig::from_json(&text).unwrap_err().to_string();
+        assert!(e.contains("yarn needs `original_max_position_embeddings`"), "{e}");
         // No `mscale`: not both set, so the magnitude is mscale(factor, 1), not a ratio of 1.
         let m = v3(&format!("{}}}", YARN.replace(r#""mscale": 1.0, "#, "")));
         assert!((m.rope().scale as f64 - 1.138629436111989).abs() < 1e-6, "{}", m.rope().scale);

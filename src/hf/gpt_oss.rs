@@ -293,8 +293,14 @@ impl GptOssConfig {
                 ))
             }
         };
-        // `original_max_position_embeddings or max_position_embeddings` (standardize_rope_params).
-        let original = num(p, "original_max_position_embeddings", field)?.unwrap_or(max_positions as f64) as f32;
+        // Absent: max_position_embeddings, as standardize_rope_params fills it (null
+        // stays an error: transformers divides by it).
+        let original = match p.get("original_max_position_embeddings") {
+            None => max_positions as f32,
+            Some(_) => num(p, "original_max_position_embeddings", field)?
+                .ok_or_else(|| invalid(field, "yarn needs `original_max_position_embeddings`"))?
+                as f32,
+        };
         positive_f32(field, "original_max_position_embeddings", original)?;
         // A null factor is the ratio of the contexts, as `_compute_yarn_parameters` takes it.
         let factor = match p.get("factor") {
@@ -547,6 +553,10 @@ mod tests {
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": -1}"#, "beta_fast must be"),
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": -4}"#, "factor must be a finite positive"),
             (r#", "rope_scaling": {"rope_type": "yarn"}"#, "yarn needs `factor`"),
+            (
+                r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": null}"#,
+                "yarn needs `original_max_position_embeddings`",
+            ),
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "attention_factor": 0}"#, "attention_factor"),
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "rope_theta": 1.0}"#, "yarn needs rope_theta > 1"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
