@@ -154,7 +154,6 @@ fn deepseek_sizes_are_validated_like_llamas() {
         (vec![("num_experts_per_tok", json!(0))], "`num_experts_per_tok`: 0 is not in 1..=8"),
         (vec![("moe_intermediate_size", json!(0))], "`moe_intermediate_size`: must be positive"),
         (vec![("moe_layer_freq", json!(0))], "`moe_layer_freq`: must be positive"),
-        (vec![("first_k_dense_replace", json!(4))], "`first_k_dense_replace`: 4 is more than num_hidden_layers 3"),
         (vec![("n_group", json!(0))], "`n_group`: must be positive"),
         (vec![("topk_group", json!(0))], "`topk_group`: must be positive"),
         (vec![("n_group", json!(3))], "`n_group`: 3 groups of 8 experts"),
@@ -165,6 +164,24 @@ fn deepseek_sizes_are_validated_like_llamas() {
             "`topk_group`: 1 of 4 groups of 2 experts hold fewer than num_experts_per_tok 3",
         ),
         (vec![("kv_lora_rank", json!(u64::MAX))], "`kv_lora_rank`: makes kv_a_proj_with_mqa"),
+        // Strata's bounds, far above any real model (transformers has none).
+        (vec![("qk_nope_head_dim", huge.clone())], "`qk_nope_head_dim`: 1099511627776 is implausibly large"),
+        (vec![("n_shared_experts", huge.clone())], "`n_shared_experts`: is implausibly large"),
+        (vec![("num_nextn_predict_layers", json!(70_000))], "`num_nextn_predict_layers`: is implausibly large"),
+        // Keys transformers' DeepSeek-V3 does not read (always sigmoid, group-limited), whose
+        // value says the checkpoint is another router than the one transformers computes.
+        (vec![("scoring_func", json!("sqrtsoftplus"))], "`scoring_func`: \"sqrtsoftplus\""),
+        (vec![("topk_method", json!("bogus"))], "`topk_method`: \"bogus\""),
+        // Required sizes: transformers' class defaults (DeepSeek-V3's 7168 wide, ...) cannot be the checkpoint's.
+        (vec![("hidden_size", Value::Null)], "lacks required field `hidden_size`"),
+        (vec![("num_hidden_layers", Value::Null)], "lacks required field `num_hidden_layers`"),
+        (vec![("num_attention_heads", Value::Null)], "lacks required field `num_attention_heads`"),
+        (vec![("intermediate_size", Value::Null)], "lacks required field `intermediate_size`"),
+        (vec![("vocab_size", Value::Null)], "lacks required field `vocab_size`"),
+        (vec![("kv_lora_rank", Value::Null)], "lacks required field `kv_lora_rank`"),
+        (vec![("qk_nope_head_dim", Value::Null)], "lacks required field `qk_nope_head_dim`"),
+        (vec![("qk_rope_head_dim", Value::Null)], "lacks required field `qk_rope_head_dim`"),
+        (vec![("v_head_dim", Value::Null)], "lacks required field `v_head_dim`"),
         (vec![("vocab_size", json!(1u64 << 62))], "`vocab_size`: makes embed_tokens"),
     ];
     for (edits, needle) in cases {
@@ -177,6 +194,11 @@ fn deepseek_sizes_are_validated_like_llamas() {
     dense["n_routed_experts"] = Value::Null;
     let c = DeepseekConfig::from_json(&dense.to_string()).unwrap();
     assert_eq!((c.q_lora_rank, c.n_routed_experts), (None, 0));
+    // More leading dense layers than layers: every layer dense, as transformers builds it.
+    let mut all_dense = base.clone();
+    all_dense["first_k_dense_replace"] = json!(4);
+    let c = DeepseekConfig::from_json(&all_dense.to_string()).unwrap();
+    assert!((0..c.num_layers).all(|l| !c.is_moe(l)), "first_k_dense_replace 4 of 3 layers");
 }
 
 #[test]
@@ -189,6 +211,16 @@ fn llama_sizes_cannot_overflow_or_be_absurd() {
         (vec![("vocab_size", json!(1u64 << 62))], "`vocab_size`: makes embed_tokens"),
         (vec![("intermediate_size", json!(1u64 << 62))], "`intermediate_size`: makes gate_up_proj"),
         (vec![("max_position_embeddings", json!(0))], "`max_position_embeddings`: must be positive"),
+        (vec![("num_key_value_heads", json!(1u64 << 40))], "`num_key_value_heads`: 1099511627776 is implausibly large"),
+        // Zero widths: transformers runs them (embeddings straight to the norm, an MLP adding 0).
+        (vec![("num_hidden_layers", json!(0))], "`num_hidden_layers`: must be positive"),
+        (vec![("intermediate_size", json!(0))], "`intermediate_size`: must be positive"),
+        // Required sizes: transformers' class defaults cannot be the checkpoint's.
+        (vec![("hidden_size", Value::Null)], "lacks required field `hidden_size`"),
+        (vec![("num_hidden_layers", Value::Null)], "lacks required field `num_hidden_layers`"),
+        (vec![("num_attention_heads", Value::Null)], "lacks required field `num_attention_heads`"),
+        (vec![("intermediate_size", Value::Null)], "lacks required field `intermediate_size`"),
+        (vec![("vocab_size", Value::Null)], "lacks required field `vocab_size`"),
     ];
     for (edits, needle) in cases {
         let e = refusal(&base, &edits, LlamaConfig::from_json);
@@ -261,8 +293,9 @@ fn values_that_can_only_give_nan_are_refused() {
         // Overflows f32 to infinity.
         (vec![("rope.rope_theta", json!(1e300))], "`rope_theta`: rope_theta must be a finite positive number, got inf"),
         (vec![("rope.factor", json!(0.0))], "`rope_parameters`: `factor` must be a finite positive number"),
+        (vec![("rope.factor", json!(-8.0))], "`rope_parameters`: `factor` must be a finite positive number"),
         (vec![("rope.low_freq_factor", json!(-1.0))], "`low_freq_factor` must be a finite positive number"),
-        (vec![("rope.high_freq_factor", json!(1.0))], "`high_freq_factor` 1 must exceed `low_freq_factor` 1"),
+        (vec![("rope.high_freq_factor", json!(-1.0))], "`high_freq_factor` must be a finite positive number"),
         (vec![("rope.original_max_position_embeddings", json!(0))], "`original_max_position_embeddings` must be"),
     ];
     for (edits, needle) in cases {
@@ -277,10 +310,11 @@ fn values_that_can_only_give_nan_are_refused() {
         (vec![("rope.rope_theta", json!(-10000.0))], "`rope_theta`: rope_theta must be a finite positive number"),
         (vec![("rope.rope_theta", json!(1e39))], "`rope_theta`: rope_theta must be a finite positive number, got inf"),
         (vec![("rope.rope_theta", json!(1.0))], "`rope_theta`: yarn needs rope_theta > 1"),
+        (vec![("rope.rope_theta", json!(0.5))], "`rope_theta`: yarn needs rope_theta > 1"),
         (vec![("rope.factor", json!(0.0))], "`rope_parameters`: `factor` must be a finite positive number"),
         (vec![("rope.factor", json!(-4.0))], "`factor` must be a finite positive number"),
         (vec![("rope.factor", json!("4"))], "`rope_parameters`: `factor` must be a number, got \"4\""),
-        (vec![("rope.beta_fast", json!(0))], "`beta_fast` must be a finite positive number"),
+        (vec![("rope.beta_fast", json!(-2))], "`beta_fast` must be a finite positive number"),
         (vec![("rope.beta_slow", json!(-1))], "`beta_slow` must be a finite positive number"),
         (vec![("rope.original_max_position_embeddings", json!(0))], "`original_max_position_embeddings` must be"),
         (vec![("rope.mscale", json!(-1.0))], "`mscale` must be a finite number >= 0"),

@@ -151,14 +151,76 @@ fn llama_4_scout_routes_every_layer_and_chunks_its_rope_layers() {
     assert!(c.qk_norm, "use_qk_norm: q and k normed after RoPE on the RoPE layers");
     let t = c.temperature.expect("attn_temperature_tuning: 4 (the hub's integer) is on");
     assert_eq!((t.floor_scale, t.attn_scale), (8192.0, 0.1));
-    // llama3 scaling by 8 over 8192 original positions on base 5e5: the highest frequency is kept.
+    // llama3 scaling by 16 over 8192 original positions on base 5e5 (every frequency checked
+    // against transformers' in the next test): the highest is kept, the lowest divided by 16.
     assert_eq!((c.rope_theta, c.rope().inv_freq[0]), (500_000.0, 1.0));
     let low = 500_000f32.powf(-126.0 / 128.0);
-    assert!((c.rope().inv_freq[63] - low / 8.0).abs() < 1e-6 * low, "the lowest frequency divided by 8");
+    assert!((c.rope().inv_freq[63] - low / 16.0).abs() < 1e-6 * low, "the lowest frequency divided by 16");
     let opts = |tp| strata::model::LoadOptions { tp, ..Default::default() };
     AnyConfig::Llama4(c.clone()).check(&opts(8)).expect("40 heads, 8 kv heads, 8192 expert columns over 8 ranks");
     let err = AnyConfig::Llama4(c.clone()).check(&opts(3)).unwrap_err().to_string();
     assert!(err.contains("num_attention_heads"), "{err}");
+}
+
+/// What `f` logs through `tracing` (plain text, every level), and its result.
+fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+    let buf = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+    let sink = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || Log(sink.clone()))
+        .with_ansi(false)
+        .with_max_level(tracing::Level::TRACE)
+        .finish();
+    let out = tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8(buf.lock().unwrap().clone()).unwrap();
+    (out, text)
+}
+
+/// A writer into a shared buffer, for [`logged`].
+struct Log(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Log {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn llama_4_scouts_rope_is_transformers_table() {
+    // Scout's rope_scaling has high_freq_factor == low_freq_factor (1.0): transformers
+    // warns, keeps each frequency whose wavelength is at most 8192 / 1 and divides the
+    // others by 16, with no smoothed band between.
+    let text = std::fs::read_to_string(fixture("configs").join("llama-4-scout-17b-16e.json")).unwrap();
+    let (parsed, log) = logged(|| AnyConfig::parse(&text));
+    let AnyConfig::Llama4(c) = parsed.expect("transformers accepts it with a warning") else {
+        panic!("llama4 is a Llama 4 config")
+    };
+    let warning = "`rope_parameters`'s high_freq_factor field must be greater than low_freq_factor, \
+                   got high_freq_factor=1.0 and low_freq_factor=1.0";
+    assert!(log.contains(warning) && log.contains("WARN"), "transformers' warning, as a warning: {log}");
+    // scripts/make_scout_inv_freq.py: transformers 5.25.0's Llama4TextRotaryEmbedding for this file.
+    let table = std::fs::read_to_string(fixture("configs").join("llama-4-scout-17b-16e.inv_freq.json")).unwrap();
+    let table: serde_json::Value = serde_json::from_str(&table).unwrap();
+    let floats = |k: &str| -> Vec<f64> { table[k].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect() };
+    let (want, unscaled) = (floats("inv_freq"), floats("unscaled_inv_freq"));
+    let divided: Vec<usize> =
+        table["divided_by_factor"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+    assert_eq!((want.len(), divided.len()), (64, 29), "35 frequencies kept, 29 divided by 16");
+    let got = c.rope().inv_freq;
+    assert_eq!(got.len(), want.len());
+    for i in 0..64 {
+        let (g, w) = (got[i] as f64, want[i]);
+        assert!((g - w).abs() <= 1e-6 * w, "inv_freq[{i}]: Strata {g:e}, transformers {w:e}");
+        // The branch: Strata's value over the unscaled one is 1 or 1/16, as transformers'.
+        let strata_divided = (g / unscaled[i] - 1.0 / 16.0).abs() < 1e-6;
+        let strata_kept = (g / unscaled[i] - 1.0).abs() < 1e-6;
+        assert!(strata_divided != strata_kept, "inv_freq[{i}] is neither kept nor divided by 16: {g:e}");
+        assert_eq!(strata_divided, divided.contains(&i), "inv_freq[{i}]: a different branch from transformers'");
+    }
 }
 
 #[test]

@@ -24,9 +24,9 @@ pub enum DsRope {
         beta_fast: f32,
         /// Slow boundary (rotations).
         beta_slow: f32,
-        /// cos/sin magnitude factor.
+        /// cos/sin magnitude factor, with `mscale_all_dim` (0 when absent: then `mscale(factor, 1)`).
         mscale: f32,
-        /// Softmax scale factor.
+        /// Softmax scale factor (0 when absent: no softmax scaling).
         mscale_all_dim: f32,
     },
 }
@@ -81,7 +81,7 @@ pub struct DeepseekConfig {
     pub num_experts_per_tok: usize,
     /// Expert MLP width.
     pub moe_intermediate_size: usize,
-    /// Leading dense layers.
+    /// Leading dense layers (every layer when it is `num_layers` or more).
     pub first_k_dense_replace: usize,
     /// MoE on every `moe_layer_freq`-th layer after them.
     pub moe_layer_freq: usize,
@@ -115,7 +115,9 @@ struct Raw {
     max_position_embeddings: Option<usize>,
     num_nextn_predict_layers: Option<usize>,
     rms_norm_eps: Option<f64>,
-    q_lora_rank: Option<usize>,
+    // Null and absent differ: null is "none", absent the class default.
+    #[serde(default, deserialize_with = "super::present")]
+    q_lora_rank: Option<Option<usize>>,
     kv_lora_rank: Option<usize>,
     qk_nope_head_dim: Option<usize>,
     qk_rope_head_dim: Option<usize>,
@@ -126,7 +128,8 @@ struct Raw {
     rope_interleave: Option<bool>,
     attention_bias: Option<bool>,
     hidden_act: Option<String>,
-    n_routed_experts: Option<usize>,
+    #[serde(default, deserialize_with = "super::present")]
+    n_routed_experts: Option<Option<usize>>,
     n_shared_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
     moe_intermediate_size: Option<usize>,
@@ -143,6 +146,56 @@ struct Raw {
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { field, problem: problem.into() }
+}
+
+/// transformers' class defaults of the keys a config may leave out:
+/// `DeepseekV3Config`'s for deepseek_v3 and the Kimi models (transformers reads
+/// Kimi-K2's text model as deepseek_v3), `DeepseekV2Config`'s for deepseek_v2.
+struct MoeDefaults {
+    q_lora_rank: usize,
+    n_routed_experts: usize,
+    n_shared_experts: usize,
+    num_experts_per_tok: usize,
+    moe_intermediate_size: usize,
+    first_k_dense_replace: usize,
+    routed_scaling_factor: f64,
+    norm_topk_prob: bool,
+    n_group: usize,
+    topk_group: usize,
+}
+
+impl MoeDefaults {
+    fn of(v3: bool) -> Self {
+        if v3 {
+            MoeDefaults {
+                q_lora_rank: 1536,
+                n_routed_experts: 256,
+                n_shared_experts: 1,
+                num_experts_per_tok: 8,
+                moe_intermediate_size: 2048,
+                first_k_dense_replace: 3,
+                routed_scaling_factor: 2.5,
+                norm_topk_prob: true,
+                n_group: 8,
+                topk_group: 4,
+            }
+        } else {
+            // n_group, topk_group and num_experts_per_tok are None there: one group, and no
+            // top-k (refused, as transformers' top-k of None raises).
+            MoeDefaults {
+                q_lora_rank: 1536,
+                n_routed_experts: 64,
+                n_shared_experts: 2,
+                num_experts_per_tok: 0,
+                moe_intermediate_size: 1407,
+                first_k_dense_replace: 0,
+                routed_scaling_factor: 1.0,
+                norm_topk_prob: false,
+                n_group: 1,
+                topk_group: 1,
+            }
+        }
+    }
 }
 
 impl DeepseekConfig {
@@ -215,11 +268,8 @@ impl DeepseekConfig {
                 return Err(invalid("hidden_act", format!("{act:?} is not supported (only silu)")));
             }
         }
-        let (params, field) = match (&r.rope_parameters, &r.rope_scaling) {
-            (Some(p), _) if !p.is_null() => (Some(p), "rope_parameters"),
-            (_, Some(p)) if !p.is_null() => (Some(p), "rope_scaling"),
-            _ => (None, "rope_parameters"),
-        };
+        // Of `rope_parameters` and `rope_scaling`, the one transformers reads.
+        let (params, field) = super::rope_source(r.rope_parameters.as_ref(), r.rope_scaling.as_ref());
         if let Some(p) = params.filter(|p| !p.is_object()) {
             return Err(invalid(field, format!("expected an object, got {p}")));
         }
@@ -238,9 +288,19 @@ impl DeepseekConfig {
             .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
             .and_then(Value::as_str)
             .unwrap_or("default");
+        let (max_position_embeddings, max_position_default) = match r.max_position_embeddings {
+            Some(n) => (positive("max_position_embeddings", n)?, false),
+            // HF's DeepseekV2Config says 2048; V3's (and the remote code Kimi-K2 ships) 4096.
+            None => (if v3 { 4096 } else { 2048 }, true),
+        };
         let rope = match kind {
             "default" => DsRope::Default,
-            "yarn" => Self::yarn(field, rope_theta, &num)?,
+            "yarn" => {
+                // Absent (not null) takes the model's context, as standardize_rope_params fills it.
+                let original_absent = params.is_some_and(|p| p.get("original_max_position_embeddings").is_none());
+                let original = original_absent.then_some(max_position_embeddings);
+                Self::yarn(field, rope_theta, original, &num)?
+            }
             other => {
                 return Err(invalid(
                     field,
@@ -281,24 +341,27 @@ impl DeepseekConfig {
         let hidden_size = positive("hidden_size", need(r.hidden_size, "hidden_size")?)?;
         let num_layers = bounded("num_hidden_layers", need(r.num_hidden_layers, "num_hidden_layers")?, MAX_LAYERS)?;
         let num_heads = bounded("num_attention_heads", need(r.num_attention_heads, "num_attention_heads")?, MAX_COUNT)?;
-        let (max_position_embeddings, max_position_default) = match r.max_position_embeddings {
-            Some(n) => (positive("max_position_embeddings", n)?, false),
-            // HF's DeepseekV2Config says 2048; V3's (and the remote code Kimi-K2 ships) 4096.
-            None => (if v3 { 4096 } else { 2048 }, true),
-        };
+        let d = MoeDefaults::of(v3);
+        // Null means plain q_proj; absent, the class's q LoRA rank.
         let q_lora_rank = match r.q_lora_rank {
-            Some(0) => return Err(invalid("q_lora_rank", "must be positive (null means plain q_proj, no q LoRA)")),
-            rank => rank,
+            Some(Some(0)) => {
+                return Err(invalid("q_lora_rank", "must be positive (null means plain q_proj, no q LoRA)"))
+            }
+            Some(rank) => rank,
+            None => Some(d.q_lora_rank),
         };
-        // Absent or null means no routed experts; an explicit 0 is a mistake.
+        // Null means no routed experts (every layer dense); absent, the class's count; 0 is a mistake.
         let n_routed_experts = match r.n_routed_experts {
-            Some(0) => return Err(invalid("n_routed_experts", "must be positive (null means every layer is dense)")),
-            Some(e) => bounded("n_routed_experts", e, MAX_COUNT)?,
-            None => 0,
+            Some(Some(0)) => {
+                return Err(invalid("n_routed_experts", "must be positive (null means every layer is dense)"))
+            }
+            Some(Some(e)) => bounded("n_routed_experts", e, MAX_COUNT)?,
+            Some(None) => 0,
+            None => d.n_routed_experts,
         };
-        let group = |v: Option<usize>, f: &'static str| match v {
-            Some(0) => Err(invalid(f, "must be positive (null means 1)")),
-            v => Ok(v.unwrap_or(1)),
+        let group = |v: Option<usize>, f: &'static str, default: usize| match v {
+            Some(0) => Err(invalid(f, format!("must be positive (null means {default})"))),
+            v => Ok(v.unwrap_or(default)),
         };
         let c = DeepseekConfig {
             hidden_size,
@@ -320,17 +383,18 @@ impl DeepseekConfig {
             rope_interleave: r.rope_interleave.unwrap_or(true),
             attention_bias: r.attention_bias.unwrap_or(false),
             n_routed_experts,
-            n_shared_experts: r.n_shared_experts.unwrap_or(0),
-            num_experts_per_tok: r.num_experts_per_tok.unwrap_or(0),
-            moe_intermediate_size: r.moe_intermediate_size.unwrap_or(0),
-            first_k_dense_replace: r.first_k_dense_replace.unwrap_or(0),
+            n_shared_experts: r.n_shared_experts.unwrap_or(d.n_shared_experts),
+            // DeepseekV2Config has no default (None): 0, refused below when there are experts.
+            num_experts_per_tok: r.num_experts_per_tok.unwrap_or(d.num_experts_per_tok),
+            moe_intermediate_size: r.moe_intermediate_size.unwrap_or(d.moe_intermediate_size),
+            first_k_dense_replace: r.first_k_dense_replace.unwrap_or(d.first_k_dense_replace),
             moe_layer_freq: r.moe_layer_freq.unwrap_or(1),
-            routed_scaling_factor: r.routed_scaling_factor.unwrap_or(1.0) as f32,
-            norm_topk_prob: r.norm_topk_prob.unwrap_or(false),
+            routed_scaling_factor: r.routed_scaling_factor.unwrap_or(d.routed_scaling_factor) as f32,
+            norm_topk_prob: r.norm_topk_prob.unwrap_or(d.norm_topk_prob),
             scoring,
             topk_method,
-            n_group: group(r.n_group, "n_group")?,
-            topk_group: group(r.topk_group, "topk_group")?,
+            n_group: group(r.n_group, "n_group", d.n_group)?,
+            topk_group: group(r.topk_group, "topk_group", d.topk_group)?,
             quant: QuantConfig::from_json(r.quantization_config.as_ref())?,
             tensor_prefix: String::new(),
             model_type,
@@ -339,10 +403,13 @@ impl DeepseekConfig {
         Ok(c)
     }
 
-    /// YaRN's parameters, refusing values that can only give NaN or infinite frequencies.
+    /// YaRN's parameters as `_compute_yarn_parameters` reads them, refusing
+    /// values that can only give NaN or infinite frequencies; `original`: the
+    /// context to take when the config has no `original_max_position_embeddings`.
     fn yarn(
         field: &'static str,
         theta: f32,
+        original: Option<usize>,
         num: &dyn Fn(&str) -> Result<Option<f32>, ConfigError>,
     ) -> Result<DsRope, ConfigError> {
         let need = |k: &'static str| num(k)?.ok_or_else(|| invalid(field, format!("yarn needs `{k}`")));
@@ -362,11 +429,16 @@ impl DeepseekConfig {
             factor: pos("factor", need("factor")?)?,
             original_max_position_embeddings: pos(
                 "original_max_position_embeddings",
-                need("original_max_position_embeddings")?,
+                match original {
+                    Some(context) => context as f32,
+                    None => need("original_max_position_embeddings")?,
+                },
             )?,
-            beta_fast: pos("beta_fast", num("beta_fast")?.unwrap_or(32.0))?,
-            beta_slow: pos("beta_slow", num("beta_slow")?.unwrap_or(1.0))?,
-            mscale: non_negative("mscale", num("mscale")?.unwrap_or(1.0))?,
+            // `beta_fast or 32`, `beta_slow or 1`: 0 takes the default too.
+            beta_fast: pos("beta_fast", num("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0))?,
+            beta_slow: pos("beta_slow", num("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0))?,
+            // Absent counts as 0: the two take part only when both are nonzero.
+            mscale: non_negative("mscale", num("mscale")?.unwrap_or(0.0))?,
             mscale_all_dim: non_negative("mscale_all_dim", num("mscale_all_dim")?.unwrap_or(0.0))?,
         })
     }
@@ -380,12 +452,6 @@ impl DeepseekConfig {
         }
         if c.num_nextn_predict_layers > MAX_LAYERS {
             return Err(invalid("num_nextn_predict_layers", "is implausibly large"));
-        }
-        if c.first_k_dense_replace > c.num_layers {
-            return Err(invalid(
-                "first_k_dense_replace",
-                format!("{} is more than num_hidden_layers {}", c.first_k_dense_replace, c.num_layers),
-            ));
         }
         let (h, nh, qk) = (c.hidden_size, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim);
         elements("vocab_size", "embed_tokens", &[c.vocab_size, h])?;
@@ -519,5 +585,128 @@ impl DeepseekConfig {
             }
             _ => base,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small DeepSeek-V3 config with YaRN in `rope_parameters`, edited by `rope`.
+    fn v3(rope: &str) -> DeepseekConfig {
+        let text = format!(
+            r#"{{"model_type": "deepseek_v3", "hidden_size": 72, "num_hidden_layers": 3, "num_attention_heads": 4,
+                "intermediate_size": 96, "vocab_size": 100, "kv_lora_rank": 16, "q_lora_rank": 40,
+                "qk_nope_head_dim": 8, "qk_rope_head_dim": 16, "v_head_dim": 8, "max_position_embeddings": 512,
+                "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 4,
+                "topk_group": 2, {rope}}}"#
+        );
+        DeepseekConfig::from_json(&text).unwrap_or_else(|e| panic!("{rope}: {e}"))
+    }
+
+    /// `got` is `want` within a relative 1e-6.
+    fn close(got: &[f32], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
+        }
+    }
+
+    #[test]
+    fn absent_moe_keys_take_the_config_classes_defaults() {
+        // transformers 5.25.0's DeepseekV3Config / DeepseekV2Config defaults for the keys left out.
+        let text = |model_type: &str| {
+            format!(
+                r#"{{"model_type": "{model_type}", "hidden_size": 72, "num_hidden_layers": 4, "num_attention_heads": 4,
+                    "intermediate_size": 96, "vocab_size": 100, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                    "qk_rope_head_dim": 16, "v_head_dim": 8 EXTRA}}"#
+            )
+        };
+        for model_type in ["deepseek_v3", "kimi_k2"] {
+            let c = DeepseekConfig::from_json(&text(model_type).replace(" EXTRA", "")).unwrap();
+            assert_eq!(c.q_lora_rank, Some(1536), "{model_type}");
+            assert_eq!((c.n_routed_experts, c.n_shared_experts, c.num_experts_per_tok), (256, 1, 8));
+            assert_eq!((c.moe_intermediate_size, c.first_k_dense_replace, c.n_group, c.topk_group), (2048, 3, 8, 4));
+            assert_eq!((c.routed_scaling_factor, c.norm_topk_prob), (2.5, true));
+        }
+        // V2 has no default top-k (None: transformers' top-k fails), so it is required with experts.
+        let e = DeepseekConfig::from_json(&text("deepseek_v2").replace(" EXTRA", "")).unwrap_err().to_string();
+        assert!(e.contains("`num_experts_per_tok`"), "{e}");
+        let c = DeepseekConfig::from_json(&text("deepseek_v2").replace(" EXTRA", r#", "num_experts_per_tok": 6"#));
+        let c = c.unwrap();
+        assert_eq!(
+            (c.q_lora_rank, c.n_routed_experts, c.n_shared_experts, c.moe_intermediate_size),
+            (Some(1536), 64, 2, 1407)
+        );
+        assert_eq!((c.first_k_dense_replace, c.routed_scaling_factor, c.norm_topk_prob), (0, 1.0, false));
+        // Null still says "none": plain q_proj, every layer dense.
+        let null = text("deepseek_v3").replace(" EXTRA", r#", "q_lora_rank": null, "n_routed_experts": null"#);
+        let c = DeepseekConfig::from_json(&null).unwrap();
+        assert_eq!((c.q_lora_rank, c.n_routed_experts), (None, 0));
+        // Kimi-K2.5's wrapper without its text model: refused, not transformers' 61-layer default.
+        let e = DeepseekConfig::from_json(r#"{"model_type": "kimi_k25"}"#).unwrap_err().to_string();
+        assert!(e.contains("lacks required field `text_config"), "{e}");
+    }
+
+    const YARN: &str = r#""rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0"#;
+
+    #[test]
+    fn yarn_reads_its_keys_as_transformers_does() {
+        // Expected values: transformers 5.25.0, `ROPE_INIT_FUNCTIONS["yarn"](DeepseekV3Config.from_dict(...))`
+        // and `yarn_apply_mscale` on qk_head_dim^-0.5 for the config above, edited per case.
+        let reference = v3(&format!("{YARN}}}"));
+        close(
+            &reference.rope().inv_freq,
+            &[
+                1.0,
+                0.07905694097280502,
+                0.02500000037252903,
+                0.007905694656074047,
+                0.0024999999441206455,
+                0.0007905694656074047,
+                0.0002500000118743628,
+                7.905694656074047e-05,
+            ],
+        );
+        assert_eq!(reference.rope().scale, 1.0);
+        assert!((reference.softmax_scale() as f64 - 0.2646422579642267).abs() < 1e-6);
+        // `beta_fast or 32`, `beta_slow or 1`.
+        let zeros = v3(&format!(r#"{YARN}, "beta_fast": 0, "beta_slow": 0}}"#));
+        assert_eq!((zeros.rope(), zeros.softmax_scale()), (reference.rope(), reference.softmax_scale()));
+        // No original context: max_position_embeddings (512).
+        let absent = v3(&format!("{}}}", YARN.replace(r#", "original_max_position_embeddings": 16"#, "")));
+        close(
+            &absent.rope().inv_freq,
+            &[
+                1.0,
+                0.2569350600242615,
+                0.0625,
+                0.013834965415298939,
+                0.0024999999441206455,
+                0.0007905694656074047,
+                0.0002500000118743628,
+                7.905694656074047e-05,
+            ],
+        );
+        // Null is not absent: transformers divides by it.
+        let text = format!(
+            "{}}}",
+            YARN.replace(r#""original_max_position_embeddings": 16"#, r#""original_max_position_embeddings": null"#)
+        );
+        let text = format!(
+            r#"{{"model_type": "deepseek_v3", "hidden_size": 72, "num_hidden_layers": 3, "num_attention_heads": 4,
+                "intermediate_size": 96, "vocab_size": 100, "kv_lora_rank": 16, "q_lora_rank": 40,
+                "qk_nope_head_dim": 8, "qk_rope_head_dim": 16, "v_head_dim": 8, {text}}}"#
+        );
+        let e = DeepseekConfig::from_json(&text).unwrap_err().to_string();
+        assert!(e.contains("yarn needs `original_max_position_embeddings`"), "{e}");
+        // No `mscale`: not both set, so the magnitude is mscale(factor, 1), not a ratio of 1.
+        let m = v3(&format!("{}}}", YARN.replace(r#""mscale": 1.0, "#, "")));
+        assert!((m.rope().scale as f64 - 1.138629436111989).abs() < 1e-6, "{}", m.rope().scale);
+        assert!((m.softmax_scale() as f64 - 0.2646422579642267).abs() < 1e-6);
+        // With `rope_scaling` beside it, `rope_parameters` is not read (transformers' `rope_scaling or ...`).
+        let both = v3(&format!(r#"{YARN}}}, "rope_scaling": {{"rope_type": "default"}}"#));
+        assert_eq!(both.rope, DsRope::Default);
     }
 }

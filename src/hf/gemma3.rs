@@ -41,8 +41,11 @@ pub struct Gemma3Config {
     pub rope_theta: f32,
     /// Scaling of the global layers' RoPE (linear in the 4B+ releases).
     pub rope_scaling: RopeScaling,
-    /// RoPE base of the local (sliding) layers, which are never scaled.
+    /// RoPE base of the local (sliding) layers.
     pub rope_local_theta: f32,
+    /// Scaling of the local layers' RoPE: none in the releases, but transformers
+    /// applies whatever `rope_parameters.sliding_attention` says.
+    pub rope_local_scaling: RopeScaling,
     /// Per layer: `Some(w)` for a local layer attending to the last `w` positions.
     pub sliding_windows: Vec<Option<usize>>,
     /// Longest sequence.
@@ -147,7 +150,8 @@ impl Gemma3Config {
             None => (131_072, true),
         };
         let sliding_windows = Self::windows(&raw, num_layers)?;
-        let (rope_theta, rope_scaling, rope_local_theta) = Self::ropes(&raw)?;
+        let (rope_theta, rope_scaling, rope_local_theta, rope_local_scaling) =
+            Self::ropes(&raw, max_position_embeddings)?;
         Ok(Gemma3Config {
             model_type,
             hidden_size,
@@ -163,6 +167,7 @@ impl Gemma3Config {
             rope_theta,
             rope_scaling,
             rope_local_theta,
+            rope_local_scaling,
             sliding_windows,
             max_position_embeddings,
             max_position_default,
@@ -183,10 +188,10 @@ impl Gemma3Config {
             }
             return types
                 .iter()
-                .map(|t| match t.as_str() {
+                .map(|t| match super::layer_type(t) {
                     "full_attention" => Ok(None),
                     "sliding_attention" => Ok(Some(w)),
-                    other => Err(invalid("layer_types", format!("unknown layer type {other:?}"))),
+                    _ => Err(invalid("layer_types", format!("unknown layer type {t:?}"))),
                 })
                 .collect();
         }
@@ -197,11 +202,11 @@ impl Gemma3Config {
         Ok((0..n).map(|i| (!(i + 1).is_multiple_of(pattern)).then_some(w)).collect())
     }
 
-    /// (global theta, global scaling, local theta), as Gemma3TextConfig
-    /// resolves them: transformers 5's `rope_parameters` per layer type, or
-    /// the older `rope_theta`, `rope_local_base_freq` and `rope_scaling`;
-    /// `rope_scaling` applies to the global layers only.
-    fn ropes(raw: &Raw) -> Result<(f32, RopeScaling, f32), ConfigError> {
+    /// (global theta, global scaling, local theta, local scaling), as
+    /// Gemma3TextConfig resolves them: transformers 5's `rope_parameters` per
+    /// layer type, or the older `rope_theta`, `rope_local_base_freq` and
+    /// `rope_scaling`; `rope_scaling` applies to the global layers only.
+    fn ropes(raw: &Raw, max_positions: usize) -> Result<(f32, RopeScaling, f32, RopeScaling), ConfigError> {
         let field = "rope_parameters";
         let (mut full, mut sliding) = (None, None);
         if let Some(p) = raw.rope_parameters.as_ref().filter(|p| !p.is_null()) {
@@ -224,16 +229,15 @@ impl Gemma3Config {
             };
             entry.extend(update.clone());
         }
-        let (full_theta, scaling) = parse_rope(full.as_ref(), field)?;
-        let (local_theta, local_scaling) = parse_rope(sliding.as_ref(), field)?;
-        if local_scaling != RopeScaling::None {
-            return Err(invalid(field, "sliding_attention's RoPE is scaled; Gemma 3 scales only its global layers"));
-        }
+        let (full_theta, scaling) = parse_rope(full.as_ref(), field, max_positions)?;
+        // The releases scale the global layers only; transformers builds the
+        // local layers' RoPE from their own entry, scaled or not, and so does Strata.
+        let (local_theta, local_scaling) = parse_rope(sliding.as_ref(), field, max_positions)?;
         let theta = full_theta.or(raw.rope_theta.map(|t| t as f32)).unwrap_or(1_000_000.0);
         let local = local_theta.or(raw.rope_local_base_freq.map(|t| t as f32)).unwrap_or(10_000.0);
         positive_f32("rope_theta", "rope_theta", theta)?;
         positive_f32("rope_local_base_freq", "rope_local_base_freq", local)?;
-        Ok((theta, scaling, local))
+        Ok((theta, scaling, local, local_scaling))
     }
 
     /// The global layers' RoPE.
@@ -241,9 +245,9 @@ impl Gemma3Config {
         RopeFreqs { inv_freq: inv_freq(self.rope_theta, self.head_dim, &self.rope_scaling), scale: 1.0 }
     }
 
-    /// The local layers' RoPE (never scaled).
+    /// The local layers' RoPE.
     pub fn rope_local(&self) -> RopeFreqs {
-        RopeFreqs { inv_freq: inv_freq(self.rope_local_theta, self.head_dim, &RopeScaling::None), scale: 1.0 }
+        RopeFreqs { inv_freq: inv_freq(self.rope_local_theta, self.head_dim, &self.rope_local_scaling), scale: 1.0 }
     }
 
     /// The outer shape.
@@ -300,6 +304,13 @@ mod tests {
     }
 
     #[test]
+    fn the_legacy_attention_layer_type_is_full_attention() {
+        let text = r#"{"model_type": "gemma3_text", "num_hidden_layers": 3, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "attention", "sliding_attention"]}"#;
+        assert_eq!(Gemma3Config::from_json(text).unwrap().sliding_windows, [Some(8), None, Some(8)]);
+    }
+
+    #[test]
     fn transformers_5_rope_parameters_agree_with_the_legacy_keys() {
         let legacy = Gemma3Config::from_json(GEMMA3_4B).unwrap();
         let v5 = GEMMA3_4B.replace(
@@ -308,6 +319,75 @@ mod tests {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}"#,
         );
         assert_eq!(Gemma3Config::from_json(&v5).unwrap(), legacy);
+    }
+
+    /// `got` is `want` within a relative 1e-6.
+    fn close(got: &[f32], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
+        }
+    }
+
+    #[test]
+    fn a_scaled_sliding_entry_scales_the_local_layers_as_transformers_does() {
+        // Expected values: transformers 5.25.0's Gemma3RotaryEmbedding (sliding_attention_inv_freq,
+        // full_attention_inv_freq) for head_dim 16 and these rope_parameters.
+        let text = |rope: &str| {
+            let c = format!(
+                r#"{{"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64, "vocab_size": 100,
+                    "max_position_embeddings": 1024, "rope_parameters": {rope}}}"#
+            );
+            Gemma3Config::from_json(&c).unwrap_or_else(|e| panic!("{rope}: {e}"))
+        };
+        let full = [
+            1.0,
+            0.17782793939113617,
+            0.03162277862429619,
+            0.005623413249850273,
+            0.0010000000474974513,
+            0.00017782794020604342,
+            3.162277425872162e-05,
+            5.62341347176698e-06,
+        ];
+        let c = text(
+            r#"{"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}"#,
+        );
+        close(&c.rope().inv_freq, &full);
+        close(
+            &c.rope_local().inv_freq,
+            &[
+                0.5,
+                0.15811388194561005,
+                0.05000000074505806,
+                0.015811389312148094,
+                0.004999999888241291,
+                0.0015811389312148094,
+                0.0005000000237487257,
+                0.00015811389312148094,
+            ],
+        );
+        // llama3 on the local layers, its original context left to max_position_embeddings (1024).
+        let c = text(
+            r#"{"sliding_attention": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "rope_theta": 1e4}}"#,
+        );
+        close(&c.rope().inv_freq, &full);
+        close(
+            &c.rope_local().inv_freq,
+            &[
+                1.0,
+                0.3162277638912201,
+                0.10000000149011612,
+                0.03162277862429619,
+                0.003086760640144348,
+                0.00039528473280370235,
+                0.0001250000059371814,
+                3.9528473280370235e-05,
+            ],
+        );
     }
 
     #[test]
@@ -320,8 +400,14 @@ mod tests {
             (r#""layer_types": ["full_attention"]"#, "layer_types"),
             (r#""sliding_window_pattern": 0"#, "sliding_window_pattern"),
             (r#""rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}"#, "rope_parameters"),
-            (r#""rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}"#, "rope_parameters"),
+            (r#""rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": -2.0}}"#, "rope_parameters"),
             (r#""num_key_value_heads": 3"#, "num_key_value_heads"),
+            // Degenerate values transformers runs (an empty residual, zero MLP, eps 0, no context).
+            (r#""hidden_size": 0"#, "hidden_size"),
+            (r#""intermediate_size": 0"#, "intermediate_size"),
+            (r#""rms_norm_eps": 0.0"#, "rms_norm_eps"),
+            (r#""max_position_embeddings": 0"#, "max_position_embeddings"),
+            (r#""head_dim": 15"#, "head_dim"),
         ] {
             match Gemma3Config::from_json(&text.replace("KEY", key)) {
                 Err(ConfigError::Invalid { field: f, .. }) => assert_eq!(f, field, "{key}"),
@@ -330,5 +416,9 @@ mod tests {
         }
         let wrapper = r#"{"model_type": "gemma3"}"#;
         assert!(matches!(Gemma3Config::from_json(wrapper), Err(ConfigError::Missing("text_config"))));
+        // transformers ignores the inner model_type (the wrapper fixes the class); another
+        // model's name says the checkpoint is not a Gemma 3 text model.
+        let other = r#"{"model_type": "gemma3", "text_config": {"model_type": "llama"}}"#;
+        assert!(matches!(Gemma3Config::from_json(other), Err(ConfigError::Invalid { field: "model_type", .. })));
     }
 }

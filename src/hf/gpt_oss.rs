@@ -14,7 +14,7 @@ use serde_json::Value;
 /// YaRN's parameters, as `rope_scaling` (or transformers 5's `rope_parameters`) gives them.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Yarn {
-    /// Context extension factor.
+    /// Context extension factor (`max_position_embeddings / original_max_position_embeddings` when null).
     pub factor: f32,
     /// Rotations above which dims are extrapolated (kept).
     pub beta_fast: f32,
@@ -22,9 +22,12 @@ pub struct Yarn {
     pub beta_slow: f32,
     /// The pre-training context.
     pub original_max_position_embeddings: f32,
-    /// Whether the correction range is rounded out to whole dims (HF's default: true).
+    /// Whether the correction range is rounded out to whole dims (HF's default:
+    /// true; a present value by its Python truth, so null is false).
     pub truncate: bool,
-    /// The cos/sin magnitude; `0.1·ln(factor) + 1` unless the config sets it.
+    /// The cos/sin magnitude: `attention_factor` if the config sets it, else
+    /// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are
+    /// nonzero, else `0.1·ln(factor) + 1` (`mscale(factor, 1)`).
     pub attention_factor: f32,
 }
 
@@ -146,13 +149,15 @@ impl GptOssConfig {
         .check()?;
         let intermediate_size = positive("intermediate_size", raw.intermediate_size.unwrap_or(2880))?;
         let num_experts = bounded("num_local_experts", raw.num_local_experts.unwrap_or(128), MAX_COUNT)?;
-        // transformers reads `num_experts_per_tok`; the original release's `experts_per_token` is the same number.
-        let top_k = match (raw.num_experts_per_tok, raw.experts_per_token) {
-            (Some(a), Some(b)) if a != b => {
-                return Err(invalid("num_experts_per_tok", format!("{a}, but experts_per_token says {b}")));
-            }
-            (a, b) => positive("num_experts_per_tok", a.or(b).unwrap_or(4))?,
-        };
+        // transformers reads `num_experts_per_tok` (default 4) only; the original release's
+        // `experts_per_token` (the same number in the hub's files) is never read.
+        let top_k = positive("num_experts_per_tok", raw.num_experts_per_tok.unwrap_or(4))?;
+        if let Some(e) = raw.experts_per_token.filter(|&e| e != top_k) {
+            tracing::warn!(
+                "`experts_per_token` is {e} but num_experts_per_tok is {top_k}: transformers reads \
+                 num_experts_per_tok only, and so does Strata"
+            );
+        }
         if top_k > num_experts {
             return Err(invalid("num_experts_per_tok", format!("{top_k} exceeds num_local_experts {num_experts}")));
         }
@@ -177,7 +182,7 @@ impl GptOssConfig {
             None => (131_072, true),
         };
         let sliding_windows = Self::windows(&raw, num_layers)?;
-        let (rope_theta, yarn) = Self::parse_rope(&raw)?;
+        let (rope_theta, yarn) = Self::parse_rope(&raw, max_position_embeddings)?;
         Ok(GptOssConfig {
             hidden_size,
             num_layers,
@@ -242,25 +247,22 @@ impl GptOssConfig {
         }
         types
             .iter()
-            .map(|t| match t.as_str() {
+            .map(|t| match super::layer_type(t) {
                 "full_attention" => Ok(None),
                 "sliding_attention" => Ok(Some(w)),
-                other => Err(invalid(
+                _ => Err(invalid(
                     "layer_types",
-                    format!("unknown layer type {other:?} (gpt-oss has sliding_attention and full_attention)"),
+                    format!("unknown layer type {t:?} (gpt-oss has sliding_attention and full_attention)"),
                 )),
             })
             .collect()
     }
 
     /// `(rope_theta, yarn)`: from transformers 5's `rope_parameters` or the
-    /// hub's `rope_theta` and `rope_scaling`.
-    fn parse_rope(raw: &Raw) -> Result<(f32, Option<Yarn>), ConfigError> {
-        let (field, params) = match (&raw.rope_parameters, &raw.rope_scaling) {
-            (Some(p), _) if !p.is_null() => ("rope_parameters", Some(p)),
-            (_, Some(s)) if !s.is_null() => ("rope_scaling", Some(s)),
-            _ => ("rope_scaling", None),
-        };
+    /// hub's `rope_theta` and `rope_scaling` (that one when a file has both),
+    /// read as `_compute_yarn_parameters` reads them.
+    fn parse_rope(raw: &Raw, max_positions: usize) -> Result<(f32, Option<Yarn>), ConfigError> {
+        let (params, field) = super::rope_source(raw.rope_parameters.as_ref(), raw.rope_scaling.as_ref());
         let theta_in = match params {
             Some(p) if !p.is_object() => return Err(invalid(field, format!("expected an object, got {p}"))),
             Some(p) => num(p, "rope_theta", field)?,
@@ -268,9 +270,6 @@ impl GptOssConfig {
         };
         let theta = theta_in.or(raw.rope_theta).unwrap_or(150_000.0) as f32;
         positive_f32("rope_theta", "rope_theta", theta)?;
-        if theta <= 1.0 {
-            return Err(invalid("rope_theta", format!("must be above 1, got {theta}")));
-        }
         // No RoPE parameters at all: GptOssConfig's default, the release's YaRN.
         let Some(p) = params else {
             let yarn = Yarn {
@@ -281,52 +280,78 @@ impl GptOssConfig {
                 truncate: false,
                 attention_factor: 0.1 * 32f32.ln() + 1.0,
             };
-            return Ok((theta, Some(yarn)));
+            return Self::yarn_theta(theta).map(|t| (t, Some(yarn)));
         };
         let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
         match kind {
             "default" => return Ok((theta, None)),
-            "yarn" => {}
+            "yarn" => Self::yarn_theta(theta)?,
             other => {
                 return Err(invalid(
                     field,
                     format!("rope type {other:?} is not supported for gpt_oss (supported: default, yarn)"),
                 ))
             }
-        }
-        let get = |k: &str, default: f64| -> Result<f32, ConfigError> {
-            let v = num(p, k, field)?.unwrap_or(default) as f32;
+        };
+        // Absent: max_position_embeddings, as standardize_rope_params fills it (null
+        // stays an error: transformers divides by it).
+        let original = match p.get("original_max_position_embeddings") {
+            None => max_positions as f32,
+            Some(_) => num(p, "original_max_position_embeddings", field)?
+                .ok_or_else(|| invalid(field, "yarn needs `original_max_position_embeddings`"))?
+                as f32,
+        };
+        positive_f32(field, "original_max_position_embeddings", original)?;
+        // A null factor is the ratio of the contexts, as `_compute_yarn_parameters` takes it.
+        let factor = match p.get("factor") {
+            None => return Err(invalid(field, "yarn needs `factor`")),
+            Some(Value::Null) => {
+                tracing::warn!("`rope_parameters`'s factor field must be a float or int >= 1, got None");
+                (max_positions as f64 / original as f64) as f32
+            }
+            Some(_) => num(p, "factor", field)?.unwrap_or_default() as f32,
+        };
+        positive_f32(field, "factor", factor)?;
+        // `beta_fast or 32`, `beta_slow or 1`: 0 and null take the default; a negative
+        // one is refused (transformers' log of it raises).
+        let beta = |k: &str, default: f64| -> Result<f32, ConfigError> {
+            let v = num(p, k, field)?.filter(|&b| b != 0.0).unwrap_or(default) as f32;
             positive_f32(field, k, v)
         };
-        let factor = num(p, "factor", field)?.ok_or_else(|| invalid(field, "yarn needs `factor`"))? as f32;
-        positive_f32(field, "factor", factor)?;
-        // HF: `beta_fast or 32`, `beta_slow or 1`, `original_max_position_embeddings or max_position_embeddings`.
-        let orig_default = raw.max_position_embeddings.unwrap_or(131_072) as f64;
-        let original = get("original_max_position_embeddings", orig_default)?;
-        for k in ["mscale", "mscale_all_dim"] {
-            if num(p, k, field)?.is_some() {
-                return Err(invalid(field, format!("`{k}` is DeepSeek's YaRN, which gpt-oss does not use")));
+        // `mscale` and `mscale_all_dim` (DeepSeek's) count only when both are nonzero.
+        let mscale = |k: &str| -> Result<f32, ConfigError> {
+            let v = num(p, k, field)?.unwrap_or(0.0) as f32;
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(invalid(field, format!("`{k}` must be a finite number >= 0, got {v}")));
             }
-        }
-        let truncate = match p.get("truncate") {
-            None | Some(Value::Null) => true,
-            Some(Value::Bool(b)) => *b,
-            Some(v) => return Err(invalid(field, format!("`truncate` must be true or false, got {v}"))),
+            Ok(v)
         };
-        let mscale = if factor <= 1.0 { 1.0 } else { 0.1 * factor.ln() + 1.0 };
+        let (m, m_all) = (mscale("mscale")?, mscale("mscale_all_dim")?);
+        let get_mscale = |m: f32| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
         let attention_factor = match num(p, "attention_factor", field)? {
             Some(a) => positive_f32(field, "attention_factor", a as f32)?,
-            None => mscale,
+            None if m != 0.0 && m_all != 0.0 => get_mscale(m) / get_mscale(m_all),
+            None => get_mscale(1.0),
         };
         let yarn = Yarn {
             factor,
-            beta_fast: get("beta_fast", 32.0)?,
-            beta_slow: get("beta_slow", 1.0)?,
+            beta_fast: beta("beta_fast", 32.0)?,
+            beta_slow: beta("beta_slow", 1.0)?,
             original_max_position_embeddings: original,
-            truncate,
+            // `rope_parameters.get("truncate", True)`, tested by its truth value.
+            truncate: p.get("truncate").is_none_or(super::truthy),
             attention_factor,
         };
         Ok((theta, Some(yarn)))
+    }
+
+    /// YaRN's correction range divides by ln(rope_theta): refused at 1 (where
+    /// transformers divides by zero) and below (a reversed range).
+    fn yarn_theta(theta: f32) -> Result<f32, ConfigError> {
+        if theta <= 1.0 {
+            return Err(invalid("rope_theta", format!("yarn needs rope_theta > 1, got {theta}")));
+        }
+        Ok(theta)
     }
 
     /// RoPE over the whole head (split-half pairs): inverse frequencies and
@@ -398,6 +423,9 @@ mod tests {
         assert_eq!((y.factor, y.original_max_position_embeddings, y.truncate), (32.0, 4096.0, false));
         let plain = with(r#", "rope_theta": 1000, "rope_scaling": {"rope_type": "default"}"#).unwrap();
         assert_eq!((plain.rope_theta, plain.yarn), (1000.0, None));
+        // The legacy "attention" is full_attention.
+        let legacy = with(r#", "layer_types": ["attention", "sliding_attention"]"#).unwrap();
+        assert_eq!(legacy.sliding_windows, vec![None, Some(128)]);
         assert!(c.attention_bias && !c.mxfp4);
     }
 
@@ -420,6 +448,100 @@ mod tests {
         assert_ne!(a[3], b[3], "a fractional ramp differs from a whole-dim one");
     }
 
+    /// `got` is `want` within a relative 1e-6.
+    fn close(got: &[f32], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
+        }
+    }
+
+    #[test]
+    fn only_num_experts_per_tok_counts_as_in_transformers() {
+        // GptOssConfig has no `experts_per_token`: num_experts_per_tok, default 4, whatever it says.
+        assert_eq!(with(r#", "experts_per_token": 3"#).unwrap().top_k, 2);
+        let alone = SMALL.replace(r#""num_experts_per_tok": 2,"#, r#""experts_per_token": 2,"#).replace(" KEY", "");
+        assert_eq!(GptOssConfig::from_json(&alone).unwrap().top_k, 4);
+    }
+
+    #[test]
+    fn yarn_reads_its_keys_as_transformers_does() {
+        // Expected values: transformers 5.25.0, `ROPE_INIT_FUNCTIONS["yarn"](GptOssConfig.from_dict(...))`
+        // for SMALL (head_dim 16, base 150000) with the YaRN block below, edited per case.
+        let yarn = |edit: &str, extra: &str| {
+            let block = format!(
+                r#"{{"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "original_max_position_embeddings": 4096{edit}}}"#
+            );
+            with(&format!(r#", "rope_scaling": {block}{extra}"#)).unwrap_or_else(|e| panic!("{edit}: {e}"))
+        };
+        let truncated = [
+            1.0,
+            0.22541800141334534,
+            0.05081327259540558,
+            0.007755465339869261,
+            0.0009144543437287211,
+            1.818833698052913e-05,
+            4.099978468730114e-06,
+            9.242089618055616e-07,
+        ];
+        let mut untruncated = truncated;
+        (untruncated[3], untruncated[4]) = (0.006794959306716919, 0.0004564839182421565);
+        let reference = yarn("", "").rope();
+        close(&reference.inv_freq, &truncated);
+        assert!((reference.scale as f64 - 1.3465735902799727).abs() < 1e-6);
+        // `beta_fast or 32`, `beta_slow or 1`: zeros take the defaults.
+        assert_eq!(yarn(r#", "beta_fast": 0, "beta_slow": 0"#, "").rope(), reference);
+        // A null factor is max_position_embeddings / original (65536 / 4096 = 16), with a warning.
+        let implicit = yarn(r#", "factor": null"#, r#", "max_position_embeddings": 65536"#);
+        assert_eq!(implicit.yarn.unwrap().factor, 16.0);
+        let f = implicit.rope();
+        let mut want = truncated;
+        want[3..].copy_from_slice(&[
+            0.007874780334532261,
+            0.0009682457894086838,
+            3.637667396105826e-05,
+            8.199956937460229e-06,
+            1.8484179236111231e-06,
+        ]);
+        close(&f.inv_freq, &want);
+        assert!((f.scale as f64 - 1.2772588722239782).abs() < 1e-6, "{}", f.scale);
+        // mscale and mscale_all_dim both set: their ratio is the magnitude; mscale alone changes nothing.
+        let both = yarn(r#", "mscale": 1.0, "mscale_all_dim": 0.5"#, "").rope();
+        close(&both.inv_freq, &truncated);
+        assert!((both.scale as f64 - 1.1476934674947155).abs() < 1e-6, "{}", both.scale);
+        assert_eq!(yarn(r#", "mscale": 2.0"#, "").rope(), reference);
+        // `truncate` by its Python truth: null and 0 are false, a non-empty string true.
+        close(&yarn(r#", "truncate": null"#, "").rope().inv_freq, &untruncated);
+        close(&yarn(r#", "truncate": 0"#, "").rope().inv_freq, &untruncated);
+        close(&yarn(r#", "truncate": "no""#, "").rope().inv_freq, &truncated);
+        // No original context: max_position_embeddings (8192 here).
+        let absent = SMALL.replace(
+            " KEY",
+            r#", "max_position_embeddings": 8192,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0}"#,
+        );
+        let absent = GptOssConfig::from_json(&absent).unwrap();
+        assert_eq!(absent.yarn.unwrap().original_max_position_embeddings, 8192.0);
+        close(&absent.rope().inv_freq, &truncated);
+        // Plain RoPE takes any positive base, 0.5 too (frequencies above 1).
+        let plain = with(r#", "rope_parameters": {"rope_type": "default", "rope_theta": 0.5}"#).unwrap().rope();
+        close(
+            &plain.inv_freq,
+            &[
+                1.0,
+                1.0905077457427979,
+                1.1892070770263672,
+                1.2968395948410034,
+                1.4142135381698608,
+                1.5422108173370361,
+                1.6817928552627563,
+                1.8340080976486206,
+            ],
+        );
+        assert_eq!(plain.scale, 1.0);
+    }
+
     #[test]
     fn refusals_name_their_field() {
         for (extra, needle) in [
@@ -427,9 +549,25 @@ mod tests {
             (r#", "layer_types": ["sliding_attention"]"#, "layer_types"),
             (r#", "layer_types": ["chunked_attention", "full_attention"]"#, "chunked_attention"),
             (r#", "rope_scaling": {"rope_type": "llama3", "factor": 8}"#, "\"llama3\""),
-            (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "mscale": 1}"#, "mscale"),
-            (r#", "experts_per_token": 3"#, "experts_per_token says 3"),
+            (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "mscale": -1}"#, "`mscale` must be a finite"),
+            (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": -1}"#, "beta_fast must be"),
+            (r#", "rope_scaling": {"rope_type": "yarn", "factor": -4}"#, "factor must be a finite positive"),
+            (r#", "rope_scaling": {"rope_type": "yarn"}"#, "yarn needs `factor`"),
+            (
+                r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": null}"#,
+                "yarn needs `original_max_position_embeddings`",
+            ),
+            (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "attention_factor": 0}"#, "attention_factor"),
+            (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "rope_theta": 1.0}"#, "yarn needs rope_theta > 1"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
+            (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4, "rope_theta": 0.5}"#, "yarn needs rope_theta > 1"),
+            // Degenerate values transformers runs (no routed expert, eps 0, clamps at or below 0, no context).
+            (r#", "num_experts_per_tok": 0"#, "`num_experts_per_tok`"),
+            (r#", "rms_norm_eps": 0"#, "`rms_norm_eps`"),
+            (r#", "swiglu_limit": 0"#, "`swiglu_limit`"),
+            (r#", "swiglu_alpha": -1"#, "`swiglu_alpha`"),
+            (r#", "max_position_embeddings": 0"#, "`max_position_embeddings`"),
+            (r#", "num_local_experts": 99999999"#, "`num_local_experts`: 99999999 is implausibly large"),
         ] {
             let e = with(extra).unwrap_err().to_string();
             assert!(e.contains(needle), "{extra}: {e}");

@@ -7,7 +7,9 @@
 //! the field.
 
 use super::moe::{Scoring, TopkMethod};
-use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
+use super::{
+    bounded, elements, positive, positive_f32, py_repr, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS,
+};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
@@ -238,10 +240,13 @@ fn num(obj: &Value, key: &'static str, field: &'static str) -> Result<Option<f32
     }
 }
 
-/// `(rope_theta, scaling)` of one RoPE parameters object (`None`: plain RoPE, theta unsaid).
+/// `(rope_theta, scaling)` of one RoPE parameters object (`None`: plain RoPE,
+/// theta unsaid). llama3's `original_max_position_embeddings` defaults to
+/// `max_position_embeddings`, as transformers' `standardize_rope_params` fills it.
 pub(crate) fn parse_rope(
     params: Option<&Value>,
     field: &'static str,
+    max_position_embeddings: usize,
 ) -> Result<(Option<f32>, RopeScaling), ConfigError> {
     let Some(p) = params.filter(|v| !v.is_null()) else {
         return Ok((None, RopeScaling::None));
@@ -261,7 +266,11 @@ pub(crate) fn parse_rope(
             factor: need("factor")?,
             low_freq_factor: need("low_freq_factor")?,
             high_freq_factor: need("high_freq_factor")?,
-            original_max_position_embeddings: need("original_max_position_embeddings")?,
+            // Absent: the model's context (null stays an error, as transformers' division by None).
+            original_max_position_embeddings: match p.get("original_max_position_embeddings") {
+                None => max_position_embeddings as f32,
+                Some(_) => need("original_max_position_embeddings")?,
+            },
         },
         other => {
             return Err(invalid(
@@ -283,12 +292,24 @@ pub(crate) fn parse_rope(
             positive_f32(field, "`low_freq_factor`", low_freq_factor)?;
             positive_f32(field, "`high_freq_factor`", high_freq_factor)?;
             positive_f32(field, "`original_max_position_embeddings`", original_max_position_embeddings)?;
-            // The smoothing between the two divides by their difference.
+            // transformers accepts this (Llama 4 Scout ships 1.0 and 1.0) with this warning:
+            // no frequency then lies between the two wavelengths, and `inv_freq` never
+            // evaluates the smoothing, which divides by their difference.
             if high_freq_factor <= low_freq_factor {
-                return Err(invalid(
-                    field,
-                    format!("`high_freq_factor` {high_freq_factor} must exceed `low_freq_factor` {low_freq_factor}"),
-                ));
+                let (high, low) = (py_repr(&p["high_freq_factor"]), py_repr(&p["low_freq_factor"]));
+                tracing::warn!(
+                    "`rope_parameters`'s high_freq_factor field must be greater than low_freq_factor, \
+                     got high_freq_factor={high} and low_freq_factor={low}"
+                );
+            }
+            // transformers' other warning on these values (a filled-in context included).
+            if original_max_position_embeddings >= max_position_embeddings as f32 {
+                let original =
+                    p.get("original_max_position_embeddings").map_or(max_position_embeddings.to_string(), py_repr);
+                tracing::warn!(
+                    "`rope_parameters`'s original_max_position_embeddings field must be less than \
+                     max_position_embeddings, got {original} and max_position_embeddings={max_position_embeddings}"
+                );
             }
         }
     }
@@ -321,10 +342,14 @@ pub(crate) fn inv_freq(theta: f32, d: usize, scaling: &RopeScaling) -> Vec<f32> 
             base.into_iter()
                 .map(|f| {
                     let wavelen = 2.0 * std::f32::consts::PI / f;
-                    if wavelen < high_wavelen {
-                        f
-                    } else if wavelen > low_wavelen {
+                    // transformers' order: divided past the low-frequency wavelength, kept
+                    // below the high one, smoothed between, a band that is empty unless
+                    // high_freq_factor > low_freq_factor (and whose smoothing divides by
+                    // their difference, so it is not evaluated otherwise).
+                    if wavelen > low_wavelen {
                         f / factor
+                    } else if high_freq_factor <= low_freq_factor || wavelen < high_wavelen {
+                        f
                     } else {
                         let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
@@ -375,7 +400,14 @@ impl LlamaConfig {
         let num_layers = bounded("num_hidden_layers", need(raw.num_hidden_layers, "num_hidden_layers")?, MAX_LAYERS)?;
         let num_heads =
             bounded("num_attention_heads", need(raw.num_attention_heads, "num_attention_heads")?, MAX_COUNT)?;
-        let num_kv_heads = bounded("num_key_value_heads", raw.num_key_value_heads.unwrap_or(num_heads), MAX_COUNT)?;
+        // The config classes' defaults: Llama's is the query heads, the others' a number.
+        let kv_default = match arch {
+            Arch::Llama => num_heads,
+            Arch::Qwen2 | Arch::Qwen3 => 32,
+            Arch::Qwen3Moe => 4,
+            Arch::Mistral | Arch::Mixtral | Arch::Glm4Moe | Arch::MiniMaxM2 => 8,
+        };
+        let num_kv_heads = bounded("num_key_value_heads", raw.num_key_value_heads.unwrap_or(kv_default), MAX_COUNT)?;
         let intermediate_size = positive("intermediate_size", need(raw.intermediate_size, "intermediate_size")?)?;
         let vocab_size = positive("vocab_size", need(raw.vocab_size, "vocab_size")?)?;
         if num_heads % num_kv_heads != 0 {
@@ -386,10 +418,10 @@ impl LlamaConfig {
         }
         let head_dim = match raw.head_dim {
             Some(d) => d,
-            // MiniMaxM2Config's default head_dim.
-            None if arch == Arch::MiniMaxM2 => 128,
-            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => {
+            // Qwen3Config's and MiniMaxM2Config's default head_dim, whatever the widths.
+            None if matches!(arch, Arch::Qwen3 | Arch::MiniMaxM2) => 128,
+            // LlamaConfig refuses widths that do not split into the heads.
+            None if arch == Arch::Llama && !hidden_size.is_multiple_of(num_heads) => {
                 return Err(invalid(
                     "head_dim",
                     format!(
@@ -397,6 +429,8 @@ impl LlamaConfig {
                     ),
                 ))
             }
+            // The others take `hidden_size // num_attention_heads`, rounded down.
+            None => hidden_size / num_heads,
         };
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(invalid("head_dim", format!("must be a positive even number for RoPE, got {head_dim}")));
@@ -406,8 +440,8 @@ impl LlamaConfig {
         elements("vocab_size", "embed_tokens", &[vocab_size, hidden_size])?;
         elements("num_attention_heads", "qkv_proj", &[num_heads + 2 * num_kv_heads, head_dim, hidden_size])?;
         elements("intermediate_size", "gate_up_proj", &[2, intermediate_size, hidden_size])?;
-        // Glm4MoeConfig's default is 1e-5, the others' 1e-6.
-        let eps_default = if arch == Arch::Glm4Moe { 1e-5 } else { 1e-6 };
+        // Glm4MoeConfig's and MixtralConfig's default is 1e-5, the others' 1e-6.
+        let eps_default = if matches!(arch, Arch::Glm4Moe | Arch::Mixtral) { 1e-5 } else { 1e-6 };
         let rms_norm_eps =
             positive_f32("rms_norm_eps", "rms_norm_eps", raw.rms_norm_eps.unwrap_or(eps_default) as f32)?;
         let (max_position_embeddings, max_position_default) = match raw.max_position_embeddings {
@@ -420,14 +454,18 @@ impl LlamaConfig {
             }
         }
         // transformers 5 folds theta and scaling into `rope_parameters`; the hub's
-        // older files keep `rope_theta` and `rope_scaling` at top level.
-        let (theta_new, scaling_new) = parse_rope(raw.rope_parameters.as_ref(), "rope_parameters")?;
-        let (theta_old, scaling_old) = parse_rope(raw.rope_scaling.as_ref(), "rope_scaling")?;
-        // MiniMaxM2Config's default theta is 5e6, the others' 1e4.
-        let theta_default = if arch == Arch::MiniMaxM2 { 5e6 } else { 10000.0 };
-        let rope_theta = theta_new.or(raw.rope_theta.map(|t| t as f32)).or(theta_old).unwrap_or(theta_default);
+        // older files keep `rope_theta` and `rope_scaling` at top level. Of the two
+        // objects, transformers reads one (`rope_source`), theta from it or the top level.
+        let (rope, rope_field) = super::rope_source(raw.rope_parameters.as_ref(), raw.rope_scaling.as_ref());
+        let (theta_in, rope_scaling) = parse_rope(rope, rope_field, max_position_embeddings)?;
+        // MiniMaxM2Config's default theta is 5e6, MixtralConfig's 1e6, the others' 1e4.
+        let theta_default = match arch {
+            Arch::MiniMaxM2 => 5e6,
+            Arch::Mixtral => 1e6,
+            _ => 10000.0,
+        };
+        let rope_theta = theta_in.or(raw.rope_theta.map(|t| t as f32)).unwrap_or(theta_default);
         positive_f32("rope_theta", "rope_theta", rope_theta)?;
-        let rope_scaling = if raw.rope_parameters.is_some() { scaling_new } else { scaling_old };
 
         let (qkv_bias, o_bias) = match arch {
             // Qwen2 always has q/k/v bias and never an o bias, whatever the config says.
@@ -445,12 +483,8 @@ impl LlamaConfig {
         // transformers 5 keeps `partial_rotary_factor` in `rope_parameters`, the
         // hub's files at top level; transformers takes 0.5 for glm4_moe without
         // one, and MiniMax-M2's files give `rotary_dim` (factor rotary_dim / head_dim).
-        let factor = raw
-            .rope_parameters
-            .as_ref()
-            .and_then(|p| p.get("partial_rotary_factor"))
-            .and_then(Value::as_f64)
-            .or(raw.partial_rotary_factor);
+        let factor =
+            rope.and_then(|p| p.get("partial_rotary_factor")).and_then(Value::as_f64).or(raw.partial_rotary_factor);
         let (rotary_dim, key) = match arch {
             Arch::MiniMaxM2 if factor.is_none() && raw.rotary_dim.is_some() => {
                 (raw.rotary_dim.unwrap_or(head_dim), "rotary_dim")
@@ -526,6 +560,11 @@ impl LlamaConfig {
             Arch::MiniMaxM2 => (raw.num_local_experts, "num_local_experts", Some(dense)),
             _ => return Ok(None),
         };
+        // Qwen3MoeDecoderLayer builds the mixture only when `num_experts > 0`: with none,
+        // every layer is the dense MLP of `intermediate_size`.
+        if arch == Arch::Qwen3Moe && experts == Some(0) {
+            return Ok(None);
+        }
         let experts = bounded(key, experts.ok_or(ConfigError::Missing(key))?, MAX_COUNT)?;
         let top_k = raw.num_experts_per_tok.ok_or(ConfigError::Missing("num_experts_per_tok"))?;
         if top_k == 0 || top_k > experts {
@@ -545,9 +584,7 @@ impl LlamaConfig {
                 return Err(invalid("decoder_sparse_step", "must be positive"));
             }
             let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
-            if let Some(&bad) = dense_only.iter().find(|&&l| l >= n) {
-                return Err(invalid("mlp_only_layers", format!("names layer {bad} of {n}")));
-            }
+            super::warn_past_the_last("mlp_only_layers", &dense_only, n);
             (0..n).map(|l| !dense_only.contains(&l) && (l + 1) % step == 0).collect()
         } else {
             vec![true; n]
@@ -589,7 +626,14 @@ impl LlamaConfig {
                     ),
                 ));
             }
-            let shared = bounded("n_shared_experts", raw.n_shared_experts.unwrap_or(1), MAX_COUNT)?;
+            // 0: no shared expert, as transformers' shared MLP of width 0 adds nothing.
+            let shared = raw.n_shared_experts.unwrap_or(1);
+            if shared > MAX_COUNT {
+                return Err(invalid(
+                    "n_shared_experts",
+                    format!("{shared} is implausibly large (Strata accepts at most {MAX_COUNT})"),
+                ));
+            }
             moe.scoring = Scoring::Sigmoid;
             moe.topk_method = TopkMethod::NoauxTc;
             (moe.n_group, moe.topk_group) = (n_group, topk_group);
@@ -673,10 +717,10 @@ impl LlamaConfig {
             }
             return types
                 .iter()
-                .map(|t| match t.as_str() {
+                .map(|t| match super::layer_type(t) {
                     "full_attention" => Ok(None),
                     "sliding_attention" => Ok(Some(w)),
-                    other => Err(invalid("layer_types", format!("unknown layer type {other:?}"))),
+                    _ => Err(invalid("layer_types", format!("unknown layer type {t:?}"))),
                 })
                 .collect();
         }
@@ -741,6 +785,134 @@ mod tests {
         assert_eq!(LlamaConfig::from_json(&new).unwrap(), old);
     }
 
+    /// `LlamaConfig::from_json` of LEGACY_LLAMA3 at head_dim 16 with `rope_scaling` replaced.
+    fn llama3_freqs(scaling: &str, max_positions: usize) -> Vec<f32> {
+        let text = LEGACY_LLAMA3
+            .replace(r#""hidden_size": 4096"#, r#""hidden_size": 512"#)
+            .replace(r#""max_position_embeddings": 131072"#, &format!(r#""max_position_embeddings": {max_positions}"#));
+        let (start, end) = (text.find(r#""rope_scaling""#).unwrap(), text.find("},").unwrap() + 1);
+        let text = format!("{}\"rope_scaling\": {scaling}{}", &text[..start], &text[end..]);
+        LlamaConfig::from_json(&text).unwrap_or_else(|e| panic!("{scaling}: {e}")).rope().inv_freq
+    }
+
+    /// `got` is `want` within a relative 1e-6.
+    fn close(got: &[f32], want: &[f64]) {
+        assert_eq!(got.len(), want.len());
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
+        }
+    }
+
+    #[test]
+    fn llama3_with_high_freq_factor_below_low_freq_factor_is_transformers_two_branch_rule() {
+        // transformers 5.25.0 (LlamaConfig, ROPE_INIT_FUNCTIONS["llama3"]) for head_dim 16, base 5e5,
+        // factor 8, low_freq_factor 4, high_freq_factor 1, 8192 original positions: divided by 8
+        // past wavelength 8192 / 4 (from index 4 on), kept below, no smoothing; and a warning.
+        let got = llama3_freqs(
+            r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192}"#,
+            131072,
+        );
+        close(
+            &got,
+            &[
+                1.0,
+                0.193922758102417,
+                0.03760603070259094,
+                0.00729266507551074,
+                0.00017677668074611574,
+                3.428102354519069e-05,
+                6.647869668086059e-06,
+                1.289173155782919e-06,
+            ],
+        );
+    }
+
+    #[test]
+    fn llama3_without_an_original_context_takes_max_position_embeddings() {
+        // transformers 5.25.0 fills original_max_position_embeddings with max_position_embeddings
+        // (2048 here; a warning says it is not less): base 5e5, head_dim 16, factor 8, low 1, high 4.
+        let got = llama3_freqs(
+            r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}"#,
+            2048,
+        );
+        close(
+            &got,
+            &[
+                1.0,
+                0.193922758102417,
+                0.03760603070259094,
+                0.00384058291092515,
+                0.00017677668074611574,
+                3.428102354519069e-05,
+                6.647869668086059e-06,
+                1.289173155782919e-06,
+            ],
+        );
+    }
+
+    #[test]
+    fn of_rope_scaling_and_rope_parameters_the_one_transformers_reads_counts() {
+        // transformers 5.25.0: `rope_scaling or rope_parameters`; theta from the one read, else the
+        // top level, else 1e4 (LlamaConfig, head_dim 16).
+        let base = r#"{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 2048 KEY}"#;
+        let parse =
+            |key: &str| LlamaConfig::from_json(&base.replace(" KEY", key)).unwrap_or_else(|e| panic!("{key}: {e}"));
+        let c = parse(
+            r#", "rope_theta": 5000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+        );
+        assert_eq!((c.rope_theta, &c.rope_scaling), (5000.0, &RopeScaling::Linear { factor: 2.0 }));
+        close(
+            &c.rope().inv_freq,
+            &[
+                0.5,
+                0.17242442071437836,
+                0.0594603568315506,
+                0.02050483413040638,
+                0.0070710680447518826,
+                0.002438449300825596,
+                0.0008408963913097978,
+                0.00028998212656006217,
+            ],
+        );
+        let c = parse(
+            r#", "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+        );
+        close(
+            &c.rope().inv_freq,
+            &[
+                0.5,
+                0.15811388194561005,
+                0.05000000074505806,
+                0.015811389312148094,
+                0.004999999888241291,
+                0.0015811389312148094,
+                0.0005000000237487257,
+                0.00015811389312148094,
+            ],
+        );
+        // The object not read is not checked either (transformers runs this); an empty
+        // `rope_scaling` is false, so `rope_parameters` counts.
+        let c = parse(
+            r#", "rope_parameters": {"rope_type": "bogus"}, "rope_scaling": {"rope_type": "linear", "factor": 2.0}"#,
+        );
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 2.0 });
+        let c = parse(
+            r#", "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}, "rope_scaling": {}"#,
+        );
+        assert_eq!((c.rope_theta, c.rope_scaling), (1000.0, RopeScaling::Linear { factor: 2.0 }));
+        // A bad `rope_scaling` is read, and refused, as transformers raises on it.
+        let e = LlamaConfig::from_json(&base.replace(
+            " KEY",
+            r#", "rope_parameters": {"rope_type": "default"}, "rope_scaling": {"rope_type": "bogus"}"#,
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("`rope_scaling`: rope type \"bogus\""), "{e}");
+    }
+
     #[test]
     fn qwen2_window_only_when_enabled() {
         let base = r#"{"model_type":"qwen2","hidden_size":64,"num_hidden_layers":4,"num_attention_heads":4,
@@ -751,6 +923,13 @@ mod tests {
         assert!(off.qkv_bias && !off.o_bias);
         let on = LlamaConfig::from_json(&base.replace("USE", "true")).unwrap();
         assert_eq!(on.sliding_windows, vec![None, None, Some(32), Some(32)]);
+        // transformers renames the legacy "attention" full_attention as it loads a config; other names are refused.
+        let types = |t: &str| base.replace("USE", &format!(r#"true,"layer_types":{t}"#));
+        let legacy =
+            LlamaConfig::from_json(&types(r#"["attention","sliding_attention","attention","sliding_attention"]"#));
+        assert_eq!(legacy.unwrap().sliding_windows, vec![None, Some(32), None, Some(32)]);
+        let e = LlamaConfig::from_json(&types(r#"["mamba","attention","attention","attention"]"#)).unwrap_err();
+        assert!(e.to_string().contains("`layer_types`: unknown layer type \"mamba\""), "{e}");
     }
 
     #[test]
@@ -762,18 +941,22 @@ mod tests {
         let moe = c.moe.unwrap();
         // Layers 1 and 3 are every second one; 3 is dense by name.
         assert_eq!(moe.sparse, [false, true, false, false]);
+        // A layer past the last is never looked up by transformers (`layer_idx in mlp_only_layers`): ignored.
+        let past = LlamaConfig::from_json(&base.replace(r#""mlp_only_layers":[3]"#, r#""mlp_only_layers":[3,4,9]"#));
+        assert_eq!(past.unwrap().moe.unwrap().sparse, moe.sparse);
         assert!(!moe.norm_topk_prob, "Qwen3MoeConfig's default");
         for (from, to, want) in [
             (r#""num_experts_per_tok":2"#, r#""num_experts_per_tok":9"#, "between 1 and num_experts 8"),
-            (r#""mlp_only_layers":[3]"#, r#""mlp_only_layers":[4]"#, "names layer 4 of 4"),
             (r#""decoder_sparse_step":2"#, r#""decoder_sparse_step":0"#, "`decoder_sparse_step`: must be positive"),
             (r#""num_experts":8,"#, "", "lacks required field `num_experts`"),
             (r#""moe_intermediate_size":32,"#, "", "`moe_intermediate_size`"),
+            (r#""num_experts_per_tok":2,"#, "", "lacks required field `num_experts_per_tok`"),
+            (r#""num_experts":8,"#, r#""num_experts":99999999,"#, "`num_experts`: 99999999 is implausibly large"),
         ] {
             let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
             assert!(e.contains(want), "{to}: {e}");
         }
-        let mixtral = r#"{"model_type":"mixtral","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+        let mixtral = r#"{"model_type":"mixtral","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
             "intermediate_size":96,"vocab_size":100,"num_local_experts":4,"num_experts_per_tok":2,"sliding_window":16}"#;
         let c = LlamaConfig::from_json(mixtral).unwrap();
         let moe = c.moe.as_ref().unwrap();
@@ -782,6 +965,43 @@ mod tests {
         // A dense family has no mixture, whatever keys it carries.
         let dense = base.replace("qwen3_moe", "qwen3");
         assert!(LlamaConfig::from_json(&dense).unwrap().moe.is_none());
+        // Qwen3-MoE without experts: transformers builds every layer's dense MLP (`num_experts > 0 and ...`).
+        let none = LlamaConfig::from_json(&base.replace(r#""num_experts":8"#, r#""num_experts":0"#)).unwrap();
+        assert_eq!((none.moe, none.intermediate_size), (None, 128));
+    }
+
+    #[test]
+    fn absent_keys_take_the_config_classes_defaults() {
+        // transformers 5.25.0: the model's q_proj for hidden 100 and 8 heads without head_dim
+        // (Qwen3Config's 128; the others hidden // heads, 12; LlamaConfig raises), and each
+        // config class's num_key_value_heads, rms_norm_eps and rope theta defaults.
+        let base = r#"{"model_type":"MT","hidden_size":100,"num_hidden_layers":1,"num_attention_heads":8,
+            "num_key_value_heads":4,"intermediate_size":32,"vocab_size":50,"num_experts":4,"num_local_experts":4,
+            "n_routed_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":16,"n_group":1}"#;
+        for (arch, head_dim) in
+            [("qwen3", 128), ("qwen3_moe", 12), ("mistral", 12), ("mixtral", 12), ("qwen2", 12), ("glm4_moe", 12)]
+        {
+            let c = LlamaConfig::from_json(&base.replace("MT", arch)).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            assert_eq!(c.head_dim, head_dim, "{arch}");
+        }
+        let e = LlamaConfig::from_json(&base.replace("MT", "llama")).unwrap_err().to_string();
+        assert!(e.contains("`head_dim`: absent, and hidden_size 100"), "{e}");
+        let bare = r#"{"model_type":"MT","hidden_size":2048,"num_hidden_layers":1,"num_attention_heads":32,
+            "intermediate_size":32,"vocab_size":50,"num_experts":4,"num_local_experts":4,"n_routed_experts":4,
+            "num_experts_per_tok":2,"moe_intermediate_size":16}"#;
+        for (arch, kv, eps, theta) in [
+            ("llama", 32, 1e-6, 1e4),
+            ("mistral", 8, 1e-6, 1e4),
+            ("mixtral", 8, 1e-5, 1e6),
+            ("qwen2", 32, 1e-6, 1e4),
+            ("qwen3", 32, 1e-6, 1e4),
+            ("qwen3_moe", 4, 1e-6, 1e4),
+            ("glm4_moe", 8, 1e-5, 1e4),
+            ("minimax_m2", 8, 1e-6, 5e6),
+        ] {
+            let c = LlamaConfig::from_json(&bare.replace("MT", arch)).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            assert_eq!((c.num_kv_heads, c.rms_norm_eps, c.rope_theta), (kv, eps, theta), "{arch}");
+        }
     }
 
     #[test]
@@ -791,6 +1011,9 @@ mod tests {
             "num_experts_per_tok":3,"moe_intermediate_size":16,"n_group":2,"topk_group":1,"n_shared_experts":2,
             "first_k_dense_replace":2,"routed_scaling_factor":2.5,"attention_bias":true}"#;
         let c = LlamaConfig::from_json(base).unwrap();
+        // No shared expert: transformers' shared MLP of width 0 adds nothing.
+        let none = LlamaConfig::from_json(&base.replace(r#""n_shared_experts":2"#, r#""n_shared_experts":0"#));
+        assert_eq!(none.unwrap().moe.unwrap().shared_intermediate_size, None);
         // Glm4MoeConfig's default partial_rotary_factor is 0.5: 12 of 24 columns, 6 frequencies.
         assert_eq!((c.rotary_dim, c.rope().inv_freq.len()), (12, 6));
         assert!(c.qkv_bias && !c.o_bias && c.qk_norm == QkNorm::None);
@@ -826,6 +1049,16 @@ mod tests {
             (r#""topk_group":1"#, r#""topk_group":3"#, "not a valid grouping"),
             (r#""num_experts_per_tok":3"#, r#""num_experts_per_tok":5"#, "cannot give 5 experts per token"),
             (r#""routed_scaling_factor":2.5"#, r#""routed_scaling_factor":0"#, "routed_scaling_factor"),
+            (r#""routed_scaling_factor":2.5"#, r#""routed_scaling_factor":-1"#, "routed_scaling_factor"),
+            // transformers runs these (no rotation; a shared-expert-free zero; an odd head
+            // rotating 2 · ceil(int(15 · 0.5) / 2) columns), degenerate or odd: refused.
+            (
+                r#""attention_bias":true"#,
+                r#""partial_rotary_factor":0"#,
+                "`partial_rotary_factor`: 0: must be in (0, 1]",
+            ),
+            (r#""head_dim":24"#, r#""head_dim":15"#, "`head_dim`: must be a positive even number for RoPE, got 15"),
+            (r#""num_experts_per_tok":3"#, r#""num_experts_per_tok":0"#, "`num_experts_per_tok`: 0 must be between 1"),
             (r#""n_routed_experts":8,"#, "", "n_routed_experts"),
         ] {
             let e = LlamaConfig::from_json(&base.replace(from, to)).unwrap_err().to_string();
@@ -877,6 +1110,7 @@ mod tests {
             (r#""use_routing_bias":true"#, r#""use_routing_bias":false"#, "always adds its correction bias"),
             (r#""shared_intermediate_size":0"#, r#""shared_intermediate_size":64"#, "no shared experts"),
             (r#""rotary_dim":8"#, r#""rotary_dim":7"#, "`rotary_dim`: rotates 7 columns"),
+            (r#""rotary_dim":8"#, r#""rotary_dim":0"#, "`rotary_dim`: rotates 0 columns"),
             (r#""rotary_dim":8"#, r#""rotary_dim":8,"attn_type_list":[1,0]"#, "layer 1 is not full attention"),
             (r#""rotary_dim":8"#, r#""rotary_dim":32"#, "`rotary_dim`: rotates 32 columns of head_dim 16"),
         ] {

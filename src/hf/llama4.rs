@@ -5,7 +5,7 @@
 //!
 //! Sizes a field leaves out take transformers' `Llama4TextConfig` defaults.
 //! Per layer the config says three things, each from its own key:
-//! - whether it rotates q and k (`no_rope_layers[i] == 1`: the name is
+//! - whether it rotates q and k (`no_rope_layers[i]` nonzero: the name is
 //!   inverted; default every fourth layer is NoPE, `no_rope_layer_interval`);
 //! - whether it attends within chunks (`layer_types`, or, in the hub's
 //!   files, every RoPE layer when `attention_chunk_size` is set);
@@ -102,7 +102,7 @@ struct Raw {
     no_rope_layers: Option<Vec<i64>>,
     no_rope_layer_interval: Option<usize>,
     // Absent: transformers' 8192; null: no chunking.
-    #[serde(default, deserialize_with = "present")]
+    #[serde(default, deserialize_with = "super::present")]
     attention_chunk_size: Option<Option<usize>>,
     layer_types: Option<Vec<String>>,
     moe_layers: Option<Vec<usize>>,
@@ -111,11 +111,6 @@ struct Raw {
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
     max_position_embeddings: Option<usize>,
-}
-
-/// A key that is present, null or not (`Some(None)` for null), apart from an absent one (`None`).
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<usize>>, D::Error> {
-    Option::<usize>::deserialize(d).map(Some)
 }
 
 fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
@@ -174,7 +169,7 @@ impl Llama4Config {
         };
         let layers = Self::layers(&raw, num_layers)?;
         let temperature = Self::temperature(&raw)?;
-        let (rope_theta, rope_scaling) = Self::rope_params(&raw)?;
+        let (rope_theta, rope_scaling) = Self::rope_params(&raw, max_position_embeddings)?;
         Ok(Llama4Config {
             model_type,
             hidden_size,
@@ -202,22 +197,14 @@ impl Llama4Config {
 
     /// Each layer's RoPE, chunking and MLP, as `Llama4TextConfig.__post_init__` resolves them.
     fn layers(raw: &Raw, n: usize) -> Result<Vec<Llama4Layer>, ConfigError> {
-        // RoPE: `no_rope_layers` (1 = rotates; an empty list counts as unset), or a NoPE layer every interval-th.
+        // RoPE: `no_rope_layers` (by its Python truth, as transformers reads it: nonzero
+        // rotates; an empty list counts as unset), or a NoPE layer every interval-th.
         let rope: Vec<bool> = match raw.no_rope_layers.as_deref().filter(|l| !l.is_empty()) {
             Some(list) => {
                 if list.len() < n {
                     return Err(invalid("no_rope_layers", format!("has {} entries for {n} layers", list.len())));
                 }
-                list[..n]
-                    .iter()
-                    .map(|&v| match v {
-                        0 => Ok(false),
-                        1 => Ok(true),
-                        other => {
-                            Err(invalid("no_rope_layers", format!("entries are 1 (RoPE) or 0 (NoPE), got {other}")))
-                        }
-                    })
-                    .collect::<Result<_, _>>()?
+                list[..n].iter().map(|&v| v != 0).collect()
             }
             None => {
                 let interval = positive("no_rope_layer_interval", raw.no_rope_layer_interval.unwrap_or(4))?;
@@ -237,15 +224,15 @@ impl Llama4Config {
                 }
                 types
                     .iter()
-                    .map(|t| match t.as_str() {
+                    .map(|t| match super::layer_type(t) {
                         "full_attention" => Ok(false),
                         "chunked_attention" if chunk_size.is_some() => Ok(true),
                         "chunked_attention" => {
                             Err(invalid("layer_types", "chunked_attention needs attention_chunk_size"))
                         }
-                        other => Err(invalid(
+                        _ => Err(invalid(
                             "layer_types",
-                            format!("unknown layer type {other:?} (supported: full_attention, chunked_attention)"),
+                            format!("unknown layer type {t:?} (supported: full_attention, chunked_attention)"),
                         )),
                     })
                     .collect::<Result<_, _>>()?
@@ -255,9 +242,7 @@ impl Llama4Config {
         // MoE: `moe_layers`, or every step-th layer from step - 1.
         let moe: Vec<bool> = match &raw.moe_layers {
             Some(list) => {
-                if let Some(&bad) = list.iter().find(|&&i| i >= n) {
-                    return Err(invalid("moe_layers", format!("names layer {bad} of a {n}-layer model")));
-                }
+                super::warn_past_the_last("moe_layers", list, n);
                 (0..n).map(|i| list.contains(&i)).collect()
             }
             None => {
@@ -292,13 +277,10 @@ impl Llama4Config {
     }
 
     /// `(rope_theta, scaling)`: transformers 5's `rope_parameters`, or the
-    /// hub's `rope_theta` and `rope_scaling`.
-    fn rope_params(raw: &Raw) -> Result<(f32, RopeScaling), ConfigError> {
-        let (params, field) = match raw.rope_parameters.as_ref().filter(|p| !p.is_null()) {
-            Some(p) => (Some(p), "rope_parameters"),
-            None => (raw.rope_scaling.as_ref(), "rope_scaling"),
-        };
-        let (theta, scaling) = parse_rope(params, field)?;
+    /// hub's `rope_theta` and `rope_scaling` (that one when a file has both, as transformers).
+    fn rope_params(raw: &Raw, max_position_embeddings: usize) -> Result<(f32, RopeScaling), ConfigError> {
+        let (params, field) = super::rope_source(raw.rope_parameters.as_ref(), raw.rope_scaling.as_ref());
+        let (theta, scaling) = parse_rope(params, field, max_position_embeddings)?;
         let theta = theta.or(raw.rope_theta.map(|t| t as f32)).unwrap_or(500_000.0);
         positive_f32("rope_theta", "rope_theta", theta)?;
         Ok((theta, scaling))
@@ -357,6 +339,25 @@ mod tests {
     }
 
     #[test]
+    fn layer_lists_are_read_as_transformers_reads_them() {
+        // no_rope_layers by its Python truth (`self.use_rope = config.no_rope_layers[i]`): 2 and -1 rotate.
+        let c = Llama4Config::from_json(&text(r#", "no_rope_layers": [1, 1, 1, 2, -1, 1, 1, 0]"#)).unwrap();
+        assert_eq!(
+            c.layers.iter().map(|l| l.rope).collect::<Vec<_>>(),
+            [true, true, true, true, true, true, true, false]
+        );
+        assert!(c.layers[3].chunk.is_some(), "a RoPE layer is chunked, as transformers derives layer_types");
+        // moe_layers past the last layer are never looked up (`layer_idx in config.moe_layers`).
+        let c = Llama4Config::from_json(&text(r#", "moe_layers": [1, 8, 30]"#)).unwrap();
+        assert_eq!((0..8).filter(|&i| c.layers[i].moe).collect::<Vec<_>>(), [1]);
+        // The legacy "attention" is full_attention.
+        let types = r#", "layer_types": ["attention", "chunked_attention", "attention", "attention",
+            "attention", "attention", "attention", "attention"]"#;
+        let c = Llama4Config::from_json(&text(types)).unwrap();
+        assert_eq!((0..8).filter(|&i| c.layers[i].chunk.is_some()).collect::<Vec<_>>(), [1]);
+    }
+
+    #[test]
     fn moe_layers_and_layer_types_override_the_intervals() {
         let c = Llama4Config::from_json(&text(
             r#", "moe_layers": [1, 5], "interleave_moe_layer_step": 4, "attention_chunk_size": 16,
@@ -378,18 +379,28 @@ mod tests {
     fn bad_layer_lists_are_refused_by_name() {
         let cases = [
             (r#", "no_rope_layers": [1, 1]"#, "no_rope_layers"),
-            (r#", "no_rope_layers": [1, 1, 1, 2, 1, 1, 1, 0]"#, "no_rope_layers"),
-            (r#", "moe_layers": [8]"#, "moe_layers"),
             (r#", "layer_types": ["sliding_attention"]"#, "layer_types"),
             (r#", "attention_chunk_size": 0"#, "attention_chunk_size"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
             (r#", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#, "rope_scaling"),
             (r#", "quantization_config": {"quant_method": "fbgemm_fp8"}"#, "quantization_config"),
             (r#", "num_experts_per_tok": 17"#, "num_experts_per_tok"),
+            // Degenerate values transformers runs (zero widths, no routed expert, eps 0, no context).
+            (r#", "intermediate_size": 0"#, "`intermediate_size`"),
+            (r#", "intermediate_size_mlp": 0"#, "`intermediate_size_mlp`"),
+            (r#", "num_experts_per_tok": 0"#, "`num_experts_per_tok`"),
+            (r#", "rms_norm_eps": 0.0"#, "`rms_norm_eps`"),
+            (r#", "max_position_embeddings": 0"#, "`max_position_embeddings`"),
+            (r#", "num_hidden_layers": 0"#, "`num_hidden_layers`"),
+            (r#", "rope_theta": 1e39"#, "`rope_theta`"),
+            (r#", "num_local_experts": 99999999"#, "`num_local_experts`: 99999999 is implausibly large"),
         ];
         for (extra, field) in cases {
             let e = Llama4Config::from_json(&text(extra)).unwrap_err().to_string();
             assert!(e.contains(field), "{extra}: {e}");
         }
+        // The wrapper without its text model: refused, not transformers' default Scout-sized one.
+        let e = Llama4Config::from_json(r#"{"model_type": "llama4"}"#).unwrap_err().to_string();
+        assert!(e.contains("lacks required field `text_config`"), "{e}");
     }
 }

@@ -91,6 +91,12 @@ pub fn read_config(path: &std::path::Path) -> Result<String, ConfigError> {
         .map_err(|cause| ConfigError::Io { path: path.display().to_string(), cause })
 }
 
+/// A key that is present, null or not (`Some(None)` for null), apart from an
+/// absent one (`None`): `#[serde(default, deserialize_with = "present")]`.
+pub(crate) fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<usize>>, D::Error> {
+    <Option<usize> as serde::Deserialize>::deserialize(d).map(Some)
+}
+
 /// Refuses a size that is zero.
 pub(crate) fn positive(field: &'static str, v: usize) -> Result<usize, ConfigError> {
     if v == 0 {
@@ -121,6 +127,103 @@ pub(crate) fn positive_f32(field: &'static str, what: &str, v: f32) -> Result<f3
         });
     }
     Ok(v)
+}
+
+/// Layers a per-layer list names past the model's last, which transformers
+/// never looks up (`layer_idx in list`): ignored, with a warning.
+pub(crate) fn warn_past_the_last(field: &str, list: &[usize], n: usize) {
+    let past: Vec<usize> = list.iter().copied().filter(|&l| l >= n).collect();
+    if !past.is_empty() {
+        tracing::warn!(
+            "`{field}` names layers {past:?} of a {n}-layer model; they are ignored, as transformers ignores them"
+        );
+    }
+}
+
+/// Python's truth value of a JSON value: how transformers reads a key it tests
+/// with `if value:` or `value or default` (null, false, 0, "", [] and {} are false).
+pub(crate) fn truthy(v: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
+/// The RoPE parameters transformers reads from a config that may carry
+/// `rope_parameters` (transformers 5), `rope_scaling` (the hub's older files)
+/// or both, and the key they came from: `rope_scaling or rope_parameters`, as
+/// `convert_rope_params_to_dict` does, so a truthy `rope_scaling` wins and the
+/// other is never read.
+pub(crate) fn rope_source<'a>(
+    rope_parameters: Option<&'a serde_json::Value>,
+    rope_scaling: Option<&'a serde_json::Value>,
+) -> (Option<&'a serde_json::Value>, &'static str) {
+    let parameters = rope_parameters.filter(|p| !p.is_null());
+    match rope_scaling.filter(|s| truthy(s)) {
+        Some(scaling) => {
+            if parameters.is_some() {
+                tracing::warn!(
+                    "config.json has both `rope_scaling` and `rope_parameters`: `rope_scaling` is read, as \
+                     transformers reads it, and `rope_parameters` is ignored"
+                );
+            }
+            (Some(scaling), "rope_scaling")
+        }
+        None => (parameters, "rope_parameters"),
+    }
+}
+
+/// A `layer_types` entry under transformers' names: the legacy `"attention"`
+/// and `"mamba"` are read as `full_attention` and `linear_attention`
+/// (`_LEGACY_LAYER_TYPE_REMAP`, applied to every config as it loads).
+pub(crate) fn layer_type(name: &str) -> &str {
+    match name {
+        "attention" => "full_attention",
+        "mamba" => "linear_attention",
+        other => other,
+    }
+}
+
+/// A JSON number as Python prints it (`1`, `1.0`, `1e-05`), so that a warning
+/// transformers also logs reads the same, word for word.
+pub(crate) fn py_repr(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Number(n) if n.is_f64() => py_float(n.as_f64().unwrap_or(f64::NAN)),
+        serde_json::Value::Null => "None".into(),
+        other => other.to_string(),
+    }
+}
+
+/// Python's `repr` of a float: the shortest digits that round-trip, positional
+/// for exponents in [-4, 16), else `d.ddde±XX`.
+fn py_float(x: f64) -> String {
+    if !x.is_finite() {
+        return if x.is_nan() {
+            "nan".into()
+        } else if x > 0.0 {
+            "inf".into()
+        } else {
+            "-inf".into()
+        };
+    }
+    let sci = format!("{x:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if (-4..16).contains(&exp) {
+        let s = x.to_string();
+        if s.contains('.') {
+            s
+        } else {
+            s + ".0"
+        }
+    } else {
+        format!("{mantissa}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs())
+    }
 }
 
 /// The elements of a weight of shape `dims`, refusing shapes whose f32 bytes
@@ -222,4 +325,31 @@ pub struct RopeFreqs {
     pub inv_freq: Vec<f32>,
     /// cos/sin magnitude.
     pub scale: f32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_print_as_python_prints_them() {
+        // What `repr` gives in Python for each (checked with CPython 3.11).
+        for (json, python) in [
+            ("1", "1"),
+            ("1.0", "1.0"),
+            ("4.0", "4.0"),
+            ("0.5", "0.5"),
+            ("-1.0", "-1.0"),
+            ("1e-5", "1e-05"),
+            ("0.0001", "0.0001"),
+            ("1e16", "1e+16"),
+            ("1.5e16", "1.5e+16"),
+            ("123456789012345.0", "123456789012345.0"),
+            ("8192", "8192"),
+            ("null", "None"),
+        ] {
+            let v: serde_json::Value = serde_json::from_str(json).unwrap();
+            assert_eq!(py_repr(&v), python, "{json}");
+        }
+    }
 }

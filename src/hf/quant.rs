@@ -131,9 +131,17 @@ impl QuantConfig {
         if fmt != "e4m3" && fmt != "float8_e4m3fn" {
             return Err(invalid(format!("fp8 fmt {fmt:?} is not supported (only e4m3, float8_e4m3fn)")));
         }
-        let block = v.get("weight_block_size").filter(|b| !b.is_null()).ok_or_else(|| {
-            invalid(format!("fp8 without `weight_block_size` (per-tensor FP8) is not supported; {SUPPORTED}"))
-        })?;
+        // Absent: FineGrainedFP8Config's default, 128 × 128 blocks; null: per-tensor FP8.
+        let default_block = serde_json::json!([128, 128]);
+        let block = match v.get("weight_block_size") {
+            None => &default_block,
+            Some(Value::Null) => {
+                return Err(invalid(format!(
+                    "fp8 with `weight_block_size: null` (per-tensor FP8) is not supported; {SUPPORTED}"
+                )))
+            }
+            Some(b) => b,
+        };
         let dims: Vec<usize> = block
             .as_array()
             .map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect())
@@ -677,11 +685,24 @@ mod tests {
     }
 
     #[test]
+    fn fp8_without_a_block_size_takes_transformers_128_by_128() {
+        // FineGrainedFP8Config's default weight_block_size (transformers 5.25.0): (128, 128).
+        let q = parse(r#"{"quant_method":"fp8","activation_scheme":"dynamic"}"#).unwrap().unwrap();
+        assert_eq!(q.format_for("model.layers.0.mlp.down_proj"), WeightFormat::Fp8 { block: [128, 128] });
+    }
+
+    #[test]
     fn other_schemes_are_refused_by_name() {
         for (cfg, needle) in [
             (r#"{"quant_method":"gptq","bits":4}"#, "quant_method \"gptq\""),
             (r#"{"quant_method":"awq"}"#, "quant_method \"awq\""),
-            (r#"{"quant_method":"fp8","activation_scheme":"static"}"#, "per-tensor FP8"),
+            (r#"{"quant_method":"fp8","weight_block_size":null}"#, "per-tensor FP8"),
+            // compressed-tensors validates it (nothing quantized), but a checkpoint that says it is
+            // compressed-tensors and quantizes nothing is not what its file claims: refused.
+            (
+                r#"{"quant_method":"compressed-tensors","format":"pack-quantized","config_groups":{}}"#,
+                "no config groups",
+            ),
             (r#"{"quant_method":"fp8","fmt":"e5m2","weight_block_size":[128,128]}"#, "e5m2"),
             (
                 r#"{"quant_method":"compressed-tensors","format":"float-quantized","config_groups":{"g":{"targets":["Linear"],"weights":{"num_bits":8,"type":"float"}}}}"#,

@@ -220,7 +220,7 @@ impl Qwen3NextConfig {
             None => (defaults.positions, true),
         };
         let layer_types = Self::layer_types(&raw, num_layers)?;
-        let (rope_theta, rope_scaling, rotary_dim) = Self::rope(&raw, head_dim)?;
+        let (rope_theta, rope_scaling, rotary_dim) = Self::rope(&raw, head_dim, max_position_embeddings)?;
         let moe = if mixture { Self::moe(&raw, text_type, hidden_size, num_layers)? } else { None };
         Ok(Qwen3NextConfig {
             model_type,
@@ -251,12 +251,13 @@ impl Qwen3NextConfig {
             if types.len() != n {
                 return Err(invalid("layer_types", format!("has {} entries for {n} layers", types.len())));
             }
+            // The legacy "mamba" and "attention" too, as transformers renames them.
             return types
                 .iter()
-                .map(|t| match t.as_str() {
+                .map(|t| match super::layer_type(t) {
                     "linear_attention" => Ok(LayerKind::Linear),
                     "full_attention" => Ok(LayerKind::Full),
-                    other => Err(invalid("layer_types", format!("unknown layer type {other:?}"))),
+                    _ => Err(invalid("layer_types", format!("unknown layer type {t:?}"))),
                 })
                 .collect();
         }
@@ -269,16 +270,15 @@ impl Qwen3NextConfig {
 
     /// (theta, scaling, rotary_dim): transformers 5's `rope_parameters`
     /// (where `partial_rotary_factor` and Qwen3.5's `mrope_section` live), or
-    /// the older top-level `rope_theta`, `rope_scaling` and `partial_rotary_factor`.
+    /// the older top-level `rope_theta`, `rope_scaling` and `partial_rotary_factor`
+    /// (`rope_scaling` when a file has both, as transformers).
     /// MRoPE's three position components are equal on text, so its sections
-    /// all rotate by the one text position: 1-D RoPE.
-    fn rope(raw: &Raw, head_dim: usize) -> Result<(f32, RopeScaling, usize), ConfigError> {
-        let params = raw.rope_parameters.as_ref().filter(|p| !p.is_null());
-        let (theta_new, scaling_new) = parse_rope(params, "rope_parameters")?;
-        let (theta_old, scaling_old) = parse_rope(raw.rope_scaling.as_ref(), "rope_scaling")?;
-        let theta = theta_new.or(raw.rope_theta.map(|t| t as f32)).or(theta_old).unwrap_or(10_000.0);
+    /// all rotate by the one text position: 1-D RoPE, whatever the sections.
+    fn rope(raw: &Raw, head_dim: usize, max_positions: usize) -> Result<(f32, RopeScaling, usize), ConfigError> {
+        let (params, field) = super::rope_source(raw.rope_parameters.as_ref(), raw.rope_scaling.as_ref());
+        let (theta, scaling) = parse_rope(params, field, max_positions)?;
+        let theta = theta.or(raw.rope_theta.map(|t| t as f32)).unwrap_or(10_000.0);
         positive_f32("rope_theta", "rope_theta", theta)?;
-        let scaling = if params.is_some() { scaling_new } else { scaling_old };
         let factor = params
             .and_then(|p| p.get("partial_rotary_factor"))
             .and_then(Value::as_f64)
@@ -295,20 +295,12 @@ impl Qwen3NextConfig {
             ));
         }
         // Each section is the rotated pairs one position component drives; on text
-        // all three are the token's position, but sections that do not cover the
-        // rotated pairs are a config HF would not run either.
+        // all three are the token's position, so transformers' recomposition is 1-D
+        // RoPE even for sections that do not cover the rotated pairs: only their
+        // form is checked (transformers indexes by them).
         if let Some(sections) = params.and_then(|p| p.get("mrope_section")).filter(|v| !v.is_null()) {
-            let sum = sections.as_array().and_then(|a| a.iter().map(Value::as_u64).sum::<Option<u64>>()).ok_or_else(
-                || invalid("rope_parameters", format!("mrope_section {sections}: expected a list of counts")),
-            )?;
-            if sum as usize != rotary_dim / 2 {
-                return Err(invalid(
-                    "rope_parameters",
-                    format!(
-                        "mrope_section {sections} covers {sum} pairs, but RoPE rotates {} (rotary dim {rotary_dim})",
-                        rotary_dim / 2
-                    ),
-                ));
+            if !sections.as_array().is_some_and(|a| a.iter().all(|c| c.as_u64().is_some())) {
+                return Err(invalid(field, format!("mrope_section {sections}: expected a list of counts")));
             }
         }
         Ok((theta, scaling, rotary_dim))
@@ -336,9 +328,7 @@ impl Qwen3NextConfig {
                 return Err(invalid("decoder_sparse_step", "must be positive"));
             }
             let dense_only = raw.mlp_only_layers.clone().unwrap_or_default();
-            if let Some(bad) = dense_only.iter().find(|&&l| l >= n) {
-                return Err(invalid("mlp_only_layers", format!("names layer {bad} of {n}")));
-            }
+            super::warn_past_the_last("mlp_only_layers", &dense_only, n);
             (0..n).map(|l| !dense_only.contains(&l) && (l + 1).is_multiple_of(step)).collect()
         };
         Ok(Some(LlamaMoe {
@@ -425,6 +415,12 @@ mod tests {
         assert!(m.norm_topk_prob && m.sparse == vec![true; 4]);
         // A dense Qwen3-Next: no experts.
         assert!(with(r#", "num_experts": 0"#).unwrap().moe.is_none());
+        // transformers renames the legacy "mamba" and "attention" as it loads a config.
+        let legacy = with(r#", "layer_types": ["mamba", "mamba", "attention", "attention"]"#).unwrap();
+        assert_eq!(legacy.layer_types, [LayerKind::Linear, LayerKind::Linear, LayerKind::Full, LayerKind::Full]);
+        // mlp_only_layers past the last layer are never looked up by transformers: ignored.
+        let dense = with(r#", "mlp_only_layers": [1, 7]"#).unwrap().moe.unwrap().sparse;
+        assert_eq!(dense, [true, false, true, true]);
     }
 
     #[test]
@@ -437,6 +433,30 @@ mod tests {
         let other = wrapper.replace("qwen3_5_moe_text", "qwen3_5_text");
         let err = Qwen3NextConfig::from_json(&other).unwrap_err().to_string();
         assert!(err.contains("model_type"), "{err}");
+        // Without its text model: refused, not transformers' default one.
+        let err = Qwen3NextConfig::from_json(r#"{"model_type": "qwen3_5"}"#).unwrap_err().to_string();
+        assert!(err.contains("lacks required field `text_config`"), "{err}");
+    }
+
+    #[test]
+    fn mrope_sections_that_miss_the_rotated_pairs_are_1d_rope_on_text() {
+        // transformers 5.25.0's Qwen3_5TextRotaryEmbedding for head_dim 32, partial_rotary_factor
+        // 0.25, base 1e4 and mrope_section [2, 1, 1], [2, 1, 2], [1, 1, 1] or [4, 4, 4]: inv_freq
+        // [1, 0.1, 0.01, 0.001], and cos/sin at text positions the same for every split.
+        let want = [1.0, 0.10000000149011612, 0.009999999776482582, 0.0010000000474974513];
+        for sections in ["[2, 1, 1]", "[2, 1, 2]", "[1, 1, 1]", "[4, 4, 4]"] {
+            let key = format!(
+                r#", "rope_parameters": {{"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
+                    "mrope_section": {sections}}}"#
+            );
+            let text = NEXT.replace("qwen3_next", "qwen3_5_text").replace(" KEY", &key);
+            let c = Qwen3NextConfig::from_json(&text).unwrap_or_else(|e| panic!("{sections}: {e}"));
+            let got = c.rope_freqs().inv_freq;
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(want) {
+                assert!((*g as f64 - w).abs() <= 1e-6 * w, "{sections}: {got:?}");
+            }
+        }
     }
 
     #[test]
@@ -444,14 +464,27 @@ mod tests {
         for (key, field) in [
             (r#", "linear_num_value_heads": 3"#, "linear_num_value_heads"),
             (r#", "layer_types": ["full_attention"]"#, "layer_types"),
-            (r#", "layer_types": ["linear_attention", "mamba", "full_attention", "full_attention"]"#, "layer_types"),
+            (
+                r#", "layer_types": ["linear_attention", "sliding_attention", "full_attention", "full_attention"]"#,
+                "layer_types",
+            ),
             (r#", "full_attention_interval": 0"#, "full_attention_interval"),
             (r#", "partial_rotary_factor": 1.5"#, "partial_rotary_factor"),
-            (r#", "rope_parameters": {"rope_theta": 1e4, "mrope_section": [2, 1, 2]}"#, "rope_parameters"),
+            (r#", "rope_parameters": {"rope_theta": 1e4, "mrope_section": ["a"]}"#, "rope_parameters"),
             (r#", "hidden_act": "gelu""#, "hidden_act"),
             (r#", "attn_output_gate": false"#, "attn_output_gate"),
+            // Degenerate values transformers runs (zero widths, no routed expert, eps 0, no
+            // context, no rotation), and odd rotations (15-wide heads; 0.3 of 32 is 9 columns).
+            (r#", "intermediate_size": 0"#, "intermediate_size"),
+            (r#", "shared_expert_intermediate_size": 0"#, "shared_expert_intermediate_size"),
+            (r#", "num_experts_per_tok": 0"#, "num_experts_per_tok"),
+            (r#", "rms_norm_eps": 0"#, "rms_norm_eps"),
+            (r#", "max_position_embeddings": 0"#, "max_position_embeddings"),
+            (r#", "num_hidden_layers": 0"#, "num_hidden_layers"),
+            (r#", "partial_rotary_factor": 0"#, "partial_rotary_factor"),
+            (r#", "partial_rotary_factor": 0.3"#, "partial_rotary_factor"),
+            (r#", "head_dim": 15"#, "head_dim"),
             (r#", "num_experts_per_tok": 9"#, "num_experts_per_tok"),
-            (r#", "mlp_only_layers": [7]"#, "mlp_only_layers"),
             (
                 r#", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}"#,
                 "quantization_config",
