@@ -42,6 +42,7 @@ fn strata_bin() -> std::path::PathBuf {
 }
 
 /// Runs `cmd` to its end; its peak RSS in KiB (from wait4's rusage, this child's alone).
+#[allow(clippy::zombie_processes)] // reaped by wait4 below, which std's Child does not know of
 fn peak_kib(mut cmd: Command) -> u64 {
     let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let pid = child.id() as libc::pid_t;
@@ -86,9 +87,13 @@ fn per_sample(reps: usize) {
         for &n in &sizes {
             let data = work.join(format!("tokens-{n}.jsonl"));
             let out = work.join(format!("out-{format}-{n}"));
+            // A fresh directory each run: what is measured is the writer, not an --overwrite's reading of the last run.
             let extract = |out: &std::path::Path, part: Option<usize>| {
+                if part.is_none() {
+                    let _ = std::fs::remove_dir_all(out);
+                }
                 let mut cmd = Command::new(strata_bin());
-                cmd.args(["extract", "--overwrite", "--format", format, "--model"]).arg(&model);
+                cmd.args(["extract", "--format", format, "--model"]).arg(&model);
                 cmd.arg("--data").arg(&data).arg("--out").arg(out);
                 if let Some(i) = part {
                     cmd.args(["--num-parts", "4", "--part-index", &i.to_string()]);

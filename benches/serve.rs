@@ -10,6 +10,16 @@
 //! faster of two runs, one before and one after the served ones.
 //!
 //!     cargo bench --bench serve [-- --prompts N --max-batch-tokens B --dtype D]
+//!     cargo bench --bench serve -- --cold-burst [--requests 900 --tokens 4000 --backend cpu --wait 240]
+//!
+//! `--cold-burst`: a fresh server (the bench `small` Llama on `--backend`,
+//! cpu by default: a few hundred tokens/s on 2 cores, slow enough for a
+//! queue to fill) gets `--requests`
+//! prompts of `--tokens` tokens at once, each on its own connection, the
+//! moment it is ready. It prints how many were admitted and refused, the
+//! queue 5 s in, when the last admitted one was answered, and how many were
+//! still waiting after `--wait` seconds. `STRATA_BIN` runs another build (an
+//! older commit's) the same way; `--max-queue-time` is passed on when given.
 //!
 //! `--dtype` is the stored dtype on both sides (bf16 by default; fp8 puts
 //! the FP8 encoding on the server's writer thread and in the offline sink).
@@ -26,7 +36,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_strata"))
+    std::env::var_os("STRATA_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_strata")), PathBuf::from)
 }
 
 fn arg(args: &[String], name: &str, default: usize) -> usize {
@@ -174,6 +184,9 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         return; // `cargo test --benches` lists benches; nothing to list here
     }
+    if args.iter().any(|a| a == "--cold-burst") {
+        return cold_burst(&args);
+    }
     let n = arg(&args, "--prompts", 256);
     let budget = arg(&args, "--max-batch-tokens", 2048);
     let dtype = args.iter().position(|a| a == "--dtype").map_or("bf16", |i| args[i + 1].as_str());
@@ -256,5 +269,104 @@ fn main() {
     println!(
         "  (busy: the share of the wall time the server spent in forward steps, and on its writer thread \
          gathering, encoding and writing files, which runs beside the steps)"
+    );
+}
+
+/// Starts `strata serve ARGS --port 0`; returns it and its address once ready.
+fn start(args: &[String]) -> (std::process::Child, String) {
+    let mut child =
+        Command::new(bin()).arg("serve").args(args).args(["--port", "0"]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut addr = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "strata serve exited");
+        if let Some(rest) = line.strip_prefix("listening on http://") {
+            addr = rest.split_whitespace().next().unwrap().to_string();
+        }
+        if line.trim_start().starts_with("prompts") {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in out.lines() {});
+    (child, addr)
+}
+
+/// `--cold-burst`: see the module's doc.
+fn cold_burst(args: &[String]) {
+    let requests = arg(args, "--requests", 900);
+    let tokens = arg(args, "--tokens", 4000);
+    let wait = arg(args, "--wait", 240) as u64;
+    let backend = args.iter().position(|a| a == "--backend").map_or("cpu", |i| args[i + 1].as_str());
+    // A request with no answer within --wait ends its client thread by a read timeout: counted, not printed.
+    std::panic::set_hook(Box::new(|_| {}));
+    let model = strata_testkit::bench_small_dir().unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let vocab = config["vocab_size"].as_u64().unwrap();
+    let work = std::env::current_dir().unwrap().join("target/bench-serve-burst");
+    let _ = std::fs::remove_dir_all(&work);
+    let mut server_args: Vec<String> =
+        ["--served-model-name", "bench", "--backend", backend, "--max-batch-tokens", "8192"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    server_args.extend(["--model".into(), model.display().to_string()]);
+    server_args.extend(["--hidden-states-dir".into(), work.join("hs").display().to_string()]);
+    if let Some(i) = args.iter().position(|a| a == "--max-queue-time") {
+        server_args.extend(["--max-queue-time".into(), args[i + 1].clone()]);
+    }
+    let (mut child, addr) = start(&server_args);
+    let mut rng = strata_testkit::Rng::new(9);
+    let bodies: Vec<String> = (0..requests)
+        .map(|_| {
+            let ids: Vec<u32> = (0..tokens).map(|_| rng.below(vocab) as u32).collect();
+            serde_json::json!({"model": "bench", "prompt": ids, "max_tokens": 1}).to_string()
+        })
+        .collect();
+    let t = Instant::now();
+    let clients: Vec<_> = bodies
+        .into_iter()
+        .map(|body| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let s = TcpStream::connect(&addr).ok()?;
+                s.set_read_timeout(Some(std::time::Duration::from_secs(wait))).ok()?;
+                let mut c = Conn { r: BufReader::new(s), addr };
+                let (status, text) =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.post("/v1/completions", &body))).ok()?;
+                if status == 200 {
+                    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                    let _ = std::fs::remove_file(v["kv_transfer_params"]["hidden_states_path"].as_str().unwrap());
+                }
+                Some((status, t.elapsed().as_secs_f64()))
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_secs(5));
+    let queued_5s = metric(&addr, "strata_queue_depth");
+    let results: Vec<Option<(u16, f64)>> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    let served: Vec<f64> = results.iter().flatten().filter(|r| r.0 == 200).map(|r| r.1).collect();
+    let refused = results.iter().flatten().filter(|r| r.0 == 503).count();
+    let pending = results.iter().filter(|r| r.is_none()).count();
+    let tps = metric(&addr, "strata_step_tokens_total") / metric(&addr, "strata_forward_seconds_total");
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&work);
+    println!(
+        "cold burst: {requests} requests of {tokens} tokens at once on a fresh server ({backend} backend, bench small \
+         Llama, {})",
+        bin().display()
+    );
+    println!("  queue 5 s in: {queued_5s:.0} requests");
+    println!(
+        "  admitted and answered: {}; refused at once (503): {refused}; no answer within {wait} s: {pending}",
+        served.len()
+    );
+    println!(
+        "  the last answer came {:.1} s after the burst; the forward ran at {tps:.0} tokens/s, so the work \
+         admitted was {:.1} s of it",
+        served.iter().copied().fold(0.0, f64::max),
+        served.len() as f64 * tokens as f64 / tps
     );
 }

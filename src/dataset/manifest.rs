@@ -193,6 +193,108 @@ pub struct SampleInfo {
     pub index: Option<usize>,
 }
 
+/// One entry of a manifest's listing, as [`Manifest::read_each`] gives them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// A shard (file).
+    Shard(ShardInfo),
+    /// A sample.
+    Sample(SampleInfo),
+    /// A sample left out.
+    Skipped(SkippedInfo),
+}
+
+/// Reads a manifest object: its listing's elements one at a time into
+/// `each`, every other field into a map (the job).
+struct JobSeed<'a> {
+    each: &'a mut dyn FnMut(Entry) -> Result<(), String>,
+    failed: &'a mut Option<String>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for JobSeed<'_> {
+    type Value = serde_json::Map<String, serde_json::Value>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for JobSeed<'_> {
+    type Value = serde_json::Map<String, serde_json::Value>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a manifest object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut job = serde_json::Map::new();
+        let mut shards = 0usize;
+        while let Some(key) = map.next_key::<String>()? {
+            let kind = match key.as_str() {
+                "shards" => 0,
+                "samples" => 1,
+                "skipped" => 2,
+                _ => {
+                    job.insert(key, map.next_value()?);
+                    continue;
+                }
+            };
+            let seq = ListSeed { kind, each: &mut *self.each, failed: &mut *self.failed, count: 0 };
+            let n = map.next_value_seed(seq)?;
+            if kind == 0 {
+                shards = n;
+            }
+        }
+        // How many shards the manifest listed (the journal's lines below that number are old).
+        job.insert(COUNTED.into(), shards.into());
+        Ok(job)
+    }
+}
+
+/// The key under which [`JobSeed`] returns the manifest's shard count with the job.
+const COUNTED: &str = "counted_shards";
+
+/// Reads one listing array, element by element.
+struct ListSeed<'a> {
+    kind: u8,
+    each: &'a mut dyn FnMut(Entry) -> Result<(), String>,
+    failed: &'a mut Option<String>,
+    count: usize,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for ListSeed<'_> {
+    type Value = usize;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<usize, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for ListSeed<'_> {
+    type Value = usize;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(mut self, mut seq: A) -> Result<usize, A::Error> {
+        use serde::de::Error;
+        loop {
+            let entry = match self.kind {
+                0 => seq.next_element::<ShardInfo>()?.map(Entry::Shard),
+                1 => seq.next_element::<SampleInfo>()?.map(Entry::Sample),
+                _ => seq.next_element::<SkippedInfo>()?.map(Entry::Skipped),
+            };
+            let Some(entry) = entry else { return Ok(self.count) };
+            self.count += 1;
+            if let Err(e) = (self.each)(entry) {
+                *self.failed = Some(e.clone());
+                return Err(A::Error::custom(e));
+            }
+        }
+    }
+}
+
 /// The manifest.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -439,6 +541,97 @@ impl Manifest {
                 Some(_) => Some(read(JOURNAL)?),
             };
         Self::parse(&text, journal.as_deref(), dir.path())
+    }
+
+    /// Reads `manifest.json` and its journal in `dir` without holding the
+    /// listing: returns the job (its `shards`, `samples` and `skipped`
+    /// empty) and gives every listed entry to `each`, in order: the
+    /// manifest's shards, samples and skipped, then each journal line's.
+    /// A million samples' manifest is read in the memory of one entry.
+    pub fn read_each(
+        dir: &crate::files::Dir,
+        each: &mut dyn FnMut(Entry) -> Result<(), String>,
+    ) -> Result<Self, String> {
+        let path = dir.join(MANIFEST);
+        let f = dir.open_file(MANIFEST).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let journal = dir.join(JOURNAL);
+        let journal = match dir.kind(JOURNAL).map_err(|e| format!("cannot read {}: {e}", journal.display()))? {
+            None => None,
+            Some(_) => Some(dir.open_file(JOURNAL).map_err(|e| format!("cannot read {}: {e}", journal.display()))?),
+        };
+        Self::read_each_from(f, journal, dir.path(), each)
+    }
+
+    /// [`Manifest::read_each`] of a manifest and a journal already open (in
+    /// `dir`, for messages): their names may be gone by now.
+    pub fn read_each_from(
+        f: std::fs::File,
+        journal_file: Option<std::fs::File>,
+        dir: &Path,
+        each: &mut dyn FnMut(Entry) -> Result<(), String>,
+    ) -> Result<Self, String> {
+        let path = dir.join(MANIFEST);
+        let len = f.metadata().map_err(|e| format!("cannot read {}: {e}", path.display()))?.len();
+        if len > MAX_MANIFEST_BYTES {
+            return Err(format!(
+                "{} is {len} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have",
+                path.display()
+            ));
+        }
+        let mut de = serde_json::Deserializer::from_reader(std::io::BufReader::with_capacity(1 << 20, f));
+        let mut failed = None;
+        let job = serde::de::DeserializeSeed::deserialize(JobSeed { each, failed: &mut failed }, &mut de)
+            .and_then(|job| de.end().map(|()| job));
+        let mut job = match (job, failed) {
+            (_, Some(e)) => return Err(e),
+            (Err(e), None) => return Err(format!("malformed {}: {e}", path.display())),
+            (Ok(job), None) => job,
+        };
+        let counted = job.remove(COUNTED).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+        let version = job.get("schema_version").map(|v| v.to_string());
+        if !matches!(version.as_deref(), Some("1" | "2" | "3")) {
+            return Err(format!(
+                "{}: schema_version {} is not supported (this strata reads 1 to {SCHEMA_VERSION})",
+                path.display(),
+                version.as_deref().map_or("(none)".to_string(), |v| crate::clip(v, 40).to_string())
+            ));
+        }
+        let mut job = serde_json::Value::Object(job);
+        for k in ["shards", "samples", "skipped"] {
+            job[k] = serde_json::Value::Array(vec![]);
+        }
+        let m: Manifest = serde_json::from_value(job).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        // The journal: each line's entries past those the manifest lists (one line at a time).
+        let journal = dir.join(JOURNAL);
+        if let Some(f) = journal_file {
+            use std::io::BufRead;
+            let mut lines = std::io::BufReader::with_capacity(1 << 20, f).split(b'\n').enumerate().peekable();
+            let mut listed = counted;
+            while let Some((i, line)) = lines.next() {
+                let line = line.map_err(|e| format!("cannot read {}: {e}", journal.display()))?;
+                let e = match serde_json::from_slice::<JournalEntry>(&line) {
+                    Ok(e) => e,
+                    // A torn last line was never made durable: the file it names is redone.
+                    Err(_) if lines.peek().is_none() => break,
+                    Err(_) => return Err(format!("{}:{}: malformed journal line", journal.display(), i + 1)),
+                };
+                match e.index.cmp(&listed) {
+                    std::cmp::Ordering::Less => continue,
+                    std::cmp::Ordering::Greater => {
+                        return Err(format!(
+                            "{}: journal entry for shard {} follows shard {listed}",
+                            journal.display(),
+                            e.index
+                        ))
+                    }
+                    std::cmp::Ordering::Equal => listed += 1,
+                }
+                each(Entry::Shard(e.shard))?;
+                e.samples.into_iter().try_for_each(|x| each(Entry::Sample(x)))?;
+                e.skipped.into_iter().try_for_each(|x| each(Entry::Skipped(x)))?;
+            }
+        }
+        Ok(m)
     }
 
     /// A manifest's text and its journal's, in `dir` (for messages).

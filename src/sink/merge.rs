@@ -19,10 +19,10 @@
 //! Merging is idempotent; a part rerun later with `--resume` (its own files
 //! stay as they are) is picked up by merging again.
 
-use super::output::{persist_manifest, OutputDir, Temp};
+use super::output::{persist_manifest_streamed, ListingSource, OutputDir, Temp};
 use super::{hf_dataset, io_err, SinkError};
 use crate::dataset::manifest::{
-    InputInfo, InputPos, Manifest, MergedPart, PartInfo, SampleInfo, ShardInfo, JOURNAL, MANIFEST,
+    Entry, InputInfo, InputPos, Manifest, MergedPart, PartInfo, SampleInfo, ShardInfo, SkippedInfo, JOURNAL, MANIFEST,
 };
 use crate::files::{Dir, Kind};
 use crate::input::parts;
@@ -76,8 +76,43 @@ fn refuse(msg: String) -> SinkError {
 /// Problems quoted at most in one refusal.
 const QUOTED: usize = 20;
 
+/// A part as merge holds it: its job (the manifest without its listing,
+/// which is read from the part's files again, one entry at a time, each
+/// time it is needed) and the counts of its listing.
+struct Part {
+    name: String,
+    dir: Dir,
+    job: Manifest,
+    /// Files (shards) it lists.
+    files: usize,
+    /// Samples and samples left out it lists.
+    samples: usize,
+    skipped: usize,
+}
+
+impl Part {
+    /// Gives every entry the part lists to `each`, in order.
+    fn each(&self, each: &mut dyn FnMut(Entry) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        let mut failed = None;
+        let r = Manifest::read_each(&self.dir, &mut |e| {
+            each(e).map_err(|e| {
+                let text = e.to_string();
+                failed = Some(e);
+                text
+            })
+        });
+        match (r, failed) {
+            (_, Some(e)) => Err(e),
+            (Err(e), None) => Err(refuse(format!("{}: {e}", self.name))),
+            (Ok(_), None) => Ok(()),
+        }
+    }
+}
+
 /// Merges the parts in `dir`; `input` is where the input lies now (default:
-/// the path the parts recorded). See the module documentation.
+/// the path the parts recorded). See the module documentation. No part's
+/// listing is ever whole in memory: each is read again, an entry at a time,
+/// for each check and for each list the merged manifest holds.
 pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError> {
     let _span = tracing::info_span!("merge", dir = %dir.display()).entered();
     if !dir.is_dir() {
@@ -88,7 +123,7 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
     // One writer at a time: a second merge, or a one-process run into OUT.
     let (_lock, _) = OutputDir::lock(&root)?;
     remove_stale_temps(&root)?;
-    match Manifest::read_in(&root) {
+    match Manifest::read_each(&root, &mut |_| Ok(())) {
         Ok(m) if m.merged.is_empty() => {
             return Err(refuse(format!(
                 "{} holds a dataset one process wrote ({MANIFEST} lists no parts): merge joins the parts in the \
@@ -103,7 +138,7 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
     }
     let (count, found) = list_parts(&root)?;
     let mut problems = Vec::new();
-    let mut manifests = Vec::with_capacity(found.len());
+    let mut parts = Vec::with_capacity(found.len());
     // Each part's lock, held through the merge: a part that is being (re)written is not merged.
     let mut locks = Vec::with_capacity(found.len());
     let mut present = found.iter().peekable();
@@ -146,12 +181,21 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
                 continue;
             }
         }
-        match Manifest::read_in(&part) {
+        let (mut files, mut samples, mut skipped) = (0, 0, 0);
+        let read = Manifest::read_each(&part, &mut |e| {
+            match e {
+                Entry::Shard(_) => files += 1,
+                Entry::Sample(_) => samples += 1,
+                Entry::Skipped(_) => skipped += 1,
+            }
+            Ok(())
+        });
+        match read {
             Err(e) => problems.push(format!("{name} has no readable manifest ({e}): {rerun}")),
             Ok(m) if !m.complete => {
-                problems.push(format!("{name} is incomplete ({} samples written so far): {rerun}", m.samples.len()))
+                problems.push(format!("{name} is incomplete ({samples} samples written so far): {rerun}"))
             }
-            Ok(m) => manifests.push((name, part, m)),
+            Ok(job) => parts.push(Part { name, dir: part, job, files, samples, skipped }),
         }
     }
     if !problems.is_empty() {
@@ -164,12 +208,13 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
             problems[..shown].join("\n  ")
         )));
     }
-    let infos = check_one_job(&manifests)?;
-    // Every listed file, before anything changes.
-    let files = check_files(dir, &manifests)?;
-    let input_check = check_input(&manifests, &infos, input)?;
+    let infos = check_one_job(&parts)?;
+    // Every listed file, and every id, before anything changes.
+    let speculators = parts[0].job.format == "speculators";
+    let found = check_files(dir, &parts, speculators)?;
+    let input_check = check_input(&parts, &infos, input)?;
 
-    let speculators = manifests[0].2.format == "speculators";
+    let total_files: usize = parts.iter().map(|p| p.files).sum();
     // The speculators rows' directory, entered (never through a link) before anything changes;
     // a directory where a row's link goes would stop the merge half-way: refused now.
     let hidden = match speculators {
@@ -177,7 +222,7 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
         false => None,
     };
     if let Some(hs) = &hidden {
-        for row in 0..files.files.len() {
+        for row in 0..total_files {
             let name = super::SpeculatorsSink::file_name(row);
             let name = name.rsplit('/').next().unwrap_or(&name);
             if hs.kind(name).map_err(io_err(&hs.join(name)))? == Some(Kind::Dir) {
@@ -201,7 +246,7 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
     }
     root.sync();
 
-    let first = &manifests[0].2;
+    let first = &parts[0].job;
     let mut merged = Manifest {
         part: None,
         nonce: String::new(),
@@ -213,75 +258,58 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
         ..first.clone_job()
     };
     // Every size a part asked for (`--draft-vocab-size` does not change the files).
-    let mut sizes: Vec<usize> = manifests.iter().flat_map(|(_, _, m)| m.draft_vocab_sizes.iter().copied()).collect();
+    let mut sizes: Vec<usize> = parts.iter().flat_map(|p| p.job.draft_vocab_sizes.iter().copied()).collect();
     sizes.sort_unstable();
     sizes.dedup();
     merged.draft_vocab_sizes = sizes;
-    let mut report = MergeReport {
+    let report = MergeReport {
         format: first.format.clone(),
         dtype: first.dtype.clone(),
         parts: count,
         input: input_check,
-        ..Default::default()
+        samples: parts.iter().map(|p| p.samples).sum(),
+        skipped: parts.iter().map(|p| p.skipped).sum(),
+        files: total_files,
+        bytes: found.bytes,
     };
-    // Ids are unique across parts (the strings themselves: a digest could be made to collide).
-    let mut ids: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    // Where each part's rows and files start in the merged lists.
     let mut rows = 0usize;
-    let mut at_file = 0usize;
-    for ((name, _, m), part) in manifests.iter().zip(infos) {
-        let first_sample = rows;
-        let shard_base = merged.shards.len();
-        for s in &m.shards {
-            let file = match &hidden {
-                Some(hs) => {
-                    // Row i of the merged table is file i.
-                    let to = super::SpeculatorsSink::file_name(merged.shards.len());
-                    let (d, from_name, id) = &files.files[at_file];
-                    link(&files.dirs[*d], from_name, *id, hs, to.rsplit('/').next().unwrap_or(&to))?;
-                    to
-                }
-                None => format!("{name}/{}", s.file),
-            };
-            at_file += 1;
-            report.bytes += s.bytes;
-            merged.shards.push(ShardInfo { file, samples: s.samples, bytes: s.bytes, input: None });
-        }
-        for s in &m.samples {
-            if !ids.insert(&s.id) {
-                return Err(refuse(format!(
-                    "sample id {} is in two parts (the second is {name}): the parts are not one input's",
-                    crate::quote(&s.id)
-                )));
-            }
-            merged.samples.push(SampleInfo {
-                id: s.id.clone(),
-                shard: shard_base.saturating_add(s.shard),
-                tokens: s.tokens,
-                checksum: s.checksum.clone(),
-                index: Some(first_sample.saturating_add(s.index.unwrap_or(0))),
-            });
-        }
-        for s in &m.skipped {
-            let index = first_sample.saturating_add(s.index);
-            merged.skipped.push(crate::dataset::manifest::SkippedInfo { index, ..s.clone() });
-        }
-        let samples = m.consumed();
+    let mut bases = Vec::with_capacity(parts.len());
+    let mut files_before = 0usize;
+    for (p, info) in parts.iter().zip(infos) {
+        let samples = p.job.consumed();
+        bases.push((files_before, rows));
+        merged.merged.push(MergedPart { dir: p.name.clone(), part: info, samples, first_sample: rows });
         rows = rows.saturating_add(samples);
-        merged.merged.push(MergedPart { dir: name.clone(), part, samples, first_sample });
+        files_before += p.files;
     }
-    report.samples = merged.samples.len();
-    report.skipped = merged.skipped.len();
-    report.files = merged.shards.len();
     let input = first.input.as_ref().map_or_else(String::new, |i| i.path.clone());
     let whole = merged.merged.last().map_or(0, |p| p.part.input_bytes);
     // The whole input's digest would need a full read; each part records its own.
     merged.input =
         Some(InputInfo { path: input, whole: InputPos { samples: rows, bytes: whole, digest: String::new() } });
     if let Some(hs) = &hidden {
+        // Row i of the merged table is file i: a hard link to the part's file, checked to be the one checked.
+        let mut row = 0usize;
+        for p in &parts {
+            let mut dirs: HashMap<String, Dir> = HashMap::new();
+            p.each(&mut |e| {
+                let Entry::Shard(s) = e else { return Ok(()) };
+                let (parent, file) = s.file.rsplit_once('/').map_or(("", s.file.as_str()), |(d, f)| (d, f));
+                if !dirs.contains_key(parent) {
+                    let (sub, _) = p.dir.walk(&s.file, false).map_err(io_err(&p.dir.join(&s.file)))?;
+                    dirs.insert(parent.to_string(), sub);
+                }
+                let to = super::SpeculatorsSink::file_name(row);
+                link(&dirs[parent], file, found.identities[row], hs, to.rsplit('/').next().unwrap_or(&to))?;
+                row += 1;
+                Ok(())
+            })?;
+        }
         // Links an earlier merge with more rows made past the last row go.
         for name in hs.names().map_err(io_err(hs.path()))? {
             let row = name.strip_prefix("hs_").and_then(|n| n.strip_suffix(".safetensors"));
-            if row.and_then(|r| r.parse::<usize>().ok()).is_some_and(|r| r >= merged.shards.len()) {
+            if row.and_then(|r| r.parse::<usize>().ok()).is_some_and(|r| r >= total_files) {
                 remove_if_file(hs, &name)?;
             }
         }
@@ -296,11 +324,67 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
         let discard = |tmp: &Temp| {
             let _ = root.remove(&tmp.name);
         };
-        super::speculators::write_table(&root, &merged, temp, place, discard)?;
+        let files = (0..total_files)
+            .map(|i| Ok(ShardInfo { file: super::SpeculatorsSink::file_name(i), samples: 1, bytes: 0, input: None }));
+        super::speculators::write_table(&root, &merged, files, temp, place, discard)?;
         hs.sync();
     }
-    write_manifest(&root, &merged)?;
+    let listing = PartsListing { parts: &parts, bases: &bases, speculators };
+    write_manifest(&root, &merged, &listing)?;
     Ok(report)
+}
+
+/// The merged listing, read from the parts as it is written: each part's
+/// files (linked rows `hidden_states/hs_{i}` in the speculators format,
+/// else `part-IIII-of-NNNN/FILE`), its samples and its samples left out,
+/// renumbered from where the part starts.
+struct PartsListing<'a> {
+    parts: &'a [Part],
+    /// Per part: the files and the rows before it.
+    bases: &'a [(usize, usize)],
+    speculators: bool,
+}
+
+impl ListingSource for PartsListing<'_> {
+    fn shards(&self, f: &mut dyn FnMut(&ShardInfo) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        let mut row = 0usize;
+        for p in self.parts {
+            p.each(&mut |e| {
+                let Entry::Shard(s) = e else { return Ok(()) };
+                let file = match self.speculators {
+                    true => super::SpeculatorsSink::file_name(row),
+                    false => format!("{}/{}", p.name, s.file),
+                };
+                row += 1;
+                f(&ShardInfo { file, samples: s.samples, bytes: s.bytes, input: None })
+            })?;
+        }
+        Ok(())
+    }
+
+    fn samples(&self, f: &mut dyn FnMut(&SampleInfo) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        for (p, &(files, rows)) in self.parts.iter().zip(self.bases) {
+            p.each(&mut |e| {
+                let Entry::Sample(s) = e else { return Ok(()) };
+                f(&SampleInfo {
+                    shard: files.saturating_add(s.shard),
+                    index: Some(rows.saturating_add(s.index.unwrap_or(0))),
+                    ..s
+                })
+            })?;
+        }
+        Ok(())
+    }
+
+    fn skipped(&self, f: &mut dyn FnMut(&SkippedInfo) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        for (p, &(_, rows)) in self.parts.iter().zip(self.bases) {
+            p.each(&mut |e| {
+                let Entry::Skipped(s) = e else { return Ok(()) };
+                f(&SkippedInfo { index: rows.saturating_add(s.index), ..s })
+            })?;
+        }
+        Ok(())
+    }
 }
 
 /// The part directories in `root` (their index and what each name is, links
@@ -344,13 +428,13 @@ fn list_parts(root: &Dir) -> Result<(usize, Vec<(usize, Kind)>), SinkError> {
 }
 
 /// Every part describes the same job, and the parts tile one input in order.
-fn check_one_job(manifests: &[(String, Dir, Manifest)]) -> Result<Vec<PartInfo>, SinkError> {
-    let (name0, _, first) = &manifests[0];
+fn check_one_job(parts: &[Part]) -> Result<Vec<PartInfo>, SinkError> {
+    let (name0, first) = (&parts[0].name, &parts[0].job);
     let job = |m: &Manifest| Manifest { part: None, ..m.clone_job() };
     let base = job(first);
-    let mut infos = Vec::with_capacity(manifests.len());
+    let mut infos = Vec::with_capacity(parts.len());
     let mut at = 0u64;
-    for (i, (name, _, m)) in manifests.iter().enumerate() {
+    for (i, Part { name, job: m, .. }) in parts.iter().enumerate() {
         let p = m.part.clone().ok_or_else(|| {
             refuse(format!("{name}: its manifest records no part of the input; it was not written as part {i}"))
         })?;
@@ -367,7 +451,7 @@ fn check_one_job(manifests: &[(String, Dir, Manifest)]) -> Result<Vec<PartInfo>,
         let f = &first.part.as_ref().expect("checked at i = 0");
         let differs = if !(p.start <= p.end && p.end <= p.input_bytes) {
             Some(format!("its bytes {}..{} are not a range of the input's {}", p.start, p.end, p.input_bytes))
-        } else if p.index != i || p.count != manifests.len() {
+        } else if p.index != i || p.count != parts.len() {
             Some(format!("it is part {} of {}", p.index, p.count))
         } else if (p.input_bytes, &p.input_fingerprint) != (f.input_bytes, &f.input_fingerprint) {
             Some(format!(
@@ -398,61 +482,91 @@ fn check_one_job(manifests: &[(String, Dir, Manifest)]) -> Result<Vec<PartInfo>,
     Ok(infos)
 }
 
-/// The files the parts list, found: each by its directory (one handle per
-/// directory, not per file: a speculators part lists a file per row), name,
-/// and identity (device, inode) when it was checked.
+/// What checking the parts' files found: the identity (device, inode) of
+/// each file, in order, when the files are to be linked (speculators), and
+/// the bytes of them all.
 struct Found {
-    dirs: Vec<Dir>,
-    files: Vec<(usize, String, (u64, u64))>,
+    identities: Vec<(u64, u64)>,
+    bytes: u64,
 }
 
 /// Each file every part lists, in order: it must lie inside its part (no
 /// absolute path, no `..`, no link on the way or at the end) and be a
-/// regular file of the listed size.
-fn check_files(dir: &Path, manifests: &[(String, Dir, Manifest)]) -> Result<Found, SinkError> {
-    let mut found = Found { dirs: Vec::new(), files: Vec::new() };
-    // (part, directory path inside it) -> its handle in `found.dirs`.
-    let mut opened: HashMap<(usize, String), usize> = HashMap::new();
+/// regular file of the listed size. And every sample id is listed once in
+/// all the parts (kept as 128-bit digests keyed by a random seed, so that
+/// ids cannot be chosen to collide).
+fn check_files(dir: &Path, parts: &[Part], keep_identities: bool) -> Result<Found, SinkError> {
+    let mut found = Found { identities: Vec::new(), bytes: 0 };
     let mut problems = Vec::new();
     let mut bad = 0usize;
-    for (i, (name, part, m)) in manifests.iter().enumerate() {
-        let rerun = format!("rerun the part with --part-index {i} --num-parts {} --resume", manifests.len());
-        for s in &m.shards {
+    let seed = {
+        let mut b = [0u8; 8];
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        if rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()).is_err() {
+            b = (t as u64 ^ std::process::id() as u64).to_le_bytes();
+        }
+        u64::from_le_bytes(b)
+    };
+    let mut ids: std::collections::HashSet<u128> = std::collections::HashSet::new();
+    for (i, p) in parts.iter().enumerate() {
+        let name = &p.name;
+        let rerun = format!("rerun the part with --part-index {i} --num-parts {} --resume", parts.len());
+        // Directory path inside the part -> its handle (one per directory, not per file).
+        let mut opened: HashMap<String, Dir> = HashMap::new();
+        p.each(&mut |e| {
+            let s = match e {
+                Entry::Shard(s) => s,
+                Entry::Sample(s) => {
+                    if !ids.insert(xxhash_rust::xxh3::xxh3_128_with_seed(s.id.as_bytes(), seed)) {
+                        return Err(refuse(format!(
+                            "sample id {} is in two parts (the second is {name}): the parts are not one input's",
+                            crate::quote(&s.id)
+                        )));
+                    }
+                    return Ok(());
+                }
+                Entry::Skipped(_) => return Ok(()),
+            };
             let shown = format!("{name}/{}", crate::clip(&s.file, 2 * crate::QUOTE_MAX));
             let parent = s.file.rsplit_once('/').map_or("", |(d, _)| d).to_string();
-            let cached = opened.get(&(i, parent.clone())).filter(|_| !s.file.starts_with('/'));
-            let at = match cached {
-                Some(&k) => Ok((k, s.file.rsplit('/').next().unwrap_or_default().to_string())),
-                None => part.walk(&s.file, false).map(|(sub, file)| {
-                    found.dirs.push(sub);
-                    opened.insert((i, parent), found.dirs.len() - 1);
-                    (found.dirs.len() - 1, file)
+            let file = s.file.rsplit('/').next().unwrap_or_default().to_string();
+            let at = match opened.get(&parent).filter(|_| !s.file.starts_with('/')) {
+                Some(_) => Ok(()),
+                None => p.dir.walk(&s.file, false).map(|(sub, _)| {
+                    opened.insert(parent.clone(), sub);
                 }),
             };
             let problem = match at {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(format!("{shown} is missing: {rerun}")),
                 Err(e) => Some(format!("{shown}: {e}")),
-                Ok((k, file)) => match found.dirs[k].kind(&file) {
-                    Err(e) => Some(format!("{shown}: {e}")),
-                    Ok(None) => Some(format!("{shown} is missing: {rerun}")),
-                    Ok(Some(Kind::File(len))) if len == s.bytes => match found.dirs[k].identity(&file) {
-                        Ok(Some(id)) => {
-                            found.files.push((k, file, id));
-                            None
-                        }
-                        Ok(None) => Some(format!("{shown} is missing: {rerun}")),
+                Ok(()) => {
+                    let sub = &opened[&parent];
+                    match sub.kind(&file) {
                         Err(e) => Some(format!("{shown}: {e}")),
-                    },
-                    Ok(Some(Kind::File(len))) => Some(format!(
-                        "{shown} has {len} bytes, but the part's manifest lists {} (truncated or replaced): {rerun}",
-                        s.bytes
-                    )),
-                    Ok(Some(k)) => Some(format!(
-                        "{shown} is {}, not a regular file: merge takes only the part's own files, never \
-                         through a link; move it away and {rerun}",
-                        k.describe()
-                    )),
-                },
+                        Ok(None) => Some(format!("{shown} is missing: {rerun}")),
+                        Ok(Some(Kind::File(len))) if len == s.bytes => match sub.identity(&file) {
+                            Ok(Some(id)) => {
+                                found.bytes += s.bytes;
+                                if keep_identities {
+                                    found.identities.push(id);
+                                }
+                                None
+                            }
+                            Ok(None) => Some(format!("{shown} is missing: {rerun}")),
+                            Err(e) => Some(format!("{shown}: {e}")),
+                        },
+                        Ok(Some(Kind::File(len))) => Some(format!(
+                            "{shown} has {len} bytes, but the part's manifest lists {} (truncated or replaced): \
+                             {rerun}",
+                            s.bytes
+                        )),
+                        Ok(Some(k)) => Some(format!(
+                            "{shown} is {}, not a regular file: merge takes only the part's own files, never \
+                             through a link; move it away and {rerun}",
+                            k.describe()
+                        )),
+                    }
+                }
             };
             if let Some(p) = problem {
                 bad += 1;
@@ -460,7 +574,8 @@ fn check_files(dir: &Path, manifests: &[(String, Dir, Manifest)]) -> Result<Foun
                     problems.push(p);
                 }
             }
-        }
+            Ok(())
+        })?;
     }
     if bad > 0 {
         return Err(refuse(format!(
@@ -475,12 +590,8 @@ fn check_files(dir: &Path, manifests: &[(String, Dir, Manifest)]) -> Result<Foun
 
 /// Reads the input once and checks each part's byte range against the
 /// digest the part recorded of what it read (its manifest's `input`).
-fn check_input(
-    manifests: &[(String, Dir, Manifest)],
-    infos: &[PartInfo],
-    input: Option<&Path>,
-) -> Result<InputCheck, SinkError> {
-    let recorded = manifests[0].2.input.as_ref().map(|i| i.path.clone()).unwrap_or_default();
+fn check_input(parts: &[Part], infos: &[PartInfo], input: Option<&Path>) -> Result<InputCheck, SinkError> {
+    let recorded = parts[0].job.input.as_ref().map(|i| i.path.clone()).unwrap_or_default();
     let path: PathBuf = input.map_or_else(|| PathBuf::from(&recorded), Path::to_path_buf);
     let total = infos.last().map_or(0, |p| p.input_bytes);
     let unchecked = |why: String| {
@@ -508,7 +619,7 @@ fn check_input(
     let mut r = std::io::BufReader::with_capacity(1 << 20, f);
     let mut buf = vec![0u8; 1 << 20];
     let mut unrecorded = Vec::new();
-    for ((name, _, m), p) in manifests.iter().zip(infos) {
+    for (Part { name, job: m, .. }, p) in parts.iter().zip(infos) {
         // Every range is read, so the next one starts where it should.
         let mut h = xxhash_rust::xxh3::Xxh3::new();
         let mut left = p.end - p.start;
@@ -605,10 +716,10 @@ fn remove_if_file(dir: &Dir, name: &str) -> Result<bool, SinkError> {
     }
 }
 
-fn write_manifest(dir: &Dir, m: &Manifest) -> Result<(), SinkError> {
+fn write_manifest(dir: &Dir, m: &Manifest, listing: &dyn ListingSource) -> Result<(), SinkError> {
     let tmp = format!(".{MANIFEST}.merge-{}.tmp", std::process::id());
     remove_if_file(dir, &tmp)?;
     let path = dir.join(&tmp);
     let f = dir.create_new(&tmp).map_err(io_err(&path))?;
-    persist_manifest(m, f, &Temp::new(tmp, path), dir)
+    persist_manifest_streamed(m, listing, f, &Temp::new(tmp, path), dir)
 }

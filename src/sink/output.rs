@@ -21,7 +21,7 @@
 
 use super::draft_vocab::is_trainer_file;
 use super::{io_err, OpenMode, SinkError};
-use crate::dataset::manifest::{InputInfo, JournalEntry, Manifest, SampleInfo, ShardInfo, SkippedInfo, JOURNAL};
+use crate::dataset::manifest::{Entry, InputInfo, JournalEntry, Manifest, SampleInfo, ShardInfo, SkippedInfo, JOURNAL};
 use crate::dataset::manifest::{InputPos, MANIFEST};
 use crate::files::{Dir, Kind};
 use crate::pipeline::source::Sample;
@@ -556,19 +556,40 @@ impl OutputDir {
     /// old manifest lists (inside the directory, with names Strata writes),
     /// and every Strata-named file.
     fn clear(dir: &Dir, names: &[String]) -> Result<(), SinkError> {
-        let old = names.iter().any(|n| n == MANIFEST).then(|| Manifest::read_in(dir).ok()).flatten();
+        // Opened before their names go: the old listing is then read from the
+        // open files one entry at a time, never whole in memory.
+        let manifest = names.iter().any(|n| n == MANIFEST).then(|| dir.open_file(MANIFEST).ok()).flatten();
+        let journal = names.iter().any(|n| n == JOURNAL).then(|| dir.open_file(JOURNAL).ok()).flatten();
         remove(dir, MANIFEST)?;
         dir.sync();
         failpoint("overwrite-cleared");
         remove(dir, JOURNAL)?;
-        if let Some(old) = old {
+        if let Some(f) = manifest {
             // A merged dataset's shards belong to its parts: only its own links go.
-            for s in old.shards.iter().filter(|s| !s.file.starts_with("part-")) {
+            let mut failed = None;
+            let mut each = |e: Entry| {
+                let Entry::Shard(s) = e else { return Ok(()) };
+                if s.file.starts_with("part-") {
+                    return Ok(());
+                }
                 if let Ok((sub, name)) = dir.walk(&s.file, false) {
                     if strata_named(&name) && matches!(sub.kind(&name), Ok(Some(Kind::File(_)))) {
-                        remove(&sub, &name)?;
+                        if let Err(e) = remove(&sub, &name) {
+                            let text = e.to_string();
+                            failed = Some(e);
+                            return Err(text);
+                        }
                     }
                 }
+                Ok(())
+            };
+            // An unreadable old manifest lists nothing to delete: its Strata-named files go below.
+            let read = Manifest::read_each_from(f, journal, dir.path(), &mut each);
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            if let Err(e) = read {
+                tracing::debug!("the old manifest of {}: {e}", dir.path().display());
             }
         }
         for n in names.iter().filter(|n| strata_named(n)) {
@@ -790,15 +811,9 @@ impl OutputDir {
         // The listing streams from the journal into the manifest: never whole in memory.
         self.journal = None;
         let (tmp, f) = self.create_temp(MANIFEST)?;
-        let has_journal = self.dir.kind(JOURNAL).map_err(io_err(&self.dir.join(JOURNAL)))?.is_some();
-        let dir = &self.dir;
-        let entries = || -> Result<Box<dyn Iterator<Item = Result<JournalEntry, SinkError>>>, SinkError> {
-            Ok(match has_journal {
-                true => Box::new(JournalEntries::open(dir)?),
-                false => Box::new(std::iter::empty()),
-            })
-        };
-        persist_manifest_streamed(&self.manifest, &entries, &self.skipped, f, &tmp, &self.dir)?;
+        let journal = self.dir.kind(JOURNAL).map_err(io_err(&self.dir.join(JOURNAL)))?.is_some();
+        let listing = JournalListing { dir: &self.dir, journal, more_skipped: &self.skipped };
+        persist_manifest_streamed(&self.manifest, &listing, f, &tmp, &self.dir)?;
         self.listed.skipped += self.skipped.len();
         self.skipped.clear();
         failpoint("compacted");
@@ -876,22 +891,59 @@ impl Iterator for JournalEntries {
     }
 }
 
-/// [`persist_manifest`] for a manifest whose listing is `entries` (each
-/// call reads them anew from the start: once for the shards, once for the
-/// samples, once for the skipped) followed by `more_skipped`; `m`'s own
-/// listing is empty. The bytes are those of the whole manifest written at
-/// once: the listing is never in memory.
-pub(crate) fn persist_manifest_streamed<I>(
+/// A manifest's listing, given one kind at a time and in order: what
+/// [`persist_manifest_streamed`] writes without ever holding it.
+pub(crate) trait ListingSource {
+    /// Gives every listed shard to `f`, in order.
+    fn shards(&self, f: &mut dyn FnMut(&ShardInfo) -> Result<(), SinkError>) -> Result<(), SinkError>;
+    /// Gives every listed sample to `f`, in order.
+    fn samples(&self, f: &mut dyn FnMut(&SampleInfo) -> Result<(), SinkError>) -> Result<(), SinkError>;
+    /// Gives every sample left out to `f`, in order.
+    fn skipped(&self, f: &mut dyn FnMut(&SkippedInfo) -> Result<(), SinkError>) -> Result<(), SinkError>;
+}
+
+/// A run's listing: its journal's entries (read anew for each kind), then
+/// the samples skipped since its last file.
+struct JournalListing<'a> {
+    dir: &'a Dir,
+    journal: bool,
+    more_skipped: &'a [SkippedInfo],
+}
+
+impl JournalListing<'_> {
+    fn each(&self, f: &mut dyn FnMut(JournalEntry) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        if self.journal {
+            JournalEntries::open(self.dir)?.try_for_each(|e| f(e?))?;
+        }
+        Ok(())
+    }
+}
+
+impl ListingSource for JournalListing<'_> {
+    fn shards(&self, f: &mut dyn FnMut(&ShardInfo) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        self.each(&mut |e| f(&e.shard))
+    }
+
+    fn samples(&self, f: &mut dyn FnMut(&SampleInfo) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        self.each(&mut |e| e.samples.iter().try_for_each(&mut *f))
+    }
+
+    fn skipped(&self, f: &mut dyn FnMut(&SkippedInfo) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        self.each(&mut |e| e.skipped.iter().try_for_each(&mut *f))?;
+        self.more_skipped.iter().try_for_each(f)
+    }
+}
+
+/// [`persist_manifest`] for a manifest whose listing comes from `listing`
+/// (`m`'s own is empty): the bytes are those of the whole manifest written
+/// at once, and the listing is never in memory.
+pub(crate) fn persist_manifest_streamed(
     m: &Manifest,
-    entries: &dyn Fn() -> Result<I, SinkError>,
-    more_skipped: &[SkippedInfo],
+    listing: &dyn ListingSource,
     f: File,
     tmp: &Temp,
     dir: &Dir,
-) -> Result<(), SinkError>
-where
-    I: Iterator<Item = Result<JournalEntry, SinkError>>,
-{
+) -> Result<(), SinkError> {
     use serde::ser::{Error as _, SerializeMap, SerializeSeq};
     use std::cell::RefCell;
     debug_assert!(m.shards.is_empty() && m.samples.is_empty() && m.skipped.is_empty());
@@ -906,43 +958,51 @@ where
         Samples,
         Skipped,
     }
-    // The first error of a read while streaming (serde's error carries only text).
+    // The first error of the listing's source (serde's errors carry only text).
     let failed: RefCell<Option<SinkError>> = RefCell::new(None);
-    struct Listing<'a, I> {
+    /// Writes one element, keeping the serializer's own error.
+    fn put<T: serde::Serialize, Q: SerializeSeq>(
+        seq: &mut Q,
+        x: &T,
+        err: &mut Option<Q::Error>,
+    ) -> Result<(), SinkError> {
+        seq.serialize_element(x).map_err(|e| {
+            let text = e.to_string();
+            *err = Some(e);
+            dir_err(text)
+        })
+    }
+    struct Listing<'a> {
         part: Part,
-        entries: &'a dyn Fn() -> Result<I, SinkError>,
-        more_skipped: &'a [SkippedInfo],
+        source: &'a dyn ListingSource,
         failed: &'a RefCell<Option<SinkError>>,
     }
-    impl<I: Iterator<Item = Result<JournalEntry, SinkError>>> serde::Serialize for Listing<'_, I> {
+    impl serde::Serialize for Listing<'_> {
         fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-            let fail = |e: SinkError| {
+            let mut seq = s.serialize_seq(None)?;
+            let mut err = None;
+            let r = match self.part {
+                Part::Shards => self.source.shards(&mut |x| put(&mut seq, x, &mut err)),
+                Part::Samples => self.source.samples(&mut |x| put(&mut seq, x, &mut err)),
+                Part::Skipped => self.source.skipped(&mut |x| put(&mut seq, x, &mut err)),
+            };
+            if let Some(e) = err {
+                return Err(e);
+            }
+            if let Err(e) = r {
                 let text = e.to_string();
                 *self.failed.borrow_mut() = Some(e);
-                S::Error::custom(text)
-            };
-            let mut seq = s.serialize_seq(None)?;
-            for e in (self.entries)().map_err(fail)? {
-                let e = e.map_err(fail)?;
-                match self.part {
-                    Part::Shards => seq.serialize_element(&e.shard)?,
-                    Part::Samples => e.samples.iter().try_for_each(|x| seq.serialize_element(x))?,
-                    Part::Skipped => e.skipped.iter().try_for_each(|x| seq.serialize_element(x))?,
-                }
-            }
-            if let Part::Skipped = self.part {
-                self.more_skipped.iter().try_for_each(|x| seq.serialize_element(x))?;
+                return Err(S::Error::custom(text));
             }
             seq.end()
         }
     }
-    struct Whole<'a, I> {
+    struct Whole<'a> {
         job: &'a serde_json::Map<String, serde_json::Value>,
-        entries: &'a dyn Fn() -> Result<I, SinkError>,
-        more_skipped: &'a [SkippedInfo],
+        source: &'a dyn ListingSource,
         failed: &'a RefCell<Option<SinkError>>,
     }
-    impl<I: Iterator<Item = Result<JournalEntry, SinkError>>> serde::Serialize for Whole<'_, I> {
+    impl serde::Serialize for Whole<'_> {
         fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
             let mut map = s.serialize_map(Some(self.job.len()))?;
             for (k, v) in self.job {
@@ -955,14 +1015,12 @@ where
                         continue;
                     }
                 };
-                let listing =
-                    Listing { part, entries: self.entries, more_skipped: self.more_skipped, failed: self.failed };
-                map.serialize_entry(k, &listing)?;
+                map.serialize_entry(k, &Listing { part, source: self.source, failed: self.failed })?;
             }
             map.end()
         }
     }
-    let whole = Whole { job: &job, entries, more_skipped, failed: &failed };
+    let whole = Whole { job: &job, source: listing, failed: &failed };
     let path = dir.join(MANIFEST);
     let r = (|| {
         let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
@@ -1137,6 +1195,31 @@ mod tests {
         let whole = InputPos { samples: index + 1, bytes: 1234, digest: "xxh3:00".into() };
         out.finish(InputInfo { path: "data.jsonl".into(), whole }).unwrap();
         Manifest::read(dir).unwrap()
+    }
+
+    #[test]
+    fn a_run_holds_no_listing_in_memory() {
+        // (On dcadd6d every committed shard and sample stayed in `manifest()` until finish.)
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("out");
+        let mut out = OutputDir::open(&dir, OpenMode::Create, Manifest::default()).unwrap();
+        for i in 0..3 {
+            let name = format!("shard-{i:05}.safetensors");
+            let (tmp, f) = out.create_temp(&name).unwrap();
+            f.sync_all().unwrap();
+            let samples: Vec<SampleInfo> = (0..100)
+                .map(|k| SampleInfo {
+                    id: format!("s{i}-{k}"),
+                    shard: i,
+                    tokens: 1,
+                    checksum: String::new(),
+                    index: Some(100 * i + k),
+                })
+                .collect();
+            let end = InputPos { samples: 100 * (i + 1), bytes: 0, digest: String::new() };
+            out.commit(tmp, ShardInfo { file: name, samples: 100, bytes: 0, input: None }, samples, end).unwrap();
+            assert!(out.manifest().shards.is_empty() && out.manifest().samples.is_empty(), "shard {i}");
+        }
     }
 
     #[test]

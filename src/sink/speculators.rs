@@ -688,17 +688,18 @@ impl Table {
     }
 }
 
-/// Writes the dataset table of `dir` from the files `manifest` lists, in
+/// Writes the dataset table of `dir` for `manifest`'s job from `files`, in
 /// row order: each file's `token_ids` and `loss_mask`, read back, and the
 /// files that go with it (see [`Table::finish`]).
 pub(crate) fn write_table(
     dir: &Dir,
     manifest: &Manifest,
+    files: impl Iterator<Item = Result<ShardInfo, SinkError>>,
     mut temp: impl FnMut(&str) -> Result<(Temp, std::fs::File), SinkError>,
     place: impl FnMut(&Temp, &str) -> Result<(), SinkError>,
     discard: impl Fn(&Temp),
 ) -> Result<(), SinkError> {
-    let _span = tracing::info_span!("dataset_table", rows = manifest.shards.len()).entered();
+    let _span = tracing::info_span!("dataset_table").entered();
     let (tmp, f) = temp(hf_dataset::DATA_FILE)?;
     let mut table = match Table::new(tmp.clone(), f, manifest) {
         Ok(t) => t,
@@ -707,7 +708,7 @@ pub(crate) fn write_table(
             return Err(e);
         }
     };
-    if let Err(e) = table.push_listed(dir, manifest.shards.iter().cloned().map(Ok)) {
+    if let Err(e) = table.push_listed(dir, files) {
         discard(&table.tmp);
         return Err(e);
     }
