@@ -1133,9 +1133,34 @@ fn head_health_oversized_bodies_and_half_closes_get_prompt_answers() {
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    let (status, text) = raw(addr, &request, true, Duration::from_secs(10));
+    // Several times over: the request and the end of the client's side arrive together or apart.
+    // The reply is the file when the request was done before the server saw the end (a short
+    // prompt often is), else a 400 saying the request was dropped; never no reply at all.
+    let mut dropped = 0;
+    for _ in 0..10 {
+        let (status, text) = raw(addr, &request, true, Duration::from_secs(10));
+        match status {
+            Some(200) => {
+                let reply: Value = serde_json::from_str(text.split_once("\r\n\r\n").unwrap().1).unwrap();
+                take_file(&reply, &[1, 2, 3]);
+            }
+            Some(400) => {
+                assert!(text.contains("half-close"), "{text}");
+                dropped += 1;
+            }
+            _ => panic!("{text:?}"),
+        }
+        // A GET followed by a half-close is answered as usual.
+        let (status, text) = raw(addr, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n", true, Duration::from_secs(10));
+        assert_eq!(status, Some(200), "{text:?}");
+    }
+    // A body cut short by a half-close: a prompt 400, not a 408 after the body timeout.
+    let t = Instant::now();
+    let cut = &request[..request.len() - 5];
+    let (status, text) = raw(addr, cut, true, Duration::from_secs(10));
     assert_eq!(status, Some(400), "{text:?}");
-    assert!(text.contains("half-close"), "{text}");
+    assert!(text.contains("before the request body ended") && t.elapsed() < Duration::from_secs(5), "{text}");
+    eprintln!("half-closed requests: {dropped} of 10 dropped with a 400, the others served");
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(served_names(states.path()), Vec::<String>::new(), "the dropped request left a file");
 }

@@ -3,13 +3,16 @@
 //! when every `--max-connections` slot is taken the connection idle longest
 //! is closed to make room: clients that connect and say nothing cannot lock
 //! the others out. The socket is read through [`Watched`], which sees a
-//! client close its sending side while it waits for a reply; its request is
-//! then dropped (before its forward step when still queued) and answered
-//! with a reply that says why.
+//! client close its sending side (a half-close, or a hang-up: TCP cannot
+//! tell them apart) before its request is answered, records it, and holds
+//! the end back from hyper until the reply is out: hyper would otherwise
+//! drop the request with no reply at all. A GET is answered as usual; a
+//! completion is dropped (before its forward step when still queued) and
+//! answered with a reply that says why.
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -24,10 +27,12 @@ pub struct Conn {
     busy: AtomicUsize,
     /// When it last became idle (or was accepted): milliseconds since the registry's start.
     idle_since: AtomicU64,
-    /// A request's body was read whole and its reply is awaited.
-    awaiting: AtomicBool,
-    /// Its client closed its sending side while a reply was awaited.
+    /// Bytes were read that no reply has answered yet (a request, or a part of one).
+    unanswered: AtomicBool,
+    /// Its client closed its sending side before a reply to what it sent.
     closed_by_client: AtomicBool,
+    /// Wakes hyper's read once the reply is out, when the end was held back.
+    reader: Mutex<Option<std::task::Waker>>,
     /// Woken when `closed_by_client` is set.
     client_closed: Notify,
     /// Woken to close the connection (to make room for another).
@@ -59,13 +64,14 @@ impl Registry {
 
     /// Registers a connection just accepted (idle from now).
     pub fn add(self: &Arc<Self>) -> Arc<Conn> {
-        let id = self.next.fetch_add(1, Relaxed);
+        let id = self.next.fetch_add(1, SeqCst);
         let conn = Arc::new(Conn {
             id,
             busy: AtomicUsize::new(0),
             idle_since: AtomicU64::new(self.now_ms()),
-            awaiting: AtomicBool::new(false),
+            unanswered: AtomicBool::new(false),
             closed_by_client: AtomicBool::new(false),
+            reader: Mutex::new(None),
             client_closed: Notify::new(),
             evict: Notify::new(),
             registry: self.clone(),
@@ -91,8 +97,8 @@ impl Registry {
         let conns = self.conns();
         let idlest = conns
             .values()
-            .filter(|c| c.busy.load(Relaxed) == 0)
-            .min_by_key(|c| (c.idle_since.load(Relaxed), c.id))
+            .filter(|c| c.busy.load(SeqCst) == 0)
+            .min_by_key(|c| (c.idle_since.load(SeqCst), c.id))
             .cloned();
         drop(conns);
         match idlest {
@@ -109,7 +115,7 @@ impl Registry {
 impl Conn {
     /// Marks a request in hand until the guard is dropped (with its reply).
     pub fn busy(self: &Arc<Self>) -> Busy {
-        self.busy.fetch_add(1, Relaxed);
+        self.busy.fetch_add(1, SeqCst);
         Busy(self.clone())
     }
 
@@ -123,22 +129,16 @@ impl Conn {
         self.registry.conns().remove(&self.id);
     }
 
-    /// From now until [`Conn::reply_ready`], a client closing its sending
-    /// side is seen (and its request dropped) instead of ending the connection.
-    pub fn awaiting_reply(&self) {
-        self.awaiting.store(true, Relaxed);
+    /// Whether the client has closed its sending side before a reply to what it sent.
+    pub fn is_closed_by_client(&self) -> bool {
+        self.closed_by_client.load(SeqCst)
     }
 
-    /// The reply is made: what the client does with its side is hyper's again.
-    pub fn reply_ready(&self) {
-        self.awaiting.store(false, Relaxed);
-    }
-
-    /// Resolves once the client has closed its sending side while a reply was awaited.
+    /// Resolves once the client has closed its sending side before a reply to what it sent.
     pub async fn closed_by_client(&self) {
         loop {
             let woken = self.client_closed.notified();
-            if self.closed_by_client.load(Relaxed) {
+            if self.closed_by_client.load(SeqCst) {
                 return;
             }
             woken.await;
@@ -152,17 +152,22 @@ pub struct Busy(Arc<Conn>);
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        if self.0.busy.fetch_sub(1, Relaxed) == 1 {
-            self.0.idle_since.store(self.0.registry.now_ms(), Relaxed);
+        if self.0.busy.fetch_sub(1, SeqCst) == 1 {
+            self.0.idle_since.store(self.0.registry.now_ms(), SeqCst);
+            // The reply is out: an end held back is hyper's to see now.
+            self.0.unanswered.store(false, SeqCst);
+            if let Some(w) = self.0.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                w.wake();
+            }
         }
     }
 }
 
 /// A socket read and written for hyper. The end of the client's sending
-/// side (a half-close, or a close: TCP cannot tell them apart) while a
-/// reply is awaited is recorded and held back from hyper, which would
-/// otherwise drop the request with no reply at all; the request is then
-/// answered saying why, and hyper sees the end once the reply is out.
+/// side (a half-close, or a close: TCP cannot tell them apart) that comes
+/// before a reply to what the client sent is recorded and held back from
+/// hyper, which would otherwise drop the request with no reply at all;
+/// hyper sees it once the reply is out (and closes the connection).
 pub struct Watched<T> {
     io: T,
     conn: Arc<Conn>,
@@ -179,15 +184,28 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.io).poll_read(cx, buf);
-        let end = matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() == before && buf.remaining() > 0;
-        if end && self.conn.awaiting.load(Relaxed) {
-            if !self.conn.closed_by_client.swap(true, Relaxed) {
-                self.conn.client_closed.notify_waiters();
-            }
-            // Held back: the request's task wakes hyper when its reply is made.
-            return Poll::Pending;
+        if !matches!(r, Poll::Ready(Ok(()))) || buf.remaining() == 0 {
+            return r;
         }
-        r
+        let c = &self.conn;
+        if buf.filled().len() > before {
+            c.unanswered.store(true, SeqCst);
+            return r;
+        }
+        // The end of the client's side: held back while what it sent is unanswered.
+        let pending = || c.unanswered.load(SeqCst) || c.busy.load(SeqCst) > 0;
+        if !pending() {
+            return r;
+        }
+        if !c.closed_by_client.swap(true, SeqCst) {
+            c.client_closed.notify_waiters();
+        }
+        *c.reader.lock().unwrap_or_else(|e| e.into_inner()) = Some(cx.waker().clone());
+        // (The reply may have gone out meanwhile, before the waker was there to be woken.)
+        if !pending() {
+            return r;
+        }
+        Poll::Pending
     }
 }
 

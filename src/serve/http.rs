@@ -266,7 +266,6 @@ pub async fn handle(
 ) -> Result<Response<Reply>, std::convert::Infallible> {
     let busy = conn.busy();
     let mut r = route(req, &shared, &conn).await;
-    conn.reply_ready();
     r.body_mut().busy = Some(busy);
     Ok(r)
 }
@@ -322,7 +321,11 @@ async fn route(req: Request<Incoming>, shared: &Arc<Shared>, conn: &Arc<Conn>) -
 /// Reads the body: a `Content-Length` over `limit` is refused at once; room
 /// among the bodies held is waited for up to [`BODY_TIMEOUT`]; the body must
 /// then arrive within [`BODY_TIMEOUT`] more.
-async fn read_body(req: Request<Incoming>, shared: &Shared) -> Result<(BodyBuf, Held<'_>), ApiError> {
+async fn read_body<'a>(
+    req: Request<Incoming>,
+    shared: &'a Shared,
+    conn: &Conn,
+) -> Result<(BodyBuf, Held<'a>), ApiError> {
     let limit = shared.body_limit;
     let too_large = |what: String| {
         ApiError::too_large(format!(
@@ -358,10 +361,22 @@ async fn read_body(req: Request<Incoming>, shared: &Shared) -> Result<(BodyBuf, 
     let mut body = req.into_body();
     let no_memory = |e: std::io::Error| ApiError::unavailable(format!("no memory for the request body: {e}"));
     let mut data = BodyBuf::new(declared, limit).map_err(no_memory)?;
-    let until = tokio::time::Instant::now() + BODY_TIMEOUT;
+    let mut until = tokio::time::Instant::now() + BODY_TIMEOUT;
     let timeout = || ApiError::timeout(format!("the request body did not arrive within {} s", BODY_TIMEOUT.as_secs()));
     loop {
-        let frame = match tokio::time::timeout_at(until, body.frame()).await {
+        // Once the client has closed its side, what it sent is already here: a body
+        // still short a moment later never ends (its end is held back from hyper).
+        if conn.is_closed_by_client() {
+            until = until.min(tokio::time::Instant::now() + Duration::from_secs(1));
+        }
+        let next = tokio::select! {
+            f = tokio::time::timeout_at(until, body.frame()) => f,
+            _ = conn.closed_by_client(), if !conn.is_closed_by_client() => continue,
+        };
+        let frame = match next {
+            Err(_) if conn.is_closed_by_client() => {
+                return Err(ApiError::bad("the client closed its sending side before the request body ended", None))
+            }
             Err(_) => return Err(timeout()),
             Ok(None) => break,
             Ok(Some(Err(e))) => return Err(ApiError::bad(format!("the request body could not be read: {e}"), None)),
@@ -392,9 +407,8 @@ async fn completion(
     if *shared.stopping.borrow() {
         return Err(ApiError::unavailable("the server is stopping"));
     }
-    let (body, held) = read_body(req, shared).await?;
-    // From here a client closing its side is seen, and drops the request.
-    conn.awaiting_reply();
+    let (body, held) = read_body(req, shared, conn).await?;
+    // A client that has closed its side (or closes it before the reply) drops its request.
     let m = &shared.metrics;
     let gone = || json(400, ApiError::client_closed().body());
     let id = shared.next_id.fetch_add(1, Relaxed);

@@ -121,8 +121,8 @@ CLIENTS: request bodies held in memory are bounded in total by --max-body-bytes 
 body waits up to 30 s for room, then 503); a Content-Length over the largest valid
 request gets a 413 at once. When all --max-connections are open, the one idle
 longest is closed to make room. A client that closes its sending side (a
-half-close, or a hang-up) before its reply is taken as gone: its request is dropped
-and answered 400 saying why.
+half-close, or a hang-up) before its completion is done is taken as gone: the
+request is dropped and answered 400 saying why (a GET is always answered).
 
 BATCHING: requests from all connections are packed into forward steps of
 --max-batch-tokens; a longer prompt is split across steps. A request whose client
