@@ -181,7 +181,7 @@ struct ServeArgs {
     #[arg(long, value_name = "TIME", default_value = "60s", value_parser = parse_duration)]
     max_queue_time: Duration,
     /// Request bodies held in memory at once, all connections together
-    /// (each connection also holds up to 16 KiB of read buffer); a body
+    /// (each open connection also takes up to 32 KiB: its read buffer and state); a body
     /// waits for room up to 30 s, then gets a 503.
     #[arg(long, value_name = "SIZE", default_value = "256MiB", value_parser = parse_size)]
     max_body_bytes: u64,
