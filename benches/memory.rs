@@ -117,23 +117,17 @@ fn per_sample(reps: usize) {
                     .collect(),
             ));
         }
-        let per = |v: &[u64]| (v[1] as f64 - v[0] as f64) * 1024.0 / (sizes[1] - sizes[0]) as f64;
-        println!(
-            "    {format:<11} extract {:>6.1} MiB at {}, {:>6.1} MiB at {}: {:>6.0} bytes per sample",
-            peaks[0] as f64 / 1024.0,
-            sizes[0],
-            peaks[1] as f64 / 1024.0,
-            sizes[1],
-            per(&peaks)
-        );
-        println!(
-            "    {format:<11} merge   {:>6.1} MiB at {}, {:>6.1} MiB at {}: {:>6.0} bytes per sample",
-            merged[0] as f64 / 1024.0,
-            sizes[0],
-            merged[1] as f64 / 1024.0,
-            sizes[1],
-            per(&merged)
-        );
+        for (what, v) in [("extract", &peaks), ("merge", &merged)] {
+            let per = (v[1] as f64 - v[0] as f64) * 1024.0 / (sizes[1] - sizes[0]) as f64;
+            let mib = |k: u64| k as f64 / 1024.0;
+            println!(
+                "    {format:<11} {what:<7} {:>6.1} MiB at {}, {:>6.1} MiB at {}: {per:>6.0} bytes per sample",
+                mib(v[0]),
+                sizes[0],
+                mib(v[1]),
+                sizes[1]
+            );
+        }
     }
 }
 

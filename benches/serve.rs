@@ -209,29 +209,14 @@ fn main() {
 
     let off_a = offline(&model, &data, &work.join("offline"), budget, dtype);
 
-    let mut child = Command::new(bin())
-        .args(["serve", "--capture", "eagle3", "--dtype", dtype, "--port", "0", "--served-model-name", "bench"])
-        .arg("--model")
-        .arg(&model)
-        .arg("--hidden-states-dir")
-        .arg(work.join("hs"))
-        .args(["--max-batch-tokens", &budget.to_string()])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut addr = String::new();
-    loop {
-        let mut line = String::new();
-        assert!(out.read_line(&mut line).unwrap() > 0, "strata serve exited");
-        if let Some(rest) = line.strip_prefix("listening on http://") {
-            addr = rest.split_whitespace().next().unwrap().to_string();
-        }
-        if line.trim_start().starts_with("prompts") {
-            break;
-        }
-    }
-    std::thread::spawn(move || for _ in out.lines() {});
+    let server_args: Vec<String> = ["--capture", "eagle3", "--dtype", dtype, "--served-model-name", "bench"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--model".into(), model.display().to_string()])
+        .chain(["--hidden-states-dir".into(), work.join("hs").display().to_string()])
+        .chain(["--max-batch-tokens".into(), budget.to_string()])
+        .collect();
+    let (mut child, addr) = start(&server_args);
     // Warm-up: the first steps allocate the working buffers.
     let warm = Arc::new(prompts[..8].to_vec());
     served(&addr, "bench", &warm, 8);

@@ -55,6 +55,13 @@ fn serve(args: &[&str]) -> Server {
     launch(args, &[], None)
 }
 
+/// [`serve`] of `model` into the states directory `states`, with `extra` flags.
+fn serve_in(model: &Path, states: &Path, extra: &[&str]) -> Server {
+    let mut args = vec!["--model", model.to_str().unwrap(), "--hidden-states-dir", states.to_str().unwrap()];
+    args.extend(extra);
+    serve(&args)
+}
+
 /// [`serve`] with environment variables and, when given, a file-size limit (`ulimit -f`, bytes).
 fn launch(args: &[&str], env: &[(&str, &str)], file_size_limit: Option<u64>) -> Server {
     let mut cmd = Command::new(bin());
@@ -258,6 +265,34 @@ fn a_hybrid_models_requests_carry_their_deltanet_state_across_steps() {
     served_equal_offline(&server.addr, &model, &all, 4);
 }
 
+/// Sends every prompt of `all` at once, each from its own thread: each reply must be a 200 (its
+/// file is taken) or a 503 whose message holds `busy`. Each thread gives its status and when
+/// the reply came, from the start.
+fn burst(
+    addr: &str,
+    name: &str,
+    all: Vec<Vec<u32>>,
+    busy: &'static str,
+) -> Vec<std::thread::JoinHandle<(u16, Duration)>> {
+    let t = Instant::now();
+    all.into_iter()
+        .map(|ids| {
+            let (addr, name) = (addr.to_string(), name.to_string());
+            std::thread::spawn(move || {
+                let (status, reply) = complete(&addr, &name, &ids);
+                match status {
+                    200 => {
+                        take_file(&reply, &ids);
+                    }
+                    503 => assert!(reply["error"]["message"].as_str().unwrap().contains(busy), "{reply}"),
+                    other => panic!("{other}: {reply}"),
+                }
+                (status, t.elapsed())
+            })
+        })
+        .collect()
+}
+
 /// Parses Prometheus' text format strictly: every line a comment (`# HELP`,
 /// `# TYPE` with a known type) or `name{labels} value`.
 fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
@@ -298,16 +333,7 @@ fn parse_metrics(text: &str) -> std::collections::HashMap<String, f64> {
 fn each_bad_request_gets_a_4xx_naming_its_problem_and_metrics_parse() {
     let model = fixture("llama-default");
     let states = tempfile::tempdir().unwrap();
-    let server = serve(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--hidden-states-dir",
-        states.path().to_str().unwrap(),
-        "--served-model-name",
-        "org/llama",
-        "--max-seq-len",
-        "64",
-    ]);
+    let server = serve_in(&model, states.path(), &["--served-model-name", "org/llama", "--max-seq-len", "64"]);
     let (status, body) = http(&server.addr, "GET", "/v1/models", None);
     assert_eq!(status, 200);
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -583,25 +609,7 @@ fn sigterm_with_requests_in_flight_exits_0_within_10_s_and_leaves_no_temporary_f
         "1s",
     ]);
     let name = model.to_str().unwrap().to_string();
-    let all = prompts(24, &[250], 256, 5);
-    let threads: Vec<_> = all
-        .iter()
-        .cloned()
-        .map(|ids| {
-            let (addr, name) = (server.addr.clone(), name.clone());
-            std::thread::spawn(move || {
-                let (status, reply) = complete(&addr, &name, &ids);
-                match status {
-                    200 => {
-                        take_file(&reply, &ids);
-                    }
-                    503 => assert!(reply["error"]["message"].as_str().unwrap().contains("stopping"), "{reply}"),
-                    other => panic!("{other}: {reply}"),
-                }
-                status
-            })
-        })
-        .collect();
+    let threads = burst(&server.addr, &name, prompts(24, &[250], 256, 5), "stopping");
     std::thread::sleep(Duration::from_millis(600));
     let (_, text) = http(&server.addr, "GET", "/metrics", None);
     assert!(parse_metrics(&text)["strata_steps_total"] > 0.0, "nothing ran before SIGTERM");
@@ -615,7 +623,7 @@ fn sigterm_with_requests_in_flight_exits_0_within_10_s_and_leaves_no_temporary_f
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "{status}");
-    let statuses: Vec<u16> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let statuses: Vec<u16> = threads.into_iter().map(|t| t.join().unwrap().0).collect();
     assert!(statuses.contains(&503), "no request was stopped: {statuses:?}");
     // Served files were taken by their clients; nothing else may remain.
     assert_eq!(served_names(&states), Vec::<String>::new());
@@ -889,7 +897,7 @@ fn request_bodies_held_are_bounded_in_total_and_their_memory_returned_once_close
     room_for_sockets(1300);
     let model = fixture("llama-default");
     let states = tempfile::tempdir().unwrap();
-    let server = serve(&["--model", model.to_str().unwrap(), "--hidden-states-dir", states.path().to_str().unwrap()]);
+    let server = serve_in(&model, states.path(), &[]);
     let base = server.rss_mib();
     // 1000 clients each sending about 1 MB of a body that never ends (spaces: valid JSON so far).
     const CLIENTS: usize = 1000;
@@ -949,7 +957,7 @@ fn silent_connections_filling_every_slot_do_not_keep_health_waiting() {
     room_for_sockets(1400);
     let model = fixture("llama-default");
     let states = tempfile::tempdir().unwrap();
-    let server = serve(&["--model", model.to_str().unwrap(), "--hidden-states-dir", states.path().to_str().unwrap()]);
+    let server = serve_in(&model, states.path(), &[]);
     // 1100 connections that never send a byte: more than the 1024 slots.
     let silent: Vec<TcpStream> = (0..1100).map(|_| TcpStream::connect(&server.addr).unwrap()).collect();
     std::thread::sleep(Duration::from_millis(300));
@@ -974,38 +982,13 @@ fn a_cold_burst_is_bounded_by_the_queue_time_from_the_first_request() {
     let model = fixture("llama-default");
     let states = tempfile::tempdir().unwrap();
     // The reference backend in steps of 64 tokens: slow enough for a queue to fill.
-    let server = serve(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--hidden-states-dir",
-        states.path().to_str().unwrap(),
-        "--backend",
-        "reference",
-        "--max-batch-tokens",
-        "64",
-        "--max-queue-time",
-        "2s",
-    ]);
+    let server = serve_in(
+        &model,
+        states.path(),
+        &["--backend", "reference", "--max-batch-tokens", "64", "--max-queue-time", "2s"],
+    );
     let name = model.to_str().unwrap().to_string();
-    let all = prompts(150, &[250], 256, 31);
-    let t = Instant::now();
-    let clients: Vec<_> = all
-        .into_iter()
-        .map(|ids| {
-            let (addr, name) = (server.addr.clone(), name.clone());
-            std::thread::spawn(move || {
-                let (status, reply) = complete(&addr, &name, &ids);
-                match status {
-                    200 => {
-                        take_file(&reply, &ids);
-                    }
-                    503 => assert!(reply["error"]["message"].as_str().unwrap().contains("queue is full"), "{reply}"),
-                    other => panic!("{other}: {reply}"),
-                }
-                (status, t.elapsed())
-            })
-        })
-        .collect();
+    let clients = burst(&server.addr, &name, prompts(150, &[250], 256, 31), "queue is full");
     let results: Vec<(u16, Duration)> = clients.into_iter().map(|c| c.join().unwrap()).collect();
     let served: Vec<Duration> = results.iter().filter(|r| r.0 == 200).map(|r| r.1).collect();
     let refused = results.iter().filter(|r| r.0 == 503).count();
@@ -1030,16 +1013,7 @@ fn a_full_directory_answers_503_once_the_queue_time_has_passed() {
     let model = fixture("llama-default");
     let states = tempfile::tempdir().unwrap();
     // bf16 files of 64 tokens are 33,360 bytes: the cap holds one.
-    let server = serve(&[
-        "--model",
-        model.to_str().unwrap(),
-        "--hidden-states-dir",
-        states.path().to_str().unwrap(),
-        "--max-pending-bytes",
-        "40000",
-        "--max-queue-time",
-        "2s",
-    ]);
+    let server = serve_in(&model, states.path(), &["--max-pending-bytes", "40000", "--max-queue-time", "2s"]);
     let name = model.to_str().unwrap().to_string();
     let ids = prompts(3, &[64], 256, 41);
     // A client that took its reply and never deletes the file.
@@ -1109,7 +1083,7 @@ fn raw(addr: &str, request: &str, half_close: bool, wait: Duration) -> (Option<u
 fn head_health_oversized_bodies_and_half_closes_get_prompt_answers() {
     let model = fixture("llama-default");
     let states = tempfile::tempdir().unwrap();
-    let server = serve(&["--model", model.to_str().unwrap(), "--hidden-states-dir", states.path().to_str().unwrap()]);
+    let server = serve_in(&model, states.path(), &[]);
     let addr = &server.addr;
     // HEAD is GET without a body.
     let (status, text) =

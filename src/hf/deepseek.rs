@@ -604,13 +604,7 @@ mod tests {
         DeepseekConfig::from_json(&text).unwrap_or_else(|e| panic!("{rope}: {e}"))
     }
 
-    /// `got` is `want` within a relative 1e-6.
-    fn close(got: &[f32], want: &[f64]) {
-        assert_eq!(got.len(), want.len());
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
-        }
-    }
+    use crate::hf::close_to as close;
 
     #[test]
     fn absent_moe_keys_take_the_config_classes_defaults() {

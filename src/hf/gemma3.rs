@@ -321,13 +321,7 @@ mod tests {
         assert_eq!(Gemma3Config::from_json(&v5).unwrap(), legacy);
     }
 
-    /// `got` is `want` within a relative 1e-6.
-    fn close(got: &[f32], want: &[f64]) {
-        assert_eq!(got.len(), want.len());
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
-        }
-    }
+    use crate::hf::close_to as close;
 
     #[test]
     fn a_scaled_sliding_entry_scales_the_local_layers_as_transformers_does() {

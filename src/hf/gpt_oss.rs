@@ -448,13 +448,7 @@ mod tests {
         assert_ne!(a[3], b[3], "a fractional ramp differs from a whole-dim one");
     }
 
-    /// `got` is `want` within a relative 1e-6.
-    fn close(got: &[f32], want: &[f64]) {
-        assert_eq!(got.len(), want.len());
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
-        }
-    }
+    use crate::hf::close_to as close;
 
     #[test]
     fn only_num_experts_per_tok_counts_as_in_transformers() {

@@ -795,13 +795,7 @@ mod tests {
         LlamaConfig::from_json(&text).unwrap_or_else(|e| panic!("{scaling}: {e}")).rope().inv_freq
     }
 
-    /// `got` is `want` within a relative 1e-6.
-    fn close(got: &[f32], want: &[f64]) {
-        assert_eq!(got.len(), want.len());
-        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-            assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
-        }
-    }
+    use crate::hf::close_to as close;
 
     #[test]
     fn llama3_with_high_freq_factor_below_low_freq_factor_is_transformers_two_branch_rule() {

@@ -327,6 +327,15 @@ pub struct RopeFreqs {
     pub scale: f32,
 }
 
+/// Tests: `got` is `want` (transformers' values, f64) within a relative 1e-6.
+#[cfg(test)]
+pub(crate) fn close_to(got: &[f32], want: &[f64]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!((g as f64 - w).abs() <= 1e-6 * w.abs(), "[{i}]: {g:e}, want {w:e}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

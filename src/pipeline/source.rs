@@ -408,6 +408,26 @@ pub struct Expected {
     pub whole: Option<InputPos>,
 }
 
+/// A set of 128-bit id digests in 256 tables chosen by the digest's top
+/// byte. One table doubling to hold a million ids would free its old table,
+/// megabytes that the allocator keeps (the binary keeps freed memory for
+/// the forward): the peak would hold every size it went through. Here each
+/// table grows by 1/256 of that, and the tables freed are reused by the next.
+#[derive(Default)]
+pub(crate) struct IdSet {
+    tables: Vec<std::collections::HashSet<u128>>,
+}
+
+impl IdSet {
+    /// Adds `digest`; `false` when it was there.
+    pub(crate) fn insert(&mut self, digest: u128) -> bool {
+        if self.tables.is_empty() {
+            self.tables.resize_with(256, Default::default);
+        }
+        self.tables[(digest >> 120) as usize].insert(digest)
+    }
+}
+
 /// Checks samples as they stream past, so the input is read once (a pipe
 /// works): token ids against the vocabulary, lengths, unique ids, and on a
 /// resume, that the head of the input is the one the output was made from.
@@ -415,8 +435,8 @@ pub struct Checked<S> {
     inner: S,
     name: String,
     limits: Limits,
-    // 128-bit hashes of the ids seen: 16 bytes a sample, whatever the id's length.
-    ids: std::collections::HashSet<u128>,
+    // 128-bit hashes of the ids seen: about 20 to 40 bytes a sample, whatever the id's length.
+    ids: IdSet,
     expect: Expected,
     read: std::sync::Arc<std::sync::atomic::AtomicU64>,
     ended: bool,

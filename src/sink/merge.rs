@@ -507,7 +507,7 @@ fn check_files(dir: &Path, parts: &[Part], keep_identities: bool) -> Result<Foun
         }
         u64::from_le_bytes(b)
     };
-    let mut ids: std::collections::HashSet<u128> = std::collections::HashSet::new();
+    let mut ids = crate::pipeline::source::IdSet::default();
     for (i, p) in parts.iter().enumerate() {
         let name = &p.name;
         let rerun = format!("rerun the part with --part-index {i} --num-parts {} --resume", parts.len());

@@ -631,7 +631,7 @@ impl OutputDir {
     /// Writes the job as `manifest.json` (its listing is in the journal).
     fn write_manifest(&self) -> Result<(), SinkError> {
         let (tmp, f) = self.create_temp(MANIFEST)?;
-        persist_manifest(&self.manifest, f, &tmp, &self.dir)
+        persist_manifest_streamed(&self.manifest, &NoListing, f, &tmp, &self.dir)
     }
 
     /// Replaces the journal with one line per listed shard (its samples;
@@ -830,27 +830,6 @@ impl OutputDir {
     }
 }
 
-/// Writes `m` to the fresh temporary file `f` at `tmp`, fsyncs it and renames
-/// it to `dir/manifest.json` (the temporary file goes on failure). Streamed:
-/// a million samples' manifest is never one string in memory.
-pub(crate) fn persist_manifest(m: &Manifest, f: File, tmp: &Temp, dir: &Dir) -> Result<(), SinkError> {
-    let path = dir.join(MANIFEST);
-    let r = (|| {
-        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
-        serde_json::to_writer_pretty(&mut w, m)?;
-        let f = w.into_inner().map_err(|e| e.into_error())?;
-        f.sync_all()?;
-        failpoint("manifest-temp");
-        dir.rename(&tmp.name, dir, MANIFEST)
-    })();
-    if let Err(e) = r {
-        let _ = dir.remove(&tmp.name);
-        return Err(io_err(&path)(e));
-    }
-    dir.sync();
-    Ok(())
-}
-
 /// The entries of a journal, read one line at a time. A torn last line
 /// (never made durable) ends it, as [`Manifest::read`] takes it.
 pub struct JournalEntries {
@@ -902,6 +881,23 @@ pub(crate) trait ListingSource {
     fn skipped(&self, f: &mut dyn FnMut(&SkippedInfo) -> Result<(), SinkError>) -> Result<(), SinkError>;
 }
 
+/// The listing of a manifest that lists nothing yet.
+struct NoListing;
+
+impl ListingSource for NoListing {
+    fn shards(&self, _: &mut dyn FnMut(&ShardInfo) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        Ok(())
+    }
+
+    fn samples(&self, _: &mut dyn FnMut(&SampleInfo) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        Ok(())
+    }
+
+    fn skipped(&self, _: &mut dyn FnMut(&SkippedInfo) -> Result<(), SinkError>) -> Result<(), SinkError> {
+        Ok(())
+    }
+}
+
 /// A run's listing: its journal's entries (read anew for each kind), then
 /// the samples skipped since its last file.
 struct JournalListing<'a> {
@@ -934,9 +930,10 @@ impl ListingSource for JournalListing<'_> {
     }
 }
 
-/// [`persist_manifest`] for a manifest whose listing comes from `listing`
-/// (`m`'s own is empty): the bytes are those of the whole manifest written
-/// at once, and the listing is never in memory.
+/// Writes `m`, whose own listing is empty, with the listing `listing` gives,
+/// to the fresh temporary file `f` at `tmp`; fsyncs it and renames it to
+/// `dir/manifest.json` (the temporary file goes on failure). The bytes are
+/// those of the whole manifest written at once; the listing is never in memory.
 pub(crate) fn persist_manifest_streamed(
     m: &Manifest,
     listing: &dyn ListingSource,
