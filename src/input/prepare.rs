@@ -210,7 +210,7 @@ struct Worker {
     roles_seen: std::collections::HashSet<u128>,
     // Record ids seen, likewise: a conversation's per-turn rows get `{id}#{turn}`,
     // so two records with one id would not collide as samples.
-    ids_seen: std::collections::HashSet<u128>,
+    ids_seen: crate::pipeline::source::IdSet,
     // The render process, once started.
     process: Option<RenderProcess>,
     // Conversations the template failed on since it last rendered one.
