@@ -642,6 +642,10 @@ fn duplicate_ids_are_refused_in_every_row_mode() {
         let out = tmp.path().join(rows);
         strata(&extract_args(&model, &data, &out, &["--rows", rows])).assert_fails(&["duplicate id \"x\""]);
     }
+    // A record named like another's per-turn row (the prepare step checks every row's id).
+    write_jsonl(&data, [hello("x#1"), two_turns("x")]);
+    let out = tmp.path().join("named-like-a-turn");
+    strata(&extract_args(&model, &data, &out, &["--rows", "per-turn"])).assert_fails(&["duplicate id \"x#1\""]);
 }
 
 #[test]

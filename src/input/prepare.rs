@@ -196,6 +196,10 @@ impl Source for Prepared {
     fn consumed(&self) -> InputPos {
         self.consumed.clone()
     }
+
+    fn checks_ids(&self) -> bool {
+        true
+    }
 }
 
 struct Worker {
@@ -208,8 +212,8 @@ struct Worker {
     tx: SyncSender<Msg>,
     // Unknown role names seen (128-bit hashes, 16 bytes a name whatever its length).
     roles_seen: std::collections::HashSet<u128>,
-    // Record ids seen, likewise: a conversation's per-turn rows get `{id}#{turn}`,
-    // so two records with one id would not collide as samples.
+    // Record ids seen, and the per-turn rows' (`{id}#{turn}`): every row's id is
+    // checked here, so `Checked` keeps no second set (see `Source::checks_ids`).
     ids_seen: crate::pipeline::source::IdSet,
     // The render process, once started.
     process: Option<RenderProcess>,
@@ -452,16 +456,21 @@ impl Worker {
             st.truncated += rows.truncated;
             st.skipped_long += rows.skipped_long;
         }
-        Ok(rows
-            .rows
-            .into_iter()
-            .map(|r| {
-                let id = match r.turn {
-                    Some(t) => format!("{base}#{t}"),
-                    None => base.clone(),
-                };
-                self.sample(item, id, r.input_ids, Some(r.loss_mask))
-            })
-            .collect())
+        let mut out = Vec::with_capacity(rows.rows.len());
+        for r in rows.rows {
+            let id = match r.turn {
+                // A per-turn row's id is checked too: a record may be named like another's turn.
+                Some(t) => {
+                    let id = format!("{base}#{t}");
+                    if !self.ids_seen.insert(xxhash_rust::xxh3::xxh3_128(id.as_bytes())) {
+                        return Err(self.line_err(item.line, format!("duplicate id {}", crate::quote(&id))));
+                    }
+                    id
+                }
+                None => base.clone(),
+            };
+            out.push(self.sample(item, id, r.input_ids, Some(r.loss_mask)));
+        }
+        Ok(out)
     }
 }

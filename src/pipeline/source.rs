@@ -313,6 +313,13 @@ impl<R: BufRead> JsonlSource<R> {
 pub trait Source: Iterator<Item = Result<Sample, SourceError>> {
     /// The input consumed so far.
     fn consumed(&self) -> InputPos;
+
+    /// Whether the source refuses a repeated sample id itself: then
+    /// [`Checked`] keeps no set of the ids of its own (a million samples'
+    /// digests are tens of megabytes).
+    fn checks_ids(&self) -> bool {
+        false
+    }
 }
 
 impl<R: BufRead> Source for JsonlSource<R> {
@@ -437,6 +444,8 @@ pub struct Checked<S> {
     limits: Limits,
     // 128-bit hashes of the ids seen: about 20 to 40 bytes a sample, whatever the id's length.
     ids: IdSet,
+    // Whether this checks the ids (the source does not).
+    own_ids: bool,
     expect: Expected,
     read: std::sync::Arc<std::sync::atomic::AtomicU64>,
     ended: bool,
@@ -445,7 +454,17 @@ pub struct Checked<S> {
 impl<S: Source> Checked<S> {
     /// Wraps `inner`; `name` (the input path) appears in messages.
     pub fn new(inner: S, name: String, limits: Limits, expect: Expected) -> Self {
-        Checked { inner, name, limits, ids: Default::default(), expect, read: Default::default(), ended: false }
+        let own_ids = !inner.checks_ids();
+        Checked {
+            inner,
+            name,
+            limits,
+            ids: Default::default(),
+            own_ids,
+            expect,
+            read: Default::default(),
+            ended: false,
+        }
     }
 
     /// Bytes of input read so far, updated as samples pass (for progress).
@@ -466,7 +485,7 @@ impl<S: Source> Checked<S> {
         if let Some((pos, t)) = s.input_ids.iter().enumerate().find(|(_, &t)| t as usize >= l.vocab_size) {
             return Err(format!("input_ids[{pos}] = {t} is out of range (vocab_size {})", l.vocab_size));
         }
-        if !self.ids.insert(xxhash_rust::xxh3::xxh3_128(s.id.as_bytes())) {
+        if self.own_ids && !self.ids.insert(xxhash_rust::xxh3::xxh3_128(s.id.as_bytes())) {
             return Err(format!("duplicate id {}", crate::clip(&format!("{:?}", s.id), 80)));
         }
         if let Some(w) = self.expect.whole.as_ref().filter(|w| s.index >= w.samples) {
@@ -539,6 +558,10 @@ impl<S: Source> Iterator for Checked<S> {
 impl<S: Source> Source for Checked<S> {
     fn consumed(&self) -> InputPos {
         self.inner.consumed()
+    }
+
+    fn checks_ids(&self) -> bool {
+        true
     }
 }
 
