@@ -310,7 +310,7 @@ pub fn serve(opts: ServeOptions, mut events: impl FnMut(Event<'_>)) -> Result<()
         let warm_captures = captures.clone();
         let loading = tokio::task::spawn_blocking(move || -> Result<(OpenedModel, f64), ModelError> {
             let opened = request.open(checked)?;
-            let tps = engine::measure(&opened.model, &warm_captures, budget, vocab)?;
+            let tps = engine::measure(&opened.model, &warm_captures, budget, max_tokens, vocab)?;
             Ok((opened, tps))
         });
         let (opened, tps) = tokio::select! {
