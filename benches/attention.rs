@@ -12,9 +12,10 @@ static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAl
 use std::time::Instant;
 use strata::backend::cpu::attention::{varlen_attention, AttnSegment, KvRef};
 use strata::backend::{AttnShape, Compute, Mask};
+use strata_testkit::bench::flag_or;
 
 fn main() {
-    let runs = std::env::args().skip_while(|a| a != "--runs").nth(1).and_then(|v| v.parse().ok()).unwrap_or(7usize);
+    let runs: usize = flag_or("--runs", 7);
     let (samples, len, heads, kv_heads, hd) = (8, 512, 16, 4, 64);
     let rows = samples * len;
     // Rows of q | k | v, as the fused qkv projection lays them out.

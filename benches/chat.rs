@@ -19,15 +19,10 @@ use strata::model::Llama;
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::JsonlSource;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+use strata_testkit::bench::{flag_or, median};
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let runs: usize = args.iter().position(|a| a == "--runs").and_then(|i| args.get(i + 1)?.parse().ok()).unwrap_or(5);
+    let runs: usize = flag_or("--runs", 5);
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
     let convs: Vec<Conversation> = std::fs::read_to_string(fixtures.join("conversations.openai.jsonl"))
         .unwrap()

@@ -22,6 +22,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 use strata::backend::{Backend, Cpu, DeltaRule, DeltaShape, KvStore, Tensor, F32};
 use strata::pipeline::batch::{PackedBatch, Segment};
+use strata_testkit::bench::{flag_or, median};
 
 const T: usize = 4096;
 const SHAPE: DeltaShape = DeltaShape { k_heads: 16, v_heads: 32, k_dim: 128, v_dim: 128, conv_kernel: 4 };
@@ -71,14 +72,9 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
     use std::io::{BufRead, BufReader, Write};
-    let runs = std::env::args().skip_while(|a| a != "--runs").nth(1).and_then(|v| v.parse().ok()).unwrap_or(5usize);
+    let runs: usize = flag_or("--runs", 5);
     let threads = rayon::current_num_threads();
     let b = Cpu::<F32>::default();
     let (c, nv, dv) = (SHAPE.channels(), SHAPE.v_heads, SHAPE.v_dim);

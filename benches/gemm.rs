@@ -16,11 +16,7 @@ use std::time::Instant;
 use strata::backend::cpu::gemm::{kernel_name, PackedLinear};
 use strata::backend::Compute;
 use strata::hf::quant::{LinearWeight, MappedRows};
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+use strata_testkit::bench::{flag_or, median};
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
@@ -93,7 +89,7 @@ fn fma_peak() -> (f64, &'static str) {
 }
 
 fn main() {
-    let runs = std::env::args().skip_while(|a| a != "--runs").nth(1).and_then(|v| v.parse().ok()).unwrap_or(5usize);
+    let runs: usize = flag_or("--runs", 5);
     let (peak, peak_kind) = fma_peak();
     println!(
         "threads {}, f32 kernel {}, measured {peak_kind} peak {peak:.1} GFLOP/s",

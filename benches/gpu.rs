@@ -43,6 +43,7 @@ use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::JsonlSource;
 use strata::shape::DType;
 use strata::sink::{OpenMode, StrataSink, DEFAULT_SHARD_SIZE};
+use strata_testkit::bench::{flag, median};
 use strata_testkit::{DeepseekSpec, LlamaSpec, Storage};
 
 struct Args {
@@ -57,8 +58,7 @@ struct Args {
 }
 
 fn args() -> Args {
-    let v: Vec<String> = std::env::args().collect();
-    let get = |k: &str| v.iter().position(|a| a == k).and_then(|i| v.get(i + 1)).cloned();
+    let get = flag;
     let num = |k: &str, d: usize| get(k).map_or(d, |s| s.parse().unwrap_or_else(|_| panic!("{k} takes a number")));
     Args {
         only: get("--only"),
@@ -70,11 +70,6 @@ fn args() -> Args {
         dir: get("--dir").map_or_else(|| std::env::temp_dir().join("strata-gpu-bench"), PathBuf::from),
         peak: get("--peak-tflops").map(|s| s.parse::<f64>().expect("--peak-tflops takes a number") * 1e12),
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 /// Samples of `len` random tokens, `count` of them.

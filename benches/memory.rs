@@ -17,6 +17,7 @@ static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAl
 
 use std::process::Command;
 use strata::shape::DType;
+use strata_testkit::bench::{flag, flag_or, median};
 use strata_testkit::{write_llama, write_tokens, LlamaSpec, Rng};
 
 fn main() {
@@ -24,8 +25,7 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         return;
     }
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
-    let reps: usize = flag("--reps").and_then(|v| v.parse().ok()).unwrap_or(3);
+    let reps: usize = flag_or("--reps", 3);
     match flag("--only").as_deref() {
         Some("c") => peak_by_length(),
         Some("d") => per_sample(reps),
@@ -59,11 +59,6 @@ fn peak_kib(mut cmd: Command) -> u64 {
     let err = reader.join().unwrap();
     assert!(r == pid && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{err}");
     usage.ru_maxrss as u64
-}
-
-fn median(mut v: Vec<u64>) -> u64 {
-    v.sort_unstable();
-    v[v.len() / 2]
 }
 
 /// (d): see the module's doc.

@@ -37,6 +37,7 @@ use strata::pipeline::capture::CapturePoint;
 use strata::pipeline::source::{Checked, Expected, JsonlSource, Limits, Source};
 use strata::shape::{CapturedStates, DType};
 use strata::sink::{OpenMode, Sink, StrataSink};
+use strata_testkit::bench::{median, status_kib};
 
 const LAYERS: usize = 2;
 const HIDDEN: usize = 8;
@@ -99,24 +100,6 @@ impl Read for Lines {
         }
         Ok(done)
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-/// A field of /proc/self/status in KiB (0 where unavailable).
-fn status_kib(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 /// Resets VmHWM to the current RSS (Linux 4.0+); false where refused.

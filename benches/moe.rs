@@ -14,19 +14,15 @@ use strata::model::{Deepseek, Model, TpDeepseek};
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::JsonlSource;
+use strata_testkit::bench::{flag_or, median};
 use strata_testkit::{write_deepseek, write_tokens, DeepseekSpec};
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--list") {
         return;
     }
-    let runs: usize = args.iter().position(|a| a == "--runs").map_or(5, |i| args[i + 1].parse().unwrap());
+    let runs: usize = flag_or("--runs", 5);
     let dir = std::env::temp_dir().join("strata-bench-moe");
     let spec = DeepseekSpec {
         model_type: "deepseek_v3",

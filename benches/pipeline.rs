@@ -37,11 +37,7 @@ use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::{JsonlSource, Sample};
 use strata::shape::DType;
 use strata::sink::{OpenMode, Sink, SpeculatorsSink, StrataSink, DEFAULT_SHARD_SIZE};
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+use strata_testkit::bench::{flag_or, median};
 
 fn sink(
     dir: &Path,
@@ -57,7 +53,7 @@ fn sink(
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let runs: usize = args.iter().position(|a| a == "--runs").map_or(5, |i| args[i + 1].parse().unwrap());
+    let runs: usize = flag_or("--runs", 5);
     if args.iter().any(|a| a == "--list") {
         return; // `cargo test --benches` lists benches; nothing to list here
     }

@@ -23,6 +23,7 @@ use std::time::Instant;
 use strata::model::Deepseek;
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
+use strata_testkit::bench::{flag_or, median, status_kib};
 use strata_testkit::{write_deepseek_stored, write_tokens, DeepseekSpec, Storage};
 
 const STORAGES: [Storage; 4] = [Storage::F32, Storage::Bf16, Storage::Fp8, Storage::Int4Experts];
@@ -46,20 +47,6 @@ fn spec() -> DeepseekSpec {
         first_k_dense_replace: 1,
         vocab_size: 32000,
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn status_kib(field: &str) -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 fn dir_bytes(dir: &Path) -> u64 {
@@ -86,7 +73,7 @@ fn main() {
         println!("{} {} {secs}", model.resident_bytes(), (after - before) * 1024);
         return;
     }
-    let runs: usize = args.iter().position(|a| a == "--runs").map_or(5, |i| args[i + 1].parse().unwrap());
+    let runs: usize = flag_or("--runs", 5);
     let root = std::env::temp_dir().join("strata-bench-quant");
     let spec = spec();
     let dirs: Vec<PathBuf> = STORAGES.iter().map(|s| root.join(format!("{s:?}"))).collect();

@@ -13,18 +13,14 @@ use strata::model::{Llama, Model, TpLlama};
 use strata::pipeline::batch::PackedBatch;
 use strata::pipeline::capture::{CapturePoint, CaptureSet};
 use strata::pipeline::source::JsonlSource;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
+use strata_testkit::bench::{flag_or, median};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--list") {
         return;
     }
-    let runs: usize = args.iter().position(|a| a == "--runs").map_or(5, |i| args[i + 1].parse().unwrap());
+    let runs: usize = flag_or("--runs", 5);
     let dir = strata_testkit::bench_small_dir().unwrap();
     let samples: Vec<Vec<u32>> =
         JsonlSource::open(&dir.join("tokens.jsonl")).unwrap().map(|s| s.unwrap().input_ids).collect();

@@ -35,11 +35,11 @@ build() {
   set -e
   # The release profile (not bench's) for every binary; JSON names the test and bench executables.
   local json
-  json=$(cargo build --release --features cuda --bin strata --test cuda_gpu --test kernels --bench gpu \
+  json=$(cargo build --release --features cuda --bin strata --test integration --bench gpu \
     --message-format=json-render-diagnostics)
   rm -rf "$BIN" && mkdir -p "$BIN"
   cp target/release/strata "$BIN/strata"
-  for t in cuda_gpu kernels gpu; do
+  for t in integration gpu; do
     local exe
     exe=$(printf '%s\n' "$json" | grep "\"name\":\"$t\"" | grep -o '"executable":"[^"]*"' | tail -1 | cut -d'"' -f4)
     [ -n "$exe" ] || { echo "no executable for $t in cargo's output" >&2; exit 1; }
@@ -137,8 +137,9 @@ run() {
     tail -n 40 "$out/$name.log"
   }
 
-  step kernels 45 "$BIN/kernels" --test-threads=1 --nocapture
-  step parity 150 "$BIN/cuda_gpu" --test-threads=1 --nocapture
+  # The integration tests' GPU suites (one binary holds every suite; a filter picks them).
+  step kernels 45 "$BIN/integration" kernels:: --test-threads=1 --nocapture
+  step parity 150 "$BIN/integration" cuda_gpu:: --test-threads=1 --nocapture
   grep -E '^(fixture|[a-z0-9-]+ +[0-9.e+-]+ )|alone vs packed|--tp 2|^CUDA libraries|^kernels loaded|^head dims' "$out/parity.log" >>"$summary"
 
   local tmp=/tmp/strata-gpu-check

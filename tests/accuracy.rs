@@ -4,7 +4,7 @@
 //! `‖x − ref‖ / ‖ref‖` over all capture points and samples of a fixture
 //! together. Both references are stored by scripts/make_bf16_reference.py.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::HashMap;

@@ -2,7 +2,7 @@
 //! each backend agrees with HF transformers at every capture point, and the
 //! two agree with each other. A new backend is added to `BACKENDS` here.
 
-mod common;
+use crate::common;
 
 use common::*;
 use strata::model::{self, BackendKind, LoadOptions, Model};

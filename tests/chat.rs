@@ -4,7 +4,7 @@
 //! message styles, every row mode, the length limit and generation masks;
 //! and the tiktoken BPE against Python's `tiktoken`.
 
-mod common;
+use crate::common;
 
 use common::{chat_model, tiny_llama};
 use serde_json::Value;

@@ -9,9 +9,9 @@
 //! which only a run on a GPU can.
 #![cfg(feature = "cuda")]
 
-mod common;
-mod cuda_emu;
-mod cuda_shapes;
+use crate::common;
+use crate::cuda_emu;
+use crate::cuda_shapes;
 
 use common::*;
 use cuda_emu::{gxx_or_skip, Emulated, Faults};

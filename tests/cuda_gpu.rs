@@ -15,8 +15,8 @@
 //!   `--tp 2` where there are two.
 #![cfg(feature = "cuda")]
 
-mod common;
-mod cuda_shapes;
+use crate::common;
+use crate::cuda_shapes;
 
 use common::*;
 use strata::backend::cuda::{probe, Device, Driver};

@@ -1,6 +1,6 @@
 //! DeepSeek V3 (MLA + MoE) parity with HF transformers at every capture point.
 
-mod common;
+use crate::common;
 
 use common::*;
 use strata::backend::SeqState;

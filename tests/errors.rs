@@ -1,7 +1,7 @@
 //! Bad input and bad checkpoints give a clear error naming the problem,
 //! never a panic, and write no output file.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::path::{Path, PathBuf};

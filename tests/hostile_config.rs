@@ -4,7 +4,7 @@
 //! and FIFOs in place of files. Each gives a clear error, never a panic, an
 //! allocation abort or a hang.
 
-mod common;
+use crate::common;
 
 use common::*;
 use serde_json::{json, Value};

@@ -4,7 +4,7 @@
 //! timeout (absolute times with a 5x margin for this shared 2-core machine,
 //! or as scaling: twice the input at most 2.5x the time), never by reading logs.
 
-mod common;
+use crate::common;
 
 use common::chat_model;
 use serde_json::{json, Value};

@@ -3,7 +3,7 @@
 //! family and variant their model_type names, and give the sizes the hub
 //! model has: a config key read wrong would show here before any forward.
 
-mod common;
+use crate::common;
 
 use common::fixture;
 use strata::hf::llama::{Arch, QkNorm};

@@ -5,9 +5,9 @@
 //! whole sequence's bits. With `--features cuda`, the CUDA kernels too, run
 //! on the CPU through the emulator (`tests/cuda_emu`): not verified on a GPU.
 
-mod common;
+use crate::common;
 #[cfg(feature = "cuda")]
-mod cuda_emu;
+use crate::cuda_emu;
 
 use common::max_err;
 use strata::backend::{Backend, Bf16, Cpu, DeltaRule, DeltaShape, KvStore, Reference, Tensor, F32};

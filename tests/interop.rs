@@ -7,7 +7,7 @@
 //! datasets the tests say so and skip, unless `STRATA_REQUIRE_INTEROP=1` (set
 //! by .ci/run, which installs them) turns that into a failure.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::process::Command;

@@ -8,7 +8,7 @@
 //! when it is missing.
 #![cfg(feature = "cuda")]
 
-mod cuda_emu;
+use crate::cuda_emu;
 
 use cuda_emu::{emulation_source, gxx_accepts, gxx_or_skip, lib};
 use strata::backend::cuda::backend::{attention_bf16_smem, pad16};

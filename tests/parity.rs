@@ -1,7 +1,7 @@
 //! Parity with HF transformers at every capture point of every fixture,
 //! through the library and through the `strata extract` CLI.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::process::Command;

@@ -5,7 +5,7 @@
 //! both formats. A missing, incomplete or foreign part is named; a part can
 //! be rerun after a merge.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::BTreeMap;

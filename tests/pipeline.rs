@@ -1,7 +1,7 @@
 //! The production pipeline end to end through the CLI: batch invariance,
 //! kill-and-resume, verify, inspect and bounded memory.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::ffi::OsStr;

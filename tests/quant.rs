@@ -2,7 +2,7 @@
 //! INT4 experts and Kimi-K2.5's multimodal wrapper, against HF transformers run
 //! on the exactly dequantised weights (fixtures by scripts/make_quant_fixtures.py).
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::path::Path;

@@ -3,7 +3,7 @@
 //! from other weights under the same config, and on a value changed after the
 //! fact whose checksum was rewritten to match (which the byte checks miss).
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::ffi::OsStr;

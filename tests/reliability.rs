@@ -4,7 +4,7 @@
 //! directory, overwrite and non-finite states are safe, and every write
 //! stage survives a kill. Every run has a timeout and must not panic.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::io::Write;

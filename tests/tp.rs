@@ -1,7 +1,7 @@
 //! Tensor parallelism: `--tp 1`, `--tp 2` and `--tp 4` give the same states
 //! for every fixture architecture, through the CLI and the typed API.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::process::Command;

@@ -473,3 +473,34 @@ mod tests {
         assert_eq!(fp8_e4m3_from_f32(1.07), 0x39);
     }
 }
+
+/// What the bench binaries share: their flags, medians and memory readings.
+pub mod bench {
+    /// The median of a sample (the upper middle of an even count): what the
+    /// benches quote, since these machines are shared and noisy.
+    pub fn median<T: PartialOrd + Copy>(mut v: Vec<T>) -> T {
+        v.sort_by(|a, b| a.partial_cmp(b).expect("a timing is never NaN"));
+        v[v.len() / 2]
+    }
+
+    /// The value after `--name` on this process's command line.
+    pub fn flag(name: &str) -> Option<String> {
+        let args: Vec<String> = std::env::args().collect();
+        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+    }
+
+    /// [`flag`] parsed, or `default` when absent; a value that does not parse stops the bench, naming it.
+    pub fn flag_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+        flag(name).map_or(default, |v| v.parse().unwrap_or_else(|_| panic!("{name} {v}: not a valid value")))
+    }
+
+    /// A field of `/proc/self/status` in KiB (`VmRSS:`, `VmHWM:`), 0 where unavailable.
+    pub fn status_kib(field: &str) -> u64 {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        s.lines()
+            .find(|l| l.starts_with(field))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+}
