@@ -11,23 +11,44 @@ use minijinja::Value;
 
 /// Where the loss mask comes from.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum MaskSource {
     /// Each assistant turn from where its generation prompt ends.
+    #[cfg_attr(
+        feature = "cli",
+        value(help = "Each assistant turn from where its generation prompt ends (as the speculators stack)")
+    )]
     #[default]
     Boundary,
     /// The template's `{% generation %}` blocks.
+    #[cfg_attr(
+        feature = "cli",
+        value(help = "The template's {% generation %} blocks (as transformers' return_assistant_tokens_mask)")
+    )]
     Generation,
 }
 
 /// How a conversation becomes rows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum RowMode {
     /// One row per conversation where that is exact (prefix-stable), else one per assistant turn.
+    #[cfg_attr(
+        feature = "cli",
+        value(
+            help = "One row per conversation where that is exact (prefix-stable templates), else one per assistant turn"
+        )
+    )]
     #[default]
     Auto,
     /// One row per assistant turn.
+    #[cfg_attr(feature = "cli", value(help = "One row per assistant turn"))]
     PerTurn,
     /// One row per conversation; a conversation that is not prefix-stable is an error.
+    #[cfg_attr(
+        feature = "cli",
+        value(help = "One row per conversation; a conversation whose template rewrites earlier turns is an error")
+    )]
     PerConversation,
 }
 

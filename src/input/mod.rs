@@ -13,19 +13,37 @@ use crate::pipeline::source::{InputPos, SourceError};
 
 /// What an input holds, chosen with `--input-format` or detected.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum InputFormat {
     /// Detected from the first record (JSON Lines) or the path (a `datasets` directory).
+    #[cfg_attr(feature = "cli", value(help = "Detect from the first record"))]
     #[default]
     Auto,
     /// `{"input_ids": [...], "loss_mask": [...]}`.
+    #[cfg_attr(feature = "cli", value(help = r#"{"input_ids": [...], "loss_mask": [...]}"#))]
     Tokens,
     /// `{"text": "..."}`.
+    #[cfg_attr(feature = "cli", value(help = r#"{"text": "..."}, tokenized with the model's tokenizer"#))]
     Text,
     /// `{"conversations": [{"from": ..., "value": ...}]}`.
+    #[cfg_attr(
+        feature = "cli",
+        value(name = "sharegpt", help = r#"{"conversations": [{"from": "human", "value": "..."}, ...]}"#)
+    )]
     ShareGpt,
     /// `{"messages": [{"role": ..., "content": ...}], "tools": [...]}`.
+    #[cfg_attr(
+        feature = "cli",
+        value(name = "openai", help = r#"{"messages": [{"role": "user", "content": "..."}, ...], "tools": [...]}"#)
+    )]
     OpenAi,
     /// A Hugging Face `datasets` directory (`save_to_disk`): `input_ids`, optional `loss_mask`.
+    #[cfg_attr(
+        feature = "cli",
+        value(
+            help = "A datasets directory (save_to_disk) with input_ids and optional loss_mask columns; detected from state.json"
+        )
+    )]
     HfDataset,
 }
 

@@ -56,10 +56,21 @@ impl DataSource {
 
 /// Output formats.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Format {
     /// Sharded safetensors with `{id}.hidden_states [L, T, H]` and a manifest (docs/FORMAT.md).
+    #[cfg_attr(
+        feature = "cli",
+        value(help = "Sharded safetensors with {id}.hidden_states [L, T, H] and manifest.json")
+    )]
     Strata,
     /// `hs_{i}.safetensors` with `token_ids [T]` and `hidden_states [T, L, H]`.
+    #[cfg_attr(
+        feature = "cli",
+        value(
+            help = "The speculators trainer's dataset directory: a datasets table and hidden_states/hs_{i}.safetensors"
+        )
+    )]
     Speculators,
 }
 

@@ -43,13 +43,22 @@ pub type TpDeepseek<H, TP = usize, B = Cpu> = TpModel<Deepseek<H, B>, TP>;
 
 /// Which backend `--backend` names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum BackendKind {
     /// [`Cpu`]: the fast host backend.
+    #[cfg_attr(feature = "cli", value(help = "The fast CPU backend (packed GEMMs, threads, tensor parallelism)"))]
     #[default]
     Cpu,
     /// [`Reference`]: plain loops in f64, one rank; the oracle.
+    #[cfg_attr(feature = "cli", value(help = "Plain loops with f64 accumulation, one thread, --tp 1: the oracle"))]
     Reference,
     /// NVIDIA GPUs (`--features cuda`), one rank per device.
+    #[cfg_attr(
+        feature = "cli",
+        value(
+            help = "NVIDIA GPUs, one rank per GPU (--devices, --tp); needs a build with `--features cuda` and a CUDA driver"
+        )
+    )]
     Cuda,
 }
 
@@ -124,6 +133,28 @@ pub enum ComputeChoice {
     Auto,
     /// This dtype.
     Fixed(Compute),
+}
+
+/// `--compute`'s values: `auto` and the two dtypes.
+#[cfg(feature = "cli")]
+impl clap::ValueEnum for ComputeChoice {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[ComputeChoice::Auto, ComputeChoice::Fixed(Compute::F32), ComputeChoice::Fixed(Compute::Bf16)]
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let (name, help) = match self {
+            ComputeChoice::Auto => (
+                "auto",
+                "bf16 when the weights are stored in bf16, FP8 or INT4 and the CPU has bf16 hardware (AMX tiles or avx512_bf16); f32 otherwise",
+            ),
+            ComputeChoice::Fixed(Compute::F32) => ("f32", "f32 GEMM and attention inputs: the exact path, HF parity at 1e-4"),
+            ComputeChoice::Fixed(Compute::Bf16) => {
+                ("bf16", "bf16 GEMM and attention inputs, f32 accumulation, residual, norms and softmax")
+            }
+        };
+        Some(clap::builder::PossibleValue::new(name).help(help))
+    }
 }
 
 impl ComputeChoice {

@@ -4,16 +4,27 @@ use half::{bf16, f16};
 
 /// A storage dtype, as written in safetensors headers and on the CLI.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum DType {
     /// 32-bit IEEE float.
+    #[cfg_attr(feature = "cli", value(name = "f32", help = "4 bytes per value: exact"))]
     F32,
     /// bfloat16.
+    #[cfg_attr(feature = "cli", value(name = "bf16", help = "2 bytes: the checkpoint's dtype for most models"))]
     BF16,
     /// IEEE half.
+    #[cfg_attr(feature = "cli", value(name = "f16", help = "2 bytes, more mantissa and less range than bf16"))]
     F16,
     /// FP8 e4m3 (`float8_e4m3fn`). Stored hidden states carry an f32 scale
     /// per token and capture point (see [`crate::shape::fp8`]); this dtype's
     /// own conversions here are unscaled (scale 1, saturating at ±448).
+    #[cfg_attr(
+        feature = "cli",
+        value(
+            name = "fp8",
+            help = "1 byte: e4m3 codes with an f32 scale per token and capture point (hidden_states_scales). The speculators trainer must read it with its FP8 hidden-states backend (--hidden-states-backend fp8): its default reader fails on FP8"
+        )
+    )]
     F8E4M3,
 }
 

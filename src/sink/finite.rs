@@ -8,10 +8,16 @@ use crate::shape::{DType, Dim, StatesView};
 
 /// What to do with a sample whose states hold NaN or Inf.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum OnNonFinite {
     /// Stop the run, naming the sample and capture point (the default).
+    #[cfg_attr(feature = "cli", value(help = "Stop with an error naming the sample and capture point"))]
     Fail,
     /// Leave the sample out, count it, and record its id in the manifest.
+    #[cfg_attr(
+        feature = "cli",
+        value(help = "Leave the sample out, count it, and list it in the manifest's `skipped`")
+    )]
     Skip,
 }
 

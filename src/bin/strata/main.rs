@@ -17,12 +17,11 @@ mod embedded;
 mod verify;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
-use strata::backend::Compute;
 use strata::chat::{MaskSource, RowMode};
 use strata::input::InputFormat;
 use strata::job::extract::{DataSource, ExtractJob, Format, InputProgress, PrepareArgs, Summary};
@@ -410,78 +409,6 @@ EXAMPLES:
   strata verify ./hidden_states --recompute 20 --seed 7
   strata verify ./hidden_states --recompute 5 --model ./Llama-3.1-8B --backend reference";
 
-#[derive(Clone, Copy, ValueEnum)]
-enum BackendArg {
-    /// The fast CPU backend (packed GEMMs, threads, tensor parallelism).
-    Cpu,
-    /// Plain loops with f64 accumulation, one thread, --tp 1: the oracle.
-    Reference,
-    /// NVIDIA GPUs, one rank per GPU (--devices, --tp); needs a build with
-    /// `--features cuda` and a CUDA driver.
-    Cuda,
-}
-
-impl From<BackendArg> for BackendKind {
-    fn from(b: BackendArg) -> Self {
-        match b {
-            BackendArg::Cpu => BackendKind::Cpu,
-            BackendArg::Reference => BackendKind::Reference,
-            BackendArg::Cuda => BackendKind::Cuda,
-        }
-    }
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum ComputeArg {
-    /// bf16 when the weights are stored in bf16, FP8 or INT4 and the CPU has
-    /// bf16 hardware (AMX tiles or avx512_bf16); f32 otherwise.
-    Auto,
-    /// f32 GEMM and attention inputs: the exact path, HF parity at 1e-4.
-    F32,
-    /// bf16 GEMM and attention inputs, f32 accumulation, residual, norms and softmax.
-    Bf16,
-}
-
-impl ComputeArg {
-    fn choice(self) -> ComputeChoice {
-        match self {
-            ComputeArg::Auto => ComputeChoice::Auto,
-            ComputeArg::F32 => ComputeChoice::Fixed(Compute::F32),
-            ComputeArg::Bf16 => ComputeChoice::Fixed(Compute::Bf16),
-        }
-    }
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum NonFiniteArg {
-    /// Stop with an error naming the sample and capture point.
-    Fail,
-    /// Leave the sample out, count it, and list it in the manifest's `skipped`.
-    Skip,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum DTypeArg {
-    /// 4 bytes per value: exact.
-    F32,
-    /// 2 bytes: the checkpoint's dtype for most models.
-    Bf16,
-    /// 2 bytes, more mantissa and less range than bf16.
-    F16,
-    /// 1 byte: e4m3 codes with an f32 scale per token and capture point
-    /// (hidden_states_scales). The speculators trainer must read it with its
-    /// FP8 hidden-states backend (--hidden-states-backend fp8): its default reader fails on FP8.
-    Fp8,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum FormatArg {
-    /// Sharded safetensors with {id}.hidden_states [L, T, H] and manifest.json.
-    Strata,
-    /// The speculators trainer's dataset directory: a datasets table and hidden_states/hs_{i}.safetensors.
-    Speculators,
-}
-
 /// The model and how it runs: the flags `extract` and `serve` share (one contract).
 #[derive(clap::Args)]
 struct ModelArgs {
@@ -500,19 +427,19 @@ struct ModelArgs {
     capture: String,
     /// Storage dtype of hidden states. Default: the checkpoint's dtype.
     #[arg(long, value_enum)]
-    dtype: Option<DTypeArg>,
+    dtype: Option<DType>,
     /// Tokens per forward step; longer samples are split across steps.
     #[arg(long, value_name = "N", default_value_t = 8192)]
     max_batch_tokens: usize,
     /// What to do with a sample whose captured states hold NaN or Inf.
     #[arg(long, value_enum, value_name = "WHAT", default_value = "fail")]
-    on_nonfinite: NonFiniteArg,
+    on_nonfinite: OnNonFinite,
     /// Tensor-parallel ranks: the model's heads and MLP split over N threads.
     #[arg(long, value_name = "N", default_value_t = 1)]
     tp: usize,
     /// Where the model runs. (`--device` is taken as another spelling of it.)
     #[arg(long, alias = "device", value_enum, default_value = "cpu")]
-    backend: BackendArg,
+    backend: BackendKind,
     /// GPUs of --backend cuda, one per tensor-parallel rank in rank order
     /// (`0,1,2,3` with --tp 4). Default: from the launcher's local rank r
     /// (LOCAL_RANK, SLURM_LOCALID), GPUs r·tp..r·tp+tp, unless
@@ -522,7 +449,7 @@ struct ModelArgs {
     /// The dtype of GEMM and attention inputs. Recorded in the manifest with
     /// the kernel path; --resume refuses a run that would mix them.
     #[arg(long, value_enum, value_name = "DTYPE", default_value = "auto")]
-    compute: ComputeArg,
+    compute: ComputeChoice,
 }
 
 /// The chat template and its variables: shared by `extract` and `serve`.
@@ -560,7 +487,7 @@ struct ExtractArgs {
     out: PathBuf,
     /// Output format.
     #[arg(long, value_enum, default_value = "strata")]
-    format: FormatArg,
+    format: Format,
     /// Target size of each shard (native format), e.g. 1GiB, 256MiB, 1000000.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     shard_size: u64,
@@ -580,15 +507,15 @@ struct ExtractArgs {
     /// What the --data records are. Default: detected from the first line
     /// (`input_ids`, `conversations`, `messages` or `text`).
     #[arg(long, value_enum, value_name = "FORMAT", default_value = "auto", help_heading = "Input")]
-    input_format: InputFormatArg,
+    input_format: InputFormat,
     #[command(flatten)]
     template: TemplateArgs,
     /// Where conversations' loss masks come from.
     #[arg(long, value_enum, value_name = "FROM", default_value = "boundary", help_heading = "Input")]
-    loss_mask: LossMaskArg,
+    loss_mask: MaskSource,
     /// Rows per conversation.
     #[arg(long, value_enum, value_name = "MODE", default_value = "auto", help_heading = "Input")]
-    rows: RowsArg,
+    rows: RowMode,
     /// Cut every row to N tokens on the right; N is at most the model's
     /// max_position_embeddings, which conversations are cut to by default
     /// (other records must fit it unless this is given).
@@ -612,40 +539,6 @@ struct ExtractArgs {
     /// (e.g. JOB_COMPLETION_INDEX of a Kubernetes Indexed Job, which has no count).
     #[arg(long, value_name = "N", help_heading = "Parts (many processes, one input)")]
     num_parts: Option<usize>,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum InputFormatArg {
-    /// Detect from the first record.
-    Auto,
-    /// {"input_ids": [...], "loss_mask": [...]}.
-    Tokens,
-    /// {"text": "..."}, tokenized with the model's tokenizer.
-    Text,
-    /// {"conversations": [{"from": "human", "value": "..."}, ...]}.
-    Sharegpt,
-    /// {"messages": [{"role": "user", "content": "..."}, ...], "tools": [...]}.
-    Openai,
-    /// A datasets directory (save_to_disk) with input_ids and optional loss_mask columns; detected from state.json.
-    HfDataset,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum LossMaskArg {
-    /// Each assistant turn from where its generation prompt ends (as the speculators stack).
-    Boundary,
-    /// The template's {% generation %} blocks (as transformers' return_assistant_tokens_mask).
-    Generation,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum RowsArg {
-    /// One row per conversation where that is exact (prefix-stable templates), else one per assistant turn.
-    Auto,
-    /// One row per assistant turn.
-    PerTurn,
-    /// One row per conversation; a conversation whose template rewrites earlier turns is an error.
-    PerConversation,
 }
 
 fn parse_kwargs(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
@@ -687,7 +580,7 @@ struct VerifyArgs {
     model: Option<PathBuf>,
     /// Where --recompute runs the model.
     #[arg(long, alias = "device", value_enum, default_value = "cpu", requires = "recompute")]
-    backend: BackendArg,
+    backend: BackendKind,
     /// Tensor-parallel ranks of --recompute. For MoE models use the dataset's
     /// own --tp: another split changes the router's last bits and can flip a
     /// near-tie expert choice.
@@ -699,7 +592,7 @@ struct VerifyArgs {
     /// The compute dtype of --recompute. Default: the dataset's, on the cpu
     /// backend (f32 on the reference backend).
     #[arg(long, value_enum, value_name = "DTYPE", requires = "recompute")]
-    compute: Option<ComputeArg>,
+    compute: Option<ComputeChoice>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -941,7 +834,7 @@ impl ModelArgs {
             anyhow::bail!("--max-batch-tokens must be at least 1");
         }
         let devices = match (&self.backend, self.devices.is_empty()) {
-            (BackendArg::Cuda, true) => {
+            (BackendKind::Cuda, true) => {
                 match launcher_gpus(self.tp, |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)? {
                     Some((gpus, from)) => {
                         let list: Vec<String> = gpus.iter().map(|g| g.to_string()).collect();
@@ -955,27 +848,11 @@ impl ModelArgs {
         };
         Ok(ModelRequest {
             source: model_source(self.model.as_deref(), self.revision.as_deref())?,
-            backend: self.backend.into(),
-            compute: self.compute.choice(),
+            backend: self.backend,
+            compute: self.compute,
             tp: self.tp,
             devices,
         })
-    }
-
-    fn dtype(&self) -> Option<DType> {
-        self.dtype.map(|d| match d {
-            DTypeArg::F32 => DType::F32,
-            DTypeArg::Bf16 => DType::BF16,
-            DTypeArg::F16 => DType::F16,
-            DTypeArg::Fp8 => DType::F8E4M3,
-        })
-    }
-
-    fn on_nonfinite(&self) -> OnNonFinite {
-        match self.on_nonfinite {
-            NonFiniteArg::Fail => OnNonFinite::Fail,
-            NonFiniteArg::Skip => OnNonFinite::Skip,
-        }
     }
 }
 
@@ -995,11 +872,8 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         },
         capture: r.capture.clone(),
         out: a.out.clone(),
-        dtype: r.dtype(),
-        format: match a.format {
-            FormatArg::Strata => Format::Strata,
-            FormatArg::Speculators => Format::Speculators,
-        },
+        dtype: r.dtype,
+        format: a.format,
         max_batch_tokens: r.max_batch_tokens,
         shard_size: a.shard_size,
         mode: if a.resume {
@@ -1009,28 +883,14 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         } else {
             OpenMode::Create
         },
-        on_nonfinite: r.on_nonfinite(),
+        on_nonfinite: r.on_nonfinite,
         prepare: PrepareArgs {
-            input_format: match a.input_format {
-                InputFormatArg::Auto => InputFormat::Auto,
-                InputFormatArg::Tokens => InputFormat::Tokens,
-                InputFormatArg::Text => InputFormat::Text,
-                InputFormatArg::Sharegpt => InputFormat::ShareGpt,
-                InputFormatArg::Openai => InputFormat::OpenAi,
-                InputFormatArg::HfDataset => InputFormat::HfDataset,
-            },
+            input_format: a.input_format,
             chat_template: a.template.chat_template,
             kwargs: a.template.chat_template_kwargs.unwrap_or_default(),
             date: a.template.chat_date,
-            mask: match a.loss_mask {
-                LossMaskArg::Boundary => MaskSource::Boundary,
-                LossMaskArg::Generation => MaskSource::Generation,
-            },
-            rows: match a.rows {
-                RowsArg::Auto => RowMode::Auto,
-                RowsArg::PerTurn => RowMode::PerTurn,
-                RowsArg::PerConversation => RowMode::PerConversation,
-            },
+            mask: a.loss_mask,
+            rows: a.rows,
             max_seq_len: a.max_seq_len.map(|n| n as usize),
             skip_long: a.skip_long,
             template_memory: a.template.template_memory,
@@ -1191,7 +1051,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let opts = strata::serve::ServeOptions {
         model: request,
         capture: a.run.capture.clone(),
-        dtype: a.run.dtype(),
+        dtype: a.run.dtype,
         max_batch_tokens: a.run.max_batch_tokens,
         max_seq_len: a.max_seq_len.map(|n| n as usize),
         chat: strata::chat::ChatOptions {
@@ -1213,7 +1073,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         max_connections: a.max_connections,
         header_timeout: Duration::from_secs(10),
     };
-    if a.run.on_nonfinite() == OnNonFinite::Skip {
+    if a.run.on_nonfinite == OnNonFinite::Skip {
         eprintln!("note: a served prompt whose states hold NaN or Inf gets a 500 either way (--on-nonfinite skip has nothing to skip)");
     }
     let mut addr = None;
@@ -1350,10 +1210,10 @@ fn verify(a: VerifyArgs) -> anyhow::Result<()> {
         recompute: a.recompute.map(|n| n as usize),
         seed: a.seed,
         model: a.model,
-        backend: a.backend.into(),
+        backend: a.backend,
         tp: a.tp,
         devices: a.devices,
-        compute: a.compute.map(ComputeArg::choice),
+        compute: a.compute,
     };
     job.run()
 }
