@@ -168,6 +168,21 @@ pub enum ExtractError {
     /// Options that do not go together.
     #[error("{0}")]
     Usage(String),
+    /// Every input record was refused or skipped: an empty dataset is not a
+    /// result ([`Summary::check_samples`]; the run's summary says more).
+    #[error(
+        "none of the {records} input records gave a sample ({why}); the output in {} holds none. See the summary \
+         above for the first errors",
+        out.display()
+    )]
+    NoSample {
+        /// Records read.
+        records: usize,
+        /// What became of them (`3 could not be rendered or tokenized, ...`).
+        why: String,
+        /// The output directory.
+        out: PathBuf,
+    },
 }
 
 impl From<CaptureError> for ExtractError {
@@ -222,6 +237,38 @@ pub struct Summary {
     pub target_layer_ids: Option<Result<Vec<usize>, String>>,
     /// The `--draft-vocab-size` files written (speculators format).
     pub draft_vocab_sizes: Vec<usize>,
+}
+
+impl Summary {
+    /// Samples written, resumed or left out for non-finite states.
+    pub fn produced(&self) -> usize {
+        self.report.progress.samples + self.report.progress.resumed + self.skipped
+    }
+
+    /// [`ExtractError::NoSample`] when the input had records and none gave
+    /// a sample; `out` is the run's output directory.
+    pub fn check_samples(&self, out: &std::path::Path) -> Result<(), ExtractError> {
+        let p = &self.prepare;
+        if self.produced() > 0 || p.records == 0 {
+            return Ok(());
+        }
+        let mut why = Vec::new();
+        for (n, what) in [
+            (p.errors, "could not be rendered or tokenized"),
+            (p.skipped_empty, "were empty conversations"),
+            (p.skipped_no_assistant, "had no assistant turn after the first message"),
+            (p.skipped_long, "were longer than the limit (--skip-long)"),
+        ] {
+            if n > 0 {
+                why.push(format!("{n} {what}"));
+            }
+        }
+        if p.long_prompts > 0 {
+            why.push(format!("{} assistant turns had a prompt that alone fills the limit", p.long_prompts));
+        }
+        let why = if why.is_empty() { "see above".to_string() } else { why.join(", ") };
+        Err(ExtractError::NoSample { records: p.records, why, out: out.to_path_buf() })
+    }
 }
 
 /// How far through the input a run is, for progress.

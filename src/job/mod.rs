@@ -14,6 +14,7 @@
 
 pub mod builder;
 pub mod extract;
+pub mod launch;
 
 pub use builder::{Pipeline, PipelineError, Progress, Report};
 

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use strata::chat::{MaskSource, RowMode};
 use strata::input::InputFormat;
 use strata::job::extract::{DataSource, ExtractJob, Format, InputProgress, PrepareArgs, Summary};
+use strata::job::launch::launcher_gpus;
 use strata::job::Progress;
 use strata::job::{ModelRequest, ModelSource};
 use strata::model::{BackendKind, ComputeChoice};
@@ -803,26 +804,6 @@ fn print_prepare(s: &Summary) {
     }
 }
 
-/// The GPUs of this process when `--devices` is not given, from the
-/// launcher's local rank: torchrun's `LOCAL_RANK` or Slurm's `SLURM_LOCALID`
-/// (process `r` of a node takes GPUs `r·tp .. r·tp + tp`). `None` (GPUs
-/// `0..tp`) without a local rank, or when `CUDA_VISIBLE_DEVICES` shows this
-/// process fewer than `(r + 1)·tp` GPUs: then the launcher gave each process
-/// its own (Slurm's `--gpus-per-task`), numbered from 0.
-fn launcher_gpus(tp: usize, env: impl Fn(&str) -> Option<String>) -> Result<Option<(Vec<usize>, String)>, String> {
-    let visible = env("CUDA_VISIBLE_DEVICES").map(|v| v.split(',').filter(|g| !g.trim().is_empty()).count());
-    for var in ["LOCAL_RANK", "SLURM_LOCALID"] {
-        let Some(v) = env(var).filter(|v| !v.trim().is_empty()) else { continue };
-        let r: usize =
-            v.trim().parse().map_err(|_| format!("{var}={v:?} is not a local rank (a non-negative integer)"))?;
-        if visible.is_some_and(|n| n < (r + 1) * tp) {
-            return Ok(None);
-        }
-        return Ok(Some(((r * tp..r * tp + tp).collect(), format!("{var}={r}"))));
-    }
-    Ok(None)
-}
-
 impl ModelArgs {
     /// The model request these flags make, checked; GPUs from the launcher when --devices is not given.
     fn request(&self) -> anyhow::Result<ModelRequest> {
@@ -834,16 +815,14 @@ impl ModelArgs {
             anyhow::bail!("--max-batch-tokens must be at least 1");
         }
         let devices = match (&self.backend, self.devices.is_empty()) {
-            (BackendKind::Cuda, true) => {
-                match launcher_gpus(self.tp, |k| std::env::var(k).ok()).map_err(anyhow::Error::msg)? {
-                    Some((gpus, from)) => {
-                        let list: Vec<String> = gpus.iter().map(|g| g.to_string()).collect();
-                        say!("GPUs {} (from {from}; --devices chooses others)", list.join(","));
-                        gpus
-                    }
-                    None => Vec::new(),
+            (BackendKind::Cuda, true) => match launcher_gpus(self.tp, |k| std::env::var(k).ok())? {
+                Some((gpus, from)) => {
+                    let list: Vec<String> = gpus.iter().map(|g| g.to_string()).collect();
+                    say!("GPUs {} (from {from}; --devices chooses others)", list.join(","));
+                    gpus
                 }
-            }
+                None => Vec::new(),
+            },
             _ => self.devices.clone(),
         };
         Ok(ModelRequest {
@@ -914,34 +893,9 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     if let Some(bar) = reporter.bar.take() {
         bar.finish_and_clear();
     }
-    let produced = summary.report.progress.samples + summary.report.progress.resumed + summary.skipped;
     print_summary(&summary, &out);
-    let p = &summary.prepare;
-    if produced == 0 && p.records > 0 {
-        // Every record was refused or skipped: an empty dataset is not a result.
-        let mut why = Vec::new();
-        for (n, what) in [
-            (p.errors, "could not be rendered or tokenized"),
-            (p.skipped_empty, "were empty conversations"),
-            (p.skipped_no_assistant, "had no assistant turn after the first message"),
-            (p.skipped_long, "were longer than the limit (--skip-long)"),
-        ] {
-            if n > 0 {
-                why.push(format!("{n} {what}"));
-            }
-        }
-        if p.long_prompts > 0 {
-            why.push(format!("{} assistant turns had a prompt that alone fills the limit", p.long_prompts));
-        }
-        anyhow::bail!(
-            "none of the {} input records gave a sample ({}); the output in {} holds none. See the summary \
-             above for the first errors",
-            p.records,
-            if why.is_empty() { "see above".to_string() } else { why.join(", ") },
-            out.display()
-        );
-    }
-    if produced == 0 {
+    summary.check_samples(&out)?;
+    if summary.produced() == 0 {
         eprintln!("warning: the input holds no samples; the output is empty");
     }
     Ok(())
@@ -1216,33 +1170,4 @@ fn verify(a: VerifyArgs) -> anyhow::Result<()> {
         compute: a.compute,
     };
     job.run()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::launcher_gpus;
-
-    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
-    }
-
-    #[test]
-    fn each_local_process_takes_its_own_gpus() {
-        assert_eq!(launcher_gpus(1, env(&[])), Ok(None));
-        assert_eq!(launcher_gpus(1, env(&[("LOCAL_RANK", "3")])), Ok(Some((vec![3], "LOCAL_RANK=3".into()))));
-        assert_eq!(launcher_gpus(2, env(&[("SLURM_LOCALID", "1")])), Ok(Some((vec![2, 3], "SLURM_LOCALID=1".into()))));
-        // torchrun's variable first.
-        let both = [("LOCAL_RANK", "0"), ("SLURM_LOCALID", "5")];
-        assert_eq!(launcher_gpus(1, env(&both)), Ok(Some((vec![0], "LOCAL_RANK=0".into()))));
-        // A launcher that gave each process its own GPUs: they are 0..tp.
-        let own = [("LOCAL_RANK", "3"), ("CUDA_VISIBLE_DEVICES", "6,7")];
-        assert_eq!(launcher_gpus(2, env(&own)), Ok(None));
-        let all = [("LOCAL_RANK", "3"), ("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")];
-        assert_eq!(launcher_gpus(2, env(&all)), Ok(Some((vec![6, 7], "LOCAL_RANK=3".into()))));
-        // Slurm --gpus-per-task=2 with --tp 1: each task sees its own two, from 0.
-        let per_task = [("SLURM_LOCALID", "2"), ("CUDA_VISIBLE_DEVICES", "4,5")];
-        assert_eq!(launcher_gpus(1, env(&per_task)), Ok(None));
-        let e = launcher_gpus(1, env(&[("LOCAL_RANK", "x")])).unwrap_err();
-        assert!(e.contains("LOCAL_RANK=\"x\""), "{e}");
-    }
 }
