@@ -113,14 +113,31 @@ impl ModelSource {
     }
 }
 
-/// `--compute auto` and its kin, decided here and nowhere else: bf16 when the
-/// device has bf16 arithmetic and the weights carry no more than bf16's bits
-/// (stored in bf16, or quantised: FP8 blocks, INT4 groups), f32 otherwise.
-/// `config` and `ckpt` are the model's; a fixed choice is returned as is.
-pub fn resolve_compute(choice: ComputeChoice, backend: BackendKind, config: &AnyConfig, ckpt: &Checkpoint) -> Compute {
-    // The embedding table's dtype is the checkpoint's (`ckpt` is scoped to the text model).
-    let low_precision = config.quantization().is_some() || ckpt.dtype("model.embed_tokens.weight") == Some(DType::BF16);
-    choice.resolve(backend, low_precision)
+/// `--compute auto` and its kin, decided here and nowhere else (extract,
+/// serve and verify's recompute all open models through [`ModelRequest`]):
+/// bf16 when the device has bf16 arithmetic and the weights carry no more
+/// than bf16's bits (stored in bf16, or quantised: FP8 blocks, INT4 groups),
+/// f32 otherwise. `weights` is the model's config and checkpoint; without
+/// them (a check before any weight is read) `auto` is f32, which every
+/// backend takes. A fixed choice is returned as is.
+pub fn resolve_compute(
+    choice: ComputeChoice,
+    backend: BackendKind,
+    weights: Option<(&AnyConfig, &Checkpoint)>,
+) -> Compute {
+    let ComputeChoice::Fixed(c) = choice else {
+        let native = match backend {
+            BackendKind::Cpu => crate::backend::cpu::bf16::has_native_bf16(),
+            BackendKind::Cuda => true, // every GPU the kernels target (sm_80+) has bf16 tensor cores
+            BackendKind::Reference => false,
+        };
+        // The embedding table's dtype is the checkpoint's (`ckpt` is scoped to the text model).
+        let low_precision = weights.is_some_and(|(config, ckpt)| {
+            config.quantization().is_some() || ckpt.dtype("model.embed_tokens.weight") == Some(DType::BF16)
+        });
+        return if native && low_precision { Compute::Bf16 } else { Compute::F32 };
+    };
+    c
 }
 
 /// What to open a model with: where it is, on which backend, in which
@@ -183,11 +200,7 @@ impl ModelRequest {
         let config = AnyConfig::parse(&text)?;
         // The dtype `auto` resolves to is not known before the weights are
         // opened; f32 is what every backend takes, so it checks the rest.
-        let compute = match self.compute {
-            ComputeChoice::Fixed(c) => c,
-            ComputeChoice::Auto => self.compute.resolve(self.backend, false),
-        };
-        config.check(&self.load_options(compute))?;
+        config.check(&self.load_options(resolve_compute(self.compute, self.backend, None)))?;
         Ok(CheckedConfig { text, config })
     }
 
@@ -204,7 +217,7 @@ impl ModelRequest {
         let open = self.source.opener(&config.tensor_prefix());
         let ckpt = open()?;
         let weights_digest = ckpt.digest();
-        let compute = resolve_compute(self.compute, self.backend, &config, &ckpt);
+        let compute = resolve_compute(self.compute, self.backend, Some((&config, &ckpt)));
         drop(ckpt);
         let quantization = config.quantization();
         let model = config.clone().load(self.load_options(compute), open)?;

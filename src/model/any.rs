@@ -157,28 +157,6 @@ impl clap::ValueEnum for ComputeChoice {
     }
 }
 
-impl ComputeChoice {
-    /// The dtype to run a model whose weights are stored `quantized` (any of
-    /// bf16, FP8, INT4: not f32 or f16) on `backend`.
-    pub fn resolve(self, backend: BackendKind, low_precision_weights: bool) -> Compute {
-        match self {
-            ComputeChoice::Fixed(c) => c,
-            ComputeChoice::Auto => {
-                let native = match backend {
-                    BackendKind::Cpu => crate::backend::cpu::bf16::has_native_bf16(),
-                    BackendKind::Cuda => true, // every GPU the kernels target (sm_80+) has bf16 tensor cores
-                    BackendKind::Reference => false,
-                };
-                if native && low_precision_weights {
-                    Compute::Bf16
-                } else {
-                    Compute::F32
-                }
-            }
-        }
-    }
-}
-
 /// A parsed `config.json` of any supported family, before any weight is read.
 #[derive(Clone, Debug)]
 pub enum AnyConfig {
