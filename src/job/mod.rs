@@ -230,7 +230,7 @@ impl OpenedModel {
     /// The kernel path its GEMMs take (recorded: a resume must not mix them).
     pub fn kernel(&self) -> &'static str {
         match self.request.backend {
-            BackendKind::Cpu => crate::backend::cpu::gemm::kernel_name_for(self.model.compute()),
+            BackendKind::Cpu => crate::backend::cpu::linear::kernel_name_for(self.model.compute()),
             BackendKind::Reference => "reference",
             BackendKind::Cuda => self.model.cuda_kernel().unwrap_or("cublas"),
         }
