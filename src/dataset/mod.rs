@@ -1,11 +1,11 @@
 //! Datasets once written: the native format's [`manifest`], reading shards
 //! and single safetensors files back (memory-mapped, every size checked),
-//! and the tools over them: [`verify`] (against the manifest),
-//! [`recompute`] (against a fresh forward), [`inspect`] and [`stats`].
+//! and the tools over them: [`verify`] (against the manifest), [`inspect`]
+//! and [`stats`]. This folder only reads: running the model again over a
+//! dataset is a job ([`crate::job::recompute`]).
 
 pub mod inspect;
 pub mod manifest;
-pub mod recompute;
 pub mod stats;
 pub mod verify;
 

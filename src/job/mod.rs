@@ -7,13 +7,16 @@
 //!   `--compute auto` resolved in one place ([`resolve_compute`]);
 //! - [`layout`]: the capture set and the manifest an output is described by;
 //! - [`Pipeline`] (the builder): `Source → Schedule → Model → Capture →
-//!   Gather → Sink`, generic over each stage.
+//!   Gather → Sink`, generic over each stage;
+//! - [`recompute`]: a dataset's samples through the model again, compared
+//!   with the stored states (`strata verify --recompute`).
 //!
 //! This folder sits above `pipeline/`, `model/` and `sink/`: it imports them,
 //! and none of them imports it.
 
 pub mod builder;
 pub mod extract;
+pub mod recompute;
 
 pub use builder::{Pipeline, PipelineError, Progress, Report};
 
