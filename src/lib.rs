@@ -15,6 +15,7 @@
 //! - [`backend`]: where the arithmetic runs: `cpu` (fast) and `reference` (the oracle);
 //! - [`parallel`]: ranks, collectives, the typed RPC, shard arithmetic;
 //! - [`sink`]: writers of the native and speculators formats;
+//! - [`format`]: what the files say: the manifest, part info and part directory names, a mapped safetensors file;
 //! - [`dataset`]: datasets once written: reading, verify, inspect (it only reads);
 //! - [`job`]: what the jobs share (a model opened once, `--compute auto`, the
 //!   output's layout), the [`job::Pipeline`] builder, the extraction job and
@@ -35,6 +36,7 @@ pub mod backend;
 pub mod chat;
 pub mod dataset;
 pub mod files;
+pub mod format;
 pub mod hf;
 pub mod input;
 pub mod job;

@@ -21,7 +21,7 @@ pub mod recompute;
 pub use builder::{Pipeline, PipelineError, Progress, Report};
 
 use crate::backend::Compute;
-use crate::dataset::manifest::{Manifest, ModelInfo, RunInfo};
+use crate::format::manifest::{Manifest, ModelInfo, RunInfo};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::hf::ArchInfo;
 use crate::model::{AnyConfig, AnyModel, BackendKind, ComputeChoice, LoadOptions, Model, ModelError};
