@@ -13,7 +13,7 @@ static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAl
 
 use std::sync::Arc;
 use std::time::Instant;
-use strata::backend::cpu::gemm::{kernel_name, PackedLinear};
+use strata::backend::cpu::linear::{kernel_name, PackedLinear};
 use strata::backend::Compute;
 use strata::hf::quant::{LinearWeight, MappedRows};
 use strata_testkit::bench::{flag_or, median};

@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use strata::backend::cuda::probe;
 use strata::backend::Compute;
-use strata::dataset::manifest::{Manifest, ModelInfo};
+use strata::format::manifest::{Manifest, ModelInfo};
 use strata::job::Pipeline;
 use strata::model::{AnyCache, AnyConfig, AnyModel, BackendKind, LoadOptions, Model};
 use strata::pipeline::batch::PackedBatch;

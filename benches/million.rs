@@ -32,7 +32,7 @@ static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAl
 use std::io::{BufReader, Read};
 use std::path::Path;
 use std::time::Instant;
-use strata::dataset::manifest::{Manifest, ModelInfo, MANIFEST};
+use strata::format::manifest::{Manifest, ModelInfo, MANIFEST};
 use strata::pipeline::capture::CapturePoint;
 use strata::pipeline::source::{Checked, Expected, JsonlSource, Limits, Source};
 use strata::shape::{CapturedStates, DType};

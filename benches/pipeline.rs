@@ -28,7 +28,7 @@ static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAl
 use std::io::Write;
 use std::path::Path;
 use std::time::Instant;
-use strata::dataset::manifest::{Manifest, ModelInfo};
+use strata::format::manifest::{Manifest, ModelInfo};
 use strata::hf::llama::LlamaConfig;
 use strata::job::Pipeline;
 use strata::model::Llama;

@@ -19,7 +19,7 @@
 //!     cargo run --release --example glm45_air_eagle3 [-- OUT_DIR]
 
 use std::path::Path;
-use strata::dataset::manifest::{Manifest, ModelInfo};
+use strata::format::manifest::{Manifest, ModelInfo};
 use strata::job::{Pipeline, Report};
 use strata::model::TpLlama;
 use strata::parallel::{HiddenU, ShardDim, Tp, TpSize};
@@ -143,11 +143,11 @@ mod tests {
         let out = tmp.path().join("out");
         let report = super::scaled_down(&out).unwrap();
         assert_eq!((report.progress.samples, report.progress.tokens), (2, 377));
-        let m = strata::dataset::manifest::Manifest::read(&out).unwrap();
+        let m = strata::format::manifest::Manifest::read(&out).unwrap();
         let points: Vec<&str> = m.capture.iter().map(|c| c.point.as_str()).collect();
         assert_eq!(points, ["input:2", "input:23", "input:43", "final"], "EAGLE-3's points of a 46-layer model");
         assert!(strata::dataset::verify::verify(&out, None).unwrap().is_empty());
-        let shard = strata::dataset::MappedFile::open(&out.join(&m.shards[0].file)).unwrap();
+        let shard = strata::format::MappedFile::open(&out.join(&m.shards[0].file)).unwrap();
         assert_eq!(shard.tensors["0.hidden_states"].shape, vec![4, 300, 64]);
         assert_eq!(shard.tensors["1.hidden_states"].shape, vec![4, 77, 64]);
     }

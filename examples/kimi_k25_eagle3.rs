@@ -26,7 +26,7 @@
 static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
 
 use std::path::Path;
-use strata::dataset::manifest::{Manifest, ModelInfo};
+use strata::format::manifest::{Manifest, ModelInfo};
 use strata::job::{Pipeline, Report};
 use strata::model::TpDeepseek;
 use strata::parallel::{HiddenU, ShardDim, Tp, TpSize};
@@ -116,11 +116,11 @@ mod tests {
         let report = super::scaled_down(&out).unwrap();
         // The seed's two samples (512 and 259 tokens): 2 samples, not 771 tensors.
         assert_eq!((report.progress.samples, report.progress.tokens), (2, 771));
-        let m = strata::dataset::manifest::Manifest::read(&out).unwrap();
+        let m = strata::format::manifest::Manifest::read(&out).unwrap();
         let points: Vec<&str> = m.capture.iter().map(|c| c.point.as_str()).collect();
         assert_eq!(points, ["input:2", "input:30", "input:58", "input:60"]);
         assert!(strata::dataset::verify::verify(&out, None).unwrap().is_empty());
-        let shard = strata::dataset::MappedFile::open(&out.join(&m.shards[0].file)).unwrap();
+        let shard = strata::format::MappedFile::open(&out.join(&m.shards[0].file)).unwrap();
         assert_eq!(shard.tensors["0.hidden_states"].shape, vec![4, 512, 64]);
         assert_eq!(shard.tensors["1.hidden_states"].shape, vec![4, 259, 64]);
     }

@@ -10,7 +10,7 @@
 static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
 
 use std::path::Path;
-use strata::dataset::manifest::{Manifest, ModelInfo};
+use strata::format::manifest::{Manifest, ModelInfo};
 use strata::hf::{Checkpoint, LlamaConfig};
 use strata::job::Pipeline;
 use strata::model::Llama;

@@ -15,9 +15,11 @@
 //! - [`backend`]: where the arithmetic runs: `cpu` (fast) and `reference` (the oracle);
 //! - [`parallel`]: ranks, collectives, the typed RPC, shard arithmetic;
 //! - [`sink`]: writers of the native and speculators formats;
-//! - [`dataset`]: datasets once written: manifest, reading, verify, recompute, inspect;
+//! - [`format`]: what the files say: the manifest, part info and part directory names, a mapped safetensors file;
+//! - [`dataset`]: datasets once written: reading, verify, inspect (it only reads);
 //! - [`job`]: what the jobs share (a model opened once, `--compute auto`, the
-//!   output's layout), the [`job::Pipeline`] builder, and the extraction job;
+//!   output's layout), the [`job::Pipeline`] builder, the extraction job and
+//!   `verify --recompute`;
 //! - [`serve`]: `strata serve`, the hidden-states server of online training.
 //! - [`files`]: opening files without trusting them (regular files only, bounded, inside a directory).
 //!
@@ -34,6 +36,7 @@ pub mod backend;
 pub mod chat;
 pub mod dataset;
 pub mod files;
+pub mod format;
 pub mod hf;
 pub mod input;
 pub mod job;

@@ -107,7 +107,7 @@ fn a_forced_bf16_kernel_is_recorded_and_a_resume_under_another_is_refused() {
         "{err}"
     );
     assert!(!out.path().join("bogus").exists(), "nothing is written");
-    let fastest = strata::backend::cpu::gemm::kernel_name_for(strata::backend::Compute::Bf16);
+    let fastest = strata::backend::cpu::linear::kernel_name_for(strata::backend::Compute::Bf16);
     let (ok, _, err) = strata(&[os("extract"), os("--out"), o, os("--resume"), os("--compute"), os("bf16")]);
     if fastest == "portable" {
         eprintln!("this CPU's fastest bf16 kernel is portable: no other kernel to refuse");

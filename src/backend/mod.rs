@@ -23,6 +23,8 @@ mod kv_cache;
 pub mod reference;
 mod tensor;
 
+/// Llama 4's query temperature, a config value the backend ops take ([`Backend::attn_temperature`]).
+pub use crate::hf::llama4::Temperature;
 pub use cpu::Cpu;
 pub use kv_cache::{DeltaCache, KvCache};
 pub use reference::Reference;
@@ -288,24 +290,6 @@ impl Mask {
             Mask::Sliding(w) => (w, 0),
             Mask::Chunked(c) => (0, c),
         }
-    }
-}
-
-/// Llama 4's attention temperature on its NoPE layers: the query at
-/// absolute position `p` is scaled by `ln(1 + floor((p + 1) / floor_scale)) ·
-/// attn_scale + 1` (`attn_temperature_tuning`, arXiv:2501.19399).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Temperature {
-    /// `floor_scale` (8192 in the releases).
-    pub floor_scale: f32,
-    /// `attn_scale` (0.1).
-    pub attn_scale: f32,
-}
-
-impl Temperature {
-    /// The factor at position `p`, in f32 as transformers computes it.
-    pub fn at(self, p: usize) -> f32 {
-        ((p as f32 + 1.0) / self.floor_scale).floor().ln_1p() * self.attn_scale + 1.0
     }
 }
 

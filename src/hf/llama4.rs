@@ -32,6 +32,24 @@ pub struct Llama4Layer {
     pub moe: bool,
 }
 
+/// Llama 4's attention temperature on its NoPE layers: the query at
+/// absolute position `p` is scaled by `ln(1 + floor((p + 1) / floor_scale)) ·
+/// attn_scale + 1` (`attn_temperature_tuning`, arXiv:2501.19399).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Temperature {
+    /// `floor_scale` (8192 in the releases).
+    pub floor_scale: f32,
+    /// `attn_scale` (0.1).
+    pub attn_scale: f32,
+}
+
+impl Temperature {
+    /// The factor at position `p`, in f32 as transformers computes it.
+    pub fn at(self, p: usize) -> f32 {
+        ((p as f32 + 1.0) / self.floor_scale).floor().ln_1p() * self.attn_scale + 1.0
+    }
+}
+
 /// A Llama 4 text decoder's sizes and options, normalised.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Llama4Config {
@@ -64,7 +82,7 @@ pub struct Llama4Config {
     /// A weightless RMS norm of q and k after RoPE, on RoPE layers (`use_qk_norm`).
     pub qk_norm: bool,
     /// The NoPE layers' query temperature (`attn_temperature_tuning`).
-    pub temperature: Option<crate::backend::Temperature>,
+    pub temperature: Option<Temperature>,
     /// Each layer's variant.
     pub layers: Vec<Llama4Layer>,
     /// RoPE base.
@@ -257,7 +275,7 @@ impl Llama4Config {
 
     /// The temperature, if `attn_temperature_tuning` is truthy (a bool, or a
     /// number as the hub's files write it; Python's truth: nonzero).
-    fn temperature(raw: &Raw) -> Result<Option<crate::backend::Temperature>, ConfigError> {
+    fn temperature(raw: &Raw) -> Result<Option<Temperature>, ConfigError> {
         let field = "attn_temperature_tuning";
         let on = match &raw.attn_temperature_tuning {
             None | Some(Value::Null) => true,
@@ -273,7 +291,7 @@ impl Llama4Config {
         if !attn_scale.is_finite() {
             return Err(invalid("attn_scale", format!("must be finite, got {attn_scale}")));
         }
-        Ok(Some(crate::backend::Temperature { floor_scale, attn_scale }))
+        Ok(Some(Temperature { floor_scale, attn_scale }))
     }
 
     /// `(rope_theta, scaling)`: transformers 5's `rope_parameters`, or the
@@ -322,7 +340,7 @@ mod tests {
         assert_eq!(nope, vec![3, 7], "a NoPE layer every fourth");
         assert!(c.layers.iter().all(|l| l.moe), "interleave_moe_layer_step 1: every layer routes");
         assert!(c.layers.iter().all(|l| l.chunk == if l.rope { Some(8192) } else { None }));
-        assert_eq!(c.temperature, Some(crate::backend::Temperature { floor_scale: 8192.0, attn_scale: 0.1 }));
+        assert_eq!(c.temperature, Some(Temperature { floor_scale: 8192.0, attn_scale: 0.1 }));
         assert!(c.qk_norm);
         // No head_dim: the dataclass's 128, not hidden / heads (16 here).
         let c = Llama4Config::from_json(&text("").replace(r#""head_dim": 16,"#, "")).unwrap();

@@ -4,10 +4,11 @@
 
 use super::{ModelRequest, Pipeline, PipelineError, Progress, Report};
 use crate::chat::{Chat, ChatOptions, LongRows, MaskSource, RowMode, RowOptions};
-use crate::dataset::manifest::{InputInfo, Manifest, PrepareInfo};
+use crate::format::manifest::{InputInfo, Manifest, PrepareInfo};
+use crate::format::parts::PartInfo;
 use crate::input::arrow::DatasetRecords;
 use crate::input::jsonl::JsonlRecords;
-use crate::input::parts::{self, PartInfo, PartSpec};
+use crate::input::parts::{self, PartSpec};
 use crate::input::prepare::{PrepareOptions, PrepareStats, Prepared};
 use crate::input::{InputFormat, Records};
 use crate::model::{AnyModel, Model, ModelError};

@@ -7,7 +7,9 @@
 //!   `--compute auto` resolved in one place ([`resolve_compute`]);
 //! - [`layout`]: the capture set and the manifest an output is described by;
 //! - [`Pipeline`] (the builder): `Source → Schedule → Model → Capture →
-//!   Gather → Sink`, generic over each stage.
+//!   Gather → Sink`, generic over each stage;
+//! - [`recompute`]: a dataset's samples through the model again, compared
+//!   with the stored states (`strata verify --recompute`).
 //!
 //! This folder sits above `pipeline/`, `model/` and `sink/`: it imports them,
 //! and none of them imports it.
@@ -15,11 +17,12 @@
 pub mod builder;
 pub mod extract;
 pub mod launch;
+pub mod recompute;
 
 pub use builder::{Pipeline, PipelineError, Progress, Report};
 
 use crate::backend::Compute;
-use crate::dataset::manifest::{Manifest, ModelInfo, RunInfo};
+use crate::format::manifest::{Manifest, ModelInfo, RunInfo};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::hf::ArchInfo;
 use crate::model::{AnyConfig, AnyModel, BackendKind, ComputeChoice, LoadOptions, Model, ModelError};
@@ -244,7 +247,7 @@ impl OpenedModel {
     /// The kernel path its GEMMs take (recorded: a resume must not mix them).
     pub fn kernel(&self) -> &'static str {
         match self.request.backend {
-            BackendKind::Cpu => crate::backend::cpu::gemm::kernel_name_for(self.model.compute()),
+            BackendKind::Cpu => crate::backend::cpu::linear::kernel_name_for(self.model.compute()),
             BackendKind::Reference => "reference",
             BackendKind::Cuda => self.model.cuda_kernel().unwrap_or("cublas"),
         }

@@ -26,10 +26,10 @@ use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
     AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, SeqState,
-    Temperature, Tensor,
+    Tensor,
 };
 use crate::hf::checkpoint::Checkpoint;
-use crate::hf::llama4::{Llama4Config, Llama4Layer};
+use crate::hf::llama4::{Llama4Config, Llama4Layer, Temperature};
 use crate::hf::moe::{Scoring, TopkMethod};
 use crate::hf::ConfigError;
 use crate::shape::Dim;

@@ -122,7 +122,7 @@ impl<W: Write> TableWriter<W> {
 /// description says the files hold codes and scales (the trainer must read
 /// them with its FP8 backend); a `strata` entry records the capture points
 /// and their speculators layer ids.
-pub fn info_json(manifest: &crate::dataset::manifest::Manifest) -> String {
+pub fn info_json(manifest: &crate::format::manifest::Manifest) -> String {
     let fp8 = manifest.dtype == "fp8";
     let description = match fp8 {
         false => "Token rows of a Strata extraction; hidden states in hidden_states/hs_{i}.safetensors",

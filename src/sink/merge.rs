@@ -21,11 +21,11 @@
 
 use super::output::{persist_manifest_streamed, ListingSource, OutputDir, Temp};
 use super::{hf_dataset, io_err, SinkError};
-use crate::dataset::manifest::{
+use crate::files::{Dir, Kind};
+use crate::format::manifest::{
     Entry, InputInfo, InputPos, Manifest, MergedPart, PartInfo, SampleInfo, ShardInfo, SkippedInfo, JOURNAL, MANIFEST,
 };
-use crate::files::{Dir, Kind};
-use crate::input::parts;
+use crate::format::parts;
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};

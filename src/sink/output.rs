@@ -21,9 +21,9 @@
 
 use super::draft_vocab::is_trainer_file;
 use super::{io_err, OpenMode, SinkError};
-use crate::dataset::manifest::{Entry, InputInfo, JournalEntry, Manifest, SampleInfo, ShardInfo, SkippedInfo, JOURNAL};
-use crate::dataset::manifest::{InputPos, MANIFEST};
 use crate::files::{Dir, Kind};
+use crate::format::manifest::{Entry, InputInfo, JournalEntry, Manifest, SampleInfo, ShardInfo, SkippedInfo, JOURNAL};
+use crate::format::manifest::{InputPos, MANIFEST};
 use crate::pipeline::source::Sample;
 use std::fs::File;
 use std::io::{Read, Seek, Write};
@@ -302,7 +302,7 @@ impl Plan {
         // would mix with them (a resume of a merged dataset is refused below, more precisely).
         let merged_resume = mode == OpenMode::Resume && names.iter().any(|n| n == MANIFEST);
         if job.part.is_none() && !merged_resume {
-            if let Some(n) = names.iter().find(|n| crate::input::parts::parse_dir_name(n).is_some()) {
+            if let Some(n) = names.iter().find(|n| crate::format::parts::parse_dir_name(n).is_some()) {
                 return Err(dir_err(format!(
                     "{shown} holds the parts of a split input ({n}, ...): run the parts with --part-index/--num-parts \
                      or under their launcher, join them with `strata merge`, or give this run another --out"
@@ -1139,9 +1139,9 @@ mod tests {
     /// skipped instead), resumed once half-way when `resume`.
     fn run(dir: &Path, shards: usize, per: usize, resume: bool) -> Manifest {
         let job = Manifest {
-            schema_version: crate::dataset::manifest::SCHEMA_VERSION,
+            schema_version: crate::format::manifest::SCHEMA_VERSION,
             format: "strata".into(),
-            capture: vec![crate::dataset::manifest::CaptureInfo {
+            capture: vec![crate::format::manifest::CaptureInfo {
                 point: "final".into(),
                 hf_index: None,
                 layer_id: Some(4),

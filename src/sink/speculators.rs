@@ -12,9 +12,9 @@
 use super::draft_vocab::{d2t_file, t2d_file, TokenCounts, TOKEN_FREQ_FILE};
 use super::output::{Commit, OutLoc, Output, Temp, Temps};
 use super::{hf_dataset, io_err, OpenMode, Sink, SinkError};
-use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
-use crate::dataset::MappedFile;
 use crate::files::Dir;
+use crate::format::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
+use crate::format::MappedFile;
 use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{DType, Dim, StatesView};
 use std::collections::VecDeque;

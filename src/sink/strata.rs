@@ -9,7 +9,7 @@
 use super::output::{OutLoc, Output, Temp};
 use super::spool::Spool;
 use super::{io_err, OpenMode, OutputDir, Sink, SinkError};
-use crate::dataset::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
+use crate::format::manifest::{hash_hex, InputInfo, Manifest, SampleInfo, ShardInfo};
 use crate::pipeline::source::{InputPos, Sample};
 use crate::shape::{check_dim, fp8, DType, Dim, StatesView};
 use std::collections::BTreeMap;

@@ -18,8 +18,9 @@
 //! are exact zeros, so each row goes through the same arithmetic however its
 //! sample was cut.
 
-use super::bf16::{self, with_bf16_path};
-use super::gemm::{gemm_prepacked, gemm_tiles, pack_rows, ARows, F32Path, Init, Path};
+use super::gemm::bf16::{self, with_bf16_path};
+use super::gemm::f32::F32Path;
+use super::gemm::{gemm_prepacked, gemm_tiles, pack_rows, ARows, Init, Path};
 use super::panels::{InPlace, NR};
 use super::SharedMut;
 use crate::backend::{AttnShape, Compute};

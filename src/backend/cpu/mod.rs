@@ -8,16 +8,20 @@
 
 pub mod alloc;
 pub mod attention;
-pub mod bf16;
 pub mod delta;
 pub mod gemm;
+pub mod linear;
 pub mod moe;
 pub mod ops;
 pub mod panels;
 pub mod quant_panels;
 
 pub use alloc::CacheAligned;
-pub use gemm::{gemm_packed, Init, PackedLinear};
+/// The bf16 paths, as `cpu::bf16` (`has_native_bf16`, `kernel_override`).
+pub use gemm::bf16;
+pub use gemm::f32::gemm_packed;
+pub use gemm::Init;
+pub use linear::PackedLinear;
 pub use panels::{pack_b, MR, NR};
 
 use super::{check, host};

@@ -2,7 +2,7 @@
 //! scoring and grouping mode of the DeepSeek family), then running each
 //! expert over the rows routed to it.
 
-use super::gemm::PackedLinear;
+use super::linear::PackedLinear;
 use super::ops::glu;
 use crate::backend::{Gating, Glu, Router};
 use crate::hf::moe::{Scoring, TopkMethod};

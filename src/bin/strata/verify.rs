@@ -7,10 +7,10 @@ use anyhow::{bail, Context};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use strata::backend::Compute;
-use strata::dataset::manifest::hash_hex;
-use strata::dataset::recompute::{recompute, Recompute};
 use strata::dataset::verify::{clip, verify, Layout, QUOTE_MAX};
 use strata::dataset::Dataset;
+use strata::format::manifest::hash_hex;
+use strata::job::recompute::{recompute, Recompute};
 use strata::job::{ModelRequest, ModelSource};
 use strata::model::{BackendKind, ComputeChoice};
 

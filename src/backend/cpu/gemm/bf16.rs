@@ -21,9 +21,9 @@
 //! subnormals), so each differs from the others in the last bits: the
 //! manifest records the path.
 
-use super::gemm::{pack_strips, Path, TileInit};
-use super::panels::{zeroed, InPlace, PanelSource, MR, NR};
-use super::quant_panels::QuantPanels;
+use super::{kernel_from_fields, pack_strips, Path, TileInit};
+use crate::backend::cpu::panels::{zeroed, InPlace, PanelSource, MR, NR};
+use crate::backend::cpu::quant_panels::QuantPanels;
 use crate::hf::quant::{MappedRows, QuantKind, QuantRows};
 use crate::shape::bf16_bits;
 use rayon::prelude::*;
@@ -156,8 +156,8 @@ fn transpose_blocks<'a>(row: &dyn Fn(usize) -> &'a [u8], w: usize, pairs: usize,
 /// 16 × 16 transposes of 32-bit words in AVX-512 registers.
 #[cfg(target_arch = "x86_64")]
 mod words {
-    use super::super::panels::store16;
     use super::{bf16_bits, fill_pairs, NR};
+    use crate::backend::cpu::panels::store16;
     use std::arch::x86_64::*;
 
     /// `dst[c · ds + r] = word c of row r` (row r's 16 words at byte `at`
@@ -357,9 +357,9 @@ pub(crate) enum Bf16Path {
 macro_rules! with_bf16_path {
     ($path:expr, $p:ident => $body:expr) => {
         match $path {
-            $crate::backend::cpu::bf16::Bf16Path::Wide($p) => $body,
-            $crate::backend::cpu::bf16::Bf16Path::Pairs($p) => $body,
-            $crate::backend::cpu::bf16::Bf16Path::Tiles($p) => $body,
+            $crate::backend::cpu::gemm::bf16::Bf16Path::Wide($p) => $body,
+            $crate::backend::cpu::gemm::bf16::Bf16Path::Pairs($p) => $body,
+            $crate::backend::cpu::gemm::bf16::Bf16Path::Tiles($p) => $body,
         }
     };
 }
@@ -446,23 +446,7 @@ impl Path for WidePath {
         pack_b_bf16(src, n, k, rs, cs, out)
     }
 
-    unsafe fn kernel(
-        self,
-        kc: usize,
-        a: *const f32,
-        b: *const u16,
-        c: *mut f32,
-        ldc: usize,
-        rows: usize,
-        cols: usize,
-        init: TileInit,
-    ) {
-        (self.kernel)(kc, a, b, c, ldc, rows, cols, init)
-    }
-
-    fn name(self) -> &'static str {
-        self.name
-    }
+    kernel_from_fields!();
 }
 
 impl Path for PairPath {
@@ -478,23 +462,7 @@ impl Path for PairPath {
         pack_b_bf16(src, n, k, rs, cs, out)
     }
 
-    unsafe fn kernel(
-        self,
-        kc: usize,
-        a: *const u16,
-        b: *const u16,
-        c: *mut f32,
-        ldc: usize,
-        rows: usize,
-        cols: usize,
-        init: TileInit,
-    ) {
-        (self.kernel)(kc, a, b, c, ldc, rows, cols, init)
-    }
-
-    fn name(self) -> &'static str {
-        self.name
-    }
+    kernel_from_fields!();
 }
 
 impl Path for TilePath {
@@ -638,7 +606,7 @@ const TILE_ROWS: usize = 16;
 /// A call takes two strips (`STRIPS`), so each B tile loaded is used twice.
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 mod amx {
-    use super::super::gemm::avx512::store;
+    use super::super::f32::avx512::store;
     use super::{TileInit, NR, TILE_DEPTH, TILE_ROWS as MR};
     use std::arch::asm;
     use std::arch::x86_64::*;
@@ -921,7 +889,7 @@ mod amx {
 mod portable {
     use super::{widen, TileInit, MR, NR};
 
-    /// See `gemm::portable`: the tile aligned to a cache line.
+    /// See `f32::portable`: the tile aligned to a cache line.
     #[repr(C, align(64))]
     struct Tile([[f32; NR]; MR]);
 
@@ -965,7 +933,7 @@ mod portable {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::super::gemm::avx2::{blocks, store, Acc, SR};
+    use super::super::f32::avx2::{blocks, store, Acc, SR};
     use super::{TileInit, MR, NR};
     use std::arch::x86_64::*;
 
@@ -1023,7 +991,7 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16 {
-    use super::super::gemm::avx512::store;
+    use super::super::f32::avx512::store;
     use super::{TileInit, MR, NR};
     use std::arch::x86_64::*;
 
@@ -1103,18 +1071,8 @@ mod pairs_portable {
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm::{gemm_tiles, ARows, Init};
+    use super::super::{gemm_tiles, rand, ARows, Init};
     use super::*;
-
-    fn rand(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
 
     fn round(v: &[f32]) -> Vec<f32> {
         v.iter().map(|x| widen(bf16_bits(*x))).collect()

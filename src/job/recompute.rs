@@ -4,8 +4,8 @@
 //! not just of their bytes: a dataset written from other weights, or with a
 //! value changed after the fact, fails it.
 
-use super::{Dataset, DatasetError, MappedFile};
 use crate::backend::Compute;
+use crate::dataset::{Dataset, DatasetError, MappedFile};
 use crate::model::{Model, ModelError};
 use crate::pipeline::batch::PackedBatch;
 use crate::pipeline::capture::{CapturePoint, CaptureSet};

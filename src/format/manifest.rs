@@ -7,7 +7,7 @@
 //! earlier one. The finished run compacts the journal into the manifest.
 //! [`Manifest::read`] replays the journal, so readers see one manifest.
 
-pub use crate::input::parts::PartInfo;
+pub use super::parts::PartInfo;
 use crate::pipeline::capture::CapturePoint;
 pub use crate::pipeline::source::InputPos;
 use crate::shape::DType;
