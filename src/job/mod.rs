@@ -18,6 +18,7 @@ pub mod builder;
 pub mod extract;
 pub mod launch;
 pub mod recompute;
+pub mod verify;
 
 pub use builder::{Pipeline, PipelineError, Progress, Report};
 
