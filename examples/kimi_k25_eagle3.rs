@@ -21,8 +21,10 @@
 //!
 //!     cargo run --release --example kimi_k25_eagle3 [-- OUT_DIR]
 
-/// Large buffers on cache lines: the GEMM's tiles load whole lines.
-#[global_allocator]
+/// Large buffers on cache lines: the GEMM's tiles load whole lines. Not in
+/// the integration tests, which include this file's test: that process's
+/// allocator stays the default for every suite.
+#[cfg_attr(not(test), global_allocator)]
 static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAligned;
 
 use std::path::Path;
