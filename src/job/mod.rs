@@ -129,19 +129,23 @@ pub fn resolve_compute(
     backend: BackendKind,
     weights: Option<(&AnyConfig, &Checkpoint)>,
 ) -> Compute {
-    let ComputeChoice::Fixed(c) = choice else {
-        let native = match backend {
-            BackendKind::Cpu => crate::backend::cpu::bf16::has_native_bf16(),
-            BackendKind::Cuda => true, // every GPU the kernels target (sm_80+) has bf16 tensor cores
-            BackendKind::Reference => false,
-        };
-        // The embedding table's dtype is the checkpoint's (`ckpt` is scoped to the text model).
-        let low_precision = weights.is_some_and(|(config, ckpt)| {
-            config.quantization().is_some() || ckpt.dtype("model.embed_tokens.weight") == Some(DType::BF16)
-        });
-        return if native && low_precision { Compute::Bf16 } else { Compute::F32 };
+    if let ComputeChoice::Fixed(c) = choice {
+        return c;
+    }
+    let native = match backend {
+        BackendKind::Cpu => crate::backend::cpu::bf16::has_native_bf16(),
+        BackendKind::Cuda => true, // every GPU the kernels target (sm_80+) has bf16 tensor cores
+        BackendKind::Reference => false,
     };
-    c
+    // The embedding table's dtype is the checkpoint's (`ckpt` is scoped to the text model).
+    let low_precision = weights.is_some_and(|(config, ckpt)| {
+        config.quantization().is_some() || ckpt.dtype("model.embed_tokens.weight") == Some(DType::BF16)
+    });
+    if native && low_precision {
+        Compute::Bf16
+    } else {
+        Compute::F32
+    }
 }
 
 /// What to open a model with: where it is, on which backend, in which
