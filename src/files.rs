@@ -110,32 +110,79 @@ pub fn create_exclusive(path: &Path) -> io::Result<File> {
 /// refusing absolute paths, `..`, and links that lead outside `dir`.
 /// Subdirectories are allowed. The target need not exist yet; when it does,
 /// its resolved path must stay inside `dir`'s.
-pub fn inside(dir: &Path, rel: &str) -> Result<PathBuf, String> {
+pub fn inside(dir: &Path, rel: &str) -> Result<PathBuf, OutsideError> {
     let p = Path::new(rel);
     if rel.is_empty() {
-        return Err("an empty path".into());
+        return Err(OutsideError::Empty);
     }
+    let rel_ = || rel.to_string();
     for c in p.components() {
         match c {
             Component::Normal(_) => {}
             Component::CurDir => {}
-            Component::ParentDir => return Err(format!("path {rel:?} has a `..` component")),
-            Component::RootDir | Component::Prefix(_) => return Err(format!("path {rel:?} is absolute")),
+            Component::ParentDir => return Err(OutsideError::Parent { rel: rel_() }),
+            Component::RootDir | Component::Prefix(_) => return Err(OutsideError::Absolute { rel: rel_() }),
         }
     }
     let joined = dir.join(p);
     match joined.canonicalize() {
         Ok(real) => {
-            let root = dir.canonicalize().map_err(|e| format!("cannot resolve {}: {e}", dir.display()))?;
+            let root = dir
+                .canonicalize()
+                .map_err(|cause| OutsideError::Unresolvable { dir: dir.display().to_string(), cause })?;
             if !real.starts_with(&root) {
-                return Err(format!("path {rel:?} leads outside {} (to {})", dir.display(), real.display()));
+                return Err(OutsideError::Leads { rel: rel_(), dir: dir.display().to_string(), to: real });
             }
         }
         // A link whose target is missing could be pointed anywhere later.
-        Err(_) if joined.symlink_metadata().is_ok() => return Err(format!("path {rel:?} is a dangling link")),
+        Err(_) if joined.symlink_metadata().is_ok() => return Err(OutsideError::Dangling { rel: rel_() }),
         Err(_) => {}
     }
     Ok(joined)
+}
+
+/// Why [`inside`] refused a relative path read from a file.
+#[derive(Debug, thiserror::Error)]
+pub enum OutsideError {
+    /// No path.
+    #[error("an empty path")]
+    Empty,
+    /// A `..` component.
+    #[error("path {rel:?} has a `..` component")]
+    Parent {
+        /// The path as read.
+        rel: String,
+    },
+    /// An absolute path.
+    #[error("path {rel:?} is absolute")]
+    Absolute {
+        /// The path as read.
+        rel: String,
+    },
+    /// The directory itself cannot be resolved.
+    #[error("cannot resolve {dir}: {cause}")]
+    Unresolvable {
+        /// The directory.
+        dir: String,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+    /// A path (through a link) that resolves outside the directory.
+    #[error("path {rel:?} leads outside {dir} (to {})", to.display())]
+    Leads {
+        /// The path as read.
+        rel: String,
+        /// The directory.
+        dir: String,
+        /// Where it leads.
+        to: PathBuf,
+    },
+    /// A link whose target is missing.
+    #[error("path {rel:?} is a dangling link")]
+    Dangling {
+        /// The path as read.
+        rel: String,
+    },
 }
 
 /// What a name in a [`Dir`] is, links not followed.
@@ -470,10 +517,10 @@ mod tests {
         std::fs::write(dir.path().join("a"), "x").unwrap();
         assert!(inside(dir.path(), "a").is_ok());
         assert!(inside(dir.path(), "sub/b").is_ok());
-        assert!(inside(dir.path(), "../a").unwrap_err().contains(".."));
-        assert!(inside(dir.path(), "/etc/passwd").unwrap_err().contains("absolute"));
+        assert!(inside(dir.path(), "../a").unwrap_err().to_string().contains(".."));
+        assert!(inside(dir.path(), "/etc/passwd").unwrap_err().to_string().contains("absolute"));
         std::os::unix::fs::symlink("/etc/passwd", dir.path().join("l")).unwrap();
-        assert!(inside(dir.path(), "l").unwrap_err().contains("outside"));
+        assert!(inside(dir.path(), "l").unwrap_err().to_string().contains("outside"));
         std::os::unix::fs::symlink("/nonexistent/x", dir.path().join("t")).unwrap();
         assert!(create_exclusive(&dir.path().join("t")).is_err());
         assert!(!Path::new("/nonexistent/x").exists());

@@ -690,6 +690,24 @@ fn serve_refuses_a_capture_list_the_trainer_cannot_read() {
     assert!(err.contains("does not end with `final`"), "{err}");
 }
 
+#[test]
+fn serve_refuses_an_empty_api_key_and_an_unknown_bf16_kernel_before_listening() {
+    let states = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = Command::new(bin());
+        cmd.args(["serve", "--port", "0", "--hidden-states-dir"]).arg(states.path()).args(extra);
+        cmd.env_remove("STRATA_API_KEY").envs(env.iter().copied());
+        let o = cmd.output().unwrap();
+        (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (ok, err) = run(&["--api-key", ""], &[]);
+    assert!(!ok && err.contains("--api-key (or STRATA_API_KEY) is empty"), "{err}");
+    let (ok, err) = run(&[], &[("STRATA_API_KEY", "")]);
+    assert!(!ok && err.contains("--api-key (or STRATA_API_KEY) is empty"), "{err}");
+    let (ok, err) = run(&[], &[("STRATA_BF16_KERNEL", "no-such-kernel")]);
+    assert!(!ok && err.contains("STRATA_BF16_KERNEL=no-such-kernel: not a bf16 kernel of this CPU"), "{err}");
+}
+
 /// `$STRATA_PYTHON` (else `python3`) when it has `modules`; otherwise the
 /// test says why and skips, unless `STRATA_REQUIRE_INTEROP=1` (.ci/run) makes that a failure.
 fn python_with(modules: &str) -> Option<String> {

@@ -18,6 +18,7 @@ mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod device_error;
 pub mod host;
 mod kv_cache;
 pub mod reference;
@@ -26,6 +27,7 @@ mod tensor;
 /// Llama 4's query temperature, a config value the backend ops take ([`Backend::attn_temperature`]).
 pub use crate::hf::llama4::Temperature;
 pub use cpu::Cpu;
+pub use device_error::DeviceError;
 pub use kv_cache::{DeltaCache, KvCache};
 pub use reference::Reference;
 pub use tensor::{Cols, Tensor};
@@ -54,9 +56,15 @@ pub enum BackendError {
     /// A size that disagrees with a buffer's type.
     #[error(transparent)]
     Shape(#[from] ShapeError),
-    /// The device failed (out of memory, a launch or driver error).
+    /// The device failed (out of memory, a launch or driver error), its error kept whole.
     #[error("device: {0}")]
-    Device(String),
+    Device(DeviceError),
+}
+
+impl From<DeviceError> for BackendError {
+    fn from(e: DeviceError) -> Self {
+        BackendError::Device(e)
+    }
 }
 
 /// The rest of a step's captures, still on their way from a device: run on

@@ -14,7 +14,7 @@ use crate::files;
 use crate::shape::DType;
 use manifest::{Manifest, MANIFEST};
 use std::path::{Path, PathBuf};
-use verify::{clip, quote, scrub, QUOTE_MAX};
+use verify::{quote, scrub};
 
 pub use crate::format::manifest;
 pub use crate::format::{DatasetError, MappedFile, TensorEntry};
@@ -83,8 +83,7 @@ impl Dataset {
             Err(cause) => return Err(DatasetError::Io { path: path.display().to_string(), cause }),
         }
         // A parse error may quote a field's value, of any length.
-        let manifest = Manifest::read(dir)
-            .map_err(|e| DatasetError::Manifest(clip(&e, path.as_os_str().len() + 4 * QUOTE_MAX).into_owned()))?;
+        let manifest = Manifest::read(dir).map_err(DatasetError::Unreadable)?;
         Ok(Dataset { dir: dir.to_path_buf(), manifest })
     }
 

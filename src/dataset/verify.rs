@@ -13,7 +13,8 @@ pub use crate::{clip, quote, QUOTE_MAX};
 
 /// A message that may hold `s` verbatim (in a path, or `{:?}`-quoted), with
 /// a long `s` replaced by its [`quote`].
-pub(super) fn scrub(msg: String, s: &str) -> String {
+pub(super) fn scrub(msg: impl ToString, s: &str) -> String {
+    let msg = msg.to_string();
     if s.chars().nth(QUOTE_MAX).is_none() {
         return msg;
     }
@@ -43,10 +44,12 @@ pub struct Layout {
 
 impl Layout {
     /// Reads a layout file.
-    pub fn read(path: &Path) -> Result<Self, String> {
+    pub fn read(path: &Path) -> Result<Self, LayoutError> {
+        let p = || path.display().to_string();
         // Any size a manifest may have: another dataset's manifest.json is a layout too.
-        let text = files::read_text(path, LAYOUT_MAX).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let text = files::read_text(path, LAYOUT_MAX).map_err(|cause| LayoutError::Io { path: p(), cause })?;
+        let v: Value = serde_json::from_str(&text).map_err(|cause| LayoutError::Malformed { path: p(), cause })?;
+        let field = |problem: String| LayoutError::Field { path: p(), problem };
         let capture = match v.get("capture") {
             None => None,
             Some(Value::Array(items)) => Some(
@@ -54,39 +57,68 @@ impl Layout {
                     .iter()
                     .map(|i| match i {
                         Value::String(s) => Ok(s.clone()),
-                        Value::Object(o) => {
-                            o.get("point").and_then(Value::as_str).map(str::to_string).ok_or_else(|| {
-                                format!("{}: capture entry {} has no \"point\"", path.display(), show(i))
-                            })
-                        }
-                        other => Err(format!("{}: capture entry {} is not a string", path.display(), show(other))),
+                        Value::Object(o) => o
+                            .get("point")
+                            .and_then(Value::as_str)
+                            .map(str::to_string)
+                            .ok_or_else(|| field(format!("capture entry {} has no \"point\"", show(i)))),
+                        other => Err(field(format!("capture entry {} is not a string", show(other)))),
                     })
                     .collect::<Result<_, _>>()?,
             ),
-            Some(other) => return Err(format!("{}: `capture` must be an array, got {}", path.display(), show(other))),
+            Some(other) => return Err(field(format!("`capture` must be an array, got {}", show(other)))),
         };
         let hidden_size = v
             .get("hidden_size")
             .or_else(|| v.get("model").and_then(|m| m.get("hidden_size")))
             .map(|h| {
-                h.as_u64()
-                    .map(|h| h as usize)
-                    .ok_or_else(|| format!("{}: hidden_size {} is not a number", path.display(), show(h)))
+                h.as_u64().map(|h| h as usize).ok_or_else(|| field(format!("hidden_size {} is not a number", show(h))))
             })
             .transpose()?;
         let dtype = v
             .get("dtype")
-            .map(|d| {
-                d.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| format!("{}: dtype {} is not a string", path.display(), show(d)))
-            })
+            .map(|d| d.as_str().map(str::to_string).ok_or_else(|| field(format!("dtype {} is not a string", show(d)))))
             .transpose()?;
         if capture.is_none() && hidden_size.is_none() && dtype.is_none() {
-            return Err(format!("{}: no capture, hidden_size or dtype to check", path.display()));
+            return Err(LayoutError::Empty { path: p() });
         }
         Ok(Layout { capture, hidden_size, dtype })
     }
+}
+
+/// Why a layout file (`strata verify --expect`) cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum LayoutError {
+    /// The file cannot be read.
+    #[error("cannot read {path}: {cause}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+    /// Not JSON.
+    #[error("malformed {path}: {cause}")]
+    Malformed {
+        /// The file.
+        path: String,
+        /// What the parser said.
+        cause: serde_json::Error,
+    },
+    /// A field of the wrong kind.
+    #[error("{path}: {problem}")]
+    Field {
+        /// The file.
+        path: String,
+        /// Which field, and what it holds.
+        problem: String,
+    },
+    /// Nothing to check.
+    #[error("{path}: no capture, hidden_size or dtype to check")]
+    Empty {
+        /// The file.
+        path: String,
+    },
 }
 
 /// Checks every sample; returns the problems found (empty = the dataset is sound).

@@ -24,6 +24,124 @@ pub const JOURNAL: &str = "journal.jsonl";
 /// The largest manifest or journal read (about 5 million samples).
 const MAX_MANIFEST_BYTES: u64 = 1 << 30;
 
+/// Why a manifest (with its journal) cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    /// The file cannot be read.
+    #[error("cannot read {path}: {cause}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The OS error.
+        cause: std::io::Error,
+    },
+    /// A manifest larger than any a run writes.
+    #[error("{path} is {len} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have")]
+    TooLarge {
+        /// The file.
+        path: String,
+        /// Its size.
+        len: u64,
+    },
+    /// Not the JSON a manifest holds.
+    #[error("malformed {path}: {cause}")]
+    Malformed {
+        /// The file.
+        path: String,
+        /// What the parser said.
+        cause: serde_json::Error,
+    },
+    /// A schema this strata does not read.
+    #[error("{path}: schema_version {version} is not supported (this strata reads 1 to {SCHEMA_VERSION})")]
+    Version {
+        /// The file.
+        path: String,
+        /// The version found (clipped), or `(none)`.
+        version: String,
+    },
+    /// A journal line, not the last, that does not parse.
+    #[error("{path}:{line}: malformed journal line")]
+    JournalLine {
+        /// The journal.
+        path: String,
+        /// 1-based line number.
+        line: usize,
+    },
+    /// A journal line that skips shards.
+    #[error("{path}: journal entry for shard {index} follows shard {listed}")]
+    JournalGap {
+        /// The journal.
+        path: String,
+        /// The shard the line is for.
+        index: usize,
+        /// Shards listed before it.
+        listed: usize,
+    },
+}
+
+impl ManifestError {
+    /// The file the error is about.
+    pub fn path(&self) -> &str {
+        match self {
+            ManifestError::Io { path, .. }
+            | ManifestError::TooLarge { path, .. }
+            | ManifestError::Malformed { path, .. }
+            | ManifestError::Version { path, .. }
+            | ManifestError::JournalLine { path, .. }
+            | ManifestError::JournalGap { path, .. } => path,
+        }
+    }
+}
+
+/// Why the speculators trainer cannot read a capture (see [`Manifest::target_layer_ids`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TrainerIdsError {
+    /// No capture point.
+    #[error("nothing is captured")]
+    Nothing,
+    /// The last point is not `final`.
+    #[error(
+        "the trainer reads the last capture point as the final layer's state (before the norm), \
+         but this capture ends with {last}; end --capture with final"
+    )]
+    NotFinal {
+        /// The last point.
+        last: String,
+    },
+    /// A layer id listed twice.
+    #[error("layer id {0} is captured twice; the trainer's ids must be distinct")]
+    Twice(usize),
+    /// A manifest from before layer ids were recorded.
+    #[error("the manifest records no layer ids (written by an older strata)")]
+    NoIds,
+    /// A point outside the trainer's numbering.
+    #[error("{point} has no layer id in the trainer's numbering")]
+    NoId {
+        /// The point.
+        point: String,
+    },
+}
+
+/// Why [`Manifest::read_each`] stopped: the manifest could not be read, or
+/// the caller's `each` refused an entry (its error, whole).
+#[derive(Debug, thiserror::Error)]
+pub enum ReadEachError<E> {
+    /// The manifest.
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    /// What `each` returned.
+    #[error("{0}")]
+    Each(E),
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ManifestError + '_ {
+    move |cause| ManifestError::Io { path: path.display().to_string(), cause }
+}
+
+fn malformed(path: &Path) -> impl FnOnce(serde_json::Error) -> ManifestError + '_ {
+    move |cause| ManifestError::Malformed { path: path.display().to_string(), cause }
+}
+
 /// The model a dataset came from.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelInfo {
@@ -206,12 +324,12 @@ pub enum Entry {
 
 /// Reads a manifest object: its listing's elements one at a time into
 /// `each`, every other field into a map (the job).
-struct JobSeed<'a> {
-    each: &'a mut dyn FnMut(Entry) -> Result<(), String>,
-    failed: &'a mut Option<String>,
+struct JobSeed<'a, E> {
+    each: &'a mut dyn FnMut(Entry) -> Result<(), E>,
+    failed: &'a mut Option<E>,
 }
 
-impl<'de> serde::de::DeserializeSeed<'de> for JobSeed<'_> {
+impl<'de, E> serde::de::DeserializeSeed<'de> for JobSeed<'_, E> {
     type Value = serde_json::Map<String, serde_json::Value>;
 
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
@@ -219,7 +337,7 @@ impl<'de> serde::de::DeserializeSeed<'de> for JobSeed<'_> {
     }
 }
 
-impl<'de> serde::de::Visitor<'de> for JobSeed<'_> {
+impl<'de, E> serde::de::Visitor<'de> for JobSeed<'_, E> {
     type Value = serde_json::Map<String, serde_json::Value>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -255,14 +373,14 @@ impl<'de> serde::de::Visitor<'de> for JobSeed<'_> {
 const COUNTED: &str = "counted_shards";
 
 /// Reads one listing array, element by element.
-struct ListSeed<'a> {
+struct ListSeed<'a, E> {
     kind: u8,
-    each: &'a mut dyn FnMut(Entry) -> Result<(), String>,
-    failed: &'a mut Option<String>,
+    each: &'a mut dyn FnMut(Entry) -> Result<(), E>,
+    failed: &'a mut Option<E>,
     count: usize,
 }
 
-impl<'de> serde::de::DeserializeSeed<'de> for ListSeed<'_> {
+impl<'de, E> serde::de::DeserializeSeed<'de> for ListSeed<'_, E> {
     type Value = usize;
 
     fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<usize, D::Error> {
@@ -270,7 +388,7 @@ impl<'de> serde::de::DeserializeSeed<'de> for ListSeed<'_> {
     }
 }
 
-impl<'de> serde::de::Visitor<'de> for ListSeed<'_> {
+impl<'de, E> serde::de::Visitor<'de> for ListSeed<'_, E> {
     type Value = usize;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -288,8 +406,8 @@ impl<'de> serde::de::Visitor<'de> for ListSeed<'_> {
             let Some(entry) = entry else { return Ok(self.count) };
             self.count += 1;
             if let Err(e) = (self.each)(entry) {
-                *self.failed = Some(e.clone());
-                return Err(A::Error::custom(e));
+                *self.failed = Some(e);
+                return Err(A::Error::custom("the reader stopped"));
             }
         }
     }
@@ -462,24 +580,18 @@ impl Manifest {
     /// layer ids of every point before the last, which must be `final` (the
     /// trainer reads the last slot of `[T, L, H]` as the final layer's
     /// state), or why the trainer cannot read this capture.
-    pub fn target_layer_ids(&self) -> Result<Vec<usize>, String> {
-        let Some((last, aux)) = self.capture.split_last() else { return Err("nothing is captured".into()) };
+    pub fn target_layer_ids(&self) -> Result<Vec<usize>, TrainerIdsError> {
+        let Some((last, aux)) = self.capture.split_last() else { return Err(TrainerIdsError::Nothing) };
         if last.point != "final" {
-            return Err(format!(
-                "the trainer reads the last capture point as the final layer's state (before the norm), \
-                 but this capture ends with {}; end --capture with final",
-                last.point
-            ));
+            return Err(TrainerIdsError::NotFinal { last: last.point.clone() });
         }
         let mut ids = Vec::with_capacity(aux.len());
         for c in aux {
             match c.layer_id {
                 Some(id) if !ids.contains(&id) => ids.push(id),
-                Some(id) => return Err(format!("layer id {id} is captured twice; the trainer's ids must be distinct")),
-                None if self.capture.iter().all(|c| c.layer_id.is_none()) => {
-                    return Err("the manifest records no layer ids (written by an older strata)".into())
-                }
-                None => return Err(format!("{} has no layer id in the trainer's numbering", c.point)),
+                Some(id) => return Err(TrainerIdsError::Twice(id)),
+                None if self.capture.iter().all(|c| c.layer_id.is_none()) => return Err(TrainerIdsError::NoIds),
+                None => return Err(TrainerIdsError::NoId { point: c.point.clone() }),
             }
         }
         Ok(ids)
@@ -493,9 +605,9 @@ impl Manifest {
         }
     }
 
-    /// Applies one journal line; a line for a shard already listed is ignored
-    /// (the manifest was compacted after it was journaled).
-    pub fn apply(&mut self, e: JournalEntry) -> Result<(), String> {
+    /// Applies one line of `journal`; a line for a shard already listed is
+    /// ignored (the manifest was compacted after it was journaled).
+    pub fn apply(&mut self, e: JournalEntry, journal: &Path) -> Result<(), ManifestError> {
         match e.index.cmp(&self.shards.len()) {
             std::cmp::Ordering::Less => Ok(()),
             std::cmp::Ordering::Equal => {
@@ -504,42 +616,36 @@ impl Manifest {
                 self.skipped.extend(e.skipped);
                 Ok(())
             }
-            std::cmp::Ordering::Greater => {
-                Err(format!("journal entry for shard {} follows shard {}", e.index, self.shards.len()))
-            }
+            std::cmp::Ordering::Greater => Err(ManifestError::JournalGap {
+                path: journal.display().to_string(),
+                index: e.index,
+                listed: self.shards.len(),
+            }),
         }
     }
 
     /// Reads `DIR/manifest.json` (schema 1 to 3) and replays `DIR/journal.jsonl`.
-    pub fn read(dir: &Path) -> Result<Self, String> {
+    pub fn read(dir: &Path) -> Result<Self, ManifestError> {
         let path = dir.join(MANIFEST);
-        let text = crate::files::read_text(&path, MAX_MANIFEST_BYTES)
-            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let text = crate::files::read_text(&path, MAX_MANIFEST_BYTES).map_err(io(&path))?;
         let journal = dir.join(JOURNAL);
         let journal = match crate::files::is_regular(&journal) {
-            Ok(true) => Some(
-                crate::files::read_text(&journal, MAX_MANIFEST_BYTES)
-                    .map_err(|e| format!("cannot read {}: {e}", journal.display()))?,
-            ),
+            Ok(true) => Some(crate::files::read_text(&journal, MAX_MANIFEST_BYTES).map_err(io(&journal))?),
             Ok(false) => None,
-            Err(e) => return Err(format!("cannot read {}: {e}", journal.display())),
+            Err(e) => return Err(io(&journal)(e)),
         };
         Self::parse(&text, journal.as_deref(), dir)
     }
 
     /// [`Manifest::read`] through a directory handle: the manifest and the
     /// journal are opened in it without following links.
-    pub fn read_in(dir: &crate::files::Dir) -> Result<Self, String> {
-        let read = |name: &str| {
-            dir.read_text(name, MAX_MANIFEST_BYTES)
-                .map_err(|e| format!("cannot read {}: {e}", dir.join(name).display()))
-        };
+    pub fn read_in(dir: &crate::files::Dir) -> Result<Self, ManifestError> {
+        let read = |name: &str| dir.read_text(name, MAX_MANIFEST_BYTES).map_err(io(&dir.join(name)));
         let text = read(MANIFEST)?;
-        let journal =
-            match dir.kind(JOURNAL).map_err(|e| format!("cannot read {}: {e}", dir.join(JOURNAL).display()))? {
-                None => None,
-                Some(_) => Some(read(JOURNAL)?),
-            };
+        let journal = match dir.kind(JOURNAL).map_err(io(&dir.join(JOURNAL)))? {
+            None => None,
+            Some(_) => Some(read(JOURNAL)?),
+        };
         Self::parse(&text, journal.as_deref(), dir.path())
     }
 
@@ -548,59 +654,53 @@ impl Manifest {
     /// empty) and gives every listed entry to `each`, in order: the
     /// manifest's shards, samples and skipped, then each journal line's.
     /// A million samples' manifest is read in the memory of one entry.
-    pub fn read_each(
+    pub fn read_each<E>(
         dir: &crate::files::Dir,
-        each: &mut dyn FnMut(Entry) -> Result<(), String>,
-    ) -> Result<Self, String> {
+        each: &mut dyn FnMut(Entry) -> Result<(), E>,
+    ) -> Result<Self, ReadEachError<E>> {
         let path = dir.join(MANIFEST);
-        let f = dir.open_file(MANIFEST).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let f = dir.open_file(MANIFEST).map_err(io(&path))?;
         let journal = dir.join(JOURNAL);
-        let journal = match dir.kind(JOURNAL).map_err(|e| format!("cannot read {}: {e}", journal.display()))? {
+        let journal = match dir.kind(JOURNAL).map_err(io(&journal))? {
             None => None,
-            Some(_) => Some(dir.open_file(JOURNAL).map_err(|e| format!("cannot read {}: {e}", journal.display()))?),
+            Some(_) => Some(dir.open_file(JOURNAL).map_err(io(&journal))?),
         };
         Self::read_each_from(f, journal, dir.path(), each)
     }
 
     /// [`Manifest::read_each`] of a manifest and a journal already open (in
     /// `dir`, for messages): their names may be gone by now.
-    pub fn read_each_from(
+    pub fn read_each_from<E>(
         f: std::fs::File,
         journal_file: Option<std::fs::File>,
         dir: &Path,
-        each: &mut dyn FnMut(Entry) -> Result<(), String>,
-    ) -> Result<Self, String> {
+        each: &mut dyn FnMut(Entry) -> Result<(), E>,
+    ) -> Result<Self, ReadEachError<E>> {
         let path = dir.join(MANIFEST);
-        let len = f.metadata().map_err(|e| format!("cannot read {}: {e}", path.display()))?.len();
+        let len = f.metadata().map_err(io(&path))?.len();
         if len > MAX_MANIFEST_BYTES {
-            return Err(format!(
-                "{} is {len} bytes, more than the {MAX_MANIFEST_BYTES} a manifest may have",
-                path.display()
-            ));
+            return Err(ManifestError::TooLarge { path: path.display().to_string(), len }.into());
         }
         let mut de = serde_json::Deserializer::from_reader(std::io::BufReader::with_capacity(1 << 20, f));
         let mut failed = None;
         let job = serde::de::DeserializeSeed::deserialize(JobSeed { each, failed: &mut failed }, &mut de)
             .and_then(|job| de.end().map(|()| job));
         let mut job = match (job, failed) {
-            (_, Some(e)) => return Err(e),
-            (Err(e), None) => return Err(format!("malformed {}: {e}", path.display())),
+            (_, Some(e)) => return Err(ReadEachError::Each(e)),
+            (Err(e), None) => return Err(malformed(&path)(e).into()),
             (Ok(job), None) => job,
         };
         let counted = job.remove(COUNTED).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
         let version = job.get("schema_version").map(|v| v.to_string());
         if !matches!(version.as_deref(), Some("1" | "2" | "3")) {
-            return Err(format!(
-                "{}: schema_version {} is not supported (this strata reads 1 to {SCHEMA_VERSION})",
-                path.display(),
-                version.as_deref().map_or("(none)".to_string(), |v| crate::clip(v, 40).to_string())
-            ));
+            let version = version.as_deref().map_or("(none)".to_string(), |v| crate::clip(v, 40).to_string());
+            return Err(ManifestError::Version { path: path.display().to_string(), version }.into());
         }
         let mut job = serde_json::Value::Object(job);
         for k in ["shards", "samples", "skipped"] {
             job[k] = serde_json::Value::Array(vec![]);
         }
-        let m: Manifest = serde_json::from_value(job).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let m: Manifest = serde_json::from_value(job).map_err(malformed(&path))?;
         // The journal: each line's entries past those the manifest lists (one line at a time).
         let journal = dir.join(JOURNAL);
         if let Some(f) = journal_file {
@@ -608,34 +708,35 @@ impl Manifest {
             let mut lines = std::io::BufReader::with_capacity(1 << 20, f).split(b'\n').enumerate().peekable();
             let mut listed = counted;
             while let Some((i, line)) = lines.next() {
-                let line = line.map_err(|e| format!("cannot read {}: {e}", journal.display()))?;
+                let line = line.map_err(io(&journal))?;
                 let e = match serde_json::from_slice::<JournalEntry>(&line) {
                     Ok(e) => e,
                     // A torn last line was never made durable: the file it names is redone.
                     Err(_) if lines.peek().is_none() => break,
-                    Err(_) => return Err(format!("{}:{}: malformed journal line", journal.display(), i + 1)),
+                    Err(_) => {
+                        return Err(
+                            ManifestError::JournalLine { path: journal.display().to_string(), line: i + 1 }.into()
+                        )
+                    }
                 };
                 match e.index.cmp(&listed) {
                     std::cmp::Ordering::Less => continue,
                     std::cmp::Ordering::Greater => {
-                        return Err(format!(
-                            "{}: journal entry for shard {} follows shard {listed}",
-                            journal.display(),
-                            e.index
-                        ))
+                        let path = journal.display().to_string();
+                        return Err(ManifestError::JournalGap { path, index: e.index, listed }.into());
                     }
                     std::cmp::Ordering::Equal => listed += 1,
                 }
-                each(Entry::Shard(e.shard))?;
-                e.samples.into_iter().try_for_each(|x| each(Entry::Sample(x)))?;
-                e.skipped.into_iter().try_for_each(|x| each(Entry::Skipped(x)))?;
+                each(Entry::Shard(e.shard)).map_err(ReadEachError::Each)?;
+                e.samples.into_iter().try_for_each(|x| each(Entry::Sample(x))).map_err(ReadEachError::Each)?;
+                e.skipped.into_iter().try_for_each(|x| each(Entry::Skipped(x))).map_err(ReadEachError::Each)?;
             }
         }
         Ok(m)
     }
 
     /// A manifest's text and its journal's, in `dir` (for messages).
-    fn parse(text: &str, journal_text: Option<&str>, dir: &Path) -> Result<Self, String> {
+    fn parse(text: &str, journal_text: Option<&str>, dir: &Path) -> Result<Self, ManifestError> {
         let path = dir.join(MANIFEST);
         // The version first, without building the document: then the manifest itself.
         #[derive(Deserialize)]
@@ -643,26 +744,25 @@ impl Manifest {
             #[serde(borrow)]
             schema_version: Option<&'a serde_json::value::RawValue>,
         }
-        let v: Version = serde_json::from_str(text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let v: Version = serde_json::from_str(text).map_err(malformed(&path))?;
         let version = v.schema_version.map(|r| r.get().trim());
         if !matches!(version, Some("1" | "2" | "3")) {
-            return Err(format!(
-                "{}: schema_version {} is not supported (this strata reads 1 to {SCHEMA_VERSION})",
-                path.display(),
-                version.map_or("(none)".into(), |v| crate::clip(v, 40))
-            ));
+            let version = version.map_or("(none)".into(), |v| crate::clip(v, 40)).into_owned();
+            return Err(ManifestError::Version { path: path.display().to_string(), version });
         }
-        let mut m: Manifest = serde_json::from_str(text).map_err(|e| format!("malformed {}: {e}", path.display()))?;
+        let mut m: Manifest = serde_json::from_str(text).map_err(malformed(&path))?;
         let journal = dir.join(JOURNAL);
         if let Some(text) = journal_text {
             let mut lines = text.split_inclusive('\n').enumerate().peekable();
             while let Some((i, line)) = lines.next() {
                 let last = lines.peek().is_none();
                 match serde_json::from_str::<JournalEntry>(line) {
-                    Ok(e) if line.ends_with('\n') => m.apply(e).map_err(|e| format!("{}: {e}", journal.display()))?,
+                    Ok(e) if line.ends_with('\n') => m.apply(e, &journal)?,
                     // A torn last line was never made durable: the file it names is redone.
                     _ if last => {}
-                    Ok(_) | Err(_) => return Err(format!("{}:{}: malformed journal line", journal.display(), i + 1)),
+                    Ok(_) | Err(_) => {
+                        return Err(ManifestError::JournalLine { path: journal.display().to_string(), line: i + 1 })
+                    }
                 }
             }
         }

@@ -21,7 +21,10 @@ pub enum DatasetError {
         /// The OS error.
         cause: std::io::Error,
     },
-    /// Unusable manifest.
+    /// A manifest that cannot be read (its message clipped: a parse error may quote a field of any length).
+    #[error("{}", crate::clip(&.0.to_string(), .0.path().len() + 4 * crate::QUOTE_MAX))]
+    Unreadable(super::manifest::ManifestError),
+    /// A manifest whose listing is unusable (no such shard, a file outside the dataset).
     #[error("{0}")]
     Manifest(String),
     /// A safetensors file that does not parse (truncated or corrupt).

@@ -204,25 +204,6 @@ impl DeepseekConfig {
         Self::from_json(&super::read_config(path)?)
     }
 
-    /// Checks that heads and every MLP width split over `size` ranks.
-    pub fn check_tp(&self, size: usize) -> Result<(), String> {
-        let mut widths = vec![("num_attention_heads", self.num_heads)];
-        if (0..self.num_layers).any(|l| !self.is_moe(l)) {
-            widths.push(("intermediate_size", self.intermediate_size));
-        }
-        if self.n_routed_experts > 0 {
-            widths.push(("moe_intermediate_size", self.moe_intermediate_size));
-        }
-        for (what, n) in widths {
-            if size == 0 || !n.is_multiple_of(size) {
-                return Err(format!(
-                    "--tp {size}: {what} {n} is not divisible by {size}; choose a TP size that divides it"
-                ));
-            }
-        }
-        Ok(())
-    }
-
     /// Whether `model_type` is one of this family's.
     pub fn handles(model_type: &str) -> bool {
         matches!(model_type, "deepseek_v2" | "deepseek_v3" | "kimi_k2" | "kimi_k25")

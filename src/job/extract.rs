@@ -235,7 +235,7 @@ pub struct Summary {
     pub part: Option<PartInfo>,
     /// Speculators format: the trainer's `--target-layer-ids` for this
     /// capture, or why the trainer cannot read it.
-    pub target_layer_ids: Option<Result<Vec<usize>, String>>,
+    pub target_layer_ids: Option<Result<Vec<usize>, crate::format::manifest::TrainerIdsError>>,
     /// The `--draft-vocab-size` files written (speculators format).
     pub draft_vocab_sizes: Vec<usize>,
 }

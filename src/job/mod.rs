@@ -26,7 +26,7 @@ use crate::backend::Compute;
 use crate::format::manifest::{Manifest, ModelInfo, RunInfo};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::hf::ArchInfo;
-use crate::model::{AnyConfig, AnyModel, BackendKind, ComputeChoice, LoadOptions, Model, ModelError};
+use crate::model::{AnyConfig, AnyModel, BackendKind, ComputeChoice, LoadOptions, Model, ModelError, OptionsError};
 use crate::pipeline::capture::{CaptureError, CapturePoint, CaptureSet};
 use crate::shape::DType;
 use std::path::PathBuf;
@@ -202,8 +202,11 @@ pub struct OpenedModel {
 
 impl ModelRequest {
     /// Reads `config.json` and checks the request against it (ranks, devices,
-    /// backend): cheap, so a job checks this before reading its input.
+    /// backend) and the environment (`STRATA_BF16_KERNEL`): cheap, so a job
+    /// checks this before reading its input.
     pub fn check(&self) -> Result<CheckedConfig, ModelError> {
+        // Whatever the backend: a misspelt kernel fails here, not as a warning when a bf16 run falls back.
+        crate::backend::cpu::bf16::kernel_override().map_err(OptionsError::from)?;
         let text = self.source.config_text()?;
         let config = AnyConfig::parse(&text)?;
         // The dtype `auto` resolves to is not known before the weights are

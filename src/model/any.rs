@@ -274,18 +274,14 @@ impl AnyConfig {
     /// the split over `opts.tp` ranks, and what the backend can do.
     pub fn check(&self, opts: &LoadOptions) -> Result<(), ModelError> {
         if opts.tp == 0 {
-            return Err(ModelError::Parallel("--tp must be at least 1".into()));
+            return Err(OptionsError::NoRanks.into());
         }
         check_devices(opts)?;
         if opts.backend == BackendKind::Reference && opts.tp > 1 {
             Reference.group(opts.tp)?;
         }
         if opts.backend == BackendKind::Reference && opts.compute != Reference.compute() {
-            return Err(ModelError::Parallel(format!(
-                "the reference backend computes in {} only (asked: --compute {})",
-                Reference.compute(),
-                opts.compute
-            )));
+            return Err(OptionsError::ReferenceCompute { asked: opts.compute }.into());
         }
         if opts.tp > 1 {
             dispatch!(self, |c, L| <L<Reference> as Block<Reference>>::check_split(c, opts.tp))?;
@@ -323,7 +319,7 @@ impl AnyConfig {
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<AnyModel, ModelError> {
         let (compute, info) = (backend.compute(), self.info());
-        let kind = B::NAME.parse().map_err(ModelError::Backend)?;
+        let kind = B::NAME.parse().map_err(ModelError::Unsupported)?;
         let inner = self.erased_on(backend, tp, open)?;
         let options = LoadOptions { backend: kind, compute, tp, devices: Vec::new() };
         Ok(AnyModel { inner, info, options, compute, cuda_kernel: None })
@@ -357,7 +353,7 @@ impl AnyConfig {
             open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
         ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
             let devices = opts.rank_devices();
-            let first = Driver::open(devices[0]).map_err(|e| ModelError::Backend(e.to_string()))?;
+            let first = Driver::open(devices[0]).map_err(ModelError::Device)?;
             let kernel = first.gemm_path().kernel(C::COMPUTE);
             tracing::info!(kernels = first.image.name(), gemm = kernel, "GPU {} opened", devices[0]);
             Ok((config.erased_on(Cuda::<C>::new(first, devices), opts.tp, open)?, kernel))
@@ -376,8 +372,51 @@ impl AnyConfig {
         _open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
         // Refused by `check` already; the same error if called another way.
-        probe_cuda(&[]).and(Err(ModelError::Backend("built without --features cuda".into())))
+        probe_cuda(&[]).and(Err(OptionsError::NoCuda.into()))
     }
+}
+
+/// Load options that do not fit each other, the backend, or this build.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OptionsError {
+    /// `--tp 0`.
+    #[error("--tp must be at least 1")]
+    NoRanks,
+    /// The reference backend asked for another compute dtype.
+    #[error("the reference backend computes in {} only (asked: --compute {asked})", Reference.compute())]
+    ReferenceCompute {
+        /// The dtype asked for.
+        asked: Compute,
+    },
+    /// `--devices` with a backend that has no GPUs.
+    #[error("--devices names GPUs, which only --backend cuda uses (asked: --backend {backend})")]
+    DevicesWithoutCuda {
+        /// The backend asked for.
+        backend: BackendKind,
+    },
+    /// `--devices` and `--tp` that disagree.
+    #[error("--devices lists {devices} GPUs but --tp is {tp}: one rank runs on each GPU, so give --tp {devices}")]
+    DevicesNotTp {
+        /// GPUs listed.
+        devices: usize,
+        /// Ranks asked for.
+        tp: usize,
+    },
+    /// A GPU listed twice.
+    #[error("--devices names GPU {0} twice: NCCL runs one rank per GPU")]
+    DeviceTwice(usize),
+    /// `--backend cuda` in a build without it.
+    #[error(
+        "this strata was built without the CUDA backend: rebuild with `cargo build --release --features cuda` \
+         (no CUDA toolkit needed to build), or use --backend cpu"
+    )]
+    NotBuilt,
+    /// A `STRATA_BF16_KERNEL` this CPU does not have.
+    #[error(transparent)]
+    Kernel(#[from] crate::backend::cpu::bf16::UnknownKernel),
+    /// The CUDA loader called in a build without it (refused by the check first).
+    #[error("built without --features cuda")]
+    NoCuda,
 }
 
 /// Checks `--devices` against the backend and `--tp`, and (CUDA) that the
@@ -385,31 +424,23 @@ impl AnyConfig {
 fn check_devices(opts: &LoadOptions) -> Result<(), ModelError> {
     if opts.backend != BackendKind::Cuda {
         if !opts.devices.is_empty() {
-            return Err(ModelError::Backend(format!(
-                "--devices names GPUs, which only --backend cuda uses (asked: --backend {})",
-                opts.backend
-            )));
+            return Err(OptionsError::DevicesWithoutCuda { backend: opts.backend }.into());
         }
         return Ok(());
     }
     if !opts.devices.is_empty() && opts.devices.len() != opts.tp {
-        return Err(ModelError::Parallel(format!(
-            "--devices lists {} GPUs but --tp is {}: one rank runs on each GPU, so give --tp {}",
-            opts.devices.len(),
-            opts.tp,
-            opts.devices.len()
-        )));
+        return Err(OptionsError::DevicesNotTp { devices: opts.devices.len(), tp: opts.tp }.into());
     }
     let devices = opts.rank_devices();
     if let Some(d) = devices.iter().enumerate().find(|(i, d)| devices[..*i].contains(d)) {
-        return Err(ModelError::Parallel(format!("--devices names GPU {} twice: NCCL runs one rank per GPU", d.1)));
+        return Err(OptionsError::DeviceTwice(*d.1).into());
     }
     probe_cuda(&devices)
 }
 
 #[cfg(feature = "cuda")]
 fn probe_cuda(devices: &[usize]) -> Result<(), ModelError> {
-    let found = crate::backend::cuda::probe::probe(devices).map_err(|e| ModelError::Backend(e.to_string()))?;
+    let found = crate::backend::cuda::probe::probe(devices).map_err(ModelError::Device)?;
     tracing::info!("CUDA libraries: {}", crate::backend::cuda::probe::versions());
     for d in &found {
         tracing::info!(ordinal = d.ordinal, name = %d.name, arch = %d.arch(), memory = d.memory, "GPU");
@@ -419,11 +450,7 @@ fn probe_cuda(devices: &[usize]) -> Result<(), ModelError> {
 
 #[cfg(not(feature = "cuda"))]
 fn probe_cuda(_devices: &[usize]) -> Result<(), ModelError> {
-    Err(ModelError::Backend(
-        "this strata was built without the CUDA backend: rebuild with `cargo build --release --features cuda` \
-         (no CUDA toolkit needed to build), or use --backend cpu"
-            .into(),
-    ))
+    Err(OptionsError::NotBuilt.into())
 }
 
 /// Loads a checkpoint directory of any supported family, on the backend and

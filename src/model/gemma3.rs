@@ -20,7 +20,7 @@
 
 use super::decoder::{Block, Frame, Step};
 use super::llama::{gated, plus_one, qkv_o, Reader};
-use super::shard::Split;
+use super::shard::{Split, SplitError};
 use super::ModelError;
 use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Mask, Resident, SeqState, Tensor};
 use crate::hf::checkpoint::Checkpoint;
@@ -46,7 +46,7 @@ impl Splits {
 }
 
 /// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &Gemma3Config, ranks: usize) -> Result<(), String> {
+pub fn check_split(c: &Gemma3Config, ranks: usize) -> Result<(), SplitError> {
     let s = Splits::of(c);
     for split in [s.heads, s.kv_heads, s.mlp] {
         split.per_rank(ranks)?;
@@ -191,7 +191,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn check_split(c: &Gemma3Config, ranks: usize) -> Result<(), ModelError> {
-        check_split(c, ranks).map_err(ModelError::Parallel)
+        Ok(check_split(c, ranks)?)
     }
 
     fn load(b: &B, c: &Gemma3Config, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {

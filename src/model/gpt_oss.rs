@@ -24,7 +24,7 @@
 use super::decoder::{Block, Frame, Step};
 use super::llama::{qkv_o, Reader};
 use super::moe::Moe;
-use super::shard::Split;
+use super::shard::{Split, SplitError};
 use super::ModelError;
 use crate::backend::{
     AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, SeqState, Tensor,
@@ -55,7 +55,7 @@ impl Splits {
 }
 
 /// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &GptOssConfig, ranks: usize) -> Result<(), String> {
+pub fn check_split(c: &GptOssConfig, ranks: usize) -> Result<(), SplitError> {
     let s = Splits::of(c);
     for split in [s.heads, s.kv_heads, s.experts] {
         split.per_rank(ranks)?;
@@ -197,7 +197,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn check_split(c: &GptOssConfig, ranks: usize) -> Result<(), ModelError> {
-        check_split(c, ranks).map_err(ModelError::Parallel)
+        Ok(check_split(c, ranks)?)
     }
 
     fn quantization(c: &GptOssConfig) -> Option<String> {

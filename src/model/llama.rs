@@ -18,7 +18,7 @@
 
 use super::decoder::{Block, Frame, Step};
 use super::moe::Moe;
-use super::shard::Split;
+use super::shard::{Split, SplitError};
 use super::ModelError;
 use crate::backend::{
     self, AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, SeqState, Tensor,
@@ -60,7 +60,7 @@ impl Splits {
 }
 
 /// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), String> {
+pub fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), SplitError> {
     let s = Splits::of(c);
     // Mixtral has no dense layer: its `intermediate_size` is the experts'.
     let dense = c.moe.as_ref().is_none_or(|m| m.sparse.contains(&false));
@@ -475,7 +475,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), ModelError> {
-        check_split(c, ranks).map_err(ModelError::Parallel)
+        Ok(check_split(c, ranks)?)
     }
 
     fn quantization(c: &LlamaConfig) -> Option<String> {
@@ -551,7 +551,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            check_split(&c, 4).unwrap_err(),
+            check_split(&c, 4).unwrap_err().to_string(),
             "--tp 4: num_attention_heads 14 is not divisible by 4; choose a TP size that divides it"
         );
         let s = Splits::of(&c);

@@ -22,7 +22,7 @@
 use super::decoder::{Block, Frame, Step};
 use super::llama::{gated, qkv_o, Reader};
 use super::moe::Moe;
-use super::shard::Split;
+use super::shard::{Split, SplitError};
 use super::ModelError;
 use crate::backend::{
     AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, SeqState,
@@ -56,7 +56,7 @@ impl Splits {
 }
 
 /// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &Llama4Config, ranks: usize) -> Result<(), String> {
+pub fn check_split(c: &Llama4Config, ranks: usize) -> Result<(), SplitError> {
     let s = Splits::of(c);
     let (dense, moe) = (c.layers.iter().any(|l| !l.moe), c.layers.iter().any(|l| l.moe));
     for split in [s.heads, s.kv_heads].into_iter().chain(dense.then_some(s.mlp)).chain(moe.then_some(s.experts)) {
@@ -253,7 +253,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn check_split(c: &Llama4Config, ranks: usize) -> Result<(), ModelError> {
-        check_split(c, ranks).map_err(ModelError::Parallel)
+        Ok(check_split(c, ranks)?)
     }
 
     fn load(b: &B, c: &Llama4Config, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {

@@ -28,9 +28,15 @@ pub use any::{
 pub use decoder::Decoder;
 pub use tp_model::{RankModel, RankWorker, TpModel};
 
+/// The device failure [`ModelError::Device`] carries.
+pub use crate::backend::DeviceError;
+pub use any::OptionsError;
+pub use shard::SplitError;
+
 use crate::backend::{Backend, BackendError, PendingCopies, SeqState};
 use crate::hf::checkpoint::CheckpointError;
 use crate::hf::ConfigError;
+use crate::parallel::RpcError;
 use crate::pipeline::batch::PackedBatch;
 use crate::pipeline::capture::{CaptureError, CaptureSet};
 use crate::shape::{CapturedStates, DType, Dim, ShapeError};
@@ -50,12 +56,21 @@ pub enum ModelError {
     /// A size that disagrees with the job's types.
     #[error(transparent)]
     Shape(#[from] ShapeError),
-    /// A tensor-parallel split that does not fit the model, or a rank that stopped.
-    #[error("{0}")]
-    Parallel(String),
+    /// A tensor-parallel split that does not fit the model.
+    #[error(transparent)]
+    Split(#[from] SplitError),
+    /// Load options that do not fit each other or this build (`--tp`, `--devices`, `--compute`).
+    #[error(transparent)]
+    Options(#[from] OptionsError),
+    /// A tensor-parallel rank that stopped.
+    #[error(transparent)]
+    Rank(#[from] RpcError),
     /// Something the chosen backend does not do.
     #[error("{0}")]
-    Backend(String),
+    Unsupported(String),
+    /// The device failed, its error kept whole.
+    #[error("{0}")]
+    Device(DeviceError),
     /// Input the model cannot take.
     #[error("sample {sample}: {problem}")]
     Input {
@@ -70,9 +85,9 @@ impl From<BackendError> for ModelError {
     fn from(e: BackendError) -> Self {
         match e {
             BackendError::Input { sample, problem } => ModelError::Input { sample, problem },
-            BackendError::Unsupported(s) => ModelError::Backend(s),
+            BackendError::Unsupported(s) => ModelError::Unsupported(s),
             BackendError::Shape(s) => ModelError::Shape(s),
-            BackendError::Device(s) => ModelError::Backend(s),
+            BackendError::Device(e) => ModelError::Device(e),
         }
     }
 }

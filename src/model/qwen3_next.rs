@@ -25,7 +25,7 @@
 use super::decoder::{Block, Frame, Step};
 use super::llama::{gated, plus_one, Reader};
 use super::moe::Moe;
-use super::shard::Split;
+use super::shard::{Split, SplitError};
 use super::ModelError;
 use crate::backend::{
     AttnShape, Backend, DeltaRule, DeltaShape, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel,
@@ -69,7 +69,7 @@ impl Splits {
 }
 
 /// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &Qwen3NextConfig, ranks: usize) -> Result<(), String> {
+pub fn check_split(c: &Qwen3NextConfig, ranks: usize) -> Result<(), SplitError> {
     let s = Splits::of(c);
     let has = |k: LayerKind| c.layer_types.contains(&k);
     let dense = c.moe.as_ref().is_none_or(|m| m.sparse.contains(&false));
@@ -503,7 +503,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn check_split(c: &Qwen3NextConfig, ranks: usize) -> Result<(), ModelError> {
-        check_split(c, ranks).map_err(ModelError::Parallel)
+        Ok(check_split(c, ranks)?)
     }
 
     fn sequence_state_bytes(c: &Qwen3NextConfig) -> usize {

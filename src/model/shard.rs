@@ -6,6 +6,34 @@
 use crate::backend::Backend;
 use std::ops::Range;
 
+/// Why a layer's sizes do not split over the ranks asked for.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SplitError {
+    /// No ranks.
+    #[error("--tp must be at least 1")]
+    NoRanks,
+    /// A size that must divide evenly and does not.
+    #[error("--tp {ranks}: {what} {units} is not divisible by {ranks}; choose a TP size that divides it")]
+    NotDivisible {
+        /// The config field.
+        what: &'static str,
+        /// Its value.
+        units: usize,
+        /// The ranks asked for.
+        ranks: usize,
+    },
+    /// A replicable size (kv heads) that neither divides the ranks nor is divided by them.
+    #[error("--tp {ranks}: {what} {units} neither divides nor is divisible by {ranks}")]
+    NeitherWay {
+        /// The config field.
+        what: &'static str,
+        /// Its value.
+        units: usize,
+        /// The ranks asked for.
+        ranks: usize,
+    },
+}
+
 /// A dimension cut into `units` (heads, or single rows of an MLP width)
 /// shared out over ranks in contiguous blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,20 +59,20 @@ impl Split {
         Split { what, units, replicable: true }
     }
 
-    /// Units each of `size` ranks holds; a message naming the field if the split does not fit.
-    pub fn per_rank(&self, size: usize) -> Result<usize, String> {
-        let (n, what) = (self.units, self.what);
+    /// Units each of `size` ranks holds; an error naming the field if the split does not fit.
+    pub fn per_rank(&self, size: usize) -> Result<usize, SplitError> {
+        let (units, what, ranks) = (self.units, self.what, size);
         if size == 0 {
-            return Err("--tp must be at least 1".into());
+            return Err(SplitError::NoRanks);
         }
-        if n.is_multiple_of(size) {
-            Ok(n / size)
+        if units.is_multiple_of(size) {
+            Ok(units / size)
         } else if !self.replicable {
-            Err(format!("--tp {size}: {what} {n} is not divisible by {size}; choose a TP size that divides it"))
-        } else if n > 0 && size.is_multiple_of(n) {
-            Ok(1) // each unit replicated on size / n ranks
+            Err(SplitError::NotDivisible { what, units, ranks })
+        } else if units > 0 && size.is_multiple_of(units) {
+            Ok(1) // each unit replicated on size / units ranks
         } else {
-            Err(format!("--tp {size}: {what} {n} neither divides nor is divisible by {size}"))
+            Err(SplitError::NeitherWay { what, units, ranks })
         }
     }
 
@@ -91,7 +119,7 @@ mod tests {
     fn blocks_and_messages() {
         let heads = Split::even("num_attention_heads", 14);
         assert_eq!(
-            heads.per_rank(4).unwrap_err(),
+            heads.per_rank(4).unwrap_err().to_string(),
             "--tp 4: num_attention_heads 14 is not divisible by 4; choose a TP size that divides it"
         );
         assert_eq!(heads.block_of(1, 2, 64), 7 * 64..14 * 64);
@@ -100,9 +128,12 @@ mod tests {
         let blocks: Vec<_> = (0..4).map(|r| kv.block_of(r, 4, 8)).collect();
         assert_eq!(blocks, vec![0..8, 0..8, 8..16, 8..16]);
         assert_eq!(
-            Split::replicable("num_key_value_heads", 3).per_rank(4).unwrap_err(),
+            Split::replicable("num_key_value_heads", 3).per_rank(4).unwrap_err().to_string(),
             "--tp 4: num_key_value_heads 3 neither divides nor is divisible by 4"
         );
-        assert_eq!(Split::even("intermediate_size", 96).per_rank(0).unwrap_err(), "--tp must be at least 1");
+        assert_eq!(
+            Split::even("intermediate_size", 96).per_rank(0).unwrap_err().to_string(),
+            "--tp must be at least 1"
+        );
     }
 }

@@ -84,12 +84,6 @@ impl<M: RankModel> RankWorker<M> {
     }
 }
 
-impl From<RpcError> for ModelError {
-    fn from(e: RpcError) -> Self {
-        ModelError::Parallel(e.to_string())
-    }
-}
-
 /// A model split over `tp` ranks; `TP` the TP size's type (`usize`, or
 /// `Tp<U8>` for a split checked at compile time).
 pub struct TpModel<M: RankModel, TP: TpSize = usize>

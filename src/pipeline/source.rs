@@ -133,33 +133,46 @@ impl JsonlSource<std::io::BufReader<std::fs::File>> {
     }
 }
 
+/// Why a JSON array of integers was refused by [`scan_array`].
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+enum ArrayError {
+    /// Not an array.
+    #[error("`{field}` must be an array, got {got}")]
+    NotArray { field: &'static str, got: String },
+    /// More entries than the limit.
+    #[error("`{field}` has more than {limit} entries")]
+    TooMany { field: &'static str, limit: usize },
+    /// An entry that is not what the field holds.
+    #[error("{field}[{pos}] = {item} is not {what}")]
+    Entry { field: &'static str, pos: usize, item: String, what: &'static str },
+}
+
 /// Scans a JSON array of integers without building JSON values: `limit`
-/// entries at most, each checked by `check` (`Err` names what is wrong with it).
+/// entries at most, each checked by `check` (`None` when it is not `what`).
 fn scan_array<T>(
     raw: &str,
-    field: &str,
+    field: &'static str,
     limit: usize,
     mut check: impl FnMut(u64) -> Option<T>,
-    what: &str,
-) -> Result<Vec<T>, String> {
+    what: &'static str,
+) -> Result<Vec<T>, ArrayError> {
     let inner = raw
         .trim()
         .strip_prefix('[')
         .and_then(|r| r.strip_suffix(']'))
-        .ok_or_else(|| format!("`{field}` must be an array, got {}", crate::clip(raw.trim(), 40)))?;
+        .ok_or_else(|| ArrayError::NotArray { field, got: crate::clip(raw.trim(), 40).into_owned() })?;
     let mut out = Vec::new();
     if inner.trim().is_empty() {
         return Ok(out);
     }
     for (pos, item) in inner.split(',').enumerate() {
         if pos == limit {
-            return Err(format!("`{field}` has more than {limit} entries"));
+            return Err(ArrayError::TooMany { field, limit });
         }
         let item = item.trim();
-        let v = item.parse::<u64>().ok().and_then(&mut check);
-        match v {
+        match item.parse::<u64>().ok().and_then(&mut check) {
             Some(v) => out.push(v),
-            None => return Err(format!("{field}[{pos}] = {} is not {what}", crate::clip(item, 40))),
+            None => return Err(ArrayError::Entry { field, pos, item: crate::clip(item, 40).into_owned(), what }),
         }
     }
     Ok(out)
@@ -283,13 +296,13 @@ impl<R: BufRead> JsonlSource<R> {
         let parsed: Line = serde_json::from_slice(text).map_err(|e| format!("malformed JSON: {e}"))?;
         let raw = parsed.input_ids.ok_or("no `input_ids` field")?.get();
         let what = "a token id (an integer from 0 to 4294967295)";
-        let ids = scan_array(raw, "input_ids", self.max_tokens, |n| u32::try_from(n).ok(), what).map_err(|e| {
-            if e.contains("more than") {
-                format!("sample has more than {} tokens, the limit set by {}", self.max_tokens, self.max_tokens_from)
-            } else {
-                e
-            }
-        })?;
+        let ids =
+            scan_array(raw, "input_ids", self.max_tokens, |n| u32::try_from(n).ok(), what).map_err(|e| match e {
+                ArrayError::TooMany { limit, .. } => {
+                    format!("sample has more than {limit} tokens, the limit set by {}", self.max_tokens_from)
+                }
+                other => other.to_string(),
+            })?;
         if ids.is_empty() {
             return Err("empty sample: `input_ids` has no tokens".into());
         }
@@ -297,7 +310,8 @@ impl<R: BufRead> JsonlSource<R> {
         let mask = match parsed.loss_mask {
             None => None,
             Some(m) => {
-                let m = scan_array(m.get(), "loss_mask", ids.len() + 1, |n| (n <= 1).then_some(n as u8), "0 or 1")?;
+                let m = scan_array(m.get(), "loss_mask", ids.len() + 1, |n| (n <= 1).then_some(n as u8), "0 or 1")
+                    .map_err(|e| e.to_string())?;
                 if m.len() != ids.len() {
                     return Err(format!("`loss_mask` has {} entries for {} tokens", m.len(), ids.len()));
                 }

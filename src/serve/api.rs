@@ -64,6 +64,26 @@ impl ApiError {
     pub fn internal(message: impl Into<String>) -> Self {
         ApiError { status: 500, kind: "InternalServerError", message: message.into(), param: None }
     }
+    /// A failed forward step or state collection, `what` in the message: by
+    /// the error's kind, a 400 for input the model cannot take, and a 500
+    /// for everything else (device failures, unsupported ops, a stopped
+    /// rank, a size that disagrees), which the server answers and goes on.
+    pub fn from_model(what: &str, e: &crate::model::ModelError) -> Self {
+        use crate::model::ModelError;
+        let message = format!("{what} failed: {e}");
+        match e {
+            ModelError::Input { .. } => ApiError::bad(message, Some("prompt")),
+            ModelError::Device(_)
+            | ModelError::Unsupported(_)
+            | ModelError::Rank(_)
+            | ModelError::Shape(_)
+            | ModelError::Split(_)
+            | ModelError::Options(_)
+            | ModelError::Config(_)
+            | ModelError::Checkpoint(_)
+            | ModelError::Capture(_) => ApiError::internal(message),
+        }
+    }
     /// 503: not now (loading, full, stopping).
     pub fn unavailable(message: impl Into<String>) -> Self {
         ApiError { status: 503, kind: "ServiceUnavailableError", message: message.into(), param: None }
@@ -368,6 +388,22 @@ pub fn chat_reply(id: &str, model: &str, ids: &[u32], path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn model_errors_map_to_statuses_by_kind() {
+        use crate::model::{DeviceError, ModelError};
+        let input = ModelError::Input { sample: 0, problem: "positions 4.. do not continue 0..2".into() };
+        let e = ApiError::from_model("the forward step", &input);
+        assert_eq!(
+            (e.status, e.message.as_str()),
+            (400, "the forward step failed: sample 0: positions 4.. do not continue 0..2")
+        );
+        let device = ModelError::Device(DeviceError::Driver { call: "cuMemAlloc".into(), error: "OOM".into() });
+        let e = ApiError::from_model("collecting the step's states", &device);
+        assert_eq!((e.status, e.message.as_str()), (500, "collecting the step's states failed: cuMemAlloc: OOM"));
+        let e = ApiError::from_model("the forward step", &ModelError::Unsupported("no such op".into()));
+        assert_eq!(e.status, 500);
+    }
 
     fn limits() -> Limits {
         Limits { model: "m".into(), vocab_size: 100, max_tokens: 8, max_tokens_from: "--max-seq-len 8".into() }

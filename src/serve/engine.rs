@@ -329,7 +329,7 @@ impl Engine {
                 }
                 Err(e) => {
                     tracing::error!("forward step failed: {e}");
-                    let error = ApiError::internal(format!("the forward step failed: {e}"));
+                    let error = ApiError::from_model("the forward step", &e);
                     self.fail_step(&step, &error);
                     // A prompt split across steps cannot continue without its cache.
                     scheduler = Scheduler::new(self.budget);
@@ -360,7 +360,7 @@ impl Engine {
                     // (A device failure: steps already queued behind this one
                     // that continue its prompts fail in the gatherer too.)
                     tracing::error!("collecting a step's states failed: {e}");
-                    self.fail_step(&step, &ApiError::internal(format!("collecting the step's states failed: {e}")));
+                    self.fail_step(&step, &ApiError::from_model("collecting the step's states", &e));
                     gatherer = Gatherer::default();
                     self.collect_failed.store(true, Relaxed);
                     continue;

@@ -47,9 +47,12 @@ pub struct Ready {
 pub struct ApiKey(String);
 
 impl ApiKey {
-    /// A key; `None` when empty (an empty key would let any request through).
-    pub fn new(key: String) -> Option<Self> {
-        (!key.is_empty()).then_some(ApiKey(key))
+    /// A key; refused when empty (an empty key would let every request through).
+    pub fn new(key: String) -> Result<Self, super::ServeError> {
+        if key.is_empty() {
+            return Err(super::ServeError::EmptyApiKey);
+        }
+        Ok(ApiKey(key))
     }
 
     /// Whether an `Authorization` header carries this key (`Bearer KEY`).

@@ -92,6 +92,9 @@ pub enum ServeError {
     /// Options that do not go together.
     #[error("{0}")]
     Usage(String),
+    /// `--api-key` set to nothing.
+    #[error("--api-key (or STRATA_API_KEY) is empty: an empty key would let every request through")]
+    EmptyApiKey,
     /// The states directory: another server's, or unusable.
     #[error(transparent)]
     States(#[from] store::StoreError),

@@ -23,7 +23,8 @@ use super::output::{persist_manifest_streamed, ListingSource, OutputDir, Temp};
 use super::{hf_dataset, io_err, SinkError};
 use crate::files::{Dir, Kind};
 use crate::format::manifest::{
-    Entry, InputInfo, InputPos, Manifest, MergedPart, PartInfo, SampleInfo, ShardInfo, SkippedInfo, JOURNAL, MANIFEST,
+    Entry, InputInfo, InputPos, Manifest, MergedPart, PartInfo, ReadEachError, SampleInfo, ShardInfo, SkippedInfo,
+    JOURNAL, MANIFEST,
 };
 use crate::format::parts;
 use std::collections::HashMap;
@@ -93,18 +94,10 @@ struct Part {
 impl Part {
     /// Gives every entry the part lists to `each`, in order.
     fn each(&self, each: &mut dyn FnMut(Entry) -> Result<(), SinkError>) -> Result<(), SinkError> {
-        let mut failed = None;
-        let r = Manifest::read_each(&self.dir, &mut |e| {
-            each(e).map_err(|e| {
-                let text = e.to_string();
-                failed = Some(e);
-                text
-            })
-        });
-        match (r, failed) {
-            (_, Some(e)) => Err(e),
-            (Err(e), None) => Err(refuse(format!("{}: {e}", self.name))),
-            (Ok(_), None) => Ok(()),
+        match Manifest::read_each(&self.dir, each) {
+            Err(ReadEachError::Each(e)) => Err(e),
+            Err(ReadEachError::Manifest(e)) => Err(refuse(format!("{}: {e}", self.name))),
+            Ok(_) => Ok(()),
         }
     }
 }
@@ -123,7 +116,7 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
     // One writer at a time: a second merge, or a one-process run into OUT.
     let (_lock, _) = OutputDir::lock(&root)?;
     remove_stale_temps(&root)?;
-    match Manifest::read_each(&root, &mut |_| Ok(())) {
+    match Manifest::read_each(&root, &mut |_| Ok::<(), std::convert::Infallible>(())) {
         Ok(m) if m.merged.is_empty() => {
             return Err(refuse(format!(
                 "{} holds a dataset one process wrote ({MANIFEST} lists no parts): merge joins the parts in the \
@@ -188,7 +181,7 @@ pub fn merge(dir: &Path, input: Option<&Path>) -> Result<MergeReport, SinkError>
                 Entry::Sample(_) => samples += 1,
                 Entry::Skipped(_) => skipped += 1,
             }
-            Ok(())
+            Ok::<(), std::convert::Infallible>(())
         });
         match read {
             Err(e) => problems.push(format!("{name} has no readable manifest ({e}): {rerun}")),

@@ -38,6 +38,9 @@ pub enum SinkError {
     /// The output directory holds something else than this run would write.
     #[error("{0}")]
     Directory(String),
+    /// A file of the output that cannot be read back (a merge's part file).
+    #[error(transparent)]
+    Unreadable(#[from] crate::format::DatasetError),
     /// Captured states with NaN or Inf (`--on-nonfinite fail`, the default).
     #[error(
         "sample {id} (line {line}): capture point {point} holds {nan} NaN and {inf} Inf values; \

@@ -22,7 +22,9 @@
 use super::draft_vocab::is_trainer_file;
 use super::{io_err, OpenMode, SinkError};
 use crate::files::{Dir, Kind};
-use crate::format::manifest::{Entry, InputInfo, JournalEntry, Manifest, SampleInfo, ShardInfo, SkippedInfo, JOURNAL};
+use crate::format::manifest::{
+    Entry, InputInfo, JournalEntry, Manifest, ManifestError, ReadEachError, SampleInfo, ShardInfo, SkippedInfo, JOURNAL,
+};
 use crate::format::manifest::{InputPos, MANIFEST};
 use crate::pipeline::source::Sample;
 use std::fs::File;
@@ -346,7 +348,7 @@ impl Plan {
     fn resume(dir: &Dir, job: Manifest) -> Result<(Manifest, Vec<String>), SinkError> {
         let shown = dir.path().display().to_string();
         let refuse = |e: String| dir_err(format!("cannot resume in {shown}: {e}; use --overwrite to start over"));
-        let mut old = Manifest::read_in(dir).map_err(refuse)?;
+        let mut old = Manifest::read_in(dir).map_err(|e: ManifestError| refuse(e.to_string()))?;
         if !old.merged.is_empty() {
             return Err(dir_err(format!(
                 "cannot resume in {shown}: it is a merged dataset of {} parts. Rerun a part in it with \
@@ -566,7 +568,6 @@ impl OutputDir {
         remove(dir, JOURNAL)?;
         if let Some(f) = manifest {
             // A merged dataset's shards belong to its parts: only its own links go.
-            let mut failed = None;
             let mut each = |e: Entry| {
                 let Entry::Shard(s) = e else { return Ok(()) };
                 if s.file.starts_with("part-") {
@@ -574,22 +575,16 @@ impl OutputDir {
                 }
                 if let Ok((sub, name)) = dir.walk(&s.file, false) {
                     if strata_named(&name) && matches!(sub.kind(&name), Ok(Some(Kind::File(_)))) {
-                        if let Err(e) = remove(&sub, &name) {
-                            let text = e.to_string();
-                            failed = Some(e);
-                            return Err(text);
-                        }
+                        remove(&sub, &name)?;
                     }
                 }
                 Ok(())
             };
             // An unreadable old manifest lists nothing to delete: its Strata-named files go below.
-            let read = Manifest::read_each_from(f, journal, dir.path(), &mut each);
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            if let Err(e) = read {
-                tracing::debug!("the old manifest of {}: {e}", dir.path().display());
+            match Manifest::read_each_from(f, journal, dir.path(), &mut each) {
+                Err(ReadEachError::Each(e)) => return Err(e),
+                Err(ReadEachError::Manifest(e)) => tracing::debug!("the old manifest of {}: {e}", dir.path().display()),
+                Ok(_) => {}
             }
         }
         for n in names.iter().filter(|n| strata_named(n)) {

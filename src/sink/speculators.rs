@@ -600,7 +600,7 @@ impl Table {
             let path = dir.join(&shard.file);
             let opened = dir.walk(&shard.file, false).and_then(|(sub, name)| sub.open_file(&name));
             let opened = opened.map_err(io_err(&path))?;
-            let file = MappedFile::from_file(&opened, &path).map_err(|e| SinkError::Directory(e.to_string()))?;
+            let file = MappedFile::from_file(&opened, &path)?;
             let tensor = |name: &str| {
                 file.tensors
                     .get(name)

@@ -282,7 +282,7 @@ pub struct Cuda<C: ComputeDtype = F32, D: Device = Driver> {
     /// The GPUs a group is opened on (rank order).
     ordinals: Vec<usize>,
     scratch: Mutex<Option<Scratch<D>>>,
-    failed: Mutex<Option<String>>,
+    failed: Mutex<Option<BackendError>>,
     /// The capture slots staged this step, in order (see [`Device::stage`]).
     staged: Mutex<Vec<usize>>,
     /// Scratch bytes a chunk of experts may take (see `experts_grouped`).
@@ -380,22 +380,27 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             return;
         }
         if let Err(e) = f() {
-            self.fail(e.to_string());
+            self.fail(e.into());
         }
     }
 
     /// Records the rank's first failure, and aborts its group: a failed rank
     /// cannot be trusted to join the next all-reduce (its buffers may never
     /// have been made), and its peers must not wait for it.
-    fn fail(&self, msg: String) {
+    fn fail(&self, e: BackendError) {
         let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
         if failed.is_none() {
+            // The message without `device: `, as the model's error shows it.
+            let msg = match &e {
+                BackendError::Device(d) => d.to_string(),
+                other => other.to_string(),
+            };
             tracing::error!("cuda: {msg}");
             let (rank, world) = self.dev.rank();
             if world > 1 {
                 self.dev.abort(&format!("rank {rank} failed: {msg}"));
             }
-            *failed = Some(msg);
+            *failed = Some(e);
         }
     }
 
@@ -1178,7 +1183,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         }
         let ordinals: Vec<usize> =
             if self.ordinals.len() >= n { self.ordinals[..n].to_vec() } else { (0..n).collect() };
-        let devs = self.dev.group(&ordinals).map_err(|e| BackendError::Device(e.to_string()))?;
+        let devs = self.dev.group(&ordinals).map_err(BackendError::Device)?;
         Ok(devs.into_iter().map(|d| Cuda::new(d, ordinals.clone()).moe_scratch(self.moe_scratch)).collect())
     }
 
@@ -1230,7 +1235,9 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
 
     fn embedding(&self, bytes: TensorBytes, dtype: DType, hidden: usize) -> Embedding<D> {
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
-            self.fail(format!("the CUDA backend reads embedding tables in f32, bf16 or f16, not {dtype}"));
+            self.fail(BackendError::Unsupported(format!(
+                "the CUDA backend reads embedding tables in f32, bf16 or f16, not {dtype}"
+            )));
         }
         let vocab = bytes.len() / (hidden * dtype.size()).max(1);
         Embedding { table: self.bytes(&bytes), dtype, hidden, vocab }
@@ -1978,7 +1985,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         let taken = match self.dev.take_staged() {
             Ok(t) => t,
             Err(e) => {
-                self.fail(e.to_string());
+                self.fail(e.into());
                 return None;
             }
         };
@@ -2006,9 +2013,9 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
                     }
                     copy_parallel(pairs);
                 })
-                .map_err(|e| BackendError::Device(e.to_string()))?;
+                .map_err(BackendError::Device)?;
             match lost {
-                Some(what) => Err(BackendError::Device(format!("capture: {what}"))),
+                Some(what) => Err(BackendError::Device(CudaError::Capture { what })),
                 None => Ok(()),
             }
         }))
@@ -2024,7 +2031,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         }
         // A failure stays: later steps would meet buffers the failed op never made.
         match self.failed.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-            Some(msg) => Err(BackendError::Device(msg)),
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }

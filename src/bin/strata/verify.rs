@@ -41,7 +41,7 @@ impl VerifyJob {
     pub fn run(&self) -> anyhow::Result<()> {
         let dir = &self.dir;
         let layout = match &self.layout {
-            Some(p) => Some(Layout::read(p).map_err(anyhow::Error::msg)?),
+            Some(p) => Some(Layout::read(p)?),
             None => None,
         };
         let problems = verify(dir, layout.as_ref()).with_context(|| format!("strata verify {}", dir.display()))?;

@@ -381,17 +381,23 @@ pub fn has_native_bf16() -> bool {
 /// The bf16 kernel `STRATA_BF16_KERNEL` names, if it is set: an error
 /// naming this CPU's kernels when it names none of them (the GEMM itself
 /// would fall back to the fastest with a warning).
-pub fn kernel_override() -> Result<Option<&'static str>, String> {
+pub fn kernel_override() -> Result<Option<&'static str>, UnknownKernel> {
     let Some(v) = std::env::var_os("STRATA_BF16_KERNEL") else { return Ok(None) };
     let names: Vec<&'static str> = available().iter().map(|p| p.name()).collect();
     match names.iter().find(|n| v == **n) {
         Some(n) => Ok(Some(n)),
-        None => Err(format!(
-            "STRATA_BF16_KERNEL={}: not a bf16 kernel of this CPU (it has {})",
-            v.to_string_lossy(),
-            names.join(", ")
-        )),
+        None => Err(UnknownKernel { asked: v.to_string_lossy().into_owned(), have: names.join(", ") }),
     }
+}
+
+/// A `STRATA_BF16_KERNEL` that names no bf16 kernel of this CPU.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("STRATA_BF16_KERNEL={asked}: not a bf16 kernel of this CPU (it has {have})")]
+pub struct UnknownKernel {
+    /// The value set.
+    pub asked: String,
+    /// This CPU's kernels, slowest first.
+    pub have: String,
 }
 
 /// The fastest bf16 path this CPU has, or the one `STRATA_BF16_KERNEL`
