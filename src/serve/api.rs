@@ -64,16 +64,19 @@ impl ApiError {
     pub fn internal(message: impl Into<String>) -> Self {
         ApiError { status: 500, kind: "InternalServerError", message: message.into(), param: None }
     }
-    /// A failed forward step or state collection, `what` in the message: by
-    /// the error's kind, a 400 for input the model cannot take, and a 500
-    /// for everything else (device failures, unsupported ops, a stopped
-    /// rank, a size that disagrees), which the server answers and goes on.
+    /// A failed forward step or state collection, `what` in the message,
+    /// answered by the error's kind. Every kind is the server's failure, a
+    /// 500 that it answers and goes on from: input the model cannot take
+    /// (`Input`) was refused with a 400 before the request was queued
+    /// (empty, too long, ids outside the vocabulary), so one that reaches a
+    /// step is a scheduling fault, and the step's error goes to every
+    /// request in it. The match names each kind, so a new one is placed here.
     pub fn from_model(what: &str, e: &crate::model::ModelError) -> Self {
         use crate::model::ModelError;
         let message = format!("{what} failed: {e}");
         match e {
-            ModelError::Input { .. } => ApiError::bad(message, Some("prompt")),
-            ModelError::Device(_)
+            ModelError::Input { .. }
+            | ModelError::Device(_)
             | ModelError::Unsupported(_)
             | ModelError::Rank(_)
             | ModelError::Shape(_)
@@ -390,13 +393,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn model_errors_map_to_statuses_by_kind() {
+    fn every_model_error_kind_is_the_servers_500_with_its_message() {
         use crate::model::{DeviceError, ModelError};
         let input = ModelError::Input { sample: 0, problem: "positions 4.. do not continue 0..2".into() };
         let e = ApiError::from_model("the forward step", &input);
         assert_eq!(
             (e.status, e.message.as_str()),
-            (400, "the forward step failed: sample 0: positions 4.. do not continue 0..2")
+            (500, "the forward step failed: sample 0: positions 4.. do not continue 0..2")
         );
         let device = ModelError::Device(DeviceError::Driver { call: "cuMemAlloc".into(), error: "OOM".into() });
         let e = ApiError::from_model("collecting the step's states", &device);
