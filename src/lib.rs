@@ -35,6 +35,7 @@ compile_error!("Strata supports little-endian targets only");
 pub mod backend;
 pub mod chat;
 pub mod dataset;
+mod families;
 pub mod files;
 pub mod format;
 pub mod hf;

@@ -4,7 +4,9 @@
 
 use super::moe::{Scoring, TopkMethod};
 use super::quant::QuantConfig;
-use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS};
+use super::{
+    bounded, elements, invalid, positive, positive_f32, ArchInfo, ConfigError, RopeFreqs, MAX_COUNT, MAX_LAYERS,
+};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
@@ -142,10 +144,6 @@ struct Raw {
     n_group: Option<usize>,
     topk_group: Option<usize>,
     quantization_config: Option<Value>,
-}
-
-fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field, problem: problem.into() }
 }
 
 /// transformers' class defaults of the keys a config may leave out:

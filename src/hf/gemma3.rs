@@ -7,8 +7,8 @@
 //! as the hub's wrapper configs rely on them (gemma-3-4b-it's `text_config`
 //! names six fields). Every refusal is a [`ConfigError`] that names the field.
 
-use super::llama::{inv_freq, parse_rope, RopeScaling};
-use super::{elements, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, TextModel};
+use super::rope::{inv_freq, parse_rope, RopeScaling};
+use super::{elements, invalid, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, TextModel};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -84,16 +84,7 @@ struct Raw {
     use_bidirectional_attention: Option<bool>,
 }
 
-fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field, problem: problem.into() }
-}
-
 impl Gemma3Config {
-    /// Whether `model_type` is a Gemma 3 one.
-    pub fn handles(model_type: &str) -> bool {
-        matches!(model_type, "gemma3" | "gemma3_text")
-    }
-
     /// Parses and normalises `config.json` text.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
         let TextModel { model_type, config, tensor_prefix, quantization } =

@@ -7,7 +7,9 @@
 //! with `quant_method: mxfp4`, the hub's format) or plain (a dequantised
 //! copy). Every refusal is a [`ConfigError`] that names the field.
 
-use super::{bounded, elements, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, MAX_COUNT};
+use super::{
+    bounded, elements, invalid, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, MAX_COUNT,
+};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -100,10 +102,6 @@ struct Raw {
     quantization_config: Option<Value>,
 }
 
-fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field, problem: problem.into() }
-}
-
 fn num(obj: &Value, key: &str, field: &'static str) -> Result<Option<f64>, ConfigError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
@@ -112,11 +110,6 @@ fn num(obj: &Value, key: &str, field: &'static str) -> Result<Option<f64>, Confi
 }
 
 impl GptOssConfig {
-    /// Whether `model_type` is gpt-oss.
-    pub fn handles(model_type: &str) -> bool {
-        model_type == "gpt_oss"
-    }
-
     /// Reads and normalises `config.json` from a file.
     pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
         Self::from_json(&super::read_config(path)?)

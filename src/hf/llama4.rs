@@ -14,9 +14,10 @@
 //!
 //! Every refusal is a [`ConfigError`] that names the field.
 
-use super::llama::{inv_freq, parse_rope, RopeScaling};
+use super::rope::{inv_freq, parse_rope, RopeScaling};
 use super::{
-    bounded, elements, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, TextModel, MAX_COUNT,
+    bounded, elements, invalid, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, TextModel,
+    MAX_COUNT,
 };
 use serde::Deserialize;
 use serde_json::Value;
@@ -131,16 +132,7 @@ struct Raw {
     max_position_embeddings: Option<usize>,
 }
 
-fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field, problem: problem.into() }
-}
-
 impl Llama4Config {
-    /// Whether `model_type` is a Llama 4 one.
-    pub fn handles(model_type: &str) -> bool {
-        matches!(model_type, "llama4" | "llama4_text")
-    }
-
     /// Parses and normalises `config.json` text.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
         let TextModel { model_type, config, tensor_prefix, quantization } =

@@ -1,26 +1,31 @@
 //! Hugging Face checkpoints: safetensors weights ([`checkpoint`]), one
-//! normalised `config.json` per architecture family ([`llama`], [`deepseek`], [`gemma3`], [`gpt_oss`], [`llama4`]),
-//! and the quantisation schemes weights may be stored in ([`quant`]).
+//! normalised `config.json` per architecture family (a module per row of
+//! the family table, `crate::families`: [`llama`], [`deepseek`], ...), and
+//! the quantisation schemes weights may be stored in ([`quant`]).
 //!
 //! Everything here is host-side parsing and checking; nothing runs a model.
 
 pub mod checkpoint;
-pub mod deepseek;
-pub mod gemma3;
-pub mod gpt_oss;
 pub mod hub;
-pub mod llama;
-pub mod llama4;
 pub mod moe;
 pub mod quant;
-pub mod qwen3_next;
+pub mod rope;
 
 pub use checkpoint::{Checkpoint, CheckpointError};
-pub use deepseek::DeepseekConfig;
-pub use gemma3::Gemma3Config;
-pub use gpt_oss::GptOssConfig;
-pub use llama::LlamaConfig;
-pub use llama4::Llama4Config;
+
+/// From the family table: each family's config module and its config type,
+/// and every `model_type` the table names.
+macro_rules! config_modules {
+    ([] $($variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
+        $(
+            pub mod $module;
+            pub use $module::$config;
+        )+
+        /// Every `model_type` Strata runs, in the family table's order.
+        pub const MODEL_TYPES: &[&str] = &[$($($model_type),+),+];
+    };
+}
+crate::families::families!(config_modules);
 
 /// Why a `config.json` cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -37,9 +42,7 @@ pub enum ConfigError {
     #[error("malformed config.json: {0}")]
     Json(#[from] serde_json::Error),
     /// A `model_type` Strata does not run.
-    #[error(
-        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, glm4_moe, minimax_m2, gemma3, gemma3_text, gpt_oss, llama4, llama4_text, qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, deepseek_v2, deepseek_v3, kimi_k2, kimi_k25)"
-    )]
+    #[error("unsupported model_type {0:?} (supported: {supported})", supported = MODEL_TYPES.join(", "))]
     UnsupportedModel(String),
     /// A field the architecture needs is absent.
     #[error("config.json lacks required field `{0}`")]
@@ -52,6 +55,11 @@ pub enum ConfigError {
         /// What is wrong with it.
         problem: String,
     },
+}
+
+/// A field with a value Strata cannot run, and why.
+pub(crate) fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field, problem: problem.into() }
 }
 
 /// What every architecture's config says about the model's outer shape.
@@ -339,6 +347,19 @@ pub(crate) fn close_to(got: &[f32], want: &[f64]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_supported_list_is_the_family_tables_in_its_order() {
+        // The text before the family table (kept byte for byte: users and tests read it); a row
+        // added at the table's end adds its names after these.
+        let e = ConfigError::UnsupportedModel("gpt2".into()).to_string();
+        let before = "unsupported model_type \"gpt2\" (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, \
+                      glm4_moe, minimax_m2, gemma3, gemma3_text, gpt_oss, llama4, llama4_text, qwen3_next, qwen3_5, \
+                      qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, deepseek_v2, deepseek_v3, kimi_k2, kimi_k25";
+        assert!(e.starts_with(before) && e.ends_with(')'), "{e}");
+        let mut seen = std::collections::HashSet::new();
+        assert!(MODEL_TYPES.iter().all(|t| seen.insert(t)), "a model_type in two rows: {MODEL_TYPES:?}");
+    }
 
     #[test]
     fn numbers_print_as_python_prints_them() {

@@ -10,9 +10,10 @@
 //! `full_attention_interval`-th layer (4) full. Sizes a field leaves out
 //! take transformers' defaults. Every refusal names its field.
 
-use super::llama::{inv_freq, parse_rope, LlamaMoe, RopeScaling};
+use super::llama::LlamaMoe;
 use super::moe::{Scoring, TopkMethod};
-use super::{elements, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, TextModel};
+use super::rope::{inv_freq, parse_rope, RopeScaling};
+use super::{elements, invalid, positive, positive_f32, ArchInfo, ConfigError, GqaSizes, RopeFreqs, TextModel};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -135,10 +136,6 @@ struct Raw {
     attn_output_gate: Option<bool>,
 }
 
-fn invalid(field: &'static str, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { field, problem: problem.into() }
-}
-
 /// Which family a `model_type` is: (text type, wrapper type, layout, mixture).
 fn family(model_type: &str) -> Option<(&'static str, &'static str, InProj, bool)> {
     match model_type {
@@ -150,11 +147,6 @@ fn family(model_type: &str) -> Option<(&'static str, &'static str, InProj, bool)
 }
 
 impl Qwen3NextConfig {
-    /// Whether `model_type` is one of these.
-    pub fn handles(model_type: &str) -> bool {
-        family(model_type).is_some()
-    }
-
     /// Parses and normalises `config.json` text.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
         let top: Value = serde_json::from_str(text)?;

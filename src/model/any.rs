@@ -5,41 +5,15 @@
 //! backend adds a case here; the model files do not change.
 
 use super::decoder::{Block, Frame};
-use super::{deepseek, gemma3, gpt_oss, llama, llama4, qwen3_next, Decoder, Model, ModelError, PendingStates, TpModel};
+use super::{Decoder, Model, ModelError, PendingStates, TpModel};
 use crate::backend::{Backend, Bf16, Compute, Cpu, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
-use crate::hf::qwen3_next::Qwen3NextConfig;
-use crate::hf::{ArchInfo, ConfigError, DeepseekConfig, Gemma3Config, GptOssConfig, Llama4Config, LlamaConfig};
+use crate::hf::{ArchInfo, ConfigError};
 use crate::pipeline::batch::PackedBatch;
 use crate::pipeline::capture::CaptureSet;
 use crate::shape::{CapturedStates, DType, Dim};
 use std::any::Any;
 use std::path::Path;
-
-/// A Llama-family model (Llama, Mistral, Qwen2, Qwen3) with hidden dim `H` on backend `B`.
-pub type Llama<H = usize, B = Cpu> = Decoder<B, llama::DecoderLayer<B>, H>;
-/// A DeepSeek V2/V3 / Kimi-K2 model with hidden dim `H` on backend `B`.
-pub type Deepseek<H = usize, B = Cpu> = Decoder<B, deepseek::DecoderLayer<B>, H>;
-/// A Gemma 3 text model with hidden dim `H` on backend `B`.
-pub type Gemma3<H = usize, B = Cpu> = Decoder<B, gemma3::DecoderLayer<B>, H>;
-/// A Gemma 3 text model over `TP` ranks.
-pub type TpGemma3<H, TP = usize, B = Cpu> = TpModel<Gemma3<H, B>, TP>;
-/// gpt-oss on backend `B` (the CPU unless named).
-pub type GptOss<H = usize, B = Cpu> = Decoder<B, gpt_oss::DecoderLayer<B>, H>;
-/// gpt-oss as tensor-parallel ranks.
-pub type TpGptOss<H, TP = usize, B = Cpu> = TpModel<GptOss<H, B>, TP>;
-/// Llama 4's text model on backend `B` (the CPU unless named).
-pub type Llama4<H = usize, B = Cpu> = Decoder<B, llama4::DecoderLayer<B>, H>;
-/// Llama 4's text model as tensor-parallel ranks.
-pub type TpLlama4<H, TP = usize, B = Cpu> = TpModel<Llama4<H, B>, TP>;
-/// A hybrid linear-attention Qwen model (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on backend `B`.
-pub type Qwen3Next<H = usize, B = Cpu> = Decoder<B, qwen3_next::DecoderLayer<B>, H>;
-/// A hybrid linear-attention Qwen model as tensor-parallel ranks.
-pub type TpQwen3Next<H, TP = usize, B = Cpu> = TpModel<Qwen3Next<H, B>, TP>;
-/// A Llama-family model over `TP` ranks.
-pub type TpLlama<H, TP = usize, B = Cpu> = TpModel<Llama<H, B>, TP>;
-/// A DeepSeek V2/V3 / Kimi-K2 model over `TP` ranks.
-pub type TpDeepseek<H, TP = usize, B = Cpu> = TpModel<Deepseek<H, B>, TP>;
 
 /// Which backend `--backend` names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -157,53 +131,70 @@ impl clap::ValueEnum for ComputeChoice {
     }
 }
 
-/// A parsed `config.json` of any supported family, before any weight is read.
-#[derive(Clone, Debug)]
-pub enum AnyConfig {
-    /// Llama, Mistral, Qwen2, Qwen3, and their mixtures of experts.
-    Llama(LlamaConfig),
-    /// DeepSeek V2/V3, Kimi-K2, Kimi-K2.5.
-    Deepseek(DeepseekConfig),
-    /// Gemma 3 (`gemma3_text`, and the text model of `gemma3`).
-    Gemma3(Gemma3Config),
-    /// gpt-oss (`gpt_oss`).
-    GptOss(GptOssConfig),
-    /// Llama 4 (`llama4_text`, and the text model of `llama4`).
-    Llama4(Llama4Config),
-    /// Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet hybrids).
-    Qwen3Next(Qwen3NextConfig),
-}
+/// From the family table: [`AnyConfig`], one variant per row, its parsing
+/// by `model_type`, and each family's aliases: one decoder (`Llama<H, B>`)
+/// and over tensor-parallel ranks (`TpLlama<H, TP, B>`).
+macro_rules! registry {
+    ([] $($variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
+        $(
+            #[doc = concat!($doc, ", with hidden dim `H` on backend `B` (the CPU unless named).")]
+            pub type $variant<H = usize, B = Cpu> = Decoder<B, super::$module::DecoderLayer<B>, H>;
+            #[doc = concat!($doc, ", over `TP` tensor-parallel ranks.")]
+            pub type $tp<H, TP = usize, B = Cpu> = TpModel<$variant<H, B>, TP>;
+        )+
 
-/// The one list of families: runs `$body` with `$c` bound to the config
-/// `$config` holds and `$L<B>` naming its family's decoder layer over a
-/// backend `B`. A new family adds a variant above and a line here.
+        /// A parsed `config.json` of any supported family, before any weight is read.
+        #[derive(Clone, Debug)]
+        pub enum AnyConfig {
+            $(
+                #[doc = concat!($doc, ".")]
+                $variant(crate::hf::$config),
+            )+
+        }
+
+        impl AnyConfig {
+            /// The family's name, its row's variant (`Llama`, `Deepseek`, ...).
+            pub fn family(&self) -> &'static str {
+                match self {
+                    $(AnyConfig::$variant(_) => stringify!($variant),)+
+                }
+            }
+
+            /// The family whose row names `model_type`; the first row reads any other
+            /// (and refuses it as its config parser does).
+            fn of_model_type(model_type: &str, text: &str) -> Result<Self, ConfigError> {
+                registry!(@parse model_type, text, $($variant $config [$($model_type),+];)+)
+            }
+        }
+    };
+    (@parse $ty:ident, $text:ident, $first:ident $first_config:ident [$($first_type:literal),+]; $($variant:ident $config:ident [$($model_type:literal),+];)*) => {
+        Ok(match $ty {
+            $($($model_type)|+ => AnyConfig::$variant(crate::hf::$config::from_json($text)?),)*
+            _ => AnyConfig::$first(crate::hf::$first_config::from_json($text)?),
+        })
+    };
+}
+crate::families::families!(registry);
+
+/// Runs `$body` with `$c` bound to the config `$config` holds and `$L<B>`
+/// naming its family's decoder layer over a backend `B`: one arm per row of
+/// the family table.
 macro_rules! dispatch {
     ($config:expr, |$c:ident, $L:ident| $body:expr) => {
+        crate::families::families!(dispatch_arms, ($config, $c, $L, $body))
+    };
+}
+
+/// `dispatch!`'s match, from the family table.
+macro_rules! dispatch_arms {
+    ([($config:expr, $c:ident, $L:ident, $body:expr)] $($variant:ident $module:ident $cfg:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
         match $config {
-            AnyConfig::Llama($c) => {
-                type $L<B> = llama::DecoderLayer<B>;
-                $body
-            }
-            AnyConfig::Deepseek($c) => {
-                type $L<B> = deepseek::DecoderLayer<B>;
-                $body
-            }
-            AnyConfig::Gemma3($c) => {
-                type $L<B> = gemma3::DecoderLayer<B>;
-                $body
-            }
-            AnyConfig::GptOss($c) => {
-                type $L<B> = gpt_oss::DecoderLayer<B>;
-                $body
-            }
-            AnyConfig::Llama4($c) => {
-                type $L<B> = llama4::DecoderLayer<B>;
-                $body
-            }
-            AnyConfig::Qwen3Next($c) => {
-                type $L<B> = qwen3_next::DecoderLayer<B>;
-                $body
-            }
+            $(
+                AnyConfig::$variant($c) => {
+                    type $L<B> = super::$module::DecoderLayer<B>;
+                    $body
+                }
+            )+
         }
     };
 }
@@ -215,19 +206,7 @@ impl AnyConfig {
             .ok()
             .and_then(|v| v.get("model_type").and_then(|m| m.as_str()).map(str::to_string))
             .unwrap_or_default();
-        Ok(if DeepseekConfig::handles(&model_type) {
-            AnyConfig::Deepseek(DeepseekConfig::from_json(text)?)
-        } else if Gemma3Config::handles(&model_type) {
-            AnyConfig::Gemma3(Gemma3Config::from_json(text)?)
-        } else if GptOssConfig::handles(&model_type) {
-            AnyConfig::GptOss(GptOssConfig::from_json(text)?)
-        } else if Llama4Config::handles(&model_type) {
-            AnyConfig::Llama4(Llama4Config::from_json(text)?)
-        } else if Qwen3NextConfig::handles(&model_type) {
-            AnyConfig::Qwen3Next(Qwen3NextConfig::from_json(text)?)
-        } else {
-            AnyConfig::Llama(LlamaConfig::from_json(text)?)
-        })
+        Self::of_model_type(&model_type, text)
     }
 
     /// Reads `DIR/config.json`.
@@ -284,7 +263,8 @@ impl AnyConfig {
             return Err(OptionsError::ReferenceCompute { asked: opts.compute }.into());
         }
         if opts.tp > 1 {
-            dispatch!(self, |c, L| <L<Reference> as Block<Reference>>::check_split(c, opts.tp))?;
+            let splits = dispatch!(self, |c, L| <L<Reference> as Block<Reference>>::splits(c));
+            super::shard::check(&splits, opts.tp)?;
         }
         Ok(())
     }
@@ -569,6 +549,29 @@ impl Model for AnyModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `(model_type, family)` of every row of the table.
+    macro_rules! rows {
+        ([] $($variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
+            [$($(($model_type, stringify!($variant))),+),+]
+        };
+    }
+
+    #[test]
+    fn every_model_type_of_the_table_chooses_its_row() {
+        // A config of the model_type alone: the family's parser takes it
+        // (its defaults) or refuses it in its own words, never as unsupported.
+        let rows = crate::families::families!(rows);
+        assert_eq!(rows.len(), crate::hf::MODEL_TYPES.len());
+        for (t, family) in rows {
+            match AnyConfig::parse(&format!("{{\"model_type\": \"{t}\"}}")) {
+                Ok(c) => assert_eq!(c.family(), family, "{t}"),
+                Err(e) => assert!(!e.to_string().starts_with("unsupported model_type"), "{t}: {e}"),
+            }
+        }
+        let e = AnyConfig::parse(r#"{"model_type": "gpt2"}"#).unwrap_err().to_string();
+        assert!(e.starts_with("unsupported model_type \"gpt2\""), "{e}");
+    }
 
     #[test]
     fn backend_names_round_trip() {

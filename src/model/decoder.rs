@@ -84,8 +84,10 @@ pub trait Block<B: Backend>: Sized + Send + Sync + 'static {
     fn parse_config(text: &str) -> Result<Self::Config, ConfigError>;
     /// What the skeleton needs of the config.
     fn frame(config: &Self::Config) -> Frame;
-    /// Checks that the config splits over `ranks` tensor-parallel ranks, before any weight is read.
-    fn check_split(config: &Self::Config, ranks: usize) -> Result<(), ModelError>;
+    /// The sizes that must divide over the tensor-parallel ranks (heads, kv
+    /// heads, MLP widths present), in the order they are checked: the
+    /// decoder checks them once ([`super::shard::check`]) before any weight is read.
+    fn splits(config: &Self::Config) -> Vec<super::shard::Split>;
     /// The quantisation scheme of the weights, if any, in words (plain weights: `None`).
     fn quantization(_config: &Self::Config) -> Option<String> {
         None
@@ -205,7 +207,7 @@ impl<B: Backend, L: Block<B>, H: Dim + Default> Decoder<B, L, H> {
     /// `backend.rank()` of a tensor-parallel group reads only its share of
     /// every split weight from the mapped checkpoint.
     pub fn from_checkpoint_on(backend: B, config: L::Config, ckpt: &Checkpoint) -> Result<Self, ModelError> {
-        L::check_split(&config, backend.world_size())?;
+        super::shard::check(&L::splits(&config), backend.world_size())?;
         let frame = L::frame(&config);
         let info = &frame.info;
         let _span =

@@ -413,16 +413,13 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         Frame::plain(c.info(), c.rms_norm_eps, c.rope(), c.tensor_prefix.clone(), c.num_nextn_predict_layers)
     }
 
-    fn check_split(c: &DeepseekConfig, ranks: usize) -> Result<(), ModelError> {
+    fn splits(c: &DeepseekConfig) -> Vec<Split> {
         // Heads and every MLP width present divide evenly (no kv-head replication: MLA has none).
         let dense = (0..c.num_layers).any(|l| !c.is_moe(l));
         let mut splits = vec![Split::even("num_attention_heads", c.num_heads)];
         splits.extend(dense.then(|| Split::even("intermediate_size", c.intermediate_size)));
         splits.extend((c.n_routed_experts > 0).then(|| Split::even("moe_intermediate_size", c.moe_intermediate_size)));
-        for s in splits {
-            s.per_rank(ranks)?;
-        }
-        Ok(())
+        splits
     }
 
     fn quantization(c: &DeepseekConfig) -> Option<String> {

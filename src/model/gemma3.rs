@@ -19,8 +19,8 @@
 //! before the post-norm), heads divided, kv heads replicated when fewer.
 
 use super::decoder::{Block, Frame, Step};
-use super::llama::{gated, plus_one, qkv_o, Reader};
-use super::shard::{Split, SplitError};
+use super::kit::{gated, plus_one, qkv_o, Reader};
+use super::shard::Split;
 use super::ModelError;
 use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Mask, Resident, SeqState, Tensor};
 use crate::hf::checkpoint::Checkpoint;
@@ -43,15 +43,6 @@ impl Splits {
             mlp: Split::even("intermediate_size", c.intermediate_size),
         }
     }
-}
-
-/// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &Gemma3Config, ranks: usize) -> Result<(), SplitError> {
-    let s = Splits::of(c);
-    for split in [s.heads, s.kv_heads, s.mlp] {
-        split.per_rank(ranks)?;
-    }
-    Ok(())
 }
 
 /// Self-attention (`self_attn.*`) of this rank's heads.
@@ -190,8 +181,9 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         }
     }
 
-    fn check_split(c: &Gemma3Config, ranks: usize) -> Result<(), ModelError> {
-        Ok(check_split(c, ranks)?)
+    fn splits(c: &Gemma3Config) -> Vec<Split> {
+        let s = Splits::of(c);
+        vec![s.heads, s.kv_heads, s.mlp]
     }
 
     fn load(b: &B, c: &Gemma3Config, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {

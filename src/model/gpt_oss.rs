@@ -22,9 +22,9 @@
 //! codes of its columns and the block's scale.
 
 use super::decoder::{Block, Frame, Step};
-use super::llama::{qkv_o, Reader};
+use super::kit::{qkv_o, Reader};
 use super::moe::Moe;
-use super::shard::{Split, SplitError};
+use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
     AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, SeqState, Tensor,
@@ -52,15 +52,6 @@ impl Splits {
             experts: Split::even("intermediate_size", c.intermediate_size),
         }
     }
-}
-
-/// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &GptOssConfig, ranks: usize) -> Result<(), SplitError> {
-    let s = Splits::of(c);
-    for split in [s.heads, s.kv_heads, s.experts] {
-        split.per_rank(ranks)?;
-    }
-    Ok(())
 }
 
 /// Self-attention (`self_attn.*`) of this rank's heads.
@@ -196,8 +187,9 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         Frame::plain(c.info(), c.rms_norm_eps, c.rope(), String::new(), 0)
     }
 
-    fn check_split(c: &GptOssConfig, ranks: usize) -> Result<(), ModelError> {
-        Ok(check_split(c, ranks)?)
+    fn splits(c: &GptOssConfig) -> Vec<Split> {
+        let s = Splits::of(c);
+        vec![s.heads, s.kv_heads, s.experts]
     }
 
     fn quantization(c: &GptOssConfig) -> Option<String> {

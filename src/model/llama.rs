@@ -17,19 +17,16 @@
 //! each expert's width is divided across ranks, as DeepSeek's is.
 
 use super::decoder::{Block, Frame, Step};
+use super::kit::{gated, qkv_o, Reader};
 use super::moe::Moe;
-use super::shard::{Split, SplitError};
+use super::shard::Split;
 use super::ModelError;
-use crate::backend::{
-    self, AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, SeqState, Tensor,
-};
+use crate::backend::{self, AttnBlock, AttnShape, Backend, Gating, Mask, Parallel, Resident, Router, SeqState, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe, QkNorm};
 use crate::hf::moe::TopkMethod;
-use crate::hf::quant::{LinearWeight, QuantConfig, WeightFormat};
 use crate::hf::ConfigError;
 use crate::shape::Dim;
-use std::ops::Range;
 
 /// How a layer splits over tensor-parallel ranks: query heads, kv heads
 /// (replicated when there are fewer than ranks), the MLP width.
@@ -57,88 +54,6 @@ impl Splits {
                 .map(|w| Split::even("n_shared_experts × moe_intermediate_size", w)),
         }
     }
-}
-
-/// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), SplitError> {
-    let s = Splits::of(c);
-    // Mixtral has no dense layer: its `intermediate_size` is the experts'.
-    let dense = c.moe.as_ref().is_none_or(|m| m.sparse.contains(&false));
-    for split in [s.heads, s.kv_heads].into_iter().chain(dense.then_some(s.mlp)).chain(s.experts).chain(s.shared) {
-        split.per_rank(ranks)?;
-    }
-    Ok(())
-}
-
-/// Reads one layer's tensors: weights as stored (bf16 stays bf16, f32/f16 as
-/// f32, FP8 E4M3 blocks as codes and scales when the config declares them).
-pub(super) struct Reader<'a> {
-    pub(super) ckpt: &'a Checkpoint,
-    /// `model.layers.{i}`.
-    pub(super) prefix: String,
-    pub(super) quant: Option<&'a QuantConfig>,
-}
-
-impl Reader<'_> {
-    /// A vector `[n]`, whole.
-    pub(super) fn vector(&self, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
-        Ok(self.ckpt.read_f32(&format!("{}.{name}", self.prefix), &[n])?)
-    }
-    /// Entries `r` of a vector `[n]`.
-    pub(super) fn vector_rows(&self, name: &str, n: usize, r: &Range<usize>) -> Result<Vec<f32>, ModelError> {
-        Ok(self.ckpt.read_f32_block(&format!("{}.{name}", self.prefix), &[n], r.clone(), 0..1)?)
-    }
-    /// Block `rows × cols` of `{name}.weight` (`shape = [out, in]`).
-    pub(super) fn linear(
-        &self,
-        name: &str,
-        shape: [usize; 2],
-        rows: Range<usize>,
-        cols: Range<usize>,
-    ) -> Result<LinearWeight, ModelError> {
-        let module = format!("{}.{name}", self.prefix);
-        let format = self.quant.map_or(WeightFormat::Plain, |q| q.format_for(&module));
-        Ok(self.ckpt.read_linear(&module, shape, rows, cols, format)?)
-    }
-}
-
-/// A zero-centred `(1 + w)` RMSNorm weight (Gemma's, Qwen3-Next's) as the
-/// plain RMSNorm op takes it: `1 + w` of the stored `w`.
-pub(super) fn plus_one(mut w: Vec<f32>) -> Vec<f32> {
-    w.iter_mut().for_each(|w| *w += 1.0);
-    w
-}
-
-/// This rank's share of a GQA layer's projections: `self_attn.{q,k,v}_proj`
-/// stacked (its heads' rows, column-parallel, with their biases if
-/// `qkv_bias`) and `self_attn.o_proj` (its heads' columns, row-parallel,
-/// with its bias if `o_bias`), heads of `head_dim` over `hidden`.
-pub(super) fn qkv_o<B: Backend>(
-    b: &B,
-    r: &Reader<'_>,
-    (hidden, head_dim): (usize, usize),
-    (heads, kv_heads): (&Split, &Split),
-    [qkv_bias, o_bias]: [bool; 2],
-) -> Result<(B::Linear, B::Linear), ModelError> {
-    let h = hidden;
-    let (q_out, kv_out) = (heads.units() * head_dim, kv_heads.units() * head_dim);
-    let (q_rows, kv_rows) = (heads.block(b, head_dim), kv_heads.block(b, head_dim));
-    let qkv = LinearWeight::stack(vec![
-        r.linear("self_attn.q_proj", [q_out, h], q_rows.clone(), 0..h)?,
-        r.linear("self_attn.k_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-        r.linear("self_attn.v_proj", [kv_out, h], kv_rows.clone(), 0..h)?,
-    ]);
-    let qkv_bias = if qkv_bias {
-        let mut bias = r.vector_rows("self_attn.q_proj.bias", q_out, &q_rows)?;
-        bias.extend(r.vector_rows("self_attn.k_proj.bias", kv_out, &kv_rows)?);
-        bias.extend(r.vector_rows("self_attn.v_proj.bias", kv_out, &kv_rows)?);
-        Some(bias)
-    } else {
-        None
-    };
-    let o_bias = if o_bias { Some(r.vector("self_attn.o_proj.bias", h)?) } else { None };
-    let o_proj = r.linear("self_attn.o_proj", [h, q_out], 0..h, q_rows)?;
-    Ok((b.linear(qkv, qkv_bias, Parallel::Column), b.linear(o_proj, o_bias, Parallel::Row)))
 }
 
 /// Self-attention (`self_attn.*`) of this rank's heads.
@@ -296,38 +211,6 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-/// This rank's slice of a gated MLP, from its `[gate, up, down]` modules
-/// (`{gate,up,down}_proj` or Mixtral's `w1`, `w3`, `w2`): its rows of gate
-/// and up, stacked, and its columns of down; with biases if `bias`.
-pub(super) fn gated<B: Backend>(
-    b: &B,
-    r: &Reader<'_>,
-    [gate, up, down]: [&str; 3],
-    h: usize,
-    i: usize,
-    split: &Split,
-    bias: bool,
-) -> Result<GatedLinear<B>, ModelError> {
-    let rows = split.block(b, 1); // this rank's rows of gate/up, columns of down
-    let gate_up = LinearWeight::stack(vec![
-        r.linear(gate, [i, h], rows.clone(), 0..h)?,
-        r.linear(up, [i, h], rows.clone(), 0..h)?,
-    ]);
-    let (gate_up_bias, down_bias) = if bias {
-        let mut b = r.vector_rows(&format!("{gate}.bias"), i, &rows)?;
-        b.extend(r.vector_rows(&format!("{up}.bias"), i, &rows)?);
-        (Some(b), Some(r.vector(&format!("{down}.bias"), h)?))
-    } else {
-        (None, None)
-    };
-    let down_w = r.linear(down, [h, i], 0..h, rows)?;
-    Ok(GatedLinear {
-        gate_up_proj: b.linear(gate_up, gate_up_bias, Parallel::Column),
-        down_proj: b.linear(down_w, down_bias, Parallel::Row),
-        act: Glu::Silu,
-    })
-}
-
 /// A layer's mixture of experts, under Qwen3-MoE's, Mixtral's or GLM-4.5's
 /// names: the router (`{module}.gate`, f32 inputs, as HF keeps it), its
 /// correction bias (GLM-4.5's `mlp.gate.e_score_correction_bias`), every
@@ -474,8 +357,11 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         Frame::plain(c.info(), c.rms_norm_eps, c.rope(), String::new(), c.extra_layers)
     }
 
-    fn check_split(c: &LlamaConfig, ranks: usize) -> Result<(), ModelError> {
-        Ok(check_split(c, ranks)?)
+    fn splits(c: &LlamaConfig) -> Vec<Split> {
+        let s = Splits::of(c);
+        // Mixtral has no dense layer: its `intermediate_size` is the experts'.
+        let dense = c.moe.as_ref().is_none_or(|m| m.sparse.contains(&false));
+        [s.heads, s.kv_heads].into_iter().chain(dense.then_some(s.mlp)).chain(s.experts).chain(s.shared).collect()
     }
 
     fn quantization(c: &LlamaConfig) -> Option<String> {
@@ -550,8 +436,9 @@ mod tests {
             "num_key_value_heads":2,"intermediate_size":4864,"vocab_size":100}"#,
         )
         .unwrap();
+        let opts = crate::model::LoadOptions { tp: 4, ..Default::default() };
         assert_eq!(
-            check_split(&c, 4).unwrap_err().to_string(),
+            crate::model::AnyConfig::Llama(c.clone()).check(&opts).unwrap_err().to_string(),
             "--tp 4: num_attention_heads 14 is not divisible by 4; choose a TP size that divides it"
         );
         let s = Splits::of(&c);

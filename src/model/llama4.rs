@@ -20,9 +20,9 @@
 //! down_proj row-parallel, each expert's width divided.
 
 use super::decoder::{Block, Frame, Step};
-use super::llama::{gated, qkv_o, Reader};
+use super::kit::{gated, qkv_o, Reader};
 use super::moe::Moe;
-use super::shard::{Split, SplitError};
+use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
     AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, SeqState,
@@ -53,16 +53,6 @@ impl Splits {
             experts: Split::even("intermediate_size", c.intermediate_size),
         }
     }
-}
-
-/// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &Llama4Config, ranks: usize) -> Result<(), SplitError> {
-    let s = Splits::of(c);
-    let (dense, moe) = (c.layers.iter().any(|l| !l.moe), c.layers.iter().any(|l| l.moe));
-    for split in [s.heads, s.kv_heads].into_iter().chain(dense.then_some(s.mlp)).chain(moe.then_some(s.experts)) {
-        split.per_rank(ranks)?;
-    }
-    Ok(())
 }
 
 /// Self-attention (`self_attn.*`) of this rank's heads.
@@ -252,8 +242,10 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         Frame::plain(c.info(), c.rms_norm_eps, c.rope(), c.tensor_prefix.clone(), 0)
     }
 
-    fn check_split(c: &Llama4Config, ranks: usize) -> Result<(), ModelError> {
-        Ok(check_split(c, ranks)?)
+    fn splits(c: &Llama4Config) -> Vec<Split> {
+        let s = Splits::of(c);
+        let (dense, moe) = (c.layers.iter().any(|l| !l.moe), c.layers.iter().any(|l| l.moe));
+        [s.heads, s.kv_heads].into_iter().chain(dense.then_some(s.mlp)).chain(moe.then_some(s.experts)).collect()
     }
 
     fn load(b: &B, c: &Llama4Config, ckpt: &Checkpoint, l: usize) -> Result<Self, ModelError> {

@@ -2,8 +2,9 @@
 //!
 //! - [`decoder`]: the skeleton every architecture shares ([`Decoder`]) and
 //!   what an architecture provides ([`decoder::Block`]);
-//! - [`llama`], [`deepseek`], [`gemma3`], [`gpt_oss`], [`llama4`]: one file
-//!   per architecture family, blocks named like the checkpoint's tensors;
+//! - [`llama`], [`deepseek`], ...: one file per architecture family (a row
+//!   of the family table, `crate::families`, declares it), blocks named like
+//!   the checkpoint's tensors, with its aliases ([`Llama`], [`TpLlama`], ...);
 //! - [`shard`]: how a layer's weights split over tensor-parallel ranks;
 //! - [`tp_model`]: any decoder run as tensor-parallel ranks;
 //! - [`any`]: the registry, the one file that names every family and every
@@ -11,26 +12,26 @@
 
 pub mod any;
 pub mod decoder;
-pub mod deepseek;
-pub mod gemma3;
-pub mod gpt_oss;
-pub mod llama;
-pub mod llama4;
+mod kit;
 pub mod moe;
-pub mod qwen3_next;
 pub mod shard;
 pub mod tp_model;
 
-pub use any::{
-    load, AnyCache, AnyConfig, AnyModel, BackendKind, ComputeChoice, Deepseek, Gemma3, GptOss, Llama, Llama4,
-    LoadOptions, TpDeepseek, TpGemma3, TpGptOss, TpLlama, TpLlama4,
-};
+/// From the family table: each family's model module (its aliases are the
+/// registry's, which alone names the backends they default to).
+macro_rules! model_modules {
+    ([] $($variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
+        $(pub mod $module;)+
+    };
+}
+crate::families::families!(model_modules);
+
+pub use any::*;
 pub use decoder::Decoder;
 pub use tp_model::{RankModel, RankWorker, TpModel};
 
 /// The device failure [`ModelError::Device`] carries.
 pub use crate::backend::DeviceError;
-pub use any::OptionsError;
 pub use shard::SplitError;
 
 use crate::backend::{Backend, BackendError, PendingCopies, SeqState};

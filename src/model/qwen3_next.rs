@@ -23,9 +23,9 @@
 //! parallel in, row-parallel out); the conv's channels follow their heads.
 
 use super::decoder::{Block, Frame, Step};
-use super::llama::{gated, plus_one, Reader};
+use super::kit::{gated, plus_one, Reader};
 use super::moe::Moe;
-use super::shard::{Split, SplitError};
+use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
     AttnShape, Backend, DeltaRule, DeltaShape, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel,
@@ -66,19 +66,6 @@ impl Splits {
                 .map(|w| Split::even("shared_expert_intermediate_size", w)),
         }
     }
-}
-
-/// Checks that `c` splits over `ranks` tensor-parallel ranks, before any weight is read.
-pub fn check_split(c: &Qwen3NextConfig, ranks: usize) -> Result<(), SplitError> {
-    let s = Splits::of(c);
-    let has = |k: LayerKind| c.layer_types.contains(&k);
-    let dense = c.moe.as_ref().is_none_or(|m| m.sparse.contains(&false));
-    let linear = has(LayerKind::Linear).then_some([s.k_heads, s.v_heads]).into_iter().flatten();
-    let full = has(LayerKind::Full).then_some([s.heads, s.kv_heads]).into_iter().flatten();
-    for split in linear.chain(full).chain(dense.then_some(s.mlp)).chain(s.experts).chain(s.shared) {
-        split.per_rank(ranks)?;
-    }
-    Ok(())
 }
 
 /// A Gated DeltaNet layer (`linear_attn.*`) of this rank's heads.
@@ -502,8 +489,13 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         Frame { norm_offset: 1.0, ..Frame::plain(c.info(), c.rms_norm_eps, c.rope_freqs(), c.tensor_prefix.clone(), 0) }
     }
 
-    fn check_split(c: &Qwen3NextConfig, ranks: usize) -> Result<(), ModelError> {
-        Ok(check_split(c, ranks)?)
+    fn splits(c: &Qwen3NextConfig) -> Vec<Split> {
+        let s = Splits::of(c);
+        let has = |k: LayerKind| c.layer_types.contains(&k);
+        let dense = c.moe.as_ref().is_none_or(|m| m.sparse.contains(&false));
+        let linear = has(LayerKind::Linear).then_some([s.k_heads, s.v_heads]).into_iter().flatten();
+        let full = has(LayerKind::Full).then_some([s.heads, s.kv_heads]).into_iter().flatten();
+        linear.chain(full).chain(dense.then_some(s.mlp)).chain(s.experts).chain(s.shared).collect()
     }
 
     fn sequence_state_bytes(c: &Qwen3NextConfig) -> usize {

@@ -34,6 +34,15 @@ pub enum SplitError {
     },
 }
 
+/// Checks that every one of `splits` divides over `ranks`, in order: the
+/// one split check, run before any weight is read.
+pub fn check(splits: &[Split], ranks: usize) -> Result<(), SplitError> {
+    for split in splits {
+        split.per_rank(ranks)?;
+    }
+    Ok(())
+}
+
 /// A dimension cut into `units` (heads, or single rows of an MLP width)
 /// shared out over ranks in contiguous blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -138,7 +138,7 @@ where
         tp: TP,
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<Self, ModelError> {
-        L::check_split(&config, tp.get())?;
+        super::shard::check(&L::splits(&config), tp.get())?;
         let info = L::frame(&config).info;
         let hidden: H = dim_from_size("config.json hidden_size", "hidden", info.hidden_size)?;
         hidden.shard(tp)?;
