@@ -84,6 +84,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// The name `--backend` takes.
     const NAME: &'static str;
 
+    /// Whether the device has bf16 arithmetic: `--compute auto` then picks
+    /// bf16 for weights stored in bf16, FP8 or INT4.
+    fn native_bf16() -> bool;
+    /// The kernel its GEMMs take, as the manifest records it (a resume
+    /// refuses to mix kernels, whose last bits may differ).
+    fn kernel(&self) -> &'static str;
+
     /// This rank's index.
     fn rank(&self) -> usize;
     /// Ranks in this backend's tensor-parallel group.

@@ -166,6 +166,14 @@ impl Backend for Reference {
 
     const NAME: &'static str = "reference";
 
+    fn native_bf16() -> bool {
+        false
+    }
+
+    fn kernel(&self) -> &'static str {
+        "reference"
+    }
+
     fn rank(&self) -> usize {
         0
     }

@@ -132,11 +132,7 @@ pub fn resolve_compute(
     if let ComputeChoice::Fixed(c) = choice {
         return c;
     }
-    let native = match backend {
-        BackendKind::Cpu => crate::backend::cpu::bf16::has_native_bf16(),
-        BackendKind::Cuda => true, // every GPU the kernels target (sm_80+) has bf16 tensor cores
-        BackendKind::Reference => false,
-    };
+    let native = backend.native_bf16();
     // The embedding table's dtype is the checkpoint's (`ckpt` is scoped to the text model).
     let low_precision = weights.is_some_and(|(config, ckpt)| {
         config.quantization().is_some() || ckpt.dtype("model.embed_tokens.weight") == Some(DType::BF16)
@@ -254,11 +250,7 @@ impl OpenedModel {
 
     /// The kernel path its GEMMs take (recorded: a resume must not mix them).
     pub fn kernel(&self) -> &'static str {
-        match self.request.backend {
-            BackendKind::Cpu => crate::backend::cpu::linear::kernel_name_for(self.model.compute()),
-            BackendKind::Reference => "reference",
-            BackendKind::Cuda => self.model.cuda_kernel().unwrap_or("cublas"),
-        }
+        self.model.kernel()
     }
 }
 

@@ -47,6 +47,22 @@ impl BackendKind {
     }
 }
 
+impl BackendKind {
+    /// Whether its devices have bf16 arithmetic ([`Backend::native_bf16`]),
+    /// known before any is opened: what `--compute auto` asks of a backend.
+    pub fn native_bf16(self) -> bool {
+        match self {
+            BackendKind::Cpu => Cpu::<F32>::native_bf16(),
+            BackendKind::Reference => Reference::native_bf16(),
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => crate::backend::cuda::Cuda::<F32>::native_bf16(),
+            // A build without the backend refuses it at load; `auto` resolves as it would with it.
+            #[cfg(not(feature = "cuda"))]
+            BackendKind::Cuda => true,
+        }
+    }
+}
+
 impl std::fmt::Display for BackendKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -277,16 +293,13 @@ impl AnyConfig {
     ) -> Result<AnyModel, ModelError> {
         self.check(&opts)?;
         let (tp, compute, info) = (opts.tp, opts.compute, self.info());
-        let (inner, cuda_kernel) = match (opts.backend, compute) {
-            (BackendKind::Cpu, Compute::F32) => (self.erased_on(Cpu::<F32>::default(), tp, open)?, None),
-            (BackendKind::Cpu, Compute::Bf16) => (self.erased_on(Cpu::<Bf16>::default(), tp, open)?, None),
-            (BackendKind::Reference, _) => (self.erased_on(Reference, 1, open)?, None),
-            (BackendKind::Cuda, compute) => {
-                let (inner, kernel) = self.load_cuda(compute, &opts, open)?;
-                (inner, Some(kernel))
-            }
+        let (inner, kernel) = match (opts.backend, compute) {
+            (BackendKind::Cpu, Compute::F32) => self.erased_on(Cpu::<F32>::default(), tp, open)?,
+            (BackendKind::Cpu, Compute::Bf16) => self.erased_on(Cpu::<Bf16>::default(), tp, open)?,
+            (BackendKind::Reference, _) => self.erased_on(Reference, 1, open)?,
+            (BackendKind::Cuda, compute) => self.load_cuda(compute, &opts, open)?,
         };
-        Ok(AnyModel { inner, info, options: opts, compute, cuda_kernel })
+        Ok(AnyModel { inner, info, options: opts, compute, kernel })
     }
 
     /// The model on `backend`, as `tp` ranks of its group when `tp > 1`, each
@@ -300,9 +313,9 @@ impl AnyConfig {
     ) -> Result<AnyModel, ModelError> {
         let (compute, info) = (backend.compute(), self.info());
         let kind = B::NAME.parse().map_err(ModelError::Unsupported)?;
-        let inner = self.erased_on(backend, tp, open)?;
+        let (inner, kernel) = self.erased_on(backend, tp, open)?;
         let options = LoadOptions { backend: kind, compute, tp, devices: Vec::new() };
-        Ok(AnyModel { inner, info, options, compute, cuda_kernel: None })
+        Ok(AnyModel { inner, info, options, compute, kernel })
     }
 
     fn erased_on<B: Backend>(
@@ -310,12 +323,14 @@ impl AnyConfig {
         backend: B,
         tp: usize,
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
-    ) -> Result<Box<dyn ErasedModel>, ModelError> {
-        Ok(dispatch!(self, |c, L| if tp == 1 {
+    ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
+        let kernel = backend.kernel();
+        let inner = dispatch!(self, |c, L| if tp == 1 {
             Box::new(Decoder::<B, L<B>>::from_checkpoint_on(backend, c, &open()?)?) as Box<dyn ErasedModel>
         } else {
             Box::new(TpModel::<Decoder<B, L<B>>, usize>::build_on(&backend, c, tp, open)?)
-        }))
+        });
+        Ok((inner, kernel))
     }
 
     #[cfg(feature = "cuda")]
@@ -334,9 +349,13 @@ impl AnyConfig {
         ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
             let devices = opts.rank_devices();
             let first = Driver::open(devices[0]).map_err(ModelError::Device)?;
-            let kernel = first.gemm_path().kernel(C::COMPUTE);
-            tracing::info!(kernels = first.image.name(), gemm = kernel, "GPU {} opened", devices[0]);
-            Ok((config.erased_on(Cuda::<C>::new(first, devices), opts.tp, open)?, kernel))
+            tracing::info!(
+                kernels = first.image.name(),
+                gemm = first.gemm_path().kernel(C::COMPUTE),
+                "GPU {} opened",
+                devices[0]
+            );
+            config.erased_on(Cuda::<C>::new(first, devices), opts.tp, open)
         }
         match compute {
             Compute::F32 => on::<F32>(self, opts, open),
@@ -447,16 +466,16 @@ pub struct AnyModel {
     info: ArchInfo,
     options: LoadOptions,
     compute: Compute,
-    /// On the CUDA backend, the GEMM path (see `GemmPath::kernel`).
-    cuda_kernel: Option<&'static str>,
+    /// The kernel its GEMMs take, its backend's ([`Backend::kernel`]).
+    kernel: &'static str,
 }
 
 impl AnyModel {
-    /// The CUDA backend's GEMM path for the manifest's kernel field
-    /// (`cublas`, or `cublas-grouped` where the MoE experts' GEMMs are
-    /// grouped); `None` on other backends.
-    pub fn cuda_kernel(&self) -> Option<&'static str> {
-        self.cuda_kernel
+    /// The kernel its GEMMs take, for the manifest's kernel field: the CPU
+    /// path (`avx512bf16`, `portable`, ...), `reference`, or on the CUDA
+    /// backend `cublas` (`cublas-grouped` where the MoE experts' GEMMs are grouped).
+    pub fn kernel(&self) -> &'static str {
+        self.kernel
     }
     /// The compute dtype of its GEMMs and attention.
     pub fn compute(&self) -> Compute {

@@ -127,6 +127,14 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
 
     const NAME: &'static str = "cpu";
 
+    fn native_bf16() -> bool {
+        bf16::has_native_bf16()
+    }
+
+    fn kernel(&self) -> &'static str {
+        linear::kernel_name_for(C::COMPUTE)
+    }
+
     fn rank(&self) -> usize {
         self.comm.as_ref().map_or(0, |c| c.rank())
     }

@@ -1165,6 +1165,14 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
 
     const NAME: &'static str = "cuda";
 
+    fn native_bf16() -> bool {
+        true // every GPU the kernels target (sm_80+) has bf16 tensor cores
+    }
+
+    fn kernel(&self) -> &'static str {
+        self.dev.gemm_path().kernel(C::COMPUTE)
+    }
+
     fn rank(&self) -> usize {
         self.dev.rank().0
     }
