@@ -185,10 +185,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
         table: &Self::RopeTable,
         batch: &PackedBatch,
     );
-    /// `out = silu(gate) · up` of `gate_up = [gate | up]`.
-    fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>);
     /// `out = act(gate, up)` of `gate_up = [gate | up]`, for each [`Glu`]
-    /// (`Glu::Silu` is [`Self::swiglu`]).
+    /// (`Glu::Silu`: SwiGLU, `silu(gate) · up`).
     fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>);
     /// In place: each row's `heads` times the [`Temperature`] at its token's
     /// absolute position within its sample (Llama 4's NoPE queries).
@@ -219,7 +217,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     }
     /// `residual += x·Wᵀ + b` (fused into the GEMM where it can be).
     fn linear_add<W: Dim, V: Dim>(&self, l: &Self::Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>);
-    /// `residual += swiglu(gate_up)·Wᵀ + b`: [`Self::swiglu`] into `act`, then
+    /// `residual += swiglu(gate_up)·Wᵀ + b`: [`Self::glu`] (`Glu::Silu`) into `act`, then
     /// [`Self::linear_add`]. A backend may fuse the SwiGLU into the GEMM's
     /// reading of its input (same bits), leaving `act` unwritten.
     fn swiglu_linear_add<V: Dim>(
@@ -229,7 +227,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         act: &mut Tensor<Self>,
         residual: &mut Tensor<Self, V>,
     ) {
-        self.swiglu(gate_up, act);
+        self.glu(Glu::Silu, gate_up, act);
         self.linear_add(l, act, residual);
     }
     /// `x += swiglu(rms_norm(x, w)·Gᵀ + g)·Dᵀ + d`: a pre-norm gated MLP's

@@ -315,16 +315,6 @@ impl Backend for Reference {
         }
     }
 
-    fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
-        let inter = out.width();
-        check::swiglu(gate_up, out);
-        for (gu, o) in gate_up.storage().chunks_exact(2 * inter).zip(out.storage_mut().chunks_exact_mut(inter)) {
-            for i in 0..inter {
-                o[i] = (silu(gu[i] as f64) * gu[inter + i] as f64) as f32;
-            }
-        }
-    }
-
     fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
         check::glu("glu", gate_up, out);

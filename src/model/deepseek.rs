@@ -294,7 +294,7 @@ impl<B: Backend> Mlp<B> {
         s.gate_up.resize(b, h.rows(), 2 * inter);
         s.act.resize(b, h.rows(), inter);
         b.linear_forward(&self.proj.gate_up_proj, h, &mut s.gate_up);
-        b.swiglu(&s.gate_up, &mut s.act);
+        b.glu(Glu::Silu, &s.gate_up, &mut s.act);
         b.linear_forward(&self.proj.down_proj, &s.act, out);
     }
 }

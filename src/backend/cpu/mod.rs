@@ -328,12 +328,6 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
-    fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
-        let inter = out.width();
-        check::swiglu(gate_up, out);
-        ops::swiglu(gate_up.storage(), inter, out.storage_mut());
-    }
-
     fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
         check::glu("glu", gate_up, out);
@@ -436,7 +430,7 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         check::linear(l, act, residual);
         if self.comm.is_some() && l.kind == Parallel::Row {
             // Split rows: the partial sums go through the all-reduce first.
-            self.swiglu(gate_up, act);
+            self.glu(Glu::Silu, gate_up, act);
             return self.linear_add(l, act, residual);
         }
         // One rank: the SwiGLU is fused into the GEMM's packing of A, and the

@@ -1375,13 +1375,6 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         self.run(|| self.rope_launch((ptr, GemmType::F32), width, heads, interleave, table, batch));
     }
 
-    fn swiglu(&self, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
-        check::swiglu(gate_up, out);
-        let (rows, inter) = (out.rows(), out.width());
-        let (gu, o) = (gate_up.storage().ptr, out.storage().ptr);
-        self.run(|| launch::swiglu(&*self.dev, elementwise(rows * inter)?, gu, int(rows), int(inter), o));
-    }
-
     fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         check::glu("glu", gate_up, out);
         let (rows, inter) = (out.rows(), out.width());
@@ -1506,7 +1499,7 @@ impl<C: ComputeDtype, D: Device> Backend for Cuda<C, D> {
         residual: &mut Tensor<Self, V>,
     ) {
         if !self.bf16_inputs(l) {
-            self.swiglu(gate_up, act);
+            self.glu(Glu::Silu, gate_up, act);
             return self.linear_add(l, act, residual);
         }
         check::swiglu(gate_up, act);
