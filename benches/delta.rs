@@ -20,7 +20,8 @@ static ALLOC: strata::backend::cpu::CacheAligned = strata::backend::cpu::CacheAl
 
 use std::process::{Command, Stdio};
 use std::time::Instant;
-use strata::backend::{Backend, Cpu, DeltaRule, DeltaShape, KvStore, Tensor, F32};
+use strata::backend::prelude::*;
+use strata::backend::{Cpu, DeltaGates, DeltaRule, DeltaShape, LayerState, Tensor, F32};
 use strata::pipeline::batch::{PackedBatch, Segment};
 use strata_testkit::bench::{flag_or, median};
 
@@ -87,10 +88,11 @@ fn main() {
     batch.push_segment(&vec![0; T], Segment { key: 0, pos0: 0, keep: false });
     let mut out = Tensor::<Cpu>::zeros(&b, T, nv * dv);
     let mut strata = || {
-        let mut state = <Cpu as Backend>::DeltaState::default();
+        let mut state = <Cpu as RecurrentOps>::DeltaState::default();
         state.begin(&batch).unwrap();
         let t = Instant::now();
-        b.gated_delta_rule(&qkv, z.all(), ba.all(), &rule, &batch, &mut state, 0, &mut out);
+        let gates = DeltaGates { z: z.all(), ba: ba.all() };
+        b.gated_delta_rule(&qkv, gates, &rule, &batch, LayerState::new(&mut state, 0), &mut out);
         t.elapsed().as_secs_f64()
     };
     println!("threads {threads}, T = {T}, {} value heads over {} key heads, d = {dv}, f32", nv, SHAPE.k_heads);

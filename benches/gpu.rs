@@ -339,7 +339,8 @@ fn main() {
 /// (d): the attention op's TFLOP/s at 4K and 16K tokens, head dims 128 and 256.
 fn attention(a: &Args) {
     use strata::backend::cuda::{Cuda, Driver};
-    use strata::backend::{AttnShape, Backend, Bf16, KvStore, Mask, Tensor};
+    use strata::backend::prelude::*;
+    use strata::backend::{AttnShape, Bf16, LayerState, Mask, Qkv, Tensor};
     use strata::pipeline::batch::Segment;
     println!("(d) bf16 attention alone, 32 query / 8 KV heads, one causal sample");
     let dev = match Driver::open(0) {
@@ -364,17 +365,8 @@ fn attention(a: &Args) {
             for run in 0..=a.runs {
                 KvStore::begin(&mut cache, &batch).unwrap();
                 let start = Instant::now();
-                b.attention(
-                    qkv.cols(0, qw),
-                    qkv.cols(qw, kw),
-                    qkv.cols(qw + kw, kw),
-                    shape,
-                    None,
-                    &batch,
-                    &mut cache,
-                    0,
-                    &mut out,
-                );
+                let cols = Qkv { q: qkv.cols(0, qw), k: qkv.cols(qw, kw), v: qkv.cols(qw + kw, kw) };
+                b.attention(cols, shape, None, &batch, LayerState::new(&mut cache, 0), &mut out);
                 if let Err(e) = b.end_step() {
                     return println!("    head dim {hd}, {t} tokens: failed: {e}");
                 }

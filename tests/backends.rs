@@ -139,7 +139,8 @@ fn no_model_file_names_a_concrete_backend() {
 /// the output, so the comparison sees them.
 #[test]
 fn attention_sinks_agree_between_backends() {
-    use strata::backend::{AttnShape, Backend, Bf16, Cpu, KvStore, Mask, Reference, Tensor, F32};
+    use strata::backend::prelude::*;
+    use strata::backend::{AttnShape, Bf16, Cpu, LayerState, Mask, Qkv, Reference, Tensor, F32};
     use strata::pipeline::batch::Segment;
     fn run<B: Backend>(b: &B, qkv: &[f32], sinks: Option<&[f32]>, batch: &PackedBatch) -> Vec<f32> {
         let (nh, nkv, hd) = (4, 2, 16);
@@ -151,7 +152,7 @@ fn attention_sinks_agree_between_backends() {
         let mut cache = B::KvCache::default();
         cache.begin(batch).unwrap();
         let (q, k, v) = (x.cols(0, nh * hd), x.cols(nh * hd, nkv * hd), x.cols((nh + nkv) * hd, nkv * hd));
-        b.attention(q, k, v, s, sinks.as_ref(), batch, &mut cache, 0, &mut out);
+        b.attention(Qkv { q, k, v }, s, sinks.as_ref(), batch, LayerState::new(&mut cache, 0), &mut out);
         out.to_host(b)
     }
     let mut batch = PackedBatch::new();

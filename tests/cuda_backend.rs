@@ -17,6 +17,7 @@ use common::*;
 use cuda_emu::{gxx_or_skip, Emulated, Faults};
 use std::sync::atomic::AtomicUsize;
 use strata::backend::cuda::Cuda;
+use strata::backend::prelude::*;
 use strata::backend::{Bf16, Compute, ComputeDtype, Mask, F32};
 use strata::hf::checkpoint::Checkpoint;
 use strata::model::{AnyCache, LoadOptions, Model};
@@ -300,7 +301,6 @@ fn the_bf16_attention_kernel_matches_the_f32_one_at_real_head_dims() {
 #[test]
 fn the_rope_table_is_built_once_and_grown_geometrically() {
     use strata::backend::cuda::device::Device;
-    use strata::backend::Backend;
     use strata::hf::RopeFreqs;
     let b = Emu::<F32>::new(Emulated::default(), vec![0]);
     let freqs = RopeFreqs { inv_freq: vec![1.0, 0.1, 0.01], scale: 1.0 };
@@ -331,7 +331,8 @@ fn the_fused_bf16_norm_and_swiglu_give_the_unfused_bits() {
     if !gxx_or_skip("the_fused_bf16_norm_and_swiglu_give_the_unfused_bits") {
         return;
     }
-    use strata::backend::{Backend, Parallel, Tensor};
+    use strata::backend::prelude::*;
+    use strata::backend::{MlpBufs, Parallel, Tensor};
     use strata::hf::quant::LinearWeight;
     let b = Emu::<Bf16>::new(Emulated::default(), vec![0]);
     let (rows, h, inter) = (5usize, 48usize, 40usize);
@@ -371,7 +372,8 @@ fn the_fused_bf16_norm_and_swiglu_give_the_unfused_bits() {
     let mut x3 = Tensor::from_host(&b, &host(&x), rows, h).unwrap();
     let (mut n3, mut gu3, mut act3) =
         (Tensor::zeros(&b, rows, h), Tensor::zeros(&b, rows, 2 * inter), Tensor::zeros(&b, rows, inter));
-    b.norm_gated_mlp_add(&gate_up, &down, &norm, 1e-6, &mut x3, &mut n3, &mut gu3, &mut act3);
+    let bufs = MlpBufs { normed: &mut n3, gate_up: &mut gu3, act: &mut act3 };
+    b.norm_gated_mlp_add(&gate_up, &down, &norm, 1e-6, &mut x3, bufs);
     b.end_step().unwrap();
     let (got, want) = (host(&x3), host(&res));
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -515,7 +517,8 @@ fn the_bf16_attention_block_keeps_q_k_v_in_bf16() {
     if !gxx_or_skip("the_bf16_attention_block_keeps_q_k_v_in_bf16") {
         return;
     }
-    use strata::backend::{attention_block_ops, AttnBlock, AttnShape, Backend, KvStore, Parallel, QkNorm, Tensor};
+    use strata::backend::prelude::*;
+    use strata::backend::{attention_block_ops, AttnBlock, AttnBufs, AttnShape, LayerState, Parallel, QkNorm, Tensor};
     use strata::hf::quant::LinearWeight;
     use strata::hf::RopeFreqs;
     let b = Emu::<Bf16>::new(Emulated::default(), vec![0]);
@@ -551,9 +554,11 @@ fn the_bf16_attention_block_keeps_q_k_v_in_bf16() {
         let mut cache = Default::default();
         KvStore::begin(&mut cache, &batch).unwrap();
         if fused {
-            b.norm_attention_add(&block, &mut x, &mut normed, &mut qkv, &mut out, &rope, &batch, &mut cache, 0);
+            let bufs = AttnBufs { normed: &mut normed, qkv: &mut qkv, out: &mut out };
+            b.norm_attention_add(&block, &mut x, bufs, &rope, &batch, LayerState::new(&mut cache, 0));
         } else {
-            attention_block_ops(&b, &block, &mut x, &mut normed, &mut qkv, &mut out, &rope, &batch, &mut cache, 0);
+            let bufs = AttnBufs { normed: &mut normed, qkv: &mut qkv, out: &mut out };
+            attention_block_ops(&b, &block, &mut x, bufs, &rope, &batch, LayerState::new(&mut cache, 0));
         }
         b.end_step().unwrap();
         x.to_host(&b)

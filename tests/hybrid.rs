@@ -10,7 +10,8 @@ use crate::common;
 use crate::cuda_emu;
 
 use common::max_err;
-use strata::backend::{Backend, Bf16, Cpu, DeltaRule, DeltaShape, KvStore, Reference, Tensor, F32};
+use strata::backend::prelude::*;
+use strata::backend::{Bf16, Cpu, DeltaGates, DeltaRule, DeltaShape, LayerState, Reference, Tensor, F32};
 use strata::pipeline::batch::{PackedBatch, Segment};
 
 /// Two value heads over one key head, 128 wide each: the recurrent state of a layer is 2 × 128 × 128.
@@ -81,9 +82,10 @@ impl Inputs {
         let mut mixed = Tensor::<B>::zeros(b, t, c);
         let mut out = Tensor::<B>::zeros(b, t, nv * vd);
         state.begin(batch).unwrap();
-        b.causal_conv1d(x.all(), &conv, SHAPE, batch, state, 0, &mut mixed);
+        b.causal_conv1d(x.all(), &conv, SHAPE, batch, LayerState::new(state, 0), &mut mixed);
         let rule = DeltaRule { shape: SHAPE, a_log: &a_log, dt_bias: &dt_bias, norm: &norm, eps: 1e-6 };
-        b.gated_delta_rule(&mixed, z.all(), ba.all(), &rule, batch, state, 0, &mut out);
+        let gates = DeltaGates { z: z.all(), ba: ba.all() };
+        b.gated_delta_rule(&mixed, gates, &rule, batch, LayerState::new(state, 0), &mut out);
         state.retire(batch);
         b.end_step().unwrap();
         out.to_host(b)

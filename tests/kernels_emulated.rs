@@ -12,8 +12,9 @@ use crate::cuda_emu;
 
 use cuda_emu::{emulation_source, gxx_accepts, gxx_or_skip, lib};
 use strata::backend::cuda::backend::{attention_bf16_smem, pad16};
+use strata::backend::prelude::*;
 use strata::backend::{
-    AttnShape, Backend, Glu, HeadSpan, KvCache, KvStore, Mask, Reference, Router, Temperature, Tensor,
+    AttnShape, Glu, HeadSpan, HeadSums, KvCache, KvStore, LayerState, Mask, Qkv, Reference, Router, Temperature, Tensor,
 };
 use strata::hf::moe::{Scoring, TopkMethod};
 use strata::hf::quant::{QuantKind, QuantRows};
@@ -115,7 +116,7 @@ fn rms_norm_kernels_match_the_reference() {
     let doubled: Vec<f32> = sums.iter().map(|s| 2.0 * s).collect();
     let ds = Tensor::<Reference>::from_host(&r, &doubled, rows, 5).unwrap();
     let mut want = Tensor::<Reference>::from_host(&r, &x, rows, stride).unwrap();
-    r.scale_heads_rms(&mut want, span, &ds, 1, 32, &w, 1e-5);
+    r.scale_heads_rms(&mut want, span, HeadSums { sums: &ds, col: 1, n: 32 }, &w, 1e-5);
     // A head's own norm is the same: twice the sum over twice the width.
     let mut own = Tensor::<Reference>::from_host(&r, &x, rows, stride).unwrap();
     r.rms_norm_heads(&mut own, span, &w, 1e-5);
@@ -557,17 +558,8 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape, with_sinks: bool) {
         let rounded: Vec<f32> = if bf16_kernel { qkv.iter().map(|&v| bf16(v)).collect() } else { qkv.clone() };
         let rbuf = Tensor::<Reference>::from_host(&r, &rounded, t, width).unwrap();
         cache.begin(b).unwrap();
-        r.attention(
-            rbuf.cols(0, qw),
-            rbuf.cols(qw, kw),
-            rbuf.cols(qw + kw, vw),
-            shape,
-            sink_vec.as_ref(),
-            b,
-            &mut cache,
-            0,
-            &mut want,
-        );
+        let cols = Qkv { q: rbuf.cols(0, qw), k: rbuf.cols(qw, kw), v: rbuf.cols(qw + kw, vw) };
+        r.attention(cols, shape, sink_vec.as_ref(), b, LayerState::new(&mut cache, 0), &mut want);
         // Rows `rows` of the `heads` heads at column `at` (width `w` each), as bf16 padded to `wp`.
         let packed_heads = |rows: std::ops::Range<usize>, at: usize, w: usize, wp: usize, heads: usize| -> Vec<u16> {
             let mut out = Vec::new();

@@ -1,10 +1,57 @@
-//! The attention ops' types: head spans of a packed row, a layer's
-//! attention shape and mask, output gating, and the attention block the
-//! backends share (`attention_block_ops`).
+//! Attention ([`AttentionOps`]) and its types: head spans of a packed row,
+//! a layer's attention shape and mask, output gating, and the attention
+//! block the fused op takes.
 
-use super::{Backend, Tensor};
+use super::{check, Buffers, Cols, KvStore, LayerState, RowOps, Tensor, VectorInfo, Weights};
 use crate::pipeline::batch::PackedBatch;
-use crate::shape::Dim;
+
+/// Attention over packed variable-length segments, with its KV cache.
+pub trait AttentionOps: RowOps {
+    /// Keys and values of the attention layers, kept between steps.
+    type KvCache: KvStore;
+
+    /// Causal attention over the packed variable-length segments of `batch`:
+    /// `out = softmax(q·kᵀ·scale + mask)·v` per head; with `sinks` (one logit
+    /// per query head, gpt-oss), `exp(sink)` joins each row's denominator
+    /// and nothing its values. A segment that continues a sample (chunked
+    /// prefill) reads its earlier keys and values from `kv` (its layer's
+    /// part); a segment with more chunks to come leaves its own there.
+    fn attention(
+        &self,
+        qkv: Qkv<'_, Self>,
+        shape: AttnShape,
+        sinks: Option<&Self::Vector>,
+        batch: &PackedBatch,
+        kv: LayerState<'_, Self::KvCache>,
+        out: &mut Tensor<Self>,
+    ) {
+        check::sinks(sinks.map(VectorInfo::len), shape);
+        check::attention(&qkv.q, &qkv.k, &qkv.v, shape, batch, (out.rows(), out.width()));
+        self.attention_unchecked(qkv, shape, sinks, batch, kv, out)
+    }
+    /// [`AttentionOps::attention`], sizes checked.
+    fn attention_unchecked(
+        &self,
+        qkv: Qkv<'_, Self>,
+        shape: AttnShape,
+        sinks: Option<&Self::Vector>,
+        batch: &PackedBatch,
+        kv: LayerState<'_, Self::KvCache>,
+        out: &mut Tensor<Self>,
+    );
+}
+
+/// The queries `[T, heads · head_dim]`, keys `[T, kv_heads · head_dim]` and
+/// values `[T, kv_heads · v_dim]` attention reads: column blocks of one
+/// buffer or of several.
+pub struct Qkv<'a, B: Buffers> {
+    /// Queries.
+    pub q: Cols<'a, B>,
+    /// Keys.
+    pub k: Cols<'a, B>,
+    /// Values.
+    pub v: Cols<'a, B>,
+}
 
 /// `count` heads (or column blocks) of every row: head `i` occupies columns
 /// `offset + i·stride .. + width`. A stride of 0 repeats one block.
@@ -88,9 +135,9 @@ pub enum Gating {
 }
 
 /// A pre-norm attention block of the Llama family, as one op takes it
-/// ([`Backend::norm_attention_add`]): `x += o_proj(attention(rope(q_norm(q)),
+/// ([`super::FusedOps::norm_attention_add`]): `x += o_proj(attention(rope(q_norm(q)),
 /// rope(k_norm(k)), v))` with `[q | k | v] = qkv_proj(rms_norm(x))`.
-pub struct AttnBlock<'a, B: Backend> {
+pub struct AttnBlock<'a, B: Weights> {
     /// `q_proj`, `k_proj`, `v_proj` stacked: `[(heads + 2·kv_heads) · head_dim, hidden]`, column-parallel.
     pub qkv_proj: &'a B::Linear,
     /// `[hidden, heads · head_dim]`, row-parallel.
@@ -110,7 +157,7 @@ pub struct AttnBlock<'a, B: Backend> {
 }
 
 /// RMSNorms of q and k before RoPE: this rank's part of their weights.
-pub struct QkNorm<'a, B: Backend> {
+pub struct QkNorm<'a, B: Buffers> {
     /// `[head_dim]`, or `[local heads · head_dim]` with `all_heads`.
     pub q: &'a B::Vector,
     /// `[head_dim]`, or `[local kv heads · head_dim]` with `all_heads`.
@@ -123,54 +170,10 @@ pub struct QkNorm<'a, B: Backend> {
     pub all_heads: bool,
 }
 
-impl<B: Backend> AttnBlock<'_, B> {
+impl<B: Weights> AttnBlock<'_, B> {
     /// The q and k heads RoPE rotates, `rotary_dim` columns of each.
     pub fn rope_span(&self) -> HeadSpan {
         let s = self.shape;
         HeadSpan { offset: 0, count: s.heads + s.kv_heads, stride: s.head_dim, width: self.rotary_dim }
     }
-}
-
-/// [`Backend::norm_attention_add`] as the ops it is made of, one by one
-/// (the default, and a backend's fallback where it cannot fuse).
-#[allow(clippy::too_many_arguments)]
-pub fn attention_block_ops<B: Backend, H: Dim>(
-    b: &B,
-    a: &AttnBlock<'_, B>,
-    x: &mut Tensor<B, H>,
-    normed: &mut Tensor<B, H>,
-    qkv: &mut Tensor<B>,
-    out: &mut Tensor<B>,
-    rope: &B::RopeTable,
-    batch: &PackedBatch,
-    cache: &mut B::KvCache,
-    layer: usize,
-) {
-    let (nh, nkv, hd) = (a.shape.heads, a.shape.kv_heads, a.shape.head_dim);
-    b.norm_linear_forward(a.qkv_proj, x, a.norm.0, a.norm.1, normed, qkv);
-    match &a.qk_norm {
-        Some(n) if n.all_heads => {
-            // One vector per row over all heads: sums of squares of q's and
-            // k's columns, summed over the ranks (every rank holds an equal
-            // share, replicated kv heads included, so the mean divides by
-            // the local width times the ranks), then scaled.
-            let (q, k) = (HeadSpan::heads(0, 1, nh * hd), HeadSpan::heads(nh * hd, 1, nkv * hd));
-            let mut sums = Tensor::<B>::zeros(b, qkv.rows(), 2); // [T, 2]: q's, k's
-            b.sum_squares_heads(qkv, q, &mut sums, 0);
-            b.sum_squares_heads(qkv, k, &mut sums, 1);
-            b.all_reduce(&mut sums);
-            let ranks = b.world_size();
-            b.scale_heads_rms(qkv, q, &sums, 0, nh * hd * ranks, n.q, n.eps);
-            b.scale_heads_rms(qkv, k, &sums, 1, nkv * hd * ranks, n.k, n.eps);
-        }
-        Some(n) => {
-            b.rms_norm_heads(qkv, HeadSpan::heads(0, nh, hd), n.q, n.eps);
-            b.rms_norm_heads(qkv, HeadSpan::heads(nh * hd, nkv, hd), n.k, n.eps);
-        }
-        None => {}
-    }
-    b.rope(qkv, a.rope_span(), false, rope, batch);
-    let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
-    b.attention(q, k, v, a.shape, a.sinks, batch, cache, layer, out);
-    b.linear_add(a.o_proj, out, x);
 }

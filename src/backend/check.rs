@@ -3,7 +3,9 @@
 //! so these panic, naming the op and the axis; sizes that come from outside
 //! (host data, captures) are checked with a `ShapeError` instead.
 
-use super::{Backend, Cols, HeadSpan, LinearInfo, Tensor};
+use super::{
+    AttentionOps, AttnBlock, AttnBufs, Buffers, Cols, HeadSpan, LinearInfo, RopeInfo, Tensor, VectorInfo, Weights,
+};
 use crate::pipeline::batch::PackedBatch;
 use crate::shape::{check_dim, CapturedStates, Dim, ShapeError};
 
@@ -26,7 +28,7 @@ pub(crate) fn heads(op: &str, heads: HeadSpan, width: usize) {
 
 /// Panics unless a linear layer fits its input `[T, in]` and output `[T, out]`.
 #[track_caller]
-pub(crate) fn linear<B: Backend, W: Dim, V: Dim>(l: &impl LinearInfo, x: &Tensor<B, W>, out: &Tensor<B, V>) {
+pub(crate) fn linear<B: Buffers, W: Dim, V: Dim>(l: &impl LinearInfo, x: &Tensor<B, W>, out: &Tensor<B, V>) {
     shape("linear", "input width", l.in_features(), x.width().size());
     shape("linear", "output width", l.out_features(), out.width().size());
     shape("linear", "tokens", x.rows(), out.rows());
@@ -34,14 +36,14 @@ pub(crate) fn linear<B: Backend, W: Dim, V: Dim>(l: &impl LinearInfo, x: &Tensor
 
 /// Panics unless the embedding's output is `[T, hidden]` for the batch's tokens.
 #[track_caller]
-pub(crate) fn embed<B: Backend, H: Dim>(batch: &PackedBatch, hidden: usize, out: &Tensor<B, H>) {
+pub(crate) fn embed<B: Buffers, H: Dim>(batch: &PackedBatch, hidden: usize, out: &Tensor<B, H>) {
     shape("embed", "tokens", batch.num_tokens(), out.rows());
     shape("embed", "hidden", hidden, out.width().size());
 }
 
 /// Panics unless `span` fits `x` and `out` has a column per head from `col`.
 #[track_caller]
-pub(crate) fn sum_squares_heads<B: Backend>(x: &Tensor<B>, span: HeadSpan, out: &Tensor<B>, col: usize) {
+pub(crate) fn sum_squares_heads<B: Buffers>(x: &Tensor<B>, span: HeadSpan, out: &Tensor<B>, col: usize) {
     heads("sum_squares_heads", span, x.width());
     shape("sum_squares_heads", "tokens", x.rows(), out.rows());
     if col + span.count > out.width() {
@@ -52,7 +54,7 @@ pub(crate) fn sum_squares_heads<B: Backend>(x: &Tensor<B>, span: HeadSpan, out: 
 /// Panics unless `sums` has a column per head from `col`, `weight` is a head
 /// wide and `n` is positive.
 #[track_caller]
-pub(crate) fn scale_heads_rms<B: Backend>(
+pub(crate) fn scale_heads_rms<B: Buffers>(
     x: &Tensor<B>,
     span: HeadSpan,
     sums: &Tensor<B>,
@@ -70,7 +72,7 @@ pub(crate) fn scale_heads_rms<B: Backend>(
 
 /// Panics unless per-head RMSNorm's heads fit the buffer and the weight is one head wide.
 #[track_caller]
-pub(crate) fn rms_norm_heads<B: Backend>(x: &Tensor<B>, span: HeadSpan, weight: usize) {
+pub(crate) fn rms_norm_heads<B: Buffers>(x: &Tensor<B>, span: HeadSpan, weight: usize) {
     heads("rms_norm_heads", span, x.width());
     shape("rms_norm_heads", "weight", span.width, weight);
 }
@@ -78,7 +80,7 @@ pub(crate) fn rms_norm_heads<B: Backend>(x: &Tensor<B>, span: HeadSpan, weight: 
 /// Panics unless RoPE's heads fit the buffer, are as wide as the table rotates
 /// (`2 · half` columns), and the buffer holds the batch's tokens.
 #[track_caller]
-pub(crate) fn rope<B: Backend>(x: &Tensor<B>, span: HeadSpan, half: usize, batch: &PackedBatch) {
+pub(crate) fn rope<B: Buffers>(x: &Tensor<B>, span: HeadSpan, half: usize, batch: &PackedBatch) {
     heads("rope", span, x.width());
     shape("rope", "rotated width", 2 * half, span.width);
     shape("rope", "tokens", batch.num_tokens(), x.rows());
@@ -86,15 +88,9 @@ pub(crate) fn rope<B: Backend>(x: &Tensor<B>, span: HeadSpan, half: usize, batch
 
 /// Panics unless the scaled heads fit the buffer, which holds the batch's tokens.
 #[track_caller]
-pub(crate) fn temperature<B: Backend>(x: &Tensor<B>, span: HeadSpan, batch: &PackedBatch) {
+pub(crate) fn temperature<B: Buffers>(x: &Tensor<B>, span: HeadSpan, batch: &PackedBatch) {
     heads("attn_temperature", span, x.width());
     shape("attn_temperature", "tokens", batch.num_tokens(), x.rows());
-}
-
-/// Panics unless `gate_up` is `[T, 2·inter]` and `out` `[T, inter]`.
-#[track_caller]
-pub(crate) fn swiglu<B: Backend>(gate_up: &Tensor<B>, out: &Tensor<B>) {
-    glu("swiglu", gate_up, out);
 }
 
 /// Panics unless attention sinks, if any, are one per query head.
@@ -107,20 +103,20 @@ pub(crate) fn sinks(len: Option<usize>, s: super::AttnShape) {
 
 /// Panics unless `gate_up` is `[T, 2·I]` for `out` `[T, I]` (op `op`).
 #[track_caller]
-pub(crate) fn glu<B: Backend>(op: &'static str, gate_up: &Tensor<B>, out: &Tensor<B>) {
+pub(crate) fn glu<B: Buffers>(op: &'static str, gate_up: &Tensor<B>, out: &Tensor<B>) {
     shape(op, "width", 2 * out.width(), gate_up.width());
     shape(op, "tokens", gate_up.rows(), out.rows());
 }
 
 /// Panics unless `x` and `y` hold as many values.
 #[track_caller]
-pub(crate) fn add<B: Backend, W: Dim>(x: &Tensor<B, W>, y: &Tensor<B, W>) {
+pub(crate) fn add<B: Buffers, W: Dim>(x: &Tensor<B, W>, y: &Tensor<B, W>) {
     shape("add", "elements", x.len(), y.len());
 }
 
 /// Panics unless the heads copied fit both buffers and match in count and width.
 #[track_caller]
-pub(crate) fn copy_heads<B: Backend>(src: &Tensor<B>, from: HeadSpan, dst: &Tensor<B>, to: HeadSpan) {
+pub(crate) fn copy_heads<B: Buffers>(src: &Tensor<B>, from: HeadSpan, dst: &Tensor<B>, to: HeadSpan) {
     shape("copy_heads", "heads", from.count, to.count);
     shape("copy_heads", "head width", from.width, to.width);
     shape("copy_heads", "tokens", src.rows(), dst.rows());
@@ -130,15 +126,15 @@ pub(crate) fn copy_heads<B: Backend>(src: &Tensor<B>, from: HeadSpan, dst: &Tens
 
 /// Panics unless noaux_tc's correction has one value per expert.
 #[track_caller]
-pub(crate) fn correction<B: Backend>(logits: &Tensor<B>, correction: Option<&Vec<f32>>) {
+pub(crate) fn correction<B: Buffers>(logits: &Tensor<B>, correction: Option<usize>) {
     if let Some(c) = correction {
-        shape("moe_route", "experts", logits.width(), c.len());
+        shape("moe_route", "experts", logits.width(), c);
     }
 }
 
 /// Panics unless an RMSNorm's input block, weight and output agree.
 #[track_caller]
-pub(crate) fn rms_norm<B: Backend>(x: &Cols<'_, B>, weight: usize, out: (usize, usize)) {
+pub(crate) fn rms_norm<B: Buffers>(x: &Cols<'_, B>, weight: usize, out: (usize, usize)) {
     shape("rms_norm", "weight", x.width, weight);
     shape("rms_norm", "output width", x.width, out.1);
     shape("rms_norm", "tokens", x.rows, out.0);
@@ -146,7 +142,7 @@ pub(crate) fn rms_norm<B: Backend>(x: &Cols<'_, B>, weight: usize, out: (usize, 
 
 /// Panics unless attention's queries, keys, values and output fit the shape and the batch.
 #[track_caller]
-pub(crate) fn attention<B: Backend>(
+pub(crate) fn attention<B: Buffers>(
     q: &Cols<'_, B>,
     k: &Cols<'_, B>,
     v: &Cols<'_, B>,
@@ -185,7 +181,7 @@ pub(crate) fn capture<L: Dim, H: Dim>(
 /// Panics unless the conv1d's input and output are `[T, C]` for the batch,
 /// and its weight `[C, K]`.
 #[track_caller]
-pub(crate) fn conv1d<B: Backend>(
+pub(crate) fn conv1d<B: Buffers>(
     x: &Cols<'_, B>,
     w: usize,
     s: super::DeltaShape,
@@ -205,7 +201,7 @@ pub(crate) fn conv1d<B: Backend>(
 
 /// Panics unless the delta rule's inputs and output fit its shape and the batch.
 #[track_caller]
-pub(crate) fn delta_rule<B: Backend>(
+pub(crate) fn delta_rule<B: Buffers>(
     qkv: &Tensor<B>,
     z: &Cols<'_, B>,
     ba: &Cols<'_, B>,
@@ -234,9 +230,48 @@ pub(crate) fn delta_rule<B: Backend>(
 
 /// Panics unless `gate` has `x`'s rows and either its width or one column.
 #[track_caller]
-pub(crate) fn sigmoid_mul<B: Backend, W: Dim>(x: &Tensor<B, W>, gate: &Cols<'_, B>) {
+pub(crate) fn sigmoid_mul<B: Buffers, W: Dim>(x: &Tensor<B, W>, gate: &Cols<'_, B>) {
     shape("sigmoid_mul", "tokens", x.rows(), gate.rows);
     if gate.width != 1 {
         shape("sigmoid_mul", "gate width", x.width().size(), gate.width);
     }
+}
+
+/// Panics unless an RMSNorm of `x` fits `normed` and the linear layer reads
+/// `normed` into `out`.
+#[track_caller]
+pub(crate) fn norm_linear<B: Weights, W: Dim, V: Dim>(
+    l: &B::Linear,
+    x: &Tensor<B, W>,
+    w: &B::Vector,
+    normed: &Tensor<B, W>,
+    out: &Tensor<B, V>,
+) {
+    rms_norm(&x.all(), w.len(), (normed.rows(), normed.width().size()));
+    linear(l, normed, out);
+}
+
+/// Panics unless a pre-norm attention block's weights fit its buffers and
+/// the batch: every op of [`super::attention_block_ops`] at once.
+#[track_caller]
+pub(crate) fn attn_block<B: AttentionOps, H: Dim>(
+    a: &AttnBlock<'_, B>,
+    x: &Tensor<B, H>,
+    bufs: &AttnBufs<'_, B, H>,
+    rope: &B::RopeTable,
+    batch: &PackedBatch,
+) {
+    let (nh, nkv, hd) = (a.shape.heads, a.shape.kv_heads, a.shape.head_dim);
+    norm_linear::<B, H, usize>(a.qkv_proj, x, a.norm.0, bufs.normed, bufs.qkv);
+    if let Some(n) = &a.qk_norm {
+        let (q, k) = if n.all_heads { (nh * hd, nkv * hd) } else { (hd, hd) };
+        shape("norm_attention_add", "q norm", q, n.q.len());
+        shape("norm_attention_add", "k norm", k, n.k.len());
+    }
+    self::rope(bufs.qkv, a.rope_span(), rope.half(), batch);
+    let qkv: &Tensor<B> = bufs.qkv;
+    let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
+    sinks(a.sinks.map(VectorInfo::len), a.shape);
+    attention(&q, &k, &v, a.shape, batch, (bufs.out.rows(), bufs.out.width()));
+    linear(a.o_proj, bufs.out, x);
 }

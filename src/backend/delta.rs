@@ -1,7 +1,88 @@
-//! The Gated DeltaNet ops' types: the chunk grid, a layer's sizes, and the
-//! weights of its recurrence.
+//! The Gated DeltaNet ops ([`RecurrentOps`]) and their types: the chunk
+//! grid, a layer's sizes, and the weights of its recurrence.
 
-use super::Backend;
+use super::{check, Buffers, Cols, KvStore, LayerState, RowOps, Tensor, VectorInfo};
+use crate::pipeline::batch::PackedBatch;
+
+/// The recurrent layers of a Gated DeltaNet hybrid, with their state.
+pub trait RecurrentOps: RowOps {
+    /// The conv and recurrent state of the Gated DeltaNet layers, kept
+    /// between steps: another type than [`super::AttentionOps::KvCache`], so
+    /// a layer of one kind cannot be handed the other's state.
+    type DeltaState: KvStore;
+
+    /// Depthwise causal conv1d over each segment's positions, then SiLU:
+    /// `out[t, c] = silu(Σ_j w[c, j] · x[p - K + 1 + j, c])` at position `p`
+    /// of token `t` within its sample (`K = shape.conv_kernel`, `w` `[C, K]`,
+    /// `C = shape.channels()`, inputs before position 0 are zeros). A
+    /// segment that continues a sample reads its last `K - 1` inputs from
+    /// `state` (its layer's part); a segment with more chunks to come leaves its own there.
+    fn causal_conv1d(
+        &self,
+        x: Cols<'_, Self>,
+        w: &Self::Vector,
+        shape: DeltaShape,
+        batch: &PackedBatch,
+        state: LayerState<'_, Self::DeltaState>,
+        out: &mut Tensor<Self>,
+    ) {
+        check::conv1d(&x, w.len(), shape, batch, out);
+        self.causal_conv1d_unchecked(x, w, shape, batch, state, out)
+    }
+    /// [`RecurrentOps::causal_conv1d`], sizes checked.
+    fn causal_conv1d_unchecked(
+        &self,
+        x: Cols<'_, Self>,
+        w: &Self::Vector,
+        shape: DeltaShape,
+        batch: &PackedBatch,
+        state: LayerState<'_, Self::DeltaState>,
+        out: &mut Tensor<Self>,
+    );
+
+    /// The gated delta rule of a Gated DeltaNet layer, then its gated norm.
+    /// From the conv's output `qkv` `[T, C]` (`[q | k | v]`), `z` `[T,
+    /// v_heads·v_dim]` and `ba` `[T, 2·v_heads]` (`[b | a]`), per value head
+    /// `h` (its key head `h / r`) and token at position `p` of its sample:
+    /// `q ← q·rsqrt(Σq² + 1e-6)/√k_dim`, `k ← k·rsqrt(Σk² + 1e-6)`,
+    /// `β = σ(b)`, `g = -exp(A_log)·softplus(a + dt_bias)`,
+    /// `S ← e^g·S`, `S ← S + k ⊗ β(v - Sᵀk)`, `o = Sᵀq` (S `[k_dim, v_dim]`,
+    /// zero at position 0), then `out = rms_norm(o)·w·silu(z)` per head.
+    /// Recurrence in f32 (or better) on every backend. A segment that
+    /// continues a sample starts from the state its earlier chunks left in
+    /// `state` (its layer's part); a segment with more chunks to come leaves its own there.
+    fn gated_delta_rule(
+        &self,
+        qkv: &Tensor<Self>,
+        gates: DeltaGates<'_, Self>,
+        rule: &DeltaRule<'_, Self>,
+        batch: &PackedBatch,
+        state: LayerState<'_, Self::DeltaState>,
+        out: &mut Tensor<Self>,
+    ) {
+        let (sh, vectors) = (rule.shape, [rule.a_log.len(), rule.dt_bias.len(), rule.norm.len()]);
+        check::delta_rule(qkv, &gates.z, &gates.ba, sh, vectors, batch, out);
+        self.gated_delta_rule_unchecked(qkv, gates, rule, batch, state, out)
+    }
+    /// [`RecurrentOps::gated_delta_rule`], sizes checked.
+    fn gated_delta_rule_unchecked(
+        &self,
+        qkv: &Tensor<Self>,
+        gates: DeltaGates<'_, Self>,
+        rule: &DeltaRule<'_, Self>,
+        batch: &PackedBatch,
+        state: LayerState<'_, Self::DeltaState>,
+        out: &mut Tensor<Self>,
+    );
+}
+
+/// The per-token gates of a Gated DeltaNet layer, from its input projections.
+pub struct DeltaGates<'a, B: Buffers> {
+    /// `[T, v_heads · v_dim]`: the output gate, `silu(z)`.
+    pub z: Cols<'a, B>,
+    /// `[T, 2 · v_heads]`: `[b | a]`, the write strength and the decay's input.
+    pub ba: Cols<'a, B>,
+}
 
 /// Positions of a sample's Gated DeltaNet chunks: chunk `c` covers
 /// positions `64c .. 64c + 63`, however the sample is split into steps
@@ -46,8 +127,8 @@ impl DeltaShape {
 }
 
 /// A Gated DeltaNet layer's weights of the recurrence, as
-/// [`Backend::gated_delta_rule`] takes them (this rank's heads).
-pub struct DeltaRule<'a, B: Backend> {
+/// [`RecurrentOps::gated_delta_rule`] takes them (this rank's heads).
+pub struct DeltaRule<'a, B: Buffers> {
     /// The sizes.
     pub shape: DeltaShape,
     /// `A_log`, `[v_heads]`: the decay of value head `h` at a token is

@@ -8,17 +8,17 @@
 //!   the model passes between ops (the MoE op rounds each expert's steps the
 //!   same way, and sums the experts in f64).
 
-use super::{check, host};
+use super::host;
 use super::{
-    AttnShape, Backend, BackendError, Cols, DeltaCache, DeltaRule, DeltaShape, GatedLinear, Gating, Glu, HeadSpan,
-    KvCache, LinearInfo, Parallel, Resident, Router, Temperature, Tensor, F32,
+    AttentionOps, AttnShape, BackendError, Cols, DeltaCache, DeltaGates, DeltaRule, DeltaShape, DeviceOps, FusedOps,
+    GatedLinear, Gating, Glu, HeadSpan, HeadSums, KvCache, LayerState, LinearInfo, MoeOps, Parallel, Qkv, RecurrentOps,
+    Resident, RopeInfo, Router, RoutesInfo, RowOps, Temperature, Tensor, Weights, F32,
 };
-use crate::hf::checkpoint::TensorBytes;
 use crate::hf::moe::{Scoring, TopkMethod};
 use crate::hf::quant::{LinearWeight, QuantKind};
 use crate::hf::RopeFreqs;
 use crate::pipeline::batch::PackedBatch;
-use crate::shape::{CapturedStates, DType, Dim, ShapeError};
+use crate::shape::Dim;
 
 /// The reference backend (one rank).
 #[derive(Clone, Copy, Debug, Default)]
@@ -82,6 +82,12 @@ pub struct RopeTable {
     cos: Vec<f64>,
     sin: Vec<f64>,
     half: usize,
+}
+
+impl RopeInfo for RopeTable {
+    fn half(&self) -> usize {
+        self.half
+    }
 }
 
 fn widen(x: &[f32]) -> Vec<f64> {
@@ -152,17 +158,17 @@ fn sigmoid(x: f64) -> f64 {
     1.0 / (1.0 + (-x).exp())
 }
 
-impl Backend for Reference {
+impl host::Host for Reference {}
+
+/// The reference's routes: per token, its experts and weights.
+impl RoutesInfo for Vec<Vec<(usize, f64)>> {
+    fn tokens(&self) -> usize {
+        self.len()
+    }
+}
+
+impl DeviceOps for Reference {
     type Compute = F32;
-    type Storage = Vec<f32>;
-    type Vector = Vec<f32>;
-    type Embedding = host::Embedding;
-    type Linear = Linear;
-    type RopeTable = RopeTable;
-    /// Per token, its experts and weights.
-    type Routes = Vec<Vec<(usize, f64)>>;
-    type KvCache = KvCache;
-    type DeltaState = DeltaCache<DeltaLayer>;
 
     const NAME: &'static str = "reference";
 
@@ -191,49 +197,34 @@ impl Backend for Reference {
         }
     }
 
-    fn alloc(&self, len: usize) -> Vec<f32> {
-        vec![0f32; len]
+    fn all_reduce<W: Dim>(&self, _x: &mut Tensor<Self, W>) {
+        // One rank: the sum over ranks is the rank's own buffer.
     }
+}
 
-    fn realloc(&self, s: &mut Vec<f32>, len: usize) {
-        s.resize(len, 0.0);
-    }
-
-    fn upload(&self, host: &[f32]) -> Vec<f32> {
-        host.to_vec()
-    }
-
-    fn download(&self, s: &Vec<f32>, out: &mut [f32]) {
-        out.copy_from_slice(s);
-    }
-
-    fn vector(&self, v: Vec<f32>) -> Vec<f32> {
-        v
-    }
-
-    fn embedding(&self, bytes: TensorBytes, dtype: DType, hidden: usize) -> host::Embedding {
-        host::Embedding::new(bytes, dtype, hidden)
-    }
+impl Weights for Reference {
+    type Linear = Linear;
 
     fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, _kind: Parallel) -> Linear {
         Linear { w, bias }
     }
+}
 
-    fn embed<H: Dim>(&self, table: &host::Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
-        check::embed(batch, table.hidden(), out);
+impl RowOps for Reference {
+    type RopeTable = RopeTable;
+
+    fn embed_unchecked<H: Dim>(&self, table: &host::Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
         table.lookup(batch.token_ids(), out.storage_mut());
     }
 
-    fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
-        check::rms_norm(&x, w.len(), (out.rows(), out.width().size()));
+    fn rms_norm_unchecked<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
         for (row, dst) in x.storage.chunks_exact(x.stride).zip(out.storage_mut().chunks_exact_mut(x.width)) {
             rms_norm_row(&row[x.offset..x.offset + x.width], w, eps, dst);
         }
     }
 
-    fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
+    fn rms_norm_heads_unchecked(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
         let stride = x.width();
-        check::rms_norm_heads(x, heads, w.len());
         for row in x.storage_mut().chunks_exact_mut(stride) {
             for i in 0..heads.count {
                 let o = heads.offset + i * heads.stride;
@@ -243,8 +234,7 @@ impl Backend for Reference {
         }
     }
 
-    fn sum_squares_heads(&self, x: &Tensor<Self>, heads: HeadSpan, out: &mut Tensor<Self>, col: usize) {
-        check::sum_squares_heads(x, heads, out, col);
+    fn sum_squares_heads_unchecked(&self, x: &Tensor<Self>, heads: HeadSpan, out: &mut Tensor<Self>, col: usize) {
         let (xw, ow) = (x.width(), out.width());
         for (row, o) in x.storage().chunks_exact(xw).zip(out.storage_mut().chunks_exact_mut(ow)) {
             for h in 0..heads.count {
@@ -254,17 +244,15 @@ impl Backend for Reference {
         }
     }
 
-    fn scale_heads_rms(
+    fn scale_heads_rms_unchecked(
         &self,
         x: &mut Tensor<Self>,
         heads: HeadSpan,
-        sums: &Tensor<Self>,
-        col: usize,
-        n: usize,
+        sums: HeadSums<'_, Self>,
         w: &Vec<f32>,
         eps: f32,
     ) {
-        check::scale_heads_rms(x, heads, sums, col, n, w.len());
+        let HeadSums { sums, col, n } = sums;
         let (xw, sw) = (x.width(), sums.width());
         for (row, s) in x.storage_mut().chunks_exact_mut(xw).zip(sums.storage().chunks_exact(sw)) {
             for h in 0..heads.count {
@@ -291,9 +279,15 @@ impl Backend for Reference {
         RopeTable { cos, sin, half }
     }
 
-    fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable, batch: &PackedBatch) {
+    fn rope_unchecked(
+        &self,
+        x: &mut Tensor<Self>,
+        heads: HeadSpan,
+        interleave: bool,
+        table: &RopeTable,
+        batch: &PackedBatch,
+    ) {
         let (stride, half) = (x.width(), table.half);
-        check::rope(x, heads, half, batch);
         for (s, seg) in batch.segments().iter().enumerate() {
             for (i, row) in batch.range(s).enumerate() {
                 let pos = seg.pos0 + i;
@@ -315,9 +309,8 @@ impl Backend for Reference {
         }
     }
 
-    fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+    fn glu_unchecked(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
-        check::glu("glu", gate_up, out);
         for (gu, o) in gate_up.storage().chunks_exact(2 * inter).zip(out.storage_mut().chunks_exact_mut(inter)) {
             for i in 0..inter {
                 o[i] = glu_f64(act, gu[i] as f64, gu[inter + i] as f64) as f32;
@@ -325,8 +318,7 @@ impl Backend for Reference {
         }
     }
 
-    fn attn_temperature(&self, x: &mut Tensor<Self>, heads: HeadSpan, t: Temperature, batch: &PackedBatch) {
-        check::temperature(x, heads, batch);
+    fn attn_temperature_unchecked(&self, x: &mut Tensor<Self>, heads: HeadSpan, t: Temperature, batch: &PackedBatch) {
         let width = x.width();
         for (s, seg) in batch.segments().iter().enumerate() {
             for (i, row) in batch.range(s).enumerate() {
@@ -349,16 +341,14 @@ impl Backend for Reference {
         }
     }
 
-    fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
-        check::add(x, y);
+    fn add_unchecked<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
         for (x, y) in x.storage_mut().iter_mut().zip(y.storage()) {
             *x = (*x as f64 + *y as f64) as f32;
         }
     }
 
-    fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
+    fn copy_heads_unchecked(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
         let (ss, ds) = (src.width(), dst.width());
-        check::copy_heads(src, from, dst, to);
         for r in 0..src.rows() {
             for i in 0..to.count {
                 for c in 0..to.width {
@@ -369,35 +359,44 @@ impl Backend for Reference {
         }
     }
 
-    fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
-        check::linear(l, x, out);
+    fn linear_forward_unchecked<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
         for (y, dst) in l.apply(x.storage()).into_iter().zip(out.storage_mut().chunks_exact_mut(l.out_features())) {
             dst.iter_mut().zip(y).for_each(|(d, y)| *d = y as f32);
         }
     }
 
-    fn linear_add<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
-        check::linear(l, x, residual);
+    fn linear_add_unchecked<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
         let rows = residual.storage_mut().chunks_exact_mut(l.out_features());
         for (y, dst) in l.apply(x.storage()).into_iter().zip(rows) {
             dst.iter_mut().zip(y).for_each(|(d, y)| *d = (*d as f64 + y) as f32);
         }
     }
 
-    fn attention(
+    fn sigmoid_mul_unchecked<W: Dim>(&self, x: &mut Tensor<Self, W>, gate: Cols<'_, Self>) {
+        let w = x.width().size();
+        for (r, row) in x.storage_mut().chunks_exact_mut(w.max(1)).enumerate() {
+            let g = &gate.storage[r * gate.stride + gate.offset..][..gate.width];
+            for (i, v) in row.iter_mut().enumerate() {
+                let gi = if gate.width == 1 { g[0] } else { g[i] };
+                *v = (*v as f64 * sigmoid(gi as f64)) as f32;
+            }
+        }
+    }
+}
+
+impl AttentionOps for Reference {
+    type KvCache = KvCache;
+
+    fn attention_unchecked(
         &self,
-        q: Cols<'_, Self>,
-        k: Cols<'_, Self>,
-        v: Cols<'_, Self>,
+        qkv: Qkv<'_, Self>,
         s: AttnShape,
         sinks: Option<&Vec<f32>>,
         batch: &PackedBatch,
-        cache: &mut KvCache,
-        layer: usize,
+        kv: LayerState<'_, KvCache>,
         out: &mut Tensor<Self>,
     ) {
-        check::sinks(sinks.map(Vec::len), s);
-        check::attention(&q, &k, &v, s, batch, (out.rows(), out.width()));
+        let (Qkv { q, k, v }, LayerState { state: cache, layer }) = (qkv, kv);
         let (nh, nkv, hd, vd) = (s.heads, s.kv_heads, s.head_dim, s.v_dim);
         let (kw, vw, ow) = (nkv * hd, nkv * vd, nh * vd);
         for (si, seg) in batch.segments().iter().enumerate() {
@@ -441,122 +440,14 @@ impl Backend for Reference {
             }
         }
     }
+}
 
-    fn causal_conv1d(
-        &self,
-        x: Cols<'_, Self>,
-        w: &Vec<f32>,
-        shape: DeltaShape,
-        batch: &PackedBatch,
-        state: &mut Self::DeltaState,
-        layer: usize,
-        out: &mut Tensor<Self>,
-    ) {
-        check::conv1d(&x, w.len(), shape, batch, out);
-        let (c, k) = (shape.channels(), shape.conv_kernel);
-        for (si, seg) in batch.segments().iter().enumerate() {
-            let rows = batch.range(si);
-            // The inputs of positions pos0 - (K - 1) .. end, zeros before position 0.
-            let mut inputs = vec![0f32; (k - 1) * c];
-            if seg.uses_cache() {
-                let held = &state.0.layer_mut(seg.key, layer).conv;
-                if !held.is_empty() {
-                    inputs.copy_from_slice(held);
-                }
-            }
-            for r in rows.clone() {
-                inputs.extend_from_slice(&x.storage[r * x.stride + x.offset..][..c]);
-            }
-            for (i, r) in rows.clone().enumerate() {
-                for ch in 0..c {
-                    let acc: f64 = (0..k).map(|j| w[ch * k + j] as f64 * inputs[(i + j) * c + ch] as f64).sum();
-                    out.storage_mut()[r * c + ch] = silu(acc) as f32;
-                }
-            }
-            if seg.uses_cache() {
-                let tail = inputs[inputs.len() - (k - 1) * c..].to_vec();
-                state.0.layer_mut(seg.key, layer).conv = tail;
-            }
-        }
-    }
+impl MoeOps for Reference {
+    /// Per token, its experts and weights.
+    type Routes = Vec<Vec<(usize, f64)>>;
 
-    fn gated_delta_rule(
-        &self,
-        qkv: &Tensor<Self>,
-        z: Cols<'_, Self>,
-        ba: Cols<'_, Self>,
-        rule: &DeltaRule<'_, Self>,
-        batch: &PackedBatch,
-        state: &mut Self::DeltaState,
-        layer: usize,
-        out: &mut Tensor<Self>,
-    ) {
-        let sh = rule.shape;
-        check::delta_rule(qkv, &z, &ba, sh, [rule.a_log.len(), rule.dt_bias.len(), rule.norm.len()], batch, out);
-        let (nk, nv, dk, dv) = (sh.k_heads, sh.v_heads, sh.k_dim, sh.v_dim);
-        let (c, per) = (sh.channels(), nv / nk);
-        let l2 = |x: &[f32]| -> Vec<f64> {
-            let inv = 1.0 / (x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() + 1e-6).sqrt();
-            x.iter().map(|&v| v as f64 * inv).collect()
-        };
-        for (si, seg) in batch.segments().iter().enumerate() {
-            // The recurrent state of every value head, [v_heads, k_dim, v_dim].
-            let mut s = vec![0f64; nv * dk * dv];
-            if seg.uses_cache() {
-                let held = &state.0.layer_mut(seg.key, layer).s;
-                if !held.is_empty() {
-                    s.copy_from_slice(held);
-                }
-            }
-            for r in batch.range(si) {
-                let row = &qkv.storage()[r * c..][..c];
-                let (zr, bar) =
-                    (&z.storage[r * z.stride + z.offset..][..nv * dv], &ba.storage[r * ba.stride + ba.offset..]);
-                for h in 0..nv {
-                    let hk = h / per;
-                    let q: Vec<f64> = l2(&row[hk * dk..][..dk]).iter().map(|v| v / (dk as f64).sqrt()).collect();
-                    let k = l2(&row[nk * dk + hk * dk..][..dk]);
-                    let v = &row[2 * nk * dk + h * dv..][..dv];
-                    let beta = sigmoid(bar[h] as f64);
-                    let g = -(rule.a_log[h] as f64).exp() * softplus(bar[nv + h] as f64 + rule.dt_bias[h] as f64);
-                    let sh = &mut s[h * dk * dv..][..dk * dv]; // [k_dim, v_dim]
-                    let decay = g.exp();
-                    sh.iter_mut().for_each(|x| *x *= decay);
-                    for d in 0..dv {
-                        let mem: f64 = (0..dk).map(|a| sh[a * dv + d] * k[a]).sum();
-                        let delta = (v[d] as f64 - mem) * beta;
-                        (0..dk).for_each(|a| sh[a * dv + d] += k[a] * delta);
-                    }
-                    let o: Vec<f64> = (0..dv).map(|d| (0..dk).map(|a| sh[a * dv + d] * q[a]).sum()).collect();
-                    // The gated RMSNorm of the head's output.
-                    let inv = 1.0 / (o.iter().map(|x| x * x).sum::<f64>() / dv as f64 + rule.eps as f64).sqrt();
-                    for d in 0..dv {
-                        let gate = silu(zr[h * dv + d] as f64);
-                        out.storage_mut()[r * nv * dv + h * dv + d] = (o[d] * inv * rule.norm[d] as f64 * gate) as f32;
-                    }
-                }
-            }
-            if seg.uses_cache() {
-                state.0.layer_mut(seg.key, layer).s = s;
-            }
-        }
-    }
-
-    fn sigmoid_mul<W: Dim>(&self, x: &mut Tensor<Self, W>, gate: Cols<'_, Self>) {
-        check::sigmoid_mul(x, &gate);
-        let w = x.width().size();
-        for (r, row) in x.storage_mut().chunks_exact_mut(w.max(1)).enumerate() {
-            let g = &gate.storage[r * gate.stride + gate.offset..][..gate.width];
-            for (i, v) in row.iter_mut().enumerate() {
-                let gi = if gate.width == 1 { g[0] } else { g[i] };
-                *v = (*v as f64 * sigmoid(gi as f64)) as f32;
-            }
-        }
-    }
-
-    fn moe_route(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vec<f32>>) -> Self::Routes {
+    fn moe_route_unchecked(&self, logits: &Tensor<Self>, r: &Router, correction: Option<&Vec<f32>>) -> Self::Routes {
         let e = logits.width();
-        check::correction(logits, correction);
         let per_group = e / r.n_group;
         logits
             .storage()
@@ -604,7 +495,7 @@ impl Backend for Reference {
             .collect()
     }
 
-    fn moe_experts<H: Dim>(
+    fn moe_experts_unchecked<H: Dim>(
         &self,
         experts: &[GatedLinear<Self>],
         shared: Option<&GatedLinear<Self>>,
@@ -614,8 +505,6 @@ impl Backend for Reference {
         out: &mut Tensor<Self, H>,
     ) {
         let (t, h) = (x.rows(), x.width().size());
-        check::shape("moe_experts", "tokens", t, routes.len());
-        check::shape("moe_experts", "tokens", t, out.rows());
         // Σ_k w_k · expert_k(x) + shared(x), summed in f64 and rounded once.
         let mut acc = vec![vec![0f64; h]; t];
         for (e, expert) in experts.iter().enumerate() {
@@ -650,19 +539,108 @@ impl Backend for Reference {
             dst.iter_mut().zip(a).for_each(|(d, a)| *d = a as f32);
         }
     }
+}
 
-    fn all_reduce<W: Dim>(&self, _x: &mut Tensor<Self, W>) {
-        // One rank: the sum over ranks is the rank's own buffer.
+/// The fused ops as the ops they are made of (their defaults).
+impl FusedOps for Reference {}
+
+impl RecurrentOps for Reference {
+    type DeltaState = DeltaCache<DeltaLayer>;
+
+    fn causal_conv1d_unchecked(
+        &self,
+        x: Cols<'_, Self>,
+        w: &Vec<f32>,
+        shape: DeltaShape,
+        batch: &PackedBatch,
+        state: LayerState<'_, Self::DeltaState>,
+        out: &mut Tensor<Self>,
+    ) {
+        let LayerState { state, layer } = state;
+        let (c, k) = (shape.channels(), shape.conv_kernel);
+        for (si, seg) in batch.segments().iter().enumerate() {
+            let rows = batch.range(si);
+            // The inputs of positions pos0 - (K - 1) .. end, zeros before position 0.
+            let mut inputs = vec![0f32; (k - 1) * c];
+            if seg.uses_cache() {
+                let held = &state.0.layer_mut(seg.key, layer).conv;
+                if !held.is_empty() {
+                    inputs.copy_from_slice(held);
+                }
+            }
+            for r in rows.clone() {
+                inputs.extend_from_slice(&x.storage[r * x.stride + x.offset..][..c]);
+            }
+            for (i, r) in rows.clone().enumerate() {
+                for ch in 0..c {
+                    let acc: f64 = (0..k).map(|j| w[ch * k + j] as f64 * inputs[(i + j) * c + ch] as f64).sum();
+                    out.storage_mut()[r * c + ch] = silu(acc) as f32;
+                }
+            }
+            if seg.uses_cache() {
+                let tail = inputs[inputs.len() - (k - 1) * c..].to_vec();
+                state.0.layer_mut(seg.key, layer).conv = tail;
+            }
+        }
     }
 
-    fn capture<L: Dim, H: Dim>(
+    fn gated_delta_rule_unchecked(
         &self,
-        x: &Tensor<Self, H>,
-        out: &mut CapturedStates<L, H>,
-        slot: usize,
-    ) -> Result<(), ShapeError> {
-        check::capture(x.rows(), x.width().size(), out, slot)?;
-        out.layer_mut(slot).copy_from_slice(x.storage());
-        Ok(())
+        qkv: &Tensor<Self>,
+        gates: DeltaGates<'_, Self>,
+        rule: &DeltaRule<'_, Self>,
+        batch: &PackedBatch,
+        state: LayerState<'_, Self::DeltaState>,
+        out: &mut Tensor<Self>,
+    ) {
+        let (DeltaGates { z, ba }, LayerState { state, layer }) = (gates, state);
+        let sh = rule.shape;
+        let (nk, nv, dk, dv) = (sh.k_heads, sh.v_heads, sh.k_dim, sh.v_dim);
+        let (c, per) = (sh.channels(), nv / nk);
+        let l2 = |x: &[f32]| -> Vec<f64> {
+            let inv = 1.0 / (x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() + 1e-6).sqrt();
+            x.iter().map(|&v| v as f64 * inv).collect()
+        };
+        for (si, seg) in batch.segments().iter().enumerate() {
+            // The recurrent state of every value head, [v_heads, k_dim, v_dim].
+            let mut s = vec![0f64; nv * dk * dv];
+            if seg.uses_cache() {
+                let held = &state.0.layer_mut(seg.key, layer).s;
+                if !held.is_empty() {
+                    s.copy_from_slice(held);
+                }
+            }
+            for r in batch.range(si) {
+                let row = &qkv.storage()[r * c..][..c];
+                let (zr, bar) =
+                    (&z.storage[r * z.stride + z.offset..][..nv * dv], &ba.storage[r * ba.stride + ba.offset..]);
+                for h in 0..nv {
+                    let hk = h / per;
+                    let q: Vec<f64> = l2(&row[hk * dk..][..dk]).iter().map(|v| v / (dk as f64).sqrt()).collect();
+                    let k = l2(&row[nk * dk + hk * dk..][..dk]);
+                    let v = &row[2 * nk * dk + h * dv..][..dv];
+                    let beta = sigmoid(bar[h] as f64);
+                    let g = -(rule.a_log[h] as f64).exp() * softplus(bar[nv + h] as f64 + rule.dt_bias[h] as f64);
+                    let sh = &mut s[h * dk * dv..][..dk * dv]; // [k_dim, v_dim]
+                    let decay = g.exp();
+                    sh.iter_mut().for_each(|x| *x *= decay);
+                    for d in 0..dv {
+                        let mem: f64 = (0..dk).map(|a| sh[a * dv + d] * k[a]).sum();
+                        let delta = (v[d] as f64 - mem) * beta;
+                        (0..dk).for_each(|a| sh[a * dv + d] += k[a] * delta);
+                    }
+                    let o: Vec<f64> = (0..dv).map(|d| (0..dk).map(|a| sh[a * dv + d] * q[a]).sum()).collect();
+                    // The gated RMSNorm of the head's output.
+                    let inv = 1.0 / (o.iter().map(|x| x * x).sum::<f64>() / dv as f64 + rule.eps as f64).sqrt();
+                    for d in 0..dv {
+                        let gate = silu(zr[h * dv + d] as f64);
+                        out.storage_mut()[r * nv * dv + h * dv + d] = (o[d] * inv * rule.norm[d] as f64 * gate) as f32;
+                    }
+                }
+            }
+            if seg.uses_cache() {
+                state.0.layer_mut(seg.key, layer).s = s;
+            }
+        }
     }
 }

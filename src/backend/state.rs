@@ -18,6 +18,23 @@ pub trait KvStore: Default + Send {
     }
 }
 
+/// One layer's part of the state a backend keeps between steps: the store
+/// of its layer kind and the layer's index in it.
+pub struct LayerState<'a, S> {
+    /// The store of the layer's kind ([`AttentionOps::KvCache`](super::AttentionOps::KvCache) or
+    /// [`RecurrentOps::DeltaState`](super::RecurrentOps::DeltaState)).
+    pub state: &'a mut S,
+    /// The layer.
+    pub layer: usize,
+}
+
+impl<'a, S> LayerState<'a, S> {
+    /// Layer `layer` of `state`.
+    pub fn new(state: &'a mut S, layer: usize) -> Self {
+        LayerState { state, layer }
+    }
+}
+
 /// Everything a backend keeps of chunked samples between steps, by layer
 /// kind: keys and values for attention layers, conv and recurrent state
 /// for Gated DeltaNet layers. A [`crate::model::decoder::Block`] hands each

@@ -1,19 +1,19 @@
 //! Activation buffers on a backend's device, `[rows, W]`, typed like host storage.
 
-use super::Backend;
+use super::Buffers;
 use crate::shape::{check_dim, Dim, ShapeError};
 
 /// An activation buffer `[rows, W]` held by backend `B`: the residual stream
 /// is a `Tensor<B, H>` (`H` the model's hidden dim), working buffers are
 /// `Tensor<B>` with a run-time width. Sizes are checked where host data
-/// enters or leaves ([`from_host`](Self::from_host), [`Backend::capture`]).
-pub struct Tensor<B: Backend, W: Dim = usize> {
+/// enters or leaves ([`from_host`](Self::from_host), [`Buffers::capture`]).
+pub struct Tensor<B: Buffers, W: Dim = usize> {
     rows: usize,
     width: W,
     storage: B::Storage,
 }
 
-impl<B: Backend, W: Dim> Tensor<B, W> {
+impl<B: Buffers, W: Dim> Tensor<B, W> {
     /// A zero-filled `[rows, width]` buffer.
     pub fn zeros(b: &B, rows: usize, width: W) -> Self {
         Tensor { rows, width, storage: b.alloc(rows * width.size()) }
@@ -96,7 +96,7 @@ impl<B: Backend, W: Dim> Tensor<B, W> {
 
 /// A block of columns of every row of a [`Tensor`]: row `r`, column `c` of
 /// the block is element `r · stride + offset + c` of its storage.
-pub struct Cols<'a, B: Backend> {
+pub struct Cols<'a, B: Buffers> {
     /// The tensor's storage.
     pub storage: &'a B::Storage,
     /// Rows.
@@ -109,17 +109,17 @@ pub struct Cols<'a, B: Backend> {
     pub width: usize,
 }
 
-impl<B: Backend> Clone for Cols<'_, B> {
+impl<B: Buffers> Clone for Cols<'_, B> {
     fn clone(&self) -> Self {
         *self
     }
 }
-impl<B: Backend> Copy for Cols<'_, B> {}
+impl<B: Buffers> Copy for Cols<'_, B> {}
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Cpu, Reference};
+    use crate::backend::{Backend, Cpu, Reference};
     use crate::shape::Hidden;
 
     fn round_trip<B: Backend>(b: &B) {

@@ -1,8 +1,38 @@
-//! What weights are to a backend: how a linear layer splits over ranks,
-//! the memory a weight holds, and a gated MLP's weights and activation.
+//! What weights are to a backend: linear layers as the device holds them
+//! ([`Weights`]), how a linear layer splits over ranks, the memory a weight
+//! holds, and a gated MLP's weights and activation.
 
-use super::Backend;
-use crate::hf::quant::QuantKind;
+use super::DeviceOps;
+use crate::hf::quant::{LinearWeight, QuantKind};
+
+/// A backend's linear layers: a checkpoint's weight made into the form its
+/// GEMMs read (packed panels, device copies, or as stored).
+pub trait Weights: DeviceOps {
+    /// A linear layer `y = x·Wᵀ + b`, in its [`Parallel`] kind.
+    type Linear: LinearInfo;
+
+    /// A linear layer from this rank's block of a weight, as stored (f32,
+    /// bf16, FP8 blocks or INT4 groups), with an optional bias `[rows]` of the
+    /// whole layer (row-parallel) or of this rank's rows (column-parallel).
+    fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Self::Linear;
+
+    /// [`linear`](Self::linear) computed with f32 inputs whatever the compute
+    /// dtype (the MoE router). The default is `linear`, for f32-only backends.
+    fn linear_f32(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Self::Linear {
+        self.linear(w, bias, kind)
+    }
+
+    /// Builds `n` weights with `f(i)` on threads of the backend's choosing
+    /// (a layer's hundreds of experts: the CPU backend packs them in
+    /// parallel). The default builds them in order on the calling thread.
+    fn build_many<T: Send, E: Send>(
+        &self,
+        n: usize,
+        f: impl Fn(usize) -> Result<T, E> + Sync + Send,
+    ) -> Result<Vec<T>, E> {
+        (0..n).map(f).collect()
+    }
+}
 
 /// How a linear layer is split over tensor-parallel ranks (mistral.rs'
 /// `DistributedKind`): a property of the layer, so a forward never mentions ranks.
@@ -72,7 +102,7 @@ impl Glu {
 /// A gated MLP's weights: `down_proj(act(gate, up))` of `[gate | up] = gate_up_proj(x)`.
 /// Used for routed and shared experts, whose partial outputs the MoE op sums
 /// before one all-reduce.
-pub struct GatedLinear<B: Backend> {
+pub struct GatedLinear<B: Weights> {
     /// `gate_proj` and `up_proj` stacked: `[2·inter, hidden]` (column-parallel).
     pub gate_up_proj: B::Linear,
     /// `down_proj`: `[hidden, inter]` (row-parallel).
@@ -81,7 +111,7 @@ pub struct GatedLinear<B: Backend> {
     pub act: Glu,
 }
 
-impl<B: Backend> Resident for GatedLinear<B> {
+impl<B: Weights> Resident for GatedLinear<B> {
     fn resident_bytes(&self) -> usize {
         self.gate_up_proj.resident_bytes() + self.down_proj.resident_bytes()
     }

@@ -6,7 +6,7 @@
 
 use super::decoder::{Block, Frame};
 use super::{Decoder, Model, ModelError, PendingStates, TpModel};
-use crate::backend::{Backend, Bf16, Compute, Cpu, Reference, F32};
+use crate::backend::{Backend, Bf16, Compute, Cpu, DeviceOps, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::hf::{ArchInfo, ConfigError};
 use crate::pipeline::batch::PackedBatch;

@@ -72,6 +72,29 @@ pub struct Step<'a, B: Backend> {
     pub rope_local: Option<&'a B::RopeTable>,
 }
 
+/// What a layer's forward reads and keeps besides the residual stream.
+/// What is coming goes here, not into every family's signature:
+/// - the input ids are `step.batch`'s (a layer that reads them, as an
+///   embedding-conditioned one would, needs nothing more);
+/// - a new kind of per-layer state is a field of [`SeqState`] (and an
+///   associated type of the backend concern that runs it), as the Gated
+///   DeltaNet's is;
+/// - outputs beyond the residual stream that later layers read (an
+///   indexer's choices that the next layers reuse) go in the family's
+///   scratch, which every layer of a step shares.
+pub struct LayerStep<'a, B: Backend, S> {
+    /// The inputs every layer of the step shares: the packed batch (token
+    /// ids, positions, segments) and the RoPE tables.
+    pub step: &'a Step<'a, B>,
+    /// The step's working buffers, shared by every layer of the family.
+    pub scratch: &'a mut S,
+    /// What the backend keeps of chunked samples between steps, by layer
+    /// kind: each layer takes its kind's part.
+    pub state: &'a mut SeqState<B>,
+    /// The layer's index.
+    pub index: usize,
+}
+
 /// One decoder layer of an architecture (`model.layers.{i}.*`), over backend `B`.
 /// An architecture file implements this and nothing of the skeleton.
 pub trait Block<B: Backend>: Sized + Send + Sync + 'static {
@@ -96,18 +119,9 @@ pub trait Block<B: Backend>: Sized + Send + Sync + 'static {
     fn load(b: &B, config: &Self::Config, ckpt: &Checkpoint, index: usize) -> Result<Self, ModelError>;
     /// Buffers for a step of `tokens` tokens.
     fn scratch<H: Dim>(b: &B, config: &Self::Config, tokens: usize, hidden: H) -> Self::Scratch<H>;
-    /// `x ← layer(x)`, keeping what its kind needs of chunked samples in
-    /// `cache` (keys and values, or a Gated DeltaNet's state), as layer `index`.
-    #[allow(clippy::too_many_arguments)]
-    fn forward<H: Dim>(
-        &self,
-        b: &B,
-        x: &mut Tensor<B, H>,
-        step: &Step<'_, B>,
-        s: &mut Self::Scratch<H>,
-        cache: &mut SeqState<B>,
-        index: usize,
-    );
+    /// `x ← layer(x)`: the residual stream's update by layer `at.index`, which
+    /// keeps what its kind needs of chunked samples in its part of `at.state`.
+    fn forward<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, at: LayerStep<'_, B, Self::Scratch<H>>);
     /// Bytes the layer's weights hold.
     fn weight_bytes(&self) -> usize;
     /// Bytes of sequence state one sample keeps between steps, all layers
@@ -364,7 +378,7 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
                 return Err(e);
             }
             let _s = debug_span!("layer", k).entered();
-            layer.forward(b, &mut x, &step, &mut scratch, cache, k);
+            layer.forward(b, &mut x, LayerStep { step: &step, scratch: &mut scratch, state: &mut *cache, index: k });
         }
         cache.retire(batch);
         let states = caps.finish(b, &x, &self.norm, f.rms_norm_eps)?;

@@ -15,13 +15,13 @@
 //! every token, so no token moves between ranks, and one all-reduce sums a
 //! whole MoE block). q_a, kv_a, the router and the norms are replicated.
 
-use super::decoder::{Block, Decoder, Frame, Step};
+use super::decoder::{Block, Decoder, Frame, LayerStep, Step};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
-    AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, SeqState,
-    Tensor,
+    AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LayerState, LinearInfo, Mask, Parallel, Qkv, Resident,
+    Router, Tensor,
 };
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::deepseek::DeepseekConfig;
@@ -256,7 +256,8 @@ impl<B: Backend> Mla<B> {
         b.copy_heads(&s.kvb, kvb(nope, vd), &mut s.v, HeadSpan::heads(0, nh, vd));
         let shape = AttnShape { heads: nh, kv_heads: nh, head_dim: qk, v_dim: vd, mask: Mask::Causal, scale: d.scale };
         s.out.resize(b, t, nh * vd);
-        b.attention(s.q.all(), s.k.all(), s.v.all(), shape, None, step.batch, cache, layer, &mut s.out);
+        let qkv = Qkv { q: s.q.all(), k: s.k.all(), v: s.v.all() };
+        b.attention(qkv, shape, None, step.batch, LayerState::new(cache, layer), &mut s.out);
         b.linear_add(&self.o_proj, &s.out, x);
     }
 
@@ -465,15 +466,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         }
     }
 
-    fn forward<H: Dim>(
-        &self,
-        b: &B,
-        x: &mut Tensor<B, H>,
-        step: &Step<'_, B>,
-        s: &mut Scratch<B, H>,
-        cache: &mut SeqState<B>,
-        index: usize,
-    ) {
+    fn forward<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, at: LayerStep<'_, B, Scratch<B, H>>) {
+        let LayerStep { step, scratch: s, state: cache, index } = at;
         let (t, hidden) = (x.rows(), x.width());
         s.normed.resize(b, t, hidden);
         s.ffn.resize(b, t, hidden);

@@ -18,11 +18,11 @@
 //! column-parallel, o_proj and down_proj row-parallel (summed over ranks
 //! before the post-norm), heads divided, kv heads replicated when fewer.
 
-use super::decoder::{Block, Frame, Step};
+use super::decoder::{Block, Frame, LayerStep, Step};
 use super::kit::{gated, plus_one, qkv_o, Reader};
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{AttnShape, Backend, Glu, HeadSpan, Mask, Resident, SeqState, Tensor};
+use crate::backend::{AttnShape, Backend, Glu, HeadSpan, LayerState, Mask, Qkv, Resident, Tensor};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::gemma3::Gemma3Config;
 use crate::hf::ConfigError;
@@ -99,7 +99,7 @@ impl<B: Backend> Attention<B> {
         b.rope(&mut s.qkv, HeadSpan::heads(0, nh + nkv, hd), false, rope, step.batch);
         let qkv = &s.qkv;
         let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
-        b.attention(q, k, v, self.shape, None, step.batch, cache, layer, &mut s.attn);
+        b.attention(Qkv { q, k, v }, self.shape, None, step.batch, LayerState::new(cache, layer), &mut s.attn);
         b.linear_forward(&self.o_proj, &s.attn, &mut s.proj);
     }
 
@@ -217,15 +217,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         }
     }
 
-    fn forward<H: Dim>(
-        &self,
-        b: &B,
-        x: &mut Tensor<B, H>,
-        step: &Step<'_, B>,
-        s: &mut Scratch<B, H>,
-        cache: &mut SeqState<B>,
-        index: usize,
-    ) {
+    fn forward<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, at: LayerStep<'_, B, Scratch<B, H>>) {
+        let LayerStep { step, scratch: s, state: cache, index } = at;
         let eps = self.eps;
         // Local layers rotate with their own table, which Gemma's frame always supplies.
         let rope = match self.self_attn.shape.mask {

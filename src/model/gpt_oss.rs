@@ -21,13 +21,14 @@
 //! block a cut falls inside stays whole in meaning: each rank keeps the
 //! codes of its columns and the block's scale.
 
-use super::decoder::{Block, Frame, Step};
+use super::decoder::{Block, Frame, LayerStep};
 use super::kit::{qkv_o, Reader};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
-    AttnBlock, AttnShape, Backend, GatedLinear, Gating, Glu, Mask, Parallel, Resident, Router, SeqState, Tensor,
+    AttnBlock, AttnBufs, AttnShape, Backend, GatedLinear, Gating, Glu, LayerState, Mask, Parallel, Resident, Router,
+    Tensor,
 };
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::gpt_oss::GptOssConfig;
@@ -221,15 +222,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         }
     }
 
-    fn forward<H: Dim>(
-        &self,
-        b: &B,
-        x: &mut Tensor<B, H>,
-        step: &Step<'_, B>,
-        s: &mut Scratch<B, H>,
-        cache: &mut SeqState<B>,
-        index: usize,
-    ) {
+    fn forward<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, at: LayerStep<'_, B, Scratch<B, H>>) {
+        let LayerStep { step, scratch: s, state: cache, index } = at;
         let a = &self.self_attn;
         // x += self_attn(input_layernorm(x)), the sinks in every softmax.
         let block = AttnBlock {
@@ -241,17 +235,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
             sinks: Some(&a.sinks),
             rotary_dim: a.shape.head_dim,
         };
-        b.norm_attention_add(
-            &block,
-            x,
-            &mut s.normed,
-            &mut s.qkv,
-            &mut s.attn,
-            step.rope,
-            step.batch,
-            &mut cache.kv,
-            index,
-        );
+        let bufs = AttnBufs { normed: &mut s.normed, qkv: &mut s.qkv, out: &mut s.attn };
+        b.norm_attention_add(&block, x, bufs, step.rope, step.batch, LayerState::new(&mut cache.kv, index));
         // x += mlp(post_attention_layernorm(x))
         b.rms_norm(x.all(), &self.post_attention_layernorm, self.eps, &mut s.normed);
         s.ffn.resize(b, x.rows(), x.width());

@@ -16,12 +16,15 @@
 //! and kv heads are divided across ranks (kv heads replicated when fewer);
 //! each expert's width is divided across ranks, as DeepSeek's is.
 
-use super::decoder::{Block, Frame, Step};
+use super::decoder::{Block, Frame, LayerStep, Step};
 use super::kit::{gated, qkv_o, Reader};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
-use crate::backend::{self, AttnBlock, AttnShape, Backend, Gating, Mask, Parallel, Resident, Router, SeqState, Tensor};
+use crate::backend::{
+    self, AttnBlock, AttnBufs, AttnShape, Backend, Gating, LayerState, Mask, MlpBufs, Parallel, Resident, Router,
+    Tensor,
+};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama::{Arch, LlamaConfig, LlamaMoe, QkNorm};
 use crate::hf::moe::TopkMethod;
@@ -154,7 +157,8 @@ impl<B: Backend> Attention<B> {
             sinks: None,
             rotary_dim: self.rotary_dim,
         };
-        b.norm_attention_add(&block, x, norm.normed, &mut s.qkv, &mut s.out, step.rope, step.batch, cache, layer);
+        let bufs = AttnBufs { normed: norm.normed, qkv: &mut s.qkv, out: &mut s.out };
+        b.norm_attention_add(&block, x, bufs, step.rope, step.batch, LayerState::new(cache, layer));
     }
 
     fn weight_bytes(&self) -> usize {
@@ -203,7 +207,8 @@ impl<B: Backend> Mlp<B> {
     /// `x += down_proj(silu(gate_proj(h)) · up_proj(h))` with `h = norm(x)`.
     fn forward_add<H: Dim>(&self, b: &B, norm: PreNorm<'_, B, H>, x: &mut Tensor<B, H>, s: &mut MlpScratch<B>) {
         let (gate_up, down) = (&self.gate_up_proj, &self.down_proj);
-        b.norm_gated_mlp_add(gate_up, down, norm.weight, norm.eps, x, norm.normed, &mut s.gate_up, &mut s.act);
+        let bufs = MlpBufs { normed: norm.normed, gate_up: &mut s.gate_up, act: &mut s.act };
+        b.norm_gated_mlp_add(gate_up, down, norm.weight, norm.eps, x, bufs);
     }
 
     fn weight_bytes(&self) -> usize {
@@ -400,15 +405,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         }
     }
 
-    fn forward<H: Dim>(
-        &self,
-        b: &B,
-        x: &mut Tensor<B, H>,
-        step: &Step<'_, B>,
-        s: &mut Scratch<B, H>,
-        cache: &mut SeqState<B>,
-        index: usize,
-    ) {
+    fn forward<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, at: LayerStep<'_, B, Scratch<B, H>>) {
+        let LayerStep { step, scratch: s, state: cache, index } = at;
         // x += self_attn(input_layernorm(x))
         let norm = PreNorm { weight: &self.input_layernorm, eps: self.eps, normed: &mut s.normed };
         self.self_attn.forward_add(b, norm, x, step, &mut s.attn, &mut cache.kv, index);

@@ -19,14 +19,14 @@
 //! replicated when fewer), q/k/v and gate/up column-parallel, o_proj and
 //! down_proj row-parallel, each expert's width divided.
 
-use super::decoder::{Block, Frame, Step};
+use super::decoder::{Block, Frame, LayerStep, Step};
 use super::kit::{gated, qkv_o, Reader};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
-    AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel, Resident, Router, SeqState,
-    Tensor,
+    AttnShape, Backend, GatedLinear, Gating, Glu, HeadSpan, LayerState, LinearInfo, Mask, MlpBufs, Parallel, Qkv,
+    Resident, Router, Tensor,
 };
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama4::{Llama4Config, Llama4Layer, Temperature};
@@ -119,7 +119,7 @@ impl<B: Backend> Attention<B> {
         }
         let qkv = &s.qkv;
         let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
-        b.attention(q, k, v, self.shape, None, step.batch, cache, layer, &mut s.attn);
+        b.attention(Qkv { q, k, v }, self.shape, None, step.batch, LayerState::new(cache, layer), &mut s.attn);
         b.linear_add(&self.o_proj, &s.attn, x);
     }
 
@@ -283,15 +283,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         }
     }
 
-    fn forward<H: Dim>(
-        &self,
-        b: &B,
-        x: &mut Tensor<B, H>,
-        step: &Step<'_, B>,
-        s: &mut Scratch<B, H>,
-        cache: &mut SeqState<B>,
-        index: usize,
-    ) {
+    fn forward<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, at: LayerStep<'_, B, Scratch<B, H>>) {
+        let LayerStep { step, scratch: s, state: cache, index } = at;
         let eps = self.eps;
         // x += self_attn(input_layernorm(x))
         self.self_attn.forward_add(b, (&self.input_layernorm, eps), x, step, s, &mut cache.kv, index);
@@ -302,7 +295,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
                 s.gate_up.resize(b, x.rows(), 2 * inter);
                 s.act.resize(b, x.rows(), inter);
                 let (gate_up, down, norm) = (&m.gate_up_proj, &m.down_proj, &self.post_attention_layernorm);
-                b.norm_gated_mlp_add(gate_up, down, norm, eps, x, &mut s.normed, &mut s.gate_up, &mut s.act);
+                let bufs = MlpBufs { normed: &mut s.normed, gate_up: &mut s.gate_up, act: &mut s.act };
+                b.norm_gated_mlp_add(gate_up, down, norm, eps, x, bufs);
             }
             FeedForward::Moe(m) => {
                 b.rms_norm(x.all(), &self.post_attention_layernorm, eps, &mut s.normed);

@@ -22,14 +22,14 @@
 //! kv heads of attention, and every MLP width split over ranks (column-
 //! parallel in, row-parallel out); the conv's channels follow their heads.
 
-use super::decoder::{Block, Frame, Step};
+use super::decoder::{Block, Frame, LayerStep, Step};
 use super::kit::{gated, plus_one, Reader};
 use super::moe::Moe;
 use super::shard::Split;
 use super::ModelError;
 use crate::backend::{
-    AttnShape, Backend, DeltaRule, DeltaShape, GatedLinear, Gating, Glu, HeadSpan, LinearInfo, Mask, Parallel,
-    Resident, Router, SeqState, Tensor,
+    AttnShape, Backend, DeltaGates, DeltaRule, DeltaShape, GatedLinear, Gating, Glu, HeadSpan, LayerState, LinearInfo,
+    Mask, MlpBufs, Parallel, Qkv, Resident, Router, Tensor,
 };
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::llama::LlamaMoe;
@@ -181,10 +181,10 @@ impl<B: Backend> GatedDeltaNet<B> {
         s.mixed.resize(b, t, c);
         s.out.resize(b, t, vw);
         b.norm_linear_forward(&self.in_proj, x, norm, eps, &mut s.normed, &mut s.proj);
-        b.causal_conv1d(s.proj.cols(0, c), &self.conv, sh, step.batch, state, layer, &mut s.mixed);
+        b.causal_conv1d(s.proj.cols(0, c), &self.conv, sh, step.batch, LayerState::new(state, layer), &mut s.mixed);
         let rule = DeltaRule { shape: sh, a_log: &self.a_log, dt_bias: &self.dt_bias, norm: &self.norm, eps: self.eps };
-        let (z, ba) = (s.proj.cols(c, vw), s.proj.cols(c + vw, 2 * sh.v_heads));
-        b.gated_delta_rule(&s.mixed, z, ba, &rule, step.batch, state, layer, &mut s.out);
+        let gates = DeltaGates { z: s.proj.cols(c, vw), ba: s.proj.cols(c + vw, 2 * sh.v_heads) };
+        b.gated_delta_rule(&s.mixed, gates, &rule, step.batch, LayerState::new(state, layer), &mut s.out);
         b.linear_add(&self.out_proj, &s.out, x);
     }
 
@@ -288,7 +288,7 @@ impl<B: Backend> GatedAttention<B> {
         };
         let p = &s.proj;
         let (q, k, v) = (p.cols(0, nh * hd), p.cols(nh * hd, nkv * hd), p.cols((nh + nkv) * hd, nkv * hd));
-        b.attention(q, k, v, shape, None, step.batch, cache, layer, &mut s.out);
+        b.attention(Qkv { q, k, v }, shape, None, step.batch, LayerState::new(cache, layer), &mut s.out);
         b.sigmoid_mul(&mut s.out, p.cols((nh + 2 * nkv) * hd, nh * hd));
         b.linear_add(&self.o_proj, &s.out, x);
     }
@@ -407,9 +407,7 @@ impl<B: Backend> Ffn<B> {
                     norm,
                     eps,
                     x,
-                    &mut s.normed,
-                    &mut s.gate_up,
-                    &mut s.act,
+                    MlpBufs { normed: &mut s.normed, gate_up: &mut s.gate_up, act: &mut s.act },
                 );
             }
             Ffn::Moe(m) => {
@@ -541,15 +539,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         }
     }
 
-    fn forward<H: Dim>(
-        &self,
-        b: &B,
-        x: &mut Tensor<B, H>,
-        step: &Step<'_, B>,
-        s: &mut Scratch<B, H>,
-        cache: &mut SeqState<B>,
-        index: usize,
-    ) {
+    fn forward<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, at: LayerStep<'_, B, Scratch<B, H>>) {
+        let LayerStep { step, scratch: s, state: cache, index } = at;
         // x += mixer(input_layernorm(x)): each kind of layer keeps its own kind of state.
         let norm = (&self.input_layernorm, self.eps);
         match &self.mixer {

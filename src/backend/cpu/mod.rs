@@ -24,17 +24,17 @@ pub use gemm::Init;
 pub use linear::PackedLinear;
 pub use panels::{pack_b, MR, NR};
 
-use super::{check, host};
+use super::host;
 use super::{
-    AttnShape, Backend, BackendError, Cols, Compute, ComputeDtype, DeltaCache, DeltaRule, DeltaShape, GatedLinear,
-    Gating, Glu, HeadSpan, KvCache, LinearInfo, Parallel, Resident, Router, Temperature, Tensor, F32,
+    AttentionOps, AttnShape, BackendError, Cols, Compute, ComputeDtype, DeltaCache, DeltaGates, DeltaRule, DeltaShape,
+    DeviceOps, FusedOps, GatedLinear, Gating, Glu, HeadSpan, HeadSums, KvCache, LayerState, LinearInfo, MoeOps,
+    Parallel, Qkv, RecurrentOps, Resident, RopeInfo, Router, RowOps, Temperature, Tensor, Weights, F32,
 };
-use crate::hf::checkpoint::TensorBytes;
 use crate::hf::quant::{LinearWeight, QuantKind};
 use crate::hf::RopeFreqs;
 use crate::parallel::{Collective, LocalGroup};
 use crate::pipeline::batch::PackedBatch;
-use crate::shape::{CapturedStates, DType, Dim, ShapeError};
+use crate::shape::Dim;
 use attention::{varlen_attention, AttnSegment, KvRef};
 use rayon::prelude::*;
 use std::marker::PhantomData;
@@ -107,6 +107,12 @@ pub struct RopeTable {
     half: usize,
 }
 
+impl RopeInfo for RopeTable {
+    fn half(&self) -> usize {
+        self.half
+    }
+}
+
 impl RopeTable {
     fn at(&self, pos: usize) -> (&[f32], &[f32]) {
         let h = self.half;
@@ -114,16 +120,10 @@ impl RopeTable {
     }
 }
 
-impl<C: ComputeDtype> Backend for Cpu<C> {
+impl<C: ComputeDtype> host::Host for Cpu<C> {}
+
+impl<C: ComputeDtype> DeviceOps for Cpu<C> {
     type Compute = C;
-    type Storage = Vec<f32>;
-    type Vector = Vec<f32>;
-    type Embedding = host::Embedding;
-    type Linear = Linear;
-    type RopeTable = RopeTable;
-    type Routes = moe::Routes;
-    type KvCache = KvCache;
-    type DeltaState = DeltaCache<delta::DeltaLayer>;
 
     const NAME: &'static str = "cpu";
 
@@ -159,36 +159,15 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
-    fn alloc(&self, len: usize) -> Vec<f32> {
-        panels::zeroed(len)
-    }
-
-    fn realloc(&self, s: &mut Vec<f32>, len: usize) {
-        if len > s.capacity() {
-            // A fresh zeroed allocation instead of a fill pass: the kernel maps
-            // its pages as they are first written (and never, for a buffer a
-            // fused op leaves unused).
-            *s = panels::zeroed(len);
-        } else {
-            s.resize(len, 0.0);
+    fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>) {
+        if let Some(comm) = &self.comm {
+            comm.all_reduce_sum(x.storage_mut());
         }
     }
+}
 
-    fn upload(&self, host: &[f32]) -> Vec<f32> {
-        host.to_vec()
-    }
-
-    fn download(&self, s: &Vec<f32>, out: &mut [f32]) {
-        out.copy_from_slice(s);
-    }
-
-    fn vector(&self, v: Vec<f32>) -> Vec<f32> {
-        v
-    }
-
-    fn embedding(&self, bytes: TensorBytes, dtype: DType, hidden: usize) -> host::Embedding {
-        host::Embedding::new(bytes, dtype, hidden)
-    }
+impl<C: ComputeDtype> Weights for Cpu<C> {
+    type Linear = Linear;
 
     fn linear(&self, w: LinearWeight, bias: Option<Vec<f32>>, kind: Parallel) -> Linear {
         self.linear_in(w, bias, kind, C::COMPUTE)
@@ -207,14 +186,16 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         // into panels) is most of a MoE model's load time.
         (0..n).into_par_iter().map(f).collect()
     }
+}
 
-    fn embed<H: Dim>(&self, table: &host::Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
-        check::embed(batch, table.hidden(), out);
+impl<C: ComputeDtype> RowOps for Cpu<C> {
+    type RopeTable = RopeTable;
+
+    fn embed_unchecked<H: Dim>(&self, table: &host::Embedding, batch: &PackedBatch, out: &mut Tensor<Self, H>) {
         table.lookup(batch.token_ids(), out.storage_mut());
     }
 
-    fn rms_norm<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
-        check::rms_norm(&x, w.len(), (out.rows(), out.width().size()));
+    fn rms_norm_unchecked<W: Dim>(&self, x: Cols<'_, Self>, w: &Vec<f32>, eps: f32, out: &mut Tensor<Self, W>) {
         if x.offset == 0 && x.width == x.stride {
             ops::rms_norm(&x.storage[..x.rows * x.stride], w, eps, out.storage_mut());
         } else {
@@ -225,9 +206,8 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
-    fn rms_norm_heads(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
+    fn rms_norm_heads_unchecked(&self, x: &mut Tensor<Self>, heads: HeadSpan, w: &Vec<f32>, eps: f32) {
         let stride = x.width();
-        check::rms_norm_heads(x, heads, w.len());
         for row in x.storage_mut().chunks_exact_mut(stride) {
             for i in 0..heads.count {
                 let o = heads.offset + i * heads.stride;
@@ -236,8 +216,7 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
-    fn sum_squares_heads(&self, x: &Tensor<Self>, heads: HeadSpan, out: &mut Tensor<Self>, col: usize) {
-        check::sum_squares_heads(x, heads, out, col);
+    fn sum_squares_heads_unchecked(&self, x: &Tensor<Self>, heads: HeadSpan, out: &mut Tensor<Self>, col: usize) {
         let (xw, ow) = (x.width(), out.width());
         for (row, o) in x.storage().chunks_exact(xw).zip(out.storage_mut().chunks_exact_mut(ow)) {
             for h in 0..heads.count {
@@ -247,17 +226,15 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
-    fn scale_heads_rms(
+    fn scale_heads_rms_unchecked(
         &self,
         x: &mut Tensor<Self>,
         heads: HeadSpan,
-        sums: &Tensor<Self>,
-        col: usize,
-        n: usize,
+        sums: HeadSums<'_, Self>,
         w: &Vec<f32>,
         eps: f32,
     ) {
-        check::scale_heads_rms(x, heads, sums, col, n, w.len());
+        let HeadSums { sums, col, n } = sums;
         let (xw, sw) = (x.width(), sums.width());
         for (row, s) in x.storage_mut().chunks_exact_mut(xw).zip(sums.storage().chunks_exact(sw)) {
             for h in 0..heads.count {
@@ -285,9 +262,15 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         RopeTable { cos, sin, half }
     }
 
-    fn rope(&self, x: &mut Tensor<Self>, heads: HeadSpan, interleave: bool, table: &RopeTable, batch: &PackedBatch) {
+    fn rope_unchecked(
+        &self,
+        x: &mut Tensor<Self>,
+        heads: HeadSpan,
+        interleave: bool,
+        table: &RopeTable,
+        batch: &PackedBatch,
+    ) {
         let stride = x.width();
-        check::rope(x, heads, table.half, batch);
         // Rows are independent: blocks of them run on every thread.
         const ROWS: usize = 32;
         let rotate = |tmp: &mut Vec<f32>, row: &mut [f32], pos: usize| {
@@ -328,14 +311,12 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
-    fn glu(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
+    fn glu_unchecked(&self, act: Glu, gate_up: &Tensor<Self>, out: &mut Tensor<Self>) {
         let inter = out.width();
-        check::glu("glu", gate_up, out);
         ops::glu(act, gate_up.storage(), inter, out.storage_mut());
     }
 
-    fn attn_temperature(&self, x: &mut Tensor<Self>, heads: HeadSpan, t: Temperature, batch: &PackedBatch) {
-        check::temperature(x, heads, batch);
+    fn attn_temperature_unchecked(&self, x: &mut Tensor<Self>, heads: HeadSpan, t: Temperature, batch: &PackedBatch) {
         let width = x.width();
         let rows = x.storage_mut();
         for (s, seg) in batch.segments().iter().enumerate() {
@@ -354,14 +335,12 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         x.storage_mut().iter_mut().for_each(|x| *x *= s);
     }
 
-    fn add<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
-        check::add(x, y);
+    fn add_unchecked<W: Dim>(&self, x: &mut Tensor<Self, W>, y: &Tensor<Self, W>) {
         x.storage_mut().iter_mut().zip(y.storage()).for_each(|(x, y)| *x += y);
     }
 
-    fn copy_heads(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
+    fn copy_heads_unchecked(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
         let (ss, ds) = (src.width(), dst.width());
-        check::copy_heads(src, from, dst, to);
         for (s, d) in src.storage().chunks_exact(ss).zip(dst.storage_mut().chunks_exact_mut(ds)) {
             for i in 0..to.count {
                 let (a, b) = (from.offset + i * from.stride, to.offset + i * to.stride);
@@ -370,8 +349,7 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
-    fn linear_forward<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
-        check::linear(l, x, out);
+    fn linear_forward_unchecked<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
         l.packed.forward(x.storage(), x.rows(), out.storage_mut(), false);
         if l.kind == Parallel::Row {
             self.all_reduce(out);
@@ -381,29 +359,7 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
-    fn norm_linear_forward<W: Dim, V: Dim>(
-        &self,
-        l: &Linear,
-        x: &Tensor<Self, W>,
-        w: &Vec<f32>,
-        eps: f32,
-        normed: &mut Tensor<Self, W>,
-        out: &mut Tensor<Self, V>,
-    ) {
-        check::rms_norm(&x.all(), w.len(), (normed.rows(), normed.width().size()));
-        check::linear(l, normed, out);
-        // The norm is fused into the GEMM's packing of A: `normed` is never written.
-        l.packed.forward_norm(x.storage(), x.rows(), w, eps, out.storage_mut(), false);
-        if l.kind == Parallel::Row {
-            self.all_reduce(out);
-            if let Some(b) = &l.post_bias {
-                add_bias(out.storage_mut(), b);
-            }
-        }
-    }
-
-    fn linear_add<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
-        check::linear(l, x, residual);
+    fn linear_add_unchecked<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, residual: &mut Tensor<Self, V>) {
         let (Some(comm), Parallel::Row) = (&self.comm, l.kind) else {
             // One rank: the residual add is fused into the GEMM.
             l.packed.forward(x.storage(), x.rows(), residual.storage_mut(), true);
@@ -419,39 +375,31 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         }
     }
 
-    fn swiglu_linear_add<V: Dim>(
-        &self,
-        l: &Linear,
-        gate_up: &Tensor<Self>,
-        act: &mut Tensor<Self>,
-        residual: &mut Tensor<Self, V>,
-    ) {
-        check::swiglu(gate_up, act);
-        check::linear(l, act, residual);
-        if self.comm.is_some() && l.kind == Parallel::Row {
-            // Split rows: the partial sums go through the all-reduce first.
-            self.glu(Glu::Silu, gate_up, act);
-            return self.linear_add(l, act, residual);
+    fn sigmoid_mul_unchecked<W: Dim>(&self, x: &mut Tensor<Self, W>, gate: Cols<'_, Self>) {
+        let w = x.width().size().max(1);
+        for (r, row) in x.storage_mut().chunks_exact_mut(w).enumerate() {
+            let g = &gate.storage[r * gate.stride + gate.offset..][..gate.width];
+            for (i, v) in row.iter_mut().enumerate() {
+                let gi = if gate.width == 1 { g[0] } else { g[i] };
+                *v *= 1.0 / (1.0 + ops::exp(-gi));
+            }
         }
-        // One rank: the SwiGLU is fused into the GEMM's packing of A, and the
-        // residual add into its output; the `[T, inter]` activations are never written.
-        l.packed.forward_swiglu(gate_up.storage(), gate_up.rows(), residual.storage_mut(), true);
     }
+}
 
-    fn attention(
+impl<C: ComputeDtype> AttentionOps for Cpu<C> {
+    type KvCache = KvCache;
+
+    fn attention_unchecked(
         &self,
-        q: Cols<'_, Self>,
-        k: Cols<'_, Self>,
-        v: Cols<'_, Self>,
+        qkv: Qkv<'_, Self>,
         shape: AttnShape,
         sinks: Option<&Vec<f32>>,
         batch: &PackedBatch,
-        cache: &mut KvCache,
-        layer: usize,
+        kv: LayerState<'_, KvCache>,
         out: &mut Tensor<Self>,
     ) {
-        check::attention(&q, &k, &v, shape, batch, (out.rows(), out.width()));
-        check::sinks(sinks.map(Vec::len), shape);
+        let (Qkv { q, k, v }, LayerState { state: cache, layer }) = (qkv, kv);
         // Chunks of longer samples add their keys/values to the cache and read
         // all earlier positions from it; whole samples read their own rows.
         let (kw, vw) = (k.width, v.width);
@@ -485,59 +433,21 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
         let (q0, sinks) = (&q.storage[q.offset..], sinks.map(|s| s.as_slice()));
         varlen_attention(q0, q.stride, &segments, shape, sinks, C::COMPUTE, out.storage_mut());
     }
+}
 
-    fn causal_conv1d(
+impl<C: ComputeDtype> MoeOps for Cpu<C> {
+    type Routes = moe::Routes;
+
+    fn moe_route_unchecked(
         &self,
-        x: Cols<'_, Self>,
-        w: &Vec<f32>,
-        shape: DeltaShape,
-        batch: &PackedBatch,
-        state: &mut Self::DeltaState,
-        layer: usize,
-        out: &mut Tensor<Self>,
-    ) {
-        check::conv1d(&x, w.len(), shape, batch, out);
-        let x = delta::ColsRef { data: x.storage, stride: x.stride, offset: x.offset };
-        delta::conv1d(x, w, shape, batch, state, layer, out.storage_mut());
-    }
-
-    fn gated_delta_rule(
-        &self,
-        qkv: &Tensor<Self>,
-        z: Cols<'_, Self>,
-        ba: Cols<'_, Self>,
-        rule: &DeltaRule<'_, Self>,
-        batch: &PackedBatch,
-        state: &mut Self::DeltaState,
-        layer: usize,
-        out: &mut Tensor<Self>,
-    ) {
-        let sh = rule.shape;
-        check::delta_rule(qkv, &z, &ba, sh, [rule.a_log.len(), rule.dt_bias.len(), rule.norm.len()], batch, out);
-        let z = delta::ColsRef { data: z.storage, stride: z.stride, offset: z.offset };
-        let ba = delta::ColsRef { data: ba.storage, stride: ba.stride, offset: ba.offset };
-        let w = delta::RuleWeights { a_log: rule.a_log, dt_bias: rule.dt_bias, norm: rule.norm, eps: rule.eps };
-        delta::delta_rule(qkv.storage(), z, ba, &w, sh, batch, state, layer, out.storage_mut());
-    }
-
-    fn sigmoid_mul<W: Dim>(&self, x: &mut Tensor<Self, W>, gate: Cols<'_, Self>) {
-        check::sigmoid_mul(x, &gate);
-        let w = x.width().size().max(1);
-        for (r, row) in x.storage_mut().chunks_exact_mut(w).enumerate() {
-            let g = &gate.storage[r * gate.stride + gate.offset..][..gate.width];
-            for (i, v) in row.iter_mut().enumerate() {
-                let gi = if gate.width == 1 { g[0] } else { g[i] };
-                *v *= 1.0 / (1.0 + ops::exp(-gi));
-            }
-        }
-    }
-
-    fn moe_route(&self, logits: &Tensor<Self>, router: &Router, correction: Option<&Vec<f32>>) -> moe::Routes {
-        check::correction(logits, correction);
+        logits: &Tensor<Self>,
+        router: &Router,
+        correction: Option<&Vec<f32>>,
+    ) -> moe::Routes {
         moe::route(logits.storage(), logits.width(), router, correction.map(|c| c.as_slice()))
     }
 
-    fn moe_experts<H: Dim>(
+    fn moe_experts_unchecked<H: Dim>(
         &self,
         experts: &[GatedLinear<Self>],
         shared: Option<&GatedLinear<Self>>,
@@ -554,30 +464,84 @@ impl<C: ComputeDtype> Backend for Cpu<C> {
             (&m.gate_up_proj.packed, &m.down_proj.packed, m.act, post)
         }
         let first = self.rank() == 0;
-        check::shape("moe_experts", "experts", experts.len(), routes.len());
-        check::shape("moe_experts", "tokens", x.rows(), out.rows());
         let routed: Vec<_> = experts.iter().map(|m| pair(m, first)).collect();
         let (shared, h) = (shared.map(|m| pair(m, first)), x.width().size());
         moe::experts(&routed, shared, x.storage(), h, routes, gating, out.storage_mut());
         // Every rank ran its slice of every expert: one all-reduce for the whole block.
         self.all_reduce(out);
     }
+}
 
-    fn all_reduce<W: Dim>(&self, x: &mut Tensor<Self, W>) {
-        if let Some(comm) = &self.comm {
-            comm.all_reduce_sum(x.storage_mut());
+impl<C: ComputeDtype> RecurrentOps for Cpu<C> {
+    type DeltaState = DeltaCache<delta::DeltaLayer>;
+
+    fn causal_conv1d_unchecked(
+        &self,
+        x: Cols<'_, Self>,
+        w: &Vec<f32>,
+        shape: DeltaShape,
+        batch: &PackedBatch,
+        state: LayerState<'_, Self::DeltaState>,
+        out: &mut Tensor<Self>,
+    ) {
+        let LayerState { state, layer } = state;
+        let x = delta::ColsRef { data: x.storage, stride: x.stride, offset: x.offset };
+        delta::conv1d(x, w, shape, batch, state, layer, out.storage_mut());
+    }
+
+    fn gated_delta_rule_unchecked(
+        &self,
+        qkv: &Tensor<Self>,
+        gates: DeltaGates<'_, Self>,
+        rule: &DeltaRule<'_, Self>,
+        batch: &PackedBatch,
+        state: LayerState<'_, Self::DeltaState>,
+        out: &mut Tensor<Self>,
+    ) {
+        let (DeltaGates { z, ba }, LayerState { state, layer }) = (gates, state);
+        let sh = rule.shape;
+        let z = delta::ColsRef { data: z.storage, stride: z.stride, offset: z.offset };
+        let ba = delta::ColsRef { data: ba.storage, stride: ba.stride, offset: ba.offset };
+        let w = delta::RuleWeights { a_log: rule.a_log, dt_bias: rule.dt_bias, norm: rule.norm, eps: rule.eps };
+        delta::delta_rule(qkv.storage(), z, ba, &w, sh, batch, state, layer, out.storage_mut());
+    }
+}
+
+impl<C: ComputeDtype> FusedOps for Cpu<C> {
+    fn norm_linear_forward_unchecked<W: Dim, V: Dim>(
+        &self,
+        l: &Linear,
+        x: &Tensor<Self, W>,
+        w: &Vec<f32>,
+        eps: f32,
+        _normed: &mut Tensor<Self, W>,
+        out: &mut Tensor<Self, V>,
+    ) {
+        // The norm is fused into the GEMM's packing of A: `normed` is never written.
+        l.packed.forward_norm(x.storage(), x.rows(), w, eps, out.storage_mut(), false);
+        if l.kind == Parallel::Row {
+            self.all_reduce(out);
+            if let Some(b) = &l.post_bias {
+                add_bias(out.storage_mut(), b);
+            }
         }
     }
 
-    fn capture<L: Dim, H: Dim>(
+    fn swiglu_linear_add_unchecked<V: Dim>(
         &self,
-        x: &Tensor<Self, H>,
-        out: &mut CapturedStates<L, H>,
-        slot: usize,
-    ) -> Result<(), ShapeError> {
-        check::capture(x.rows(), x.width().size(), out, slot)?;
-        out.layer_mut(slot).copy_from_slice(x.storage());
-        Ok(())
+        l: &Linear,
+        gate_up: &Tensor<Self>,
+        act: &mut Tensor<Self>,
+        residual: &mut Tensor<Self, V>,
+    ) {
+        if self.comm.is_some() && l.kind == Parallel::Row {
+            // Split rows: the partial sums go through the all-reduce first.
+            self.glu_unchecked(Glu::Silu, gate_up, act);
+            return self.linear_add_unchecked(l, act, residual);
+        }
+        // One rank: the SwiGLU is fused into the GEMM's packing of A, and the
+        // residual add into its output; the `[T, inter]` activations are never written.
+        l.packed.forward_swiglu(gate_up.storage(), gate_up.rows(), residual.storage_mut(), true);
     }
 }
 

@@ -8,14 +8,31 @@ use crate::backend::{Gating, Glu, Router};
 use crate::hf::moe::{Scoring, TopkMethod};
 use rayon::prelude::*;
 
-/// Per expert, the tokens routed to it and their weights, in token order.
-pub type Routes = Vec<Vec<(usize, f32)>>;
+/// Per expert, the tokens routed to it and their weights, in token order
+/// (`routes[e]`), and how many tokens were routed.
+pub struct Routes {
+    by_expert: Vec<Vec<(usize, f32)>>,
+    tokens: usize,
+}
+
+impl std::ops::Deref for Routes {
+    type Target = [Vec<(usize, f32)>];
+    fn deref(&self) -> &Self::Target {
+        &self.by_expert
+    }
+}
+
+impl crate::backend::RoutesInfo for Routes {
+    fn tokens(&self) -> usize {
+        self.tokens
+    }
+}
 
 /// Routes every token of `logits` (`[T, E]`); `correction` is noaux_tc's
 /// `e_score_correction_bias`, added to the scores for the choice only.
 pub fn route(logits: &[f32], e: usize, r: &Router, correction: Option<&[f32]>) -> Routes {
     let per_group = e / r.n_group;
-    let mut routes: Routes = vec![Vec::new(); e];
+    let mut routes = vec![Vec::new(); e];
     let mut scores = vec![0f32; e];
     let mut choice = vec![0f32; e];
     let mut order: Vec<usize> = Vec::with_capacity(e);
@@ -73,7 +90,7 @@ pub fn route(logits: &[f32], e: usize, r: &Router, correction: Option<&[f32]>) -
             routes[i].push((tok, weight(i) / denom * r.routed_scaling_factor));
         }
     }
-    routes
+    Routes { by_expert: routes, tokens: logits.len() / e.max(1) }
 }
 
 /// One expert's gate/up and down GEMMs, the activation between them, and

@@ -1,0 +1,245 @@
+//! The CUDA backend's attention ([`AttentionOps`]): the f32 and the
+//! tensor-core bf16 kernels, and where their inputs lie.
+
+use super::*;
+
+impl<C: ComputeDtype, D: Device> AttentionOps for Cuda<C, D> {
+    type KvCache = KvCache<D>;
+
+    fn attention_unchecked(
+        &self,
+        qkv: Qkv<'_, Self>,
+        shape: AttnShape,
+        sinks: Option<&Vector<D>>,
+        batch: &PackedBatch,
+        kv: LayerState<'_, KvCache<D>>,
+        out: &mut Tensor<Self>,
+    ) {
+        let (Qkv { q, k, v }, LayerState { state: cache, layer }) = (qkv, kv);
+        let src = [Src::f32(&q), Src::f32(&k), Src::f32(&v)];
+        self.run(|| self.attention_launch(src, shape, sinks, batch, cache, layer, out));
+    }
+}
+
+impl<C: ComputeDtype, D: Device> Cuda<C, D> {
+    /// Causal attention of `[q, k, v]` (see [`Backend::attention`]), each
+    /// read where `src` says: f32 columns, or (bf16 compute) bf16 ones.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_launch(
+        &self,
+        [q, k, v]: [Src; 3],
+        s: AttnShape,
+        sinks: Option<&Vector<D>>,
+        batch: &PackedBatch,
+        cache: &mut KvCache<D>,
+        layer: usize,
+        out: &mut Tensor<Self>,
+    ) -> Result<(), CudaError> {
+        if s.head_dim > 256 || s.v_dim > 256 {
+            return Err(CudaError::Kernel {
+                name: "attention".into(),
+                log: format!("head dims {}/{} exceed the kernels' 256", s.head_dim, s.v_dim),
+            });
+        }
+        let bf16 = C::COMPUTE == crate::backend::Compute::Bf16;
+        // Keys and values as the kernel reads them, per position: f32 heads
+        // as the projection wrote them, or (bf16) each head rounded and
+        // padded to 16 columns; widths in values, and their bytes.
+        let (kw, vw, es) = if bf16 {
+            (s.kv_heads * pad16(s.head_dim), s.kv_heads * pad16(s.v_dim), 2)
+        } else {
+            (s.kv_heads * s.head_dim, s.kv_heads * s.v_dim, 4)
+        };
+        let t = batch.num_tokens();
+        // bf16: this step's keys, values and queries, every row, packed once.
+        let packed = if bf16 {
+            let (kb, vb, qb) = {
+                let mut sc = self.scratch()?;
+                let sc = sc.as_mut().expect("scratch made");
+                self.ensure(&mut sc.kv[0], t * kw * 2)?;
+                self.ensure(&mut sc.kv[1], t * vw * 2)?;
+                self.ensure(&mut sc.kv[2], t * s.heads * pad16(s.head_dim) * 2)?;
+                (sc.kv[0].ptr, sc.kv[1].ptr, sc.kv[2].ptr)
+            };
+            for (src, dst, heads, width) in
+                [(&k, kb, s.kv_heads, s.head_dim), (&v, vb, s.kv_heads, s.v_dim), (&q, qb, s.heads, s.head_dim)]
+            {
+                let cfg = Launch { grid: (t as u32, 1), block: 128, smem: 0 };
+                let (x, stride, offset) = (src.ptr, int(src.stride), int(src.offset));
+                let (heads, wpad) = (int(heads), int(pad16(width)));
+                let pack = if src.bf16 { launch::pack_heads_bf16_from_bf16 } else { launch::pack_heads_bf16 };
+                pack(&*self.dev, cfg, x, stride, offset, heads, int(width), wpad, dst)?;
+            }
+            Some((kb, vb, qb))
+        } else {
+            if [q, k, v].iter().any(|x| x.bf16) {
+                return Err(CudaError::Kernel {
+                    name: "attention".into(),
+                    log: "bf16 inputs under f32 compute".into(),
+                });
+            }
+            None
+        };
+        // One 40-byte `Seg` per segment (common.cuh), little-endian.
+        let mut segs = Vec::with_capacity(batch.num_samples() * 40);
+        for (i, seg) in batch.segments().iter().enumerate() {
+            let rows = batch.range(i);
+            let (kp, vp, ks, vs) = if seg.uses_cache() {
+                let entry = cache.entries.get_mut(&seg.key).expect("begin() made the entry");
+                if entry.1.len() <= layer {
+                    entry.1.resize_with(layer + 1, || None);
+                }
+                let need = seg.pos0 + rows.len();
+                let slot = &mut entry.1[layer];
+                if slot.is_none() && seg.pos0 > 0 {
+                    // begin() checked the sample's positions; a layer without them is a broken cache.
+                    return Err(CudaError::Kernel {
+                        name: "attention".into(),
+                        log: format!("layer {layer} has no cached keys for positions 0..{} of its sample", seg.pos0),
+                    });
+                }
+                if slot.as_ref().is_none_or(|l| l.cap < need) {
+                    // Grow to twice the need, keeping the earlier positions.
+                    let cap = (2 * need).max(64);
+                    let mut fresh =
+                        LayerKv { k: Bytes { mem: None, ptr: 0, len: 0 }, v: Bytes { mem: None, ptr: 0, len: 0 }, cap };
+                    self.ensure(&mut fresh.k, cap * kw * es)?;
+                    self.ensure(&mut fresh.v, cap * vw * es)?;
+                    if let Some(old) = slot.as_ref() {
+                        self.dev.copy(fresh.k.ptr, old.k.ptr, seg.pos0 * kw * es)?;
+                        self.dev.copy(fresh.v.ptr, old.v.ptr, seg.pos0 * vw * es)?;
+                    }
+                    *slot = Some(fresh);
+                }
+                let l = slot.as_ref().expect("made above");
+                if let Some((kb, vb, _)) = packed {
+                    // The step's packed rows are already in the cache's layout.
+                    for (src, dst, w) in [(kb, &l.k, kw), (vb, &l.v, vw)] {
+                        let at = |pos: usize| (pos * w * es) as u64;
+                        self.dev.copy(dst.ptr + at(seg.pos0), src + at(rows.start), rows.len() * w * es)?;
+                    }
+                } else {
+                    for (src, dst, w) in [(&k, &l.k, kw), (&v, &l.v, vw)] {
+                        launch::pack_cols(
+                            &*self.dev,
+                            elementwise(rows.len() * w)?,
+                            src.at(rows.start * src.stride),
+                            int(rows.len()),
+                            int(src.stride),
+                            int(src.offset),
+                            int(w),
+                            dst.ptr + (seg.pos0 * w * es) as u64,
+                        )?;
+                    }
+                }
+                (l.k.ptr, l.v.ptr, kw, vw)
+            } else if let Some((kb, vb, _)) = packed {
+                (kb + (rows.start * kw * es) as u64, vb + (rows.start * vw * es) as u64, kw, vw)
+            } else {
+                (k.at(rows.start * k.stride + k.offset), v.at(rows.start * v.stride + v.offset), k.stride, v.stride)
+            };
+            segs.extend_from_slice(&kp.to_le_bytes());
+            segs.extend_from_slice(&vp.to_le_bytes());
+            for x in [ks, vs, rows.start, rows.len(), seg.pos0, seg.pos0 + rows.len()] {
+                segs.extend_from_slice(&(x as i32).to_le_bytes());
+            }
+        }
+        let segs = self.upload_table(0, &segs)?;
+        let (window, chunk) = s.mask.window_and_chunk();
+        let (window, chunk) = (window.min(i32::MAX as usize) as i32, chunk.min(i32::MAX as usize) as i32);
+        let op = out.storage().ptr;
+        let (heads, kvh, hd, vd) = (int(s.heads), int(s.kv_heads), int(s.head_dim), int(s.v_dim));
+        if let Some(v) = sinks {
+            Self::holds("attention sinks", s.heads, v.0.len / 4)?;
+        }
+        let sinkp = sinks.map_or(0, |v| v.0.ptr); // null: no sinks
+        if let Some((_, _, qb)) = packed {
+            let tiles: Vec<i32> = (0..batch.num_samples())
+                .flat_map(|i| (0..batch.range(i).len()).step_by(64).flat_map(move |q0| [i as i32, q0 as i32]))
+                .collect();
+            let table = self.upload_table(1, bytemuck::cast_slice(&tiles))?;
+            let smem = attention_bf16_smem(s.head_dim, s.v_dim);
+            let cfg = Launch { grid: ((tiles.len() / 2) as u32, s.heads as u32), block: 128, smem };
+            let qs = int(s.heads * pad16(s.head_dim));
+            attention_bf16_kernel(s.v_dim)(
+                &*self.dev, cfg, qb, qs, segs, table, heads, kvh, hd, vd, window, chunk, s.scale, sinkp, op,
+            )
+        } else {
+            let (qp, qs) = (q.at(q.offset), int(q.stride));
+            let seg_of: Vec<u32> =
+                (0..batch.num_samples()).flat_map(|i| batch.range(i).map(move |_| i as u32)).collect();
+            let table = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
+            let cfg = Launch { grid: (t as u32, s.heads.div_ceil(4) as u32), block: 128, smem: 0 };
+            let sc = s.scale;
+            launch::attention_f32(
+                &*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, chunk, sc, sinkp, op,
+            )
+        }
+    }
+}
+
+/// Where attention reads its queries, keys or values: columns `offset ..`
+/// of rows `stride` values apart from `ptr`, f32 or (a bf16 projection's) bf16.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Src {
+    pub(super) ptr: DevPtr,
+    pub(super) stride: usize,
+    pub(super) offset: usize,
+    pub(super) bf16: bool,
+}
+
+impl Src {
+    /// f32 columns of a backend tensor.
+    fn f32<D: Device, C: ComputeDtype>(c: &Cols<'_, Cuda<C, D>>) -> Src {
+        Src { ptr: c.storage.ptr, stride: c.stride, offset: c.offset, bf16: false }
+    }
+
+    /// The address of value `i`.
+    fn at(&self, i: usize) -> DevPtr {
+        self.ptr + (i * if self.bf16 { 2 } else { 4 }) as u64
+    }
+}
+
+/// A head dim rounded up to 16: the width of each head of the bf16 keys and
+/// values `attention_bf16_vN` reads (zero-padded).
+pub fn pad16(dim: usize) -> usize {
+    dim.div_ceil(16) * 16
+}
+
+/// The `attention_bf16_vN` for value head dim `v_dim` (at most 256): the
+/// narrowest N that holds it.
+pub fn attention_bf16_kernel<D: Device>(v_dim: usize) -> AttentionLaunch<D> {
+    match v_dim {
+        0..=16 => launch::attention_bf16_v16,
+        17..=32 => launch::attention_bf16_v32,
+        33..=64 => launch::attention_bf16_v64,
+        65..=128 => launch::attention_bf16_v128,
+        _ => launch::attention_bf16_v256,
+    }
+}
+
+/// Dynamic shared memory of `attention_bf16_vN` at head dims `(hd, vd)`:
+/// Q [64][dp+8], K 2×[32][dp+8] and V 2×[32][vp+8] bf16 (attention.cu).
+pub fn attention_bf16_smem(hd: usize, vd: usize) -> u32 {
+    let (ldk, ldv) = (pad16(hd) + 8, pad16(vd) + 8);
+    ((64 * ldk + 2 * 32 * ldk + 2 * 32 * ldv) * 2) as u32
+}
+
+/// The launcher of one `attention_bf16_vN` (they share a signature).
+pub type AttentionLaunch<D> = fn(
+    &D,
+    Launch,
+    DevPtr,
+    i32,
+    DevPtr,
+    DevPtr,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    f32,
+    DevPtr,
+    DevPtr,
+) -> Result<(), CudaError>;
