@@ -33,6 +33,11 @@ impl<'a, S> LayerState<'a, S> {
     pub fn new(state: &'a mut S, layer: usize) -> Self {
         LayerState { state, layer }
     }
+
+    /// The same layer's part, for one more op of the layer.
+    pub fn reborrow(&mut self) -> LayerState<'_, S> {
+        LayerState { state: &mut *self.state, layer: self.layer }
+    }
 }
 
 /// Everything a backend keeps of chunked samples between steps, by layer

@@ -202,7 +202,6 @@ impl<B: Backend> Mla<B> {
     }
 
     /// `x += o_proj(attn(q, k, v))` of `h = input_layernorm(x)`.
-    #[allow(clippy::too_many_arguments)]
     fn forward_add<H: Dim>(
         &self,
         b: &B,
@@ -210,8 +209,7 @@ impl<B: Backend> Mla<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut MlaScratch<B>,
-        cache: &mut B::KvCache,
-        layer: usize,
+        kv: LayerState<'_, B::KvCache>,
     ) {
         let d = self.dims;
         let t = h.rows();
@@ -257,7 +255,7 @@ impl<B: Backend> Mla<B> {
         let shape = AttnShape { heads: nh, kv_heads: nh, head_dim: qk, v_dim: vd, mask: Mask::Causal, scale: d.scale };
         s.out.resize(b, t, nh * vd);
         let qkv = Qkv { q: s.q.all(), k: s.k.all(), v: s.v.all() };
-        b.attention(qkv, shape, None, step.batch, LayerState::new(cache, layer), &mut s.out);
+        b.attention(qkv, shape, None, step.batch, kv, &mut s.out);
         b.linear_add(&self.o_proj, &s.out, x);
     }
 
@@ -473,7 +471,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         s.ffn.resize(b, t, hidden);
         // x += self_attn(input_layernorm(x))
         b.rms_norm(x.all(), &self.input_layernorm, self.eps, &mut s.normed);
-        self.self_attn.forward_add(b, &s.normed, x, step, &mut s.attn, &mut cache.kv, index);
+        self.self_attn.forward_add(b, &s.normed, x, step, &mut s.attn, LayerState::new(&mut cache.kv, index));
         // x += mlp(post_attention_layernorm(x))
         b.rms_norm(x.all(), &self.post_attention_layernorm, self.eps, &mut s.normed);
         self.mlp.forward(b, &s.normed, &mut s.ffn, &mut s.mlp);

@@ -80,26 +80,28 @@ impl<B: Backend> Attention<B> {
 
     /// `out = o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))` with
     /// `[q | k | v] = qkv_proj(h)`, `h` the input norm of `x` (into `s.normed`).
-    #[allow(clippy::too_many_arguments)]
     fn forward<H: Dim>(
         &self,
         b: &B,
         (norm, eps): (&B::Vector, f32),
         x: &Tensor<B, H>,
-        rope: &B::RopeTable,
         step: &Step<'_, B>,
         s: &mut Scratch<B, H>,
-        cache: &mut B::KvCache,
-        layer: usize,
+        kv: LayerState<'_, B::KvCache>,
     ) {
         let AttnShape { heads: nh, kv_heads: nkv, head_dim: hd, .. } = self.shape;
+        // Local layers rotate with their own table, which Gemma's frame always supplies.
+        let rope = match self.shape.mask {
+            Mask::Sliding(_) => step.rope_local.expect("gemma3's frame has a local RoPE table"),
+            _ => step.rope,
+        };
         b.norm_linear_forward(&self.qkv_proj, x, norm, eps, &mut s.normed, &mut s.qkv);
         b.rms_norm_heads(&mut s.qkv, HeadSpan::heads(0, nh, hd), &self.q_norm, eps);
         b.rms_norm_heads(&mut s.qkv, HeadSpan::heads(nh * hd, nkv, hd), &self.k_norm, eps);
         b.rope(&mut s.qkv, HeadSpan::heads(0, nh + nkv, hd), false, rope, step.batch);
         let qkv = &s.qkv;
         let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
-        b.attention(Qkv { q, k, v }, self.shape, None, step.batch, LayerState::new(cache, layer), &mut s.attn);
+        b.attention(Qkv { q, k, v }, self.shape, None, step.batch, kv, &mut s.attn);
         b.linear_forward(&self.o_proj, &s.attn, &mut s.proj);
     }
 
@@ -220,13 +222,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     fn forward<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, at: LayerStep<'_, B, Scratch<B, H>>) {
         let LayerStep { step, scratch: s, state: cache, index } = at;
         let eps = self.eps;
-        // Local layers rotate with their own table, which Gemma's frame always supplies.
-        let rope = match self.self_attn.shape.mask {
-            Mask::Sliding(_) => step.rope_local.expect("gemma3's frame has a local RoPE table"),
-            _ => step.rope,
-        };
         // x += post_attention_layernorm(self_attn(input_layernorm(x)))
-        self.self_attn.forward(b, (&self.input_layernorm, eps), x, rope, step, s, &mut cache.kv, index);
+        self.self_attn.forward(b, (&self.input_layernorm, eps), x, step, s, LayerState::new(&mut cache.kv, index));
         b.rms_norm(s.proj.all(), &self.post_attention_layernorm, eps, &mut s.normed);
         b.add(x, &s.normed);
         // x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))

@@ -123,7 +123,6 @@ impl<B: Backend> Attention<B> {
     }
 
     /// `x += o_proj(attn(rope(q), rope(k), v))` with `[q | k | v] = qkv_proj(norm(x))`.
-    #[allow(clippy::too_many_arguments)]
     fn forward_add<H: Dim>(
         &self,
         b: &B,
@@ -131,8 +130,7 @@ impl<B: Backend> Attention<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut AttnScratch<B>,
-        cache: &mut B::KvCache,
-        layer: usize,
+        kv: LayerState<'_, B::KvCache>,
     ) {
         let hd = self.head_dim;
         let shape = AttnShape {
@@ -158,7 +156,7 @@ impl<B: Backend> Attention<B> {
             rotary_dim: self.rotary_dim,
         };
         let bufs = AttnBufs { normed: norm.normed, qkv: &mut s.qkv, out: &mut s.out };
-        b.norm_attention_add(&block, x, bufs, step.rope, step.batch, LayerState::new(cache, layer));
+        b.norm_attention_add(&block, x, bufs, step.rope, step.batch, kv);
     }
 
     fn weight_bytes(&self) -> usize {
@@ -409,7 +407,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         let LayerStep { step, scratch: s, state: cache, index } = at;
         // x += self_attn(input_layernorm(x))
         let norm = PreNorm { weight: &self.input_layernorm, eps: self.eps, normed: &mut s.normed };
-        self.self_attn.forward_add(b, norm, x, step, &mut s.attn, &mut cache.kv, index);
+        self.self_attn.forward_add(b, norm, x, step, &mut s.attn, LayerState::new(&mut cache.kv, index));
         // x += mlp(post_attention_layernorm(x))
         let norm = PreNorm { weight: &self.post_attention_layernorm, eps: self.eps, normed: &mut s.normed };
         self.mlp.forward_add(b, norm, x, &mut s.mlp, &mut s.ffn);

@@ -94,7 +94,6 @@ impl<B: Backend> Attention<B> {
     /// `x += o_proj(attn(q, k, v))` with `[q | k | v] = qkv_proj(h)`, `h` the input
     /// norm of `x` (into `s.normed`); q and k rotated and normed (RoPE layers)
     /// or q tempered (NoPE layers).
-    #[allow(clippy::too_many_arguments)]
     fn forward_add<H: Dim>(
         &self,
         b: &B,
@@ -102,8 +101,7 @@ impl<B: Backend> Attention<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut Scratch<B, H>,
-        cache: &mut B::KvCache,
-        layer: usize,
+        kv: LayerState<'_, B::KvCache>,
     ) {
         let AttnShape { heads: nh, kv_heads: nkv, head_dim: hd, .. } = self.shape;
         b.norm_linear_forward(&self.qkv_proj, x, norm, eps, &mut s.normed, &mut s.qkv);
@@ -119,7 +117,7 @@ impl<B: Backend> Attention<B> {
         }
         let qkv = &s.qkv;
         let (q, k, v) = (qkv.cols(0, nh * hd), qkv.cols(nh * hd, nkv * hd), qkv.cols((nh + nkv) * hd, nkv * hd));
-        b.attention(Qkv { q, k, v }, self.shape, None, step.batch, LayerState::new(cache, layer), &mut s.attn);
+        b.attention(Qkv { q, k, v }, self.shape, None, step.batch, kv, &mut s.attn);
         b.linear_add(&self.o_proj, &s.attn, x);
     }
 
@@ -287,7 +285,7 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         let LayerStep { step, scratch: s, state: cache, index } = at;
         let eps = self.eps;
         // x += self_attn(input_layernorm(x))
-        self.self_attn.forward_add(b, (&self.input_layernorm, eps), x, step, s, &mut cache.kv, index);
+        self.self_attn.forward_add(b, (&self.input_layernorm, eps), x, step, s, LayerState::new(&mut cache.kv, index));
         // x += feed_forward(post_attention_layernorm(x))
         match &self.feed_forward {
             FeedForward::Dense(m) => {

@@ -164,7 +164,6 @@ impl<B: Backend> GatedDeltaNet<B> {
     }
 
     /// `x += out_proj(gated_norm(delta_rule(silu(conv1d(q | k | v))), z))` of `in_proj(norm(x))`.
-    #[allow(clippy::too_many_arguments)]
     fn forward_add<H: Dim>(
         &self,
         b: &B,
@@ -172,8 +171,7 @@ impl<B: Backend> GatedDeltaNet<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut Scratch<B, H>,
-        state: &mut B::DeltaState,
-        layer: usize,
+        mut state: LayerState<'_, B::DeltaState>,
     ) {
         let sh = self.shape;
         let (t, c, vw) = (x.rows(), sh.channels(), sh.v_heads * sh.v_dim);
@@ -181,10 +179,10 @@ impl<B: Backend> GatedDeltaNet<B> {
         s.mixed.resize(b, t, c);
         s.out.resize(b, t, vw);
         b.norm_linear_forward(&self.in_proj, x, norm, eps, &mut s.normed, &mut s.proj);
-        b.causal_conv1d(s.proj.cols(0, c), &self.conv, sh, step.batch, LayerState::new(state, layer), &mut s.mixed);
+        b.causal_conv1d(s.proj.cols(0, c), &self.conv, sh, step.batch, state.reborrow(), &mut s.mixed);
         let rule = DeltaRule { shape: sh, a_log: &self.a_log, dt_bias: &self.dt_bias, norm: &self.norm, eps: self.eps };
         let gates = DeltaGates { z: s.proj.cols(c, vw), ba: s.proj.cols(c + vw, 2 * sh.v_heads) };
-        b.gated_delta_rule(&s.mixed, gates, &rule, step.batch, LayerState::new(state, layer), &mut s.out);
+        b.gated_delta_rule(&s.mixed, gates, &rule, step.batch, state, &mut s.out);
         b.linear_add(&self.out_proj, &s.out, x);
     }
 
@@ -258,7 +256,6 @@ impl<B: Backend> GatedAttention<B> {
     }
 
     /// `x += o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v) · σ(gate))` of `qkvg_proj(norm(x))`.
-    #[allow(clippy::too_many_arguments)]
     fn forward_add<H: Dim>(
         &self,
         b: &B,
@@ -266,8 +263,7 @@ impl<B: Backend> GatedAttention<B> {
         x: &mut Tensor<B, H>,
         step: &Step<'_, B>,
         s: &mut Scratch<B, H>,
-        cache: &mut B::KvCache,
-        layer: usize,
+        kv: LayerState<'_, B::KvCache>,
     ) {
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let t = x.rows();
@@ -288,7 +284,7 @@ impl<B: Backend> GatedAttention<B> {
         };
         let p = &s.proj;
         let (q, k, v) = (p.cols(0, nh * hd), p.cols(nh * hd, nkv * hd), p.cols((nh + nkv) * hd, nkv * hd));
-        b.attention(Qkv { q, k, v }, shape, None, step.batch, LayerState::new(cache, layer), &mut s.out);
+        b.attention(Qkv { q, k, v }, shape, None, step.batch, kv, &mut s.out);
         b.sigmoid_mul(&mut s.out, p.cols((nh + 2 * nkv) * hd, nh * hd));
         b.linear_add(&self.o_proj, &s.out, x);
     }
@@ -544,8 +540,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         // x += mixer(input_layernorm(x)): each kind of layer keeps its own kind of state.
         let norm = (&self.input_layernorm, self.eps);
         match &self.mixer {
-            Mixer::Linear(m) => m.forward_add(b, norm, x, step, s, &mut cache.delta, index),
-            Mixer::Full(m) => m.forward_add(b, norm, x, step, s, &mut cache.kv, index),
+            Mixer::Linear(m) => m.forward_add(b, norm, x, step, s, LayerState::new(&mut cache.delta, index)),
+            Mixer::Full(m) => m.forward_add(b, norm, x, step, s, LayerState::new(&mut cache.kv, index)),
         }
         // x += mlp(post_attention_layernorm(x))
         self.mlp.forward_add(b, (&self.post_attention_layernorm, self.eps), x, s);
