@@ -335,6 +335,31 @@ pub struct DecoderLayer<B: Backend> {
     eps: f32,
 }
 
+// The layer's two residual updates, apart: its `forward` runs one after
+// the other, and a family that joins them to the stream otherwise (a
+// factor on each, as the test family's) runs them around its own ops.
+impl<B: Backend> DecoderLayer<B> {
+    /// `x += self_attn(input_layernorm(x))`, as layer `index`.
+    pub(crate) fn attention_add<H: Dim>(
+        &self,
+        b: &B,
+        x: &mut Tensor<B, H>,
+        step: &Step<'_, B>,
+        s: &mut Scratch<B, H>,
+        cache: &mut SeqState<B>,
+        index: usize,
+    ) {
+        let norm = PreNorm { weight: &self.input_layernorm, eps: self.eps, normed: &mut s.normed };
+        self.self_attn.forward_add(b, norm, x, step, &mut s.attn, &mut cache.kv, index);
+    }
+
+    /// `x += mlp(post_attention_layernorm(x))`.
+    pub(crate) fn ffn_add<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, s: &mut Scratch<B, H>) {
+        let norm = PreNorm { weight: &self.post_attention_layernorm, eps: self.eps, normed: &mut s.normed };
+        self.mlp.forward_add(b, norm, x, &mut s.mlp, &mut s.ffn);
+    }
+}
+
 /// Buffers of one step, shared by every layer.
 pub struct Scratch<B: Backend, H: Dim> {
     /// A norm of the residual stream, `[T, H]`.
@@ -409,12 +434,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
         cache: &mut SeqState<B>,
         index: usize,
     ) {
-        // x += self_attn(input_layernorm(x))
-        let norm = PreNorm { weight: &self.input_layernorm, eps: self.eps, normed: &mut s.normed };
-        self.self_attn.forward_add(b, norm, x, step, &mut s.attn, &mut cache.kv, index);
-        // x += mlp(post_attention_layernorm(x))
-        let norm = PreNorm { weight: &self.post_attention_layernorm, eps: self.eps, normed: &mut s.normed };
-        self.mlp.forward_add(b, norm, x, &mut s.mlp, &mut s.ffn);
+        self.attention_add(b, x, step, s, cache, index);
+        self.ffn_add(b, x, s);
     }
 
     fn weight_bytes(&self) -> usize {
