@@ -17,6 +17,18 @@
 //!   `ConfigError::UnsupportedModel` lists them in the rows' order. The
 //!   first row also reads a `model_type` no row names, and refuses it in
 //!   its own words (a missing field, malformed JSON) before the error's.
+//!
+//! A row may also carry, before it, outer attributes (`#[cfg(...)]`), which
+//! every list puts on all it makes of the row (its `mod` lines and
+//! re-export, aliases, `AnyConfig` variant, match arms and `model_type`
+//! strings), and after it `in ("hf/path.rs", "model/path.rs")`: the files of
+//! its config and model modules when they are not `src/hf/module.rs` and
+//! `src/model/module.rs`, as `#[path]` reads them (relative to `src/hf/` and
+//! `src/model/`). The test family, last so that the supported list of a
+//! build without it keeps its text, uses both: it is built only with the
+//! `test-family` feature, which the crate's tests turn on, and its files
+//! live under `tests/family/`. The first row is the fallback of parsing
+//! and must be in every build.
 
 /// Calls `$then! { [$($arg)*] rows }`: the table, handed to a macro that
 /// makes one list from it (see the module documentation for a row's parts).
@@ -42,6 +54,10 @@ macro_rules! families {
             Deepseek deepseek DeepseekConfig TpDeepseek
                 "DeepSeek V2/V3, Kimi-K2 and Kimi-K2.5 (its text model)"
                 ["deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25"];
+            #[cfg(feature = "test-family")]
+            ScaledLlama scaled_llama ScaledLlamaConfig TpScaledLlama
+                "A test family, built for the crate's tests only: Llama with Granite's `residual_multiplier` on each residual update"
+                ["strata_test_scaled"] in ("../../tests/family/config.rs", "../../tests/family/model.rs");
         }
     };
 }

@@ -30,6 +30,7 @@ mod cuda_backend;
 mod cuda_gpu;
 mod deepseek;
 mod errors;
+mod family;
 mod hostile_config;
 mod hostile_dataset;
 mod hostile_input;

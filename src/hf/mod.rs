@@ -16,13 +16,26 @@ pub use checkpoint::{Checkpoint, CheckpointError};
 /// From the family table: each family's config module and its config type,
 /// and every `model_type` the table names.
 macro_rules! config_modules {
-    ([] $($variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
+    ([] $($(#[$attr:meta])* $variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+]
+        $(in ($hf_path:literal, $model_path:literal))?;)+) => {
         $(
+            $(#[$attr])*
+            $(#[path = $hf_path])?
             pub mod $module;
+            $(#[$attr])*
             pub use $module::$config;
         )+
         /// Every `model_type` Strata runs, in the family table's order.
-        pub const MODEL_TYPES: &[&str] = &[$($($model_type),+),+];
+        // Built by statements, not an array literal: a row's attributes
+        // (`#[cfg]`) may take its strings out, and an array's elements take none.
+        pub static MODEL_TYPES: std::sync::LazyLock<Vec<&'static str>> = std::sync::LazyLock::new(|| {
+            let mut all = Vec::new();
+            $(
+                $(#[$attr])*
+                all.extend([$($model_type),+]);
+            )+
+            all
+        });
     };
 }
 crate::families::families!(config_modules);

@@ -151,10 +151,13 @@ impl clap::ValueEnum for ComputeChoice {
 /// by `model_type`, and each family's aliases: one decoder (`Llama<H, B>`)
 /// and over tensor-parallel ranks (`TpLlama<H, TP, B>`).
 macro_rules! registry {
-    ([] $($variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
+    ([] $($(#[$attr:meta])* $variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+]
+        $(in ($hf_path:literal, $model_path:literal))?;)+) => {
         $(
+            $(#[$attr])*
             #[doc = concat!($doc, ", with hidden dim `H` on backend `B` (the CPU unless named).")]
             pub type $variant<H = usize, B = Cpu> = Decoder<B, super::$module::DecoderLayer<B>, H>;
+            $(#[$attr])*
             #[doc = concat!($doc, ", over `TP` tensor-parallel ranks.")]
             pub type $tp<H, TP = usize, B = Cpu> = TpModel<$variant<H, B>, TP>;
         )+
@@ -163,6 +166,7 @@ macro_rules! registry {
         #[derive(Clone, Debug)]
         pub enum AnyConfig {
             $(
+                $(#[$attr])*
                 #[doc = concat!($doc, ".")]
                 $variant(crate::hf::$config),
             )+
@@ -172,20 +176,24 @@ macro_rules! registry {
             /// The family's name, its row's variant (`Llama`, `Deepseek`, ...).
             pub fn family(&self) -> &'static str {
                 match self {
-                    $(AnyConfig::$variant(_) => stringify!($variant),)+
+                    $($(#[$attr])* AnyConfig::$variant(_) => stringify!($variant),)+
                 }
             }
 
             /// The family whose row names `model_type`; the first row reads any other
             /// (and refuses it as its config parser does).
             fn of_model_type(model_type: &str, text: &str) -> Result<Self, ConfigError> {
-                registry!(@parse model_type, text, $($variant $config [$($model_type),+];)+)
+                registry!(@parse model_type, text, $($(#[$attr])* $variant $config [$($model_type),+];)+)
             }
         }
     };
-    (@parse $ty:ident, $text:ident, $first:ident $first_config:ident [$($first_type:literal),+]; $($variant:ident $config:ident [$($model_type:literal),+];)*) => {
+    (@parse $ty:ident, $text:ident,
+        $(#[$first_attr:meta])* $first:ident $first_config:ident [$($first_type:literal),+];
+        $($(#[$attr:meta])* $variant:ident $config:ident [$($model_type:literal),+];)*) => {
         Ok(match $ty {
-            $($($model_type)|+ => AnyConfig::$variant(crate::hf::$config::from_json($text)?),)*
+            $($(#[$attr])* $($model_type)|+ => AnyConfig::$variant(crate::hf::$config::from_json($text)?),)*
+            // The first row's attributes too: a build without it has no fallback, and fails here.
+            $(#[$first_attr])*
             _ => AnyConfig::$first(crate::hf::$first_config::from_json($text)?),
         })
     };
@@ -203,9 +211,11 @@ macro_rules! dispatch {
 
 /// `dispatch!`'s match, from the family table.
 macro_rules! dispatch_arms {
-    ([($config:expr, $c:ident, $L:ident, $body:expr)] $($variant:ident $module:ident $cfg:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
+    ([($config:expr, $c:ident, $L:ident, $body:expr)] $($(#[$attr:meta])* $variant:ident $module:ident $cfg:ident $tp:ident
+        $doc:literal [$($model_type:literal),+] $(in ($hf_path:literal, $model_path:literal))?;)+) => {
         match $config {
             $(
+                $(#[$attr])*
                 AnyConfig::$variant($c) => {
                     type $L<B> = super::$module::DecoderLayer<B>;
                     $body
@@ -569,11 +579,18 @@ impl Model for AnyModel {
 mod tests {
     use super::*;
 
-    /// `(model_type, family)` of every row of the table.
+    /// `(model_type, family)` of every row of the table (of this build: a
+    /// row's `#[cfg]` takes its pairs out, so they are pushed, not listed).
     macro_rules! rows {
-        ([] $($variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
-            [$($(($model_type, stringify!($variant))),+),+]
-        };
+        ([] $($(#[$attr:meta])* $variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+]
+            $(in ($hf_path:literal, $model_path:literal))?;)+) => {{
+            let mut rows = Vec::new();
+            $(
+                $(#[$attr])*
+                rows.extend([$(($model_type, stringify!($variant))),+]);
+            )+
+            rows
+        }};
     }
 
     #[test]

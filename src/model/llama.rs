@@ -338,6 +338,30 @@ pub struct DecoderLayer<B: Backend> {
     eps: f32,
 }
 
+// The layer's two residual updates, apart: its `forward` runs one after
+// the other, and a family that joins them to the stream otherwise (a
+// factor on each, as the test family's) runs them around its own ops.
+impl<B: Backend> DecoderLayer<B> {
+    /// `x += self_attn(input_layernorm(x))`, keeping keys and values in `kv`.
+    pub(crate) fn attention_add<H: Dim>(
+        &self,
+        b: &B,
+        x: &mut Tensor<B, H>,
+        step: &Step<'_, B>,
+        s: &mut Scratch<B, H>,
+        kv: LayerState<'_, B::KvCache>,
+    ) {
+        let norm = PreNorm { weight: &self.input_layernorm, eps: self.eps, normed: &mut s.normed };
+        self.self_attn.forward_add(b, norm, x, step, &mut s.attn, kv);
+    }
+
+    /// `x += mlp(post_attention_layernorm(x))`.
+    pub(crate) fn ffn_add<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, s: &mut Scratch<B, H>) {
+        let norm = PreNorm { weight: &self.post_attention_layernorm, eps: self.eps, normed: &mut s.normed };
+        self.mlp.forward_add(b, norm, x, &mut s.mlp, &mut s.ffn);
+    }
+}
+
 /// Buffers of one step, shared by every layer.
 pub struct Scratch<B: Backend, H: Dim> {
     /// A norm of the residual stream, `[T, H]`.
@@ -404,13 +428,9 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn forward<H: Dim>(&self, b: &B, x: &mut Tensor<B, H>, at: LayerStep<'_, B, Scratch<B, H>>) {
-        let LayerStep { step, scratch: s, state: cache, index } = at;
-        // x += self_attn(input_layernorm(x))
-        let norm = PreNorm { weight: &self.input_layernorm, eps: self.eps, normed: &mut s.normed };
-        self.self_attn.forward_add(b, norm, x, step, &mut s.attn, LayerState::new(&mut cache.kv, index));
-        // x += mlp(post_attention_layernorm(x))
-        let norm = PreNorm { weight: &self.post_attention_layernorm, eps: self.eps, normed: &mut s.normed };
-        self.mlp.forward_add(b, norm, x, &mut s.mlp, &mut s.ffn);
+        let LayerStep { step, scratch: s, state, index } = at;
+        self.attention_add(b, x, step, s, LayerState::new(&mut state.kv, index));
+        self.ffn_add(b, x, s);
     }
 
     fn weight_bytes(&self) -> usize {

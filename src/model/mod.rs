@@ -20,8 +20,13 @@ pub mod tp_model;
 /// From the family table: each family's model module (its aliases are the
 /// registry's, which alone names the backends they default to).
 macro_rules! model_modules {
-    ([] $($variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+];)+) => {
-        $(pub mod $module;)+
+    ([] $($(#[$attr:meta])* $variant:ident $module:ident $config:ident $tp:ident $doc:literal [$($model_type:literal),+]
+        $(in ($hf_path:literal, $model_path:literal))?;)+) => {
+        $(
+            $(#[$attr])*
+            $(#[path = $model_path])?
+            pub mod $module;
+        )+
     };
 }
 crate::families::families!(model_modules);
