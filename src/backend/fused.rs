@@ -3,12 +3,12 @@
 //! keeps the same bits says so, and one that does not (activations kept in
 //! the compute dtype, as PyTorch's bf16 run keeps them) says where they differ.
 
-use super::{check, AttentionOps, AttnBlock, Glu, HeadSpan, HeadSums, LayerState, Qkv, Tensor};
+use super::{check, AttentionOps, AttnBlock, Buffers, Glu, HeadSpan, HeadSums, LayerState, Qkv, Tensor};
 use crate::pipeline::batch::PackedBatch;
 use crate::shape::Dim;
 
 /// The buffers of a pre-norm attention block ([`FusedOps::norm_attention_add`]).
-pub struct AttnBufs<'a, B: AttentionOps, H: Dim> {
+pub struct AttnBufs<'a, B: Buffers, H: Dim> {
     /// `[T, H]`: the normed residual stream.
     pub normed: &'a mut Tensor<B, H>,
     /// `[T, (heads + 2·kv_heads) · head_dim]`: the projection's output.
@@ -18,7 +18,7 @@ pub struct AttnBufs<'a, B: AttentionOps, H: Dim> {
 }
 
 /// The buffers of a pre-norm gated MLP ([`FusedOps::norm_gated_mlp_add`]).
-pub struct MlpBufs<'a, B: AttentionOps, H: Dim> {
+pub struct MlpBufs<'a, B: Buffers, H: Dim> {
     /// `[T, H]`: the normed residual stream.
     pub normed: &'a mut Tensor<B, H>,
     /// `[T, 2 · inter]`: `[gate | up]`.
@@ -122,8 +122,12 @@ pub trait FusedOps: AttentionOps {
     /// [`AttnBlock`]'s update of the residual stream `x`, the projection's
     /// output and the attention's going to `bufs.qkv` `[T, (heads + 2·kv_heads) ·
     /// head_dim]` and `bufs.out` `[T, heads · head_dim]`, RoPE (`rotate_half`) at
-    /// each token's position. The default is [`attention_block_ops`]: the
-    /// same bits as those ops. A backend may instead keep q, k and v in its
+    /// each token's position. The default is the ops it is made of
+    /// ([`attention_block_ops`]): [`FusedOps::norm_linear_forward`],
+    /// [`RowOps::rms_norm_heads`](super::RowOps::rms_norm_heads) (or, over all heads,
+    /// `sum_squares_heads`, `all_reduce` and `scale_heads_rms`),
+    /// [`RowOps::rope`](super::RowOps::rope), [`AttentionOps::attention`] and
+    /// [`RowOps::linear_add`](super::RowOps::linear_add): the same bits as those ops. A backend may instead keep q, k and v in its
     /// compute dtype (bf16, as PyTorch's bf16 run does), leaving `bufs.normed`
     /// and `bufs.qkv` unwritten; the states then differ from the default's in the last bits.
     fn norm_attention_add<H: Dim>(
@@ -148,13 +152,30 @@ pub trait FusedOps: AttentionOps {
         batch: &PackedBatch,
         kv: LayerState<'_, Self::KvCache>,
     ) {
-        attention_block_ops(self, a, x, bufs, rope, batch, kv);
+        attention_block_unchecked(self, a, x, bufs, rope, batch, kv);
     }
 }
 
 /// [`FusedOps::norm_attention_add`] as the ops it is made of, one by one
-/// (the default, and a backend's fallback where it cannot fuse).
+/// (what its default runs, and a backend's reference for its fused one),
+/// its sizes checked first.
 pub fn attention_block_ops<B: FusedOps, H: Dim>(
+    b: &B,
+    a: &AttnBlock<'_, B>,
+    x: &mut Tensor<B, H>,
+    bufs: AttnBufs<'_, B, H>,
+    rope: &B::RopeTable,
+    batch: &PackedBatch,
+    kv: LayerState<'_, B::KvCache>,
+) {
+    check::attn_block(a, x, &bufs, rope, batch);
+    attention_block_unchecked(b, a, x, bufs, rope, batch, kv);
+}
+
+/// [`attention_block_ops`] once its sizes are checked: the default of
+/// [`FusedOps::norm_attention_add_unchecked`], and a backend's fallback
+/// where it cannot fuse.
+pub(crate) fn attention_block_unchecked<B: FusedOps, H: Dim>(
     b: &B,
     a: &AttnBlock<'_, B>,
     x: &mut Tensor<B, H>,
@@ -165,7 +186,7 @@ pub fn attention_block_ops<B: FusedOps, H: Dim>(
 ) {
     let AttnBufs { normed, qkv, out } = bufs;
     let (nh, nkv, hd) = (a.shape.heads, a.shape.kv_heads, a.shape.head_dim);
-    b.norm_linear_forward(a.qkv_proj, x, a.norm.0, a.norm.1, normed, qkv);
+    b.norm_linear_forward_unchecked(a.qkv_proj, x, a.norm.0, a.norm.1, normed, qkv);
     match &a.qk_norm {
         Some(n) if n.all_heads => {
             // One vector per row over all heads: sums of squares of q's and
@@ -174,22 +195,22 @@ pub fn attention_block_ops<B: FusedOps, H: Dim>(
             // the local width times the ranks), then scaled.
             let (q, k) = (HeadSpan::heads(0, 1, nh * hd), HeadSpan::heads(nh * hd, 1, nkv * hd));
             let mut sums = Tensor::<B>::zeros(b, qkv.rows(), 2); // [T, 2]: q's, k's
-            b.sum_squares_heads(qkv, q, &mut sums, 0);
-            b.sum_squares_heads(qkv, k, &mut sums, 1);
+            b.sum_squares_heads_unchecked(qkv, q, &mut sums, 0);
+            b.sum_squares_heads_unchecked(qkv, k, &mut sums, 1);
             b.all_reduce(&mut sums);
             let ranks = b.world_size();
-            b.scale_heads_rms(qkv, q, HeadSums { sums: &sums, col: 0, n: nh * hd * ranks }, n.q, n.eps);
-            b.scale_heads_rms(qkv, k, HeadSums { sums: &sums, col: 1, n: nkv * hd * ranks }, n.k, n.eps);
+            b.scale_heads_rms_unchecked(qkv, q, HeadSums { sums: &sums, col: 0, n: nh * hd * ranks }, n.q, n.eps);
+            b.scale_heads_rms_unchecked(qkv, k, HeadSums { sums: &sums, col: 1, n: nkv * hd * ranks }, n.k, n.eps);
         }
         Some(n) => {
-            b.rms_norm_heads(qkv, HeadSpan::heads(0, nh, hd), n.q, n.eps);
-            b.rms_norm_heads(qkv, HeadSpan::heads(nh * hd, nkv, hd), n.k, n.eps);
+            b.rms_norm_heads_unchecked(qkv, HeadSpan::heads(0, nh, hd), n.q, n.eps);
+            b.rms_norm_heads_unchecked(qkv, HeadSpan::heads(nh * hd, nkv, hd), n.k, n.eps);
         }
         None => {}
     }
-    b.rope(qkv, a.rope_span(), false, rope, batch);
+    b.rope_unchecked(qkv, a.rope_span(), false, rope, batch);
     let qkv_cols =
         Qkv { q: qkv.cols(0, nh * hd), k: qkv.cols(nh * hd, nkv * hd), v: qkv.cols((nh + nkv) * hd, nkv * hd) };
-    b.attention(qkv_cols, a.shape, a.sinks, batch, kv, out);
-    b.linear_add(a.o_proj, out, x);
+    b.attention_unchecked(qkv_cols, a.shape, a.sinks, batch, kv, out);
+    b.linear_add_unchecked(a.o_proj, out, x);
 }

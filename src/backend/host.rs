@@ -1,6 +1,9 @@
 //! What the host backends (CPU and reference) share: their [`Buffers`],
 //! one implementation for both. Activations, weight vectors and the
-//! embedding table live in host memory; a capture is a copy.
+//! embedding table live in host memory; a capture is a copy. Buffers are
+//! allocated as the CPU backend's GEMM wants them (`cpu::panels::zeroed`:
+//! huge-page advice on large ones); the reference backend reads them as
+//! plain slices, so how they are allocated changes none of its values.
 
 use super::cpu::panels;
 use super::{Buffers, EmbeddingInfo, Resident, Tensor, VectorInfo};
@@ -97,6 +100,6 @@ impl Resident for Vec<f32> {
 
 impl VectorInfo for Vec<f32> {
     fn len(&self) -> usize {
-        self.len()
+        <[f32]>::len(self)
     }
 }

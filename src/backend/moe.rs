@@ -9,6 +9,11 @@ use crate::shape::Dim;
 pub trait RoutesInfo {
     /// Tokens routed.
     fn tokens(&self) -> usize;
+    /// Experts the routes are laid out for, where they are laid out by
+    /// expert (the CPU's); `None` where they hold expert ids.
+    fn experts(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// A mixture of experts' routing and experts.
@@ -43,6 +48,9 @@ pub trait MoeOps: RowOps {
     ) {
         check::shape("moe_experts", "tokens", x.rows(), routes.tokens());
         check::shape("moe_experts", "tokens", x.rows(), out.rows());
+        if let Some(e) = routes.experts() {
+            check::shape("moe_experts", "experts", experts.len(), e);
+        }
         self.moe_experts_unchecked(experts, shared, x, routes, gating, out)
     }
     /// [`MoeOps::moe_experts`], sizes checked.

@@ -3,11 +3,13 @@
 //! linear layers' GEMMs.
 //!
 //! Each op is a provided method that checks its buffers' sizes once (the
-//! [`super::check`] guards: a misfit is a bug in the model code, so it
-//! panics, naming the op and the axis) and then calls its `_unchecked`
-//! twin, which is what a backend implements.
+//! `check` guards: a misfit is a bug in the model code, so it panics,
+//! naming the op and the axis) and then calls its `_unchecked` twin, which
+//! is what a backend implements. The twins are safe functions: "unchecked"
+//! means the guard has run, not that a misfit would be undefined behaviour
+//! (slice bounds and a kernel launch's own checks still hold).
 
-use super::{check, Cols, EmbeddingInfo, Glu, HeadSpan, Temperature, Tensor, VectorInfo, Weights};
+use super::{check, Buffers, Cols, EmbeddingInfo, Glu, HeadSpan, Temperature, Tensor, VectorInfo, Weights};
 use crate::hf::RopeFreqs;
 use crate::pipeline::batch::PackedBatch;
 use crate::shape::Dim;
@@ -20,8 +22,7 @@ pub trait RopeInfo {
 
 /// Per-head sums of squares and what they sum: the first half of an
 /// RMSNorm whose vector is split over ranks ([`RowOps::scale_heads_rms`]).
-#[derive(Clone, Copy)]
-pub struct HeadSums<'a, B: Weights> {
+pub struct HeadSums<'a, B: Buffers> {
     /// `[T, ≥ col + heads]`: head `h` of row `t` at `[t, col + h]`.
     pub sums: &'a Tensor<B>,
     /// The column of head 0.
@@ -29,6 +30,14 @@ pub struct HeadSums<'a, B: Weights> {
     /// Values each sum covers, over every rank (the norm's width).
     pub n: usize,
 }
+
+impl<B: Buffers> Clone for HeadSums<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Buffers> Copy for HeadSums<'_, B> {}
 
 /// Row ops and linear layers.
 pub trait RowOps: Weights {

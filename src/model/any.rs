@@ -476,7 +476,7 @@ pub struct AnyModel {
     info: ArchInfo,
     options: LoadOptions,
     compute: Compute,
-    /// The kernel its GEMMs take, its backend's ([`Backend::kernel`]).
+    /// The kernel its GEMMs take, its backend's ([`DeviceOps::kernel`](crate::backend::DeviceOps::kernel)).
     kernel: &'static str,
 }
 
@@ -598,7 +598,7 @@ mod tests {
         // A config of the model_type alone: the family's parser takes it
         // (its defaults) or refuses it in its own words, never as unsupported.
         let rows = crate::families::families!(rows);
-        assert_eq!(rows.len(), crate::hf::MODEL_TYPES.len());
+        assert_eq!(rows.len(), crate::hf::model_types().len());
         for (t, family) in rows {
             match AnyConfig::parse(&format!("{{\"model_type\": \"{t}\"}}")) {
                 Ok(c) => assert_eq!(c.family(), family, "{t}"),

@@ -452,7 +452,7 @@ impl<L: Dim, H: Dim> Captures<L, H> {
     }
 
     /// Takes the step's captures still in flight (see
-    /// [`Backend::capture_take`]); on an error path too, so a device backend
+    /// [`Buffers::capture_take`](crate::backend::Buffers::capture_take)); on an error path too, so a device backend
     /// never carries copies it staged for this step into the next.
     fn complete<B: Backend>(&mut self, b: &B) -> Option<PendingCopies> {
         self.out.as_ref().and_then(|out| b.capture_take(out))

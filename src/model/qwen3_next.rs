@@ -13,7 +13,7 @@
 //! - Gated DeltaNet: `[q | k | v | z | b | a] = in_proj(h)` (one GEMM, the
 //!   rows of either [`InProj`] layout put in this order at load), `[q | k |
 //!   v] ← silu(conv1d(q | k | v))`, the gated delta rule and gated norm
-//!   ([`Backend::gated_delta_rule`]), then `out_proj`.
+//!   ([`RecurrentOps::gated_delta_rule`](crate::backend::RecurrentOps::gated_delta_rule)), then `out_proj`.
 //! - Gated attention: `q_proj` holds each head's query and output gate; `x +=
 //!   o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v) · σ(gate))`, RoPE
 //!   over the first `rotary_dim` columns of each head.

@@ -27,7 +27,7 @@ pub trait RankModel: Model + Send + 'static {
         capture: bool,
     ) -> Result<Option<PendingStates<L, Self::Hidden>>, ModelError>;
 
-    /// Stops the group's collectives after this rank panicked (see [`Backend::abort_group`]).
+    /// Stops the group's collectives after this rank panicked (see [`DeviceOps::abort_group`](crate::backend::DeviceOps::abort_group)).
     fn abort_group(&self, why: &str);
 }
 

@@ -215,7 +215,7 @@ pub struct RuleWeights<'a> {
 }
 
 /// The gated delta rule and gated norm of every token (see
-/// [`crate::backend::Backend::gated_delta_rule`]), into `out` `[T, v_heads·v_dim]`.
+/// [`crate::backend::RecurrentOps::gated_delta_rule`]), into `out` `[T, v_heads·v_dim]`.
 #[allow(clippy::too_many_arguments)]
 pub fn delta_rule(
     qkv: &[f32],

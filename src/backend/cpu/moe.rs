@@ -26,6 +26,9 @@ impl crate::backend::RoutesInfo for Routes {
     fn tokens(&self) -> usize {
         self.tokens
     }
+    fn experts(&self) -> Option<usize> {
+        Some(self.by_expert.len())
+    }
 }
 
 /// Routes every token of `logits` (`[T, E]`); `correction` is noaux_tc's

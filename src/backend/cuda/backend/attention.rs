@@ -22,7 +22,7 @@ impl<C: ComputeDtype, D: Device> AttentionOps for Cuda<C, D> {
 }
 
 impl<C: ComputeDtype, D: Device> Cuda<C, D> {
-    /// Causal attention of `[q, k, v]` (see [`Backend::attention`]), each
+    /// Causal attention of `[q, k, v]` (see [`AttentionOps::attention`]), each
     /// read where `src` says: f32 columns, or (bf16 compute) bf16 ones.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_launch(

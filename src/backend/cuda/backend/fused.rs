@@ -125,7 +125,7 @@ impl<C: ComputeDtype, D: Device> FusedOps for Cuda<C, D> {
         // f32 ops: that block runs op by op.)
         let all_heads = a.qk_norm.as_ref().is_some_and(|n| n.all_heads);
         if !self.bf16_inputs(l) || l.kind == Parallel::Row || all_heads {
-            return crate::backend::attention_block_ops(self, a, x, bufs, rope, batch, kv);
+            return crate::backend::fused::attention_block_unchecked(self, a, x, bufs, rope, batch, kv);
         }
         let (AttnBufs { qkv, out, .. }, LayerState { state: cache, layer }) = (bufs, kv);
         let s = a.shape;

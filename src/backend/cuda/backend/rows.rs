@@ -208,7 +208,7 @@ impl<C: ComputeDtype, D: Device> RowOps for Cuda<C, D> {
 
 impl<C: ComputeDtype, D: Device> Cuda<C, D> {
     /// In place: RoPE of `heads` of the rows of `x` (`width` values each, f32
-    /// or bf16), at each token's position (see [`Backend::rope`]).
+    /// or bf16), at each token's position (see [`RowOps::rope`]).
     pub(super) fn rope_launch(
         &self,
         x: (DevPtr, GemmType),
