@@ -80,7 +80,8 @@ fn tokens(vocab: usize, count: usize, len: usize, seed: u64) -> Vec<Vec<u32>> {
 
 fn load(dir: &Path) -> AnyModel {
     let t = Instant::now();
-    let opts = LoadOptions { backend: BackendKind::Cuda, compute: Compute::Bf16, tp: 1, devices: vec![0] };
+    let opts =
+        LoadOptions { backend: BackendKind::Cuda, compute: Compute::Bf16, tp: 1, devices: vec![0], lm_head: false };
     let m = strata::model::load(dir, opts).unwrap_or_else(|e| panic!("loading {}: {e}", dir.display()));
     println!(
         "    loaded onto the GPU in {:.1} s ({:.2} GB of weights)",

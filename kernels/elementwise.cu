@@ -113,7 +113,8 @@ extern "C" __global__ void bf16_to_f32_n(const u16* x, int n, float* out) {
     GRID_STRIDE(i, n) { out[i] = bf16_to_f32(x[i]); }
 }
 
-// MoE: xe[r] = x[src[r]] for the rows an expert (or all experts, grouped) receives; [n, hidden].
+// xe[r] = x[src[r]], [n, hidden]: the rows an expert (or all experts, grouped) receives in
+// MoE, and the rows a step samples for the LM head.
 extern "C" __global__ void gather_rows(const float* x, const u32* src, int n, int hidden, float* xe) {
     GRID_STRIDE(i, (u32)n * hidden) {
         u32 r = i / hidden, c = i - r * hidden;

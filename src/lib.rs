@@ -14,6 +14,7 @@
 //! - [`model`]: the decoders, written once over a backend; tensor parallelism from outside;
 //! - [`backend`]: where the arithmetic runs: `cpu` (fast) and `reference` (the oracle);
 //! - [`parallel`]: ranks, collectives, the typed RPC, shard arithmetic;
+//! - [`generate`]: on-policy generation: sampling as vLLM samples;
 //! - [`sink`]: writers of the native and speculators formats;
 //! - [`format`]: what the files say: the manifest, part info and part directory names, a mapped safetensors file;
 //! - [`dataset`]: datasets once written: reading, verify, inspect (it only reads);
@@ -38,6 +39,7 @@ pub mod dataset;
 mod families;
 pub mod files;
 pub mod format;
+pub mod generate;
 pub mod hf;
 pub mod input;
 pub mod job;

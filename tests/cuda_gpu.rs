@@ -43,7 +43,7 @@ fn gpus_or_skip(test: &str, want: usize) -> bool {
 
 fn load(name: &str, backend: BackendKind, compute: Compute, tp: usize) -> AnyModel {
     let devices = if backend == BackendKind::Cuda { (0..tp).collect() } else { Vec::new() };
-    let opts = LoadOptions { backend, compute, tp, devices };
+    let opts = LoadOptions { backend, compute, tp, devices, lm_head: false };
     strata::model::load(&fixture(name), opts).unwrap_or_else(|e| panic!("{name} on {backend:?}: {e}"))
 }
 

@@ -30,6 +30,7 @@ mod cuda_backend;
 mod cuda_gpu;
 mod deepseek;
 mod errors;
+mod generate;
 // The test family's suite: its row is built with the `test-family` feature,
 // which this crate's dev-dependency on itself turns on.
 #[cfg(feature = "test-family")]

@@ -124,6 +124,16 @@ pub(crate) fn copy_heads<B: Buffers>(src: &Tensor<B>, from: HeadSpan, dst: &Tens
     heads("copy_heads", to, dst.width());
 }
 
+/// Panics unless `out` has a row per index, as wide as `x`, and every index is a row of `x`.
+#[track_caller]
+pub(crate) fn gather_rows<B: Buffers, W: Dim>(x: &Tensor<B, W>, rows: &[usize], out: &Tensor<B, W>) {
+    shape("gather_rows", "rows", rows.len(), out.rows());
+    shape("gather_rows", "width", x.width().size(), out.width().size());
+    if let Some(&r) = rows.iter().find(|&&r| r >= x.rows()) {
+        panic!("gather_rows: row {r} of a {}-row buffer", x.rows());
+    }
+}
+
 /// Panics unless noaux_tc's correction has one value per expert.
 #[track_caller]
 pub(crate) fn correction<B: Buffers>(logits: &Tensor<B>, correction: Option<usize>) {

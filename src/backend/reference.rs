@@ -359,6 +359,15 @@ impl RowOps for Reference {
         }
     }
 
+    fn gather_rows_unchecked<W: Dim>(&self, x: &Tensor<Self, W>, rows: &[usize], out: &mut Tensor<Self, W>) {
+        let w = x.width().size();
+        for (i, &r) in rows.iter().enumerate() {
+            for c in 0..w {
+                out.storage_mut()[i * w + c] = x.storage()[r * w + c];
+            }
+        }
+    }
+
     fn linear_forward_unchecked<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
         for (y, dst) in l.apply(x.storage()).into_iter().zip(out.storage_mut().chunks_exact_mut(l.out_features())) {
             dst.iter_mut().zip(y).for_each(|(d, y)| *d = y as f32);

@@ -164,6 +164,14 @@ pub trait RowOps: Weights {
     /// [`RowOps::copy_heads`], sizes checked.
     fn copy_heads_unchecked(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan);
 
+    /// `out[i] = x[rows[i]]`: the rows a step samples, the LM head's input.
+    fn gather_rows<W: Dim>(&self, x: &Tensor<Self, W>, rows: &[usize], out: &mut Tensor<Self, W>) {
+        check::gather_rows(x, rows, out);
+        self.gather_rows_unchecked(x, rows, out)
+    }
+    /// [`RowOps::gather_rows`], sizes checked.
+    fn gather_rows_unchecked<W: Dim>(&self, x: &Tensor<Self, W>, rows: &[usize], out: &mut Tensor<Self, W>);
+
     /// In place: `x[t, i] *= σ(gate[t, i])` with a gate as wide as `x`, or
     /// `x[t, i] *= σ(gate[t, 0])` with a gate of one column (Qwen3-Next's
     /// attention output gate and shared-expert gate).

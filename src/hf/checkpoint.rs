@@ -98,6 +98,15 @@ pub enum CheckpointError {
     },
 }
 
+/// [`Checkpoint::full`] of `name` under `prefix`.
+fn full_name(prefix: &str, name: &str) -> String {
+    match (prefix.strip_prefix("model."), name.strip_prefix("model.")) {
+        (Some(_), Some(rest)) => format!("{prefix}{rest}"),
+        (Some(_), None) => name.to_string(),
+        _ => format!("{prefix}{name}"),
+    }
+}
+
 /// Opened under another name prefix than the config's (see [`Checkpoint::open_scoped`]).
 #[derive(Debug, thiserror::Error)]
 #[error("the config's tensors are under {expected:?} but the checkpoint was opened under {actual:?}; open it with Checkpoint::open_scoped(dir, &config.tensor_prefix)")]
@@ -193,12 +202,14 @@ impl Checkpoint {
             let map =
                 v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| bad("no `weight_map` object".into()))?;
             let mut shards: Vec<&str> = Vec::new();
+            // The LM head too, which a `model.`-rooted prefix leaves outside it.
+            let head = full_name(prefix, "lm_head.weight");
             for (name, f) in map {
                 let f = f.as_str().ok_or_else(|| bad(format!("weight_map[{name:?}] is not a string")))?;
                 if f.contains('/') || f.contains("..") {
                     return Err(bad(format!("weight_map[{name:?}] = {f:?} points outside the directory")));
                 }
-                if name.starts_with(prefix) && !shards.contains(&f) {
+                if (name.starts_with(prefix) || *name == head) && !shards.contains(&f) {
                     shards.push(f);
                 }
             }
@@ -285,14 +296,12 @@ impl Checkpoint {
     }
 
     /// The name as stored in the files. A prefix under `model.` (Qwen3.5's
-    /// `model.language_model.`) takes the place of the name's own `model.`;
-    /// any other (Gemma 3's and Llama 4's `language_model.`) is prepended.
-    /// Only the text model's `model.*` tensors are read through a prefix.
+    /// `model.language_model.`) takes the place of the name's own `model.`,
+    /// and the wrapper's own tensors beside it (`lm_head.weight`) keep their
+    /// name; any other prefix (Gemma 3's and Llama 4's `language_model.`) is
+    /// prepended.
     pub fn full(&self, name: &str) -> String {
-        match (self.prefix.strip_prefix("model."), name.strip_prefix("model.")) {
-            (Some(_), Some(rest)) => format!("{}{rest}", self.prefix),
-            _ => format!("{}{name}", self.prefix),
-        }
+        full_name(&self.prefix, name)
     }
 
     /// The prefix names are looked up under (see [`open_scoped`](Self::open_scoped)).

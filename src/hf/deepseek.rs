@@ -104,11 +104,14 @@ pub struct DeepseekConfig {
     /// Prefix of the text model's tensor names: `language_model.` inside
     /// Kimi-K2.5's multimodal wrapper, else empty.
     pub tensor_prefix: String,
+    /// The LM head is the embedding matrix.
+    pub tie_word_embeddings: bool,
 }
 
 #[derive(Deserialize)]
 struct Raw {
     model_type: Option<String>,
+    tie_word_embeddings: Option<bool>,
     hidden_size: Option<usize>,
     num_hidden_layers: Option<usize>,
     num_attention_heads: Option<usize>,
@@ -221,6 +224,7 @@ impl DeepseekConfig {
             if inner.get("model_type").is_none() {
                 inner["model_type"] = "kimi_k2".into(); // the text model Kimi-K2.5 wraps
             }
+            let tied = super::tie_word_embeddings(&v, &inner)?;
             let mut c = Self::from_value(inner)?;
             if c.model_type == "kimi_k25" {
                 return Err(invalid("text_config", "model_type is kimi_k25 again; expected kimi_k2 or deepseek_v3"));
@@ -229,6 +233,7 @@ impl DeepseekConfig {
                 c.quant = QuantConfig::from_json(v.get("quantization_config"))?;
             }
             c.tensor_prefix = "language_model.".into();
+            c.tie_word_embeddings = tied.unwrap_or(false);
             return Ok(c);
         }
         Self::from_value(v)
@@ -376,6 +381,7 @@ impl DeepseekConfig {
             topk_group: group(r.topk_group, "topk_group", d.topk_group)?,
             quant: QuantConfig::from_json(r.quantization_config.as_ref())?,
             tensor_prefix: String::new(),
+            tie_word_embeddings: r.tie_word_embeddings.unwrap_or(false),
             model_type,
         };
         c.check_sizes()?;

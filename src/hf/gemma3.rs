@@ -54,6 +54,12 @@ pub struct Gemma3Config {
     pub max_position_default: bool,
     /// Prefix of the text model's tensor names: `language_model.` in the wrapper.
     pub tensor_prefix: String,
+    /// The LM head is the embedding matrix (Gemma's default: true).
+    pub tie_word_embeddings: bool,
+    /// `final_logit_softcapping`: `cap · tanh(logits / cap)`, as
+    /// `Gemma3ForCausalLM` applies it (the text model only: transformers'
+    /// `Gemma3ForConditionalGeneration` does not read it).
+    pub final_logit_softcapping: Option<f32>,
 }
 
 #[derive(Deserialize)]
@@ -81,13 +87,14 @@ struct Raw {
     layer_types: Option<Vec<String>>,
     max_position_embeddings: Option<usize>,
     attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
     use_bidirectional_attention: Option<bool>,
 }
 
 impl Gemma3Config {
     /// Parses and normalises `config.json` text.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let TextModel { model_type, config, tensor_prefix, quantization } =
+        let TextModel { model_type, config, tensor_prefix, quantization, tie_word_embeddings } =
             TextModel::of(text, "gemma3_text", "gemma3")?;
         let raw: Raw = serde_json::from_value(config)?;
         if let Some(q) = super::quant::QuantConfig::from_json(quantization.as_ref())? {
@@ -143,6 +150,12 @@ impl Gemma3Config {
         let sliding_windows = Self::windows(&raw, num_layers)?;
         let (rope_theta, rope_scaling, rope_local_theta, rope_local_scaling) =
             Self::ropes(&raw, max_position_embeddings)?;
+        let final_logit_softcapping = match raw.final_logit_softcapping {
+            Some(cap) if model_type == "gemma3_text" => {
+                Some(super::positive_f32("final_logit_softcapping", "the cap", cap as f32)?)
+            }
+            _ => None,
+        };
         Ok(Gemma3Config {
             model_type,
             hidden_size,
@@ -163,6 +176,8 @@ impl Gemma3Config {
             max_position_embeddings,
             max_position_default,
             tensor_prefix,
+            tie_word_embeddings: tie_word_embeddings.unwrap_or(true),
+            final_logit_softcapping,
         })
     }
 

@@ -74,10 +74,13 @@ pub struct GptOssConfig {
     pub max_position_embeddings: usize,
     /// config.json has no `max_position_embeddings`: the limit is HF's default.
     pub max_position_default: bool,
+    /// The LM head is the embedding matrix.
+    pub tie_word_embeddings: bool,
 }
 
 #[derive(Deserialize)]
 struct Raw {
+    tie_word_embeddings: Option<bool>,
     hidden_size: Option<usize>,
     num_hidden_layers: Option<usize>,
     num_attention_heads: Option<usize>,
@@ -196,6 +199,7 @@ impl GptOssConfig {
             mxfp4,
             max_position_embeddings,
             max_position_default,
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
         })
     }
 

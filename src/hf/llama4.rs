@@ -96,6 +96,8 @@ pub struct Llama4Config {
     pub max_position_default: bool,
     /// Prefix of the text model's tensor names: `language_model.` in the wrapper.
     pub tensor_prefix: String,
+    /// The LM head is the embedding matrix.
+    pub tie_word_embeddings: bool,
 }
 
 #[derive(Deserialize)]
@@ -135,7 +137,7 @@ struct Raw {
 impl Llama4Config {
     /// Parses and normalises `config.json` text.
     pub fn from_json(text: &str) -> Result<Self, ConfigError> {
-        let TextModel { model_type, config, tensor_prefix, quantization } =
+        let TextModel { model_type, config, tensor_prefix, quantization, tie_word_embeddings } =
             TextModel::of(text, "llama4_text", "llama4")?;
         let raw: Raw = serde_json::from_value(config)?;
         if let Some(q) = quantization {
@@ -202,6 +204,7 @@ impl Llama4Config {
             max_position_embeddings,
             max_position_default,
             tensor_prefix,
+            tie_word_embeddings: tie_word_embeddings.unwrap_or(false),
         })
     }
 

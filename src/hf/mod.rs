@@ -309,6 +309,10 @@ pub(crate) struct TextModel {
     pub tensor_prefix: String,
     /// `quantization_config`: the wrapper's at the top, or the text model's own.
     pub quantization: Option<serde_json::Value>,
+    /// `tie_word_embeddings` as transformers reads it: the wrapper's own key
+    /// (its `ForConditionalGeneration` ties through the top config), or else
+    /// the text model's; `None` where neither says (the family's default).
+    pub tie_word_embeddings: Option<bool>,
 }
 
 impl TextModel {
@@ -336,7 +340,21 @@ impl TextModel {
         }
         let quantization =
             top.get("quantization_config").or(config.get("quantization_config")).filter(|v| !v.is_null()).cloned();
-        Ok(TextModel { model_type: model_type.to_string(), config, tensor_prefix, quantization })
+        let tie_word_embeddings = tie_word_embeddings(&top, &config)?;
+        Ok(TextModel { model_type: model_type.to_string(), config, tensor_prefix, quantization, tie_word_embeddings })
+    }
+}
+
+/// `tie_word_embeddings` of a config's top level, or else of its text model
+/// (`text` may be `top` itself); `None` where neither holds a bool.
+pub(crate) fn tie_word_embeddings(
+    top: &serde_json::Value,
+    text: &serde_json::Value,
+) -> Result<Option<bool>, ConfigError> {
+    let key = "tie_word_embeddings";
+    match [top.get(key), text.get(key)].into_iter().flatten().find(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(v) => v.as_bool().map(Some).ok_or_else(|| invalid(key, format!("expected true or false, got {v}"))),
     }
 }
 

@@ -100,6 +100,8 @@ pub struct Qwen3NextConfig {
     pub max_position_default: bool,
     /// Prefix of the text model's tensor names: `model.language_model.` in a wrapper.
     pub tensor_prefix: String,
+    /// The LM head is the embedding matrix.
+    pub tie_word_embeddings: bool,
 }
 
 #[derive(Deserialize)]
@@ -153,7 +155,8 @@ impl Qwen3NextConfig {
         let ty = top.get("model_type").and_then(Value::as_str).ok_or(ConfigError::Missing("model_type"))?;
         let (text_type, wrapper, in_proj, mixture) =
             family(ty).ok_or_else(|| ConfigError::UnsupportedModel(ty.to_string()))?;
-        let TextModel { model_type, config, tensor_prefix, quantization } = TextModel::of(text, text_type, wrapper)?;
+        let TextModel { model_type, config, tensor_prefix, quantization, tie_word_embeddings } =
+            TextModel::of(text, text_type, wrapper)?;
         // The wrapper's text model lives under `model.language_model.` (its own `model.` dropped).
         let tensor_prefix = if tensor_prefix.is_empty() { tensor_prefix } else { "model.language_model.".into() };
         if let Some(q) = super::quant::QuantConfig::from_json(quantization.as_ref())? {
@@ -235,6 +238,7 @@ impl Qwen3NextConfig {
             max_position_embeddings,
             max_position_default,
             tensor_prefix,
+            tie_word_embeddings: tie_word_embeddings.unwrap_or(false),
         })
     }
 

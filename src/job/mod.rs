@@ -212,7 +212,7 @@ impl ModelRequest {
     }
 
     fn load_options(&self, compute: Compute) -> LoadOptions {
-        LoadOptions { backend: self.backend, compute, tp: self.tp, devices: self.devices.clone() }
+        LoadOptions { backend: self.backend, compute, tp: self.tp, devices: self.devices.clone(), lm_head: false }
     }
 
     /// Loads the weights: the compute dtype resolved from the checkpoint

@@ -5,7 +5,7 @@
 //! backend adds a case here; the model files do not change.
 
 use super::decoder::{Block, Frame};
-use super::{Decoder, Model, ModelError, PendingStates, TpModel};
+use super::{Decoder, Model, ModelError, Sampled, TpModel};
 use crate::backend::{Backend, Bf16, Compute, Cpu, DeviceOps, Reference, F32};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::hf::{ArchInfo, ConfigError};
@@ -94,11 +94,14 @@ pub struct LoadOptions {
     /// GPU indices, one per rank in rank order (`--devices`); empty: the
     /// first `tp`. Only the CUDA backend takes devices.
     pub devices: Vec<usize>,
+    /// Load the LM head too (generation samples from it; extraction does
+    /// not read it, and leaves its `V × H` weights on disk).
+    pub lm_head: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { backend: BackendKind::Cpu, compute: Compute::F32, tp: 1, devices: Vec::new() }
+        LoadOptions { backend: BackendKind::Cpu, compute: Compute::F32, tp: 1, devices: Vec::new(), lm_head: false }
     }
 }
 
@@ -304,9 +307,9 @@ impl AnyConfig {
         self.check(&opts)?;
         let (tp, compute, info) = (opts.tp, opts.compute, self.info());
         let (inner, kernel) = match (opts.backend, compute) {
-            (BackendKind::Cpu, Compute::F32) => self.erased_on(Cpu::<F32>::default(), tp, open)?,
-            (BackendKind::Cpu, Compute::Bf16) => self.erased_on(Cpu::<Bf16>::default(), tp, open)?,
-            (BackendKind::Reference, _) => self.erased_on(Reference, 1, open)?,
+            (BackendKind::Cpu, Compute::F32) => self.erased_on(Cpu::<F32>::default(), tp, opts.lm_head, open)?,
+            (BackendKind::Cpu, Compute::Bf16) => self.erased_on(Cpu::<Bf16>::default(), tp, opts.lm_head, open)?,
+            (BackendKind::Reference, _) => self.erased_on(Reference, 1, opts.lm_head, open)?,
             (BackendKind::Cuda, compute) => self.load_cuda(compute, &opts, open)?,
         };
         Ok(AnyModel { inner, info, options: opts, compute, kernel })
@@ -321,10 +324,21 @@ impl AnyConfig {
         tp: usize,
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<AnyModel, ModelError> {
+        self.load_on_with(backend, tp, false, open)
+    }
+
+    /// [`load_on`](Self::load_on), with the LM head if `lm_head`.
+    pub fn load_on_with<B: Backend>(
+        self,
+        backend: B,
+        tp: usize,
+        lm_head: bool,
+        open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
+    ) -> Result<AnyModel, ModelError> {
         let (compute, info) = (backend.compute(), self.info());
         let kind = B::NAME.parse().map_err(ModelError::Unsupported)?;
-        let (inner, kernel) = self.erased_on(backend, tp, open)?;
-        let options = LoadOptions { backend: kind, compute, tp, devices: Vec::new() };
+        let (inner, kernel) = self.erased_on(backend, tp, lm_head, open)?;
+        let options = LoadOptions { backend: kind, compute, tp, devices: Vec::new(), lm_head };
         Ok(AnyModel { inner, info, options, compute, kernel })
     }
 
@@ -332,13 +346,17 @@ impl AnyConfig {
         self,
         backend: B,
         tp: usize,
+        lm_head: bool,
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<(Box<dyn ErasedModel>, &'static str), ModelError> {
         let kernel = backend.kernel();
         let inner = dispatch!(self, |c, L| if tp == 1 {
-            Box::new(Decoder::<B, L<B>>::from_checkpoint_on(backend, c, &open()?)?) as Box<dyn ErasedModel>
+            let ckpt = open()?;
+            let model = Decoder::<B, L<B>>::from_checkpoint_on(backend, c, &ckpt)?;
+            let model = if lm_head { model.with_lm_head(&ckpt)? } else { model };
+            Box::new(model) as Box<dyn ErasedModel>
         } else {
-            Box::new(TpModel::<Decoder<B, L<B>>, usize>::build_on(&backend, c, tp, open)?)
+            Box::new(TpModel::<Decoder<B, L<B>>, usize>::build_with(&backend, c, tp, lm_head, open)?)
         });
         Ok((inner, kernel))
     }
@@ -365,7 +383,7 @@ impl AnyConfig {
                 "GPU {} opened",
                 devices[0]
             );
-            config.erased_on(Cuda::<C>::new(first, devices), opts.tp, open)
+            config.erased_on(Cuda::<C>::new(first, devices), opts.tp, opts.lm_head, open)
         }
         match compute {
             Compute::F32 => on::<F32>(self, opts, open),
@@ -515,7 +533,8 @@ trait ErasedModel: Send {
         batch: &PackedBatch,
         captures: &CaptureSet<usize>,
         cache: &mut (dyn Any + Send),
-    ) -> Result<PendingStates<usize, usize>, ModelError>;
+        sample: Option<&[usize]>,
+    ) -> Result<Sampled<usize, usize>, ModelError>;
 }
 
 impl<M> ErasedModel for M
@@ -537,9 +556,10 @@ where
         batch: &PackedBatch,
         captures: &CaptureSet<usize>,
         cache: &mut (dyn Any + Send),
-    ) -> Result<PendingStates<usize, usize>, ModelError> {
+        sample: Option<&[usize]>,
+    ) -> Result<Sampled<usize, usize>, ModelError> {
         let cache = cache.downcast_mut::<M::Cache>().expect("the cache this model made");
-        self.forward_step_pending(batch, captures, cache)
+        self.forward_sample_pending(batch, captures, cache, sample)
     }
 }
 
@@ -559,19 +579,21 @@ impl Model for AnyModel {
     fn weight_bytes(&self) -> usize {
         self.inner.weight_bytes()
     }
-    fn forward_step_pending<L: Dim>(
+    fn forward_sample_pending<L: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
         cache: &mut AnyCache,
-    ) -> Result<PendingStates<L, usize>, ModelError> {
+        sample: Option<&[usize]>,
+    ) -> Result<Sampled<L, usize>, ModelError> {
         let cache = cache.0.get_or_insert_with(|| self.inner.new_cache());
         let set = CaptureSet::<usize>::try_new(captures.points().to_vec())?;
-        let pending = self.inner.step(batch, &set, cache.as_mut())?;
-        Ok(pending.retype(|states| {
+        let Sampled { states, logits } = self.inner.step(batch, &set, cache.as_mut(), sample)?;
+        let states = states.retype(|states| {
             let [_, t, h] = states.shape();
             CapturedStates::try_from_vec(states.into_vec(), captures.layers(), t, h)
-        })?)
+        })?;
+        Ok(Sampled { states, logits })
     }
 }
 

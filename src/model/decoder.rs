@@ -4,9 +4,11 @@
 //! residual stream passes, the final norm, and the KV cache bookkeeping of
 //! chunked prefill.
 
+use super::logits::LogitShard;
 use super::{ModelError, PendingStates};
-use crate::backend::{Backend, KvStore, PendingCopies, SeqState, Tensor};
+use crate::backend::{Backend, KvStore, Parallel, PendingCopies, SeqState, Tensor};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError, PrefixMismatch};
+use crate::hf::quant::WeightFormat;
 use crate::hf::{ArchInfo, ConfigError, RopeFreqs};
 use crate::pipeline::batch::PackedBatch;
 use crate::pipeline::capture::{CaptureSet, Tap};
@@ -37,11 +39,17 @@ pub struct Frame {
     /// Added to the final norm's weight at load: 1 for the `(1 + w)` RMSNorm
     /// of Gemma, whose checkpoints store `w` centred on 0; 0 otherwise.
     pub norm_offset: f32,
+    /// The LM head is `model.embed_tokens.weight` (`tie_word_embeddings`),
+    /// not `lm_head.weight`.
+    pub tied_embeddings: bool,
+    /// `cap · tanh(logits / cap)` on the LM head's output (Gemma's
+    /// `final_logit_softcapping`); `None` for plain logits.
+    pub logit_softcap: Option<f32>,
 }
 
 impl Frame {
-    /// The frame of an architecture with one RoPE table, unscaled embeddings
-    /// and a plain final norm.
+    /// The frame of an architecture with one RoPE table, unscaled embeddings,
+    /// a plain final norm and an LM head of its own without soft-capping.
     pub fn plain(
         info: ArchInfo,
         rms_norm_eps: f32,
@@ -58,6 +66,8 @@ impl Frame {
             rope_local: None,
             embed_scale: None,
             norm_offset: 0.0,
+            tied_embeddings: false,
+            logit_softcap: None,
         }
     }
 }
@@ -145,6 +155,26 @@ pub struct Decoder<B: Backend, L: Block<B>, H: Dim = usize> {
     layers: Vec<L>,
     /// `model.norm.weight`, plus [`Frame::norm_offset`].
     norm: B::Vector,
+    /// The LM head, when the job samples ([`Decoder::with_lm_head`]).
+    head: Option<LmHead<B>>,
+}
+
+/// This rank's block of the LM head: `lm_head.weight` (or the tied
+/// embedding) rows `vocab`, column-parallel over the vocabulary.
+struct LmHead<B: Backend> {
+    /// `[vocab.len(), H]`.
+    linear: B::Linear,
+    /// The vocabulary rows this rank computes ([`LogitShard::block`]).
+    vocab: std::ops::Range<usize>,
+}
+
+/// What one rank's step returns: the captured states (on a capturing rank)
+/// and its block of the sampled rows' logits (when rows were asked for).
+pub struct RankStep<L: Dim, H: Dim> {
+    /// `[L, T, H]`, copies pending; `None` on a non-capturing rank.
+    pub states: Option<PendingStates<L, H>>,
+    /// `[S, V/TP]` of the rows asked for; `None` outside generation.
+    pub logits: Option<LogitShard>,
 }
 
 /// Reads `DIR/config.json` (a regular file of bounded size; a FIFO is refused).
@@ -245,7 +275,35 @@ impl<B: Backend, L: Block<B>, H: Dim + Default> Decoder<B, L, H> {
         // A device backend reports a failed upload (out of memory) here, at
         // load, before any output is opened.
         backend.end_step()?;
-        Ok(Decoder { backend, config, frame, hidden, dtype, embed_tokens, layers, norm })
+        Ok(Decoder { backend, config, frame, hidden, dtype, embed_tokens, layers, norm, head: None })
+    }
+
+    /// Adds the LM head from `ckpt` (what generation needs and extraction
+    /// does not load): `lm_head.weight`, or `model.embed_tokens.weight`
+    /// under [`Frame::tied_embeddings`], this rank's block of vocabulary rows.
+    pub fn with_lm_head(mut self, ckpt: &Checkpoint) -> Result<Self, ModelError> {
+        let (b, info) = (&self.backend, &self.frame.info);
+        let (v, h) = (info.vocab_size, info.hidden_size);
+        let module = if self.frame.tied_embeddings { "model.embed_tokens" } else { "lm_head" };
+        let name = format!("{module}.weight");
+        if !ckpt.contains(&name) {
+            return Err(ModelError::NoLmHead(format!(
+                "the checkpoint has no {} (and tie_word_embeddings is false): a model without an LM head cannot generate",
+                ckpt.full(&name)
+            )));
+        }
+        if b.world_size() > v {
+            return Err(ModelError::NoLmHead(format!(
+                "vocab_size {v} is smaller than the {} ranks it splits over",
+                b.world_size()
+            )));
+        }
+        let vocab = LogitShard::block(v, b.rank(), b.world_size());
+        let w = ckpt.read_linear(module, [v, h], vocab.clone(), 0..h, WeightFormat::Plain)?;
+        let linear = b.linear(w, None, Parallel::Column);
+        b.end_step()?;
+        self.head = Some(LmHead { linear, vocab });
+        Ok(self)
     }
 }
 
@@ -305,7 +363,13 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         use crate::backend::Resident;
         let layers: usize = self.layers.iter().map(Block::weight_bytes).sum();
         let ropes = self.frame.rope.inv_freq.len() + self.frame.rope_local.as_ref().map_or(0, |r| r.inv_freq.len());
-        self.embed_tokens.resident_bytes() + layers + self.norm.resident_bytes() + ropes * 4
+        let head = self.head.as_ref().map_or(0, |h| h.linear.resident_bytes());
+        self.embed_tokens.resident_bytes() + layers + self.norm.resident_bytes() + head + ropes * 4
+    }
+
+    /// Whether the LM head is loaded ([`with_lm_head`](Self::with_lm_head)).
+    pub fn has_lm_head(&self) -> bool {
+        self.head.is_some()
     }
 
     /// Runs the decoder over a packed batch of whole samples and returns the
@@ -357,10 +421,33 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         cache: &mut SeqState<B>,
         capture: bool,
     ) -> Result<Option<PendingStates<LD, H>>, ModelError> {
+        Ok(self.step_rank(batch, captures, cache, capture, None)?.states)
+    }
+
+    /// [`forward_rank`](Self::forward_rank) as a generation step when
+    /// `sample` is `Some(rows)`: every layer runs, whatever the capture
+    /// points (a later step reads every layer's keys), and the logits of
+    /// the batch rows `rows` (the last token of each sequence that samples)
+    /// come back: the final norm of those rows through this rank's block
+    /// of the LM head, soft-capped where the family does.
+    pub fn step_rank<LD: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<LD>,
+        cache: &mut SeqState<B>,
+        capture: bool,
+        sample: Option<&[usize]>,
+    ) -> Result<RankStep<LD, H>, ModelError> {
         let (b, f) = (&self.backend, &self.frame);
         self.check_batch(batch)?;
         let t = batch.num_tokens();
-        let mut caps = Captures::new(captures, f.info.num_layers, t, self.hidden, capture)?;
+        if sample.is_some() && self.head.is_none() {
+            return Err(ModelError::NoLmHead("the model was loaded without its LM head".into()));
+        }
+        if let Some(&r) = sample.unwrap_or_default().iter().find(|&&r| r >= t) {
+            return Err(ModelError::Input { sample: 0, problem: format!("sampled row {r} of a {t}-token step") });
+        }
+        let mut caps = Captures::new(captures, f.info.num_layers, t, self.hidden, capture, sample.is_some())?;
         cache.begin(batch)?;
         let _span = info_span!("forward", tokens = t, samples = batch.num_samples()).entered();
         let mut x = Tensor::zeros(b, t, self.hidden); // the residual stream [T, H]
@@ -382,9 +469,35 @@ impl<B: Backend, L: Block<B>, H: Dim> Decoder<B, L, H> {
         }
         cache.retire(batch);
         let states = caps.finish(b, &x, &self.norm, f.rms_norm_eps)?;
+        let logits = match (&self.head, sample) {
+            (Some(head), Some(rows)) => Some(self.logits(head, &x, rows)?),
+            _ => None,
+        };
         // The staged copies land by the end of the step; reading them is left to the caller.
         b.end_step()?;
-        Ok(states.map(|(states, copies)| PendingStates::new(states, copies)))
+        Ok(RankStep { states: states.map(|(states, copies)| PendingStates::new(states, copies)), logits })
+    }
+
+    /// This rank's logits `[S, V/TP]` of rows `sample` of the final residual `x`.
+    fn logits(&self, head: &LmHead<B>, x: &Tensor<B, H>, sample: &[usize]) -> Result<LogitShard, ModelError> {
+        let b = &self.backend;
+        let _span = debug_span!("lm_head", rows = sample.len()).entered();
+        let s = sample.len();
+        let (vocab, of) = (head.vocab.clone(), self.frame.info.vocab_size);
+        if s == 0 {
+            return Ok(LogitShard::new(0, vocab, of, Vec::new())?);
+        }
+        let mut rows = Tensor::zeros(b, s, self.hidden); // [S, H]
+        b.gather_rows(x, sample, &mut rows);
+        let mut normed = Tensor::zeros(b, s, self.hidden); // [S, H]
+        b.rms_norm(rows.all(), &self.norm, self.frame.rms_norm_eps, &mut normed);
+        let mut out = Tensor::zeros(b, s, head.vocab.len()); // [S, V/TP]
+        b.linear_forward(&head.linear, &normed, &mut out);
+        let mut values = out.to_host(b);
+        if let Some(cap) = self.frame.logit_softcap {
+            values.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
+        }
+        Ok(LogitShard::new(s, vocab, of, values)?)
     }
 }
 
@@ -399,17 +512,19 @@ struct Captures<L: Dim, H: Dim> {
 }
 
 impl<L: Dim, H: Dim> Captures<L, H> {
-    /// Resolves the capture points against `num_layers`; allocates the buffer if `capture`.
+    /// Resolves the capture points against `num_layers`; allocates the buffer
+    /// if `capture`; runs every layer if `all`.
     fn new(
         captures: &CaptureSet<L>,
         num_layers: usize,
         tokens: usize,
         hidden: H,
         capture: bool,
+        all: bool,
     ) -> Result<Self, ModelError> {
         let taps = captures.taps(num_layers)?;
         let post_norm = taps.contains(&Tap::PostNorm);
-        let depth = if post_norm {
+        let depth = if post_norm || all {
             num_layers
         } else {
             taps.iter().map(|tap| if let Tap::Residual(k) = tap { *k } else { 0 }).max().unwrap_or(0)

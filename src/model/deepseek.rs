@@ -409,7 +409,9 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn frame(c: &DeepseekConfig) -> Frame {
-        Frame::plain(c.info(), c.rms_norm_eps, c.rope(), c.tensor_prefix.clone(), c.num_nextn_predict_layers)
+        let frame =
+            Frame::plain(c.info(), c.rms_norm_eps, c.rope(), c.tensor_prefix.clone(), c.num_nextn_predict_layers);
+        Frame { tied_embeddings: c.tie_word_embeddings, ..frame }
     }
 
     fn splits(c: &DeepseekConfig) -> Vec<Split> {

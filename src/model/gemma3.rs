@@ -179,6 +179,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
             // HF: `hidden_size ** 0.5`, a Python float made an f32 tensor.
             embed_scale: Some((c.hidden_size as f64).sqrt() as f32),
             norm_offset: 1.0,
+            tied_embeddings: c.tie_word_embeddings,
+            logit_softcap: c.final_logit_softcapping,
             ..Frame::plain(c.info(), c.rms_norm_eps, c.rope(), c.tensor_prefix.clone(), 0)
         }
     }

@@ -185,7 +185,10 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn frame(c: &GptOssConfig) -> Frame {
-        Frame::plain(c.info(), c.rms_norm_eps, c.rope(), String::new(), 0)
+        Frame {
+            tied_embeddings: c.tie_word_embeddings,
+            ..Frame::plain(c.info(), c.rms_norm_eps, c.rope(), String::new(), 0)
+        }
     }
 
     fn splits(c: &GptOssConfig) -> Vec<Split> {

@@ -381,7 +381,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn frame(c: &LlamaConfig) -> Frame {
-        Frame::plain(c.info(), c.rms_norm_eps, c.rope(), String::new(), c.extra_layers)
+        let frame = Frame::plain(c.info(), c.rms_norm_eps, c.rope(), String::new(), c.extra_layers);
+        Frame { tied_embeddings: c.tie_word_embeddings, ..frame }
     }
 
     fn splits(c: &LlamaConfig) -> Vec<Split> {

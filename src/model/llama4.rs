@@ -237,7 +237,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn frame(c: &Llama4Config) -> Frame {
-        Frame::plain(c.info(), c.rms_norm_eps, c.rope(), c.tensor_prefix.clone(), 0)
+        let frame = Frame::plain(c.info(), c.rms_norm_eps, c.rope(), c.tensor_prefix.clone(), 0);
+        Frame { tied_embeddings: c.tie_word_embeddings, ..frame }
     }
 
     fn splits(c: &Llama4Config) -> Vec<Split> {

@@ -13,6 +13,7 @@
 pub mod any;
 pub mod decoder;
 mod kit;
+pub mod logits;
 pub mod moe;
 pub mod shard;
 pub mod tp_model;
@@ -32,7 +33,8 @@ macro_rules! model_modules {
 crate::families::families!(model_modules);
 
 pub use any::*;
-pub use decoder::Decoder;
+pub use decoder::{Decoder, RankStep};
+pub use logits::{LogitShard, Logits};
 pub use tp_model::{RankModel, RankWorker, TpModel};
 
 /// The device failure [`ModelError::Device`] carries.
@@ -74,6 +76,9 @@ pub enum ModelError {
     /// Something the chosen backend does not do.
     #[error("{0}")]
     Unsupported(String),
+    /// Logits asked of a model without its LM head.
+    #[error("no LM head: {0}")]
+    NoLmHead(String),
     /// The device failed, its error kept whole.
     #[error("{0}")]
     Device(DeviceError),
@@ -152,6 +157,17 @@ pub trait Model {
     fn dtype(&self) -> DType;
     /// Bytes of memory the weights hold, over all ranks.
     fn weight_bytes(&self) -> usize;
+    /// Runs one step, leaving the device's last copies pending; a
+    /// generation step (`sample` is `Some(rows)`) runs every layer and
+    /// returns the logits of the batch rows `rows`; see [`Decoder::step_rank`].
+    fn forward_sample_pending<L: Dim>(
+        &self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+        cache: &mut Self::Cache,
+        sample: Option<&[usize]>,
+    ) -> Result<Sampled<L, Self::Hidden>, ModelError>;
+
     /// Runs one step, leaving the device's last copies pending; see
     /// [`Decoder::forward_step_pending`].
     fn forward_step_pending<L: Dim>(
@@ -159,7 +175,9 @@ pub trait Model {
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
         cache: &mut Self::Cache,
-    ) -> Result<PendingStates<L, Self::Hidden>, ModelError>;
+    ) -> Result<PendingStates<L, Self::Hidden>, ModelError> {
+        Ok(self.forward_sample_pending(batch, captures, cache, None)?.states)
+    }
 
     /// Runs one step; see [`Decoder::forward_step`].
     fn forward_step<L: Dim>(
@@ -170,6 +188,14 @@ pub trait Model {
     ) -> Result<CapturedStates<L, Self::Hidden>, ModelError> {
         self.forward_step_pending(batch, captures, cache)?.wait()
     }
+}
+
+/// A step's states and the logits of the rows it samples.
+pub struct Sampled<L: Dim, H: Dim> {
+    /// `[L, T, H]`, copies pending.
+    pub states: PendingStates<L, H>,
+    /// `[S, V]` over the whole vocabulary; `None` outside generation.
+    pub logits: Option<Logits>,
 }
 
 impl<B: Backend, L: decoder::Block<B>, H: Dim> Model for Decoder<B, L, H> {
@@ -187,12 +213,15 @@ impl<B: Backend, L: decoder::Block<B>, H: Dim> Model for Decoder<B, L, H> {
     fn weight_bytes(&self) -> usize {
         self.resident_bytes()
     }
-    fn forward_step_pending<LD: Dim>(
+    fn forward_sample_pending<LD: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<LD>,
         cache: &mut SeqState<B>,
-    ) -> Result<PendingStates<LD, H>, ModelError> {
-        Decoder::forward_step_pending(self, batch, captures, cache)
+        sample: Option<&[usize]>,
+    ) -> Result<Sampled<LD, H>, ModelError> {
+        let step = self.step_rank(batch, captures, cache, true, sample)?;
+        let logits = step.logits.map(LogitShard::whole).transpose()?;
+        Ok(Sampled { states: step.states.expect("a capturing forward returns states"), logits })
     }
 }

@@ -480,7 +480,8 @@ impl<B: Backend> Block<B> for DecoderLayer<B> {
     }
 
     fn frame(c: &Qwen3NextConfig) -> Frame {
-        Frame { norm_offset: 1.0, ..Frame::plain(c.info(), c.rms_norm_eps, c.rope_freqs(), c.tensor_prefix.clone(), 0) }
+        let frame = Frame::plain(c.info(), c.rms_norm_eps, c.rope_freqs(), c.tensor_prefix.clone(), 0);
+        Frame { norm_offset: 1.0, tied_embeddings: c.tie_word_embeddings, ..frame }
     }
 
     fn splits(c: &Qwen3NextConfig) -> Vec<Split> {

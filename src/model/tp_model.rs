@@ -4,8 +4,8 @@
 //! Every decoder gets the same driver; how each layer splits is its own
 //! [`crate::backend::Parallel`] kind.
 
-use super::decoder::{read_config_text, Block, Decoder};
-use super::{Model, ModelError, PendingStates};
+use super::decoder::{read_config_text, Block, Decoder, RankStep};
+use super::{Logits, Model, ModelError, PendingStates, Sampled};
 use crate::backend::{Backend, SeqState};
 use crate::hf::checkpoint::{Checkpoint, CheckpointError};
 use crate::parallel::{Executor, PerRank, RpcError, ShardDim, ShardedStates, TpSize};
@@ -18,28 +18,31 @@ use std::sync::{Arc, Mutex};
 /// A model that runs as one rank of a tensor-parallel group.
 pub trait RankModel: Model + Send + 'static {
     /// Runs a step; every rank must call it in step (the all-reduces need all
-    /// of them); only a capturing rank fills and returns the states.
-    fn forward_rank<L: Dim>(
+    /// of them); only a capturing rank fills and returns the states, and
+    /// every rank returns its block of the logits of rows `sample`.
+    fn step_rank<L: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
         cache: &mut Self::Cache,
         capture: bool,
-    ) -> Result<Option<PendingStates<L, Self::Hidden>>, ModelError>;
+        sample: Option<&[usize]>,
+    ) -> Result<RankStep<L, Self::Hidden>, ModelError>;
 
     /// Stops the group's collectives after this rank panicked (see [`DeviceOps::abort_group`](crate::backend::DeviceOps::abort_group)).
     fn abort_group(&self, why: &str);
 }
 
 impl<B: Backend, L: Block<B>, H: Dim> RankModel for Decoder<B, L, H> {
-    fn forward_rank<LD: Dim>(
+    fn step_rank<LD: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<LD>,
         cache: &mut SeqState<B>,
         capture: bool,
-    ) -> Result<Option<PendingStates<LD, H>>, ModelError> {
-        Decoder::forward_rank(self, batch, captures, cache, capture)
+        sample: Option<&[usize]>,
+    ) -> Result<RankStep<LD, H>, ModelError> {
+        Decoder::step_rank(self, batch, captures, cache, capture, sample)
     }
 
     fn abort_group(&self, why: &str) {
@@ -75,12 +78,24 @@ impl<M: RankModel> RankWorker<M> {
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
     ) -> Result<PendingStates<L, M::Hidden>, ModelError> {
-        Ok(self.model.forward_rank(batch, captures, &mut self.cache, true)?.expect("capturing rank"))
+        Ok(self.step(batch, captures, true, None)?.states.expect("capturing rank"))
     }
 
     /// Runs a step as a non-capturing rank (its part of the all-reduces only).
     pub fn run<L: Dim>(&mut self, batch: &PackedBatch, captures: &CaptureSet<L>) -> Result<(), ModelError> {
-        self.model.forward_rank(batch, captures, &mut self.cache, false).map(|_| ())
+        self.step(batch, captures, false, None).map(drop)
+    }
+
+    /// Runs a step: the states if `capture`, and in a generation step
+    /// (`sample` is `Some(rows)`) this rank's block of the logits of `rows`.
+    pub fn step<L: Dim>(
+        &mut self,
+        batch: &PackedBatch,
+        captures: &CaptureSet<L>,
+        capture: bool,
+        sample: Option<&[usize]>,
+    ) -> Result<RankStep<L, M::Hidden>, ModelError> {
+        self.model.step_rank(batch, captures, &mut self.cache, capture, sample)
     }
 }
 
@@ -138,6 +153,18 @@ where
         tp: TP,
         open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
     ) -> Result<Self, ModelError> {
+        Self::build_with(backend, config, tp, false, open)
+    }
+
+    /// [`build_on`](Self::build_on), each rank with its block of the LM
+    /// head if `lm_head` (see [`Decoder::with_lm_head`]).
+    pub fn build_with(
+        backend: &B,
+        config: L::Config,
+        tp: TP,
+        lm_head: bool,
+        open: impl Fn() -> Result<Checkpoint, CheckpointError> + Send + Sync + 'static,
+    ) -> Result<Self, ModelError> {
         super::shard::check(&L::splits(&config), tp.get())?;
         let info = L::frame(&config).info;
         let hidden: H = dim_from_size("config.json hidden_size", "hidden", info.hidden_size)?;
@@ -146,7 +173,9 @@ where
         let open: Arc<Opener> = Arc::new(open);
         let build = move |rank: usize| {
             let b = ranks[rank].lock().expect("rank backend").take().expect("each rank built once");
-            let model = Decoder::<B, L, H>::from_checkpoint_on(b, config.clone(), &open()?)?;
+            let ckpt = open()?;
+            let model = Decoder::<B, L, H>::from_checkpoint_on(b, config.clone(), &ckpt)?;
+            let model = if lm_head { model.with_lm_head(&ckpt)? } else { model };
             Ok::<_, ModelError>(RankWorker { rank, model, cache: Default::default() })
         };
         // A rank that panics stops the group's collectives, so its peers fail the step instead of waiting.
@@ -236,25 +265,30 @@ where
         self.weight_bytes
     }
 
-    /// Every rank runs the step; rank 0 alone captures, and its states move to the caller.
-    fn forward_step_pending<L: Dim>(
+    /// Every rank runs the step; rank 0 alone captures, and its states move
+    /// to the caller; the ranks' blocks of the logits are gathered.
+    fn forward_sample_pending<L: Dim>(
         &self,
         batch: &PackedBatch,
         captures: &CaptureSet<L>,
         _cache: &mut (),
-    ) -> Result<PendingStates<L, M::Hidden>, ModelError> {
+        sample: Option<&[usize]>,
+    ) -> Result<Sampled<L, M::Hidden>, ModelError> {
         let (batch, captures) = (Arc::new(batch.clone()), captures.clone());
+        let sample = Arc::new(sample.map(<[usize]>::to_vec));
         let replies = self.exec.collective_rpc(move |w: &mut RankWorker<M>| {
-            if w.rank == 0 {
-                w.capture_pending(&batch, &captures).map(Some)
-            } else {
-                w.run(&batch, &captures).map(|()| None)
-            }
+            let capture = w.rank == 0;
+            w.step(&batch, &captures, capture, sample.as_deref())
         })?;
         // Any rank's failure fails the step (the first, in rank order), not only rank 0's.
-        let mut replies = replies.into_vec().into_iter();
-        let states = replies.next().expect("rank 0 replies")?;
-        replies.try_for_each(|r| r.map(drop))?;
-        Ok(states.expect("rank 0 captures"))
+        let steps = replies.into_vec().into_iter().collect::<Result<Vec<_>, _>>()?;
+        let mut states = None;
+        let mut shards = Vec::with_capacity(steps.len());
+        for step in steps {
+            states = states.or(step.states);
+            shards.extend(step.logits);
+        }
+        let logits = if shards.is_empty() { None } else { Some(Logits::gather(PerRank::from_vec(shards))?) };
+        Ok(Sampled { states: states.expect("rank 0 captures"), logits })
     }
 }

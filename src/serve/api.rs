@@ -78,6 +78,7 @@ impl ApiError {
             ModelError::Input { .. }
             | ModelError::Device(_)
             | ModelError::Unsupported(_)
+            | ModelError::NoLmHead(_)
             | ModelError::Rank(_)
             | ModelError::Shape(_)
             | ModelError::Split(_)

@@ -349,6 +349,13 @@ impl<C: ComputeDtype> RowOps for Cpu<C> {
         }
     }
 
+    fn gather_rows_unchecked<W: Dim>(&self, x: &Tensor<Self, W>, rows: &[usize], out: &mut Tensor<Self, W>) {
+        let w = x.width().size();
+        for (&r, dst) in rows.iter().zip(out.storage_mut().chunks_exact_mut(w)) {
+            dst.copy_from_slice(&x.storage()[r * w..(r + 1) * w]);
+        }
+    }
+
     fn linear_forward_unchecked<W: Dim, V: Dim>(&self, l: &Linear, x: &Tensor<Self, W>, out: &mut Tensor<Self, V>) {
         l.packed.forward(x.storage(), x.rows(), out.storage_mut(), false);
         if l.kind == Parallel::Row {

@@ -169,6 +169,19 @@ impl<C: ComputeDtype, D: Device> RowOps for Cuda<C, D> {
         self.run(|| launch::add(&*self.dev, elementwise(n)?, xp, yp, int(n)));
     }
 
+    fn gather_rows_unchecked<W: Dim>(&self, x: &Tensor<Self, W>, rows: &[usize], out: &mut Tensor<Self, W>) {
+        let n = rows.len() * x.width().size();
+        if n == 0 {
+            return;
+        }
+        self.run(|| {
+            let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            let ids = self.upload_table(0, bytemuck::cast_slice(&ids))?;
+            let (w, nr) = (int(x.width().size()), int(rows.len()));
+            launch::gather_rows(&*self.dev, elementwise(n)?, x.storage().ptr, ids, nr, w, out.storage().ptr)
+        });
+    }
+
     fn copy_heads_unchecked(&self, src: &Tensor<Self>, from: HeadSpan, dst: &mut Tensor<Self>, to: HeadSpan) {
         let n = src.rows() * to.count * to.width;
         let (s, sw, d, dw) = (src.storage().ptr, int(src.width()), dst.storage().ptr, int(dst.width()));

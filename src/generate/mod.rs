@@ -1,0 +1,14 @@
+//! Generation: the target model writes its own responses, and their hidden
+//! states are captured in the same pass.
+//!
+//! - [`sampling`]: how a token is chosen from a row of logits, as vLLM's V1
+//!   sampler chooses it, with draws keyed by (seed, record, generation,
+//!   position) so that tokens never depend on batching;
+//! - [`decode`]: the loop that runs sequences to completion, prefill chunks
+//!   and decode tokens sharing each step.
+
+pub mod decode;
+pub mod sampling;
+
+pub use decode::{generate, DecodeOptions, Finish, Generated, Sequence, StepSegment};
+pub use sampling::{DrawKey, History, Sampler, SamplingError, SamplingParams};
