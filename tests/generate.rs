@@ -51,10 +51,10 @@ fn sequences(doc: &Value) -> Vec<Sequence> {
 
 fn run(m: &AnyModel, seqs: Vec<Sequence>, opts: DecodeOptions) -> Vec<Generated> {
     let captures = CaptureSet::<usize>::try_new(vec![CapturePoint::Embeddings]).unwrap();
-    generate(m, &mut Default::default(), &captures, seqs, opts, |_, _| Ok(())).unwrap()
+    generate(m, &mut Default::default(), &captures, seqs, opts, |_, _| Ok(())).unwrap().0
 }
 
-const WIDE: DecodeOptions = DecodeOptions { max_batch_tokens: 8192, max_num_seqs: 64 };
+const WIDE: DecodeOptions = DecodeOptions { max_batch_tokens: 8192, max_num_seqs: 64, kv_cache_bytes: None };
 
 fn check(name: &str, what: &str, doc: &Value, got: &[Generated]) {
     for (i, (p, g)) in doc["prompts"].as_array().unwrap().iter().zip(got).enumerate() {
@@ -102,9 +102,9 @@ fn greedy_tokens_do_not_depend_on_batching() {
         let m = load(name, BackendKind::Cpu, 1);
         let base = run(&m, sequences(doc), WIDE);
         for opts in [
-            DecodeOptions { max_batch_tokens: 7, max_num_seqs: 64 },
-            DecodeOptions { max_batch_tokens: 64, max_num_seqs: 1 },
-            DecodeOptions { max_batch_tokens: 3, max_num_seqs: 2 },
+            DecodeOptions { max_batch_tokens: 7, ..WIDE },
+            DecodeOptions { max_batch_tokens: 64, max_num_seqs: 1, ..WIDE },
+            DecodeOptions { max_batch_tokens: 3, max_num_seqs: 2, ..WIDE },
         ] {
             assert_eq!(run(&m, sequences(doc), opts), base, "{name} {opts:?}");
         }
@@ -145,5 +145,55 @@ fn greedy_tokens_are_transformers_on_the_emulated_cuda_backend() {
             let m = config.load_on_with(b, tp, true, open).unwrap();
             check(name, &format!("emulated cuda --tp {tp}"), doc, &run(&m, sequences(doc), WIDE));
         }
+    }
+}
+
+/// Sequences of equal length, each needing `1/k` of the budget: the cache
+/// the backend holds never passes `--kv-cache-memory`, fills at least 90%
+/// of it, and the tokens are those of an unbounded run.
+#[test]
+fn the_cache_stays_under_its_budget_and_fills_it() {
+    for (name, tp) in [("llama-default", 1), ("qwen3-next", 1), ("deepseek-v3", 2)] {
+        let m = load(name, BackendKind::Cpu, tp);
+        let seqs: Vec<Sequence> = (0..24u32)
+            .map(|i| Sequence {
+                prompt: (0..20).map(|t| (t * 7 + i) % 100).collect(),
+                max_tokens: 40,
+                params: SamplingParams::default(),
+                stop: Vec::new(),
+                key: DrawKey { seed: 3, record: i as u128, generation: 0, position: 0 },
+            })
+            .collect();
+        let captures = CaptureSet::<usize>::try_new(vec![CapturePoint::Embeddings]).unwrap();
+        let cost = strata::generate::CacheCost::measure(&m, &mut Default::default(), &captures, 60).unwrap();
+        assert!(cost.per_position > 0, "{name}: {cost:?}");
+        let budget = cost.of(60) * 5 + cost.of(60) / 2; // room for 5 sequences, not 6
+        let opts = DecodeOptions { kv_cache_bytes: Some(budget), ..WIDE };
+        let (got, stats) = generate(&m, &mut Default::default(), &captures, seqs.clone(), opts, |_, _| Ok(())).unwrap();
+        assert_eq!(stats.max_in_flight, 5, "{name}: {stats:?}");
+        assert!(stats.cache_high_water <= budget, "{name}: held {} of {budget}", stats.cache_high_water);
+        assert!(
+            stats.cache_high_water as f64 >= 0.9 * budget as f64,
+            "{name}: held only {} of {budget}",
+            stats.cache_high_water
+        );
+        assert_eq!(stats.cache_high_water, 5 * cost.of(60), "{name}: the measured cost is what the cache holds");
+        let (free, _) = generate(&m, &mut Default::default(), &captures, seqs, WIDE, |_, _| Ok(())).unwrap();
+        assert_eq!(got, free, "{name}: the budget changed the tokens");
+        // A sequence that cannot fit is refused by name, before any step.
+        let big = vec![Sequence { max_tokens: 400, ..free_seq() }];
+        let opts = DecodeOptions { kv_cache_bytes: Some(cost.of(100)), ..WIDE };
+        let e = generate(&m, &mut Default::default(), &captures, big, opts, |_, _| Ok(())).unwrap_err().to_string();
+        assert!(e.contains("--kv-cache-memory"), "{e}");
+    }
+}
+
+fn free_seq() -> Sequence {
+    Sequence {
+        prompt: vec![1, 2, 3],
+        max_tokens: 4,
+        params: SamplingParams::default(),
+        stop: Vec::new(),
+        key: DrawKey { seed: 0, record: 0, generation: 0, position: 0 },
     }
 }

@@ -14,11 +14,31 @@ pub(crate) struct LayerKv {
     pub(crate) v: Vec<f32>,
 }
 
+/// What a layer's state holds in memory.
+pub(crate) trait Held {
+    /// Bytes allocated.
+    fn held_bytes(&self) -> usize;
+}
+
+impl Held for LayerKv {
+    fn held_bytes(&self) -> usize {
+        (self.k.capacity() + self.v.capacity()) * 4
+    }
+}
+
+/// One sample's entry: its positions, the most it reserved, each layer's state.
+#[derive(Debug, Default)]
+pub(crate) struct Entry<T> {
+    positions: usize,
+    reserved: usize,
+    layers: Vec<T>,
+}
+
 /// One state `T` per layer of every sample being processed in chunks, kept
 /// between steps. Holds only samples whose last chunk has not run yet.
 #[derive(Debug)]
 pub(crate) struct SeqStore<T> {
-    entries: HashMap<u64, (usize, Vec<T>)>,
+    entries: HashMap<u64, Entry<T>>,
 }
 
 impl<T> Default for SeqStore<T> {
@@ -42,17 +62,31 @@ pub(crate) fn check_continuations(batch: &PackedBatch, cached: impl Fn(u64) -> u
     Ok(())
 }
 
-impl<T: Default + Send> SeqStore<T> {
+impl<T: Default + Send + Held> SeqStore<T> {
     fn len(&self) -> usize {
         self.entries.len()
     }
 
+    fn held_bytes(&self) -> usize {
+        self.entries.values().flat_map(|e| &e.layers).map(Held::held_bytes).sum()
+    }
+
     fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
-        check_continuations(batch, |key| self.entries.get(&key).map_or(0, |e| e.0))?;
+        check_continuations(batch, |key| self.entries.get(&key).map_or(0, |e| e.positions))?;
         for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
-            self.entries.entry(seg.key).or_default().0 = seg.pos0 + batch.range(s).len();
+            self.entries.entry(seg.key).or_default().positions = seg.pos0 + batch.range(s).len();
+        }
+        for &(key, positions) in batch.reservations() {
+            if let Some(e) = self.entries.get_mut(&key) {
+                e.reserved = positions;
+            }
         }
         Ok(())
+    }
+
+    /// The positions sample `key` reserved (0: none).
+    pub(crate) fn reserved(&self, key: u64) -> usize {
+        self.entries.get(&key).map_or(0, |e| e.reserved)
     }
 
     fn retire(&mut self, batch: &PackedBatch) {
@@ -63,7 +97,7 @@ impl<T: Default + Send> SeqStore<T> {
 
     /// Layer `layer` of sample `key` (which `begin` has registered), to update.
     pub(crate) fn layer_mut(&mut self, key: u64, layer: usize) -> &mut T {
-        let layers = &mut self.entries.get_mut(&key).expect("checked").1;
+        let layers = &mut self.entries.get_mut(&key).expect("checked").layers;
         if layers.len() <= layer {
             layers.resize_with(layer + 1, T::default);
         }
@@ -72,7 +106,7 @@ impl<T: Default + Send> SeqStore<T> {
 
     /// Layer `layer` of sample `key`.
     pub(crate) fn layer(&self, key: u64, layer: usize) -> &T {
-        &self.entries[&key].1[layer]
+        &self.entries[&key].layers[layer]
     }
 }
 
@@ -94,9 +128,12 @@ impl<S> Default for DeltaCache<S> {
 
 macro_rules! store {
     ($ty:ty $(, $p:ident)?) => {
-        impl$(<$p: Default + Send>)? KvStore for $ty {
+        impl$(<$p: Default + Send + Held>)? KvStore for $ty {
             fn len(&self) -> usize {
                 self.0.len()
+            }
+            fn held_bytes(&self) -> usize {
+                self.0.held_bytes()
             }
             fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
                 self.0.begin(batch)
@@ -111,9 +148,16 @@ store!(KvCache);
 store!(DeltaCache<S>, S);
 
 impl KvCache {
-    /// Layer `layer` of sample `key` (which [`KvStore::begin`] has registered), to append to.
-    pub(crate) fn layer_mut(&mut self, key: u64, layer: usize) -> &mut LayerKv {
-        self.0.layer_mut(key, layer)
+    /// Layer `layer` of sample `key` (which [`KvStore::begin`] has registered), to append
+    /// rows of `kw` keys and `vw` values to: room for the positions it reserved, made once.
+    pub(crate) fn layer_mut(&mut self, key: u64, layer: usize, kw: usize, vw: usize) -> &mut LayerKv {
+        let reserved = self.0.reserved(key);
+        let l = self.0.layer_mut(key, layer);
+        if l.k.capacity() == 0 && reserved > 0 {
+            l.k.reserve_exact(reserved * kw);
+            l.v.reserve_exact(reserved * vw);
+        }
+        l
     }
 
     /// Layer `layer` of sample `key`.

@@ -145,6 +145,12 @@ pub struct DeltaLayer {
     s: Vec<f64>,
 }
 
+impl crate::backend::kv_cache::Held for DeltaLayer {
+    fn held_bytes(&self) -> usize {
+        self.conv.capacity() * 4 + self.s.capacity() * 8
+    }
+}
+
 /// `ln(1 + e^x)`, as PyTorch's `softplus` (the input itself above 20).
 fn softplus(x: f64) -> f64 {
     if x > 20.0 {
@@ -412,7 +418,7 @@ impl AttentionOps for Reference {
             let rows = batch.range(si);
             // Keys and values of positions 0..pos0 + len, as rows of kw / vw values.
             let (keys, values): (Vec<f32>, Vec<f32>) = if seg.uses_cache() {
-                let e = cache.layer_mut(seg.key, layer);
+                let e = cache.layer_mut(seg.key, layer, kw, vw);
                 for r in rows.clone() {
                     e.k.extend_from_slice(&k.storage[r * k.stride + k.offset..][..kw]);
                     e.v.extend_from_slice(&v.storage[r * v.stride + v.offset..][..vw]);

@@ -12,6 +12,8 @@ pub trait KvStore: Default + Send {
     fn retire(&mut self, batch: &PackedBatch);
     /// Samples with cached positions.
     fn len(&self) -> usize;
+    /// Bytes the store holds (allocated, on its device), all samples.
+    fn held_bytes(&self) -> usize;
     /// Whether nothing is cached.
     fn is_empty(&self) -> bool {
         self.len() == 0
@@ -68,5 +70,8 @@ impl<B: Backend> KvStore for SeqState<B> {
     }
     fn len(&self) -> usize {
         self.kv.len().max(self.delta.len())
+    }
+    fn held_bytes(&self) -> usize {
+        self.kv.held_bytes() + self.delta.held_bytes()
     }
 }

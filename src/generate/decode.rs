@@ -59,6 +59,73 @@ pub struct DecodeOptions {
     pub max_batch_tokens: usize,
     /// Most sequences in flight.
     pub max_num_seqs: usize,
+    /// Most bytes of cache (keys, values, recurrent state) the sequences in
+    /// flight hold together; `None`: no bound but `max_num_seqs`.
+    pub kv_cache_bytes: Option<usize>,
+}
+
+/// What a sequence costs in cache, measured on the model itself
+/// ([`CacheCost::measure`]): `per_position · positions + fixed`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheCost {
+    /// Bytes per position (keys and values of every attention layer, every rank).
+    pub per_position: usize,
+    /// Bytes whatever the length (a Gated DeltaNet layer's conv and recurrent
+    /// state, and its unfinished chunk's rows at their most).
+    pub fixed: usize,
+}
+
+/// Keys no sequence uses: the probes of [`CacheCost::measure`].
+const PROBE_KEY: u64 = u64::MAX - 1;
+
+impl CacheCost {
+    /// Bytes a sequence of `positions` positions holds at most.
+    pub fn of(&self, positions: usize) -> usize {
+        self.per_position.saturating_mul(positions).saturating_add(self.fixed)
+    }
+
+    /// Runs two probe sequences of the same tokens with two reservations
+    /// and reads what the cache holds: the difference is the positions'
+    /// cost, the rest the fixed state (probed at 63 positions, where an
+    /// unfinished 64-token chunk of a Gated DeltaNet layer is longest).
+    pub fn measure<M: Model, L: Dim>(
+        model: &M,
+        cache: &mut M::Cache,
+        captures: &CaptureSet<L>,
+        max_positions: usize,
+    ) -> Result<Self, ModelError> {
+        let n = 63.min(max_positions.saturating_sub(1)).max(1);
+        let tokens = vec![0u32; n];
+        let before = model.cache_bytes(cache)?;
+        let mut held = [0usize; 2];
+        for (i, reserve) in [n + 1, 2 * n + 2].into_iter().enumerate() {
+            let mut batch = PackedBatch::new();
+            batch.push_segment(&tokens, Segment { key: PROBE_KEY, pos0: 0, keep: true });
+            batch.reserve(PROBE_KEY, reserve);
+            model.forward_sample_pending(&batch, captures, cache, Some(&[]))?.states.wait()?;
+            held[i] = model.cache_bytes(cache)? - before;
+            batch.clear();
+            batch.push_segment(&tokens[..1], Segment { key: PROBE_KEY, pos0: n, keep: false });
+            model.forward_sample_pending(&batch, captures, cache, Some(&[]))?.states.wait()?;
+        }
+        let per_position = held[1].saturating_sub(held[0]) / (n + 1);
+        Ok(CacheCost { per_position, fixed: held[0].saturating_sub(per_position * (n + 1)) })
+    }
+}
+
+/// What a run of [`generate`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DecodeStats {
+    /// Forward steps.
+    pub steps: usize,
+    /// Tokens sampled.
+    pub generated: usize,
+    /// Most sequences in flight at once.
+    pub max_in_flight: usize,
+    /// Most bytes the cache held after a step (measured on the backend).
+    pub cache_high_water: usize,
+    /// Most bytes the sequences in flight had reserved.
+    pub reserved_high_water: usize,
 }
 
 /// A sequence in flight.
@@ -92,9 +159,17 @@ pub struct StepSegment {
 }
 
 /// Runs `seqs` to completion, `opts.max_num_seqs` at a time in order of
-/// arrival, and returns each one's tokens, in the caller's order. After
-/// each step, `on_step` gets the step's segments and its captured states
-/// `[L, T, H]` (rows in segment order).
+/// arrival, and returns each one's tokens, in the caller's order, with what
+/// the run did. After each step, `on_step` gets the step's segments and its
+/// captured states `[L, T, H]` (rows in segment order).
+///
+/// **Admission reserves.** A sequence enters when the cache its prompt and
+/// its longest output need ([`CacheCost`]) fits beside what the sequences
+/// in flight reserved, and its cache is allocated at that size at once: the
+/// cache never grows past `opts.kv_cache_bytes`, nothing is preempted or
+/// recomputed, and a sequence that ends early (a stop token) gives its
+/// reservation back when its last token has been fed. Sequences enter in
+/// order of arrival (one that does not fit waits, and so do those behind it).
 pub fn generate<M: Model, L: Dim>(
     model: &M,
     cache: &mut M::Cache,
@@ -102,10 +177,27 @@ pub fn generate<M: Model, L: Dim>(
     seqs: Vec<Sequence>,
     opts: DecodeOptions,
     mut on_step: impl FnMut(&[StepSegment], CapturedStates<L, M::Hidden>) -> Result<(), ModelError>,
-) -> Result<Vec<Generated>, ModelError> {
+) -> Result<(Vec<Generated>, DecodeStats), ModelError> {
     let n = seqs.len();
     let _span = info_span!("generate", sequences = n).entered();
     let (budget, width) = (opts.max_batch_tokens.max(1), opts.max_num_seqs.max(1));
+    let max_positions = seqs.iter().map(|s| s.prompt.len() + s.max_tokens).max().unwrap_or(1);
+    let cost = match opts.kv_cache_bytes {
+        Some(_) => Some(CacheCost::measure(model, cache, captures, max_positions)?),
+        None => None,
+    };
+    let need = |s: &Sequence| cost.map_or(0, |c| c.of(s.prompt.len() + s.max_tokens));
+    if let Some(limit) = opts.kv_cache_bytes {
+        if let Some((index, s)) = seqs.iter().enumerate().find(|(_, s)| need(s) > limit) {
+            let (p, m, b) = (s.prompt.len(), s.max_tokens, need(s));
+            return Err(ModelError::Input {
+                sample: index,
+                problem: format!(
+                    "a prompt of {p} tokens and max_tokens {m} need {b} bytes of cache, more than --kv-cache-memory ({limit} bytes)"
+                ),
+            });
+        }
+    }
     let mut waiting: VecDeque<Running> = seqs
         .into_iter()
         .enumerate()
@@ -114,14 +206,23 @@ pub fn generate<M: Model, L: Dim>(
     let mut running: Vec<Running> = Vec::new();
     let mut done: Vec<Option<Generated>> = vec![None; n];
     let mut sampler = Sampler::new();
+    let mut stats = DecodeStats::default();
+    let mut reserved = 0usize;
     let (mut batch, mut sample, mut layout) = (PackedBatch::new(), Vec::new(), Vec::new());
     while !(waiting.is_empty() && running.is_empty()) {
         while running.len() < width {
-            match waiting.pop_front() {
-                Some(r) => running.push(r),
-                None => break,
+            let fits = waiting
+                .front()
+                .is_some_and(|r| opts.kv_cache_bytes.is_none_or(|limit| reserved + need(&r.seq) <= limit));
+            if !fits {
+                break;
             }
+            let r = waiting.pop_front().expect("checked");
+            reserved += need(&r.seq);
+            running.push(r);
         }
+        stats.max_in_flight = stats.max_in_flight.max(running.len());
+        stats.reserved_high_water = stats.reserved_high_water.max(reserved);
         batch.clear();
         sample.clear();
         layout.clear();
@@ -143,6 +244,9 @@ pub fn generate<M: Model, L: Dim>(
             let keep = r.finish.is_none();
             r.retired = !keep;
             batch.push_segment(tokens, Segment { key, pos0, keep });
+            if pos0 == 0 && cost.is_some() {
+                batch.reserve(key, r.seq.prompt.len() + r.seq.max_tokens);
+            }
             layout.push(StepSegment { index: r.index, pos0, len });
             if r.fed < r.seq.prompt.len() {
                 r.fed += len;
@@ -153,6 +257,8 @@ pub fn generate<M: Model, L: Dim>(
             }
         }
         let Sampled { states, logits } = model.forward_sample_pending(&batch, captures, cache, Some(&sample))?;
+        stats.steps += 1;
+        stats.cache_high_water = stats.cache_high_water.max(model.cache_bytes(cache)?);
         on_step(&layout, states.wait()?)?;
         let logits = logits.ok_or_else(|| ModelError::NoLmHead("a generation step returned no logits".into()))?;
         for (row, &i) in samplers.iter().enumerate() {
@@ -161,6 +267,7 @@ pub fn generate<M: Model, L: Dim>(
             let key = DrawKey { position: (r.seq.prompt.len() + r.output.len()) as u32, ..r.seq.key };
             let token = sampler.sample(logits.row(row), &r.seq.params, history, key);
             r.output.push(token);
+            stats.generated += 1;
             if r.seq.stop.contains(&token) {
                 r.finish = Some(Finish::Stop);
             } else if r.output.len() >= r.seq.max_tokens {
@@ -171,8 +278,9 @@ pub fn generate<M: Model, L: Dim>(
         let (finished, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut running).into_iter().partition(|r| r.retired);
         running = kept;
         for r in finished {
+            reserved -= need(&r.seq);
             done[r.index] = Some(Generated { output: r.output, finish: r.finish.expect("finished") });
         }
     }
-    Ok(done.into_iter().map(|g| g.expect("every sequence ends")).collect())
+    Ok((done.into_iter().map(|g| g.expect("every sequence ends")).collect(), stats))
 }

@@ -10,5 +10,5 @@
 pub mod decode;
 pub mod sampling;
 
-pub use decode::{generate, DecodeOptions, Finish, Generated, Sequence, StepSegment};
+pub use decode::{generate, CacheCost, DecodeOptions, DecodeStats, Finish, Generated, Sequence, StepSegment};
 pub use sampling::{DrawKey, History, Sampler, SamplingError, SamplingParams};

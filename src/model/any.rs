@@ -528,6 +528,7 @@ trait ErasedModel: Send {
     fn dtype(&self) -> DType;
     fn weight_bytes(&self) -> usize;
     fn new_cache(&self) -> Box<dyn Any + Send>;
+    fn cache_bytes(&self, cache: &(dyn Any + Send)) -> Result<usize, ModelError>;
     fn step(
         &self,
         batch: &PackedBatch,
@@ -550,6 +551,9 @@ where
     }
     fn new_cache(&self) -> Box<dyn Any + Send> {
         Box::new(M::Cache::default())
+    }
+    fn cache_bytes(&self, cache: &(dyn Any + Send)) -> Result<usize, ModelError> {
+        Model::cache_bytes(self, cache.downcast_ref::<M::Cache>().expect("the cache this model made"))
     }
     fn step(
         &self,
@@ -578,6 +582,9 @@ impl Model for AnyModel {
     }
     fn weight_bytes(&self) -> usize {
         self.inner.weight_bytes()
+    }
+    fn cache_bytes(&self, cache: &AnyCache) -> Result<usize, ModelError> {
+        cache.0.as_ref().map_or(Ok(0), |c| self.inner.cache_bytes(c.as_ref()))
     }
     fn forward_sample_pending<L: Dim>(
         &self,

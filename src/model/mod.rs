@@ -157,6 +157,10 @@ pub trait Model {
     fn dtype(&self) -> DType;
     /// Bytes of memory the weights hold, over all ranks.
     fn weight_bytes(&self) -> usize;
+    /// Bytes `cache` holds (keys, values, recurrent state; every rank's):
+    /// what a generation's `--kv-cache-memory` bounds.
+    fn cache_bytes(&self, cache: &Self::Cache) -> Result<usize, ModelError>;
+
     /// Runs one step, leaving the device's last copies pending; a
     /// generation step (`sample` is `Some(rows)`) runs every layer and
     /// returns the logits of the batch rows `rows`; see [`Decoder::step_rank`].
@@ -212,6 +216,10 @@ impl<B: Backend, L: decoder::Block<B>, H: Dim> Model for Decoder<B, L, H> {
     }
     fn weight_bytes(&self) -> usize {
         self.resident_bytes()
+    }
+    fn cache_bytes(&self, cache: &SeqState<B>) -> Result<usize, ModelError> {
+        use crate::backend::KvStore;
+        Ok(cache.held_bytes())
     }
     fn forward_sample_pending<LD: Dim>(
         &self,

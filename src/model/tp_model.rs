@@ -265,6 +265,11 @@ where
         self.weight_bytes
     }
 
+    fn cache_bytes(&self, _cache: &()) -> Result<usize, ModelError> {
+        let per_rank = self.exec.collective_rpc(|w: &mut RankWorker<M>| w.model.cache_bytes(&w.cache))?;
+        per_rank.into_vec().into_iter().sum()
+    }
+
     /// Every rank runs the step; rank 0 alone captures, and its states move
     /// to the caller; the ranks' blocks of the logits are gathered.
     fn forward_sample_pending<L: Dim>(

@@ -28,6 +28,9 @@ pub struct PackedBatch {
     token_ids: Vec<u32>,
     cu_seqlens: Vec<usize>,
     segments: Vec<Segment>,
+    /// `(key, positions)`: the most positions a sequence that starts in
+    /// this step will hold, so its cache is allocated once (generation).
+    reservations: Vec<(u64, usize)>,
 }
 
 impl Default for PackedBatch {
@@ -39,7 +42,7 @@ impl Default for PackedBatch {
 impl PackedBatch {
     /// An empty batch.
     pub fn new() -> Self {
-        PackedBatch { token_ids: Vec::new(), cu_seqlens: vec![0], segments: Vec::new() }
+        PackedBatch { token_ids: Vec::new(), cu_seqlens: vec![0], segments: Vec::new(), reservations: Vec::new() }
     }
 
     /// Packs whole samples in order (keys 0, 1, ...).
@@ -64,11 +67,24 @@ impl PackedBatch {
         self.segments.push(segment);
     }
 
+    /// Says that sample `key`, which starts in this batch, will hold at most
+    /// `positions` positions: a cache allocates them at once instead of
+    /// growing (a generation's prompt and its longest output).
+    pub fn reserve(&mut self, key: u64, positions: usize) {
+        self.reservations.push((key, positions));
+    }
+
+    /// The reservations of the samples starting in this batch.
+    pub fn reservations(&self) -> &[(u64, usize)] {
+        &self.reservations
+    }
+
     /// Empties the batch, keeping its allocations.
     pub fn clear(&mut self) {
         self.token_ids.clear();
         self.cu_seqlens.truncate(1);
         self.segments.clear();
+        self.reservations.clear();
     }
 
     /// All tokens, packed.

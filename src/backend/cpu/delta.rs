@@ -34,6 +34,12 @@ pub struct DeltaLayer {
     pending: Vec<f32>,
 }
 
+impl crate::backend::kv_cache::Held for DeltaLayer {
+    fn held_bytes(&self) -> usize {
+        (self.conv.capacity() + self.s.capacity() + self.pending.capacity()) * 4
+    }
+}
+
 /// A block of columns of a row-major buffer: row `r` starts at `r · stride + offset`.
 #[derive(Clone, Copy)]
 pub struct ColsRef<'a> {

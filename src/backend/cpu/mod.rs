@@ -411,7 +411,7 @@ impl<C: ComputeDtype> AttentionOps for Cpu<C> {
         // all earlier positions from it; whole samples read their own rows.
         let (kw, vw) = (k.width, v.width);
         for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
-            let entry = cache.layer_mut(seg.key, layer);
+            let entry = cache.layer_mut(seg.key, layer, kw, vw);
             for row in batch.range(s) {
                 entry.k.extend_from_slice(&k.storage[row * k.stride + k.offset..][..kw]);
                 entry.v.extend_from_slice(&v.storage[row * v.stride + v.offset..][..vw]);

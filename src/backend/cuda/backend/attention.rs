@@ -86,11 +86,12 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             let rows = batch.range(i);
             let (kp, vp, ks, vs) = if seg.uses_cache() {
                 let entry = cache.entries.get_mut(&seg.key).expect("begin() made the entry");
-                if entry.1.len() <= layer {
-                    entry.1.resize_with(layer + 1, || None);
+                if entry.2.len() <= layer {
+                    entry.2.resize_with(layer + 1, || None);
                 }
                 let need = seg.pos0 + rows.len();
-                let slot = &mut entry.1[layer];
+                let reserved = entry.1;
+                let slot = &mut entry.2[layer];
                 if slot.is_none() && seg.pos0 > 0 {
                     // begin() checked the sample's positions; a layer without them is a broken cache.
                     return Err(CudaError::Kernel {
@@ -99,8 +100,9 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     });
                 }
                 if slot.as_ref().is_none_or(|l| l.cap < need) {
-                    // Grow to twice the need, keeping the earlier positions.
-                    let cap = (2 * need).max(64);
+                    // The positions the sample reserved, at once; else grow to
+                    // twice the need, keeping the earlier positions.
+                    let cap = if slot.is_none() && reserved >= need { reserved } else { (2 * need).max(64) };
                     let mut fresh =
                         LayerKv { k: Bytes { mem: None, ptr: 0, len: 0 }, v: Bytes { mem: None, ptr: 0, len: 0 }, cap };
                     self.ensure(&mut fresh.k, cap * kw * es)?;

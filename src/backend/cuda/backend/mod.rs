@@ -235,8 +235,8 @@ struct LayerKv<D: Device> {
     cap: usize,
 }
 
-/// One sample's cached positions and each layer's keys and values.
-type KvEntry<D> = (usize, Vec<Option<LayerKv<D>>>);
+/// One sample's cached positions, the most it reserved, and each layer's keys and values.
+type KvEntry<D> = (usize, usize, Vec<Option<LayerKv<D>>>);
 
 /// The KV cache: per sample, its positions and each layer's keys and values.
 pub struct KvCache<D: Device> {
@@ -253,7 +253,12 @@ impl<D: Device> KvStore for KvCache<D> {
     fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
         crate::backend::kv_cache::check_continuations(batch, |key| self.entries.get(&key).map_or(0, |e| e.0))?;
         for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
-            self.entries.entry(seg.key).or_insert_with(|| (0, Vec::new())).0 = seg.pos0 + batch.range(s).len();
+            self.entries.entry(seg.key).or_insert_with(|| (0, 0, Vec::new())).0 = seg.pos0 + batch.range(s).len();
+        }
+        for &(key, positions) in batch.reservations() {
+            if let Some(e) = self.entries.get_mut(&key) {
+                e.1 = positions;
+            }
         }
         Ok(())
     }
@@ -264,6 +269,16 @@ impl<D: Device> KvStore for KvCache<D> {
     }
     fn len(&self) -> usize {
         self.entries.len()
+    }
+    fn held_bytes(&self) -> usize {
+        let layers = self.entries.values().flat_map(|e| e.2.iter().flatten());
+        layers.map(|l| l.k.len + l.v.len).sum()
+    }
+}
+
+impl<D: Device> crate::backend::kv_cache::Held for DeltaLayer<D> {
+    fn held_bytes(&self) -> usize {
+        self.conv.len + self.s.len + self.pend.iter().map(|p| p.len).sum::<usize>()
     }
 }
 
