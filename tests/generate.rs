@@ -197,3 +197,191 @@ fn free_seq() -> Sequence {
         key: DrawKey { seed: 0, record: 0, generation: 0, position: 0 },
     }
 }
+
+/// `strata generate` on fixture `name` into `out`, with `extra` options; its stderr on failure.
+fn generate_cli(name: &str, out: &std::path::Path, extra: &[&str]) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("generate")
+        .arg("--model")
+        .arg(fixture(name))
+        .arg("--data")
+        .arg(fixture(name).join("data.jsonl"))
+        .arg("--out")
+        .arg(out)
+        .args(["--capture", "input:1,final", "--dtype", "f32", "--compute", "f32", "--seed", "11"])
+        .args(["--temperature", "0.8", "--top-p", "0.9", "--max-tokens", "9"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("panicked"), "{name} generate {extra:?}: {err}");
+}
+
+/// The rows of a speculators directory, read back from its hs files as JSON Lines of
+/// `input_ids` and `loss_mask`.
+fn rows_of(out: &std::path::Path) -> (String, usize) {
+    let mut text = String::new();
+    let mut i = 0;
+    while let Ok(true) = std::fs::exists(out.join(format!("hidden_states/hs_{i}.safetensors"))) {
+        let t = read_tensors(&out.join(format!("hidden_states/hs_{i}.safetensors")));
+        let ids: Vec<u32> = t["token_ids"].data.iter().map(|&x| x as u32).collect();
+        let mask: Vec<u8> = t["loss_mask"].data.iter().map(|&x| x as u8).collect();
+        text += &serde_json::json!({"input_ids": ids, "loss_mask": mask}).to_string();
+        text.push('\n');
+        i += 1;
+    }
+    (text, i)
+}
+
+/// Every file of a dataset directory but the manifest (whose run-specific
+/// fields differ), as bytes.
+fn files_of(out: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut v = Vec::new();
+    for dir in [out.to_path_buf(), out.join("hidden_states")] {
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_file() && p.file_name().unwrap() != "manifest.json" {
+                v.push((p.strip_prefix(out).unwrap().display().to_string(), std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    v.sort();
+    v
+}
+
+/// One pass equals two: each generated row's hs file (and the rows' table)
+/// is byte for byte what `strata extract --format speculators` writes for
+/// the same ids and masks, on every fixture, on the cpu and reference backends.
+#[test]
+fn one_pass_equals_two_on_every_fixture() {
+    for (name, _) in &greedy_fixtures() {
+        for backend in ["cpu", "reference"] {
+            let tmp = tempfile::tempdir().unwrap();
+            let (gen, ext) = (tmp.path().join("gen"), tmp.path().join("ext"));
+            generate_cli(name, &gen, &["--backend", backend]);
+            let (rows, n) = rows_of(&gen);
+            assert_eq!(n, samples(name).len(), "{name}: one row per prompt");
+            let data = tmp.path().join("rows.jsonl");
+            std::fs::write(&data, rows).unwrap();
+            let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+                .args(["extract", "--format", "speculators", "--backend", backend])
+                .arg("--model")
+                .arg(fixture(name))
+                .arg("--data")
+                .arg(&data)
+                .arg("--out")
+                .arg(&ext)
+                .args(["--capture", "input:1,final", "--dtype", "f32", "--compute", "f32"])
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+            let (g, e) = (files_of(&gen), files_of(&ext));
+            assert_eq!(g.len(), e.len(), "{name} {backend}");
+            for ((gn, gb), (en, eb)) in g.iter().zip(&e) {
+                assert_eq!(gn, en);
+                assert!(gb == eb, "{name} {backend}: {gn} differs from extract's");
+            }
+        }
+    }
+}
+
+/// The same input and seed give the same bytes whatever the batching.
+#[test]
+fn generated_datasets_do_not_depend_on_batching() {
+    // Budgets that hold one or two of the fixtures' sequences at a time.
+    for (name, budget) in [("llama-default", "150KiB"), ("qwen3-next", "1300KiB"), ("deepseek-v3", "120KiB")] {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().join("base");
+        generate_cli(name, &base, &[]);
+        let want = files_of(&base);
+        for (i, extra) in [
+            &["--max-batch-tokens", "7"][..],
+            &["--max-batch-tokens", "64", "--max-num-seqs", "1"],
+            &["--max-num-seqs", "64", "--kv-cache-memory", budget],
+        ]
+        .iter()
+        .enumerate()
+        {
+            let out = tmp.path().join(format!("run{i}"));
+            generate_cli(name, &out, extra);
+            let got = files_of(&out);
+            assert_eq!(got.len(), want.len(), "{name} {extra:?}");
+            for ((gn, gb), (_, wb)) in got.iter().zip(&want) {
+                assert!(gb == wb, "{name} {extra:?}: {gn} differs");
+            }
+        }
+    }
+}
+
+#[test]
+fn generate_refuses_what_it_cannot_do_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+            .arg("generate")
+            .arg("--model")
+            .arg(fixture("llama-default"))
+            .arg("--data")
+            .arg(fixture("llama-default").join("data.jsonl"))
+            .arg("--out")
+            .arg(tmp.path().join("o"))
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(!o.status.success() && !err.contains("panicked"), "{extra:?}: {err}");
+        err
+    };
+    assert!(run(&["--top-p", "1.5"]).contains("top_p must be in (0, 1], got 1.5"));
+    assert!(run(&["--temperature", "-1"]).contains("temperature must be non-negative"));
+    assert!(run(&["--top-k", "-3"]).contains("top_k must be 0 (disable), or at least 1"));
+}
+
+/// A record whose cache cannot fit the budget is left out by name; the run goes on.
+#[test]
+fn a_record_that_cannot_fit_the_cache_is_left_out() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("generate")
+        .arg("--model")
+        .arg(fixture("llama-default"))
+        .arg("--data")
+        .arg(fixture("llama-default").join("data.jsonl"))
+        .arg("--out")
+        .arg(tmp.path().join("o"))
+        .args(["--max-tokens", "4", "--kv-cache-memory", "20KiB"])
+        .output()
+        .unwrap();
+    let (stdout, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{err}");
+    // 2048 bytes per position: the prompts of 1 and 6 tokens fit 20 KiB, those of 19 and 40 do not.
+    assert!(err.contains("need 47104 bytes of cache, more than --kv-cache-memory (20480 bytes)"), "{err}");
+    assert!(stdout.contains("2 rows, 2 records left out"), "{stdout}");
+}
+
+/// A prompt whose response would pass the model's positions is left out,
+/// by name, and the others are written.
+#[test]
+fn a_prompt_too_long_for_max_tokens_is_refused_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("o");
+    // llama-gqa-sharded has 64 positions; its samples are 1 to 40 tokens long.
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("generate")
+        .arg("--model")
+        .arg(fixture("llama-gqa-sharded"))
+        .arg("--data")
+        .arg(fixture("llama-gqa-sharded").join("data.jsonl"))
+        .arg("--out")
+        .arg(&out)
+        .args(["--max-tokens", "30", "--seed", "1"])
+        .output()
+        .unwrap();
+    let (stdout, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("pass the model's 64 positions"), "{err}");
+    let lens: Vec<usize> = samples("llama-gqa-sharded").iter().map(Vec::len).collect();
+    let fit = lens.iter().filter(|&&n| n + 30 <= 64).count();
+    assert!(fit < lens.len() && fit > 0, "{lens:?}");
+    assert!(stdout.contains(&format!("{fit} rows, {} records left out", lens.len() - fit)), "{stdout}");
+}

@@ -212,6 +212,37 @@ pub struct InputInfo {
     pub whole: InputPos,
 }
 
+/// How `strata generate` chose its tokens: what a resume or another part
+/// must repeat to draw the same ones (vLLM's sampling parameters, the seed).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GenerationInfo {
+    /// The seed every draw is keyed by (drawn once, and recorded, when not given).
+    pub seed: u64,
+    /// `temperature` (0: greedy).
+    pub temperature: f32,
+    /// `top_k` (0: off).
+    pub top_k: usize,
+    /// `top_p`.
+    pub top_p: f32,
+    /// `min_p`.
+    pub min_p: f32,
+    /// `repetition_penalty`.
+    pub repetition_penalty: f32,
+    /// `presence_penalty`.
+    pub presence_penalty: f32,
+    /// `frequency_penalty`.
+    pub frequency_penalty: f32,
+    /// `max_tokens`; `None`: each prompt up to the model's positions.
+    pub max_tokens: Option<usize>,
+    /// The ids that end a generation.
+    pub stop_token_ids: Vec<u32>,
+    /// `--ignore-eos`: EOS is an ordinary token.
+    pub ignore_eos: bool,
+}
+
+// The floats are checked sampling values, never NaN: equality is total.
+impl Eq for GenerationInfo {}
+
 /// How the input became token rows: what a resume must repeat to produce the same tokens.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PrepareInfo {
@@ -435,6 +466,9 @@ pub struct Manifest {
     /// How the input became token rows (absent before schema 3's conversations).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prepare: Option<PrepareInfo>,
+    /// How a generated dataset's tokens were drawn (`strata generate`); `None` for extraction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<GenerationInfo>,
     /// The part of the input this output holds, when the input was split
     /// across processes (`--part-index/--num-parts` or a launcher's environment).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -511,6 +545,7 @@ impl Manifest {
             run: None,
             input: None,
             prepare: None,
+            generation: None,
             part: None,
             merged: vec![],
             on_nonfinite: default_on_nonfinite(),
@@ -539,6 +574,7 @@ impl Manifest {
             run,
             input,
             prepare,
+            generation,
             part,
             merged: _,
             on_nonfinite,
@@ -561,6 +597,7 @@ impl Manifest {
             run: run.clone(),
             input: input.clone(),
             prepare: prepare.clone(),
+            generation: generation.clone(),
             part: part.clone(),
             merged: vec![],
             on_nonfinite: on_nonfinite.clone(),
@@ -828,6 +865,14 @@ impl Manifest {
         } else {
             pairs.extend(prepare_pairs(a.unwrap_or(&none), b.unwrap_or(&none)));
         }
+        let generation = |m: &Manifest| m.generation.as_ref().map_or(String::new(), |g| format!("{g:?}"));
+        pairs.push((
+            "generation",
+            generation(self),
+            generation(other),
+            "the same sampling options, --max-tokens, stop ids and --seed (a run without --seed records the seed it drew)"
+                .into(),
+        ));
         pairs.push((
             "part",
             part(self),

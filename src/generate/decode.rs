@@ -158,10 +158,9 @@ pub struct StepSegment {
     pub len: usize,
 }
 
-/// Runs `seqs` to completion, `opts.max_num_seqs` at a time in order of
-/// arrival, and returns each one's tokens, in the caller's order, with what
-/// the run did. After each step, `on_step` gets the step's segments and its
-/// captured states `[L, T, H]` (rows in segment order).
+/// The decode loop, one forward step at a time: sequences are added in
+/// order of arrival, enter as the cache and `max_num_seqs` allow, and come
+/// back finished from the step that fed their last token.
 ///
 /// **Admission reserves.** A sequence enters when the cache its prompt and
 /// its longest output need ([`CacheCost`]) fits beside what the sequences
@@ -170,65 +169,134 @@ pub struct StepSegment {
 /// recomputed, and a sequence that ends early (a stop token) gives its
 /// reservation back when its last token has been fed. Sequences enter in
 /// order of arrival (one that does not fit waits, and so do those behind it).
-pub fn generate<M: Model, L: Dim>(
-    model: &M,
-    cache: &mut M::Cache,
-    captures: &CaptureSet<L>,
-    seqs: Vec<Sequence>,
+pub struct Decode<'m, M: Model, L: Dim> {
+    model: &'m M,
+    captures: CaptureSet<L>,
     opts: DecodeOptions,
-    mut on_step: impl FnMut(&[StepSegment], CapturedStates<L, M::Hidden>) -> Result<(), ModelError>,
-) -> Result<(Vec<Generated>, DecodeStats), ModelError> {
-    let n = seqs.len();
-    let _span = info_span!("generate", sequences = n).entered();
-    let (budget, width) = (opts.max_batch_tokens.max(1), opts.max_num_seqs.max(1));
-    let max_positions = seqs.iter().map(|s| s.prompt.len() + s.max_tokens).max().unwrap_or(1);
-    let cost = match opts.kv_cache_bytes {
-        Some(_) => Some(CacheCost::measure(model, cache, captures, max_positions)?),
-        None => None,
-    };
-    let need = |s: &Sequence| cost.map_or(0, |c| c.of(s.prompt.len() + s.max_tokens));
-    if let Some(limit) = opts.kv_cache_bytes {
-        if let Some((index, s)) = seqs.iter().enumerate().find(|(_, s)| need(s) > limit) {
-            let (p, m, b) = (s.prompt.len(), s.max_tokens, need(s));
-            return Err(ModelError::Input {
-                sample: index,
-                problem: format!(
-                    "a prompt of {p} tokens and max_tokens {m} need {b} bytes of cache, more than --kv-cache-memory ({limit} bytes)"
-                ),
-            });
-        }
+    cost: Option<CacheCost>,
+    waiting: VecDeque<Running>,
+    running: Vec<Running>,
+    reserved: usize,
+    sampler: Sampler,
+    stats: DecodeStats,
+    batch: PackedBatch,
+    sample: Vec<usize>,
+    layout: Vec<StepSegment>,
+}
+
+impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
+    /// A loop over `model` capturing `captures`; with a cache budget, the
+    /// model's [`CacheCost`] is measured first (sequences up to `max_positions`).
+    pub fn new(
+        model: &'m M,
+        cache: &mut M::Cache,
+        captures: CaptureSet<L>,
+        opts: DecodeOptions,
+        max_positions: usize,
+    ) -> Result<Self, ModelError> {
+        let cost = match opts.kv_cache_bytes {
+            Some(_) => Some(CacheCost::measure(model, cache, &captures, max_positions)?),
+            None => None,
+        };
+        Ok(Decode {
+            model,
+            captures,
+            opts,
+            cost,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            reserved: 0,
+            sampler: Sampler::new(),
+            stats: DecodeStats::default(),
+            batch: PackedBatch::new(),
+            sample: Vec::new(),
+            layout: Vec::new(),
+        })
     }
-    let mut waiting: VecDeque<Running> = seqs
-        .into_iter()
-        .enumerate()
-        .map(|(index, seq)| Running { index, seq, fed: 0, output: Vec::new(), finish: None, retired: false })
-        .collect();
-    let mut running: Vec<Running> = Vec::new();
-    let mut done: Vec<Option<Generated>> = vec![None; n];
-    let mut sampler = Sampler::new();
-    let mut stats = DecodeStats::default();
-    let mut reserved = 0usize;
-    let (mut batch, mut sample, mut layout) = (PackedBatch::new(), Vec::new(), Vec::new());
-    while !(waiting.is_empty() && running.is_empty()) {
-        while running.len() < width {
-            let fits = waiting
-                .front()
-                .is_some_and(|r| opts.kv_cache_bytes.is_none_or(|limit| reserved + need(&r.seq) <= limit));
-            if !fits {
+
+    /// The measured cost of a sequence's cache (with a budget).
+    pub fn cost(&self) -> Option<CacheCost> {
+        self.cost
+    }
+
+    /// Bytes of cache `seq` reserves (0 without a budget).
+    pub fn need(&self, seq: &Sequence) -> usize {
+        self.cost.map_or(0, |c| c.of(seq.prompt.len() + seq.max_tokens))
+    }
+
+    /// Why `seq` can never run here, if it cannot: more cache than the budget.
+    pub fn refuse(&self, seq: &Sequence) -> Option<String> {
+        let limit = self.opts.kv_cache_bytes?;
+        let need = self.need(seq);
+        (need > limit).then(|| {
+            let (p, m) = (seq.prompt.len(), seq.max_tokens);
+            format!("a prompt of {p} tokens and max_tokens {m} need {need} bytes of cache, more than --kv-cache-memory ({limit} bytes)")
+        })
+    }
+
+    /// Queues `seq`, known to the caller as `index` (also its cache key: unique among those in flight).
+    pub fn add(&mut self, index: usize, seq: Sequence) -> Result<(), ModelError> {
+        if let Some(problem) = self.refuse(&seq) {
+            return Err(ModelError::Input { sample: index, problem });
+        }
+        self.waiting.push_back(Running { index, seq, fed: 0, output: Vec::new(), finish: None, retired: false });
+        Ok(())
+    }
+
+    /// Sequences queued, not yet in flight.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Sequences in flight.
+    pub fn in_flight(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Whether nothing is queued or in flight.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Bytes the sequences in flight reserved.
+    pub fn reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// What the loop has done so far.
+    pub fn stats(&self) -> &DecodeStats {
+        &self.stats
+    }
+
+    /// Runs one forward step: admits what fits, packs a chunk or a token of
+    /// each sequence in flight (in order, up to the token budget), hands the
+    /// step's segments and states `[L, T, H]` to `on_step`, samples, and
+    /// returns the sequences whose last token this step fed.
+    pub fn step<E: From<ModelError>>(
+        &mut self,
+        cache: &mut M::Cache,
+        mut on_step: impl FnMut(&[StepSegment], CapturedStates<L, M::Hidden>) -> Result<(), E>,
+    ) -> Result<Vec<(usize, Generated)>, E> {
+        let (budget, width) = (self.opts.max_batch_tokens.max(1), self.opts.max_num_seqs.max(1));
+        while self.running.len() < width {
+            let Some(front) = self.waiting.front() else { break };
+            let need = self.need(&front.seq);
+            if self.opts.kv_cache_bytes.is_some_and(|limit| self.reserved + need > limit) {
                 break;
             }
-            let r = waiting.pop_front().expect("checked");
-            reserved += need(&r.seq);
-            running.push(r);
+            self.reserved += need;
+            self.running.push(self.waiting.pop_front().expect("checked"));
         }
-        stats.max_in_flight = stats.max_in_flight.max(running.len());
-        stats.reserved_high_water = stats.reserved_high_water.max(reserved);
+        let stats = &mut self.stats;
+        stats.max_in_flight = stats.max_in_flight.max(self.running.len());
+        stats.reserved_high_water = stats.reserved_high_water.max(self.reserved);
+        let (batch, sample, layout) = (&mut self.batch, &mut self.sample, &mut self.layout);
         batch.clear();
         sample.clear();
         layout.clear();
-        // `sample[j]` is the batch row of the j-th sampling sequence in `running`.
+        // `sample[j]` is the batch row of the j-th sampling sequence, `samplers[j]` its place in `running`.
         let mut samplers = Vec::new();
-        for (i, r) in running.iter_mut().enumerate() {
+        for (i, r) in self.running.iter_mut().enumerate() {
             let room = budget - batch.num_tokens();
             if room == 0 {
                 break;
@@ -244,7 +312,7 @@ pub fn generate<M: Model, L: Dim>(
             let keep = r.finish.is_none();
             r.retired = !keep;
             batch.push_segment(tokens, Segment { key, pos0, keep });
-            if pos0 == 0 && cost.is_some() {
+            if pos0 == 0 && self.cost.is_some() {
                 batch.reserve(key, r.seq.prompt.len() + r.seq.max_tokens);
             }
             layout.push(StepSegment { index: r.index, pos0, len });
@@ -256,16 +324,20 @@ pub fn generate<M: Model, L: Dim>(
                 samplers.push(i);
             }
         }
-        let Sampled { states, logits } = model.forward_sample_pending(&batch, captures, cache, Some(&sample))?;
+        if batch.num_tokens() == 0 {
+            return Ok(Vec::new());
+        }
+        let Sampled { states, logits } =
+            self.model.forward_sample_pending(batch, &self.captures, cache, Some(sample))?;
         stats.steps += 1;
-        stats.cache_high_water = stats.cache_high_water.max(model.cache_bytes(cache)?);
-        on_step(&layout, states.wait()?)?;
+        stats.cache_high_water = stats.cache_high_water.max(self.model.cache_bytes(cache)?);
+        on_step(layout, states.wait()?)?;
         let logits = logits.ok_or_else(|| ModelError::NoLmHead("a generation step returned no logits".into()))?;
         for (row, &i) in samplers.iter().enumerate() {
-            let r = &mut running[i];
+            let r = &mut self.running[i];
             let history = History { prompt: &r.seq.prompt, output: &r.output };
             let key = DrawKey { position: (r.seq.prompt.len() + r.output.len()) as u32, ..r.seq.key };
-            let token = sampler.sample(logits.row(row), &r.seq.params, history, key);
+            let token = self.sampler.sample(logits.row(row), &r.seq.params, history, key);
             r.output.push(token);
             stats.generated += 1;
             if r.seq.stop.contains(&token) {
@@ -275,12 +347,41 @@ pub fn generate<M: Model, L: Dim>(
             }
         }
         // Sequences whose last token was fed this step are done.
-        let (finished, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut running).into_iter().partition(|r| r.retired);
-        running = kept;
+        let (finished, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running).into_iter().partition(|r| r.retired);
+        self.running = kept;
+        let mut out = Vec::with_capacity(finished.len());
         for r in finished {
-            reserved -= need(&r.seq);
-            done[r.index] = Some(Generated { output: r.output, finish: r.finish.expect("finished") });
+            self.reserved -= self.cost.map_or(0, |c| c.of(r.seq.prompt.len() + r.seq.max_tokens));
+            out.push((r.index, Generated { output: r.output, finish: r.finish.expect("finished") }));
+        }
+        Ok(out)
+    }
+}
+
+/// Runs `seqs` to completion through a [`Decode`] loop and returns each
+/// one's tokens, in the caller's order, with what the run did. After each
+/// step, `on_step` gets the step's segments and its captured states
+/// `[L, T, H]` (rows in segment order).
+pub fn generate<M: Model, L: Dim>(
+    model: &M,
+    cache: &mut M::Cache,
+    captures: &CaptureSet<L>,
+    seqs: Vec<Sequence>,
+    opts: DecodeOptions,
+    mut on_step: impl FnMut(&[StepSegment], CapturedStates<L, M::Hidden>) -> Result<(), ModelError>,
+) -> Result<(Vec<Generated>, DecodeStats), ModelError> {
+    let n = seqs.len();
+    let _span = info_span!("generate", sequences = n).entered();
+    let max_positions = seqs.iter().map(|s| s.prompt.len() + s.max_tokens).max().unwrap_or(1);
+    let mut d = Decode::new(model, cache, captures.clone(), opts, max_positions)?;
+    for (i, s) in seqs.into_iter().enumerate() {
+        d.add(i, s)?;
+    }
+    let mut done: Vec<Option<Generated>> = vec![None; n];
+    while !d.is_idle() {
+        for (i, g) in d.step(cache, &mut on_step)? {
+            done[i] = Some(g);
         }
     }
-    Ok((done.into_iter().map(|g| g.expect("every sequence ends")).collect(), stats))
+    Ok((done.into_iter().map(|g| g.expect("every sequence ends")).collect(), d.stats().clone()))
 }

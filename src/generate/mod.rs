@@ -4,11 +4,14 @@
 //! - [`sampling`]: how a token is chosen from a row of logits, as vLLM's V1
 //!   sampler chooses it, with draws keyed by (seed, record, generation,
 //!   position) so that tokens never depend on batching;
+//! - [`config`]: a checkpoint's `generation_config.json` as vLLM reads it;
 //! - [`decode`]: the loop that runs sequences to completion, prefill chunks
 //!   and decode tokens sharing each step.
 
+pub mod config;
 pub mod decode;
 pub mod sampling;
 
-pub use decode::{generate, CacheCost, DecodeOptions, DecodeStats, Finish, Generated, Sequence, StepSegment};
+pub use config::GenerationDefaults;
+pub use decode::{generate, CacheCost, Decode, DecodeOptions, DecodeStats, Finish, Generated, Sequence, StepSegment};
 pub use sampling::{DrawKey, History, Sampler, SamplingError, SamplingParams};

@@ -16,6 +16,7 @@
 
 pub mod builder;
 pub mod extract;
+pub mod generate;
 pub mod launch;
 pub mod recompute;
 pub mod verify;
@@ -158,6 +159,8 @@ pub struct ModelRequest {
     pub tp: usize,
     /// GPU indices, one per rank (`--devices`); empty: the first `tp`.
     pub devices: Vec<usize>,
+    /// Load the LM head too (generation).
+    pub lm_head: bool,
 }
 
 /// A model's config, read and checked against the request, before any weight is read.
@@ -212,7 +215,13 @@ impl ModelRequest {
     }
 
     fn load_options(&self, compute: Compute) -> LoadOptions {
-        LoadOptions { backend: self.backend, compute, tp: self.tp, devices: self.devices.clone(), lm_head: false }
+        LoadOptions {
+            backend: self.backend,
+            compute,
+            tp: self.tp,
+            devices: self.devices.clone(),
+            lm_head: self.lm_head,
+        }
     }
 
     /// Loads the weights: the compute dtype resolved from the checkpoint

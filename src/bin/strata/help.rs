@@ -1,5 +1,36 @@
 //! The long help of each subcommand (`strata extract --help` and kin).
 
+pub const GENERATE_HELP: &str = "\
+On-policy regeneration in one pass: the target model writes its own response to each
+prompt, and the hidden states of every token of the row (prompt and response) are
+captured as they are computed, into the speculators trainer's dataset directory (the
+one `strata extract --format speculators` writes).
+
+ROWS: input_ids = the prompt's tokens + the tokens drawn (a stop token included);
+loss_mask 0 on the prompt, 1 on the response. Generated text is never re-tokenized.
+hidden_states/hs_{i}.safetensors holds every row token's states, the last token fed
+once more so that it has them too.
+
+ONE PASS EQUALS TWO: on the cpu and reference backends a row's file is byte for byte the
+one `strata extract --format speculators` writes for the same ids, and the tokens do not
+depend on --max-batch-tokens, --max-num-seqs or --kv-cache-memory: each draw depends only
+on (seed, record, generation, position), through a counter-based generator. The cuda
+backend has not been measured on a GPU.
+
+SAMPLING: vLLM 0.19.1's V1 sampler, in its order: penalties, temperature (0 is greedy),
+min-p, top-k, top-p. Defaults come from the checkpoint's generation_config.json as vLLM's
+--generation-config auto takes them (temperature, top_k, top_p, min_p, repetition_penalty,
+max_new_tokens; eos_token_id and the tokenizer's EOS as stop ids); --no-generation-config
+turns that off. A value out of range is refused with vLLM's message.
+
+MEMORY: --kv-cache-memory bounds the cache of the sequences in flight: a sequence enters
+when its prompt and its longest response fit (the cost per position is measured on the
+model at start), and waits otherwise; nothing is preempted.
+
+EXAMPLES:
+  strata generate --model DIR --data prompts.jsonl --out regen --temperature 0.7 \\
+      --max-tokens 2048 --seed 1 --kv-cache-memory 8GiB";
+
 pub const MERGE_HELP: &str = "\
 Every part must be complete and of one job: the same model and weights digest,
 capture points, storage and compute dtype, kernel path, input (its length and

@@ -54,6 +54,9 @@ enum Command {
     /// Serve hidden states to the speculators trainer online (its vLLM protocol): no dataset on disk.
     #[command(after_long_help = help::SERVE_HELP)]
     Serve(ServeArgs),
+    /// Regenerate responses with the target model and capture their hidden states in the same pass.
+    #[command(after_long_help = help::GENERATE_HELP)]
+    Generate(GenerateArgs),
     /// Join the parts many processes wrote into OUT/part-IIII-of-NNNN/ into one dataset, copying nothing.
     #[command(after_long_help = help::MERGE_HELP)]
     Merge(MergeArgs),
@@ -275,6 +278,70 @@ struct ExtractArgs {
     num_parts: Option<usize>,
 }
 
+#[derive(clap::Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    run: ModelArgs,
+    /// Prompts: JSON Lines of {"input_ids": [...]} with an optional "id",
+    /// one generation per record, the prompt as given.
+    #[arg(long, value_name = "FILE.jsonl")]
+    data: PathBuf,
+    /// Output directory: the speculators trainer's dataset directory
+    /// (created if missing; must be empty unless --overwrite).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Replace the output an earlier run left in --out.
+    #[arg(long)]
+    overwrite: bool,
+    /// Most sequences in flight (prefilling or decoding) at once.
+    #[arg(long, value_name = "N", default_value_t = 256, help_heading = "Scheduling")]
+    max_num_seqs: usize,
+    /// Bytes of cache (keys, values, recurrent state) the sequences in flight
+    /// hold together at most, e.g. 8GiB. A sequence enters when its prompt
+    /// and its longest response fit beside the others' (its cache is
+    /// allocated at once; it waits otherwise). Default: no bound but --max-num-seqs.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size, help_heading = "Scheduling")]
+    kv_cache_memory: Option<u64>,
+    /// 0 is greedy. Default: generation_config.json's, else 1.
+    #[arg(long, value_name = "T", allow_negative_numbers = true, help_heading = "Sampling (vLLM's meaning)")]
+    temperature: Option<f32>,
+    /// Keep the k most likely tokens (ties kept); 0 or -1: all. Default: generation_config.json's, else 0.
+    #[arg(long, value_name = "K", allow_negative_numbers = true, help_heading = "Sampling (vLLM's meaning)")]
+    top_k: Option<i64>,
+    /// Keep the most likely tokens up to mass P (the one crossing P kept). Default: generation_config.json's, else 1.
+    #[arg(long, value_name = "P", allow_negative_numbers = true, help_heading = "Sampling (vLLM's meaning)")]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely. Default: generation_config.json's, else 0.
+    #[arg(long, value_name = "P", allow_negative_numbers = true, help_heading = "Sampling (vLLM's meaning)")]
+    min_p: Option<f32>,
+    /// > 1 discourages tokens of the prompt and the response. Default: generation_config.json's, else 1.
+    #[arg(long, value_name = "R", allow_negative_numbers = true, help_heading = "Sampling (vLLM's meaning)")]
+    repetition_penalty: Option<f32>,
+    /// Subtracted once from the logit of each token the response holds, in [-2, 2].
+    #[arg(long, value_name = "X", allow_negative_numbers = true, help_heading = "Sampling (vLLM's meaning)")]
+    presence_penalty: Option<f32>,
+    /// Subtracted per occurrence in the response, in [-2, 2].
+    #[arg(long, value_name = "X", allow_negative_numbers = true, help_heading = "Sampling (vLLM's meaning)")]
+    frequency_penalty: Option<f32>,
+    /// Most tokens per response. Default: generation_config.json's max_new_tokens, else up to the model's last position.
+    #[arg(long, value_name = "N", help_heading = "Sampling (vLLM's meaning)")]
+    max_tokens: Option<usize>,
+    /// Every draw depends only on (seed, record, generation, position).
+    /// Default: drawn once, printed and recorded in the manifest.
+    #[arg(long, value_name = "S", help_heading = "Sampling (vLLM's meaning)")]
+    seed: Option<u64>,
+    /// Token ids that end a response besides EOS (generation_config.json's
+    /// eos_token_id and the tokenizer's).
+    #[arg(long, value_name = "IDS", value_delimiter = ',', help_heading = "Sampling (vLLM's meaning)")]
+    stop_token_ids: Vec<u32>,
+    /// EOS is an ordinary token: never a stop (--stop-token-ids still stop).
+    #[arg(long, help_heading = "Sampling (vLLM's meaning)")]
+    ignore_eos: bool,
+    /// Ignore generation_config.json (its sampling defaults, max_new_tokens and eos_token_id).
+    #[arg(long, help_heading = "Sampling (vLLM's meaning)")]
+    no_generation_config: bool,
+}
+
 fn parse_kwargs(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
     match serde_json::from_str(s) {
         Ok(serde_json::Value::Object(m)) => Ok(m),
@@ -379,6 +446,7 @@ impl ModelArgs {
             compute: self.compute,
             tp: self.tp,
             devices,
+            lm_head: false,
         })
     }
 }
@@ -446,6 +514,48 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
     if summary.produced() == 0 {
         eprintln!("warning: the input holds no samples; the output is empty");
     }
+    Ok(())
+}
+
+fn generate(a: GenerateArgs) -> anyhow::Result<()> {
+    use strata::job::generate::{GenerateJob, SamplingArgs};
+    let r = &a.run;
+    let job = GenerateJob {
+        model: r.request()?,
+        data: a.data.clone(),
+        capture: r.capture.clone(),
+        out: a.out.clone(),
+        dtype: r.dtype,
+        mode: if a.overwrite { OpenMode::Overwrite } else { OpenMode::Create },
+        sampling: SamplingArgs {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repetition_penalty: a.repetition_penalty,
+            presence_penalty: a.presence_penalty,
+            frequency_penalty: a.frequency_penalty,
+            max_tokens: a.max_tokens,
+            seed: a.seed,
+            stop_token_ids: a.stop_token_ids.clone(),
+            ignore_eos: a.ignore_eos,
+            generation_config: !a.no_generation_config,
+        },
+        max_batch_tokens: r.max_batch_tokens,
+        max_num_seqs: a.max_num_seqs,
+        kv_cache_memory: a.kv_cache_memory,
+    };
+    let model = r.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
+    let mut last = std::time::Instant::now();
+    let summary = job
+        .run(|p| {
+            if last.elapsed() >= Duration::from_secs(2) {
+                last = std::time::Instant::now();
+                report::generate_progress(p);
+            }
+        })
+        .with_context(|| format!("strata generate failed (model {model})"))?;
+    report::generate_summary(&summary, &a.out);
     Ok(())
 }
 
@@ -535,6 +645,7 @@ fn main() -> ExitCode {
             .with_context(|| format!("strata inspect {}", a.path.display())),
         Command::Verify(a) => verify(a),
         Command::Merge(a) => merge(&a.dir, a.data.as_deref()),
+        Command::Generate(a) => generate(a),
         Command::Serve(a) => serve(a),
     };
     match result {

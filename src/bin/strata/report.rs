@@ -281,3 +281,67 @@ pub(crate) fn serve_event(addr: &mut Option<std::net::SocketAddr>, event: Event<
         }
     }
 }
+
+/// A progress line of `strata generate`.
+pub(crate) fn generate_progress(p: &strata::job::generate::GenerateProgress) {
+    let secs = p.elapsed.as_secs_f64().max(1e-9);
+    let cache = match p.cache.1 {
+        Some(b) if b > 0 => format!(", cache {:.0}% reserved", 100.0 * p.cache.0 as f64 / b as f64),
+        _ => String::new(),
+    };
+    eprintln!(
+        "progress: {} rows, {} tokens generated ({:.0} tokens/s), {} sequences in flight{cache}",
+        p.rows,
+        p.generated,
+        p.generated as f64 / secs,
+        p.in_flight
+    );
+}
+
+/// The summary `strata generate` prints.
+pub(crate) fn generate_summary(s: &strata::job::generate::GenerateSummary, out: &std::path::Path) {
+    let secs = s.elapsed.as_secs_f64().max(1e-9);
+    let drawn = if s.seed_drawn { " (drawn)" } else { "" };
+    say!("wrote {}: {} rows, {} records left out", out.display(), s.rows, s.skipped);
+    say!(
+        "  generated {} tokens in {:.2} s ({:.0} tokens/s; model loaded in {:.2} s), {} steps",
+        s.generated,
+        secs,
+        s.generated as f64 / secs,
+        s.load_time.as_secs_f64(),
+        s.decode.steps
+    );
+    let mean = if s.rows > 0 { s.generated as f64 / s.rows as f64 } else { 0.0 };
+    say!(
+        "  responses: {} ended by a stop token, {} cut by max_tokens; mean {mean:.1} tokens, longest {}",
+        s.stopped,
+        s.cut,
+        s.max_response
+    );
+    say!("  seed {}{drawn}; stop ids {:?}", s.seed, s.stop_token_ids);
+    if let Some(p) = &s.params {
+        say!(
+            "  sampling: temperature {}, top_k {}, top_p {}, min_p {}, repetition {}, presence {}, frequency {}",
+            p.temperature,
+            p.top_k.unwrap_or(0),
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty
+        );
+    }
+    let cost = s
+        .cache_cost
+        .map_or(String::new(), |c| format!(" (a sequence: {} bytes per position + {} bytes)", c.per_position, c.fixed));
+    say!(
+        "  at most {} sequences in flight; cache held at most {} bytes{cost}",
+        s.decode.max_in_flight,
+        s.decode.cache_high_water
+    );
+    let points: Vec<String> = s.points.iter().map(|p| p.to_string()).collect();
+    say!("  capture {}; {} bytes written", points.join(","), s.bytes_written);
+    if let Some(mib) = peak_rss_mib() {
+        say!("  peak memory {mib:.0} MiB");
+    }
+}

@@ -81,8 +81,14 @@ impl VerifyJob {
         let name = source.name();
         let stored = verify::stored_compute(ds);
         let compute = verify::recompute_compute(self.compute, self.backend, stored);
-        let request =
-            ModelRequest { source, backend: self.backend, compute, tp: self.tp, devices: self.devices.clone() };
+        let request = ModelRequest {
+            source,
+            backend: self.backend,
+            compute,
+            tp: self.tp,
+            devices: self.devices.clone(),
+            lm_head: false,
+        };
         let reopened = verify::reopen(ds, &request, |w| eprintln!("warning: {w}"))?;
         let other_weights = reopened.other_weights;
         if let Some(w) = &other_weights {

@@ -1,0 +1,467 @@
+//! The regeneration job behind `strata generate`: the target model writes
+//! its own responses to the input's prompts, and the hidden states of every
+//! token of each row (prompt and response) are captured in the same pass,
+//! into the speculators dataset directory `extract --format speculators`
+//! writes.
+//!
+//! Rows are token-exact: `input_ids` is the prompt's tokens and the tokens
+//! drawn, `loss_mask` 0 on the prompt and 1 on the response. A row's states
+//! are the bytes `extract` writes for the same ids (the CPU and reference
+//! backends are batch-invariant), and its tokens depend only on the input,
+//! the sampling options and the seed, never on the batching.
+
+use super::{ModelRequest, OpenedModel};
+use crate::format::manifest::{GenerationInfo, InputInfo, Manifest};
+use crate::generate::{
+    CacheCost, Decode, DecodeOptions, DecodeStats, DrawKey, Finish, Generated, GenerationDefaults, SamplingParams,
+    Sequence,
+};
+use crate::model::{AnyCache, Model, ModelError};
+use crate::pipeline::capture::{CaptureError, CapturePoint};
+use crate::pipeline::source::{Checked, Expected, JsonlSource, Limits, Sample, Source, SourceError};
+use crate::shape::{CapturedStates, DType};
+use crate::sink::output::OutLoc;
+use crate::sink::{FiniteCheck, OnNonFinite, OpenMode, Sink, SinkError, SpeculatorsSink};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Sampling as asked for; a `None` takes `generation_config.json`'s value
+/// (unless `generation_config` is off), then vLLM's default.
+#[derive(Clone, Debug, Default)]
+pub struct SamplingArgs {
+    /// `--temperature`.
+    pub temperature: Option<f32>,
+    /// `--top-k` (0 or -1: off).
+    pub top_k: Option<i64>,
+    /// `--top-p`.
+    pub top_p: Option<f32>,
+    /// `--min-p`.
+    pub min_p: Option<f32>,
+    /// `--repetition-penalty`.
+    pub repetition_penalty: Option<f32>,
+    /// `--presence-penalty`.
+    pub presence_penalty: Option<f32>,
+    /// `--frequency-penalty`.
+    pub frequency_penalty: Option<f32>,
+    /// `--max-tokens`; with no `max_new_tokens` either, each prompt may run
+    /// to the model's last position (vLLM's server default).
+    pub max_tokens: Option<usize>,
+    /// `--seed`; `None`: drawn once and recorded in the manifest.
+    pub seed: Option<u64>,
+    /// `--stop-token-ids`: stop ids besides EOS.
+    pub stop_token_ids: Vec<u32>,
+    /// `--ignore-eos`: EOS is an ordinary token (never a stop).
+    pub ignore_eos: bool,
+    /// Read `generation_config.json` (on by default; `--no-generation-config` turns it off).
+    pub generation_config: bool,
+}
+
+/// Everything `strata generate` needs to run.
+#[derive(Clone, Debug)]
+pub struct GenerateJob {
+    /// The model (its LM head is loaded whatever `model.lm_head` says).
+    pub model: ModelRequest,
+    /// Prompts: JSON Lines of `{"input_ids": [...]}` with an optional `"id"`.
+    pub data: PathBuf,
+    /// Capture list as on the CLI (`eagle3`, `input:2,final`, ...).
+    pub capture: String,
+    /// Output directory.
+    pub out: PathBuf,
+    /// Storage dtype; `None` keeps the checkpoint's.
+    pub dtype: Option<DType>,
+    /// What to do with an output directory that has content.
+    pub mode: OpenMode,
+    /// How tokens are drawn.
+    pub sampling: SamplingArgs,
+    /// Most tokens a forward step holds.
+    pub max_batch_tokens: usize,
+    /// Most sequences in flight.
+    pub max_num_seqs: usize,
+    /// `--kv-cache-memory`: most bytes of cache the sequences in flight hold.
+    pub kv_cache_memory: Option<u64>,
+}
+
+/// Why a generation run stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    /// Options that do not fit each other or the model.
+    #[error("{0}")]
+    Usage(String),
+    /// The model cannot be loaded or run.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The capture list.
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
+    /// The input.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    /// The output.
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    /// `generation_config.json`.
+    #[error(transparent)]
+    GenerationConfig(#[from] crate::generate::config::GenerationConfigError),
+    /// A sampling value out of range.
+    #[error(transparent)]
+    Sampling(#[from] crate::generate::SamplingError),
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default)]
+pub struct GenerateSummary {
+    /// Rows written.
+    pub rows: usize,
+    /// Records refused (each with its reason in the manifest).
+    pub skipped: usize,
+    /// Generations ended by a stop token.
+    pub stopped: usize,
+    /// Generations cut by `max_tokens`.
+    pub cut: usize,
+    /// Tokens generated, over all rows.
+    pub generated: usize,
+    /// The longest response.
+    pub max_response: usize,
+    /// The seed the draws were keyed by.
+    pub seed: u64,
+    /// Whether the seed was drawn by this run.
+    pub seed_drawn: bool,
+    /// The sampling parameters, as resolved.
+    pub params: Option<SamplingParams>,
+    /// The stop ids.
+    pub stop_token_ids: Vec<u32>,
+    /// The capture points.
+    pub points: Vec<CapturePoint>,
+    /// The decode loop's account: steps, in flight, cache high-water marks.
+    pub decode: DecodeStats,
+    /// A sequence's measured cache cost, with a budget.
+    pub cache_cost: Option<CacheCost>,
+    /// Time to load the model.
+    pub load_time: Duration,
+    /// Time from the first step to the last row written.
+    pub elapsed: Duration,
+    /// Bytes written.
+    pub bytes_written: u64,
+}
+
+/// Progress after each step.
+#[derive(Clone, Debug, Default)]
+pub struct GenerateProgress {
+    /// Rows written so far.
+    pub rows: usize,
+    /// Tokens generated so far.
+    pub generated: usize,
+    /// Sequences in flight.
+    pub in_flight: usize,
+    /// Bytes the sequences in flight reserved, and the budget.
+    pub cache: (usize, Option<u64>),
+    /// Time since the first step.
+    pub elapsed: Duration,
+}
+
+/// A sequence in flight: its input sample and the states of the tokens fed so far.
+struct Pending {
+    sample: Sample,
+    /// Per capture point, `[tokens so far, H]`.
+    layers: Vec<Vec<f32>>,
+}
+
+/// A row ready to be written, or a record refused, in input order.
+enum Done {
+    Row(Sample, CapturedStates<usize, usize>),
+    Skip(Sample, String),
+}
+
+impl GenerateJob {
+    /// Runs the job, calling `progress` after every step.
+    pub fn run(&self, mut progress: impl FnMut(&GenerateProgress)) -> Result<GenerateSummary, GenerateError> {
+        let _span = tracing::info_span!("generate", out = %self.out.display()).entered();
+        if self.mode == OpenMode::Resume {
+            return Err(GenerateError::Usage(
+                "strata generate cannot --resume yet: start again with --overwrite (the tokens and states will be the \
+                 same with the same --seed)"
+                    .into(),
+            ));
+        }
+        let mut summary = GenerateSummary::default();
+        let checked = self.model.check()?;
+        let info = checked.info();
+        let (points, captures) = super::captures(&self.capture, info.num_layers)?;
+        let s = &self.sampling;
+        let defaults = match (s.generation_config, self.model.source.dir()) {
+            (true, Some(dir)) => GenerationDefaults::read(dir)?,
+            _ => GenerationDefaults::default(),
+        };
+        let asked = SamplingParams {
+            temperature: s.temperature.or(defaults.temperature).unwrap_or(1.0),
+            top_k: None,
+            top_p: s.top_p.or(defaults.top_p).unwrap_or(1.0),
+            min_p: s.min_p.or(defaults.min_p).unwrap_or(0.0),
+            repetition_penalty: s.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
+            presence_penalty: s.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
+        };
+        let (params, raised) = asked.checked(s.top_k.or(defaults.top_k).unwrap_or(0))?;
+        if raised {
+            tracing::warn!("temperature {} is below 0.01: raised to 0.01, as vLLM does", asked.temperature);
+        }
+        let max_tokens = s.max_tokens.or(defaults.max_tokens);
+        if max_tokens == Some(0) {
+            return Err(GenerateError::Usage("--max-tokens must be at least 1, got 0".into()));
+        }
+        let mut stop = s.stop_token_ids.clone();
+        if !s.ignore_eos {
+            let tokenizer_eos = self.model.source.dir().and_then(tokenizer_eos);
+            for id in defaults.eos_token_ids.iter().copied().chain(tokenizer_eos) {
+                if !stop.contains(&id) {
+                    stop.push(id);
+                }
+            }
+        }
+        let (seed, seed_drawn) = match s.seed {
+            Some(seed) => (seed, false),
+            None => (draw_seed(), true),
+        };
+        if seed_drawn {
+            tracing::info!("--seed {seed} (drawn; recorded in the manifest)");
+        }
+        summary.seed = seed;
+        summary.seed_drawn = seed_drawn;
+        summary.params = Some(params);
+        summary.stop_token_ids = stop.clone();
+
+        let mut request = self.model.clone();
+        request.lm_head = true;
+        let opened = request.open(checked)?;
+        summary.load_time = opened.load_time;
+        let model = &opened.model;
+        let dtype = self.dtype.unwrap_or(model.dtype());
+        let manifest = self.manifest(&opened, &points, dtype, seed, &params, max_tokens, &stop, s.ignore_eos);
+        let sink = SpeculatorsSink::open(OutLoc { root: self.out.clone(), part: None }, manifest, self.mode)?;
+        let names: Vec<String> = points.iter().map(|p| p.to_string()).collect();
+        let mut sink = FiniteCheck::new(sink, OnNonFinite::Fail, names, dtype);
+
+        let max_pos = info.max_position_embeddings;
+        let limits = Limits {
+            vocab_size: info.vocab_size,
+            max_tokens: max_pos,
+            max_tokens_from: format!("max_position_embeddings {max_pos}"),
+        };
+        let name = self.data.display().to_string();
+        let mut source = Checked::new(JsonlSource::open(&self.data)?, name, limits, Expected::default());
+        let mut cache = AnyCache::default();
+        let opts = DecodeOptions {
+            max_batch_tokens: self.max_batch_tokens,
+            max_num_seqs: self.max_num_seqs,
+            kv_cache_bytes: self.kv_cache_memory.map(|b| b as usize),
+        };
+        let mut decode = Decode::new(model, &mut cache, captures.clone(), opts, max_pos)?;
+        summary.cache_cost = decode.cost();
+        let width = self.max_num_seqs.max(1);
+        let hidden = info.hidden_size;
+        let layers = points.len();
+
+        let start = Instant::now();
+        let mut pending: HashMap<usize, Pending> = HashMap::new();
+        // Finished rows and refused records waiting for the ones before them.
+        let mut ready: BTreeMap<usize, Done> = BTreeMap::new();
+        let (mut next, mut read, mut exhausted) = (0usize, 0usize, false);
+        loop {
+            // Keep the queue one step deep, and the rows held for order bounded.
+            while !exhausted && decode.waiting() < width && ready.len() + pending.len() < 4 * width {
+                let Some(sample) = source.next().transpose()? else {
+                    exhausted = true;
+                    break;
+                };
+                read += 1;
+                let index = sample.index;
+                let room = max_pos - sample.len();
+                let n = max_tokens.unwrap_or(room);
+                let seq = Sequence {
+                    prompt: sample.input_ids.clone(),
+                    max_tokens: n,
+                    params,
+                    stop: stop.clone(),
+                    key: DrawKey { seed, record: record_key(&sample), generation: 0, position: 0 },
+                };
+                let refused = if n > room || room == 0 {
+                    Some(format!(
+                        "a prompt of {} tokens and max_tokens {n} pass the model's {max_pos} positions",
+                        sample.len()
+                    ))
+                } else {
+                    decode.refuse(&seq)
+                };
+                match refused {
+                    Some(why) => {
+                        ready.insert(index, Done::Skip(sample, why));
+                    }
+                    None => {
+                        decode.add(index, seq)?;
+                        pending.insert(index, Pending { sample, layers: vec![Vec::new(); layers] });
+                    }
+                }
+            }
+            self.flush(&mut ready, &mut next, &mut sink, &mut summary)?;
+            if decode.is_idle() {
+                if exhausted {
+                    break;
+                }
+                continue;
+            }
+            let finished = decode.step(&mut cache, |segments, states: CapturedStates<usize, usize>| {
+                let mut row = 0;
+                for seg in segments {
+                    let p = pending.get_mut(&seg.index).expect("a sequence in flight");
+                    for (l, buf) in p.layers.iter_mut().enumerate() {
+                        buf.extend_from_slice(&states.layer(l)[row * hidden..(row + seg.len) * hidden]);
+                    }
+                    row += seg.len;
+                }
+                Ok::<_, GenerateError>(())
+            })?;
+            for (index, g) in finished {
+                let p = pending.remove(&index).expect("a sequence in flight");
+                ready.insert(index, finish_row(p, g, layers, hidden, &mut summary)?);
+            }
+            self.flush(&mut ready, &mut next, &mut sink, &mut summary)?;
+            progress(&GenerateProgress {
+                rows: summary.rows,
+                generated: summary.generated,
+                in_flight: decode.in_flight(),
+                cache: (decode.reserved(), self.kv_cache_memory),
+                elapsed: start.elapsed(),
+            });
+        }
+        debug_assert_eq!(next, read);
+        Sink::<usize, usize>::finish(&mut sink, source.consumed())?;
+        summary.skipped += sink.skipped();
+        summary.decode = decode.stats().clone();
+        summary.elapsed = start.elapsed();
+        summary.bytes_written = Sink::<usize, usize>::bytes_written(&sink);
+        summary.points = points;
+        Ok(summary)
+    }
+
+    /// Writes the rows and refusals that are next in input order.
+    fn flush<K: Sink<usize, usize>>(
+        &self,
+        ready: &mut BTreeMap<usize, Done>,
+        next: &mut usize,
+        sink: &mut K,
+        summary: &mut GenerateSummary,
+    ) -> Result<(), GenerateError> {
+        while let Some(done) = ready.remove(next) {
+            match done {
+                Done::Row(sample, states) => {
+                    sink.write_sample(&sample, states.view())?;
+                    summary.rows += 1;
+                }
+                Done::Skip(sample, why) => {
+                    tracing::warn!("record {} (line {}): {why}; left out", crate::clip(&sample.id, 80), sample.line);
+                    sink.skip_sample(&sample, why)?;
+                    summary.skipped += 1;
+                }
+            }
+            *next += 1;
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn manifest(
+        &self,
+        opened: &OpenedModel,
+        points: &[CapturePoint],
+        dtype: DType,
+        seed: u64,
+        p: &SamplingParams,
+        max_tokens: Option<usize>,
+        stop: &[u32],
+        ignore_eos: bool,
+    ) -> Manifest {
+        let mut job = super::layout(opened, points, dtype, crate::sink::DEFAULT_SHARD_SIZE, self.max_batch_tokens);
+        job.input = Some(InputInfo { path: self.data.display().to_string(), whole: Default::default() });
+        job.generation = Some(GenerationInfo {
+            seed,
+            temperature: p.temperature,
+            top_k: p.top_k.unwrap_or(0),
+            top_p: p.top_p,
+            min_p: p.min_p,
+            repetition_penalty: p.repetition_penalty,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            max_tokens,
+            stop_token_ids: stop.to_vec(),
+            ignore_eos,
+        });
+        job
+    }
+}
+
+/// The row of a finished generation: the prompt and the tokens drawn, the
+/// loss on the latter, and the states of every token `[L, T, H]`.
+fn finish_row(
+    p: Pending,
+    g: Generated,
+    layers: usize,
+    hidden: usize,
+    summary: &mut GenerateSummary,
+) -> Result<Done, GenerateError> {
+    let Pending { mut sample, layers: states } = p;
+    let n = g.output.len();
+    match g.finish {
+        Finish::Stop => summary.stopped += 1,
+        Finish::Length => summary.cut += 1,
+    }
+    summary.generated += n;
+    summary.max_response = summary.max_response.max(n);
+    let prompt = sample.input_ids.len();
+    sample.input_ids.extend_from_slice(&g.output);
+    let mut mask = vec![0u8; prompt];
+    mask.resize(prompt + n, 1);
+    sample.loss_mask = Some(mask);
+    let t = sample.input_ids.len();
+    let values: Vec<f32> = states.into_iter().flatten().collect();
+    let states = CapturedStates::try_from_vec(values, layers, t, hidden).map_err(SinkError::from)?;
+    Ok(Done::Row(sample, states))
+}
+
+/// What a record's draws are keyed by: a digest of its id (the line's
+/// `"id"`, else its index in the input) and its prompt tokens, as read.
+fn record_key(s: &Sample) -> u128 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(s.id.as_bytes());
+    h.update(&[0xff]);
+    h.update(bytemuck::cast_slice(&s.input_ids));
+    h.digest128()
+}
+
+/// A seed from the operating system's generator.
+fn draw_seed() -> u64 {
+    let mut b = [0u8; 8];
+    match rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()) {
+        Ok(8) => u64::from_le_bytes(b),
+        // Never expected on Linux; the time still differs run to run.
+        _ => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+    }
+}
+
+/// The tokenizer's EOS id (`tokenizer_config.json`'s `eos_token`), when the
+/// model directory has a tokenizer that knows it.
+fn tokenizer_eos(dir: &std::path::Path) -> Option<u32> {
+    let text = crate::files::read_text(&dir.join("tokenizer_config.json"), 256 << 20).ok()?;
+    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let eos = match config.get("eos_token")? {
+        serde_json::Value::String(s) => s.clone(),
+        v => v.get("content")?.as_str()?.to_string(),
+    };
+    let tokenizer = crate::chat::Tokenizer::load(dir, &config).ok()?;
+    let mut enc = crate::chat::Encoded::default();
+    tokenizer.encode(&eos, false, &mut enc).ok()?;
+    match enc.ids.as_slice() {
+        [id] => Some(*id),
+        _ => None,
+    }
+}
