@@ -385,3 +385,71 @@ fn a_prompt_too_long_for_max_tokens_is_refused_alone() {
     assert!(fit < lens.len() && fit > 0, "{lens:?}");
     assert!(stdout.contains(&format!("{fit} rows, {} records left out", lens.len() - fit)), "{stdout}");
 }
+
+/// A generation killed mid-run resumes to the bytes of an uninterrupted run,
+/// with the seed the output recorded; another seed is refused as another job.
+#[test]
+fn a_killed_generation_resumes_to_the_same_bytes() {
+    use std::time::{Duration, Instant};
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("prompts.jsonl");
+    let lines: String = (0..400u32)
+        .map(|i| {
+            let ids: Vec<u32> = (0..(10 + i % 40)).map(|t| (t * 31 + i * 7) % 256).collect();
+            format!("{}\n", serde_json::json!({ "input_ids": ids }))
+        })
+        .collect();
+    std::fs::write(&data, lines).unwrap();
+    let cmd = |out: &std::path::Path, extra: &[&str]| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_strata"));
+        c.arg("generate")
+            .arg("--model")
+            .arg(fixture("llama-default"))
+            .arg("--data")
+            .arg(&data)
+            .arg("--out")
+            .arg(out)
+            .args(["--max-tokens", "24", "--temperature", "0.9", "--max-num-seqs", "8", "--compute", "f32"])
+            .args(extra);
+        c
+    };
+    // No --seed: the first run draws one and records it.
+    let whole = tmp.path().join("whole");
+    let o = cmd(&whole, &[]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let seed = strata::dataset::manifest::Manifest::read(&whole).unwrap().generation.unwrap().seed;
+
+    let cut = tmp.path().join("cut");
+    let seed_arg = seed.to_string();
+    let mut child = cmd(&cut, &["--seed", &seed_arg])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        let files = strata::dataset::manifest::Manifest::read(&cut).map(|m| m.shards.len()).unwrap_or(0);
+        if files >= 30 {
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the run finished before it could be killed");
+        assert!(start.elapsed() < Duration::from_secs(120), "no rows after 120 s");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!strata::dataset::manifest::Manifest::read(&cut).unwrap().complete, "the run was not interrupted");
+    // Without --seed: the recorded one.
+    let o = cmd(&cut, &["--resume"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("of an earlier run"), "{stdout}");
+    let (a, b) = (files_of(&whole), files_of(&cut));
+    assert_eq!(a.len(), b.len());
+    for ((an, ab), (_, bb)) in a.iter().zip(&b) {
+        assert!(ab == bb, "{an}: the resumed output differs from the uninterrupted run");
+    }
+    let o = cmd(&cut, &["--resume", "--seed", &(seed ^ 1).to_string()]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("generation differs"), "{err}");
+}

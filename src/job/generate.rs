@@ -106,13 +106,18 @@ pub enum GenerateError {
     /// A sampling value out of range.
     #[error(transparent)]
     Sampling(#[from] crate::generate::SamplingError),
+    /// The existing output's manifest (`--resume`).
+    #[error(transparent)]
+    Manifest(#[from] crate::format::manifest::ManifestError),
 }
 
 /// What a run did.
 #[derive(Clone, Debug, Default)]
 pub struct GenerateSummary {
-    /// Rows written.
+    /// Rows written by this run.
     pub rows: usize,
+    /// Records an earlier run had written or left out (`--resume`).
+    pub resumed: usize,
     /// Records refused (each with its reason in the manifest).
     pub skipped: usize,
     /// Generations ended by a stop token.
@@ -177,13 +182,14 @@ impl GenerateJob {
     /// Runs the job, calling `progress` after every step.
     pub fn run(&self, mut progress: impl FnMut(&GenerateProgress)) -> Result<GenerateSummary, GenerateError> {
         let _span = tracing::info_span!("generate", out = %self.out.display()).entered();
-        if self.mode == OpenMode::Resume {
-            return Err(GenerateError::Usage(
-                "strata generate cannot --resume yet: start again with --overwrite (the tokens and states will be the \
-                 same with the same --seed)"
-                    .into(),
-            ));
-        }
+        // A resumed run draws with the seed the output recorded (unless --seed says otherwise,
+        // which the output's manifest then refuses as another job).
+        let existing = match self.mode {
+            OpenMode::Resume if crate::files::is_regular(&self.out.join("manifest.json")).unwrap_or(false) => {
+                Some(Manifest::read(&self.out)?)
+            }
+            _ => None,
+        };
         let mut summary = GenerateSummary::default();
         let checked = self.model.check()?;
         let info = checked.info();
@@ -219,9 +225,10 @@ impl GenerateJob {
                 }
             }
         }
-        let (seed, seed_drawn) = match s.seed {
-            Some(seed) => (seed, false),
-            None => (draw_seed(), true),
+        let recorded = existing.as_ref().and_then(|m| m.generation.as_ref()).map(|g| g.seed);
+        let (seed, seed_drawn) = match (s.seed, recorded) {
+            (Some(seed), _) | (None, Some(seed)) => (seed, false),
+            (None, None) => (draw_seed(), true),
         };
         if seed_drawn {
             tracing::info!("--seed {seed} (drawn; recorded in the manifest)");
@@ -249,7 +256,34 @@ impl GenerateJob {
             max_tokens_from: format!("max_position_embeddings {max_pos}"),
         };
         let name = self.data.display().to_string();
-        let mut source = Checked::new(JsonlSource::open(&self.data)?, name, limits, Expected::default());
+        // A complete output's input must be the whole input again (Checked checks its end).
+        let whole = existing.as_ref().filter(|m| m.complete).and_then(|m| m.input.as_ref()).map(|i| i.whole.clone());
+        let expect = Expected { whole, ..Default::default() };
+        let mut source = Checked::new(JsonlSource::open(&self.data)?, name.clone(), limits, expect);
+        // The records an earlier run wrote or left out: read again, not run, and checked
+        // to be the same input (the bytes and digest of the prefix they came from).
+        let resumed = Sink::<usize, usize>::resume_from(&sink);
+        let prefix = existing
+            .as_ref()
+            .and_then(|m| m.shards.last().and_then(|s| s.input.clone()))
+            .filter(|p| p.samples == resumed);
+        for read in 1..=resumed {
+            let s = source.next().transpose()?.ok_or(SourceError::Ended { samples: read - 1, expected: resumed })?;
+            if let Some(p) = prefix.as_ref().filter(|_| read == resumed) {
+                if (p.bytes, &p.digest) != (s.end.bytes, &s.end.digest) {
+                    return Err(GenerateError::Usage(format!(
+                        "{name} is not the input the output in {} was made from: its first {resumed} records are {} \
+                         bytes with digest {}, the output's came from {} bytes with digest {}",
+                        self.out.display(),
+                        s.end.bytes,
+                        s.end.digest,
+                        p.bytes,
+                        p.digest
+                    )));
+                }
+            }
+        }
+        summary.resumed = resumed;
         let mut cache = AnyCache::default();
         let opts = DecodeOptions {
             max_batch_tokens: self.max_batch_tokens,
@@ -266,7 +300,7 @@ impl GenerateJob {
         let mut pending: HashMap<usize, Pending> = HashMap::new();
         // Finished rows and refused records waiting for the ones before them.
         let mut ready: BTreeMap<usize, Done> = BTreeMap::new();
-        let (mut next, mut read, mut exhausted) = (0usize, 0usize, false);
+        let (mut next, mut read, mut exhausted) = (resumed, resumed, false);
         loop {
             // Keep the queue one step deep, and the rows held for order bounded.
             while !exhausted && decode.waiting() < width && ready.len() + pending.len() < 4 * width {

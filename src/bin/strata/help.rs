@@ -27,6 +27,10 @@ MEMORY: --kv-cache-memory bounds the cache of the sequences in flight: a sequenc
 when its prompt and its longest response fit (the cost per position is measured on the
 model at start), and waits otherwise; nothing is preempted.
 
+RESUME: --resume keeps the rows an interrupted run wrote, reads their records again
+(checked to be the same input), and draws with the seed the output recorded: the rows
+that follow are those an uninterrupted run writes.
+
 EXAMPLES:
   strata generate --model DIR --data prompts.jsonl --out regen --temperature 0.7 \\
       --max-tokens 2048 --seed 1 --kv-cache-memory 8GiB";

@@ -293,6 +293,11 @@ struct GenerateArgs {
     /// Replace the output an earlier run left in --out.
     #[arg(long)]
     overwrite: bool,
+    /// Continue an interrupted run in --out: keep its rows, skip their
+    /// records, draw with the seed it recorded. The rows written after are
+    /// those an uninterrupted run writes.
+    #[arg(long, conflicts_with = "overwrite")]
+    resume: bool,
     /// Most sequences in flight (prefilling or decoding) at once.
     #[arg(long, value_name = "N", default_value_t = 256, help_heading = "Scheduling")]
     max_num_seqs: usize,
@@ -526,7 +531,13 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         capture: r.capture.clone(),
         out: a.out.clone(),
         dtype: r.dtype,
-        mode: if a.overwrite { OpenMode::Overwrite } else { OpenMode::Create },
+        mode: if a.resume {
+            OpenMode::Resume
+        } else if a.overwrite {
+            OpenMode::Overwrite
+        } else {
+            OpenMode::Create
+        },
         sampling: SamplingArgs {
             temperature: a.temperature,
             top_k: a.top_k,

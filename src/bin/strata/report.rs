@@ -302,7 +302,9 @@ pub(crate) fn generate_progress(p: &strata::job::generate::GenerateProgress) {
 pub(crate) fn generate_summary(s: &strata::job::generate::GenerateSummary, out: &std::path::Path) {
     let secs = s.elapsed.as_secs_f64().max(1e-9);
     let drawn = if s.seed_drawn { " (drawn)" } else { "" };
-    say!("wrote {}: {} rows, {} records left out", out.display(), s.rows, s.skipped);
+    let resumed =
+        if s.resumed > 0 { format!(" (after {} records of an earlier run)", s.resumed) } else { String::new() };
+    say!("wrote {}: {} rows, {} records left out{resumed}", out.display(), s.rows, s.skipped);
     say!(
         "  generated {} tokens in {:.2} s ({:.0} tokens/s; model loaded in {:.2} s), {} steps",
         s.generated,
