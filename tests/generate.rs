@@ -275,7 +275,9 @@ fn one_pass_equals_two_on_every_fixture() {
                 .output()
                 .unwrap();
             assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
-            let (g, e) = (files_of(&gen), files_of(&ext));
+            let mut g = files_of(&gen);
+            g.retain(|(n, _)| n != "regenerated.jsonl"); // generate's own, beside the dataset
+            let e = files_of(&ext);
             assert_eq!(g.len(), e.len(), "{name} {backend}");
             for ((gn, gb), (en, eb)) in g.iter().zip(&e) {
                 assert_eq!(gn, en);
@@ -452,4 +454,39 @@ fn a_killed_generation_resumes_to_the_same_bytes() {
     let o = cmd(&cut, &["--resume", "--seed", &(seed ^ 1).to_string()]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("generation differs"), "{err}");
+}
+
+/// `regenerated.jsonl`: a line per generation in the layout of `speculators
+/// regenerate-responses`, its ids and masks the dataset's rows.
+#[test]
+fn regenerated_jsonl_holds_each_generation_as_speculators_writes_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("o");
+    generate_cli("llama-default", &out, &["--stop-token-ids", "5,17"]);
+    let text = std::fs::read_to_string(out.join("regenerated.jsonl")).unwrap();
+    let (rows, n) = rows_of(&out);
+    assert_eq!(text.lines().count(), n);
+    for (i, (line, row)) in text.lines().zip(rows.lines()).enumerate() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let row: Value = serde_json::from_str(row).unwrap();
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        // No tokenizer in the fixture: no text.
+        assert_eq!(keys, ["id", "primary_id", "input_ids", "loss_mask", "metadata"]);
+        assert_eq!(v["id"], format!("{i}_gen0"));
+        assert_eq!(v["primary_id"], i.to_string());
+        assert_eq!((&v["input_ids"], &v["loss_mask"]), (&row["input_ids"], &row["loss_mask"]));
+        let m = &v["metadata"];
+        let completion = row["loss_mask"].as_array().unwrap().iter().filter(|x| x.as_u64() == Some(1)).count();
+        let total = row["input_ids"].as_array().unwrap().len();
+        assert_eq!(m["usage"]["completion_tokens"], completion);
+        assert_eq!(m["usage"]["prompt_tokens"], total - completion);
+        assert_eq!(m["usage"]["total_tokens"], total);
+        let last = row["input_ids"].as_array().unwrap().last().unwrap().as_u64().unwrap();
+        let want = if [5, 17].contains(&last) { "stop" } else { "length" };
+        assert_eq!(m["finish_reason"], want, "row {i}");
+        assert_eq!(m["is_tool_call"], false);
+        assert_eq!(m["idx"], i);
+        assert_eq!(m["sampling_params"]["seed"], 11);
+        assert_eq!(m["sampling_params"]["top_p"], 0.9f32 as f64);
+    }
 }

@@ -28,6 +28,8 @@ pub const RESERVED_SPECIAL: usize = 256;
 /// A tiktoken BPE: byte strings with merge ranks, a pattern, special tokens.
 pub struct Tiktoken {
     ranks: HashMap<Vec<u8>, u32>,
+    /// Each rank's bytes (decoding).
+    by_rank: Vec<Option<Vec<u8>>>,
     pattern: fancy_regex::Regex,
     specials: Vec<(String, u32)>,
     // Matches any special token (longest first at one position).
@@ -77,7 +79,11 @@ impl Tiktoken {
         for (_, id) in &specials {
             vocab = vocab.max(*id as usize + 1);
         }
-        Ok(Tiktoken { ranks, pattern, specials, special_re, vocab })
+        let mut by_rank = vec![None; ranks.values().max().map_or(0, |&r| r as usize + 1)];
+        for (bytes, &r) in &ranks {
+            by_rank[r as usize] = Some(bytes.clone());
+        }
+        Ok(Tiktoken { ranks, by_rank, pattern, specials, special_re, vocab })
     }
 
     /// One past the largest id.
@@ -106,6 +112,19 @@ impl Tiktoken {
     /// The longest special token, in bytes.
     pub fn longest_special(&self) -> usize {
         self.specials.iter().map(|(s, _)| s.len()).max().unwrap_or(0)
+    }
+
+    /// The text of `ids`, special tokens written out, invalid UTF-8 replaced
+    /// (as tiktoken's `decode` does, `errors="replace"`); `None` for an id it has no token for.
+    pub fn decode(&self, ids: &[u32]) -> Option<String> {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            match self.by_rank.get(id as usize).and_then(Option::as_deref) {
+                Some(b) => bytes.extend_from_slice(b),
+                None => bytes.extend_from_slice(self.specials.iter().find(|(_, s)| *s == id)?.0.as_bytes()),
+            }
+        }
+        Some(String::from_utf8_lossy(&bytes).into_owned())
     }
 
     /// The id of a special token.

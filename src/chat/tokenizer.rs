@@ -164,6 +164,19 @@ impl Tokenizer {
         }
     }
 
+    /// The text of `ids` with special tokens kept (transformers'
+    /// `decode(ids, skip_special_tokens=False)`).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, ChatError> {
+        match self {
+            Tokenizer::Hf(t) => {
+                t.inner.decode(ids, false).map_err(|e| ChatError::Tokenizer(format!("cannot decode: {e}")))
+            }
+            Tokenizer::Tiktoken(t) => {
+                t.decode(ids).ok_or_else(|| ChatError::Tokenizer("cannot decode: an id without a token".into()))
+            }
+        }
+    }
+
     /// Tokenizes the whole of `text` at once; special tokens written in it
     /// are recognised. `add_special` adds what the tokenizer's
     /// post-processor adds (a BOS): `false` for rendered chat text, which

@@ -148,6 +148,8 @@ pub struct GenerateSummary {
     pub elapsed: Duration,
     /// Bytes written.
     pub bytes_written: u64,
+    /// Lines of `regenerated.jsonl`.
+    pub regenerated: usize,
 }
 
 /// Progress after each step.
@@ -371,9 +373,18 @@ impl GenerateJob {
         debug_assert_eq!(next, read);
         Sink::<usize, usize>::finish(&mut sink, source.consumed())?;
         summary.skipped += sink.skipped();
+        summary.bytes_written = Sink::<usize, usize>::bytes_written(&sink);
+        drop(sink);
+        let tokenizer = self.model.source.dir().and_then(|dir| match load_tokenizer(dir) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!("regenerated.jsonl without text: {e}");
+                None
+            }
+        });
+        summary.regenerated = write_regenerated(&self.out, tokenizer.as_ref())?;
         summary.decode = decode.stats().clone();
         summary.elapsed = start.elapsed();
-        summary.bytes_written = Sink::<usize, usize>::bytes_written(&sink);
         summary.points = points;
         Ok(summary)
     }
@@ -470,6 +481,114 @@ fn record_key(s: &Sample) -> u128 {
     h.update(&[0xff]);
     h.update(bytemuck::cast_slice(&s.input_ids));
     h.digest128()
+}
+
+/// The file beside the dataset that holds one line per generation, in the
+/// layout `speculators regenerate-responses` (0.9) writes, so its downstream
+/// steps (`speculators prepare-data`) read it.
+pub const REGENERATED: &str = "regenerated.jsonl";
+
+/// Writes `OUT/regenerated.jsonl` from the finished dataset in `out`, its rows
+/// read back in order (so a resumed run writes what an uninterrupted one
+/// does): per row `id` (`{primary_id}_gen0`), `primary_id` (the record's
+/// `"id"`, else its index in the input), `input_ids`, `loss_mask`, `text`
+/// (the row decoded with special tokens kept; absent without a tokenizer) and
+/// `metadata` (`idx`, `finish_reason`, `is_tool_call`, `usage`, `endpoint`,
+/// `sampling_params` with the seed). Written under a temporary name and renamed.
+fn write_regenerated(
+    out: &std::path::Path,
+    tokenizer: Option<&crate::chat::Tokenizer>,
+) -> Result<usize, GenerateError> {
+    use std::io::Write;
+    let m = Manifest::read(out)?;
+    let g = m.generation.clone().unwrap_or_default();
+    let sampling = serde_json::json!({
+        "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k, "min_p": g.min_p,
+        "repetition_penalty": g.repetition_penalty, "presence_penalty": g.presence_penalty,
+        "frequency_penalty": g.frequency_penalty, "max_tokens": g.max_tokens, "seed": g.seed,
+        "stop_token_ids": g.stop_token_ids, "ignore_eos": g.ignore_eos,
+    });
+    let io = |p: &std::path::Path| {
+        let path = p.display().to_string();
+        move |cause| GenerateError::Sink(SinkError::Io { path, cause })
+    };
+    let dir = crate::files::Dir::open(out).map_err(io(out))?;
+    let tmp = format!(".{REGENERATED}.{}.tmp", std::process::id());
+    let file = dir.create_new(&tmp).map_err(io(&dir.join(&tmp)))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    let write = |w: &mut std::io::BufWriter<std::fs::File>| -> Result<usize, GenerateError> {
+        for (i, s) in m.samples.iter().enumerate() {
+            let shard = m.shards.get(s.shard).ok_or_else(|| {
+                SinkError::Directory(format!(
+                    "{}: sample {i} names file {} of {}",
+                    out.display(),
+                    s.shard,
+                    m.shards.len()
+                ))
+            })?;
+            let path = out.join(&shard.file);
+            let f = crate::format::MappedFile::open(&path).map_err(SinkError::from)?;
+            let tensor = |name: &str| {
+                f.tensors.get(name).map(|e| f.bytes(e)).ok_or_else(|| {
+                    GenerateError::Sink(SinkError::Directory(format!("{}: no tensor {name}", path.display())))
+                })
+            };
+            let ids: Vec<u32> = tensor("token_ids")?
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as u32)
+                .collect();
+            let mask: Vec<u8> = tensor("loss_mask")?.to_vec();
+            let completion = mask.iter().filter(|&&m| m == 1).count();
+            let prompt = ids.len() - completion;
+            let stopped = completion > 0 && ids.last().is_some_and(|t| g.stop_token_ids.contains(t));
+            let mut line = serde_json::Map::new();
+            line.insert("id".into(), format!("{}_gen0", s.id).into());
+            line.insert("primary_id".into(), s.id.clone().into());
+            line.insert("input_ids".into(), ids.clone().into());
+            line.insert("loss_mask".into(), mask.into());
+            if let Some(t) = tokenizer {
+                let text = t.decode(&ids).map_err(|e| SinkError::Directory(format!("{}: {e}", path.display())))?;
+                line.insert("text".into(), text.into());
+            }
+            line.insert(
+                "metadata".into(),
+                serde_json::json!({
+                    "idx": s.index.unwrap_or(i),
+                    "finish_reason": if stopped { "stop" } else { "length" },
+                    "is_tool_call": false,
+                    "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": ids.len()},
+                    "endpoint": "strata generate",
+                    "sampling_params": sampling,
+                }),
+            );
+            serde_json::to_writer(&mut *w, &line).map_err(|e| io(&dir.join(&tmp))(e.into()))?;
+            w.write_all(b"\n").map_err(io(&dir.join(&tmp)))?;
+        }
+        w.flush().map_err(io(&dir.join(&tmp)))?;
+        w.get_ref().sync_all().map_err(io(&dir.join(&tmp)))?;
+        Ok(m.samples.len())
+    };
+    let n = match write(&mut w) {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = dir.remove(&tmp);
+            return Err(e);
+        }
+    };
+    dir.rename(&tmp, &dir, REGENERATED).map_err(io(&dir.join(REGENERATED)))?;
+    dir.sync();
+    Ok(n)
+}
+
+/// The model directory's tokenizer, if it has one (`tokenizer.json`, or a tiktoken model).
+fn load_tokenizer(dir: &std::path::Path) -> Result<Option<crate::chat::Tokenizer>, crate::chat::ChatError> {
+    let has = ["tokenizer.json", "tiktoken.model"].iter().any(|f| dir.join(f).is_file());
+    if !has {
+        return Ok(None);
+    }
+    let text = crate::files::read_text(&dir.join("tokenizer_config.json"), 256 << 20).unwrap_or_default();
+    let config = serde_json::from_str(&text).unwrap_or(serde_json::Value::Null);
+    crate::chat::Tokenizer::load(dir, &config).map(Some)
 }
 
 /// A seed from the operating system's generator.

@@ -9,7 +9,9 @@ one `strata extract --format speculators` writes).
 ROWS: input_ids = the prompt's tokens + the tokens drawn (a stop token included);
 loss_mask 0 on the prompt, 1 on the response. Generated text is never re-tokenized.
 hidden_states/hs_{i}.safetensors holds every row token's states, the last token fed
-once more so that it has them too.
+once more so that it has them too. regenerated.jsonl holds a line per generation as
+`speculators regenerate-responses` writes it (id {primary_id}_gen0, primary_id, input_ids,
+loss_mask, text when the model has a tokenizer, metadata).
 
 ONE PASS EQUALS TWO: on the cpu and reference backends a row's file is byte for byte the
 one `strata extract --format speculators` writes for the same ids, and the tokens do not
