@@ -198,16 +198,22 @@ fn free_seq() -> Sequence {
     }
 }
 
+/// `strata generate --model DIR --data DATA --out OUT` for fixture `name`'s
+/// model (and its data.jsonl unless `data` is given).
+fn generate_cmd(name: &str, data: Option<&std::path::Path>, out: &std::path::Path) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_strata"));
+    c.arg("generate").arg("--model").arg(fixture(name)).arg("--data");
+    match data {
+        Some(d) => c.arg(d),
+        None => c.arg(fixture(name).join("data.jsonl")),
+    };
+    c.arg("--out").arg(out);
+    c
+}
+
 /// `strata generate` on fixture `name` into `out`, with `extra` options; its stderr on failure.
 fn generate_cli(name: &str, out: &std::path::Path, extra: &[&str]) {
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
-        .arg("generate")
-        .arg("--model")
-        .arg(fixture(name))
-        .arg("--data")
-        .arg(fixture(name).join("data.jsonl"))
-        .arg("--out")
-        .arg(out)
+    let o = generate_cmd(name, None, out)
         .args(["--capture", "input:1,final", "--dtype", "f32", "--compute", "f32", "--seed", "11"])
         .args(["--temperature", "0.8", "--top-p", "0.9", "--max-tokens", "9"])
         .args(extra)
@@ -319,17 +325,7 @@ fn generated_datasets_do_not_depend_on_batching() {
 fn generate_refuses_what_it_cannot_do_by_name() {
     let tmp = tempfile::tempdir().unwrap();
     let run = |extra: &[&str]| {
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
-            .arg("generate")
-            .arg("--model")
-            .arg(fixture("llama-default"))
-            .arg("--data")
-            .arg(fixture("llama-default").join("data.jsonl"))
-            .arg("--out")
-            .arg(tmp.path().join("o"))
-            .args(extra)
-            .output()
-            .unwrap();
+        let o = generate_cmd("llama-default", None, &tmp.path().join("o")).args(extra).output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr).to_string();
         assert!(!o.status.success() && !err.contains("panicked"), "{extra:?}: {err}");
         err
@@ -337,20 +333,15 @@ fn generate_refuses_what_it_cannot_do_by_name() {
     assert!(run(&["--top-p", "1.5"]).contains("top_p must be in (0, 1], got 1.5"));
     assert!(run(&["--temperature", "-1"]).contains("temperature must be non-negative"));
     assert!(run(&["--top-k", "-3"]).contains("top_k must be 0 (disable), or at least 1"));
+    // No --max-tokens: a response may run to position 256, 512 KiB of this model's cache.
+    assert!(run(&["--kv-cache-memory", "100KiB"]).contains("give --max-tokens"));
 }
 
 /// A record whose cache cannot fit the budget is left out by name; the run goes on.
 #[test]
 fn a_record_that_cannot_fit_the_cache_is_left_out() {
     let tmp = tempfile::tempdir().unwrap();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
-        .arg("generate")
-        .arg("--model")
-        .arg(fixture("llama-default"))
-        .arg("--data")
-        .arg(fixture("llama-default").join("data.jsonl"))
-        .arg("--out")
-        .arg(tmp.path().join("o"))
+    let o = generate_cmd("llama-default", None, &tmp.path().join("o"))
         .args(["--max-tokens", "4", "--kv-cache-memory", "20KiB"])
         .output()
         .unwrap();
@@ -368,17 +359,7 @@ fn a_prompt_too_long_for_max_tokens_is_refused_alone() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("o");
     // llama-gqa-sharded has 64 positions; its samples are 1 to 40 tokens long.
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
-        .arg("generate")
-        .arg("--model")
-        .arg(fixture("llama-gqa-sharded"))
-        .arg("--data")
-        .arg(fixture("llama-gqa-sharded").join("data.jsonl"))
-        .arg("--out")
-        .arg(&out)
-        .args(["--max-tokens", "30", "--seed", "1"])
-        .output()
-        .unwrap();
+    let o = generate_cmd("llama-gqa-sharded", None, &out).args(["--max-tokens", "30", "--seed", "1"]).output().unwrap();
     let (stdout, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(o.status.success(), "{err}");
     assert!(err.contains("pass the model's 64 positions"), "{err}");
@@ -403,16 +384,8 @@ fn a_killed_generation_resumes_to_the_same_bytes() {
         .collect();
     std::fs::write(&data, lines).unwrap();
     let cmd = |out: &std::path::Path, extra: &[&str]| {
-        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_strata"));
-        c.arg("generate")
-            .arg("--model")
-            .arg(fixture("llama-default"))
-            .arg("--data")
-            .arg(&data)
-            .arg("--out")
-            .arg(out)
-            .args(["--max-tokens", "24", "--temperature", "0.9", "--max-num-seqs", "8", "--compute", "f32"])
-            .args(extra);
+        let mut c = generate_cmd("llama-default", Some(&data), out);
+        c.args(["--max-tokens", "24", "--temperature", "0.9", "--max-num-seqs", "8", "--compute", "f32"]).args(extra);
         c
     };
     // No --seed: the first run draws one and records it.
@@ -465,6 +438,14 @@ fn regenerated_jsonl_holds_each_generation_as_speculators_writes_it() {
     generate_cli("llama-default", &out, &["--stop-token-ids", "5,17"]);
     let text = std::fs::read_to_string(out.join("regenerated.jsonl")).unwrap();
     let (rows, n) = rows_of(&out);
+    // --stop-token-ids, and config.json's eos_token_id (the fixture has no generation_config.json).
+    let stop = strata::dataset::manifest::Manifest::read(&out).unwrap().generation.unwrap().stop_token_ids;
+    let eos =
+        serde_json::from_str::<Value>(&std::fs::read_to_string(fixture("llama-default").join("config.json")).unwrap())
+            .unwrap()["eos_token_id"]
+            .as_u64()
+            .map(|e| e as u32);
+    assert_eq!(stop, [&[5u32, 17][..], eos.as_slice()].concat());
     assert_eq!(text.lines().count(), n);
     for (i, (line, row)) in text.lines().zip(rows.lines()).enumerate() {
         let v: Value = serde_json::from_str(line).unwrap();
@@ -482,11 +463,25 @@ fn regenerated_jsonl_holds_each_generation_as_speculators_writes_it() {
         assert_eq!(m["usage"]["prompt_tokens"], total - completion);
         assert_eq!(m["usage"]["total_tokens"], total);
         let last = row["input_ids"].as_array().unwrap().last().unwrap().as_u64().unwrap();
-        let want = if [5, 17].contains(&last) { "stop" } else { "length" };
+        let want = if stop.contains(&(last as u32)) { "stop" } else { "length" };
         assert_eq!(m["finish_reason"], want, "row {i}");
         assert_eq!(m["is_tool_call"], false);
         assert_eq!(m["idx"], i);
         assert_eq!(m["sampling_params"]["seed"], 11);
         assert_eq!(m["sampling_params"]["top_p"], 0.9f32 as f64);
     }
+}
+
+/// A record with ids outside the vocabulary is left out alone, by name.
+#[test]
+fn a_record_with_ids_outside_the_vocabulary_is_left_out_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("d.jsonl");
+    std::fs::write(&data, "{\"input_ids\": [1, 2]}\n{\"input_ids\": [3, 999]}\n{\"input_ids\": [4]}\n").unwrap();
+    let o =
+        generate_cmd("llama-default", Some(&data), &tmp.path().join("o")).args(["--max-tokens", "3"]).output().unwrap();
+    let (stdout, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("input_ids[1] = 999 is out of range (vocab_size 256)"), "{err}");
+    assert!(stdout.contains("2 rows, 1 records left out"), "{stdout}");
 }

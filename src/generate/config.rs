@@ -4,7 +4,9 @@
 //! `min_p`, and `max_new_tokens` as the default `max_tokens`; each only
 //! where it differs from transformers' `GenerationConfig` default (vLLM
 //! takes `to_diff_dict()`, so `top_k: 50` there leaves vLLM's 0, off).
-//! `eos_token_id` (an int or a list) gives stop ids.
+//! `eos_token_id` (an int or a list) gives stop ids. Without the file, vLLM
+//! falls back to transformers' `GenerationConfig.from_model_config`: the
+//! model's `config.json` `eos_token_id` (its text model's in a wrapper).
 
 use serde_json::Value;
 use std::path::Path;
@@ -44,15 +46,27 @@ const HF_DEFAULTS: [(&str, f64); 4] =
     [("temperature", 1.0), ("top_k", 50.0), ("top_p", 1.0), ("repetition_penalty", 1.0)];
 
 impl GenerationDefaults {
-    /// `DIR/generation_config.json`, or no defaults when there is none.
-    pub fn read(dir: &Path) -> Result<Self, GenerationConfigError> {
+    /// `DIR/generation_config.json`; without it, the stop ids of `config`
+    /// (the model's `config.json` text) and no sampling defaults.
+    pub fn read(dir: &Path, config: &str) -> Result<Self, GenerationConfigError> {
         let path = dir.join("generation_config.json");
         if !crate::files::is_regular(&path).unwrap_or(false) {
-            return Ok(Self::default());
+            return Self::from_model_config(config).map_err(|problem| GenerationConfigError {
+                path: dir.join("config.json").display().to_string(),
+                problem,
+            });
         }
         let err = |problem: String| GenerationConfigError { path: path.display().to_string(), problem };
         let text = crate::files::read_text(&path, crate::hf::MAX_JSON_BYTES).map_err(|e| err(e.to_string()))?;
         Self::parse(&text).map_err(err)
+    }
+
+    /// What `GenerationConfig.from_model_config` takes of a `config.json`
+    /// that vLLM reads: its `eos_token_id` (the text model's in a wrapper).
+    pub fn from_model_config(text: &str) -> Result<Self, String> {
+        let v: Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let eos = v.get("eos_token_id").filter(|e| !e.is_null()).or_else(|| v.get("text_config")?.get("eos_token_id"));
+        Ok(GenerationDefaults { eos_token_ids: eos_ids(eos)?, ..Default::default() })
     }
 
     /// Parses the file's text.
@@ -74,11 +88,7 @@ impl GenerationDefaults {
                 x => Ok(x.map(|x| x as i64)),
             }
         };
-        let eos_token_ids = match v.get("eos_token_id") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(list)) => list.iter().map(token_id).collect::<Result<_, _>>()?,
-            Some(x) => vec![token_id(x)?],
-        };
+        let eos_token_ids = eos_ids(v.get("eos_token_id"))?;
         let max_tokens = match int("max_new_tokens")? {
             Some(n) if n < 1 => return Err(format!("max_new_tokens must be at least 1, got {n}")),
             n => n.map(|n| n as usize),
@@ -92,6 +102,15 @@ impl GenerationDefaults {
             max_tokens,
             eos_token_ids,
         })
+    }
+}
+
+/// An `eos_token_id`: an int, a list of them, or none.
+fn eos_ids(v: Option<&Value>) -> Result<Vec<u32>, String> {
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(list)) => list.iter().map(token_id).collect(),
+        Some(x) => Ok(vec![token_id(x)?]),
     }
 }
 
@@ -119,6 +138,16 @@ mod tests {
         assert_eq!(d.eos_token_ids, vec![1, 106]);
         let d = GenerationDefaults::parse(r#"{"eos_token_id": 2, "top_k": 20}"#).unwrap();
         assert_eq!((d.eos_token_ids, d.top_k, d.temperature), (vec![2], Some(20), None));
+    }
+
+    #[test]
+    fn without_the_file_the_model_configs_eos_ids_stop() {
+        let d =
+            GenerationDefaults::from_model_config(r#"{"eos_token_id": [128001, 128008, 128009], "temperature": 0.5}"#)
+                .unwrap();
+        assert_eq!(d, GenerationDefaults { eos_token_ids: vec![128001, 128008, 128009], ..Default::default() });
+        let wrapped = GenerationDefaults::from_model_config(r#"{"text_config": {"eos_token_id": 1}}"#).unwrap();
+        assert_eq!(wrapped.eos_token_ids, vec![1]);
     }
 
     #[test]

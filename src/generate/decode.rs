@@ -148,7 +148,7 @@ impl Running {
     }
 }
 
-/// A step's segment: which sequence, which positions, whether it samples.
+/// A step's segment: which sequence, and which of its positions the step fed.
 pub struct StepSegment {
     /// The sequence's index in the caller's list.
     pub index: usize,
@@ -221,7 +221,7 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
 
     /// Bytes of cache `seq` reserves (0 without a budget).
     pub fn need(&self, seq: &Sequence) -> usize {
-        self.cost.map_or(0, |c| c.of(seq.prompt.len() + seq.max_tokens))
+        self.cost.map_or(0, |c| c.of(seq.prompt.len().saturating_add(seq.max_tokens)))
     }
 
     /// Why `seq` can never run here, if it cannot: more cache than the budget.
@@ -313,7 +313,7 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
             r.retired = !keep;
             batch.push_segment(tokens, Segment { key, pos0, keep });
             if pos0 == 0 && self.cost.is_some() {
-                batch.reserve(key, r.seq.prompt.len() + r.seq.max_tokens);
+                batch.reserve(key, r.seq.prompt.len().saturating_add(r.seq.max_tokens));
             }
             layout.push(StepSegment { index: r.index, pos0, len });
             if r.fed < r.seq.prompt.len() {
@@ -351,7 +351,7 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
         self.running = kept;
         let mut out = Vec::with_capacity(finished.len());
         for r in finished {
-            self.reserved -= self.cost.map_or(0, |c| c.of(r.seq.prompt.len() + r.seq.max_tokens));
+            self.reserved -= self.cost.map_or(0, |c| c.of(r.seq.prompt.len().saturating_add(r.seq.max_tokens)));
             out.push((r.index, Generated { output: r.output, finish: r.finish.expect("finished") }));
         }
         Ok(out)
@@ -372,7 +372,7 @@ pub fn generate<M: Model, L: Dim>(
 ) -> Result<(Vec<Generated>, DecodeStats), ModelError> {
     let n = seqs.len();
     let _span = info_span!("generate", sequences = n).entered();
-    let max_positions = seqs.iter().map(|s| s.prompt.len() + s.max_tokens).max().unwrap_or(1);
+    let max_positions = seqs.iter().map(|s| s.prompt.len().saturating_add(s.max_tokens)).max().unwrap_or(1);
     let mut d = Decode::new(model, cache, captures.clone(), opts, max_positions)?;
     for (i, s) in seqs.into_iter().enumerate() {
         d.add(i, s)?;

@@ -53,7 +53,8 @@ pub struct SamplingArgs {
     pub stop_token_ids: Vec<u32>,
     /// `--ignore-eos`: EOS is an ordinary token (never a stop).
     pub ignore_eos: bool,
-    /// Read `generation_config.json` (on by default; `--no-generation-config` turns it off).
+    /// Take the sampling defaults of `generation_config.json` (on by default;
+    /// `--no-generation-config` turns them off; its EOS ids stop either way).
     pub generation_config: bool,
 }
 
@@ -167,6 +168,10 @@ pub struct GenerateProgress {
     pub elapsed: Duration,
 }
 
+/// Rows finished out of input order wait in memory for those before them;
+/// past this many bytes of their states no new record is started.
+const READY_BYTES: usize = 1 << 30;
+
 /// A sequence in flight: its input sample and the states of the tokens fed so far.
 struct Pending {
     sample: Sample,
@@ -197,9 +202,15 @@ impl GenerateJob {
         let info = checked.info();
         let (points, captures) = super::captures(&self.capture, info.num_layers)?;
         let s = &self.sampling;
-        let defaults = match (s.generation_config, self.model.source.dir()) {
-            (true, Some(dir)) => GenerationDefaults::read(dir)?,
-            _ => GenerationDefaults::default(),
+        let read = match self.model.source.dir() {
+            Some(dir) => GenerationDefaults::read(dir, &checked.text)?,
+            None => GenerationDefaults::from_model_config(&checked.text).map_err(GenerateError::Usage)?,
+        };
+        // --no-generation-config turns the sampling defaults off; the EOS ids stay stop ids.
+        let defaults = if s.generation_config {
+            read
+        } else {
+            GenerationDefaults { eos_token_ids: read.eos_token_ids, ..Default::default() }
         };
         let asked = SamplingParams {
             temperature: s.temperature.or(defaults.temperature).unwrap_or(1.0),
@@ -252,11 +263,11 @@ impl GenerateJob {
         let mut sink = FiniteCheck::new(sink, OnNonFinite::Fail, names, dtype);
 
         let max_pos = info.max_position_embeddings;
-        let limits = Limits {
-            vocab_size: info.vocab_size,
-            max_tokens: max_pos,
-            max_tokens_from: format!("max_position_embeddings {max_pos}"),
-        };
+        // A prompt past the model's positions, or with ids outside its vocabulary, is left
+        // out by name below, alone: the source checks only what makes a record unreadable.
+        let limits =
+            Limits { vocab_size: u32::MAX as usize + 1, max_tokens: usize::MAX, max_tokens_from: String::new() };
+        let vocab = info.vocab_size;
         let name = self.data.display().to_string();
         // A complete output's input must be the whole input again (Checked checks its end).
         let whole = existing.as_ref().filter(|m| m.complete).and_then(|m| m.input.as_ref()).map(|i| i.whole.clone());
@@ -294,6 +305,16 @@ impl GenerateJob {
         };
         let mut decode = Decode::new(model, &mut cache, captures.clone(), opts, max_pos)?;
         summary.cache_cost = decode.cost();
+        if let (Some(cost), Some(limit), None) = (decode.cost(), self.kv_cache_memory, max_tokens) {
+            if cost.of(max_pos) as u64 > limit {
+                return Err(GenerateError::Usage(format!(
+                    "without --max-tokens (and with no max_new_tokens in generation_config.json) a response may \
+                     run to the model's last position, and a sequence of {max_pos} positions needs {} bytes of \
+                     cache, more than --kv-cache-memory ({limit} bytes): give --max-tokens",
+                    cost.of(max_pos)
+                )));
+            }
+        }
         let width = self.max_num_seqs.max(1);
         let hidden = info.hidden_size;
         let layers = points.len();
@@ -302,18 +323,30 @@ impl GenerateJob {
         let mut pending: HashMap<usize, Pending> = HashMap::new();
         // Finished rows and refused records waiting for the ones before them.
         let mut ready: BTreeMap<usize, Done> = BTreeMap::new();
+        let mut ready_bytes = 0usize;
         let (mut next, mut read, mut exhausted) = (resumed, resumed, false);
         loop {
             // Keep the queue one step deep, and the rows held for order bounded.
-            while !exhausted && decode.waiting() < width && ready.len() + pending.len() < 4 * width {
+            while !exhausted
+                && decode.waiting() < width
+                && ready.len() + pending.len() < width.saturating_mul(4)
+                && ready_bytes < READY_BYTES
+            {
                 let Some(sample) = source.next().transpose()? else {
                     exhausted = true;
                     break;
                 };
                 read += 1;
                 let index = sample.index;
-                let room = max_pos - sample.len();
-                let n = max_tokens.unwrap_or(room);
+                let room = max_pos.saturating_sub(sample.len());
+                // An explicit --max-tokens is kept (a response that would pass the model's
+                // positions is refused); generation_config.json's max_new_tokens is cut to the
+                // room left, as vLLM's server cuts its default.
+                let n = match (s.max_tokens, max_tokens) {
+                    (Some(n), _) => n,
+                    (None, Some(d)) => d.min(room),
+                    (None, None) => room,
+                };
                 let seq = Sequence {
                     prompt: sample.input_ids.clone(),
                     max_tokens: n,
@@ -321,7 +354,12 @@ impl GenerateJob {
                     stop: stop.clone(),
                     key: DrawKey { seed, record: record_key(&sample), generation: 0, position: 0 },
                 };
-                let refused = if n > room || room == 0 {
+                let bad_id = sample.input_ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab);
+                let refused = if let Some((pos, t)) = bad_id {
+                    Some(format!("input_ids[{pos}] = {t} is out of range (vocab_size {vocab})"))
+                } else if room == 0 {
+                    Some(format!("a prompt of {} tokens leaves none of the model's {max_pos} positions", sample.len()))
+                } else if n > room {
                     Some(format!(
                         "a prompt of {} tokens and max_tokens {n} pass the model's {max_pos} positions",
                         sample.len()
@@ -339,7 +377,7 @@ impl GenerateJob {
                     }
                 }
             }
-            self.flush(&mut ready, &mut next, &mut sink, &mut summary)?;
+            self.flush(&mut ready, &mut next, &mut sink, &mut summary, &mut ready_bytes)?;
             if decode.is_idle() {
                 if exhausted {
                     break;
@@ -359,9 +397,13 @@ impl GenerateJob {
             })?;
             for (index, g) in finished {
                 let p = pending.remove(&index).expect("a sequence in flight");
-                ready.insert(index, finish_row(p, g, layers, hidden, &mut summary)?);
+                let row = finish_row(p, g, layers, hidden, &mut summary)?;
+                if let Done::Row(_, states) = &row {
+                    ready_bytes += states.as_slice().len() * 4;
+                }
+                ready.insert(index, row);
             }
-            self.flush(&mut ready, &mut next, &mut sink, &mut summary)?;
+            self.flush(&mut ready, &mut next, &mut sink, &mut summary, &mut ready_bytes)?;
             progress(&GenerateProgress {
                 rows: summary.rows,
                 generated: summary.generated,
@@ -396,10 +438,12 @@ impl GenerateJob {
         next: &mut usize,
         sink: &mut K,
         summary: &mut GenerateSummary,
+        ready_bytes: &mut usize,
     ) -> Result<(), GenerateError> {
         while let Some(done) = ready.remove(next) {
             match done {
                 Done::Row(sample, states) => {
+                    *ready_bytes -= states.as_slice().len() * 4;
                     sink.write_sample(&sample, states.view())?;
                     summary.rows += 1;
                 }
@@ -514,6 +558,8 @@ fn write_regenerated(
     };
     let dir = crate::files::Dir::open(out).map_err(io(out))?;
     let tmp = format!(".{REGENERATED}.{}.tmp", std::process::id());
+    // A killed run's temporary file of the same name (PIDs repeat in containers).
+    let _ = dir.remove(&tmp);
     let file = dir.create_new(&tmp).map_err(io(&dir.join(&tmp)))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
     let write = |w: &mut std::io::BufWriter<std::fs::File>| -> Result<usize, GenerateError> {
@@ -546,9 +592,12 @@ fn write_regenerated(
             line.insert("primary_id".into(), s.id.clone().into());
             line.insert("input_ids".into(), ids.clone().into());
             line.insert("loss_mask".into(), mask.into());
-            if let Some(t) = tokenizer {
-                let text = t.decode(&ids).map_err(|e| SinkError::Directory(format!("{}: {e}", path.display())))?;
-                line.insert("text".into(), text.into());
+            match tokenizer.map(|t| t.decode(&ids)) {
+                Some(Ok(text)) => {
+                    line.insert("text".into(), text.into());
+                }
+                Some(Err(e)) => tracing::warn!("regenerated.jsonl line {i}: no text ({e})"),
+                None => {}
             }
             line.insert(
                 "metadata".into(),

@@ -22,16 +22,22 @@ backend has not been measured on a GPU.
 SAMPLING: vLLM 0.19.1's V1 sampler, in its order: penalties, temperature (0 is greedy),
 min-p, top-k, top-p. Defaults come from the checkpoint's generation_config.json as vLLM's
 --generation-config auto takes them (temperature, top_k, top_p, min_p, repetition_penalty,
-max_new_tokens; eos_token_id and the tokenizer's EOS as stop ids); --no-generation-config
-turns that off. A value out of range is refused with vLLM's message.
+max_new_tokens, cut to the room a prompt leaves); its eos_token_id (else config.json's) and
+the tokenizer's EOS are stop ids unless --ignore-eos. --no-generation-config turns the
+sampling defaults off. A value out of range is refused with vLLM's message.
+
+LEFT OUT: a record with ids outside the vocabulary, a prompt that leaves no position, an
+explicit --max-tokens the prompt leaves no room for, or one whose cache cannot fit
+--kv-cache-memory is left out by name (in the manifest) and the run goes on.
 
 MEMORY: --kv-cache-memory bounds the cache of the sequences in flight: a sequence enters
 when its prompt and its longest response fit (the cost per position is measured on the
 model at start), and waits otherwise; nothing is preempted.
 
 RESUME: --resume keeps the rows an interrupted run wrote, reads their records again
-(checked to be the same input), and draws with the seed the output recorded: the rows
-that follow are those an uninterrupted run writes.
+(checked to be the same input), and draws with the seed the output recorded: on the cpu
+and reference backends the rows that follow are those an uninterrupted run writes (on
+cuda a step's batch can change the last bits, and so a token).
 
 EXAMPLES:
   strata generate --model DIR --data prompts.jsonl --out regen --temperature 0.7 \\

@@ -336,13 +336,14 @@ struct GenerateArgs {
     #[arg(long, value_name = "S", help_heading = "Sampling (vLLM's meaning)")]
     seed: Option<u64>,
     /// Token ids that end a response besides EOS (generation_config.json's
-    /// eos_token_id and the tokenizer's).
+    /// eos_token_id, else config.json's, and the tokenizer's).
     #[arg(long, value_name = "IDS", value_delimiter = ',', help_heading = "Sampling (vLLM's meaning)")]
     stop_token_ids: Vec<u32>,
     /// EOS is an ordinary token: never a stop (--stop-token-ids still stop).
     #[arg(long, help_heading = "Sampling (vLLM's meaning)")]
     ignore_eos: bool,
-    /// Ignore generation_config.json (its sampling defaults, max_new_tokens and eos_token_id).
+    /// Ignore generation_config.json's sampling defaults and max_new_tokens
+    /// (its eos_token_id still stops, unless --ignore-eos).
     #[arg(long, help_heading = "Sampling (vLLM's meaning)")]
     no_generation_config: bool,
 }
@@ -476,13 +477,7 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
         format: a.format,
         max_batch_tokens: r.max_batch_tokens,
         shard_size: a.shard_size,
-        mode: if a.resume {
-            OpenMode::Resume
-        } else if a.overwrite {
-            OpenMode::Overwrite
-        } else {
-            OpenMode::Create
-        },
+        mode: open_mode(a.resume, a.overwrite),
         on_nonfinite: r.on_nonfinite,
         prepare: PrepareArgs {
             input_format: a.input_format,
@@ -531,13 +526,7 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         capture: r.capture.clone(),
         out: a.out.clone(),
         dtype: r.dtype,
-        mode: if a.resume {
-            OpenMode::Resume
-        } else if a.overwrite {
-            OpenMode::Overwrite
-        } else {
-            OpenMode::Create
-        },
+        mode: open_mode(a.resume, a.overwrite),
         sampling: SamplingArgs {
             temperature: a.temperature,
             top_k: a.top_k,
@@ -568,6 +557,17 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         .with_context(|| format!("strata generate failed (model {model})"))?;
     report::generate_summary(&summary, &a.out);
     Ok(())
+}
+
+/// `--resume` and `--overwrite` (clap refuses both at once).
+fn open_mode(resume: bool, overwrite: bool) -> OpenMode {
+    if resume {
+        OpenMode::Resume
+    } else if overwrite {
+        OpenMode::Overwrite
+    } else {
+        OpenMode::Create
+    }
 }
 
 /// `--model DIR|ORG/NAME` (with `--revision`), or the embedded demo model.
