@@ -229,9 +229,19 @@ impl GenerateJob {
         if max_tokens == Some(0) {
             return Err(GenerateError::Usage("--max-tokens must be at least 1, got 0".into()));
         }
+        // Loaded once: its EOS is a stop id, and it decodes regenerated.jsonl's text.
+        let tokenizer = self.model.source.dir().and_then(|dir| match load_tokenizer(dir) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(
+                    "the model's tokenizer cannot be loaded (no EOS from it, regenerated.jsonl without text): {e}"
+                );
+                None
+            }
+        });
         let mut stop = s.stop_token_ids.clone();
         if !s.ignore_eos {
-            let tokenizer_eos = self.model.source.dir().and_then(tokenizer_eos);
+            let tokenizer_eos = tokenizer.as_ref().and_then(|(t, config)| tokenizer_eos(t, config));
             for id in defaults.eos_token_ids.iter().copied().chain(tokenizer_eos) {
                 if !stop.contains(&id) {
                     stop.push(id);
@@ -417,14 +427,7 @@ impl GenerateJob {
         summary.skipped += sink.skipped();
         summary.bytes_written = Sink::<usize, usize>::bytes_written(&sink);
         drop(sink);
-        let tokenizer = self.model.source.dir().and_then(|dir| match load_tokenizer(dir) {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::warn!("regenerated.jsonl without text: {e}");
-                None
-            }
-        });
-        summary.regenerated = write_regenerated(&self.out, tokenizer.as_ref())?;
+        summary.regenerated = write_regenerated(&self.out, tokenizer.as_ref().map(|(t, _)| t))?;
         summary.decode = decode.stats().clone();
         summary.elapsed = start.elapsed();
         summary.points = points;
@@ -629,15 +632,18 @@ fn write_regenerated(
     Ok(n)
 }
 
-/// The model directory's tokenizer, if it has one (`tokenizer.json`, or a tiktoken model).
-fn load_tokenizer(dir: &std::path::Path) -> Result<Option<crate::chat::Tokenizer>, crate::chat::ChatError> {
+/// The model directory's tokenizer, if it has one (`tokenizer.json`, or a
+/// tiktoken model), with its `tokenizer_config.json` (`null` without one).
+fn load_tokenizer(
+    dir: &std::path::Path,
+) -> Result<Option<(crate::chat::Tokenizer, serde_json::Value)>, crate::chat::ChatError> {
     let has = ["tokenizer.json", "tiktoken.model"].iter().any(|f| dir.join(f).is_file());
     if !has {
         return Ok(None);
     }
     let text = crate::files::read_text(&dir.join("tokenizer_config.json"), 256 << 20).unwrap_or_default();
     let config = serde_json::from_str(&text).unwrap_or(serde_json::Value::Null);
-    crate::chat::Tokenizer::load(dir, &config).map(Some)
+    Ok(Some((crate::chat::Tokenizer::load(dir, &config)?, config)))
 }
 
 /// A seed from the operating system's generator.
@@ -650,16 +656,13 @@ fn draw_seed() -> u64 {
     }
 }
 
-/// The tokenizer's EOS id (`tokenizer_config.json`'s `eos_token`), when the
-/// model directory has a tokenizer that knows it.
-fn tokenizer_eos(dir: &std::path::Path) -> Option<u32> {
-    let text = crate::files::read_text(&dir.join("tokenizer_config.json"), 256 << 20).ok()?;
-    let config: serde_json::Value = serde_json::from_str(&text).ok()?;
+/// The tokenizer's EOS id (`tokenizer_config.json`'s `eos_token`), when it
+/// is one token of `tokenizer`.
+fn tokenizer_eos(tokenizer: &crate::chat::Tokenizer, config: &serde_json::Value) -> Option<u32> {
     let eos = match config.get("eos_token")? {
         serde_json::Value::String(s) => s.clone(),
         v => v.get("content")?.as_str()?.to_string(),
     };
-    let tokenizer = crate::chat::Tokenizer::load(dir, &config).ok()?;
     let mut enc = crate::chat::Encoded::default();
     tokenizer.encode(&eos, false, &mut enc).ok()?;
     match enc.ids.as_slice() {
