@@ -104,6 +104,7 @@ proptest! {
                 input_ids: (0..n).map(|_| rng.below(vocab) as u32).collect(),
                 loss_mask: None,
                 end: Default::default(),
+                finish: vec![],
             })
             .collect();
         let set = CaptureSet::<usize>::try_new(vec![CapturePoint::LayerInput(2), CapturePoint::FinalPreNorm]).unwrap();

@@ -485,3 +485,235 @@ fn a_record_with_ids_outside_the_vocabulary_is_left_out_alone() {
     assert!(err.contains("input_ids[1] = 999 is out of range (vocab_size 256)"), "{err}");
     assert!(stdout.contains("2 rows, 1 records left out"), "{stdout}");
 }
+
+/// Conversations for the regeneration tests: the chat fixture's, a bare
+/// prompt, a ShareGPT one, and records the tool refuses.
+fn conversations(dir: &std::path::Path) -> std::path::PathBuf {
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    let mut text = std::fs::read_to_string(chat.join("conversations.openai.jsonl")).unwrap();
+    for extra in [
+        serde_json::json!({"prompt": "Write a haiku about rust."}),
+        serde_json::json!({"conversations": [{"from": "system", "value": "Be terse."}, {"from": "human", "value": "One?"},
+            {"from": "gpt", "value": "1"}, {"from": "human", "value": "Two?"}, {"from": "gpt", "value": "2"},
+            {"from": "human", "value": "Three?"}]}),
+        serde_json::json!({"id": "only-assistant", "messages": [{"role": "assistant", "content": "hi"}]}),
+    ] {
+        text += &format!("{extra}\n");
+    }
+    let path = dir.join("conversations.jsonl");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `strata generate` on conversations with the chat fixture's tokenizer and `template`.
+fn generate_chat(model: &std::path::Path, data: &std::path::Path, out: &std::path::Path, extra: &[&str]) -> String {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("generate")
+        .arg("--model")
+        .arg(model)
+        .arg("--data")
+        .arg(data)
+        .arg("--out")
+        .arg(out)
+        .args(["--capture", "input:1,final", "--dtype", "f32", "--compute", "f32", "--seed", "5"])
+        .args(["--temperature", "1", "--max-tokens", "300", "--chat-date", "2026-01-15"])
+        // Stop ids the tiny model draws now and then: replies of a few tokens, so that
+        // conversations go on to their next turns.
+        .args(["--stop-token-ids", "3,40,77,120,150,201,260,301,333,380"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success() && !err.contains("panicked"), "generate {extra:?}: {err}");
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+/// `regenerated.jsonl` of `out`, parsed.
+fn regenerated(out: &std::path::Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(out.join("regenerated.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// Conversations regenerate as speculators' tool runs them against vLLM:
+/// one row per generation, `{primary_id}_gen{k}`, the history holding each
+/// reply's content (special tokens skipped, the stop token dropped); the
+/// records it refuses are refused, alone.
+#[test]
+fn conversations_regenerate_turn_by_turn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = conversations(tmp.path());
+    let out = tmp.path().join("o");
+    generate_chat(&model, &data, &out, &[]);
+    let lines = regenerated(&out);
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(chat.join("tokenizer_config.json")).unwrap()).unwrap();
+    let tokenizer = strata::chat::Tokenizer::load(&model, &config).unwrap();
+    let stops: Vec<u32> = strata::dataset::manifest::Manifest::read(&out).unwrap().generation.unwrap().stop_token_ids;
+    let (rows, n) = rows_of(&out);
+    assert_eq!(n, lines.len(), "one row per generation");
+    let mut turns = std::collections::BTreeMap::<String, usize>::new();
+    let mut prev: Option<&Value> = None;
+    for (line, row) in lines.iter().zip(rows.lines()) {
+        let row: Value = serde_json::from_str(row).unwrap();
+        assert_eq!((&line["input_ids"], &line["loss_mask"]), (&row["input_ids"], &row["loss_mask"]));
+        let primary = line["primary_id"].as_str().unwrap();
+        let k = turns.entry(primary.to_string()).or_default();
+        assert_eq!(line["id"], format!("{primary}_gen{k}"));
+        *k += 1;
+        let mask: Vec<u64> = line["loss_mask"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let p = mask.iter().position(|&m| m == 1).unwrap();
+        assert!(mask[p..].iter().all(|&m| m == 1) && mask[..p].iter().all(|&m| m == 0));
+        assert_eq!(line["metadata"]["usage"]["prompt_tokens"], p);
+        if let Some(before) = prev.filter(|b| b["primary_id"] == line["primary_id"]) {
+            // The history holds the reply as vLLM returns its content.
+            let ids: Vec<u32> =
+                before["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            let start = before["metadata"]["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+            let mut out_ids = &ids[start..];
+            if before["metadata"]["finish_reason"] == "stop" {
+                assert!(stops.contains(out_ids.last().unwrap()));
+                out_ids = &out_ids[..out_ids.len() - 1];
+            }
+            let content = tokenizer.decode_content(out_ids, true).unwrap();
+            let text = line["text"].as_str().unwrap();
+            let prompt_text = tokenizer.decode(&ids[..start]).unwrap();
+            assert!(text.starts_with(&prompt_text), "the history grows: {text:?}");
+            assert!(
+                text[prompt_text.len()..].starts_with(&format!("{content}<|im_end|>\n<|im_start|>user\n")),
+                "{content:?} in {text:?}"
+            );
+        }
+        prev = Some(line);
+    }
+    assert!(turns.values().any(|&k| k >= 3), "a conversation ran three turns: {turns:?}");
+    let m = strata::dataset::manifest::Manifest::read(&out).unwrap();
+    let refused: Vec<(&str, &str)> = m.skipped.iter().map(|s| (s.id.as_str(), s.reason.as_str())).collect();
+    for (id, why) in [
+        ("empty", "no user turn"),
+        ("only-assistant", "no user turn"),
+        ("tools", "the record has `tools`, and \"auto\" tool choice needs --tool-call-parser"),
+    ] {
+        assert!(refused.iter().any(|(i, r)| *i == id && r.starts_with(why)), "{id}: {refused:?}");
+    }
+
+    // The same bytes whatever the batching; --rows auto writes the same generations.
+    for (i, extra) in [
+        &["--max-num-seqs", "1", "--max-batch-tokens", "7"][..],
+        &["--max-num-seqs", "64", "--max-batch-tokens", "64"],
+        &["--rows", "auto"],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let other = tmp.path().join(format!("run{i}"));
+        generate_chat(&model, &data, &other, extra);
+        assert!(
+            std::fs::read(other.join("regenerated.jsonl")).unwrap()
+                == std::fs::read(out.join("regenerated.jsonl")).unwrap(),
+            "{extra:?}: regenerated.jsonl differs"
+        );
+        if extra[0] != "--rows" {
+            assert!(files_of(&other) == files_of(&out), "{extra:?}: the dataset differs");
+            continue;
+        }
+        // Merged rows: a row per chain of prefixes, each the last generation's ids with every span's loss.
+        let (merged, m) = rows_of(&other);
+        // The tiny model's replies hold special tokens and stop on ids other than
+        // <|im_end|>, so the next prompt seldom starts with a row's tokens (`merge` is
+        // tested on rows that do in the job's unit tests); whatever merged, each
+        // generation lies in a merged row.
+        assert!(m <= n);
+        let last_of: std::collections::HashMap<Vec<u64>, Vec<u64>> = merged
+            .lines()
+            .map(|l| {
+                let v: Value = serde_json::from_str(l).unwrap();
+                let f = |k: &str| v[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect::<Vec<u64>>();
+                (f("input_ids"), f("loss_mask"))
+            })
+            .collect();
+        for l in &lines {
+            let f = |k: &str| l[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect::<Vec<u64>>();
+            let ids = f("input_ids");
+            // Each generation is a prefix of a merged row, its span among that row's ones.
+            let (row_ids, row_mask) = last_of.iter().find(|(r, _)| r.starts_with(&ids)).expect("a merged row holds it");
+            let mask = f("loss_mask");
+            assert!(mask.iter().zip(row_mask).all(|(&a, &b)| a <= b), "{:?}", row_ids.len());
+        }
+    }
+}
+
+/// One pass equals two for conversations, and a run killed between the
+/// rows of one conversation resumes to the uninterrupted bytes.
+#[test]
+fn regenerated_conversations_are_extracts_and_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = conversations(tmp.path());
+    let out = tmp.path().join("o");
+    generate_chat(&model, &data, &out, &[]);
+    let (rows, _) = rows_of(&out);
+    let rows_file = tmp.path().join("rows.jsonl");
+    std::fs::write(&rows_file, rows).unwrap();
+    let ext = tmp.path().join("ext");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "extract",
+            "--format",
+            "speculators",
+            "--capture",
+            "input:1,final",
+            "--dtype",
+            "f32",
+            "--compute",
+            "f32",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .arg("--data")
+        .arg(&rows_file)
+        .arg("--out")
+        .arg(&ext)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut g = files_of(&out);
+    g.retain(|(n, _)| n != "regenerated.jsonl");
+    assert!(g == files_of(&ext), "a generated conversation's files differ from extract's");
+
+    let mut partial = 0;
+    for k in 1..=12 {
+        let cut = tmp.path().join(format!("cut{k}"));
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata"))
+            .env("STRATA_FAILPOINT", format!("journaled:{k}"))
+            .arg("generate")
+            .arg("--model")
+            .arg(&model)
+            .arg("--data")
+            .arg(&data)
+            .arg("--out")
+            .arg(&cut)
+            .args(["--capture", "input:1,final", "--dtype", "f32", "--compute", "f32", "--seed", "5"])
+            .args(["--temperature", "1", "--max-tokens", "300", "--chat-date", "2026-01-15"])
+            .args(["--stop-token-ids", "3,40,77,120,150,201,260,301,333,380", "--max-num-seqs", "2"])
+            .output()
+            .unwrap();
+        if o.status.success() {
+            break; // fewer commits than k
+        }
+        // The files that made it (one journaled but not renamed in is written again).
+        let m = strata::dataset::manifest::Manifest::read(&cut).unwrap();
+        let kept = m.shards.iter().take_while(|s| cut.join(&s.file).exists()).count();
+        let done = m.shards[..kept].last().and_then(|s| s.input.as_ref()).map_or(0, |p| p.samples);
+        partial += m.samples.iter().any(|s| s.shard < kept && s.index == Some(done)) as usize;
+        generate_chat(&model, &data, &cut, &["--resume"]);
+        let (c, w) = (files_of(&cut), files_of(&out));
+        let names = |v: &[(String, Vec<u8>)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&c), names(&w), "killed at commit {k}");
+        for ((n, a), (_, b)) in c.iter().zip(&w) {
+            assert!(a == b, "killed at commit {k}: {n} differs from the uninterrupted run's");
+        }
+    }
+    assert!(partial > 0, "no kill fell between the rows of one conversation");
+}

@@ -227,6 +227,7 @@ fn verify_accepts_a_sound_dataset_and_reports_each_fault() {
         tokens: 3,
         checksum: "xxh3:0".into(),
         index: None,
+        finish: vec![],
     });
     m2.shards[0].samples += 1;
     std::fs::write(d.join("manifest.json"), serde_json::to_string(&m2).unwrap()).unwrap();

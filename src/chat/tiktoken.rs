@@ -127,6 +127,12 @@ impl Tiktoken {
         Some(String::from_utf8_lossy(&bytes).into_owned())
     }
 
+    /// Whether `id` is one of the special tokens (not a BPE rank).
+    pub fn is_special(&self, id: u32) -> bool {
+        self.by_rank.get(id as usize).and_then(Option::as_deref).is_none()
+            && self.specials.iter().any(|&(_, s)| s == id)
+    }
+
     /// The id of a special token.
     pub fn special_id(&self, text: &str) -> Option<u32> {
         self.specials.iter().find(|(s, _)| s == text).map(|&(_, id)| id)

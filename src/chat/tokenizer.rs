@@ -177,6 +177,22 @@ impl Tokenizer {
         }
     }
 
+    /// The text of `ids` as vLLM returns a reply's `content`: special tokens
+    /// dropped when `skip_special` (transformers' `skip_special_tokens`;
+    /// a tiktoken model's special tokens are those it lists as special).
+    pub fn decode_content(&self, ids: &[u32], skip_special: bool) -> Result<String, ChatError> {
+        match self {
+            Tokenizer::Hf(t) => {
+                t.inner.decode(ids, skip_special).map_err(|e| ChatError::Tokenizer(format!("cannot decode: {e}")))
+            }
+            Tokenizer::Tiktoken(t) if skip_special => {
+                let kept: Vec<u32> = ids.iter().copied().filter(|&id| !t.is_special(id)).collect();
+                t.decode(&kept).ok_or_else(|| ChatError::Tokenizer("cannot decode: an id without a token".into()))
+            }
+            Tokenizer::Tiktoken(_) => self.decode(ids),
+        }
+    }
+
     /// Tokenizes the whole of `text` at once; special tokens written in it
     /// are recognised. `add_special` adds what the tokenizer's
     /// post-processor adds (a BOS): `false` for rendered chat text, which

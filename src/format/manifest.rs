@@ -238,6 +238,19 @@ pub struct GenerationInfo {
     pub stop_token_ids: Vec<u32>,
     /// `--ignore-eos`: EOS is an ordinary token.
     pub ignore_eos: bool,
+    /// `--tool-call-parser` (vLLM's name), if given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_parser: Option<String>,
+    /// `--reasoning-parser` (vLLM's name), if given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_parser: Option<String>,
+    /// `--rows`: `per-turn` (a row per generation) or `auto` (a conversation's
+    /// rows merged where one is a token prefix of the next).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub rows: String,
+    /// `--no-states`: rows only, no hidden states.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_states: bool,
 }
 
 // The floats are checked sampling values, never NaN: equality is total.
@@ -340,7 +353,13 @@ pub struct SampleInfo {
     /// 0-based index in the input (absent in schema 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<usize>,
+    /// A `strata generate` row: why each of its generations ended, in order
+    /// (one per span of loss-mask ones); empty for other rows.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub finish: Vec<FinishReason>,
 }
+
+pub use crate::pipeline::source::FinishReason;
 
 /// One entry of a manifest's listing, as [`Manifest::read_each`] gives them.
 #[derive(Clone, Debug, PartialEq, Eq)]

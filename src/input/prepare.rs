@@ -272,7 +272,7 @@ impl Worker {
         let mut end = item.end.clone();
         self.row += 1;
         end.samples = self.row;
-        Sample { index: self.row - 1, line: item.line, id, input_ids, loss_mask, end }
+        Sample { index: self.row - 1, line: item.line, id, input_ids, loss_mask, end, finish: vec![] }
     }
 
     /// A record's samples: none (a skipped conversation), one, or one per assistant turn.

@@ -79,6 +79,7 @@ mod tests {
             input_ids: (0..len as u32).collect(),
             loss_mask: None,
             end: Default::default(),
+            finish: vec![],
         })
     }
 

@@ -18,6 +18,9 @@ pub struct Sample {
     pub loss_mask: Option<Vec<u8>>,
     /// The input consumed through this sample's line.
     pub end: InputPos,
+    /// A generated row: why each of its generations ended (the manifest
+    /// keeps it for `regenerated.jsonl`); empty for input rows.
+    pub finish: Vec<FinishReason>,
 }
 
 impl Sample {
@@ -28,6 +31,29 @@ impl Sample {
     /// Whether the sample has no tokens (never true for a parsed sample).
     pub fn is_empty(&self) -> bool {
         self.input_ids.is_empty()
+    }
+}
+
+/// Why a generation ended: vLLM's `finish_reason`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token was drawn.
+    Stop,
+    /// `max_tokens` were drawn.
+    Length,
+    /// A stop token ended a reply that holds tool calls.
+    ToolCalls,
+}
+
+impl FinishReason {
+    /// vLLM's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
+        }
     }
 }
 
@@ -399,6 +425,7 @@ impl<R: BufRead> Iterator for JsonlSource<R> {
                 input_ids,
                 loss_mask,
                 end: self.consumed(),
+                finish: vec![],
             }),
             Err(problem) => Err(SourceError::Line { path: self.name.clone(), line, problem }),
         })
@@ -479,6 +506,11 @@ impl<S: Source> Checked<S> {
             read: Default::default(),
             ended: false,
         }
+    }
+
+    /// The wrapped source.
+    pub fn inner_mut(&mut self) -> &mut S {
+        &mut self.inner
     }
 
     /// Bytes of input read so far, updated as samples pass (for progress).

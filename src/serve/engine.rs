@@ -85,6 +85,7 @@ pub fn measure(
                 input_ids: (0..n).map(|i| (((p * len + i) * 7919 + 13) % vocab.max(1)) as u32).collect(),
                 loss_mask: None,
                 end: Default::default(),
+                finish: vec![],
             })
         });
         let mut scheduler = Scheduler::new(tokens);
@@ -225,6 +226,7 @@ impl Engine {
                 input_ids: std::mem::take(&mut job.ids),
                 loss_mask: None,
                 end: Default::default(),
+                finish: vec![],
             };
             self.running().insert(index, job);
             return Some(sample);

@@ -1175,6 +1175,7 @@ mod tests {
                         tokens: index + 1,
                         checksum: format!("xxh3:{index:016x}"),
                         index: Some(index),
+                        finish: vec![],
                     });
                 }
                 index += 1;
@@ -1206,6 +1207,7 @@ mod tests {
                     tokens: 1,
                     checksum: String::new(),
                     index: Some(100 * i + k),
+                    finish: vec![],
                 })
                 .collect();
             let end = InputPos { samples: 100 * (i + 1), bytes: 0, digest: String::new() };

@@ -285,6 +285,11 @@ impl SpeculatorsSink {
         Ok(())
     }
 
+    /// Files (rows) the directory lists: on a resume, those kept.
+    pub fn listed_shards(&self) -> Result<usize, SinkError> {
+        Ok(lock(&self.out).get()?.listed().shards)
+    }
+
     /// The manifest as written so far.
     pub fn manifest(&self) -> impl std::ops::Deref<Target = Manifest> + '_ {
         ManifestGuard(lock(&self.out))
@@ -438,6 +443,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for SpeculatorsSink {
             tokens: t,
             checksum: String::new(), // set by the committer from the writer's answer
             index: Some(sample.index),
+            finish: sample.finish.clone(),
         };
         let shard = ShardInfo { file: name.clone(), samples: 1, bytes, input: None };
         let flight = Flight { shard, sample: info, end: sample.end.clone(), done: answer };

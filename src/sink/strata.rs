@@ -320,6 +320,7 @@ impl<L: Dim, H: Dim> Sink<L, H> for StrataSink<L, H> {
             tokens: t,
             checksum: hash_hex(hasher.digest()),
             index: Some(sample.index),
+            finish: sample.finish.clone(),
         });
         shard.end = sample.end.clone();
         Ok(())

@@ -6,12 +6,25 @@ prompt, and the hidden states of every token of the row (prompt and response) ar
 captured as they are computed, into the speculators trainer's dataset directory (the
 one `strata extract --format speculators` writes).
 
+INPUT: JSON Lines. Conversations ({\"messages\": [...]} or {\"conversations\": [...]}, with
+\"tools\"; or {\"prompt\": \"...\"}) are regenerated as `speculators regenerate-responses`
+(0.9) regenerates them against vLLM: system and user turns drive it, assistant turns are
+dropped and regenerated, a row per generation. The history holds each reply's content
+as vLLM returns it (special tokens skipped, the stop token dropped, reasoning split off
+with --reasoning-parser); a generated tool call (--tool-call-parser hermes) is answered
+with the row's next cached tool message. A conversation stops, its rows kept, when
+prompt + completion pass --max-tokens (a turn cut by max_tokens always does), on a
+parallel call, a call for another tool than the cached result names, or no result left.
+Text prompts ({\"text\": ...}) and token-id prompts ({\"input_ids\": [...]}) give one
+generation each.
+
 ROWS: input_ids = the prompt's tokens + the tokens drawn (a stop token included);
 loss_mask 0 on the prompt, 1 on the response. Generated text is never re-tokenized.
 hidden_states/hs_{i}.safetensors holds every row token's states, the last token fed
-once more so that it has them too. regenerated.jsonl holds a line per generation as
-`speculators regenerate-responses` writes it (id {primary_id}_gen0, primary_id, input_ids,
-loss_mask, text when the model has a tokenizer, metadata).
+once more so that it has them too. --rows auto merges a conversation's row into the next
+where it is that row's token prefix. regenerated.jsonl holds a line per generation as
+`speculators regenerate-responses` writes it (id {primary_id}_gen{k}, primary_id,
+input_ids, loss_mask, text when the model has a tokenizer, metadata).
 
 ONE PASS EQUALS TWO: on the cpu and reference backends a row's file is byte for byte the
 one `strata extract --format speculators` writes for the same ids, and the tokens do not
@@ -27,8 +40,11 @@ the tokenizer's EOS are stop ids unless --ignore-eos. --no-generation-config tur
 sampling defaults off. A value out of range is refused with vLLM's message.
 
 LEFT OUT: a record with ids outside the vocabulary, a prompt that leaves no position, an
-explicit --max-tokens the prompt leaves no room for, or one whose cache cannot fit
---kv-cache-memory is left out by name (in the manifest) and the run goes on.
+explicit --max-tokens the prompt leaves no room for, one whose cache cannot fit
+--kv-cache-memory, a conversation with no user turn, one the template cannot render a
+generation prompt for, one with tools but no --tool-call-parser, or one whose reply is
+wholly empty (the tool fails it) is left out by name (in the manifest), its rows
+with it, and the run goes on.
 
 MEMORY: --kv-cache-memory bounds the cache of the sequences in flight: a sequence enters
 when its prompt and its longest response fit (the cost per position is measured on the

@@ -25,6 +25,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 use strata::chat::{MaskSource, RowMode};
+use strata::generate::conversation::{ReasoningParser, ToolParser};
 use strata::input::InputFormat;
 use strata::job::extract::{DataSource, ExtractJob, Format, PrepareArgs};
 use strata::job::launch::launcher_gpus;
@@ -282,8 +283,11 @@ struct ExtractArgs {
 struct GenerateArgs {
     #[command(flatten)]
     run: ModelArgs,
-    /// Prompts: JSON Lines of {"input_ids": [...]} with an optional "id",
-    /// one generation per record, the prompt as given.
+    /// JSON Lines, one record a line: conversations ({"messages": [...]},
+    /// {"conversations": [...]}, with "tools"; or {"prompt": "..."}),
+    /// regenerated turn by turn as speculators regenerate-responses does;
+    /// text prompts ({"text": "..."}); or token-id prompts
+    /// ({"input_ids": [...]}), one generation each, the prompt as given.
     #[arg(long, value_name = "FILE.jsonl")]
     data: PathBuf,
     /// Output directory: the speculators trainer's dataset directory
@@ -346,6 +350,23 @@ struct GenerateArgs {
     /// (its eos_token_id still stops, unless --ignore-eos).
     #[arg(long, help_heading = "Sampling (vLLM's meaning)")]
     no_generation_config: bool,
+    #[command(flatten)]
+    template: TemplateArgs,
+    /// How a reply's tool calls are read, as vLLM's --tool-call-parser
+    /// (hermes). Rows with "tools" need one; a generated call is answered
+    /// with the row's next cached "tool" message.
+    #[arg(long, value_name = "NAME", value_parser = ToolParser::named, help_heading = "Input")]
+    tool_call_parser: Option<ToolParser>,
+    /// Split the reasoning off each reply before it goes into the history,
+    /// as vLLM's --reasoning-parser (qwen3, deepseek_r1). The row keeps every
+    /// generated token either way.
+    #[arg(long, value_name = "NAME", value_parser = ReasoningParser::named, help_heading = "Input")]
+    reasoning_parser: Option<ReasoningParser>,
+    /// Rows per conversation: per-turn writes one row per generation (as
+    /// speculators does); auto merges a row into the next where it is that
+    /// row's token prefix (one row, a loss span per generation).
+    #[arg(long, value_enum, value_name = "MODE", default_value = "per-turn", help_heading = "Input")]
+    rows: RowMode,
 }
 
 fn parse_kwargs(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
@@ -544,6 +565,15 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         max_batch_tokens: r.max_batch_tokens,
         max_num_seqs: a.max_num_seqs,
         kv_cache_memory: a.kv_cache_memory,
+        chat: strata::chat::ChatOptions {
+            template_file: a.template.chat_template.clone(),
+            date: a.template.chat_date.unwrap_or_else(|| chrono::Local::now().date_naive()),
+            kwargs: a.template.chat_template_kwargs.clone().unwrap_or_default(),
+            template_memory: a.template.template_memory,
+        },
+        tool_call_parser: a.tool_call_parser,
+        reasoning_parser: a.reasoning_parser,
+        rows: a.rows,
     };
     let model = r.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
     let mut last = std::time::Instant::now();

@@ -313,13 +313,22 @@ pub(crate) fn generate_summary(s: &strata::job::generate::GenerateSummary, out: 
         s.load_time.as_secs_f64(),
         s.decode.steps
     );
-    let mean = if s.rows > 0 { s.generated as f64 / s.rows as f64 } else { 0.0 };
+    let generations = s.stopped + s.cut + s.tool_calls;
+    let mean = if generations > 0 { s.generated as f64 / generations as f64 } else { 0.0 };
     say!(
-        "  responses: {} ended by a stop token, {} cut by max_tokens; mean {mean:.1} tokens, longest {}",
+        "  responses: {} ended by a stop token, {} cut by max_tokens, {} tool calls; mean {mean:.1} tokens, longest {}",
         s.stopped,
         s.cut,
+        s.tool_calls,
         s.max_response
     );
+    if s.conversations > 0 {
+        say!(
+            "  conversations: {} read, {} stopped early (past max_tokens, a parallel call, no cached result)",
+            s.conversations,
+            s.truncated
+        );
+    }
     say!("  seed {}{drawn}; stop ids {:?}", s.seed, s.stop_token_ids);
     if let Some(p) = &s.params {
         say!(
