@@ -717,3 +717,44 @@ fn regenerated_conversations_are_extracts_and_resume() {
     }
     assert!(partial > 0, "no kill fell between the rows of one conversation");
 }
+
+/// `--no-states` writes the same rows (table and regenerated.jsonl) with no states.
+#[test]
+fn no_states_regenerates_the_same_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    generate_cli("llama-default", &a, &[]);
+    generate_cli("llama-default", &b, &["--no-states"]);
+    for f in ["regenerated.jsonl", "data-00000-of-00001.arrow"] {
+        assert!(std::fs::read(a.join(f)).unwrap() == std::fs::read(b.join(f)).unwrap(), "{f} differs");
+    }
+    let t = read_tensors(&b.join("hidden_states/hs_0.safetensors"));
+    assert_eq!(t["hidden_states"].shape[1], 0, "no capture point");
+    let m = strata::dataset::manifest::Manifest::read(&b).unwrap();
+    assert!(m.capture.is_empty() && m.generation.unwrap().no_states);
+}
+
+/// Two or three parts, merged, are the bytes of one run: the rows, their
+/// states and regenerated.jsonl, with conversations of several rows each.
+#[test]
+fn generated_parts_merge_to_one_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let data = conversations(tmp.path());
+    let whole = tmp.path().join("whole");
+    generate_chat(&model, &data, &whole, &[]);
+    for n in [2, 3] {
+        let out = tmp.path().join(format!("parts{n}"));
+        for i in 0..n {
+            generate_chat(&model, &data, &out, &["--part-index", &i.to_string(), "--num-parts", &n.to_string()]);
+        }
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_strata")).arg("merge").arg(&out).output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let (a, b) = (files_of(&whole), files_of(&out));
+        let names = |v: &[(String, Vec<u8>)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&a), names(&b), "{n} parts");
+        for ((name, x), (_, y)) in a.iter().zip(&b) {
+            assert!(x == y, "{n} parts: {name} differs from one run's");
+        }
+    }
+}

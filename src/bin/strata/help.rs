@@ -50,6 +50,10 @@ MEMORY: --kv-cache-memory bounds the cache of the sequences in flight: a sequenc
 when its prompt and its longest response fit (the cost per position is measured on the
 model at start), and waits otherwise; nothing is preempted.
 
+PARTS: --part-index I --num-parts N write OUT/part-IIII-of-NNNN/; `strata merge OUT` joins
+them and their regenerated.jsonl into the bytes of one run. --no-states writes the rows
+only (for online training); --draft-vocab-size N counts the generated tokens.
+
 RESUME: --resume keeps the rows an interrupted run wrote, reads their records again
 (checked to be the same input), and draws with the seed the output recorded: on the cpu
 and reference backends the rows that follow are those an uninterrupted run writes (on

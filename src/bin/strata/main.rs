@@ -367,6 +367,25 @@ struct GenerateArgs {
     /// row's token prefix (one row, a loss span per generation).
     #[arg(long, value_enum, value_name = "MODE", default_value = "per-turn", help_heading = "Input")]
     rows: RowMode,
+    /// Count the generated (loss-masked) tokens of the rows and write the
+    /// trainer's draft-vocabulary files for each size (d2t-N.npy, t2d-N.npy,
+    /// token_freq.pt), as `speculators prepare-data` would.
+    #[arg(long, value_name = "N[,N...]", value_delimiter = ',')]
+    draft_vocab_size: Vec<usize>,
+    /// Regenerate only: the rows (the dataset's table, regenerated.jsonl)
+    /// for online training against `strata serve`, no hidden states kept
+    /// (each row's file holds zero capture points; --capture is ignored).
+    #[arg(long)]
+    no_states: bool,
+    /// This process's part of the input (0-based), with --num-parts: the
+    /// input is split into contiguous parts of about equal bytes and this
+    /// run writes OUT/part-IIII-of-NNNN/; `strata merge OUT` joins them (and
+    /// their regenerated.jsonl). Default: from the launcher's environment.
+    #[arg(long, value_name = "I", help_heading = "Parts (many processes, one input)")]
+    part_index: Option<usize>,
+    /// Number of parts.
+    #[arg(long, value_name = "N", help_heading = "Parts (many processes, one input)")]
+    num_parts: Option<usize>,
 }
 
 fn parse_kwargs(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
@@ -539,6 +558,8 @@ fn extract(a: ExtractArgs) -> anyhow::Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> anyhow::Result<()> {
+    let part = strata::input::parts::resolve(a.part_index, a.num_parts, |k| std::env::var(k).ok())
+        .map_err(|e| anyhow::anyhow!("cannot tell this process's part of the input: {e}"))?;
     use strata::job::generate::{GenerateJob, SamplingArgs};
     let r = &a.run;
     let job = GenerateJob {
@@ -574,6 +595,9 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         tool_call_parser: a.tool_call_parser,
         reasoning_parser: a.reasoning_parser,
         rows: a.rows,
+        draft_vocab_sizes: a.draft_vocab_size.clone(),
+        states: !a.no_states,
+        part,
     };
     let model = r.model.as_ref().map_or("<embedded llama-default>".into(), |p| p.display().to_string());
     let mut last = std::time::Instant::now();
@@ -737,6 +761,12 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
 fn merge(dir: &std::path::Path, data: Option<&std::path::Path>) -> anyhow::Result<()> {
     use strata::sink::merge::InputCheck;
     let r = strata::sink::merge::merge(dir, data).with_context(|| format!("strata merge {}", dir.display()))?;
+    // The parts of a `strata generate` run: their regenerated.jsonl, joined in order.
+    if let Some(lines) = strata::job::generate::regenerated::join_parts(dir)
+        .with_context(|| format!("strata merge {}: regenerated.jsonl", dir.display()))?
+    {
+        say!("  regenerated.jsonl: the parts' {lines} lines, in order");
+    }
     let skipped = if r.skipped > 0 { format!(", {} skipped (non-finite)", r.skipped) } else { String::new() };
     say!("merged {} parts ({} format): {} samples{skipped}", r.parts, r.format, r.samples);
     say!(

@@ -351,12 +351,8 @@ pub(crate) fn generate_summary(s: &strata::job::generate::GenerateSummary, out: 
         s.decode.cache_high_water
     );
     let points: Vec<String> = s.points.iter().map(|p| p.to_string()).collect();
-    say!(
-        "  capture {}; {} bytes written; regenerated.jsonl: {} lines",
-        points.join(","),
-        s.bytes_written,
-        s.regenerated
-    );
+    let points = if points.is_empty() { "none (--no-states)".to_string() } else { points.join(",") };
+    say!("  capture {}; {} bytes written; regenerated.jsonl: {} lines", points, s.bytes_written, s.regenerated);
     if let Some(mib) = peak_rss_mib() {
         say!("  peak memory {mib:.0} MiB");
     }

@@ -17,11 +17,13 @@ use super::{ModelRequest, OpenedModel};
 use crate::chat::template::json_value;
 use crate::chat::{Chat, ChatOptions, RowMode};
 use crate::format::manifest::{Entry, FinishReason, GenerationInfo, InputInfo, Manifest, PrepareInfo};
+use crate::format::parts::PartInfo;
 use crate::generate::conversation::{ReasoningParser, Regeneration, Reply, ToolParser};
 use crate::generate::{
     CacheCost, Decode, DecodeOptions, DecodeStats, DrawKey, Finish, Generated, GenerationDefaults, SamplingParams,
     Sequence,
 };
+use crate::input::parts::PartSpec;
 use crate::model::{AnyCache, Model, ModelError};
 use crate::pipeline::capture::{CaptureError, CapturePoint};
 use crate::pipeline::source::{Checked, Expected, InputPos, JsonlSource, Limits, Sample, Source, SourceError};
@@ -100,6 +102,15 @@ pub struct GenerateJob {
     /// `--rows`: `PerTurn` (a row per generation, as speculators writes) or
     /// `Auto` (a conversation's rows merged where one is a token prefix of the next).
     pub rows: RowMode,
+    /// `--draft-vocab-size`: the trainer's d2t/t2d files for each size,
+    /// counted from the rows' loss-masked tokens (the generated ones).
+    pub draft_vocab_sizes: Vec<usize>,
+    /// Capture and write the states (`--no-states`: rows only, for online
+    /// training, each row's file holding zero capture points).
+    pub states: bool,
+    /// The part of the input this process handles (`None`: all of it): it
+    /// writes `OUT/part-IIII-of-NNNN/`, which `strata merge` joins.
+    pub part: Option<PartSpec>,
 }
 
 /// Why a generation run stopped.
@@ -269,7 +280,8 @@ struct Plan<'a> {
 impl GenerateJob {
     /// Runs the job, calling `progress` after every step.
     pub fn run(&self, mut progress: impl FnMut(&GenerateProgress)) -> Result<GenerateSummary, GenerateError> {
-        let _span = tracing::info_span!("generate", out = %self.out.display()).entered();
+        let out = self.out_loc().path();
+        let _span = tracing::info_span!("generate", out = %out.display()).entered();
         if self.data.is_dir() {
             return Err(GenerateError::Usage(format!(
                 "{} is a directory (a datasets directory of token rows?): regeneration needs conversations or \
@@ -287,9 +299,9 @@ impl GenerateJob {
         // A resumed run draws with the seed the output recorded (unless --seed says otherwise,
         // which the output's manifest then refuses as another job).
         let existing = match self.mode {
-            OpenMode::Resume if crate::files::is_regular(&self.out.join("manifest.json")).unwrap_or(false) => {
-                let dir = crate::files::Dir::open(&self.out)
-                    .map_err(|cause| SinkError::Io { path: self.out.display().to_string(), cause })?;
+            OpenMode::Resume if crate::files::is_regular(&out.join("manifest.json")).unwrap_or(false) => {
+                let dir = crate::files::Dir::open(&out)
+                    .map_err(|cause| SinkError::Io { path: out.display().to_string(), cause })?;
                 let job =
                     Manifest::read_each(&dir, &mut |_| Ok::<(), std::convert::Infallible>(())).map_err(
                         |e| match e {
@@ -304,7 +316,19 @@ impl GenerateJob {
         let mut summary = GenerateSummary::default();
         let checked = self.model.check()?;
         let info = checked.info();
-        let (points, captures) = super::captures(&self.capture, info.num_layers)?;
+        let (points, captures) = if self.states {
+            super::captures(&self.capture, info.num_layers)?
+        } else {
+            // The forward step takes a capture point; its states are dropped at once, and
+            // the rows are written with none (zero capture points).
+            (vec![], super::captures("final", info.num_layers)?.1)
+        };
+        if let Some(&n) = self.draft_vocab_sizes.iter().find(|&&n| n == 0 || n > info.vocab_size) {
+            return Err(GenerateError::Usage(format!(
+                "--draft-vocab-size {n} must be between 1 and the model's vocabulary size {}",
+                info.vocab_size
+            )));
+        }
         let s = &self.sampling;
         let read = match self.model.source.dir() {
             Some(dir) => GenerationDefaults::read(dir, &checked.text)?,
@@ -358,6 +382,7 @@ impl GenerateJob {
         summary.params = Some(params);
         summary.stop_token_ids = stop.clone();
 
+        let part_info = self.part.as_ref().map(|spec| self.locate(spec)).transpose()?;
         let mut request = self.model.clone();
         request.lm_head = true;
         let opened = request.open(checked)?;
@@ -365,8 +390,9 @@ impl GenerateJob {
         let model = &opened.model;
         let dtype = self.dtype.unwrap_or(model.dtype());
         let chat_ref = chat.as_ref().map(|(c, _)| c);
-        let manifest = self.manifest(&opened, &points, dtype, seed, &params, max_tokens, &stop, chat_ref);
-        let sink = SpeculatorsSink::open(OutLoc { root: self.out.clone(), part: None }, manifest, self.mode)?;
+        let mut manifest = self.manifest(&opened, &points, dtype, seed, &params, max_tokens, &stop, chat_ref);
+        manifest.part = part_info.clone();
+        let sink = SpeculatorsSink::open(self.out_loc(), manifest, self.mode)?;
         let kept = sink.listed_shards()?;
         let names: Vec<String> = points.iter().map(|p| p.to_string()).collect();
         let mut sink = FiniteCheck::new(sink, OnNonFinite::Fail, names, dtype);
@@ -390,7 +416,24 @@ impl GenerateJob {
         // A complete output's input must be the whole input again (Checked checks its end).
         let whole = existing.as_ref().filter(|m| m.complete).and_then(|m| m.input.as_ref()).map(|i| i.whole.clone());
         let expect = Expected { whole, ..Default::default() };
-        let mut source = Checked::new(Prompts::new(JsonlSource::open(&self.data)?), name.clone(), limits, expect);
+        let lines = match &part_info {
+            None => {
+                let f =
+                    std::fs::File::open(&self.data).map_err(|cause| SourceError::Io { path: name.clone(), cause })?;
+                let reader: Box<dyn std::io::BufRead + Send> = Box::new(std::io::BufReader::with_capacity(1 << 20, f));
+                JsonlSource::new(name.clone(), reader)
+            }
+            Some(info) => {
+                let io = |cause| SourceError::Io { path: name.clone(), cause };
+                let mut f = std::fs::File::open(&self.data).map_err(io)?;
+                std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(info.start)).map_err(io)?;
+                let body = std::io::Read::take(f, info.end - info.start);
+                let reader: Box<dyn std::io::BufRead + Send> =
+                    Box::new(std::io::BufReader::with_capacity(1 << 20, body));
+                JsonlSource::new(name.clone(), reader).origin(info.first_line, info.first_record)
+            }
+        };
+        let mut source = Checked::new(Prompts::new(lines), name.clone(), limits, expect);
         // The records an earlier run wrote or left out: read again, not run, and checked
         // to be the same input (the bytes and digest of the prefix they came from).
         let resumed = Sink::<usize, usize>::resume_from(&sink);
@@ -402,7 +445,7 @@ impl GenerateJob {
                     return Err(GenerateError::Usage(format!(
                         "{name} is not the input the output in {} was made from: its first {resumed} records are {} \
                          bytes with digest {}, the output's came from {} bytes with digest {}",
-                        self.out.display(),
+                        out.display(),
                         s.end.bytes,
                         s.end.digest,
                         p.bytes,
@@ -551,11 +594,32 @@ impl GenerateJob {
         summary.skipped += sink.skipped();
         summary.bytes_written = Sink::<usize, usize>::bytes_written(&sink);
         drop(sink);
-        summary.regenerated = regenerated::write(&self.out, chat_ref.map(|c| &c.tokenizer))?;
+        summary.regenerated = regenerated::write(&out, chat_ref.map(|c| &c.tokenizer))?;
         summary.decode = decode.stats().clone();
         summary.elapsed = start.elapsed();
         summary.points = points;
         Ok(summary)
+    }
+
+    /// Where this run writes: `--out`, or its part's directory inside it.
+    fn out_loc(&self) -> OutLoc {
+        OutLoc { root: self.out.clone(), part: self.part.as_ref().map(PartSpec::dir_name) }
+    }
+
+    /// This process's part of the input file: where it lies, and its first line and record.
+    fn locate(&self, spec: &PartSpec) -> Result<PartInfo, GenerateError> {
+        let name = self.data.display().to_string();
+        let io = |cause| SourceError::Io { path: name.clone(), cause };
+        let meta = std::fs::metadata(&self.data).map_err(io)?;
+        if !meta.is_file() {
+            return Err(GenerateError::Usage(format!(
+                "{name} is not a regular file: a split into parts ({} of {}, from {}) seeks to its part, which a \
+                 pipe cannot; write the input to a file first",
+                spec.index, spec.count, spec.source
+            )));
+        }
+        let mut f = std::fs::File::open(&self.data).map_err(io)?;
+        Ok(crate::input::parts::locate(&mut f, meta.len(), spec).map_err(io)?)
     }
 
     /// The model's tokenizer and chat template, with its `tokenizer_config.json`;
@@ -779,8 +843,9 @@ impl GenerateJob {
         if self.mode != OpenMode::Resume {
             return Ok((None, 0));
         }
-        let dir = crate::files::Dir::open(&self.out)
-            .map_err(|cause| SinkError::Io { path: self.out.display().to_string(), cause })?;
+        let out = self.out_loc().path();
+        let dir =
+            crate::files::Dir::open(&out).map_err(|cause| SinkError::Io { path: out.display().to_string(), cause })?;
         // The listing as the sink kept it: its first `kept` files (a file journaled
         // but not renamed in before the run stopped is written again).
         let (mut last, mut written, mut shards) = (None, 0, 0);
@@ -858,6 +923,7 @@ impl GenerateJob {
     ) -> Manifest {
         let mut job = super::layout(opened, points, dtype, crate::sink::DEFAULT_SHARD_SIZE, self.max_batch_tokens);
         job.input = Some(InputInfo { path: self.data.display().to_string(), whole: Default::default() });
+        job.draft_vocab_sizes = self.draft_vocab_sizes.clone();
         // What renders conversations: a resume must render the same prompts.
         job.prepare = chat.map(|c| PrepareInfo {
             input_format: "generate".into(),
@@ -893,7 +959,7 @@ impl GenerateJob {
                 RowMode::Auto => "auto".into(),
                 _ => "per-turn".into(),
             },
-            no_states: false,
+            no_states: !self.states,
         });
         job
     }

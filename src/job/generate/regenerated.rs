@@ -67,6 +67,8 @@ pub fn write(out: &Path, tokenizer: Option<&crate::chat::Tokenizer>) -> Result<u
         ReadEachError::Each(never) => match never {},
     })?;
     let g = m.generation.clone().unwrap_or_default();
+    // A part's indices count from its first record: `idx` is the whole input's.
+    let first_record = m.part.as_ref().map_or(0, |p| p.first_record);
     let sampling = serde_json::json!({
         "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k, "min_p": g.min_p,
         "repetition_penalty": g.repetition_penalty, "presence_penalty": g.presence_penalty,
@@ -125,7 +127,7 @@ pub fn write(out: &Path, tokenizer: Option<&crate::chat::Tokenizer>) -> Result<u
                 line.insert(
                     "metadata".into(),
                     serde_json::json!({
-                        "idx": s.index.unwrap_or(i),
+                        "idx": s.index.unwrap_or(i) + first_record,
                         "finish_reason": finish.as_str(),
                         "is_tool_call": finish == FinishReason::ToolCalls,
                         "usage": {"prompt_tokens": start, "completion_tokens": end - start, "total_tokens": end},
@@ -152,6 +154,54 @@ pub fn write(out: &Path, tokenizer: Option<&crate::chat::Tokenizer>) -> Result<u
     dir.rename(&tmp, &dir, REGENERATED).map_err(io(&dir.join(REGENERATED)))?;
     dir.sync();
     Ok(n)
+}
+
+/// After `strata merge`: `OUT/regenerated.jsonl` as the parts' files one
+/// after another (each line already names its record by the whole input's
+/// index), written under a temporary name and renamed. `None` when `out`
+/// is not a merged `strata generate` output.
+pub fn join_parts(out: &Path) -> Result<Option<usize>, GenerateError> {
+    let io = |p: &Path| {
+        let path = p.display().to_string();
+        move |cause| GenerateError::Sink(SinkError::Io { path, cause })
+    };
+    let dir = crate::files::Dir::open(out).map_err(io(out))?;
+    let m = Manifest::read_each(&dir, &mut |_| Ok::<(), std::convert::Infallible>(())).map_err(|e| match e {
+        ReadEachError::Manifest(e) => GenerateError::Manifest(e),
+        ReadEachError::Each(never) => match never {},
+    })?;
+    if m.generation.is_none() || m.merged.is_empty() {
+        return Ok(None);
+    }
+    let tmp = format!(".{REGENERATED}.{}.tmp", std::process::id());
+    let _ = dir.remove(&tmp);
+    let file = dir.create_new(&tmp).map_err(io(&dir.join(&tmp)))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    let mut copy = || -> Result<usize, GenerateError> {
+        let mut lines = 0;
+        for p in &m.merged {
+            let part = crate::files::Dir::open(&out.join(&p.dir)).map_err(io(&out.join(&p.dir)))?;
+            let path = out.join(&p.dir).join(REGENERATED);
+            let mut f = part.open_file(REGENERATED).map_err(io(&path))?;
+            let mut text = Vec::new();
+            std::io::Read::read_to_end(&mut f, &mut text).map_err(io(&path))?;
+            lines += text.iter().filter(|&&b| b == b'\n').count();
+            w.write_all(&text).map_err(io(&dir.join(&tmp)))?;
+        }
+        w.flush().map_err(io(&dir.join(&tmp)))?;
+        w.get_ref().sync_all().map_err(io(&dir.join(&tmp)))?;
+        Ok(lines)
+    };
+    let n = match copy() {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = dir.remove(&tmp);
+            return Err(e);
+        }
+    };
+    dir.rename(&tmp, &dir, REGENERATED).map_err(io(&dir.join(REGENERATED)))?;
+    dir.sync();
+    Ok(Some(n))
 }
 
 #[cfg(test)]
