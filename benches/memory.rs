@@ -9,7 +9,14 @@
 //! and the bytes per sample between the two sizes. `STRATA_BIN` measures
 //! another build of the binary (an older commit's) the same way.
 //!
-//!     cargo bench --bench memory [-- --only d --reps 3]
+//! (generate) `strata generate`'s cache flag: 256 conversations of 512 new
+//! tokens each (no stop ids) on a Llama of hidden 256, 4 layers, 8 KV heads
+//! (8 KiB of cache per position), `--kv-cache-memory` a quarter of what they
+//! need at once; prints the cache's high-water mark and the peak RSS against
+//! the flag + the weights + 256 MiB, and fails past it (`tests/generate.rs`
+//! runs the same check at 1 KiB per position).
+//!
+//!     cargo bench --bench memory [-- --only d|generate --reps 3]
 
 /// Large buffers on cache lines, as the `strata` binary has them.
 #[global_allocator]
@@ -29,6 +36,7 @@ fn main() {
     match flag("--only").as_deref() {
         Some("c") => peak_by_length(),
         Some("d") => per_sample(reps),
+        Some("generate") => generation_bound(),
         _ => {
             peak_by_length();
             per_sample(reps);
@@ -169,4 +177,32 @@ fn peak_by_length() {
         peaks.push(peak);
     }
     println!("    ratio 1000/100: {:.2}", peaks[1] / peaks[0]);
+}
+
+/// (generate): the bounded-memory run of `strata generate` at 8 KiB of cache per position.
+fn generation_bound() {
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = LlamaSpec {
+        hidden_size: 256,
+        num_layers: 4,
+        num_heads: 8,
+        num_kv_heads: 8,
+        intermediate_size: 512,
+        vocab_size: 512,
+    };
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    let case = strata_testkit::generation_memory_case(tmp.path(), &chat, &spec).unwrap();
+    let t = std::time::Instant::now();
+    let run = case.run(&strata_bin(), &tmp.path().join("out"));
+    let flag = case.flag as f64;
+    println!(
+        "generate: 256 conversations x 512 new tokens, --kv-cache-memory {:.1} MiB (a quarter of their need), \
+         weights {:.1} MiB: {run} ({:.1}% of the flag), {:.0} s",
+        flag / (1 << 20) as f64,
+        case.weights as f64 / (1 << 20) as f64,
+        100.0 * run.high_water / flag,
+        t.elapsed().as_secs_f64()
+    );
+    assert!(run.lines == 256 && run.high_water <= flag && run.high_water >= 0.9 * flag, "{run}");
+    assert!(run.peak_mib <= run.bound_mib, "{run}");
 }

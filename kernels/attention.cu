@@ -25,6 +25,9 @@
 //   columns of Q stay in registers (wider heads read the rest from shared
 //   memory each tile); the softmax runs in base 2 (log2 e folded into the
 //   scale, `exp2f`).
+// - attention_split_f32 / _bf16 and attention_split_combine: split-K decode
+//   ("flash-decoding") for one-query segments over long caches: the keys
+//   cut into splits, a block each, and their partial softmaxes merged.
 #include "common.cuh"
 
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -36,15 +39,62 @@ __device__ __forceinline__ int first_key(int p, int window, int chunk) {
     return chunk > 0 ? max(lo, p - p % chunk) : lo;
 }
 
-// Grid (tokens, ceil(heads / 4)), 128 threads. seg_of[t]: token t's segment.
-// q: row stride q_stride, head h at columns h·hd; out [T, heads·vd].
+// A row's value i as f32: f32 rows as they are, bf16 rows (their bits) widened.
+__device__ __forceinline__ float ld(const float* r, int i) { return r[i]; }
+__device__ __forceinline__ float ld(const u16* r, int i) { return bf16_to_f32(r[i]); }
+
+// One warp's online softmax of one query head (`qs`, hd values in shared
+// memory) over keys [j_lo, j_hi), j_lo < j_hi, all of which it sees: lanes
+// score 32 keys at a time, then own output columns lane + 32·i (vd <= 256).
+// (m, l, acc): the running max, sum of exponentials and unnormalised
+// output, carried in (a sink's start, or empty) and out. attention_f32 runs
+// it over all of a query's keys, attention_split_* over one split's.
+template <typename T>
+__device__ __forceinline__ void attend_keys(const float* qs, const T* kb, const T* vb, int k_stride, int v_stride,
+                                            int hd, int vd, float scale, int j_lo, int j_hi, float& m, float& l,
+                                            float* acc) {
+    int lane = threadIdx.x & 31;
+    for (int j0 = j_lo; j0 < j_hi; j0 += 32) {
+        int j = j0 + lane;
+        float s = NEG_INF;
+        if (j < j_hi) {
+            const T* kr = kb + (u64)j * k_stride;
+            float d = 0.0f;
+            for (int c = 0; c < hd; c++) d += qs[c] * ld(kr, c);
+            s = d * scale;
+        }
+        float mn = fmaxf(m, warp_max(s));  // finite: key j0 is seen (j_lo is the first key)
+        float alpha = m == NEG_INF ? 0.0f : expf(m - mn);
+        float pj = s == NEG_INF ? 0.0f : expf(s - mn);
+        l = l * alpha + warp_sum(pj);
+        for (int i = 0; i < 8; i++) acc[i] *= alpha;
+        int n = min(32, j_hi - j0);
+        for (int jj = 0; jj < n; jj++) {
+            float pb = __shfl_sync(0xffffffffu, pj, jj);
+            const T* vr = vb + (u64)(j0 + jj) * v_stride;
+            for (int i = 0; i < 8; i++) {
+                int c = lane + 32 * i;
+                if (c < vd) acc[i] += pb * ld(vr, c);
+            }
+        }
+        m = mn;
+    }
+}
+
+// seg_of[t] for a token attention_f32 leaves alone: a decode row the split
+// kernels below take (the backend's `SplitPlan`).
+#define SEG_SPLIT 0xffffffffu
+
+// Grid (tokens, ceil(heads / 4)), 128 threads. seg_of[t]: token t's segment
+// (SEG_SPLIT: none here). q: row stride q_stride, head h at columns h·hd;
+// out [T, heads·vd].
 extern "C" __global__ void attention_f32(const float* q, int q_stride, const Seg* segs, const u32* seg_of, int heads,
                                         int kv_heads, int hd, int vd, int window, int chunk, float scale,
                                         const float* sinks, float* out) {
     __shared__ float qs[4][256];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x, h = blockIdx.y * 4 + warp;
-    if (h >= heads) return;  // whole warps leave; no block barrier follows
+    if (h >= heads || seg_of[t] == SEG_SPLIT) return;  // whole warps leave; no block barrier follows
     Seg sg = segs[seg_of[t]];
     int p = sg.pos0 + (t - sg.q_row0);
     int lo = first_key(p, window, chunk);
@@ -56,35 +106,104 @@ extern "C" __global__ void attention_f32(const float* q, int q_stride, const Seg
     const float* vb = (const float*)sg.v + (u64)g * vd;
     float m = sinks ? sinks[h] : NEG_INF, l = sinks ? 1.0f : 0.0f, acc[8];
     for (int i = 0; i < 8; i++) acc[i] = 0.0f;
-    for (int j0 = lo; j0 <= p; j0 += 32) {
-        int j = j0 + lane;
-        float s = NEG_INF;
-        if (j <= p) {
-            const float* kr = kb + (u64)j * sg.k_stride;
-            float d = 0.0f;
-            for (int c = 0; c < hd; c++) d += qs[warp][c] * kr[c];
-            s = d * scale;
-        }
-        float mn = fmaxf(m, warp_max(s));  // finite: key j0 <= p is in every chunk
-        float alpha = m == NEG_INF ? 0.0f : expf(m - mn);
-        float pj = s == NEG_INF ? 0.0f : expf(s - mn);
-        l = l * alpha + warp_sum(pj);
-        for (int i = 0; i < 8; i++) acc[i] *= alpha;
-        int n = min(32, p - j0 + 1);
-        for (int jj = 0; jj < n; jj++) {
-            float pb = __shfl_sync(0xffffffffu, pj, jj);
-            const float* vr = vb + (u64)(j0 + jj) * sg.v_stride;
-            for (int i = 0; i < 8; i++) {
-                int c = lane + 32 * i;
-                if (c < vd) acc[i] += pb * vr[c];
-            }
-        }
-        m = mn;
-    }
+    attend_keys(qs[warp], kb, vb, sg.k_stride, sg.v_stride, hd, vd, scale, lo, p + 1, m, l, acc);
     float* o = out + (u64)t * heads * vd + (u64)h * vd;
     for (int i = 0; i < 8; i++) {
         int c = lane + 32 * i;
         if (c < vd) o[c] = acc[i] / l;
+    }
+}
+
+// Split-K decode ("flash-decoding"). A segment of one query that sees many
+// keys (a generated token over its sample's KV cache) would be one block
+// walking them all; instead its keys are cut into splits, each a block
+// writing a partial softmax (no sink), and attention_split_combine merges
+// a row's partials (log-sum-exp) with its sink. The backend's `SplitPlan`
+// picks the segments and cuts the keys, from the mask (`Mask::first_key`),
+// so these kernels take key ranges, not the window or chunk.
+//
+// Grid (splits, ceil(heads / 4)), 128 threads, a warp per query head, as
+// attention_f32. split[3i..3i+3] = (segment, first key, end key): keys
+// [j0, j1) of that segment's one query (row q_row0, position pos0).
+// T: float (q as attention_f32's) or u16 (bf16 q, keys and values, heads
+// padded to 16 columns as attention_bf16_vN's, see `Seg`).
+// part_ml [splits, heads, 2]: the split's (max, sum of exp(score - max));
+// part_o [splits, heads, vd]: its output, unnormalised (scaled by exp(-max)).
+template <typename T>
+__device__ __forceinline__ void attention_split(const T* q, int q_stride, const Seg* segs, const int* split,
+                                                int heads, int kv_heads, int hd, int vd, float scale, float* part_ml,
+                                                float* part_o) {
+    __shared__ float qs[4][256];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int h = blockIdx.y * 4 + warp;
+    if (h >= heads) return;  // whole warps leave; no block barrier follows
+    const int* it = split + 3 * blockIdx.x;
+    Seg sg = segs[it[0]];
+    int g = h / (heads / kv_heads);
+    // Head widths in a row: bf16 heads are padded to 16 columns.
+    int qw = sizeof(T) == 2 ? (hd + 15) & ~15 : hd, vw = sizeof(T) == 2 ? (vd + 15) & ~15 : vd;
+    const T* qr = q + (u64)sg.q_row0 * q_stride + (u64)h * qw;
+    for (int c = lane; c < hd; c += 32) qs[warp][c] = ld(qr, c);
+    __syncwarp();
+    const T* kb = (const T*)sg.k + (u64)g * qw;
+    const T* vb = (const T*)sg.v + (u64)g * vw;
+    float m = NEG_INF, l = 0.0f, acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = 0.0f;
+    attend_keys(qs[warp], kb, vb, sg.k_stride, sg.v_stride, hd, vd, scale, it[1], it[2], m, l, acc);
+    u64 at = (u64)blockIdx.x * heads + h;
+    if (lane == 0) {
+        part_ml[2 * at] = m;
+        part_ml[2 * at + 1] = l;
+    }
+    float* o = part_o + at * vd;
+    for (int i = 0; i < 8; i++) {
+        int c = lane + 32 * i;
+        if (c < vd) o[c] = acc[i];
+    }
+}
+
+extern "C" __global__ void attention_split_f32(const float* q, int q_stride, const Seg* segs, const int* split,
+                                               int heads, int kv_heads, int hd, int vd, float scale, float* part_ml,
+                                               float* part_o) {
+    attention_split<float>(q, q_stride, segs, split, heads, kv_heads, hd, vd, scale, part_ml, part_o);
+}
+
+extern "C" __global__ void attention_split_bf16(const u16* q, int q_stride, const Seg* segs, const int* split,
+                                                int heads, int kv_heads, int hd, int vd, float scale, float* part_ml,
+                                                float* part_o) {
+    attention_split<u16>(q, q_stride, segs, split, heads, kv_heads, hd, vd, scale, part_ml, part_o);
+}
+
+// The merge of a split row's partials: with M the largest of their maxima
+// (and the sink), out = Σ o_i·e^(m_i - M) / (Σ l_i·e^(m_i - M) + e^(sink - M)),
+// over the splits in key order (a fixed order: the same bits run to run).
+// Grid (rows, ceil(heads / 4)), 128 threads, a warp per head; rows[3r..3r+3]
+// = (the query's row in out, its first split, its splits).
+extern "C" __global__ void attention_split_combine(const int* rows, int heads, int vd, const float* sinks,
+                                                   const float* part_ml, const float* part_o, float* out) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int h = blockIdx.y * 4 + warp;
+    if (h >= heads) return;
+    const int* r = rows + 3 * blockIdx.x;
+    int t = r[0], i0 = r[1], n = r[2];
+    float mx = sinks ? sinks[h] : NEG_INF;
+    for (int i = 0; i < n; i++) mx = fmaxf(mx, part_ml[2 * ((u64)(i0 + i) * heads + h)]);
+    float l = sinks ? expf(sinks[h] - mx) : 0.0f, acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = 0.0f;
+    for (int i = 0; i < n; i++) {
+        u64 at = (u64)(i0 + i) * heads + h;
+        float w = expf(part_ml[2 * at] - mx);  // mx is finite: every split holds a key
+        l += part_ml[2 * at + 1] * w;
+        const float* o = part_o + at * vd;
+        for (int k = 0; k < 8; k++) {
+            int c = lane + 32 * k;
+            if (c < vd) acc[k] += w * o[c];
+        }
+    }
+    float* dst = out + (u64)t * heads * vd + (u64)h * vd;
+    for (int k = 0; k < 8; k++) {
+        int c = lane + 32 * k;
+        if (c < vd) dst[c] = acc[k] / l;
     }
 }
 

@@ -16,9 +16,12 @@ use crate::cuda_shapes;
 use common::*;
 use cuda_emu::{gxx_or_skip, Emulated, Faults};
 use std::sync::atomic::AtomicUsize;
+use strata::backend::cuda::backend::SplitPlan;
 use strata::backend::cuda::Cuda;
 use strata::backend::prelude::*;
-use strata::backend::{Bf16, Compute, ComputeDtype, Mask, F32};
+use strata::backend::{
+    AttnShape, Bf16, Compute, ComputeDtype, KvCache, KvStore, LayerState, Mask, Qkv, Reference, Tensor, F32,
+};
 use strata::hf::checkpoint::Checkpoint;
 use strata::model::{AnyCache, LoadOptions, Model};
 use strata::model::{AnyConfig, Deepseek, GptOss, Llama};
@@ -578,6 +581,115 @@ fn the_bf16_attention_block_keeps_q_k_v_in_bf16() {
     assert!(got.iter().all(|v| v.is_finite()), "a value was left unwritten (NaN)");
     assert!(worst <= 2e-2 * scale, "the bf16 block differs from the f32-qkv one by {worst} (scale {scale})");
     assert!(got != want, "q, k and v were not kept in bf16");
+}
+
+/// Split-K decode through the backend: a step that mixes a prefill segment
+/// with one-token decode rows over KV caches of 1 to 3000 positions (left by
+/// an earlier step of the backend's own) matches the reference, and the long
+/// rows took the split kernels (the plan, and one launch of each split
+/// kernel) while the rest took the one-block kernel. The caches are filled
+/// under a narrow window (a cache keeps keys and values whatever the mask),
+/// so the emulation walks no 3000² scores. bf16 compute gets bf16-exact
+/// inputs: its split rows (f32 arithmetic on bf16 values) match at the exact
+/// path's tolerance, its tensor-core rows at bf16's. Returns the split rows'
+/// worst error (relative to max(|want|, 1)).
+fn split_decode_through_the_backend<C: ComputeDtype>(shape: AttnShape, with_sinks: bool) -> f32 {
+    let b = Emu::<C>::new(Emulated::default(), vec![0]);
+    let r = Reference;
+    let bf16 = C::COMPUTE == Compute::Bf16;
+    let caches = [1usize, 255, 256, 257, 1000, 3000];
+    let (nh, nkv, hd, vd) = (shape.heads, shape.kv_heads, shape.head_dim, shape.v_dim);
+    let (qw, kw, vw) = (nh * hd, nkv * hd, nkv * vd);
+    let width = qw + kw + vw;
+    let vals = |n: usize, seed: u64| -> Vec<f32> {
+        let mut rng = strata_testkit::Rng::new(seed);
+        let v = (0..n).map(|_| 2.0 * rng.uniform());
+        v.map(|x| if bf16 { half::bf16::from_f32(x).to_f32() } else { x }).collect()
+    };
+    let sinks = with_sinks.then(|| vals(nh, 9).iter().map(|v| 1.5 * v).collect::<Vec<f32>>());
+    let (sinks_b, sinks_r) = (sinks.clone().map(|s| b.vector(s)), sinks.map(|s| r.vector(s)));
+    let mut fill = PackedBatch::new();
+    for (i, &n) in caches.iter().enumerate() {
+        fill.push_segment(&vec![1u32; n], Segment { key: i as u64 + 1, pos0: 0, keep: true });
+    }
+    // Step 2: a 9-token prefill between the decode rows (segment 3).
+    let mut step = PackedBatch::new();
+    for (i, &n) in caches.iter().enumerate() {
+        if i == 3 {
+            step.push_segment(&[1u32; 9], Segment { key: 0, pos0: 0, keep: false });
+        }
+        step.push_segment(&[1u32], Segment { key: i as u64 + 1, pos0: n, keep: false });
+    }
+    let (mut cache_b, mut cache_r) = (Default::default(), KvCache::default());
+    let mut worst = 0f32;
+    let narrow = AttnShape { mask: Mask::Sliding(16), ..shape };
+    for (k, (batch, shape)) in [(&fill, narrow), (&step, shape)].into_iter().enumerate() {
+        let t = batch.num_tokens();
+        let qkv = vals(t * width, 20 + k as u64);
+        let tb = Tensor::<Emu<C>, usize>::from_host(&b, &qkv, t, width).unwrap();
+        let tr = Tensor::<Reference, usize>::from_host(&r, &qkv, t, width).unwrap();
+        let (mut ob, mut or) = (Tensor::zeros(&b, t, nh * vd), Tensor::zeros(&r, t, nh * vd));
+        KvStore::begin(&mut cache_b, batch).unwrap();
+        cache_r.begin(batch).unwrap();
+        let before =
+            ["attention_split_f32", "attention_split_bf16", "attention_split_combine"].map(|n| b.device().count(n));
+        let cols = Qkv { q: tb.cols(0, qw), k: tb.cols(qw, kw), v: tb.cols(qw + kw, vw) };
+        b.attention(cols, shape, sinks_b.as_ref(), batch, LayerState::new(&mut cache_b, 0), &mut ob);
+        b.end_step().unwrap();
+        let cols = Qkv { q: tr.cols(0, qw), k: tr.cols(qw, kw), v: tr.cols(qw + kw, vw) };
+        r.attention(cols, shape, sinks_r.as_ref(), batch, LayerState::new(&mut cache_r, 0), &mut or);
+        let (got, want) = (ob.to_host(&b), or.to_host(&r));
+        let after =
+            ["attention_split_f32", "attention_split_bf16", "attention_split_combine"].map(|n| b.device().count(n));
+        let launched: Vec<usize> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+        let plan = SplitPlan::new(batch, shape.mask);
+        if k == 0 {
+            assert!(plan.is_empty() && launched == [0, 0, 0], "the prefill step split: {launched:?}");
+        } else {
+            // Decode rows of 256 keys and more (caches from 255) split: 2, 3
+            // and 3 splits of 128 (the prefill, segment 3, not), then 8 and 24
+            // under the causal mask; the sliding window's 700 keys, 6.
+            let splits: Vec<usize> = (0..batch.num_samples()).map(|s| plan.splits(s)).collect();
+            let want_splits: &[usize] = match shape.mask {
+                Mask::Sliding(700) => &[0, 2, 3, 0, 3, 6, 6],
+                _ => &[0, 2, 3, 0, 3, 8, 24],
+            };
+            assert_eq!(splits, want_splits, "{:?}: the plan", shape.mask);
+            let kernel = usize::from(bf16);
+            assert_eq!(launched[kernel], 1, "{:?}: the split kernel was not launched", shape.mask);
+            assert_eq!((launched[1 - kernel], launched[2]), (0, 1), "{:?}: split launches", shape.mask);
+        }
+        let split_rows: Vec<usize> = plan.rows.iter().map(|r| r[0] as usize).collect();
+        for row in 0..t {
+            let (g, w) = (&got[row * nh * vd..][..nh * vd], &want[row * nh * vd..][..nh * vd]);
+            let split = split_rows.contains(&row);
+            let tol = if bf16 && !split { 2e-2 } else { 1e-5 };
+            for (c, (g, w)) in g.iter().zip(w).enumerate() {
+                let e = (g - w).abs() / w.abs().max(1.0);
+                assert!(e <= tol, "{:?} step {k} row {row} (split: {split}) [{c}]: got {g}, want {w}", shape.mask);
+                if split {
+                    worst = worst.max(e);
+                }
+            }
+        }
+    }
+    worst
+}
+
+#[test]
+fn decode_rows_over_long_caches_take_the_split_kernels() {
+    if !gxx_or_skip("decode_rows_over_long_caches_take_the_split_kernels") {
+        return;
+    }
+    // GQA: 8 query heads on 2 kv heads, at head dim 64.
+    let gqa = AttnShape { heads: 8, kv_heads: 2, head_dim: 64, v_dim: 64, mask: Mask::Causal, scale: 0.125 };
+    let window = AttnShape { mask: Mask::Sliding(700), ..gqa };
+    for (shape, sinks) in [(gqa, false), (gqa, true), (window, true)] {
+        let worst = split_decode_through_the_backend::<F32>(shape, sinks);
+        println!("f32 compute, {:?}, sinks {sinks}: split rows' worst {worst:.2e}", shape.mask);
+        let worst = split_decode_through_the_backend::<Bf16>(shape, sinks);
+        println!("bf16 compute, {:?}, sinks {sinks}: split rows' worst {worst:.2e}", shape.mask);
+    }
 }
 
 /// MoE rows are grouped by expert on the device (`moe_group`), in the order

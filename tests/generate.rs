@@ -758,3 +758,111 @@ fn generated_parts_merge_to_one_run() {
         }
     }
 }
+
+/// 256 conversations of 512 new tokens each (no stop ids), the cache held to
+/// a quarter of what they would need at once: the run completes, its peak
+/// RSS stays under the flag + the weights + 256 MiB, and the cache's
+/// high-water mark is at least 90% of the flag.
+#[test]
+fn generation_memory_is_bounded_by_the_cache_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 2 layers of 4 KV heads of 16: 1 KiB of f32 cache per position, about 550 KiB per
+    // sequence (small enough for CI; `cargo bench --bench memory -- --only generate` runs
+    // the same check at 8 KiB per position).
+    let spec = strata_testkit::LlamaSpec {
+        hidden_size: 64,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 4,
+        intermediate_size: 128,
+        vocab_size: 512,
+    };
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    let case = strata_testkit::generation_memory_case(tmp.path(), &chat, &spec).unwrap();
+    let run = case.run(std::path::Path::new(env!("CARGO_BIN_EXE_strata")), &tmp.path().join("out"));
+    let flag = case.flag as f64;
+    println!("flag {:.1} MiB, weights {} bytes: {run}", flag / (1 << 20) as f64, case.weights);
+    assert_eq!(run.lines, 256, "every conversation regenerated");
+    assert!(run.high_water <= flag && run.high_water >= 0.9 * flag, "{run}");
+    assert!(run.peak_mib <= run.bound_mib, "{run}");
+}
+
+/// One pass against two on the emulated CUDA backend, measured: the states
+/// each generated row was given while decoding (prefill chunks, then one
+/// token a step) against one forward of the finished rows, as `extract`
+/// runs them. The CUDA kernels make no batch-invariance promise, so this
+/// reports how far apart they are (bitwise-equal share, worst relative
+/// error per point) and fails only past a loose bound.
+#[test]
+fn one_pass_against_two_on_the_emulated_cuda_backend() {
+    use crate::cuda_emu::{gxx_or_skip, Emulated};
+    use strata::backend::cuda::Cuda;
+    use strata::backend::F32;
+    use strata::generate::StepSegment;
+    use strata::hf::checkpoint::Checkpoint;
+    use strata::model::AnyConfig;
+    use strata::pipeline::batch::PackedBatch;
+    if !gxx_or_skip("one_pass_against_two_on_the_emulated_cuda_backend") {
+        return;
+    }
+    for (name, tp) in [("llama-default", 1), ("qwen3-next", 1), ("deepseek-v3", 2)] {
+        let doc = &greedy_fixtures().into_iter().find(|(n, _)| n == name).unwrap().1;
+        let dir = fixture(name);
+        let config = AnyConfig::read(&dir).unwrap();
+        let prefix = config.tensor_prefix();
+        let b = Cuda::<F32, Emulated>::new(Emulated::default(), (0..tp).collect());
+        let open = move || Checkpoint::open_scoped(&dir, &prefix);
+        let m = config.load_on_with(b, tp, true, open).unwrap();
+        let n = m.num_layers();
+        let points = vec![CapturePoint::LayerInput(1), CapturePoint::LayerInput(n - 1), CapturePoint::FinalPreNorm];
+        let captures = CaptureSet::<usize>::try_new(points.clone()).unwrap();
+        let hidden = strata::shape::Dim::size(&m.hidden());
+        let seqs = sequences(doc);
+        let mut got: Vec<Vec<Vec<f32>>> = vec![vec![Vec::new(); points.len()]; seqs.len()];
+        let opts = DecodeOptions { max_batch_tokens: 16, max_num_seqs: 64, kv_cache_bytes: None };
+        let (generated, _) = generate(
+            &m,
+            &mut Default::default(),
+            &captures,
+            seqs.clone(),
+            opts,
+            |segments: &[StepSegment], states: strata::shape::CapturedStates<usize, usize>| {
+                let mut row = 0;
+                for seg in segments {
+                    for (l, buf) in got[seg.index].iter_mut().enumerate() {
+                        buf.extend_from_slice(&states.layer(l)[row * hidden..(row + seg.len) * hidden]);
+                    }
+                    row += seg.len;
+                }
+                Ok::<_, strata::model::ModelError>(())
+            },
+        )
+        .unwrap();
+        let rows: Vec<Vec<u32>> =
+            seqs.iter().zip(&generated).map(|(s, g)| [s.prompt.clone(), g.output.clone()].concat()).collect();
+        let batch = PackedBatch::from_samples(rows.iter().map(|r| r.as_slice()));
+        let want = m.forward_step(&batch, &captures, &mut Default::default()).unwrap();
+        let (mut equal, mut total) = (0usize, 0usize);
+        let mut worst = vec![0f32; points.len()];
+        for (i, per_point) in got.iter().enumerate() {
+            let r = batch.range(i);
+            for (l, g) in per_point.iter().enumerate() {
+                let w = &want.layer(l)[r.start * hidden..r.end * hidden];
+                assert_eq!(g.len(), w.len(), "{name}: row {i} has states for every token");
+                let scale = w.iter().fold(0f32, |a, x| a.max(x.abs())).max(1e-6);
+                for (a, b) in g.iter().zip(w) {
+                    equal += (a.to_bits() == b.to_bits()) as usize;
+                    total += 1;
+                    worst[l] = worst[l].max((a - b).abs() / scale);
+                }
+            }
+        }
+        println!(
+            "{name} (emulated cuda, --tp {tp}): {:.2}% of {total} captured values bitwise equal to one forward of the \
+             finished rows; worst error relative to each row's largest value, per point {points:?}: {:?}",
+            100.0 * equal as f64 / total as f64,
+            worst.iter().map(|e| format!("{e:.2e}")).collect::<Vec<_>>()
+        );
+        assert!(worst.iter().all(|&e| e < 1e-3), "{name}: decoding drifts from one forward: {worst:?}");
+    }
+}

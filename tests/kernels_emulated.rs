@@ -11,7 +11,7 @@
 use crate::cuda_emu;
 
 use cuda_emu::{emulation_source, gxx_accepts, gxx_or_skip, lib};
-use strata::backend::cuda::backend::{attention_bf16_smem, pad16};
+use strata::backend::cuda::backend::{attention_bf16_smem, pad16, split_chunk, SplitPlan, SPLIT_MAX, SPLIT_MIN_KEYS};
 use strata::backend::prelude::*;
 use strata::backend::{
     AttnShape, Glu, HeadSpan, HeadSums, KvCache, KvStore, LayerState, Mask, Qkv, Reference, Router, Temperature, Tensor,
@@ -667,6 +667,241 @@ fn attention_kernels_match_the_reference_over_packed_chunked_segments() {
     for shape in [gqa, window] {
         attention_case(false, shape, true);
         attention_case(true, shape, true);
+    }
+}
+
+/// Split-K decode (`attention_split_f32`/`_bf16`, then
+/// `attention_split_combine`) in a step that mixes a prefill segment with
+/// one-token decode rows over caches of `caches` positions, against the
+/// reference: the prefill and the short rows through the one-block kernel
+/// (which must leave the split rows alone: their outputs start as NaN), the
+/// long rows split as the backend's `SplitPlan` cuts them. The caches are
+/// filled by a reference step under a narrow window (a cache keeps keys and
+/// values whatever the mask), so nothing walks 3000² scores. The bf16
+/// kernels get bf16-exact inputs, so only their arithmetic differs. Returns
+/// the plan and the split rows' worst error (relative, as `assert_close`).
+fn split_decode_case(bf16_kernel: bool, shape: AttnShape, with_sinks: bool, caches: &[usize]) -> (SplitPlan, f32) {
+    let l = lib("attention");
+    let r = Reference;
+    let (nh, nkv, hd, vd) = (shape.heads, shape.kv_heads, shape.head_dim, shape.v_dim);
+    let (qw, kw, vw) = (nh * hd, nkv * hd, nkv * vd);
+    let width = qw + kw + vw + 3;
+    let (dp, vp) = (pad16(hd), pad16(vd));
+    let sinks: Option<Vec<f32>> = with_sinks.then(|| values(nh, 7).iter().map(|v| 3.0 * v).collect());
+    let sink_vec = sinks.clone().map(|s| r.vector(s));
+    let input = |n: usize, seed: u64| -> Vec<f32> {
+        let v = values(n, seed);
+        v.iter().map(|&x| if bf16_kernel { bf16(x) } else { 2.0 * x }).collect()
+    };
+    // Step 1: every cached sample's positions (keys 1..), for the caches only.
+    let fill = batch(
+        &caches
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (n, Segment { key: i as u64 + 1, pos0: 0, keep: true }))
+            .collect::<Vec<_>>(),
+    );
+    let qkv1 = input(fill.num_tokens() * width, 40);
+    let mut cache = KvCache::default();
+    cache.begin(&fill).unwrap();
+    let t1 = Tensor::<Reference>::from_host(&r, &qkv1, fill.num_tokens(), width).unwrap();
+    let cols = Qkv { q: t1.cols(0, qw), k: t1.cols(qw, kw), v: t1.cols(qw + kw, vw) };
+    let narrow = AttnShape { mask: Mask::Sliding(16), ..shape };
+    let mut sink_out = Tensor::<Reference>::zeros(&r, fill.num_tokens(), nh * vd);
+    r.attention(cols, narrow, sink_vec.as_ref(), &fill, LayerState::new(&mut cache, 0), &mut sink_out);
+    // Step 2: a 9-token prefill (segment 0), then one new token per sample (segment i + 1).
+    let mut segs2 = vec![(9, Segment { key: 0, pos0: 0, keep: false })];
+    segs2.extend(caches.iter().enumerate().map(|(i, &n)| (1, Segment { key: i as u64 + 1, pos0: n, keep: false })));
+    let b = batch(&segs2);
+    let t = b.num_tokens();
+    let qkv = input(t * width, 41);
+    cache.begin(&b).unwrap();
+    let t2 = Tensor::<Reference>::from_host(&r, &qkv, t, width).unwrap();
+    let cols = Qkv { q: t2.cols(0, qw), k: t2.cols(qw, kw), v: t2.cols(qw + kw, vw) };
+    let mut want = Tensor::<Reference>::zeros(&r, t, nh * vd);
+    r.attention(cols, shape, sink_vec.as_ref(), &b, LayerState::new(&mut cache, 0), &mut want);
+    let want = want.to_host(&r);
+
+    // The kernels' caches: per sample, its positions' keys and values, then
+    // this step's; [kv heads·dim] f32, or [kv heads, dim padded to 16] bf16.
+    let packed = |src: &[f32], rows: std::ops::Range<usize>, at: usize, w: usize, wp: usize, heads: usize| {
+        let mut out = Vec::new();
+        for row in rows {
+            for h in 0..heads {
+                out.extend(src[row * width + at + h * w..][..w].iter().map(|&x| half::bf16::from_f32(x).to_bits()));
+                out.resize(out.len() + wp - w, 0);
+            }
+        }
+        out
+    };
+    let rows_f32 = |src: &[f32], rows: std::ops::Range<usize>, at: usize, w: usize| -> Vec<f32> {
+        rows.flat_map(|row| src[row * width + at..][..w].to_vec()).collect()
+    };
+    let mut ck: Vec<Vec<f32>> = Vec::new();
+    let mut cv: Vec<Vec<f32>> = Vec::new();
+    let mut ck16: Vec<Vec<u16>> = Vec::new();
+    let mut cv16: Vec<Vec<u16>> = Vec::new();
+    for i in 0..caches.len() {
+        let (old, new) = (fill.range(i), b.range(i + 1));
+        let mut k = rows_f32(&qkv1, old.clone(), qw, kw);
+        k.extend(rows_f32(&qkv, new.clone(), qw, kw));
+        let mut v = rows_f32(&qkv1, old.clone(), qw + kw, vw);
+        v.extend(rows_f32(&qkv, new.clone(), qw + kw, vw));
+        let mut k16 = packed(&qkv1, old.clone(), qw, hd, dp, nkv);
+        k16.extend(packed(&qkv, new.clone(), qw, hd, dp, nkv));
+        let mut v16 = packed(&qkv1, old, qw + kw, vd, vp, nkv);
+        v16.extend(packed(&qkv, new, qw + kw, vd, vp, nkv));
+        ck.push(k);
+        cv.push(v);
+        ck16.push(k16);
+        cv16.push(v16);
+    }
+    let (step_k16, step_v16) = (packed(&qkv, 0..t, qw, hd, dp, nkv), packed(&qkv, 0..t, qw + kw, vd, vp, nkv));
+    let step_q16 = packed(&qkv, 0..t, 0, hd, dp, nh);
+    let segs: Vec<Seg> = b
+        .segments()
+        .iter()
+        .enumerate()
+        .map(|(s, g)| {
+            let rows = b.range(s);
+            let (k, v, ks, vs) = match (s, bf16_kernel) {
+                (0, false) => {
+                    (p(&qkv[rows.start * width + qw..]), p(&qkv[rows.start * width + qw + kw..]), width, width)
+                }
+                (0, true) => {
+                    (p(&step_k16[rows.start * nkv * dp..]), p(&step_v16[rows.start * nkv * vp..]), nkv * dp, nkv * vp)
+                }
+                (s, false) => (p(&ck[s - 1]), p(&cv[s - 1]), kw, vw),
+                (s, true) => (p(&ck16[s - 1]), p(&cv16[s - 1]), nkv * dp, nkv * vp),
+            };
+            Seg {
+                k: k as u64,
+                v: v as u64,
+                k_stride: ks as i32,
+                v_stride: vs as i32,
+                q_row0: rows.start as i32,
+                q_len: rows.len() as i32,
+                pos0: g.pos0 as i32,
+                kv_len: (g.pos0 + rows.len()) as i32,
+            }
+        })
+        .collect();
+
+    // The plan: a row splits exactly when its query sees SPLIT_MIN_KEYS keys or more.
+    let plan = SplitPlan::new(&b, shape.mask);
+    assert_eq!(plan.splits(0), 0, "the prefill segment is not split");
+    for (i, &n) in caches.iter().enumerate() {
+        let seen = n + 1 - shape.mask.first_key(n);
+        assert_eq!(plan.splits(i + 1) > 0, seen >= SPLIT_MIN_KEYS, "cache {n}: {seen} keys seen");
+        assert!(plan.splits(i + 1) <= SPLIT_MAX, "cache {n}: {} splits", plan.splits(i + 1));
+    }
+
+    let mut got = vec![f32::NAN; t * nh * vd];
+    let (window, chunk) = shape.mask.window_and_chunk();
+    let (window, chunk) = (window as i32, chunk as i32);
+    let (nhi, nkvi, hdi, vdi) = (nh as i32, nkv as i32, hd as i32, vd as i32);
+    let (sp, op) = (p(&segs), pm(&mut got));
+    let kp = sinks.as_ref().map_or(0, |s| p(s)); // null: no sinks
+    type F = unsafe extern "C" fn(usize, i32, usize, usize, i32, i32, i32, i32, i32, i32, f32, usize, usize);
+    if bf16_kernel {
+        let n = [16, 32, 64, 128, 256].into_iter().find(|&n| n >= vd).unwrap();
+        let tiles: Vec<i32> = (0..segs.len())
+            .filter(|&s| plan.splits(s) == 0)
+            .flat_map(|s| (0..segs[s].q_len).step_by(64).flat_map(move |q0| [s as i32, q0]))
+            .collect();
+        let f: F = unsafe { std::mem::transmute(l.sym(&format!("attention_bf16_v{n}"))) };
+        let (qp, qs, tp) = (p(&step_q16), (nh * dp) as i32, p(&tiles));
+        l.launch_smem(((tiles.len() / 2) as u32, nh as u32), 128, attention_bf16_smem(hd, vd), || unsafe {
+            f(qp, qs, sp, tp, nhi, nkvi, hdi, vdi, window, chunk, shape.scale, kp, op)
+        });
+    } else {
+        let seg_of: Vec<u32> = (0..segs.len())
+            .flat_map(|s| b.range(s).map(move |_| s as u32))
+            .map(|s| if plan.splits(s as usize) > 0 { u32::MAX } else { s })
+            .collect();
+        let f: F = unsafe { std::mem::transmute(l.sym("attention_f32")) };
+        let gp = p(&seg_of);
+        l.launch((t as u32, nh.div_ceil(4) as u32), 128, || unsafe {
+            f(p(&qkv), width as i32, sp, gp, nhi, nkvi, hdi, vdi, window, chunk, shape.scale, kp, op)
+        });
+    }
+    // The one-block kernel left the split rows unwritten.
+    let split_rows: Vec<usize> = plan.rows.iter().map(|r| r[0] as usize).collect();
+    for &row in &split_rows {
+        assert!(got[row * nh * vd..][..nh * vd].iter().all(|v| v.is_nan()), "row {row} was not left to the split path");
+    }
+    let items: Vec<i32> = plan.split.iter().flatten().copied().collect();
+    let rows: Vec<i32> = plan.rows.iter().flatten().copied().collect();
+    let mut part_ml = vec![f32::NAN; plan.split.len() * nh * 2];
+    let mut part_o = vec![f32::NAN; plan.split.len() * nh * vd];
+    let (ip, mlp, pop) = (p(&items), pm(&mut part_ml), pm(&mut part_o));
+    type S = unsafe extern "C" fn(usize, i32, usize, usize, i32, i32, i32, i32, f32, usize, usize);
+    let (kernel, qp, qs) = if bf16_kernel {
+        ("attention_split_bf16", p(&step_q16), (nh * dp) as i32)
+    } else {
+        ("attention_split_f32", p(&qkv), width as i32)
+    };
+    let f: S = unsafe { std::mem::transmute(l.sym(kernel)) };
+    l.launch((plan.split.len() as u32, nh.div_ceil(4) as u32), 128, || unsafe {
+        f(qp, qs, sp, ip, nhi, nkvi, hdi, vdi, shape.scale, mlp, pop)
+    });
+    type C = unsafe extern "C" fn(usize, i32, i32, usize, usize, usize, usize);
+    let f: C = unsafe { std::mem::transmute(l.sym("attention_split_combine")) };
+    let rp = p(&rows);
+    l.launch((plan.rows.len() as u32, nh.div_ceil(4) as u32), 128, || unsafe { f(rp, nhi, vdi, kp, mlp, pop, op) });
+
+    // The split rows at the exact path's tolerance, on either kernel; the
+    // rest at its kernel's (the tensor cores round probabilities to bf16).
+    let mut worst = 0f32;
+    for row in 0..t {
+        let (g, w) = (&got[row * nh * vd..][..nh * vd], &want[row * nh * vd..][..nh * vd]);
+        let what = format!("{kernel} {:?} sinks={with_sinks} row {row}", shape.mask);
+        if split_rows.contains(&row) {
+            assert_close(&what, g, w, 1e-5);
+            worst = g.iter().zip(w).fold(worst, |m, (a, b)| m.max((a - b).abs() / b.abs().max(1.0)));
+        } else {
+            assert_close(&what, g, w, if bf16_kernel { 2e-2 } else { 1e-5 });
+        }
+    }
+    (plan, worst)
+}
+
+#[test]
+fn split_decode_kernels_match_the_reference_over_long_caches() {
+    if !gxx_or_skip("split_decode_kernels_match_the_reference_over_long_caches") {
+        return;
+    }
+    // Around the threshold (254 positions and the new one: 255 keys, not
+    // split; 255: 256, split), a long cache, and one long enough that the
+    // splits grow past SPLIT_MIN_CHUNK to stay SPLIT_MAX.
+    let caches = [1, 254, 255, 256, 257, 1000, 3000, 5000];
+    // GQA (4 query heads a kv head), a head dim that is not a multiple of 16, a distinct value width.
+    let gqa = AttnShape { heads: 8, kv_heads: 2, head_dim: 40, v_dim: 24, mask: Mask::Causal, scale: 0.2 };
+    for bf16_kernel in [false, true] {
+        for sinks in [false, true] {
+            let (plan, worst) = split_decode_case(bf16_kernel, gqa, sinks, &caches);
+            println!("split decode bf16={bf16_kernel} causal sinks={sinks}: worst {worst:.2e}");
+            let splits: Vec<usize> = (1..=caches.len()).map(|s| plan.splits(s)).collect();
+            // 256..=258 keys: two splits of 128 (and one key over); 1001: 8;
+            // 3001: 24 of 128; 5001: 32 of 160.
+            assert_eq!(splits, [0, 0, 2, 3, 3, 8, 24, 32], "the causal plan");
+            assert_eq!(split_chunk(5001), 160);
+        }
+        // A sliding window: a long cache's row sees the last 700 keys (split),
+        // a short one all of its own. gpt-oss's sinks on it as on its full layers.
+        let window = AttnShape { mask: Mask::Sliding(700), ..gqa };
+        let (plan, worst) = split_decode_case(bf16_kernel, window, true, &caches);
+        println!("split decode bf16={bf16_kernel} sliding 700 sinks: worst {worst:.2e}");
+        assert_eq!(plan.splits(8), 6, "700 keys in splits of 128");
+        // Llama 4's attention chunks: 3000 and 5000 see 953 and 905 keys of theirs.
+        let chunked = AttnShape { mask: Mask::Chunked(1024), ..gqa };
+        let (_, worst) = split_decode_case(bf16_kernel, chunked, false, &caches);
+        println!("split decode bf16={bf16_kernel} chunked 1024: worst {worst:.2e}");
+        // MQA at the widest head dims the kernels take (256/256: every lane's 8 columns).
+        let wide = AttnShape { heads: 4, kv_heads: 1, head_dim: 256, v_dim: 256, mask: Mask::Causal, scale: 0.0625 };
+        let (plan, worst) = split_decode_case(bf16_kernel, wide, true, &[3, 300, 700]);
+        println!("split decode bf16={bf16_kernel} 256/256 MQA sinks: worst {worst:.2e}");
+        assert_eq!((plan.splits(1), plan.splits(2), plan.splits(3)), (0, 3, 6));
     }
 }
 

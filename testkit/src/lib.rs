@@ -504,3 +504,112 @@ pub mod bench {
             .unwrap_or(0)
     }
 }
+
+/// The bounded-memory case of `strata generate`: a Llama of `spec` with the
+/// chat fixtures' tokenizer and ChatML template, 256 one-turn conversations,
+/// and the cache flag that holds a quarter of what they need at once with
+/// 512 new tokens each (f32 cache: `layers · 2 · kv_heads · head_dim · 4`
+/// bytes per position, the prompts measured by rendering them).
+pub struct GenerationMemoryCase {
+    /// The model directory.
+    pub model: std::path::PathBuf,
+    /// The conversations (JSON Lines).
+    pub data: std::path::PathBuf,
+    /// `--kv-cache-memory`, in bytes.
+    pub flag: usize,
+    /// Bytes of the checkpoint's safetensors files.
+    pub weights: u64,
+}
+
+/// Writes [`GenerationMemoryCase`] under `dir`; `chat` is `tests/fixtures/chat`.
+pub fn generation_memory_case(dir: &Path, chat: &Path, spec: &LlamaSpec) -> std::io::Result<GenerationMemoryCase> {
+    let model = dir.join("model");
+    write_llama(&model, spec, DType::F32, 7)?;
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(chat.join(f), model.join(f))?;
+    }
+    std::fs::copy(chat.join("templates/chatml.jinja"), model.join("chat_template.jinja"))?;
+    let loaded = strata::chat::Chat::load(&model, &Default::default()).map_err(std::io::Error::other)?;
+    let template = loaded.template.as_ref().ok_or_else(|| std::io::Error::other("no template"))?;
+    let (mut text, mut positions) = (String::new(), 0usize);
+    for i in 0..256 {
+        let messages = serde_json::json!([{"role": "user", "content": format!("Tell me story number {i}, please.")}]);
+        let rendered = template
+            .render(&strata::chat::template::json_value(&messages), None, true)
+            .map_err(std::io::Error::other)?;
+        let mut enc = strata::chat::Encoded::default();
+        loaded.tokenizer.encode(&rendered.text, false, &mut enc).map_err(std::io::Error::other)?;
+        positions += enc.ids.len() + 512;
+        text += &format!("{}\n", serde_json::json!({"id": i, "messages": messages}));
+    }
+    let data = dir.join("conversations.jsonl");
+    std::fs::write(&data, text)?;
+    let per_position = spec.num_layers * 2 * spec.num_kv_heads * (spec.hidden_size / spec.num_heads) * 4;
+    let mut weights = 0;
+    for e in std::fs::read_dir(&model)? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            weights += std::fs::metadata(p)?.len();
+        }
+    }
+    Ok(GenerationMemoryCase { model, data, flag: positions * per_position / 4, weights })
+}
+
+/// What a run of [`GenerationMemoryCase`] measured.
+#[derive(Clone, Debug)]
+pub struct GenerationMemoryRun {
+    /// The cache's high-water mark (the run's summary), bytes.
+    pub high_water: f64,
+    /// Peak RSS (the run's `VmHWM`), MiB.
+    pub peak_mib: f64,
+    /// The flag + the weights + 256 MiB, MiB.
+    pub bound_mib: f64,
+    /// Lines of `regenerated.jsonl`.
+    pub lines: usize,
+}
+
+impl GenerationMemoryCase {
+    /// Runs `strata generate` (the binary `bin`) on the case: greedy, no stop ids, 512
+    /// new tokens each, up to 256 sequences in flight, the cache held to the flag.
+    pub fn run(&self, bin: &Path, out: &Path) -> GenerationMemoryRun {
+        let o = std::process::Command::new(bin)
+            .arg("generate")
+            .arg("--model")
+            .arg(&self.model)
+            .arg("--data")
+            .arg(&self.data)
+            .arg("--out")
+            .arg(out)
+            .args(["--compute", "f32", "--dtype", "bf16", "--capture", "input:1,final", "--temperature", "0"])
+            .args(["--max-tokens", "512", "--ignore-eos", "--max-num-seqs", "256"])
+            .args(["--kv-cache-memory", &self.flag.to_string()])
+            .output()
+            .expect("strata runs");
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let number = |after: &str| -> f64 {
+            let at = stdout.find(after).unwrap_or_else(|| panic!("no {after:?} in {stdout}")) + after.len();
+            stdout[at..].split_whitespace().next().unwrap().parse().unwrap()
+        };
+        let lines = std::fs::read_to_string(out.join("regenerated.jsonl")).map_or(0, |t| t.lines().count());
+        GenerationMemoryRun {
+            high_water: number("cache held at most "),
+            peak_mib: number("peak memory "),
+            bound_mib: (self.flag as u64 + self.weights + (256 << 20)) as f64 / (1 << 20) as f64,
+            lines,
+        }
+    }
+}
+
+impl std::fmt::Display for GenerationMemoryRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cache high-water {:.1} MiB, peak RSS {:.0} MiB (bound: flag + weights + 256 MiB = {:.0} MiB), {} lines",
+            self.high_water / (1 << 20) as f64,
+            self.peak_mib,
+            self.bound_mib,
+            self.lines
+        )
+    }
+}

@@ -1,7 +1,9 @@
 //! The CUDA backend's attention ([`AttentionOps`]): the f32 and the
-//! tensor-core bf16 kernels, and where their inputs lie.
+//! tensor-core bf16 kernels, split-K decode for long one-query segments
+//! ([`SplitPlan`]), and where their inputs lie.
 
 use super::*;
+use crate::backend::Mask;
 
 impl<C: ComputeDtype, D: Device> AttentionOps for Cuda<C, D> {
     type KvCache = KvCache<D>;
@@ -155,28 +157,158 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
             Self::holds("attention sinks", s.heads, v.0.len / 4)?;
         }
         let sinkp = sinks.map_or(0, |v| v.0.ptr); // null: no sinks
+
+        // Long one-query segments go to the split kernels; the rest to the
+        // one-block-per-query kernels, which leave the split rows alone.
+        let plan = SplitPlan::new(batch, s.mask);
+        // The split tables, uploaded before any launch: slot 2, `split` then `rows`.
+        let split_tables = if plan.is_empty() {
+            None
+        } else {
+            let tables: Vec<i32> = plan.split.iter().chain(&plan.rows).flatten().copied().collect();
+            Some(self.upload_table(2, bytemuck::cast_slice(&tables))?)
+        };
+        let block4 = s.heads.div_ceil(4) as u32;
         if let Some((_, _, qb)) = packed {
             let tiles: Vec<i32> = (0..batch.num_samples())
+                .filter(|&i| plan.splits(i) == 0)
                 .flat_map(|i| (0..batch.range(i).len()).step_by(64).flat_map(move |q0| [i as i32, q0 as i32]))
                 .collect();
-            let table = self.upload_table(1, bytemuck::cast_slice(&tiles))?;
-            let smem = attention_bf16_smem(s.head_dim, s.v_dim);
-            let cfg = Launch { grid: ((tiles.len() / 2) as u32, s.heads as u32), block: 128, smem };
-            let qs = int(s.heads * pad16(s.head_dim));
-            attention_bf16_kernel(s.v_dim)(
-                &*self.dev, cfg, qb, qs, segs, table, heads, kvh, hd, vd, window, chunk, s.scale, sinkp, op,
-            )
+            if !tiles.is_empty() {
+                let table = self.upload_table(1, bytemuck::cast_slice(&tiles))?;
+                let smem = attention_bf16_smem(s.head_dim, s.v_dim);
+                let cfg = Launch { grid: ((tiles.len() / 2) as u32, s.heads as u32), block: 128, smem };
+                let qs = int(s.heads * pad16(s.head_dim));
+                attention_bf16_kernel(s.v_dim)(
+                    &*self.dev, cfg, qb, qs, segs, table, heads, kvh, hd, vd, window, chunk, s.scale, sinkp, op,
+                )?;
+            }
         } else {
             let (qp, qs) = (q.at(q.offset), int(q.stride));
-            let seg_of: Vec<u32> =
-                (0..batch.num_samples()).flat_map(|i| batch.range(i).map(move |_| i as u32)).collect();
-            let table = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
-            let cfg = Launch { grid: (t as u32, s.heads.div_ceil(4) as u32), block: 128, smem: 0 };
-            let sc = s.scale;
-            launch::attention_f32(
-                &*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, chunk, sc, sinkp, op,
-            )
+            if plan.rows.len() < t {
+                // SEG_SPLIT (attention.cu) for a split row: attention_f32 skips it.
+                let seg_of: Vec<u32> = (0..batch.num_samples())
+                    .flat_map(|i| {
+                        let id = if plan.splits(i) == 0 { i as u32 } else { u32::MAX };
+                        batch.range(i).map(move |_| id)
+                    })
+                    .collect();
+                let table = self.upload_table(1, bytemuck::cast_slice(&seg_of))?;
+                let cfg = Launch { grid: (t as u32, block4), block: 128, smem: 0 };
+                let sc = s.scale;
+                launch::attention_f32(
+                    &*self.dev, cfg, qp, qs, segs, table, heads, kvh, hd, vd, window, chunk, sc, sinkp, op,
+                )?;
+            }
         }
+        let Some(split) = split_tables else { return Ok(()) };
+        let (ml, po) = {
+            let n = plan.split.len() * s.heads;
+            let mut sc = self.scratch()?;
+            let sc = sc.as_mut().expect("scratch made");
+            self.ensure(&mut sc.split, n * (2 + s.v_dim) * 4)?;
+            (sc.split.ptr, sc.split.ptr + (n * 2 * 4) as u64)
+        };
+        let cfg = Launch { grid: (plan.split.len() as u32, block4), block: 128, smem: 0 };
+        match packed {
+            Some((_, _, qb)) => {
+                let qs = int(s.heads * pad16(s.head_dim));
+                launch::attention_split_bf16(&*self.dev, cfg, qb, qs, segs, split, heads, kvh, hd, vd, s.scale, ml, po)?
+            }
+            None => {
+                let (qp, qs) = (q.at(q.offset), int(q.stride));
+                launch::attention_split_f32(&*self.dev, cfg, qp, qs, segs, split, heads, kvh, hd, vd, s.scale, ml, po)?
+            }
+        }
+        let rows = split + (plan.split.len() * 3 * 4) as u64;
+        let cfg = Launch { grid: (plan.rows.len() as u32, block4), block: 128, smem: 0 };
+        launch::attention_split_combine(&*self.dev, cfg, rows, heads, vd, sinkp, ml, po, op)
+    }
+}
+
+/// Decode rows that see at least this many keys take the split-K path: below
+/// it one block walks the keys in a few 32-key steps, and splitting would
+/// only add the partials' round trip.
+pub const SPLIT_MIN_KEYS: usize = 256;
+
+/// The fewest keys a split takes (a split's block loads its query and writes
+/// a partial as large as its output: a few 32-key steps pay for that).
+pub const SPLIT_MIN_CHUNK: usize = 128;
+
+/// The most splits of one row: longer caches take longer splits, so the
+/// partials stay bounded by the batch (rows × heads × `SPLIT_MAX` × (vd + 2)
+/// f32), whatever the cache length.
+pub const SPLIT_MAX: usize = 32;
+
+/// The keys each split of a row that sees `keys` keys takes: at least
+/// [`SPLIT_MIN_CHUNK`], at most [`SPLIT_MAX`] splits, a multiple of 32 (the
+/// warps' step). A function of the row alone, so a row's result does not
+/// depend on what else the batch holds.
+pub fn split_chunk(keys: usize) -> usize {
+    keys.div_ceil(SPLIT_MAX).next_multiple_of(32).max(SPLIT_MIN_CHUNK)
+}
+
+/// The first key position a query at position `p` sees under a window and
+/// a chunk (0: none) as the kernels take them: attention.cu's `first_key`,
+/// so a split row sees the keys the one-block kernels would give it.
+fn first_key(p: usize, window: usize, chunk: usize) -> usize {
+    let lo = if window > 0 { (p + 1).saturating_sub(window) } else { 0 };
+    if chunk > 0 {
+        lo.max(p - p % chunk)
+    } else {
+        lo
+    }
+}
+
+/// Which segments of a step take split-K decode (`attention_split_*` in
+/// attention.cu) and how their keys are cut: one-query segments whose query
+/// sees (under the mask) at least [`SPLIT_MIN_KEYS`] keys.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SplitPlan {
+    /// Per split, `(segment, first key, end key)`: its keys `[first, end)`,
+    /// a row's splits consecutive and in key order.
+    pub split: Vec<[i32; 3]>,
+    /// Per split row, `(row in q and out, first split, splits)`.
+    pub rows: Vec<[i32; 3]>,
+    /// Per segment, its splits (0: the one-block-per-query kernels take it).
+    per_segment: Vec<usize>,
+}
+
+impl SplitPlan {
+    /// The plan of `batch` under `mask`.
+    pub fn new(batch: &PackedBatch, mask: Mask) -> Self {
+        let (window, chunk) = mask.window_and_chunk();
+        let mut plan = SplitPlan { per_segment: vec![0; batch.num_samples()], ..Default::default() };
+        for (i, seg) in batch.segments().iter().enumerate() {
+            let rows = batch.range(i);
+            if rows.len() != 1 {
+                continue;
+            }
+            let (p, lo) = (seg.pos0, first_key(seg.pos0, window, chunk));
+            let keys = p + 1 - lo;
+            if keys < SPLIT_MIN_KEYS {
+                continue;
+            }
+            let len = split_chunk(keys);
+            let n = keys.div_ceil(len);
+            plan.rows.push([rows.start as i32, plan.split.len() as i32, n as i32]);
+            plan.split.extend((0..n).map(|c| {
+                let j0 = lo + c * len;
+                [i as i32, j0 as i32, (j0 + len).min(p + 1) as i32]
+            }));
+            plan.per_segment[i] = n;
+        }
+        plan
+    }
+
+    /// Whether no segment is split.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Segment `i`'s splits; 0 when the one-block-per-query kernels take it.
+    pub fn splits(&self, i: usize) -> usize {
+        self.per_segment.get(i).copied().unwrap_or(0)
     }
 }
 

@@ -43,7 +43,10 @@ mod moe;
 mod rows;
 
 use attention::Src;
-pub use attention::{attention_bf16_kernel, attention_bf16_smem, pad16, AttentionLaunch};
+pub use attention::{
+    attention_bf16_kernel, attention_bf16_smem, pad16, split_chunk, AttentionLaunch, SplitPlan, SPLIT_MAX,
+    SPLIT_MIN_CHUNK, SPLIT_MIN_KEYS,
+};
 
 /// Device memory of `len` values of 4 bytes (f32, or u32 indices), with
 /// room for `cap`.
@@ -313,6 +316,10 @@ struct Scratch<D: Device> {
     /// Small tables uploaded per op (ids, positions, segments, tiles).
     table: Bytes<D>,
     table2: Bytes<D>,
+    table3: Bytes<D>,
+    /// Split-K decode's partials (`SplitPlan`): `[splits, heads, 2]` (max,
+    /// sum) then `[splits, heads, vd]` unnormalised outputs, f32.
+    split: Bytes<D>,
     /// bf16 attention: this step's keys, values and queries, `[tokens, kv
     /// heads, dp]`, `[tokens, kv heads, vp]` and `[tokens, heads, dp]`.
     kv: [Bytes<D>; 3],
@@ -508,11 +515,15 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
         self.upload_table(0, bytemuck::cast_slice(&positions))
     }
 
-    /// Uploads a small host table into scratch slot `which` (0 or 1), returning its address.
+    /// Uploads a small host table into scratch slot `which` (0, 1 or 2), returning its address.
     fn upload_table(&self, which: usize, data: &[u8]) -> Result<DevPtr, CudaError> {
         let mut s = self.scratch()?;
         let s = s.as_mut().expect("scratch made");
-        let b = if which == 0 { &mut s.table } else { &mut s.table2 };
+        let b = match which {
+            0 => &mut s.table,
+            1 => &mut s.table2,
+            _ => &mut s.table3,
+        };
         self.ensure(b, data.len())?;
         self.dev.upload(b.ptr, data)?;
         Ok(b.ptr)
@@ -528,6 +539,8 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                 partial: e(),
                 table: e(),
                 table2: e(),
+                table3: e(),
+                split: e(),
                 kv: [e(), e(), e()],
                 qkv: e(),
                 group: e(),
