@@ -14,17 +14,7 @@
 use serde_json::{Map, Value};
 use std::collections::VecDeque;
 
-/// Python's truthiness of a JSON value (`if content:`).
-fn truthy(v: &Value) -> bool {
-    match v {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64().is_some_and(|x| x != 0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-    }
-}
+use crate::hf::truthy;
 
 /// The conversation's messages: `messages`, else `conversations`, else a
 /// message-list `prompt` (each only when a non-empty list).
@@ -325,8 +315,9 @@ impl ToolParser {
                 "function": {"name": name, "arguments": python_dumps(args)},
             }));
         }
+        // vLLM's serving layer then drops a content of whitespace alone.
         let content = &text[..first];
-        (if content.is_empty() { None } else { Some(content.to_string()) }, calls)
+        (if content.trim().is_empty() { None } else { Some(content.to_string()) }, calls)
     }
 }
 
@@ -540,6 +531,8 @@ mod tests {
         assert_eq!(calls[0]["id"], "id0");
         let (c, calls) = p.extract("<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"g\", \"arguments\": {}}", id);
         assert_eq!((c, calls.len()), (None, 2), "an unclosed call at the end counts");
+        let (c, _) = p.extract("\n\n<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", id);
+        assert_eq!(c, None, "whitespace before a call is no content");
         assert_eq!(p.extract("<tool_call>{bad</tool_call>", id), (Some("<tool_call>{bad</tool_call>".into()), vec![]));
         let q = ReasoningParser::Qwen3;
         assert_eq!(q.split("<think>r</think>c", true), (Some("r".into()), Some("c".into())));

@@ -205,8 +205,9 @@ pub struct GenerateProgress {
     pub elapsed: Duration,
 }
 
-/// Rows finished out of input order wait in memory for those before them;
-/// past this many bytes of their states no new record is started.
+/// Rows finished out of input order wait in memory for those before them,
+/// and a conversation's rows for its last; past this many bytes of their
+/// states no new record is started.
 const READY_BYTES: usize = 1 << 30;
 
 /// One generation's row: the prompt and the tokens drawn, the loss on the
@@ -232,8 +233,9 @@ struct Record {
     /// A conversation's state; `None` for a single prompt.
     regen: Option<Box<Regeneration>>,
     rows: Vec<Row>,
-    /// Rows of it an interrupted run already wrote (`--resume`).
-    written: usize,
+    /// The files of its rows an interrupted run already wrote (`--resume`):
+    /// regenerated, they must be those rows again.
+    written: Vec<PathBuf>,
 }
 
 /// A generation in flight.
@@ -253,10 +255,17 @@ enum Done {
     Skip(Sample, String),
 }
 
+impl Record {
+    /// Bytes of its finished rows' states.
+    fn bytes(&self) -> usize {
+        self.rows.iter().map(|row| row.states.as_slice().len() * 4).sum()
+    }
+}
+
 impl Done {
     fn bytes(&self) -> usize {
         match self {
-            Done::Rows(r) => r.rows.iter().map(|row| row.states.as_slice().len() * 4).sum(),
+            Done::Rows(r) => r.bytes(),
             Done::Skip(..) => 0,
         }
     }
@@ -437,7 +446,9 @@ impl GenerateJob {
         // The records an earlier run wrote or left out: read again, not run, and checked
         // to be the same input (the bytes and digest of the prefix they came from).
         let resumed = Sink::<usize, usize>::resume_from(&sink);
-        let (prefix, written) = self.resumed_rows(resumed, kept)?;
+        let (prefix, mut written) = self.resumed_rows(resumed, kept)?;
+        // The record an interrupted run wrote some rows of, if any.
+        let partial = (!written.is_empty()).then_some(resumed);
         for read in 1..=resumed {
             let s = source.next().transpose()?.ok_or(SourceError::Ended { samples: read - 1, expected: resumed })?;
             if let Some(p) = prefix.as_ref().filter(|_| read == resumed) {
@@ -492,7 +503,8 @@ impl GenerateJob {
             while !exhausted
                 && decode.waiting() < width
                 && ready.len() + records.len() < width.saturating_mul(4)
-                && ready_bytes < READY_BYTES
+                // Conversations in flight hold their finished rows' states too.
+                && ready_bytes + records.values().map(Record::bytes).sum::<usize>() < READY_BYTES
             {
                 let Some(sample) = source.next().transpose()? else {
                     exhausted = true;
@@ -509,7 +521,7 @@ impl GenerateJob {
                     key,
                     regen: None,
                     rows: vec![],
-                    written: if index == resumed { written } else { 0 },
+                    written: if index == resumed { std::mem::take(&mut written) } else { vec![] },
                 };
                 let first = match prompt {
                     Prompt::Tokens => Ok(record.sample.input_ids.clone()),
@@ -534,7 +546,7 @@ impl GenerateJob {
                     }
                 }
             }
-            self.flush(&mut ready, &mut next, &mut sink, &mut summary, &mut ready_bytes)?;
+            self.flush(&mut ready, &mut next, &mut sink, &mut summary, &mut ready_bytes, partial)?;
             if decode.is_idle() {
                 if exhausted {
                     break;
@@ -580,7 +592,7 @@ impl GenerateJob {
                     }
                 }
             }
-            self.flush(&mut ready, &mut next, &mut sink, &mut summary, &mut ready_bytes)?;
+            self.flush(&mut ready, &mut next, &mut sink, &mut summary, &mut ready_bytes, partial)?;
             progress(&GenerateProgress {
                 rows: summary.rows,
                 generated: summary.generated,
@@ -839,23 +851,25 @@ impl GenerateJob {
     /// The input prefix the kept output came from, and how many rows of
     /// the record after it an interrupted run already wrote (a
     /// conversation's rows are written one file each; its last one ends it).
-    fn resumed_rows(&self, resumed: usize, kept: usize) -> Result<(Option<InputPos>, usize), GenerateError> {
+    fn resumed_rows(&self, resumed: usize, kept: usize) -> Result<(Option<InputPos>, Vec<PathBuf>), GenerateError> {
         if self.mode != OpenMode::Resume {
-            return Ok((None, 0));
+            return Ok((None, vec![]));
         }
         let out = self.out_loc().path();
         let dir =
             crate::files::Dir::open(&out).map_err(|cause| SinkError::Io { path: out.display().to_string(), cause })?;
         // The listing as the sink kept it: its first `kept` files (a file journaled
         // but not renamed in before the run stopped is written again).
-        let (mut last, mut written, mut shards) = (None, 0, 0);
+        let (mut last, mut written, mut shards) = (None, Vec::new(), 0);
         Manifest::read_each(&dir, &mut |e| {
             match e {
                 Entry::Shard(s) if shards < kept => {
                     shards += 1;
                     last = s.input;
                 }
-                Entry::Sample(s) if s.index == Some(resumed) && s.shard < kept => written += 1,
+                Entry::Sample(s) if s.index == Some(resumed) && s.shard < kept => {
+                    written.push(out.join(SpeculatorsSink::file_name(s.shard)))
+                }
                 _ => {}
             }
             Ok::<(), std::convert::Infallible>(())
@@ -875,14 +889,28 @@ impl GenerateJob {
         sink: &mut K,
         summary: &mut GenerateSummary,
         ready_bytes: &mut usize,
+        partial: Option<usize>,
     ) -> Result<(), GenerateError> {
         while let Some(done) = ready.remove(next) {
             *ready_bytes -= done.bytes();
             match done {
                 Done::Rows(record) => {
                     let Record { sample, start, rows, written, .. } = record;
+                    // A resumed conversation's rows, regenerated, must be the ones kept.
+                    for (j, file) in written.iter().enumerate() {
+                        let f = crate::format::MappedFile::open(file).map_err(SinkError::from)?;
+                        let ids: Option<Vec<u32>> = f.tensors.get("token_ids").map(|e| {
+                            f.bytes(e)
+                                .chunks_exact(8)
+                                .map(|c| i64::from_le_bytes(c.try_into().expect("8")) as u32)
+                                .collect()
+                        });
+                        if rows.get(j).map(|r| &r.ids) != ids.as_ref() {
+                            return Err(resumed_differs(&sample, file));
+                        }
+                    }
                     let last = rows.len() - 1;
-                    for (j, row) in rows.into_iter().enumerate().skip(written) {
+                    for (j, row) in rows.into_iter().enumerate().skip(written.len()) {
                         let row_sample = Sample {
                             index: sample.index,
                             line: sample.line,
@@ -897,6 +925,9 @@ impl GenerateJob {
                         sink.write_sample(&row_sample, row.states.view())?;
                         summary.rows += 1;
                     }
+                }
+                Done::Skip(sample, why) if partial == Some(sample.index) => {
+                    return Err(resumed_differs(&sample, std::path::Path::new(&format!("(refused this time: {why})"))));
                 }
                 Done::Skip(sample, why) => {
                     tracing::warn!("record {} (line {}): {why}; left out", crate::clip(&sample.id, 80), sample.line);
@@ -963,6 +994,18 @@ impl GenerateJob {
         });
         job
     }
+}
+
+/// A resumed conversation that does not regenerate the rows an interrupted
+/// run kept (other flags, another backend's bits): refused, not mixed.
+fn resumed_differs(sample: &Sample, file: &std::path::Path) -> GenerateError {
+    GenerateError::Usage(format!(
+        "cannot resume: record {} (line {}) had rows written by the interrupted run, and regenerating it now \
+         gives other rows ({}); resume with the flags and backend it ran with, or start over with --overwrite",
+        crate::clip(&sample.id, 80),
+        sample.line,
+        file.display()
+    ))
 }
 
 /// `--rows auto`: a row that is a token prefix of the next one's prompt

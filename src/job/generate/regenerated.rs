@@ -75,12 +75,7 @@ pub fn write(out: &Path, tokenizer: Option<&crate::chat::Tokenizer>) -> Result<u
         "frequency_penalty": g.frequency_penalty, "max_tokens": g.max_tokens, "seed": g.seed,
         "stop_token_ids": g.stop_token_ids, "ignore_eos": g.ignore_eos,
     });
-    let tmp = format!(".{REGENERATED}.{}.tmp", std::process::id());
-    // A killed run's temporary file of the same name (PIDs repeat in containers).
-    let _ = dir.remove(&tmp);
-    let file = dir.create_new(&tmp).map_err(io(&dir.join(&tmp)))?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    let write = |w: &mut std::io::BufWriter<std::fs::File>| -> Result<usize, GenerateError> {
+    replace(&dir, |w, tmp| {
         let mut lines = 0;
         for (i, s) in samples.iter().enumerate() {
             let file = files.get(s.shard).ok_or_else(|| {
@@ -135,23 +130,46 @@ pub fn write(out: &Path, tokenizer: Option<&crate::chat::Tokenizer>) -> Result<u
                         "sampling_params": sampling,
                     }),
                 );
-                serde_json::to_writer(&mut *w, &line).map_err(|e| io(&dir.join(&tmp))(e.into()))?;
-                w.write_all(b"\n").map_err(io(&dir.join(&tmp)))?;
+                serde_json::to_writer(&mut *w, &line).map_err(|e| io(tmp)(e.into()))?;
+                w.write_all(b"\n").map_err(io(tmp))?;
                 lines += 1;
             }
         }
-        w.flush().map_err(io(&dir.join(&tmp)))?;
-        w.get_ref().sync_all().map_err(io(&dir.join(&tmp)))?;
         Ok(lines)
+    })
+}
+
+/// Writes `regenerated.jsonl` in `dir` through `fill` (given the writer and
+/// the temporary file's path, for messages; it returns the lines written):
+/// under a temporary name, flushed and synced, then renamed in. A failure
+/// removes the temporary file and leaves any earlier file as it was.
+fn replace(
+    dir: &crate::files::Dir,
+    fill: impl FnOnce(&mut std::io::BufWriter<std::fs::File>, &Path) -> Result<usize, GenerateError>,
+) -> Result<usize, GenerateError> {
+    let io = |p: &Path| {
+        let path = p.display().to_string();
+        move |cause| GenerateError::Sink(SinkError::Io { path, cause })
     };
-    let n = match write(&mut w) {
+    let tmp = format!(".{REGENERATED}.{}.tmp", std::process::id());
+    let path = dir.join(&tmp);
+    // A killed run's temporary file of the same name (PIDs repeat in containers).
+    let _ = dir.remove(&tmp);
+    let file = dir.create_new(&tmp).map_err(io(&path))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    let filled = fill(&mut w, &path).and_then(|n| {
+        w.flush().map_err(io(&path))?;
+        w.get_ref().sync_all().map_err(io(&path))?;
+        Ok(n)
+    });
+    let n = match filled {
         Ok(n) => n,
         Err(e) => {
             let _ = dir.remove(&tmp);
             return Err(e);
         }
     };
-    dir.rename(&tmp, &dir, REGENERATED).map_err(io(&dir.join(REGENERATED)))?;
+    dir.rename(&tmp, dir, REGENERATED).map_err(io(&dir.join(REGENERATED)))?;
     dir.sync();
     Ok(n)
 }
@@ -173,35 +191,26 @@ pub fn join_parts(out: &Path) -> Result<Option<usize>, GenerateError> {
     if m.generation.is_none() || m.merged.is_empty() {
         return Ok(None);
     }
-    let tmp = format!(".{REGENERATED}.{}.tmp", std::process::id());
-    let _ = dir.remove(&tmp);
-    let file = dir.create_new(&tmp).map_err(io(&dir.join(&tmp)))?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    let mut copy = || -> Result<usize, GenerateError> {
+    replace(&dir, |w, tmp| {
         let mut lines = 0;
         for p in &m.merged {
             let part = crate::files::Dir::open(&out.join(&p.dir)).map_err(io(&out.join(&p.dir)))?;
             let path = out.join(&p.dir).join(REGENERATED);
             let mut f = part.open_file(REGENERATED).map_err(io(&path))?;
-            let mut text = Vec::new();
-            std::io::Read::read_to_end(&mut f, &mut text).map_err(io(&path))?;
-            lines += text.iter().filter(|&&b| b == b'\n').count();
-            w.write_all(&text).map_err(io(&dir.join(&tmp)))?;
+            // Streamed in pieces: a part's file may be larger than memory.
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                let n = std::io::Read::read(&mut f, &mut buf).map_err(io(&path))?;
+                if n == 0 {
+                    break;
+                }
+                lines += buf[..n].iter().filter(|&&b| b == b'\n').count();
+                w.write_all(&buf[..n]).map_err(io(tmp))?;
+            }
         }
-        w.flush().map_err(io(&dir.join(&tmp)))?;
-        w.get_ref().sync_all().map_err(io(&dir.join(&tmp)))?;
         Ok(lines)
-    };
-    let n = match copy() {
-        Ok(n) => n,
-        Err(e) => {
-            let _ = dir.remove(&tmp);
-            return Err(e);
-        }
-    };
-    dir.rename(&tmp, &dir, REGENERATED).map_err(io(&dir.join(REGENERATED)))?;
-    dir.sync();
-    Ok(Some(n))
+    })
+    .map(Some)
 }
 
 #[cfg(test)]
