@@ -127,7 +127,7 @@ impl Regeneration {
                     v => Some(v.clone()),
                 };
                 match parsed {
-                    Some(Value::Array(a)) if !a.is_empty() => Some(Value::Array(a)),
+                    Some(Value::Array(a)) if !a.is_empty() => Some(vllm_tools(&a)?),
                     _ if matches!(v, Value::String(s) if s.is_empty()) => None,
                     _ if matches!(v, Value::Array(a) if a.is_empty()) => None,
                     _ if matches!(v, Value::Object(o) if o.is_empty()) => None,
@@ -220,6 +220,57 @@ impl Regeneration {
         self.done = true;
         Ok(())
     }
+}
+
+/// The tools as vLLM's chat endpoint hands them to the template: each
+/// checked against its `ChatCompletionToolsParam` (a `"function"` type, a
+/// `function` object with a string `name`, a string or null `description`,
+/// an object or null `parameters`) and rendered as its `model_dump()`:
+/// `type`, then `function` {`name`, `description`, `parameters`, then any
+/// other keys}, then the tool's other keys, nulls written out. `Err` where
+/// vLLM answers 400 (and the tool fails the conversation).
+fn vllm_tools(tools: &[Value]) -> Result<Value, String> {
+    let bad = |i: usize, why: &str| format!("tools[{i}] is not a tool vLLM's chat endpoint takes: {why}");
+    let mut out = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let t = t.as_object().ok_or_else(|| bad(i, "not an object"))?;
+        match t.get("type") {
+            None => {}
+            Some(Value::String(s)) if s == "function" => {}
+            Some(_) => return Err(bad(i, "`type` must be \"function\"")),
+        }
+        let f = t.get("function").and_then(|f| f.as_object()).ok_or_else(|| bad(i, "no `function` object"))?;
+        let name = f.get("name").filter(|n| n.is_string()).ok_or_else(|| bad(i, "no string `function.name`"))?;
+        let description = match f.get("description") {
+            None | Some(Value::Null) => Value::Null,
+            Some(d @ Value::String(_)) => d.clone(),
+            Some(_) => return Err(bad(i, "`function.description` must be a string")),
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => Value::Null,
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => return Err(bad(i, "`function.parameters` must be an object")),
+        };
+        let mut function = Map::new();
+        function.insert("name".into(), name.clone());
+        function.insert("description".into(), description);
+        function.insert("parameters".into(), parameters);
+        for (k, v) in f {
+            if !matches!(k.as_str(), "name" | "description" | "parameters") {
+                function.insert(k.clone(), v.clone());
+            }
+        }
+        let mut tool = Map::new();
+        tool.insert("type".into(), "function".into());
+        tool.insert("function".into(), Value::Object(function));
+        for (k, v) in t {
+            if !matches!(k.as_str(), "type" | "function") {
+                tool.insert(k.clone(), v.clone());
+            }
+        }
+        out.push(Value::Object(tool));
+    }
+    Ok(Value::Array(out))
 }
 
 /// A history message as vLLM hands it to the template: text parts of a
@@ -459,8 +510,20 @@ mod tests {
         assert!(e.starts_with("no user turn"), "{e}");
         let e = Regeneration::parse(&row(json!({"prompt": "p", "tools": "not json"}))).unwrap_err();
         assert_eq!(e, "a tools field is present but not a usable list");
-        let r = Regeneration::parse(&row(json!({"prompt": "p", "tools": "[{\"type\": \"function\"}]"}))).unwrap();
-        assert_eq!(r.tools, Some(json!([{"type": "function"}])));
+        let tools = "[{\"function\": {\"parameters\": {}, \"name\": \"f\", \"strict\": true}, \"x\": 1}]";
+        let r = Regeneration::parse(&row(json!({"prompt": "p", "tools": tools}))).unwrap();
+        // vLLM's model_dump(): declared fields first, nulls written out, other keys after.
+        let want = json!([{"type": "function", "function": {"name": "f", "description": null, "parameters": {},
+            "strict": true}, "x": 1}]);
+        assert_eq!(serde_json::to_string(&r.tools).unwrap(), serde_json::to_string(&Some(want)).unwrap());
+        for bad in [
+            json!([{"type": "function"}]),
+            json!([{"name": "f", "parameters": {}}]),
+            json!([{"type": "x", "function": {"name": "f"}}]),
+        ] {
+            let e = Regeneration::parse(&row(json!({"prompt": "p", "tools": bad}))).unwrap_err();
+            assert!(e.starts_with("tools[0] is not a tool vLLM's chat endpoint takes"), "{e}");
+        }
         assert!(Regeneration::parse(&row(json!({"prompt": "p", "tools": ""}))).unwrap().tools.is_none());
     }
 
