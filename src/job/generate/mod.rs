@@ -142,6 +142,16 @@ pub enum GenerateError {
     Manifest(#[from] crate::format::manifest::ManifestError),
 }
 
+/// A manifest read whose visitor never fails: only the manifest's own errors.
+impl From<crate::format::manifest::ReadEachError<std::convert::Infallible>> for GenerateError {
+    fn from(e: crate::format::manifest::ReadEachError<std::convert::Infallible>) -> Self {
+        match e {
+            crate::format::manifest::ReadEachError::Manifest(e) => GenerateError::Manifest(e),
+            crate::format::manifest::ReadEachError::Each(never) => match never {},
+        }
+    }
+}
+
 /// What a run did.
 #[derive(Clone, Debug, Default)]
 pub struct GenerateSummary {
@@ -311,14 +321,7 @@ impl GenerateJob {
             OpenMode::Resume if crate::files::is_regular(&out.join("manifest.json")).unwrap_or(false) => {
                 let dir = crate::files::Dir::open(&out)
                     .map_err(|cause| SinkError::Io { path: out.display().to_string(), cause })?;
-                let job =
-                    Manifest::read_each(&dir, &mut |_| Ok::<(), std::convert::Infallible>(())).map_err(
-                        |e| match e {
-                            crate::format::manifest::ReadEachError::Manifest(e) => GenerateError::Manifest(e),
-                            crate::format::manifest::ReadEachError::Each(never) => match never {},
-                        },
-                    )?;
-                Some(job)
+                Some(Manifest::read_each(&dir, &mut |_| Ok::<(), std::convert::Infallible>(()))?)
             }
             _ => None,
         };
@@ -873,10 +876,6 @@ impl GenerateJob {
                 _ => {}
             }
             Ok::<(), std::convert::Infallible>(())
-        })
-        .map_err(|e| match e {
-            crate::format::manifest::ReadEachError::Manifest(e) => GenerateError::Manifest(e),
-            crate::format::manifest::ReadEachError::Each(never) => match never {},
         })?;
         Ok((last.filter(|p: &InputPos| p.samples == resumed), written))
     }

@@ -5,7 +5,7 @@
 //! writes what an uninterrupted one does.
 
 use super::GenerateError;
-use crate::format::manifest::{Entry, FinishReason, Manifest, ReadEachError};
+use crate::format::manifest::{Entry, FinishReason, Manifest};
 use crate::sink::SinkError;
 use std::io::Write;
 use std::path::Path;
@@ -61,10 +61,6 @@ pub fn write(out: &Path, tokenizer: Option<&crate::chat::Tokenizer>) -> Result<u
             Entry::Skipped(_) => {}
         }
         Ok::<(), std::convert::Infallible>(())
-    })
-    .map_err(|e| match e {
-        ReadEachError::Manifest(e) => GenerateError::Manifest(e),
-        ReadEachError::Each(never) => match never {},
     })?;
     let g = m.generation.clone().unwrap_or_default();
     // A part's indices count from its first record: `idx` is the whole input's.
@@ -184,10 +180,7 @@ pub fn join_parts(out: &Path) -> Result<Option<usize>, GenerateError> {
         move |cause| GenerateError::Sink(SinkError::Io { path, cause })
     };
     let dir = crate::files::Dir::open(out).map_err(io(out))?;
-    let m = Manifest::read_each(&dir, &mut |_| Ok::<(), std::convert::Infallible>(())).map_err(|e| match e {
-        ReadEachError::Manifest(e) => GenerateError::Manifest(e),
-        ReadEachError::Each(never) => match never {},
-    })?;
+    let m = Manifest::read_each(&dir, &mut |_| Ok::<(), std::convert::Infallible>(()))?;
     if m.generation.is_none() || m.merged.is_empty() {
         return Ok(None);
     }
