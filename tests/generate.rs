@@ -45,6 +45,8 @@ fn sequences(doc: &Value) -> Vec<Sequence> {
             params: SamplingParams::greedy(),
             stop: Vec::new(),
             key: DrawKey { seed: 0, record: 0, generation: 0, position: 0 },
+            park: false,
+            continues: None,
         })
         .collect()
 }
@@ -162,6 +164,8 @@ fn the_cache_stays_under_its_budget_and_fills_it() {
                 params: SamplingParams::default(),
                 stop: Vec::new(),
                 key: DrawKey { seed: 3, record: i as u128, generation: 0, position: 0 },
+                park: false,
+                continues: None,
             })
             .collect();
         let captures = CaptureSet::<usize>::try_new(vec![CapturePoint::Embeddings]).unwrap();
@@ -188,6 +192,153 @@ fn the_cache_stays_under_its_budget_and_fills_it() {
     }
 }
 
+/// A turn that continues the cache of the turn before it (the whole row,
+/// or a common prefix cut back to) draws the tokens, and its fed positions
+/// get the states, of the same prompt prefilled whole; a continuation that
+/// cannot fit the budget starts over with the same result. Hybrid models
+/// (a recurrent state) continue only whole rows.
+#[test]
+fn a_continued_cache_is_a_fresh_prefill() {
+    for (name, tp, recurrent) in [("llama-default", 1, false), ("qwen3-next", 1, true), ("deepseek-v3", 2, false)] {
+        check_continuation(name, &load(name, BackendKind::Cpu, tp), recurrent);
+    }
+}
+
+/// The CUDA cache's side of [`a_continued_cache_is_a_fresh_prefill`]: a
+/// continued entry cut back and grown to its new reservation, on the emulator.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_continued_cache_is_a_fresh_prefill_on_the_emulated_cuda_backend() {
+    use crate::cuda_emu::{gxx_or_skip, Emulated};
+    use strata::backend::cuda::Cuda;
+    use strata::backend::F32;
+    use strata::hf::checkpoint::Checkpoint;
+    use strata::model::AnyConfig;
+    if !gxx_or_skip("a_continued_cache_is_a_fresh_prefill_on_the_emulated_cuda_backend") {
+        return;
+    }
+    for (name, tp, recurrent) in [("llama-default", 1, false), ("qwen3-next", 1, true)] {
+        let dir = fixture(name);
+        let config = AnyConfig::read(&dir).unwrap();
+        let prefix = config.tensor_prefix();
+        let b = Cuda::<F32, Emulated>::new(Emulated::default(), (0..tp).collect());
+        let open = move || Checkpoint::open_scoped(&dir, &prefix);
+        check_continuation(
+            &format!("{name} (emulated cuda)"),
+            &config.load_on_with(b, tp, true, open).unwrap(),
+            recurrent,
+        );
+    }
+}
+
+fn check_continuation(name: &str, m: &AnyModel, recurrent: bool) {
+    use strata::generate::Decode;
+    let captures =
+        CaptureSet::<usize>::try_new(vec![CapturePoint::LayerInput(1), CapturePoint::FinalPostNorm]).unwrap();
+    let seq = |prompt: Vec<u32>, record: u128| Sequence {
+        prompt,
+        max_tokens: 12,
+        params: SamplingParams { temperature: 0.9, ..SamplingParams::default() },
+        stop: Vec::new(),
+        key: DrawKey { seed: 5, record, generation: 0, position: 0 },
+        park: true,
+        continues: None,
+    };
+    // Each sequence's tokens and the states of its fed positions, by position.
+    type Fed = std::collections::HashMap<usize, Vec<(usize, Vec<f32>)>>;
+    // What to do when a sequence ends (add the next turn).
+    type Then<'a> = Box<dyn FnMut(&mut Decode<'_, AnyModel, usize>, usize, &Generated) + 'a>;
+    let drive =
+        |d: &mut Decode<'_, AnyModel, usize>, cache: &mut model::AnyCache, fed: &mut Fed, mut then: Then<'_>| {
+            let mut out = std::collections::HashMap::new();
+            while !d.is_idle() {
+                let done = d
+                    .step(cache, |segs, states| {
+                        let mut row = 0;
+                        for seg in segs {
+                            for t in 0..seg.len {
+                                let h = states.hidden();
+                                let v: Vec<f32> =
+                                    (0..2).flat_map(|l| states.layer(l)[(row + t) * h..][..h].to_vec()).collect();
+                                fed.entry(seg.index).or_default().push((seg.pos0 + t, v));
+                            }
+                            row += seg.len;
+                        }
+                        Ok::<_, strata::model::ModelError>(())
+                    })
+                    .unwrap();
+                for (i, g) in done {
+                    then(d, i, &g);
+                    out.insert(i, g);
+                }
+            }
+            out
+        };
+    {
+        let first: Vec<u32> = (0..30).map(|t| (t * 11 + 3) % 100).collect();
+        // A sequence beside the first, running longer.
+        let other = Sequence { max_tokens: 30, park: false, ..seq((0..30).map(|t| (t * 5 + 1) % 100).collect(), 9) };
+        for (budget, cut) in [(false, false), (false, true), (true, false)] {
+            if cut && recurrent {
+                continue;
+            }
+            let mut cache = model::AnyCache::default();
+            let mut opts = DecodeOptions { max_batch_tokens: 16, max_num_seqs: 4, kv_cache_bytes: None };
+            if budget {
+                // Room for the first turn and the other sequence, not for the next turn beside it.
+                let probe = DecodeOptions { kv_cache_bytes: Some(usize::MAX), ..opts };
+                let p = Decode::new(m, &mut cache, captures.clone(), probe, 200).unwrap();
+                opts.kv_cache_bytes = Some(p.need(&seq(first.clone(), 0)) + p.need(&other));
+            }
+            let mut d = Decode::new(m, &mut cache, captures.clone(), opts, 200).unwrap();
+            d.add(0, seq(first.clone(), 0)).unwrap();
+            d.add(2, other.clone()).unwrap();
+            let mut fed = Fed::new();
+            let mut next_prompt = Vec::new();
+            let mut reused = usize::MAX;
+            let out = drive(
+                &mut d,
+                &mut cache,
+                &mut fed,
+                Box::new(|d, i, g| {
+                    if i != 0 {
+                        return;
+                    }
+                    let mut row = first.clone();
+                    row.extend(&g.output);
+                    // The next turn: the whole row and more, or its first 20 tokens and others.
+                    let shared = if cut { 20 } else { row.len() };
+                    let mut p = row[..shared].to_vec();
+                    p.extend([7, 8, 9, 10, 11]);
+                    next_prompt = p.clone();
+                    let next = Sequence { continues: Some((0, shared)), park: false, ..seq(p, 1) };
+                    reused = d.add(1, next).unwrap();
+                }),
+            );
+            let what = format!("{name} budget {budget:?} cut {cut}");
+            match budget {
+                false => assert_eq!(reused, if cut { 20 } else { 42 }, "{what}"),
+                true => assert_eq!(reused, 0, "{what}: a continuation that does not fit starts over"),
+            }
+            assert_eq!(d.stats().reused, reused, "{what}");
+            // The second turn alone, prefilled whole.
+            let mut fresh_cache = model::AnyCache::default();
+            let mut f = Decode::new(m, &mut fresh_cache, captures.clone(), opts, 200).unwrap();
+            f.add(1, Sequence { park: false, ..seq(next_prompt.clone(), 1) }).unwrap();
+            let mut fresh_fed = Fed::new();
+            let fresh = drive(&mut f, &mut fresh_cache, &mut fresh_fed, Box::new(|_, _, _| {}));
+            assert_eq!(out[&1], fresh[&1], "{what}: other tokens");
+            let want: std::collections::HashMap<usize, Vec<f32>> = fresh_fed.remove(&1).unwrap().into_iter().collect();
+            let got = &fed[&1];
+            assert_eq!(got.first().unwrap().0, reused, "{what}: fed from the first position not cached");
+            assert_eq!(got.len() + reused, want.len(), "{what}");
+            for (pos, v) in got {
+                assert!(want[pos] == *v, "{what}: the states of position {pos} differ from a whole prefill's");
+            }
+        }
+    }
+}
+
 fn free_seq() -> Sequence {
     Sequence {
         prompt: vec![1, 2, 3],
@@ -195,6 +346,8 @@ fn free_seq() -> Sequence {
         params: SamplingParams::default(),
         stop: Vec::new(),
         key: DrawKey { seed: 0, record: 0, generation: 0, position: 0 },
+        park: false,
+        continues: None,
     }
 }
 
@@ -544,7 +697,11 @@ fn conversations_regenerate_turn_by_turn() {
     let model = chat_model(tmp.path(), "chatml");
     let data = conversations(tmp.path());
     let out = tmp.path().join("o");
-    generate_chat(&model, &data, &out, &[]);
+    let said = generate_chat(&model, &data, &out, &[]);
+    // Later turns continue the cache of the turn before (what their prompts share).
+    let kept = said.split("prompt tokens: ").nth(1).expect("the summary counts prompt tokens");
+    let nums: Vec<usize> = kept.split(|c: char| !c.is_ascii_digit()).filter_map(|w| w.parse().ok()).take(2).collect();
+    assert!(nums[1] > 0 && nums[0] > 0, "prefilled and kept: {nums:?} in {said}");
     let lines = regenerated(&out);
     let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
     let config: Value =

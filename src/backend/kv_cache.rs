@@ -14,15 +14,26 @@ pub(crate) struct LayerKv {
     pub(crate) v: Vec<f32>,
 }
 
-/// What a layer's state holds in memory.
+/// What a layer's state holds in memory, and whether it can be cut back.
 pub(crate) trait Held {
     /// Bytes allocated.
     fn held_bytes(&self) -> usize;
+    /// Cuts a state of `from` positions back to its first `to` (`to < from`);
+    /// `false` where the state cannot be (a recurrent state sums every position).
+    fn rewind(&mut self, _from: usize, _to: usize) -> bool {
+        false
+    }
 }
 
 impl Held for LayerKv {
     fn held_bytes(&self) -> usize {
         (self.k.capacity() + self.v.capacity()) * 4
+    }
+    fn rewind(&mut self, from: usize, to: usize) -> bool {
+        // Rows of equal width: a layer holds `from` of them (or none yet).
+        self.k.truncate(self.k.len() / from.max(1) * to);
+        self.v.truncate(self.v.len() / from.max(1) * to);
+        true
     }
 }
 
@@ -62,6 +73,17 @@ pub(crate) fn check_continuations(batch: &PackedBatch, cached: impl Fn(u64) -> u
     Ok(())
 }
 
+/// A rewind a cache cannot do: past its positions, or of a recurrent state.
+pub(crate) fn rewind_refused(key: u64, from: usize, to: usize) -> BackendError {
+    BackendError::Input {
+        sample: key as usize,
+        problem: format!(
+            "cannot cut a cached sample of {from} positions back to {to}: only keys and values of earlier \
+             positions can be dropped, not a recurrent state's"
+        ),
+    }
+}
+
 impl<T: Default + Send + Held> SeqStore<T> {
     fn len(&self) -> usize {
         self.entries.len()
@@ -72,6 +94,19 @@ impl<T: Default + Send + Held> SeqStore<T> {
     }
 
     fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
+        for &(key, to) in batch.rewinds() {
+            // A store without the sample (a model with no layer of its kind) has nothing to cut.
+            let Some(e) = self.entries.get_mut(&key) else { continue };
+            if to == 0 {
+                self.entries.remove(&key);
+            } else if to != e.positions {
+                let from = e.positions;
+                if to > from || !e.layers.iter_mut().all(|l| l.rewind(from, to)) {
+                    return Err(rewind_refused(key, from, to));
+                }
+                e.positions = to;
+            }
+        }
         check_continuations(batch, |key| self.entries.get(&key).map_or(0, |e| e.positions))?;
         for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
             self.entries.entry(seg.key).or_default().positions = seg.pos0 + batch.range(s).len();
@@ -153,9 +188,10 @@ impl KvCache {
     pub(crate) fn layer_mut(&mut self, key: u64, layer: usize, kw: usize, vw: usize) -> &mut LayerKv {
         let reserved = self.0.reserved(key);
         let l = self.0.layer_mut(key, layer);
-        if l.k.capacity() == 0 && reserved > 0 {
-            l.k.reserve_exact(reserved * kw);
-            l.v.reserve_exact(reserved * vw);
+        // Made once, or once more when a continued sample reserves more.
+        if l.k.capacity() < reserved * kw {
+            l.k.reserve_exact(reserved * kw - l.k.len());
+            l.v.reserve_exact(reserved * vw - l.v.len());
         }
         l
     }

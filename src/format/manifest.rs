@@ -995,6 +995,7 @@ mod tests {
             vocab_size: 16,
             max_position_embeddings: 64,
             max_position_default: false,
+            recurrent: false,
         };
         let job = |budget: Option<usize>| {
             let mut m = Manifest::new(ModelInfo::new("m", &arch, "{}"), &[CapturePoint::FinalPreNorm], DType::BF16, 1);

@@ -10,6 +10,11 @@
 //! states. The states of a token do not depend on how it was batched
 //! (bitwise, on the batch-invariant backends), and a token's draw depends
 //! only on its logits and its [`DrawKey`], so the tokens do not either.
+//!
+//! A conversation's next turn continues the cache of the turn before it
+//! (no second prefill of what they share): a [`Sequence`] that `park`s
+//! keeps its cache when it ends, and one that `continues` it takes that
+//! cache, cut back to their common prefix, and feeds the rest.
 
 use super::sampling::{DrawKey, History, Sampler, SamplingParams};
 use crate::model::{Model, ModelError, Sampled};
@@ -32,6 +37,14 @@ pub struct Sequence {
     pub stop: Vec<u32>,
     /// What its draws depend on; `position` is set per token.
     pub key: DrawKey,
+    /// Keep its cache when it ends (parked), for a sequence that
+    /// [`continues`](Self::continues) it; a parked cache not taken before
+    /// the next step is dropped.
+    pub park: bool,
+    /// `(index, n)`: the first `n` prompt tokens are the first `n` tokens of
+    /// the parked sequence `index` (its prompt and output): its cache holds
+    /// them already, and only the rest is fed.
+    pub continues: Option<(usize, usize)>,
 }
 
 /// Why a generation ended (vLLM's `finish_reason`).
@@ -126,12 +139,22 @@ pub struct DecodeStats {
     pub cache_high_water: usize,
     /// Most bytes the sequences in flight had reserved.
     pub reserved_high_water: usize,
+    /// Prompt tokens not fed again: an earlier turn's cache held them.
+    pub reused: usize,
+    /// Prompt tokens fed.
+    pub prefilled: usize,
 }
 
 /// A sequence in flight.
 struct Running {
-    /// Its index in the caller's list (also its cache key).
+    /// Its index in the caller's list.
     index: usize,
+    /// Its cache's key: its index, or that of the sequence whose cache it continues.
+    cache_key: u64,
+    /// Bytes of cache it reserved (0 without a budget).
+    need: usize,
+    /// Its reservation has gone to the cache with its first segment.
+    reserve_sent: bool,
     seq: Sequence,
     /// Prompt tokens fed so far.
     fed: usize,
@@ -146,6 +169,15 @@ impl Running {
     fn position(&self) -> usize {
         self.fed + self.output.len().saturating_sub(1)
     }
+}
+
+/// The cache of a sequence that ended and parked, until the next step.
+struct Parked {
+    cache_key: u64,
+    /// Positions its cache holds (its prompt and output).
+    positions: usize,
+    /// Bytes it reserved.
+    need: usize,
 }
 
 /// A step's segment: which sequence, and which of its positions the step fed.
@@ -169,6 +201,12 @@ pub struct StepSegment {
 /// recomputed, and a sequence that ends early (a stop token) gives its
 /// reservation back when its last token has been fed. Sequences enter in
 /// order of arrival (one that does not fit waits, and so do those behind it).
+///
+/// **A continuation enters at once or starts over.** A sequence that
+/// continues a parked cache takes that cache's reservation and enters
+/// when [`add`](Self::add)ed, if its own fits there and in `max_num_seqs`;
+/// otherwise the parked cache is dropped and it waits as a new sequence
+/// (so no parked cache ever waits for room others hold).
 pub struct Decode<'m, M: Model, L: Dim> {
     model: &'m M,
     captures: CaptureSet<L>,
@@ -177,6 +215,10 @@ pub struct Decode<'m, M: Model, L: Dim> {
     waiting: VecDeque<Running>,
     running: Vec<Running>,
     reserved: usize,
+    /// Caches of sequences that ended this step, which a continuation may take.
+    parked: std::collections::HashMap<usize, Parked>,
+    /// Cache entries to cut back (or drop, at 0) with the next step.
+    rewinds: Vec<(u64, usize)>,
     sampler: Sampler,
     stats: DecodeStats,
     batch: PackedBatch,
@@ -206,6 +248,8 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             reserved: 0,
+            parked: std::collections::HashMap::new(),
+            rewinds: Vec::new(),
             sampler: Sampler::new(),
             stats: DecodeStats::default(),
             batch: PackedBatch::new(),
@@ -234,13 +278,47 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
         })
     }
 
-    /// Queues `seq`, known to the caller as `index` (also its cache key: unique among those in flight).
-    pub fn add(&mut self, index: usize, seq: Sequence) -> Result<(), ModelError> {
+    /// Queues `seq`, known to the caller as `index` (unique: it keys its
+    /// cache), and returns how many of its prompt tokens a parked cache it
+    /// continues holds already (0: none, it is prefilled whole).
+    pub fn add(&mut self, index: usize, seq: Sequence) -> Result<usize, ModelError> {
         if let Some(problem) = self.refuse(&seq) {
             return Err(ModelError::Input { sample: index, problem });
         }
-        self.waiting.push_back(Running { index, seq, fed: 0, output: Vec::new(), finish: None, retired: false });
-        Ok(())
+        let need = self.need(&seq);
+        let continues = seq.continues;
+        let mut r = Running {
+            index,
+            cache_key: index as u64,
+            need,
+            reserve_sent: false,
+            seq,
+            fed: 0,
+            output: Vec::new(),
+            finish: None,
+            retired: false,
+        };
+        if let Some(p) = continues.and_then(|(from, _)| self.parked.remove(&from)) {
+            // At least the prompt's last token is fed: it gives the first logits.
+            let n = continues.map_or(0, |c| c.1).min(p.positions).min(r.seq.prompt.len() - 1);
+            let reserved = self.reserved - p.need;
+            let fits = self.running.len() < self.opts.max_num_seqs.max(1)
+                && self.opts.kv_cache_bytes.is_none_or(|limit| reserved + need <= limit);
+            if n > 0 && fits {
+                if n < p.positions {
+                    self.rewinds.push((p.cache_key, n));
+                }
+                self.reserved = reserved + need;
+                self.stats.reused += n;
+                (r.cache_key, r.fed) = (p.cache_key, n);
+                self.running.push(r);
+                return Ok(n);
+            }
+            self.rewinds.push((p.cache_key, 0));
+            self.reserved = reserved;
+        }
+        self.waiting.push_back(r);
+        Ok(0)
     }
 
     /// Sequences queued, not yet in flight.
@@ -278,13 +356,17 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
         mut on_step: impl FnMut(&[StepSegment], CapturedStates<L, M::Hidden>) -> Result<(), E>,
     ) -> Result<Vec<(usize, Generated)>, E> {
         let (budget, width) = (self.opts.max_batch_tokens.max(1), self.opts.max_num_seqs.max(1));
+        // Parked caches no continuation took are dropped with this step.
+        for (_, p) in self.parked.drain() {
+            self.rewinds.push((p.cache_key, 0));
+            self.reserved -= p.need;
+        }
         while self.running.len() < width {
             let Some(front) = self.waiting.front() else { break };
-            let need = self.need(&front.seq);
-            if self.opts.kv_cache_bytes.is_some_and(|limit| self.reserved + need > limit) {
+            if self.opts.kv_cache_bytes.is_some_and(|limit| self.reserved + front.need > limit) {
                 break;
             }
-            self.reserved += need;
+            self.reserved += front.need;
             self.running.push(self.waiting.pop_front().expect("checked"));
         }
         let stats = &mut self.stats;
@@ -301,7 +383,7 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
             if room == 0 {
                 break;
             }
-            let key = r.index as u64;
+            let key = r.cache_key;
             let (pos0, tokens): (usize, &[u32]) = if r.fed < r.seq.prompt.len() {
                 let end = r.seq.prompt.len().min(r.fed + room);
                 (r.fed, &r.seq.prompt[r.fed..end])
@@ -309,17 +391,20 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
                 (r.position(), std::slice::from_ref(r.output.last().expect("a sampled token")))
             };
             let len = tokens.len();
-            let keep = r.finish.is_none();
-            r.retired = !keep;
+            r.retired = r.finish.is_some();
+            // A parking sequence keeps its last token's keys too: a continuation starts after it.
+            let keep = !r.retired || r.seq.park;
             batch.push_segment(tokens, Segment { key, pos0, keep });
-            if pos0 == 0 && self.cost.is_some() {
+            if !r.reserve_sent && self.cost.is_some() {
                 batch.reserve(key, r.seq.prompt.len().saturating_add(r.seq.max_tokens));
+                r.reserve_sent = true;
             }
             layout.push(StepSegment { index: r.index, pos0, len });
             if r.fed < r.seq.prompt.len() {
                 r.fed += len;
+                stats.prefilled += len;
             }
-            if keep && r.fed == r.seq.prompt.len() {
+            if !r.retired && r.fed == r.seq.prompt.len() {
                 sample.push(batch.num_tokens() - 1);
                 samplers.push(i);
             }
@@ -327,6 +412,10 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
         if batch.num_tokens() == 0 {
             return Ok(Vec::new());
         }
+        for &(key, positions) in &self.rewinds {
+            batch.rewind(key, positions);
+        }
+        self.rewinds.clear();
         let Sampled { states, logits } =
             self.model.forward_sample_pending(batch, &self.captures, cache, Some(sample))?;
         stats.steps += 1;
@@ -351,7 +440,12 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
         self.running = kept;
         let mut out = Vec::with_capacity(finished.len());
         for r in finished {
-            self.reserved -= self.cost.map_or(0, |c| c.of(r.seq.prompt.len().saturating_add(r.seq.max_tokens)));
+            if r.seq.park {
+                let positions = r.seq.prompt.len() + r.output.len();
+                self.parked.insert(r.index, Parked { cache_key: r.cache_key, positions, need: r.need });
+            } else {
+                self.reserved -= r.need;
+            }
             out.push((r.index, Generated { output: r.output, finish: r.finish.expect("finished") }));
         }
         Ok(out)

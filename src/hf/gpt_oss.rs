@@ -395,6 +395,7 @@ impl GptOssConfig {
             vocab_size: self.vocab_size,
             max_position_embeddings: self.max_position_embeddings,
             max_position_default: self.max_position_default,
+            recurrent: false,
         }
     }
 }

@@ -608,6 +608,7 @@ impl LlamaConfig {
             vocab_size: self.vocab_size,
             max_position_embeddings: self.max_position_embeddings,
             max_position_default: self.max_position_default,
+            recurrent: false,
         }
     }
 

@@ -313,6 +313,7 @@ impl Llama4Config {
             vocab_size: self.vocab_size,
             max_position_embeddings: self.max_position_embeddings,
             max_position_default: self.max_position_default,
+            recurrent: false,
         }
     }
 }

@@ -94,6 +94,9 @@ pub struct ArchInfo {
     /// `max_position_embeddings` is HF's default for the architecture:
     /// config.json has no such field.
     pub max_position_default: bool,
+    /// Some layers keep a recurrent state (Gated DeltaNet), which a cache
+    /// cannot cut back to an earlier position as it can keys and values.
+    pub recurrent: bool,
 }
 
 /// Largest `config.json` (or shard index) read: real ones are kilobytes to a

@@ -356,6 +356,7 @@ impl Qwen3NextConfig {
             vocab_size: self.vocab_size,
             max_position_embeddings: self.max_position_embeddings,
             max_position_default: self.max_position_default,
+            recurrent: self.layer_types.contains(&LayerKind::Linear),
         }
     }
 }

@@ -31,6 +31,10 @@ pub struct PackedBatch {
     /// `(key, positions)`: the most positions a sequence that starts in
     /// this step will hold, so its cache is allocated once (generation).
     reservations: Vec<(u64, usize)>,
+    /// `(key, positions)`: cached samples cut back to their first
+    /// `positions` before the step runs (0 drops the sample): a generation
+    /// continuing the cache of an earlier one that shares only a prefix.
+    rewinds: Vec<(u64, usize)>,
 }
 
 impl Default for PackedBatch {
@@ -42,7 +46,13 @@ impl Default for PackedBatch {
 impl PackedBatch {
     /// An empty batch.
     pub fn new() -> Self {
-        PackedBatch { token_ids: Vec::new(), cu_seqlens: vec![0], segments: Vec::new(), reservations: Vec::new() }
+        PackedBatch {
+            token_ids: Vec::new(),
+            cu_seqlens: vec![0],
+            segments: Vec::new(),
+            reservations: Vec::new(),
+            rewinds: Vec::new(),
+        }
     }
 
     /// Packs whole samples in order (keys 0, 1, ...).
@@ -79,12 +89,25 @@ impl PackedBatch {
         &self.reservations
     }
 
+    /// Says that cached sample `key` keeps only its first `positions`
+    /// before this step runs; 0 drops it. A cache refuses to rewind what it
+    /// cannot (a recurrent state, or past the positions it holds).
+    pub fn rewind(&mut self, key: u64, positions: usize) {
+        self.rewinds.push((key, positions));
+    }
+
+    /// The rewinds this batch applies before it runs.
+    pub fn rewinds(&self) -> &[(u64, usize)] {
+        &self.rewinds
+    }
+
     /// Empties the batch, keeping its allocations.
     pub fn clear(&mut self) {
         self.token_ids.clear();
         self.cu_seqlens.truncate(1);
         self.segments.clear();
         self.reservations.clear();
+        self.rewinds.clear();
     }
 
     /// All tokens, packed.

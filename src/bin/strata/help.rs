@@ -15,6 +15,8 @@ with --reasoning-parser); a generated tool call (--tool-call-parser hermes) is a
 with the row's next cached tool message. A conversation stops, its rows kept, when
 prompt + completion pass --max-tokens (a turn cut by max_tokens always does), on a
 parallel call, a call for another tool than the cached result names, or no result left.
+A turn continues the previous turn's cache: the tokens its prompt shares with the last
+row are not prefilled again (hybrid Gated DeltaNet models: only a whole previous row).
 Text prompts ({\"text\": ...}) and token-id prompts ({\"input_ids\": [...]}) give one
 generation each.
 

@@ -324,9 +324,12 @@ pub(crate) fn generate_summary(s: &strata::job::generate::GenerateSummary, out: 
     );
     if s.conversations > 0 {
         say!(
-            "  conversations: {} read, {} stopped early (past max_tokens, a parallel call, no cached result)",
+            "  conversations: {} read, {} stopped early (past max_tokens, a parallel call, no cached result); \
+             prompt tokens: {} prefilled, {} kept in cache from the turn before",
             s.conversations,
-            s.truncated
+            s.truncated,
+            s.decode.prefilled,
+            s.decode.reused
         );
     }
     say!("  seed {}{drawn}; stop ids {:?}", s.seed, s.stop_token_ids);

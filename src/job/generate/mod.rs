@@ -243,6 +243,8 @@ struct Record {
     /// A conversation's state; `None` for a single prompt.
     regen: Option<Box<Regeneration>>,
     rows: Vec<Row>,
+    /// The flight of its last generation: a conversation's next turn continues its cache.
+    last_flight: Option<usize>,
     /// The files of its rows an interrupted run already wrote (`--resume`):
     /// regenerated, they must be those rows again.
     written: Vec<PathBuf>,
@@ -291,6 +293,9 @@ struct Plan<'a> {
     max_tokens: Option<usize>,
     max_pos: usize,
     vocab: usize,
+    hidden: usize,
+    /// The model keeps a recurrent state, which a continued cache cannot cut back.
+    recurrent: bool,
     chat: Option<&'a Chat>,
     /// Why there is no chat (for a text or conversation record's refusal).
     no_chat: String,
@@ -417,6 +422,8 @@ impl GenerateJob {
             max_tokens,
             max_pos: info.max_position_embeddings,
             vocab: info.vocab_size,
+            hidden: info.hidden_size,
+            recurrent: info.recurrent,
             chat: chat_ref,
             no_chat,
         };
@@ -524,6 +531,7 @@ impl GenerateJob {
                     key,
                     regen: None,
                     rows: vec![],
+                    last_flight: None,
                     written: if index == resumed { std::mem::take(&mut written) } else { vec![] },
                 };
                 let first = match prompt {
@@ -538,7 +546,7 @@ impl GenerateJob {
                     Prompt::Bad(why) => Err(why),
                 };
                 let started = first.and_then(|ids| {
-                    self.start(&plan, &mut decode, &mut flights, &mut next_flight, &record, ids, layers)
+                    self.start(&plan, &mut decode, &mut flights, &mut next_flight, &mut record, ids, layers)
                 });
                 match started {
                     Ok(()) => {
@@ -561,6 +569,7 @@ impl GenerateJob {
                 for seg in segments {
                     let f = flights.get_mut(&seg.index).expect("a generation in flight");
                     for (l, buf) in f.layers.iter_mut().enumerate() {
+                        debug_assert_eq!(buf.len(), seg.pos0 * hidden, "a flight's states come in order");
                         buf.extend_from_slice(&states.layer(l)[row * hidden..(row + seg.len) * hidden]);
                     }
                     row += seg.len;
@@ -576,7 +585,7 @@ impl GenerateJob {
                         ready.insert(index, Done::Skip(record.sample, why));
                     }
                     Ok(Some(ids)) => {
-                        match self.start(&plan, &mut decode, &mut flights, &mut next_flight, &record, ids, layers) {
+                        match self.start(&plan, &mut decode, &mut flights, &mut next_flight, &mut record, ids, layers) {
                             Ok(()) => {
                                 records.insert(index, record);
                             }
@@ -710,6 +719,8 @@ impl GenerateJob {
 
     /// Admits a generation of `ids` for `record`, or says why it cannot run
     /// (the record is then refused whole, as vLLM's 400 fails the tool's conversation).
+    /// A conversation's turn continues the cache of its last one where
+    /// their tokens begin alike, and takes that row's states for them.
     #[allow(clippy::too_many_arguments)]
     fn start<M: Model>(
         &self,
@@ -717,7 +728,7 @@ impl GenerateJob {
         decode: &mut Decode<'_, M, usize>,
         flights: &mut HashMap<usize, Flight>,
         next_flight: &mut usize,
-        record: &Record,
+        record: &mut Record,
         ids: Vec<u32>,
         layers: usize,
     ) -> Result<(), String> {
@@ -744,12 +755,19 @@ impl GenerateJob {
             ));
         }
         let generation = record.rows.len();
+        // The tokens this prompt shares with the last row, whose cache that turn parked.
+        let last = record.last_flight.zip(record.rows.last());
+        let shared = last.map_or(0, |(_, row)| common_prefix(&row.ids, &ids));
+        // A recurrent state holds every position it has seen: only a whole row continues it.
+        let shared = if plan.recurrent && last.is_some_and(|(_, row)| shared < row.ids.len()) { 0 } else { shared };
         let seq = Sequence {
             prompt: ids,
             max_tokens: n,
             params: plan.params,
             stop: plan.stop.clone(),
             key: DrawKey { seed: plan.seed, record: record.key, generation: generation as u32, position: 0 },
+            park: record.regen.is_some(),
+            continues: last.filter(|_| shared > 0).map(|(flight, _)| (flight, shared)),
         };
         if let Some(why) = decode.refuse(&seq) {
             return Err(why);
@@ -757,9 +775,14 @@ impl GenerateJob {
         let prompt = seq.prompt.clone();
         let f = *next_flight;
         *next_flight += 1;
-        decode.add(f, seq).map_err(|e| e.to_string())?;
-        flights
-            .insert(f, Flight { record: record.sample.index, prompt, max_tokens: n, layers: vec![Vec::new(); layers] });
+        let reused = decode.add(f, seq).map_err(|e| e.to_string())?;
+        // The states of the tokens not fed again: the last row's, the same bytes a feed gives.
+        let states = match last.filter(|_| reused > 0) {
+            Some((_, row)) => (0..layers).map(|l| row.states.layer(l)[..reused * plan.hidden].to_vec()).collect(),
+            None => vec![Vec::new(); layers],
+        };
+        flights.insert(f, Flight { record: record.sample.index, prompt, max_tokens: n, layers: states });
+        record.last_flight = Some(f);
         Ok(())
     }
 
@@ -1029,6 +1052,11 @@ fn merge(rows: Vec<Row>) -> Vec<Row> {
         out.push(r);
     }
     out
+}
+
+/// How many tokens `a` and `b` begin with alike.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 /// What a record's draws are keyed by: a digest of its id (the line's

@@ -102,9 +102,10 @@ impl<C: ComputeDtype, D: Device> Cuda<C, D> {
                     });
                 }
                 if slot.as_ref().is_none_or(|l| l.cap < need) {
-                    // The positions the sample reserved, at once; else grow to
-                    // twice the need, keeping the earlier positions.
-                    let cap = if slot.is_none() && reserved >= need { reserved } else { (2 * need).max(64) };
+                    // The positions the sample reserved (more when a continued sample
+                    // reserves more), at once; else grow to twice the need, keeping the
+                    // earlier positions.
+                    let cap = if reserved >= need { reserved } else { (2 * need).max(64) };
                     let mut fresh =
                         LayerKv { k: Bytes { mem: None, ptr: 0, len: 0 }, v: Bytes { mem: None, ptr: 0, len: 0 }, cap };
                     self.ensure(&mut fresh.k, cap * kw * es)?;

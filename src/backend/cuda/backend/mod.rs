@@ -254,6 +254,17 @@ impl<D: Device> Default for KvCache<D> {
 
 impl<D: Device> KvStore for KvCache<D> {
     fn begin(&mut self, batch: &PackedBatch) -> Result<(), BackendError> {
+        for &(key, to) in batch.rewinds() {
+            let Some(e) = self.entries.get_mut(&key) else { continue };
+            if to == 0 {
+                self.entries.remove(&key);
+            } else if to > e.0 {
+                return Err(crate::backend::kv_cache::rewind_refused(key, e.0, to));
+            } else {
+                // The rows past `to` stay allocated and are written over as the sample goes on.
+                e.0 = to;
+            }
+        }
         crate::backend::kv_cache::check_continuations(batch, |key| self.entries.get(&key).map_or(0, |e| e.0))?;
         for (s, seg) in batch.segments().iter().enumerate().filter(|(_, g)| g.uses_cache()) {
             self.entries.entry(seg.key).or_insert_with(|| (0, 0, Vec::new())).0 = seg.pos0 + batch.range(s).len();
