@@ -5,8 +5,9 @@ drives each conversation of the input, exactly as `speculators regenerate-respon
 does, against a stand-in for the vLLM server: each request's messages are rendered
 with transformers' `apply_chat_template(add_generation_prompt=True)` and tokenized
 without special tokens (vLLM's chat endpoint), and the reply is the completion
-Strata drew for that turn, its `content` decoded by transformers' tokenizer with
-special tokens skipped and the stop token dropped (vLLM's detokenizer). The check:
+Strata drew for that turn, its `content` detokenized as vLLM 0.19.1's
+`FastIncrementalDetokenizer` does (a `tokenizers` `DecodeStream` primed with the
+prompt's ids, special tokens skipped, the stop token dropped). The check:
 every prompt the tool asks for is, token for token, the prompt of Strata's row;
 the tool makes as many generations per conversation, refuses the same records,
 and writes the same `id`, `primary_id`, `input_ids`, `loss_mask` and `text`.
@@ -22,6 +23,10 @@ import sys
 from transformers import AutoTokenizer
 
 import importlib
+import os
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "interop"))
+from decode_stream import reply as vllm_reply  # noqa: E402
 
 rr = importlib.import_module("speculators.cli.regenerate_responses")
 from speculators.data_generation.configs import DatasetConfig
@@ -75,7 +80,7 @@ def main(model, data, out):
             completion = s["input_ids"][p:]
             finish = s["metadata"]["finish_reason"]
             body = completion[:-1] if finish == "stop" and completion[-1] in stops else completion
-            content = tok.decode(body, skip_special_tokens=True)
+            content = vllm_reply(tok._tokenizer, prompt, body, True)
             if parser in ("qwen3", "deepseek_r1"):
                 # vLLM's parser: drop up to <think>, content after </think> (None if empty);
                 # without </think> all is reasoning, unless qwen3 with thinking off.

@@ -488,6 +488,8 @@ fn generate_refuses_what_it_cannot_do_by_name() {
     assert!(run(&["--top-k", "-3"]).contains("top_k must be 0 (disable), or at least 1"));
     // No --max-tokens: a response may run to position 256, 512 KiB of this model's cache.
     assert!(run(&["--kv-cache-memory", "100KiB"]).contains("give --max-tokens"));
+    assert!(run(&["--on-nonfinite", "skip"]).contains("drop the flag"));
+    assert!(run(&["--rows", "per-conversation"]).contains("[possible values: per-turn, auto]"));
 }
 
 /// A record whose cache cannot fit the budget is left out by name; the run goes on.
@@ -733,7 +735,7 @@ fn conversations_regenerate_turn_by_turn() {
                 assert!(stops.contains(out_ids.last().unwrap()));
                 out_ids = &out_ids[..out_ids.len() - 1];
             }
-            let content = tokenizer.decode_content(out_ids, true).unwrap();
+            let content = tokenizer.decode_content(&ids[..start], out_ids, true).unwrap();
             let text = line["text"].as_str().unwrap();
             let prompt_text = tokenizer.decode(&ids[..start]).unwrap();
             assert!(text.starts_with(&prompt_text), "the history grows: {text:?}");

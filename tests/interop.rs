@@ -208,3 +208,65 @@ fn draft_vocab_files_match_an_independent_computation() {
     assert!(text.contains("N=100: ") && !text.contains("N=100: 44 tokens seen, 0"), "{text}");
     println!("{}", text.trim());
 }
+
+/// A reply's `content` is the text vLLM 0.19.1 returns: its
+/// `FastIncrementalDetokenizer` (a `tokenizers` `DecodeStream` primed with the
+/// prompt, run by `tests/interop/decode_stream.py` with the Python package)
+/// against `Tokenizer::decode_content`, on the chat fixture's byte-level BPE
+/// and a Llama 2-style SentencePiece BPE (leading-space strip, byte fallback),
+/// over random prompts and replies: special tokens, bytes of unfinished
+/// characters, ids the stream has to restart on.
+#[test]
+fn replies_decode_as_vllms_decode_stream() {
+    let Some(py) = python_with("tokenizers.decoders") else { return };
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/interop/decode_stream.py");
+    let tmp = tempfile::tempdir().unwrap();
+    let sp = tmp.path().join("sp");
+    std::fs::create_dir(&sp).unwrap();
+    let o = Command::new(&py).arg(&script).arg("make-sp").arg(&sp).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let chat = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = |n: usize| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n as u64) as usize
+    };
+    let (mut cases, mut want_strata) = (String::new(), Vec::new());
+    for dir in [&chat, &sp] {
+        let t = strata::chat::Tokenizer::load(dir, &serde_json::Value::Null).unwrap();
+        let vocab = t.vocab_size();
+        let mut enc = strata::chat::Encoded::default();
+        t.encode("hello world, ab cd", false, &mut enc).unwrap();
+        for case in 0..200 {
+            // Prompts: text, or text and random ids, or none at all; replies of random ids.
+            let mut prompt = if case % 3 == 0 { vec![] } else { enc.ids.clone() };
+            prompt.extend((0..next(4) * (case % 2)).map(|_| next(vocab) as u32));
+            let ids: Vec<u32> = (0..1 + next(12)).map(|_| next(vocab) as u32).collect();
+            let skip = case % 4 != 1;
+            let line = serde_json::json!({"tokenizer": dir.join("tokenizer.json"), "prompt": prompt, "ids": ids, "skip": skip});
+            cases += &format!("{line}\n");
+            want_strata.push(t.decode_content(&prompt, &ids, skip).unwrap());
+        }
+    }
+    std::fs::write(tmp.path().join("cases.jsonl"), cases).unwrap();
+    let out = tmp.path().join("texts.json");
+    let o =
+        Command::new(&py).arg(&script).arg("decode").arg(tmp.path().join("cases.jsonl")).arg(&out).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let vllm: Vec<String> = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(vllm.len(), want_strata.len());
+    let mut differs_from_whole = 0;
+    let lines: Vec<String> =
+        std::fs::read_to_string(tmp.path().join("cases.jsonl")).unwrap().lines().map(String::from).collect();
+    for (i, (v, s)) in vllm.iter().zip(&want_strata).enumerate() {
+        assert_eq!(s, v, "case {i} ({}): Strata's reply text is not vLLM's", lines[i]);
+        let c: serde_json::Value = serde_json::from_str(&lines[i]).unwrap();
+        let whole = tokenizers::Tokenizer::from_file(c["tokenizer"].as_str().unwrap()).unwrap();
+        let ids: Vec<u32> = c["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        differs_from_whole += (whole.decode(&ids, c["skip"].as_bool().unwrap()).unwrap() != *v) as usize;
+    }
+    // The cases reach what a reply decoded alone gets wrong (a leading space, unfinished bytes).
+    assert!(differs_from_whole >= 20, "only {differs_from_whole} of {} cases differ from a whole decode", vllm.len());
+}

@@ -177,13 +177,41 @@ impl Tokenizer {
         }
     }
 
-    /// The text of `ids` as vLLM returns a reply's `content`: special tokens
-    /// dropped when `skip_special` (transformers' `skip_special_tokens`;
-    /// a tiktoken model's special tokens are those it lists as special).
-    pub fn decode_content(&self, ids: &[u32], skip_special: bool) -> Result<String, ChatError> {
+    /// The text of the reply `ids` to `prompt` as vLLM (0.19.1) returns its
+    /// `content`: special tokens dropped when `skip_special` (transformers'
+    /// `skip_special_tokens`; a tiktoken model's special tokens are those it
+    /// lists as special).
+    ///
+    /// A `tokenizer.json` model's reply is detokenized as vLLM's
+    /// `FastIncrementalDetokenizer` does it: a `DecodeStream` primed with the
+    /// prompt's ids, stepped one id at a time, so a first token's leading
+    /// space (SentencePiece) is the one the prompt gives it, and bytes of a
+    /// character the reply never finishes are dropped, not written as U+FFFD.
+    /// A tiktoken model's reply is decoded whole (vLLM's slow detokenizer
+    /// differs from that around special tokens; not emulated).
+    pub fn decode_content(&self, prompt: &[u32], ids: &[u32], skip_special: bool) -> Result<String, ChatError> {
         match self {
             Tokenizer::Hf(t) => {
-                t.inner.decode(ids, skip_special).map_err(|e| ChatError::Tokenizer(format!("cannot decode: {e}")))
+                let tk: &tokenizers::Tokenizer = &t.inner;
+                let err = |e: tokenizers::Error| ChatError::Tokenizer(format!("cannot decode: {e}"));
+                let (mut window, mut prefix, mut at) = (prompt.to_vec(), String::new(), 0usize);
+                let mut out = String::new();
+                for &id in ids {
+                    let step = |w: &mut Vec<u32>, p: &mut String, a: &mut usize| {
+                        tokenizers::step_decode_stream(tk, vec![id], skip_special, w, p, a)
+                    };
+                    let text = match step(&mut window, &mut prefix, &mut at) {
+                        // vLLM starts a fresh stream where the text stops extending its
+                        // prefix (tokenizers' "Invalid prefix"), and steps the id again.
+                        Err(e) if e.to_string().starts_with("Invalid prefix encountered") => {
+                            (window, prefix, at) = (Vec::new(), String::new(), 0);
+                            step(&mut window, &mut prefix, &mut at).map_err(err)?
+                        }
+                        r => r.map_err(err)?,
+                    };
+                    out.push_str(text.as_deref().unwrap_or(""));
+                }
+                Ok(out)
             }
             Tokenizer::Tiktoken(t) if skip_special => {
                 let kept: Vec<u32> = ids.iter().copied().filter(|&id| !t.is_special(id)).collect();

@@ -19,6 +19,7 @@ mod report;
 mod verify;
 
 use anyhow::Context;
+use clap::builder::TypedValueParser as _;
 use clap::{Parser, Subcommand};
 use report::{print_summary, Reporter};
 use std::path::PathBuf;
@@ -365,7 +366,9 @@ struct GenerateArgs {
     /// Rows per conversation: per-turn writes one row per generation (as
     /// speculators does); auto merges a row into the next where it is that
     /// row's token prefix (one row, a loss span per generation).
-    #[arg(long, value_enum, value_name = "MODE", default_value = "per-turn", help_heading = "Input")]
+    #[arg(long, value_name = "MODE", default_value = "per-turn", help_heading = "Input",
+          value_parser = clap::builder::PossibleValuesParser::new(["per-turn", "auto"])
+              .map(|m| if m == "auto" { RowMode::Auto } else { RowMode::PerTurn }))]
     rows: RowMode,
     /// Count the generated (loss-masked) tokens of the rows and write the
     /// trainer's draft-vocabulary files for each size (d2t-N.npy, t2d-N.npy,
@@ -562,6 +565,12 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("cannot tell this process's part of the input: {e}"))?;
     use strata::job::generate::{GenerateJob, SamplingArgs};
     let r = &a.run;
+    if r.on_nonfinite == OnNonFinite::Skip {
+        anyhow::bail!(
+            "--on-nonfinite skip: strata generate stops at a state that holds NaN or Inf (a row cannot be left \
+             out of a conversation whose next turns it begins); drop the flag"
+        );
+    }
     let job = GenerateJob {
         model: r.request()?,
         data: a.data.clone(),

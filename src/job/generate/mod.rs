@@ -812,7 +812,7 @@ impl GenerateJob {
                 };
                 let parser = self.tool_call_parser.filter(|_| regen.tools.is_some());
                 // vLLM's hermes parser keeps special tokens when the request has tools.
-                let text = match chat.tokenizer.decode_content(body, parser.is_none()) {
+                let text = match chat.tokenizer.decode_content(&f.prompt, body, parser.is_none()) {
                     Ok(t) => t,
                     Err(e) => return Ok(Err(e.to_string())),
                 };
