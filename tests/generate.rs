@@ -254,6 +254,7 @@ fn check_continuation(name: &str, m: &AnyModel, recurrent: bool) {
             while !d.is_idle() {
                 let done = d
                     .step(cache, |segs, states| {
+                        let states = states.wait()?;
                         let mut row = 0;
                         for seg in segs {
                             for t in 0..seg.len {
@@ -337,6 +338,78 @@ fn check_continuation(name: &str, m: &AnyModel, recurrent: bool) {
             }
         }
     }
+}
+
+/// A prefill (max_tokens 0) beside generations: its prompt's states are
+/// those of a forward of the prompt alone, it draws nothing and ends with
+/// its last chunk, and the generations beside it draw their tokens as
+/// without it. `abort` hands back what was in flight and queued.
+#[test]
+fn a_prefill_rides_with_generations() {
+    use strata::generate::Decode;
+    let m = load("llama-default", BackendKind::Cpu, 1);
+    let captures =
+        CaptureSet::<usize>::try_new(vec![CapturePoint::LayerInput(1), CapturePoint::FinalPostNorm]).unwrap();
+    let gens: Vec<Sequence> = (0..3u32)
+        .map(|i| Sequence {
+            prompt: (0..9 + i).map(|t| (t * 13 + i) % 100).collect(),
+            max_tokens: 10,
+            params: SamplingParams { temperature: 0.8, ..SamplingParams::default() },
+            key: DrawKey { seed: 2, record: i as u128, generation: 0, position: 0 },
+            ..free_seq()
+        })
+        .collect();
+    let prompt: Vec<u32> = (0..37).map(|t| (t * 7 + 1) % 100).collect();
+    let prefill = Sequence { prompt: prompt.clone(), max_tokens: 0, ..free_seq() };
+    let opts = DecodeOptions { max_batch_tokens: 16, max_num_seqs: 8, kv_cache_bytes: None };
+    let mut cache = model::AnyCache::default();
+    let mut d = Decode::new(&m, &mut cache, captures.clone(), opts, 100).unwrap();
+    for (i, s) in gens.iter().enumerate() {
+        d.add(i, s.clone()).unwrap();
+    }
+    d.add(9, prefill).unwrap();
+    let mut rows: Vec<(usize, Vec<f32>)> = Vec::new();
+    let mut done = std::collections::HashMap::new();
+    while !d.is_idle() {
+        let finished = d
+            .step(&mut cache, |segs, states| {
+                let states = states.wait()?;
+                let (h, mut row) = (states.hidden(), 0);
+                for seg in segs {
+                    if seg.index == 9 {
+                        for t in 0..seg.len {
+                            let v = (0..2).flat_map(|l| states.layer(l)[(row + t) * h..][..h].to_vec()).collect();
+                            rows.push((seg.pos0 + t, v));
+                        }
+                    }
+                    row += seg.len;
+                }
+                Ok::<_, strata::model::ModelError>(())
+            })
+            .unwrap();
+        done.extend(finished);
+    }
+    assert_eq!(done[&9], Generated { output: vec![], finish: Finish::Length }, "a prefill draws nothing");
+    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), (0..37).collect::<Vec<_>>(), "fed once, in order");
+    let whole = strata::pipeline::batch::PackedBatch::from_samples([&prompt[..]]);
+    let alone = m.forward_step(&whole, &captures, &mut Default::default()).unwrap();
+    for (pos, v) in &rows {
+        let h = alone.hidden();
+        let want: Vec<f32> = (0..2).flat_map(|l| alone.layer(l)[pos * h..][..h].to_vec()).collect();
+        assert!(want == *v, "position {pos}: the prefill's states are not the prompt's forward");
+    }
+    let (free, _) = generate(&m, &mut Default::default(), &captures, gens.clone(), WIDE, |_, _| Ok(())).unwrap();
+    for (i, g) in free.iter().enumerate() {
+        assert_eq!(done[&i], *g, "generation {i} changed beside a prefill");
+    }
+    // Aborted: the sequences in flight by index, the queued ones back.
+    let mut d = Decode::new(&m, &mut cache, captures.clone(), DecodeOptions { max_num_seqs: 1, ..opts }, 100).unwrap();
+    d.add(0, gens[0].clone()).unwrap();
+    d.add(1, gens[1].clone()).unwrap();
+    d.step(&mut cache, |_, s| s.wait().map(drop)).unwrap();
+    let (running, waiting) = d.abort();
+    assert_eq!((running, waiting.len(), waiting[0].0), (vec![0], 1, 1));
+    assert!(d.is_idle());
 }
 
 fn free_seq() -> Sequence {

@@ -17,7 +17,7 @@
 //! cache, cut back to their common prefix, and feeds the rest.
 
 use super::sampling::{DrawKey, History, Sampler, SamplingParams};
-use crate::model::{Model, ModelError, Sampled};
+use crate::model::{Model, ModelError, PendingStates, Sampled};
 use crate::pipeline::batch::{PackedBatch, Segment};
 use crate::pipeline::capture::CaptureSet;
 use crate::shape::{CapturedStates, Dim};
@@ -29,7 +29,9 @@ use tracing::info_span;
 pub struct Sequence {
     /// The prompt's tokens (at least one).
     pub prompt: Vec<u32>,
-    /// Most tokens to generate (at least one).
+    /// Most tokens to generate; 0: none, the prompt is only prefilled (its
+    /// states captured, as a server's `max_tokens: 1` prompt for online
+    /// training wants), and it ends with the step that feeds its last token.
     pub max_tokens: usize,
     /// How each token is chosen.
     pub params: SamplingParams,
@@ -321,6 +323,18 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
         Ok(0)
     }
 
+    /// Drops every sequence in flight and queued (after a failed step,
+    /// whose cache is then the caller's to drop): the indices of those that
+    /// were in flight, and the queued ones, to add again.
+    pub fn abort(&mut self) -> (Vec<usize>, Vec<(usize, Sequence)>) {
+        let running = self.running.drain(..).map(|r| r.index).collect();
+        let waiting = self.waiting.drain(..).map(|r| (r.index, r.seq)).collect();
+        self.parked.clear();
+        self.rewinds.clear();
+        self.reserved = 0;
+        (running, waiting)
+    }
+
     /// Sequences queued, not yet in flight.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
@@ -348,12 +362,14 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
 
     /// Runs one forward step: admits what fits, packs a chunk or a token of
     /// each sequence in flight (in order, up to the token budget), hands the
-    /// step's segments and states `[L, T, H]` to `on_step`, samples, and
-    /// returns the sequences whose last token this step fed.
+    /// step's segments and states `[L, T, H]` to `on_step` (the device's
+    /// copies pending: a caller may complete them on another thread while
+    /// the next step runs), samples, and returns the sequences whose last
+    /// token this step fed.
     pub fn step<E: From<ModelError>>(
         &mut self,
         cache: &mut M::Cache,
-        mut on_step: impl FnMut(&[StepSegment], CapturedStates<L, M::Hidden>) -> Result<(), E>,
+        mut on_step: impl FnMut(&[StepSegment], PendingStates<L, M::Hidden>) -> Result<(), E>,
     ) -> Result<Vec<(usize, Generated)>, E> {
         let (budget, width) = (self.opts.max_batch_tokens.max(1), self.opts.max_num_seqs.max(1));
         // Parked caches no continuation took are dropped with this step.
@@ -391,6 +407,10 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
                 (r.position(), std::slice::from_ref(r.output.last().expect("a sampled token")))
             };
             let len = tokens.len();
+            if r.seq.max_tokens == 0 && r.fed + len == r.seq.prompt.len() {
+                // A prefill: done with its prompt's last chunk.
+                r.finish = Some(Finish::Length);
+            }
             r.retired = r.finish.is_some();
             // A parking sequence keeps its last token's keys too: a continuation starts after it.
             let keep = !r.retired || r.seq.park;
@@ -420,7 +440,7 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
             self.model.forward_sample_pending(batch, &self.captures, cache, Some(sample))?;
         stats.steps += 1;
         stats.cache_high_water = stats.cache_high_water.max(self.model.cache_bytes(cache)?);
-        on_step(layout, states.wait()?)?;
+        on_step(layout, states)?;
         let logits = logits.ok_or_else(|| ModelError::NoLmHead("a generation step returned no logits".into()))?;
         for (row, &i) in samplers.iter().enumerate() {
             let r = &mut self.running[i];
@@ -473,7 +493,7 @@ pub fn generate<M: Model, L: Dim>(
     }
     let mut done: Vec<Option<Generated>> = vec![None; n];
     while !d.is_idle() {
-        for (i, g) in d.step(cache, &mut on_step)? {
+        for (i, g) in d.step(cache, |segments, states| on_step(segments, states.wait()?))? {
             done[i] = Some(g);
         }
     }

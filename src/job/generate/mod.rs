@@ -24,7 +24,7 @@ use crate::generate::{
     Sequence,
 };
 use crate::input::parts::PartSpec;
-use crate::model::{AnyCache, Model, ModelError};
+use crate::model::{AnyCache, Model, ModelError, PendingStates};
 use crate::pipeline::capture::{CaptureError, CapturePoint};
 use crate::pipeline::source::{Checked, Expected, InputPos, JsonlSource, Limits, Sample, Source, SourceError};
 use crate::shape::{CapturedStates, DType};
@@ -564,7 +564,8 @@ impl GenerateJob {
                 }
                 continue;
             }
-            let finished = decode.step(&mut cache, |segments, states: CapturedStates<usize, usize>| {
+            let finished = decode.step(&mut cache, |segments, states: PendingStates<usize, usize>| {
+                let states = states.wait()?;
                 let mut row = 0;
                 for seg in segments {
                     let f = flights.get_mut(&seg.index).expect("a generation in flight");
