@@ -402,6 +402,50 @@ fn a_prefill_rides_with_generations() {
     for (i, g) in free.iter().enumerate() {
         assert_eq!(done[&i], *g, "generation {i} changed beside a prefill");
     }
+    // A prefill begun with no generation in flight runs to the capture depth, on a model
+    // without its LM head too; a generation that arrives mid-way waits out its chunks.
+    for head in [false, true] {
+        let m = model::load(&fixture("llama-default"), LoadOptions { lm_head: head, ..Default::default() }).unwrap();
+        let mut cache = model::AnyCache::default();
+        let mut d = Decode::new(&m, &mut cache, captures.clone(), opts, 100).unwrap();
+        d.add(9, Sequence { prompt: prompt.clone(), max_tokens: 0, ..free_seq() }).unwrap();
+        let mut fed = Vec::new();
+        let mut done = std::collections::HashMap::new();
+        let mut steps = 0;
+        while !d.is_idle() {
+            if steps == 1 && head {
+                d.add(0, gens[0].clone()).unwrap();
+            }
+            steps += 1;
+            let finished = d
+                .step(&mut cache, |segs, states| {
+                    let states = states.wait()?;
+                    let (h, mut row) = (states.hidden(), 0);
+                    for seg in segs {
+                        for t in 0..seg.len {
+                            let v: Vec<f32> =
+                                (0..2).flat_map(|l| states.layer(l)[(row + t) * h..][..h].to_vec()).collect();
+                            fed.push((seg.index, seg.pos0 + t, v));
+                        }
+                        row += seg.len;
+                    }
+                    Ok::<_, strata::model::ModelError>(())
+                })
+                .unwrap();
+            done.extend(finished);
+        }
+        let first_gen = fed.iter().position(|f| f.0 == 0);
+        let last_prefill = fed.iter().rposition(|f| f.0 == 9).unwrap();
+        assert!(first_gen.is_none_or(|g| g > last_prefill), "a generation ran beside a shallow prefill");
+        for (_, pos, v) in fed.iter().filter(|f| f.0 == 9) {
+            let h = alone.hidden();
+            let want: Vec<f32> = (0..2).flat_map(|l| alone.layer(l)[pos * h..][..h].to_vec()).collect();
+            assert!(want == *v, "head {head}: position {pos} of the shallow prefill");
+        }
+        if head {
+            assert_eq!(done[&0], free[0], "the generation that waited");
+        }
+    }
     // Aborted: the sequences in flight by index, the queued ones back.
     let mut d = Decode::new(&m, &mut cache, captures.clone(), DecodeOptions { max_num_seqs: 1, ..opts }, 100).unwrap();
     d.add(0, gens[0].clone()).unwrap();

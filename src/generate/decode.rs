@@ -157,6 +157,10 @@ struct Running {
     need: usize,
     /// Its reservation has gone to the cache with its first segment.
     reserve_sent: bool,
+    /// A prefill whose chunks run only to the capture points' depth (no
+    /// generation was in flight when it began): a step that runs every
+    /// layer cannot continue it, whose deeper layers hold none of its keys.
+    shallow: bool,
     seq: Sequence,
     /// Prompt tokens fed so far.
     fed: usize,
@@ -183,6 +187,7 @@ struct Parked {
 }
 
 /// A step's segment: which sequence, and which of its positions the step fed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepSegment {
     /// The sequence's index in the caller's list.
     pub index: usize,
@@ -294,6 +299,7 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
             cache_key: index as u64,
             need,
             reserve_sent: false,
+            shallow: false,
             seq,
             fed: 0,
             output: Vec::new(),
@@ -333,6 +339,16 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
         self.rewinds.clear();
         self.reserved = 0;
         (running, waiting)
+    }
+
+    /// Tokens the next steps have to feed before any sequence is done with
+    /// its prompt: the prompts queued and the rest of those in flight, and
+    /// one per generation in flight (what a caller keeps above a step's
+    /// budget to fill the steps).
+    pub fn pending_tokens(&self) -> usize {
+        let queued: usize = self.waiting.iter().map(|r| r.seq.prompt.len()).sum();
+        let fed: usize = self.running.iter().map(|r| (r.seq.prompt.len() - r.fed).max(1)).sum();
+        queued + fed
     }
 
     /// Sequences queued, not yet in flight.
@@ -392,12 +408,23 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
         batch.clear();
         sample.clear();
         layout.clear();
+        // A step runs every layer while a generation is in flight (its later steps read every
+        // layer's keys), else only to the capture points (a server's prefills alone). A prefill
+        // begun at that depth continues there: generations wait out its chunks.
+        let shallow_prefill = self.running.iter().any(|r| r.shallow && r.fed > 0);
+        let full = !shallow_prefill && self.running.iter().any(|r| r.seq.max_tokens > 0);
         // `sample[j]` is the batch row of the j-th sampling sequence, `samplers[j]` its place in `running`.
         let mut samplers = Vec::new();
         for (i, r) in self.running.iter_mut().enumerate() {
             let room = budget - batch.num_tokens();
             if room == 0 {
                 break;
+            }
+            if !full && r.seq.max_tokens > 0 {
+                continue;
+            }
+            if r.fed == 0 && r.seq.max_tokens == 0 {
+                r.shallow = !full;
             }
             let key = r.cache_key;
             let (pos0, tokens): (usize, &[u32]) = if r.fed < r.seq.prompt.len() {
@@ -436,13 +463,18 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
             batch.rewind(key, positions);
         }
         self.rewinds.clear();
-        let Sampled { states, logits } =
-            self.model.forward_sample_pending(batch, &self.captures, cache, Some(sample))?;
+        let rows = full.then_some(&sample[..]);
+        let Sampled { states, logits } = self.model.forward_sample_pending(batch, &self.captures, cache, rows)?;
         stats.steps += 1;
         stats.cache_high_water = stats.cache_high_water.max(self.model.cache_bytes(cache)?);
         on_step(layout, states)?;
-        let logits = logits.ok_or_else(|| ModelError::NoLmHead("a generation step returned no logits".into()))?;
+        let logits = match (samplers.is_empty(), logits) {
+            (true, _) => None,
+            (false, Some(l)) => Some(l),
+            (false, None) => return Err(ModelError::NoLmHead("a generation step returned no logits".into()).into()),
+        };
         for (row, &i) in samplers.iter().enumerate() {
+            let logits = logits.as_ref().expect("checked above");
             let r = &mut self.running[i];
             let history = History { prompt: &r.seq.prompt, output: &r.output };
             let key = DrawKey { position: (r.seq.prompt.len() + r.output.len()) as u32, ..r.seq.key };

@@ -1,8 +1,9 @@
 //! Continuous batching: requests from any number of connections wait in one
-//! queue; the model's thread packs them into forward steps of up to
-//! `--max-batch-tokens` (a long prompt is split across steps, as offline),
-//! and the writer's thread cuts each finished prompt's states out of its
-//! step, checks and encodes them, writes the file and answers its request.
+//! queue; the model's thread runs them through the decode loop of `strata
+//! generate` ([`Decode`]), in forward steps of up to `--max-batch-tokens`
+//! (a long prompt is split across steps, as offline), and the writer's
+//! thread cuts each finished prompt's states out of its steps, checks and
+//! encodes them, writes the file and answers its request.
 //!
 //! ```text
 //! HTTP tasks ─submit─► queue ─► model thread (Scheduler, forward) ─► writer thread (Gatherer, file, reply)
@@ -14,12 +15,12 @@
 use super::api::ApiError;
 use super::metrics::Metrics;
 use super::store::{Reservation, Served, Store};
-use crate::model::{AnyCache, AnyModel, Model, PendingStates};
+use crate::generate::{Decode, DecodeOptions, DrawKey, SamplingParams, Sequence, StepSegment};
+use crate::model::{AnyCache, AnyModel, Model, ModelError, PendingStates};
 use crate::pipeline::capture::CaptureSet;
-use crate::pipeline::gather::Gatherer;
-use crate::pipeline::schedule::{Scheduler, Step};
+use crate::pipeline::schedule::Scheduler;
 use crate::pipeline::source::Sample;
-use crate::shape::{DType, ShapeError};
+use crate::shape::{CapturedStates, DType, StatesView};
 use crate::sink::SpeculatorsEncoder;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
@@ -204,11 +205,12 @@ impl Engine {
         Ok(())
     }
 
-    /// The next queued request whose client still waits, as a sample; the
+    /// The next queued request whose client still waits, as a prefill
+    /// (`max_tokens` 0: its states, nothing drawn) under a new index; the
     /// others are dropped here, before their forward.
-    fn pop_live(&self) -> Option<Sample> {
+    fn pop_live(&self) -> Option<(usize, Sequence)> {
         let mut q = self.queue();
-        while let Some(mut job) = q.jobs.pop_front() {
+        while let Some(job) = q.jobs.pop_front() {
             q.tokens -= job.ids.len();
             self.metrics.queue_depth.store(q.jobs.len() as u64, Relaxed);
             self.metrics.queue_tokens.store(q.tokens as u64, Relaxed);
@@ -218,18 +220,18 @@ impl Engine {
                 continue;
             }
             let index = self.next_index.fetch_add(1, Relaxed);
-            let sample = Sample {
-                index,
-                line: 0,
-                id: format!("request {index}"),
-                // Moved, not copied: the job needs its ids no more.
-                input_ids: std::mem::take(&mut job.ids),
-                loss_mask: None,
-                end: Default::default(),
-                finish: vec![],
+            let seq = Sequence {
+                // The job keeps its ids for the file's token_ids.
+                prompt: job.ids.clone(),
+                max_tokens: 0,
+                params: SamplingParams::default(),
+                stop: Vec::new(),
+                key: DrawKey { seed: 0, record: index as u128, generation: 0, position: 0 },
+                park: false,
+                continues: None,
             };
             self.running().insert(index, job);
-            return Some(sample);
+            return Some((index, seq));
         }
         None
     }
@@ -268,32 +270,41 @@ impl Engine {
         }
     }
 
-    fn fail_step(&self, step: &Step, error: &ApiError) {
+    /// Answers requests `indices` with `error` (those still waiting for a reply).
+    fn fail(&self, indices: impl IntoIterator<Item = usize>, error: &ApiError) {
         let mut running = self.running();
-        for part in &step.parts {
-            if let Some(job) = running.remove(&part.sample.index) {
+        for index in indices {
+            if let Some(job) = running.remove(&index) {
                 let _ = job.reply.send(Err(error.clone()));
             }
         }
     }
 
-    /// The model's loop: waits for requests, packs steps, runs the forward,
-    /// hands states to the writer. Returns once closed and drained, or when
-    /// the writer is gone.
+    /// The model's loop: waits for requests, runs the decode loop of
+    /// `strata generate` over them (continuous batching: a step holds
+    /// chunks of several prompts), hands each step's states to the writer.
+    /// Returns once closed and drained, or when the writer is gone.
     pub fn run_model(
         &self,
         model: &AnyModel,
         captures: &CaptureSet<usize>,
-        to_writer: mpsc::SyncSender<(Step, PendingStates<usize, usize>)>,
+        to_writer: mpsc::SyncSender<(Vec<StepSegment>, PendingStates<usize, usize>)>,
     ) {
-        let mut scheduler = Scheduler::new(self.budget);
+        // Every sequence takes at least a token of a step: the budget bounds how many share one.
+        let opts = DecodeOptions { max_batch_tokens: self.budget, max_num_seqs: self.budget, kv_cache_bytes: None };
         let mut cache = AnyCache::default();
-        // A prompt split across steps is mid-way: the next step continues it first.
-        let mut chunked = false;
+        let mut decode = match Decode::new(model, &mut cache, captures.clone(), opts, usize::MAX) {
+            Ok(d) => d,
+            Err(e) => {
+                // Only a cache budget is measured at start, and there is none.
+                tracing::error!("cannot start the decode loop: {e}");
+                return;
+            }
+        };
         loop {
             {
                 let mut q = self.queue();
-                while q.jobs.is_empty() && !chunked {
+                while q.jobs.is_empty() && decode.is_idle() {
                     if q.closed {
                         self.idle.store(true, Relaxed);
                         return;
@@ -305,108 +316,168 @@ impl Engine {
             }
             if self.collect_failed.swap(false, Relaxed) {
                 // A prompt split across steps cannot continue without its first chunks' states.
-                scheduler = Scheduler::new(self.budget);
-                cache = AnyCache::default();
-                chunked = false;
+                self.restart(
+                    &mut decode,
+                    &mut cache,
+                    &ApiError::internal("collecting an earlier step's states failed"),
+                );
             }
-            let mut source = std::iter::from_fn(|| self.pop_live().map(Ok::<_, std::convert::Infallible>));
-            let Ok(Some(step)) = scheduler.next_step(&mut source) else { continue };
-            chunked = step.parts.last().is_some_and(|p| !p.last);
-            let tokens = step.batch.num_tokens();
-            let span = tracing::info_span!("step", tokens, requests = step.parts.len());
-            let _s = span.enter();
+            // Enough prompts to fill the next step.
+            while decode.pending_tokens() < self.budget {
+                let Some((index, seq)) = self.pop_live() else { break };
+                if let Err(e) = decode.add(index, seq) {
+                    self.fail([index], &ApiError::from_model("admitting the prompt", &e));
+                }
+            }
+            if decode.is_idle() {
+                continue;
+            }
             let t = Instant::now();
-            match model.forward_step_pending(&step.batch, captures, &mut cache) {
-                Ok(states) => {
-                    let secs = t.elapsed().as_secs_f64();
-                    self.metrics.step(tokens, (secs * 1e6) as u64);
-                    {
-                        let mut tps = self.throughput.lock().unwrap_or_else(|e| e.into_inner());
-                        let now = tokens as f64 / secs.max(1e-6);
-                        *tps = if *tps == 0.0 { now } else { 0.8 * *tps + 0.2 * now };
-                    }
-                    if to_writer.send((step, states)).is_err() {
-                        return;
-                    }
+            let mut writer_gone = false;
+            let r = decode.step(&mut cache, |segments, states| {
+                let tokens: usize = segments.iter().map(|s| s.len).sum();
+                let secs = t.elapsed().as_secs_f64();
+                let _s = tracing::info_span!("step", tokens, requests = segments.len()).entered();
+                self.metrics.step(tokens, (secs * 1e6) as u64);
+                {
+                    let mut tps = self.throughput.lock().unwrap_or_else(|e| e.into_inner());
+                    let now = tokens as f64 / secs.max(1e-6);
+                    *tps = if *tps == 0.0 { now } else { 0.8 * *tps + 0.2 * now };
                 }
-                Err(e) => {
-                    tracing::error!("forward step failed: {e}");
-                    let error = ApiError::from_model("the forward step", &e);
-                    self.fail_step(&step, &error);
-                    // A prompt split across steps cannot continue without its cache.
-                    scheduler = Scheduler::new(self.budget);
-                    cache = AnyCache::default();
-                    chunked = false;
-                }
+                writer_gone = to_writer.send((segments.to_vec(), states)).is_err();
+                Ok::<_, ModelError>(())
+            });
+            if writer_gone {
+                return;
+            }
+            if let Err(e) = r {
+                tracing::error!("forward step failed: {e}");
+                self.restart(&mut decode, &mut cache, &ApiError::from_model("the forward step", &e));
+            }
+        }
+    }
+
+    /// After a failed step: the prompts in flight are answered `error`
+    /// (their chunks cannot continue without their cache), the queued ones
+    /// go on in a fresh loop.
+    fn restart(&self, decode: &mut Decode<'_, AnyModel, usize>, cache: &mut AnyCache, error: &ApiError) {
+        let (running, waiting) = decode.abort();
+        self.fail(running, error);
+        *cache = AnyCache::default();
+        for (index, seq) in waiting {
+            if let Err(e) = decode.add(index, seq) {
+                self.fail([index], &ApiError::from_model("admitting the prompt", &e));
             }
         }
     }
 
     /// The writer's loop: each finished prompt's states checked (NaN, Inf),
-    /// encoded as the speculators file, written and answered.
+    /// encoded as the speculators file, written and answered. A prompt fed
+    /// whole in one step is passed as a view of the step's states (no copy);
+    /// one fed in chunks is copied chunk by chunk into its own buffer.
     pub fn run_writer(
         &self,
-        from_model: mpsc::Receiver<(Step, PendingStates<usize, usize>)>,
+        from_model: mpsc::Receiver<(Vec<StepSegment>, PendingStates<usize, usize>)>,
         dtype: DType,
         points: &[String],
     ) {
-        let mut gatherer = Gatherer::<usize, usize>::default();
+        // `[L, T, H]` of each prompt fed in chunks, until its last.
+        let mut partial: HashMap<usize, CapturedStates<usize, usize>> = HashMap::new();
         let mut encoder = SpeculatorsEncoder::new(dtype);
         let mut body = Vec::new();
-        for (step, pending) in from_model {
+        for (segments, pending) in from_model {
             let t = Instant::now();
             // The device's last copies into host memory, completed here while the next step runs.
             let states = match pending.wait() {
                 Ok(states) => states,
                 Err(e) => {
-                    // (A device failure: steps already queued behind this one
-                    // that continue its prompts fail in the gatherer too.)
                     tracing::error!("collecting a step's states failed: {e}");
-                    self.fail_step(&step, &ApiError::from_model("collecting the step's states", &e));
-                    gatherer = Gatherer::default();
+                    let error = ApiError::from_model("collecting the step's states", &e);
+                    self.fail(segments.iter().map(|s| s.index), &error);
+                    partial.clear();
                     self.collect_failed.store(true, Relaxed);
                     continue;
                 }
             };
-            let r = gatherer.gather(&step, &states, |sample, view| -> Result<(), ShapeError> {
-                let Some(Job { reservation, reply, span, .. }) = self.running().remove(&sample.index) else {
-                    return Ok(());
+            let mut row = 0;
+            for seg in &segments {
+                let rows = row..row + seg.len;
+                row += seg.len;
+                let Some(total) = self.running().get(&seg.index).map(|j| j.ids.len()) else {
+                    partial.remove(&seg.index);
+                    continue;
                 };
-                let _s = span.enter();
-                if reply.is_closed() {
-                    // Its client hung up during the forward: no file.
-                    self.metrics.reply(499);
-                    return Ok(());
+                let r = if seg.pos0 == 0 && seg.len == total {
+                    states
+                        .view_tokens(rows)
+                        .map(|view| self.emit(seg.index, view, dtype, points, &mut encoder, &mut body))
+                } else {
+                    let (l, h) = (states.layers(), states.hidden());
+                    states.view_tokens(rows).map(|view| {
+                        let buf = partial.entry(seg.index).or_insert_with(|| CapturedStates::zeros(l, total, h));
+                        for k in 0..l {
+                            buf.layer_mut(k)[seg.pos0 * h..(seg.pos0 + seg.len) * h].copy_from_slice(view.layer(k));
+                        }
+                        if seg.pos0 + seg.len == total {
+                            let buf = partial.remove(&seg.index).expect("just filled");
+                            self.emit(seg.index, buf.view(), dtype, points, &mut encoder, &mut body);
+                        }
+                    })
+                };
+                if let Err(e) = r {
+                    tracing::error!("gathering a step failed: {e}");
+                    let error = ApiError::internal(format!("gathering the step's states failed: {e}"));
+                    self.fail([seg.index], &error);
+                    partial.remove(&seg.index);
                 }
-                if let Some((l, nan, inf)) = crate::sink::nonfinite(&view, dtype) {
-                    let point = points.get(l).map_or("?", |p| p.as_str());
-                    let msg = format!(
-                        "capture point {point} holds {nan} NaN and {inf} Inf values for this prompt \
-                         (of {} tokens); no file was written",
-                        sample.len()
-                    );
-                    tracing::warn!("{msg}");
-                    let _ = reply.send(Err(ApiError::internal(msg)));
-                    return Ok(());
-                }
-                let (lead, _) = encoder.encode(&sample.input_ids, None, view, &mut body);
-                let outcome = self.store.write(reservation, &lead, &body).map_err(|e| {
-                    tracing::error!("cannot write into {}: {e}", self.store.path().display());
-                    ApiError::internal(format!("cannot write the hidden states file: {e}"))
-                });
-                if let Err(Ok(served)) = reply.send(outcome) {
-                    // Its client hung up while the file was made.
-                    self.store.remove(&served.name);
-                    self.metrics.removed_unclaimed.fetch_add(1, Relaxed);
-                    self.metrics.reply(499);
-                }
-                Ok(())
-            });
-            if let Err(e) = r {
-                tracing::error!("gathering a step failed: {e}");
-                self.fail_step(&step, &ApiError::internal(format!("gathering the step's states failed: {e}")));
+            }
+            // Prompts failed elsewhere (a failed step) leave no buffer behind.
+            if !partial.is_empty() {
+                let running = self.running();
+                partial.retain(|index, _| running.contains_key(index));
             }
             self.metrics.write_us.fetch_add(t.elapsed().as_micros() as u64, Relaxed);
+        }
+    }
+
+    /// Checks, encodes, writes and answers request `index`'s prompt states `view` `[L, T, H]`.
+    fn emit(
+        &self,
+        index: usize,
+        view: StatesView<'_, usize, usize>,
+        dtype: DType,
+        points: &[String],
+        encoder: &mut SpeculatorsEncoder,
+        body: &mut Vec<u8>,
+    ) {
+        let Some(Job { ids, reservation, reply, span, .. }) = self.running().remove(&index) else { return };
+        let _s = span.enter();
+        if reply.is_closed() {
+            // Its client hung up during the forward: no file.
+            self.metrics.reply(499);
+            return;
+        }
+        if let Some((l, nan, inf)) = crate::sink::nonfinite(&view, dtype) {
+            let point = points.get(l).map_or("?", |p| p.as_str());
+            let msg = format!(
+                "capture point {point} holds {nan} NaN and {inf} Inf values for this prompt (of {} tokens); no \
+                 file was written",
+                ids.len()
+            );
+            tracing::warn!("{msg}");
+            let _ = reply.send(Err(ApiError::internal(msg)));
+            return;
+        }
+        let (lead, _) = encoder.encode(&ids, None, view, body);
+        let outcome = self.store.write(reservation, &lead, body).map_err(|e| {
+            tracing::error!("cannot write into {}: {e}", self.store.path().display());
+            ApiError::internal(format!("cannot write the hidden states file: {e}"))
+        });
+        if let Err(Ok(served)) = reply.send(outcome) {
+            // Its client hung up while the file was made.
+            self.store.remove(&served.name);
+            self.metrics.removed_unclaimed.fetch_add(1, Relaxed);
+            self.metrics.reply(499);
         }
     }
 }
