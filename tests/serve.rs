@@ -343,10 +343,11 @@ fn each_bad_request_gets_a_4xx_naming_its_problem_and_metrics_parse() {
     let long: Vec<u32> = vec![5; 65];
     let cases: Vec<(String, u16, &str)> = vec![
         ("{\"prompt\": [1, 2".into(), 400, "not JSON"),
+        // Text needs a tokenizer, which this model has not (token ids do not).
         (
             json!({"model": "org/llama", "prompt": "Hello", "max_tokens": 1}).to_string(),
             400,
-            "string prompt is not served",
+            "a text prompt needs the model's tokenizer",
         ),
         (json!({"model": "org/llama", "prompt": [[1, 2], [3]], "max_tokens": 1}).to_string(), 400, "batch of prompts"),
         (
@@ -360,7 +361,14 @@ fn each_bad_request_gets_a_4xx_naming_its_problem_and_metrics_parse() {
             400,
             "65 tokens, more than the model takes: at most 64 (--max-seq-len 64)",
         ),
-        (json!({"model": "org/llama", "prompt": [1], "max_tokens": 16}).to_string(), 400, "generation is not served"),
+        // A generation past the positions: vLLM's 400.
+        (
+            json!({"model": "org/llama", "prompt": [1, 2], "max_tokens": 63}).to_string(),
+            400,
+            "maximum context length is 64 tokens (--max-seq-len 64); this request asks for 65 tokens",
+        ),
+        (json!({"model": "org/llama", "prompt": [1], "top_p": 1.5}).to_string(), 400, "top_p must be in (0, 1]"),
+        (json!({"model": "org/llama", "prompt": [1], "stream": true}).to_string(), 400, "streaming"),
         (json!({"model": "other", "prompt": [1], "max_tokens": 1}).to_string(), 404, "`other` does not exist"),
     ];
     for (body, status, words) in &cases {
@@ -386,7 +394,7 @@ fn each_bad_request_gets_a_4xx_naming_its_problem_and_metrics_parse() {
     let (status, text) = http(&server.addr, "GET", "/metrics", None);
     assert_eq!(status, 200);
     let m = parse_metrics(&text);
-    assert_eq!(m["strata_requests_total{status=\"400\"}"], 7.0);
+    assert_eq!(m["strata_requests_total{status=\"400\"}"], 9.0);
     assert_eq!(m["strata_requests_total{status=\"404\"}"], 2.0);
     assert_eq!(m["strata_requests_total{status=\"413\"}"], 1.0);
     assert_eq!(m["strata_requests_total{status=\"200\"}"], 1.0);
@@ -1340,4 +1348,145 @@ fn a_hub_id_is_served_under_the_id_as_given() {
     let (status, reply) = complete(&server.addr, "meta-llama/Llama-Test", &[1, 2, 3]);
     assert_eq!(status, 200, "{reply}");
     take_file(&reply, &[1, 2, 3]);
+}
+
+/// Generation on both endpoints' engine: greedy completions of token-id
+/// prompts give transformers' tokens (the fixture's `greedy.json`, EOS
+/// ignored), with the trainer's `max_tokens: 1` requests in the same steps
+/// still getting their offline files byte for byte; a seeded sampled
+/// request gets the same tokens alone and among 12 others; the reply
+/// carries vLLM's layout (`token_ids` and `prompt_token_ids` in the choice
+/// with `return_token_ids`, `finish_reason`, `usage`).
+#[test]
+fn generation_requests_draw_transformers_greedy_tokens_beside_the_trainers_prefills() {
+    let model = fixture("llama-default");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(model.join("greedy.json")).unwrap()).unwrap();
+    let n = doc["new_tokens"].as_u64().unwrap();
+    let states = tempfile::tempdir().unwrap();
+    let server = serve_in(&model, states.path(), &["--max-batch-tokens", "24"]);
+    let name = model.to_str().unwrap().to_string();
+    let gen = |addr: String, body: Value| {
+        std::thread::spawn(move || {
+            let (status, text) = http(&addr, "POST", "/v1/completions", Some(&body.to_string()));
+            assert_eq!(status, 200, "{text}");
+            serde_json::from_str::<Value>(&text).unwrap()
+        })
+    };
+    let greedy: Vec<_> = doc["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            let body = json!({"model": name, "prompt": p["input_ids"], "max_tokens": n, "temperature": 0,
+                              "ignore_eos": true, "return_token_ids": true});
+            gen(server.addr.clone(), body)
+        })
+        .collect();
+    // The trainer's requests, in the same steps.
+    let all = prompts(8, &[5, 30, 61], 256, 3);
+    served_equal_offline(&server.addr, &model, &all, 4);
+    for (p, h) in doc["prompts"].as_array().unwrap().iter().zip(greedy) {
+        let v = h.join().unwrap();
+        let c = &v["choices"][0];
+        assert_eq!(c["token_ids"], p["output"], "greedy tokens differ from transformers'");
+        assert_eq!(c["prompt_token_ids"], p["input_ids"]);
+        assert_eq!((c["finish_reason"].as_str(), &c["stop_reason"]), (Some("length"), &Value::Null));
+        let prompt = p["input_ids"].as_array().unwrap().len() as u64;
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+                                       "prompt_tokens_details": null})
+        );
+        assert_eq!(v["object"], "text_completion");
+    }
+    // Seeded sampling: the same tokens alone and among others.
+    let seeded = json!({"model": name, "prompt": [3, 1, 4, 1, 5], "max_tokens": 20, "temperature": 0.9,
+                        "top_p": 0.95, "seed": 7, "ignore_eos": true, "return_token_ids": true});
+    let alone = gen(server.addr.clone(), seeded.clone()).join().unwrap();
+    let crowd: Vec<_> = (0..12)
+        .map(|i| {
+            let body = if i == 6 {
+                seeded.clone()
+            } else {
+                json!({"model": name, "prompt": [i, 2, 9], "max_tokens": 15 + i, "temperature": 1, "ignore_eos": true})
+            };
+            gen(server.addr.clone(), body)
+        })
+        .collect();
+    let replies: Vec<Value> = crowd.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(replies[6]["choices"][0]["token_ids"], alone["choices"][0]["token_ids"]);
+    assert_eq!(alone["choices"][0]["token_ids"].as_array().unwrap().len(), 20);
+    // Without return_token_ids, no ids; a stop id ends a reply with its id as stop_reason.
+    assert_eq!(replies[0]["choices"][0]["token_ids"], Value::Null);
+    let first = alone["choices"][0]["token_ids"][3].as_u64().unwrap();
+    let stopped = gen(
+        server.addr.clone(),
+        json!({"model": name, "prompt": [3, 1, 4, 1, 5], "max_tokens": 20,
+        "temperature": 0.9, "top_p": 0.95, "seed": 7, "ignore_eos": true, "stop_token_ids": [first]}),
+    )
+    .join()
+    .unwrap();
+    let c = &stopped["choices"][0];
+    assert_eq!((c["finish_reason"].as_str(), c["stop_reason"].as_u64()), (Some("stop"), Some(first)));
+    assert_eq!(stopped["usage"]["completion_tokens"], 4);
+    let (_, metrics) = http(&server.addr, "GET", "/metrics", None);
+    assert!(parse_metrics(&metrics)["strata_generated_tokens_total"] >= (n * 5 + 20) as f64);
+    assert_eq!(served_names(states.path()), Vec::<String>::new(), "a generation wrote a file");
+}
+
+/// A chat generation is `strata generate`'s reply to the same conversation
+/// (greedy): the same prompt ids, the same tokens, and `message.content`
+/// the tokens' text as vLLM detokenizes it (the stop token left out); a text
+/// prompt on /v1/completions is tokenized with the tokenizer's special tokens.
+#[test]
+fn a_chat_generation_is_strata_generates_reply() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "chatml");
+    let states = tmp.path().join("hs");
+    let server = serve_in(&model, &states, &["--capture", "input:1,final"]);
+    let name = model.to_str().unwrap();
+    let messages = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]);
+    let body =
+        json!({"model": name, "messages": messages, "max_tokens": 12, "temperature": 0, "return_token_ids": true});
+    let (status, text) = http(&server.addr, "POST", "/v1/chat/completions", Some(&body.to_string()));
+    assert_eq!(status, 200, "{text}");
+    let reply: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(reply["object"], "chat.completion");
+    let prompt: Vec<u32> = serde_json::from_value(reply["prompt_token_ids"].clone()).unwrap();
+    let output: Vec<u32> = serde_json::from_value(reply["choices"][0]["token_ids"].clone()).unwrap();
+    // strata generate on the same conversation.
+    let data = tmp.path().join("conv.jsonl");
+    std::fs::write(&data, format!("{}\n", json!({"id": "c", "messages": messages}))).unwrap();
+    let out = tmp.path().join("gen");
+    let o = Command::new(bin())
+        .args(["generate", "--model", name, "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap()])
+        .args(["--capture", "input:1,final", "--temperature", "0", "--max-tokens", "12", "--no-states"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let line: Value =
+        serde_json::from_str(std::fs::read_to_string(out.join("regenerated.jsonl")).unwrap().lines().next().unwrap())
+            .unwrap();
+    let row: Vec<u32> = serde_json::from_value(line["input_ids"].clone()).unwrap();
+    assert_eq!(row, [prompt.clone(), output.clone()].concat(), "serve's reply is not strata generate's");
+    let finish = reply["choices"][0]["finish_reason"].as_str().unwrap();
+    assert_eq!(finish, line["metadata"]["finish_reason"].as_str().unwrap());
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap()).unwrap();
+    let tokenizer = strata::chat::Tokenizer::load(&model, &config).unwrap();
+    let body_ids = if finish == "stop" { &output[..output.len() - 1] } else { &output[..] };
+    assert_eq!(reply["choices"][0]["message"]["content"], tokenizer.decode_content(&prompt, body_ids, true).unwrap());
+    // A text prompt: the tokenizer's own special tokens added, as vLLM's completions endpoint does.
+    let body =
+        json!({"model": name, "prompt": "Hello there", "max_tokens": 3, "temperature": 0, "return_token_ids": true});
+    let (status, text) = http(&server.addr, "POST", "/v1/completions", Some(&body.to_string()));
+    assert_eq!(status, 200, "{text}");
+    let reply: Value = serde_json::from_str(&text).unwrap();
+    let mut enc = strata::chat::Encoded::default();
+    tokenizer.encode("Hello there", true, &mut enc).unwrap();
+    assert_eq!(reply["choices"][0]["prompt_token_ids"], json!(enc.ids));
+    assert_eq!(
+        reply["choices"][0]["token_ids"].as_array().unwrap().len() as u64,
+        reply["usage"]["completion_tokens"].as_u64().unwrap()
+    );
 }

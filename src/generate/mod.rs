@@ -17,4 +17,4 @@ pub mod sampling;
 
 pub use config::GenerationDefaults;
 pub use decode::{generate, CacheCost, Decode, DecodeOptions, DecodeStats, Finish, Generated, Sequence, StepSegment};
-pub use sampling::{DrawKey, History, Sampler, SamplingError, SamplingParams};
+pub use sampling::{draw_seed, DrawKey, History, Sampler, SamplingError, SamplingParams};

@@ -304,6 +304,16 @@ fn draw(kept: &[(f32, u32)], u: f64) -> u32 {
     kept.last().map_or(0, |k| k.1)
 }
 
+/// A seed from the operating system's generator.
+pub fn draw_seed() -> u64 {
+    let mut b = [0u8; 8];
+    match rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()) {
+        Ok(8) => u64::from_le_bytes(b),
+        // Never expected on Linux; the time still differs run to run.
+        _ => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

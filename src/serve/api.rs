@@ -132,8 +132,89 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-/// The fields both endpoints check alike: the model, one completion of one token, no stream.
-fn check_common(m: &serde_json::Map<String, Value>, limits: &Limits) -> Result<(), ApiError> {
+/// What a request asks of the engine: its prompt's states (`max_tokens`
+/// 1, the speculators trainer's request: a file, nothing drawn), or a
+/// generation.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Ask {
+    /// `max_tokens` (or `max_completion_tokens`); `None`: not given (a chat
+    /// request then runs to the model's last position, as vLLM's does).
+    pub max_tokens: Option<usize>,
+    /// The sampling fields the request gave; the rest come from the
+    /// server's defaults (`generation_config.json`, then vLLM's).
+    pub temperature: Option<f32>,
+    /// `top_p`.
+    pub top_p: Option<f32>,
+    /// `top_k` (0 or -1: off).
+    pub top_k: Option<i64>,
+    /// `min_p`.
+    pub min_p: Option<f32>,
+    /// `repetition_penalty`.
+    pub repetition_penalty: Option<f32>,
+    /// `presence_penalty`.
+    pub presence_penalty: Option<f32>,
+    /// `frequency_penalty`.
+    pub frequency_penalty: Option<f32>,
+    /// `seed`: the draws are keyed by it (a drawn one when not given).
+    pub seed: Option<u64>,
+    /// `stop_token_ids`: stop ids besides EOS.
+    pub stop_token_ids: Vec<u32>,
+    /// `ignore_eos`.
+    pub ignore_eos: bool,
+    /// `skip_special_tokens` (default true): special tokens out of the text.
+    pub skip_special_tokens: bool,
+    /// `return_token_ids`: the prompt's and the reply's ids in the reply.
+    pub return_token_ids: bool,
+}
+
+impl Ask {
+    /// Whether this is the trainer's request: the prompt's states, nothing drawn.
+    pub fn is_prefill(&self) -> bool {
+        self.max_tokens == Some(1)
+    }
+}
+
+/// Fields that change what a reply holds and that strata serve does not
+/// apply: refused by name rather than ignored (vLLM ignores only fields it
+/// does not know).
+const NOT_APPLIED: &[(&str, &str)] = &[
+    ("logit_bias", "logit biases"),
+    ("logprobs", "log probabilities"),
+    ("top_logprobs", "log probabilities"),
+    ("prompt_logprobs", "log probabilities"),
+    ("response_format", "structured output"),
+    ("structured_outputs", "structured output"),
+    ("guided_json", "structured output"),
+    ("guided_regex", "structured output"),
+    ("guided_choice", "structured output"),
+    ("guided_grammar", "structured output"),
+    ("bad_words", "banned words"),
+    ("allowed_token_ids", "a token allow-list"),
+    ("stop", "stop strings (stop_token_ids are applied)"),
+    ("min_tokens", "min_tokens"),
+    ("include_stop_str_in_output", "include_stop_str_in_output"),
+    ("echo", "echo"),
+    ("suffix", "a suffix"),
+    ("best_of", "best_of"),
+    ("use_beam_search", "beam search"),
+    ("length_penalty", "beam search"),
+];
+
+/// Whether `v` leaves a field at its default (absent, null, false, 0, empty).
+fn unset(v: &Value) -> bool {
+    match v {
+        Value::Null | Value::Bool(false) => true,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::Bool(true) => false,
+    }
+}
+
+/// The fields both endpoints check alike: the model, and what is asked
+/// (the trainer's `max_tokens: 1`, or a generation: one completion, no stream).
+fn check_common(m: &serde_json::Map<String, Value>, limits: &Limits) -> Result<Ask, ApiError> {
     match m.get("model") {
         None | Some(Value::Null) => {}
         Some(Value::String(s)) if *s == limits.model => {}
@@ -148,18 +229,11 @@ fn check_common(m: &serde_json::Map<String, Value>, limits: &Limits) -> Result<(
             return Err(ApiError::bad(format!("`model` must be a string, got {}", kind(other)), Some("model")))
         }
     }
-    let generation = "generation is not served: strata serve computes a prompt's hidden states and writes them to \
-                      the file named in kv_transfer_params.hidden_states_path; send max_tokens 1, as the \
-                      speculators trainer does";
-    match m.get("max_tokens").or_else(|| m.get("max_completion_tokens")) {
-        Some(v) if v.as_u64() == Some(1) => {}
-        Some(v) => return Err(ApiError::bad(format!("max_tokens is {v}: {generation}"), Some("max_tokens"))),
-        None => {
-            return Err(ApiError::bad(
-                format!("max_tokens is not given (OpenAI's default is 16): {generation}"),
-                Some("max_tokens"),
-            ))
-        }
+    if let Some((field, what)) = NOT_APPLIED.iter().find(|(f, _)| m.get(*f).is_some_and(|v| !unset(v))) {
+        return Err(ApiError::bad(
+            format!("`{field}` is not applied by strata serve ({what}): leave it out, or use vLLM for it"),
+            Some(field),
+        ));
     }
     if m.get("stream").is_some_and(|v| v.as_bool() == Some(true)) {
         return Err(ApiError::bad("streaming is not served: send stream false (or leave it out)", Some("stream")));
@@ -167,7 +241,91 @@ fn check_common(m: &serde_json::Map<String, Value>, limits: &Limits) -> Result<(
     if let Some(n) = m.get("n").filter(|v| !v.is_null() && v.as_u64() != Some(1)) {
         return Err(ApiError::bad(format!("n is {n}: one completion per request is served"), Some("n")));
     }
-    Ok(())
+    let number = |k: &'static str| -> Result<Option<f64>, ApiError> {
+        match m.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Number(n)) => Ok(n.as_f64()),
+            Some(other) => Err(ApiError::bad(format!("`{k}` must be a number, got {}", kind(other)), Some(k))),
+        }
+    };
+    let count = |k: &'static str| -> Result<Option<u64>, ApiError> {
+        match m.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+                ApiError::bad(
+                    format!("`{k}` must be a non-negative integer, got {}", crate::clip(&v.to_string(), 40)),
+                    Some(k),
+                )
+            }),
+        }
+    };
+    let flag = |k: &'static str, default: bool| match m.get(k) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(ApiError::bad(format!("`{k}` must be a boolean, got {}", kind(other)), Some(k))),
+    };
+    let max_tokens = match count("max_tokens")?.or(count("max_completion_tokens")?) {
+        Some(0) => return Err(ApiError::bad("max_tokens must be at least 1, got 0", Some("max_tokens"))),
+        n => n.map(|n| n.min(usize::MAX as u64) as usize),
+    };
+    let top_k = match m.get("top_k") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.as_i64().ok_or_else(|| {
+            ApiError::bad(format!("`top_k` must be an integer, got {}", crate::clip(&v.to_string(), 40)), Some("top_k"))
+        })?),
+    };
+    let stop_token_ids = match m.get("stop_token_ids") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_u64().filter(|&id| (id as usize) < limits.vocab_size).map(|id| id as u32))
+            .collect::<Option<Vec<u32>>>()
+            .ok_or_else(|| {
+                ApiError::bad(
+                    format!("`stop_token_ids` must be token ids below the vocabulary size {}", limits.vocab_size),
+                    Some("stop_token_ids"),
+                )
+            })?,
+        Some(other) => {
+            return Err(ApiError::bad(
+                format!("`stop_token_ids` must be a list, got {}", kind(other)),
+                Some("stop_token_ids"),
+            ))
+        }
+    };
+    let include_output = m.get("kv_transfer_params").and_then(|p| p.get("include_output_tokens"));
+    if max_tokens != Some(1) && include_output.is_some_and(|v| v.as_bool() == Some(true)) {
+        return Err(ApiError::bad(
+            "kv_transfer_params.include_output_tokens: the states of generated tokens are not written yet; \
+             a request with max_tokens 1 gets its prompt's states",
+            Some("kv_transfer_params"),
+        ));
+    }
+    let f32_of = |k| number(k).map(|v| v.map(|x| x as f32));
+    Ok(Ask {
+        max_tokens,
+        temperature: f32_of("temperature")?,
+        top_p: f32_of("top_p")?,
+        top_k,
+        min_p: f32_of("min_p")?,
+        repetition_penalty: f32_of("repetition_penalty")?,
+        presence_penalty: f32_of("presence_penalty")?,
+        frequency_penalty: f32_of("frequency_penalty")?,
+        seed: match m.get("seed") {
+            None | Some(Value::Null) => None,
+            // vLLM takes any integer; a negative one is its bits.
+            Some(v) => Some(v.as_i64().map(|s| s as u64).or(v.as_u64()).ok_or_else(|| {
+                ApiError::bad(
+                    format!("`seed` must be an integer, got {}", crate::clip(&v.to_string(), 40)),
+                    Some("seed"),
+                )
+            })?),
+        },
+        stop_token_ids,
+        ignore_eos: flag("ignore_eos", false)?,
+        skip_special_tokens: flag("skip_special_tokens", true)?,
+        return_token_ids: flag("return_token_ids", false)?,
+    })
 }
 
 /// Checks token ids against the vocabulary and the length limit.
@@ -199,21 +357,29 @@ pub fn check_ids(ids: &[u32], limits: &Limits, field: &'static str) -> Result<()
     Ok(())
 }
 
-/// A `POST /v1/completions` body: its prompt's token ids, checked.
-pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<u32>, ApiError> {
+/// A completion's prompt: token ids (checked), or text for the model's tokenizer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prompt {
+    /// Token ids.
+    Ids(Vec<u32>),
+    /// Text, tokenized as vLLM's completions endpoint does (the tokenizer's special tokens added).
+    Text(String),
+}
+
+/// A `POST /v1/completions` body: its prompt and what it asks (`max_tokens`
+/// defaults to 16, OpenAI's and vLLM's default for this endpoint).
+pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<(Prompt, Ask), ApiError> {
     let m = parse_object(body)?;
-    check_common(&m, limits)?;
+    let mut ask = check_common(&m, limits)?;
+    ask.max_tokens.get_or_insert(16);
     let prompt = match m.get("prompt") {
         None | Some(Value::Null) => {
-            return Err(ApiError::bad("the request has no prompt: send token ids", Some("prompt")))
+            return Err(ApiError::bad("the request has no prompt: send token ids or text", Some("prompt")))
         }
-        Some(Value::String(_)) => {
-            return Err(ApiError::bad(
-                "a string prompt is not served: send the prompt as token ids (a list of integers), as the \
-                 speculators trainer does; text goes through /v1/chat/completions or `strata extract`",
-                Some("prompt"),
-            ))
+        Some(Value::String(text)) if text.is_empty() => {
+            return Err(ApiError::bad("the prompt is empty: send at least one token id or some text", Some("prompt")))
         }
+        Some(Value::String(text)) => return Ok((Prompt::Text(text.clone()), ask)),
         Some(Value::Array(a)) => a,
         Some(other) => {
             return Err(ApiError::bad(
@@ -257,7 +423,7 @@ pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<u32>, ApiErr
         }
     }
     check_ids(&ids, limits, "prompt")?;
-    Ok(ids)
+    Ok((Prompt::Ids(ids), ask))
 }
 
 /// A `POST /v1/chat/completions` body, its text parts joined.
@@ -271,6 +437,8 @@ pub struct ChatRequest {
     pub add_generation_prompt: bool,
     /// `continue_final_message` (default false).
     pub continue_final_message: bool,
+    /// What it asks.
+    pub ask: Ask,
 }
 
 /// Parses a chat request: text parts only (joined with newlines, as vLLM
@@ -278,7 +446,7 @@ pub struct ChatRequest {
 /// or video part is a 400 naming its type.
 pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, ApiError> {
     let mut m = parse_object(body)?;
-    check_common(&m, limits)?;
+    let ask = check_common(&m, limits)?;
     let flag = |m: &serde_json::Map<String, Value>, k: &'static str, default: bool| match m.get(k) {
         None | Some(Value::Null) => Ok(default),
         Some(Value::Bool(b)) => Ok(*b),
@@ -347,7 +515,16 @@ pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, ApiError>
         msg.insert("content".into(), Value::String(text));
     }
     let tools = m.remove("tools").filter(|t| !t.is_null());
-    Ok(ChatRequest { messages: Value::Array(messages), tools, add_generation_prompt, continue_final_message })
+    let choice = m.get("tool_choice").and_then(Value::as_str).unwrap_or("auto");
+    if tools.is_some() && !ask.is_prefill() && choice != "none" {
+        // vLLM's answer to "auto" tool choice on a server without a tool-call parser.
+        return Err(ApiError::bad(
+            "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set, and \
+             strata serve reads no tool calls yet: send tool_choice \"none\", or max_tokens 1 for the prompt's states",
+            Some("tool_choice"),
+        ));
+    }
+    Ok(ChatRequest { messages: Value::Array(messages), tools, add_generation_prompt, continue_final_message, ask })
 }
 
 fn now_secs() -> u64 {
@@ -389,6 +566,68 @@ pub fn chat_reply(id: &str, model: &str, ids: &[u32], path: &str) -> String {
     .to_string()
 }
 
+/// A finished generation, for its reply.
+#[derive(Clone, Debug)]
+pub struct Generation<'a> {
+    /// The request's id (hex).
+    pub id: &'a str,
+    /// The served model's name.
+    pub model: &'a str,
+    /// The prompt's ids.
+    pub prompt: &'a [u32],
+    /// The tokens drawn (a stop token included).
+    pub output: &'a [u32],
+    /// The reply's text (the stop token left out).
+    pub text: String,
+    /// `stop` or `length`.
+    pub finish: &'static str,
+    /// The id of a `stop_token_ids` token that ended it (vLLM's
+    /// `stop_reason`; null for EOS and length).
+    pub stop_reason: Option<u32>,
+    /// `return_token_ids`.
+    pub return_token_ids: bool,
+}
+
+impl Generation<'_> {
+    fn usage(&self) -> Value {
+        let (p, c) = (self.prompt.len(), self.output.len());
+        json!({"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c, "prompt_tokens_details": null})
+    }
+    fn ids<'b>(&self, ids: &'b [u32]) -> Option<&'b [u32]> {
+        self.return_token_ids.then_some(ids)
+    }
+}
+
+/// A generation's reply on `/v1/completions`, in vLLM's layout (the ids
+/// inside the choice with `return_token_ids`).
+pub fn completion_generation_reply(g: &Generation<'_>) -> String {
+    json!({
+        "id": format!("cmpl-{}", g.id), "object": "text_completion", "created": now_secs(), "model": g.model,
+        "choices": [{"index": 0, "text": g.text, "logprobs": null, "finish_reason": g.finish,
+                     "stop_reason": g.stop_reason, "token_ids": g.ids(g.output), "prompt_logprobs": null,
+                     "prompt_token_ids": g.ids(g.prompt)}],
+        "service_tier": null, "system_fingerprint": null, "usage": g.usage(), "kv_transfer_params": null,
+    })
+    .to_string()
+}
+
+/// A generation's reply on `/v1/chat/completions`, in vLLM's layout
+/// (`prompt_token_ids` at the top level, the reply's in the choice).
+pub fn chat_generation_reply(g: &Generation<'_>) -> String {
+    json!({
+        "id": format!("chatcmpl-{}", g.id), "object": "chat.completion", "created": now_secs(), "model": g.model,
+        "choices": [{"index": 0,
+                     "message": {"role": "assistant", "content": g.text, "refusal": null, "annotations": null,
+                                 "audio": null, "function_call": null, "tool_calls": [], "reasoning": null,
+                                 "reasoning_content": null},
+                     "logprobs": null, "finish_reason": g.finish, "stop_reason": g.stop_reason,
+                     "token_ids": g.ids(g.output)}],
+        "service_tier": null, "system_fingerprint": null, "usage": g.usage(), "prompt_logprobs": null,
+        "prompt_token_ids": g.ids(g.prompt), "kv_transfer_params": null,
+    })
+    .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,21 +660,45 @@ mod tests {
     fn completions_are_checked_and_each_error_names_its_problem() {
         let ok =
             parse_completion(br#"{"model":"m","prompt":[1,2,99],"max_tokens":1,"return_token_ids":true}"#, &limits());
-        assert_eq!(ok.unwrap(), vec![1, 2, 99]);
+        let (prompt, ask) = ok.unwrap();
+        assert_eq!(prompt, Prompt::Ids(vec![1, 2, 99]));
+        assert!(ask.is_prefill() && ask.return_token_ids);
+        // A generation: OpenAI's default of 16 tokens, its fields as given.
+        let (prompt, ask) = parse_completion(
+            br#"{"prompt":"hi","temperature":0,"seed":-1,"stop_token_ids":[7],"ignore_eos":true,"top_k":-1}"#,
+            &limits(),
+        )
+        .unwrap();
+        assert_eq!(prompt, Prompt::Text("hi".into()));
+        assert_eq!(
+            (ask.max_tokens, ask.temperature, ask.seed, ask.top_k),
+            (Some(16), Some(0.0), Some(u64::MAX), Some(-1))
+        );
+        assert_eq!((ask.stop_token_ids, ask.ignore_eos, ask.skip_special_tokens), (vec![7], true, true));
         let cases = [
             ("{", 400, "not JSON"),
             ("[1]", 400, "JSON object"),
             (r#"{"model":"x","prompt":[1],"max_tokens":1}"#, 404, "`x` does not exist"),
-            (r#"{"prompt":"hi","max_tokens":1}"#, 400, "string prompt"),
+            (r#"{"prompt":"","max_tokens":1}"#, 400, "prompt is empty"),
             (r#"{"prompt":[[1],[2]],"max_tokens":1}"#, 400, "batch of prompts"),
             (r#"{"prompt":["a","b"],"max_tokens":1}"#, 400, "batch of prompts"),
             (r#"{"prompt":[1,100],"max_tokens":1}"#, 400, "token id 100 at prompt[1] is outside the vocabulary"),
             (r#"{"prompt":[1,-3],"max_tokens":1}"#, 400, "prompt[1] is not a token id"),
             (r#"{"prompt":[],"max_tokens":1}"#, 400, "empty"),
             (r#"{"prompt":[1,1,1,1,1,1,1,1,1],"max_tokens":1}"#, 400, "9 tokens, more than the model takes: at most 8"),
-            (r#"{"prompt":[1],"max_tokens":16}"#, 400, "generation is not served"),
-            (r#"{"prompt":[1]}"#, 400, "generation is not served"),
+            (r#"{"prompt":[1],"max_tokens":0}"#, 400, "at least 1"),
             (r#"{"prompt":[1],"max_tokens":1,"stream":true}"#, 400, "streaming"),
+            (r#"{"prompt":[1],"n":2}"#, 400, "one completion per request"),
+            (r#"{"prompt":[1],"logit_bias":{"5":3}}"#, 400, "`logit_bias` is not applied"),
+            (r#"{"prompt":[1],"response_format":{"type":"json_object"}}"#, 400, "`response_format` is not applied"),
+            (r#"{"prompt":[1],"stop":["x"]}"#, 400, "`stop` is not applied"),
+            (r#"{"prompt":[1],"stop_token_ids":[100]}"#, 400, "below the vocabulary size"),
+            (r#"{"prompt":[1],"temperature":"hot"}"#, 400, "`temperature` must be a number"),
+            (
+                r#"{"prompt":[1],"max_tokens":4,"kv_transfer_params":{"include_output_tokens":true}}"#,
+                400,
+                "not written yet",
+            ),
         ];
         for (body, status, words) in cases {
             let e = err(body);
@@ -459,6 +722,12 @@ mod tests {
         assert!(e.message.contains("`image_url` part"), "{}", e.message);
         let body = br#"{"max_tokens":1,"messages":[{"role":"user","content":"x"}],"add_generation_prompt":true,"continue_final_message":true}"#;
         assert_eq!(parse_chat(body, &limits()).unwrap_err().status, 400);
+        // Fields left at their defaults are no refusal; tools on a generation need a parser.
+        let body = br#"{"messages":[{"role":"user","content":"x"}],"logprobs":false,"stop":null,"stream":false}"#;
+        assert_eq!(parse_chat(body, &limits()).unwrap().ask.max_tokens, None);
+        let body =
+            br#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#;
+        assert!(parse_chat(body, &limits()).unwrap_err().message.contains("--tool-call-parser"));
     }
 
     #[test]

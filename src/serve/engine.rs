@@ -15,7 +15,7 @@
 use super::api::ApiError;
 use super::metrics::Metrics;
 use super::store::{Reservation, Served, Store};
-use crate::generate::{Decode, DecodeOptions, DrawKey, SamplingParams, Sequence, StepSegment};
+use crate::generate::{Decode, DecodeOptions, DrawKey, Generated, SamplingParams, Sequence, StepSegment};
 use crate::model::{AnyCache, AnyModel, Model, ModelError, PendingStates};
 use crate::pipeline::capture::CaptureSet;
 use crate::pipeline::schedule::Scheduler;
@@ -28,14 +28,38 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
-/// What a request gets back: its file, or why not.
-pub type Outcome = Result<Served, ApiError>;
+/// What a request gets back: its file or its tokens, or why not.
+pub type Outcome = Result<Answer, ApiError>;
+
+/// What a request is answered with.
+#[derive(Debug)]
+pub enum Answer {
+    /// The prompt's states, written (the trainer's `max_tokens: 1`).
+    File(Served),
+    /// A generation's tokens.
+    Tokens(Generated),
+}
+
+/// A generation to run: a [`Sequence`] but for its prompt (the job's ids).
+#[derive(Clone, Debug)]
+pub struct GenJob {
+    /// Most tokens to draw (at least 1).
+    pub max_tokens: usize,
+    /// How each is drawn.
+    pub params: SamplingParams,
+    /// Tokens that end it.
+    pub stop: Vec<u32>,
+    /// What its draws are keyed by.
+    pub key: DrawKey,
+}
 
 /// A request admitted to the queue.
 #[derive(Debug)]
 pub struct Job {
     /// The prompt's token ids.
     pub ids: Vec<u32>,
+    /// A generation; `None`: the prompt's states only.
+    pub generate: Option<GenJob>,
     /// The bytes its file may take, reserved in the states directory.
     pub reservation: Reservation,
     /// Where its outcome goes; closed when its client hung up.
@@ -220,13 +244,19 @@ impl Engine {
                 continue;
             }
             let index = self.next_index.fetch_add(1, Relaxed);
-            let seq = Sequence {
-                // The job keeps its ids for the file's token_ids.
-                prompt: job.ids.clone(),
+            let g = job.generate.clone().unwrap_or(GenJob {
                 max_tokens: 0,
                 params: SamplingParams::default(),
                 stop: Vec::new(),
                 key: DrawKey { seed: 0, record: index as u128, generation: 0, position: 0 },
+            });
+            // The job keeps its ids for the file's token_ids and the reply.
+            let seq = Sequence {
+                prompt: job.ids.clone(),
+                max_tokens: g.max_tokens,
+                params: g.params,
+                stop: g.stop,
+                key: g.key,
                 park: false,
                 continues: None,
             };
@@ -350,9 +380,22 @@ impl Engine {
             if writer_gone {
                 return;
             }
-            if let Err(e) = r {
-                tracing::error!("forward step failed: {e}");
-                self.restart(&mut decode, &mut cache, &ApiError::from_model("the forward step", &e));
+            match r {
+                Err(e) => {
+                    tracing::error!("forward step failed: {e}");
+                    self.restart(&mut decode, &mut cache, &ApiError::from_model("the forward step", &e));
+                }
+                Ok(finished) => {
+                    // Generations are answered here; prefills by the writer, with their files.
+                    let mut running = self.running();
+                    for (index, g) in finished {
+                        if running.get(&index).is_some_and(|j| j.generate.is_some()) {
+                            let job = running.remove(&index).expect("checked");
+                            self.metrics.generated_tokens.fetch_add(g.output.len() as u64, Relaxed);
+                            let _ = job.reply.send(Ok(Answer::Tokens(g)));
+                        }
+                    }
+                }
             }
         }
     }
@@ -403,7 +446,9 @@ impl Engine {
             for seg in &segments {
                 let rows = row..row + seg.len;
                 row += seg.len;
-                let Some(total) = self.running().get(&seg.index).map(|j| j.ids.len()) else {
+                // Only prefills' states are written.
+                let Some(total) = self.running().get(&seg.index).filter(|j| j.generate.is_none()).map(|j| j.ids.len())
+                else {
                     partial.remove(&seg.index);
                     continue;
                 };
@@ -473,7 +518,7 @@ impl Engine {
             tracing::error!("cannot write into {}: {e}", self.store.path().display());
             ApiError::internal(format!("cannot write the hidden states file: {e}"))
         });
-        if let Err(Ok(served)) = reply.send(outcome) {
+        if let Err(Ok(Answer::File(served))) = reply.send(outcome.map(Answer::File)) {
             // Its client hung up while the file was made.
             self.store.remove(&served.name);
             self.metrics.removed_unclaimed.fetch_add(1, Relaxed);

@@ -8,7 +8,7 @@
 
 use super::api::{self, ApiError, Limits};
 use super::conn::Conn;
-use super::engine::{Engine, Job};
+use super::engine::{Answer, Engine, GenJob, Job};
 use super::metrics::Metrics;
 use super::store::{Served, Store};
 use crate::chat::Chat;
@@ -40,6 +40,18 @@ pub struct Ready {
     pub no_chat: String,
     /// The bytes of a file of `t` tokens (what a request reserves).
     pub file_bytes: Box<dyn Fn(usize) -> u64 + Send + Sync>,
+    /// What generation requests take from the checkpoint; `Err(why)` when
+    /// the model cannot generate (its checkpoint has no LM head).
+    pub generation: Result<Generation, String>,
+}
+
+/// What generation requests take from the checkpoint.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// `generation_config.json`'s sampling defaults, as vLLM's `--generation-config auto` takes them.
+    pub defaults: crate::generate::GenerationDefaults,
+    /// The EOS ids (`generation_config.json`'s and the tokenizer's): stop ids unless `ignore_eos`.
+    pub eos: Vec<u32>,
 }
 
 /// `--api-key`: never printed, compared in constant time.
@@ -416,7 +428,7 @@ async fn completion(
     let gone = || json(400, ApiError::client_closed().body());
     let id = shared.next_id.fetch_add(1, Relaxed);
     let span = tracing::info_span!("request", id, chat, tokens = tracing::field::Empty);
-    let ids = if chat {
+    let (ids, ask) = if chat {
         let request = api::parse_chat(body.as_slice(), &ready.limits)?;
         drop((body, held));
         let Some(c) = ready.chat.clone() else {
@@ -426,17 +438,36 @@ async fn completion(
             ));
         };
         let limits = ready.limits.clone();
-        tokio::task::spawn_blocking(move || render(&c, &request, &limits))
+        let ask = request.ask.clone();
+        let ids = tokio::task::spawn_blocking(move || render(&c, &request, &limits))
             .await
-            .map_err(|e| ApiError::internal(format!("the render failed: {e}")))??
+            .map_err(|e| ApiError::internal(format!("the render failed: {e}")))??;
+        (ids, ask)
     } else {
-        let ids = api::parse_completion(body.as_slice(), &ready.limits)?;
+        let (prompt, ask) = api::parse_completion(body.as_slice(), &ready.limits)?;
         drop((body, held));
-        ids
+        match prompt {
+            api::Prompt::Ids(ids) => (ids, ask),
+            api::Prompt::Text(text) => {
+                let Some(c) = ready.chat.clone() else {
+                    return Err(ApiError::bad(
+                        format!("a text prompt needs the model's tokenizer: {}; send token ids", ready.no_chat),
+                        Some("prompt"),
+                    ));
+                };
+                let limits = ready.limits.clone();
+                let ids = tokio::task::spawn_blocking(move || tokenize(&c, &text, &limits))
+                    .await
+                    .map_err(|e| ApiError::internal(format!("tokenizing failed: {e}")))??;
+                (ids, ask)
+            }
+        }
     };
     span.record("tokens", ids.len());
+    let generate = if ask.is_prefill() { None } else { Some(gen_job(ready, &ids, &ask)?) };
+    let bytes = if generate.is_some() { 0 } else { (ready.file_bytes)(ids.len()) };
     let mut rx = tokio::select! {
-        r = submit(ready, shared, &ids, span) => r?,
+        r = submit(ready, shared, &ids, generate, bytes, span) => r?,
         _ = conn.closed_by_client() => {
             m.reply(499);
             return Ok(gone());
@@ -448,7 +479,7 @@ async fn completion(
             // The engine sees the closed channel: a queued job is dropped
             // before its forward, a file made after this is removed there.
             rx.close();
-            if let Ok(Ok(served)) = rx.try_recv() {
+            if let Ok(Ok(Answer::File(served))) = rx.try_recv() {
                 shared.store.remove(&served.name);
                 m.removed_unclaimed.fetch_add(1, Relaxed);
                 m.reply(499);
@@ -456,15 +487,37 @@ async fn completion(
             return Ok(gone());
         }
     };
-    let served = match outcome {
+    let answer = match outcome {
         Ok(outcome) => outcome?,
         Err(_) => return Err(ApiError::unavailable("the server is stopping")),
     };
     m.reply(200);
     m.prompt_tokens.fetch_add(ids.len() as u64, Relaxed);
     m.latency(admitted.elapsed().as_secs_f64());
-    let path = served.path.to_string_lossy().into_owned();
     let hex = format!("{id:016x}");
+    let served = match answer {
+        Answer::File(served) => served,
+        Answer::Tokens(g) => {
+            let text = reply_text(ready, &ids, &g, &ask)?;
+            let stopped = g.finish == crate::generate::Finish::Stop;
+            let last = g.output.last().copied();
+            let eos = ready.generation.as_ref().map(|gen| gen.eos.clone()).unwrap_or_default();
+            let reply = api::Generation {
+                id: &hex,
+                model: &shared.model_name,
+                prompt: &ids,
+                output: &g.output,
+                text,
+                finish: if stopped { "stop" } else { "length" },
+                // vLLM's stop_reason: the stop_token_ids id that ended it; null for EOS.
+                stop_reason: last.filter(|t| stopped && (ask.ignore_eos || !eos.contains(t))),
+                return_token_ids: ask.return_token_ids,
+            };
+            let body = if chat { api::chat_generation_reply(&reply) } else { api::completion_generation_reply(&reply) };
+            return Ok(json(200, body));
+        }
+    };
+    let path = served.path.to_string_lossy().into_owned();
     let text = if chat {
         api::chat_reply(&hex, &shared.model_name, &ids, &path)
     } else {
@@ -475,17 +528,106 @@ async fn completion(
     Ok(r)
 }
 
+/// A generation request's sequence: its `max_tokens` checked against the
+/// model's positions, its sampling fields over the checkpoint's defaults
+/// (then vLLM's), checked as vLLM checks them, its stop ids, its draw key.
+fn gen_job(ready: &Ready, ids: &[u32], ask: &api::Ask) -> Result<GenJob, ApiError> {
+    let generation = ready.generation.as_ref().map_err(|why| ApiError::bad(why.clone(), Some("max_tokens")))?;
+    let limits = &ready.limits;
+    let room = limits.max_tokens.saturating_sub(ids.len());
+    let d = &generation.defaults;
+    // Not given: the checkpoint's max_new_tokens, else the room the prompt leaves (vLLM's chat default).
+    let max_tokens = ask.max_tokens.unwrap_or_else(|| d.max_tokens.unwrap_or(room).min(room));
+    if max_tokens == 0 || max_tokens > room {
+        return Err(ApiError::bad(
+            format!(
+                "this model's maximum context length is {} tokens ({}); this request asks for {} tokens ({} in the \
+                 prompt, {max_tokens} in the completion): lower max_tokens",
+                limits.max_tokens,
+                limits.max_tokens_from,
+                ids.len() + max_tokens,
+                ids.len()
+            ),
+            Some("max_tokens"),
+        ));
+    }
+    let asked = crate::generate::SamplingParams {
+        temperature: ask.temperature.or(d.temperature).unwrap_or(1.0),
+        top_k: None,
+        top_p: ask.top_p.or(d.top_p).unwrap_or(1.0),
+        min_p: ask.min_p.or(d.min_p).unwrap_or(0.0),
+        repetition_penalty: ask.repetition_penalty.or(d.repetition_penalty).unwrap_or(1.0),
+        presence_penalty: ask.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: ask.frequency_penalty.unwrap_or(0.0),
+    };
+    let (params, _) =
+        asked.checked(ask.top_k.or(d.top_k).unwrap_or(0)).map_err(|e| ApiError::bad(e.to_string(), Some(e.name)))?;
+    let mut stop = ask.stop_token_ids.clone();
+    if !ask.ignore_eos {
+        stop.extend(generation.eos.iter().filter(|t| !ask.stop_token_ids.contains(t)));
+    }
+    // A request's seed keys its draws (the same seed and prompt give the same tokens, whatever
+    // else runs beside them); without one, a seed of its own.
+    let seed = ask.seed.unwrap_or_else(crate::generate::draw_seed);
+    Ok(GenJob {
+        max_tokens,
+        params,
+        stop,
+        key: crate::generate::DrawKey { seed, record: 0, generation: 0, position: 0 },
+    })
+}
+
+/// A reply's text as vLLM returns it: the stop token left out, special
+/// tokens skipped unless `skip_special_tokens` is false; empty without a tokenizer.
+fn reply_text(
+    ready: &Ready,
+    prompt: &[u32],
+    g: &crate::generate::Generated,
+    ask: &api::Ask,
+) -> Result<String, ApiError> {
+    let Some(chat) = &ready.chat else { return Ok(String::new()) };
+    let body = match g.finish {
+        crate::generate::Finish::Stop => &g.output[..g.output.len().saturating_sub(1)],
+        crate::generate::Finish::Length => &g.output[..],
+    };
+    chat.tokenizer
+        .decode_content(prompt, body, ask.skip_special_tokens)
+        .map_err(|e| ApiError::internal(format!("the reply cannot be decoded: {e}")))
+}
+
+/// A text prompt's tokens, as vLLM's completions endpoint makes them (the
+/// tokenizer's special tokens added), checked against the limits.
+fn tokenize(chat: &Chat, text: &str, limits: &Limits) -> Result<Vec<u32>, ApiError> {
+    let mut enc = crate::chat::tokenizer::Encoded::default();
+    let more = chat
+        .tokenizer
+        .encode_limited(text, true, limits.max_tokens, &mut enc)
+        .map_err(|e| ApiError::bad(format!("the prompt cannot be tokenized: {e}"), Some("prompt")))?;
+    if more {
+        return Err(ApiError::bad(
+            format!(
+                "the prompt has more than {} tokens, more than the model takes ({})",
+                limits.max_tokens, limits.max_tokens_from
+            ),
+            Some("prompt"),
+        ));
+    }
+    api::check_ids(&enc.ids, limits, "prompt")?;
+    Ok(enc.ids)
+}
+
 /// Reserves the prompt's file bytes (waiting up to `--max-queue-time` for
 /// readers to delete theirs) and queues it; its outcome comes on the receiver.
 async fn submit(
     ready: &Ready,
     shared: &Shared,
     ids: &[u32],
+    generate: Option<GenJob>,
+    bytes: u64,
     span: tracing::Span,
 ) -> Result<oneshot::Receiver<super::engine::Outcome>, ApiError> {
     ready.engine.has_room(ids.len())?;
     let mut stopping = shared.stopping.clone();
-    let bytes = (ready.file_bytes)(ids.len());
     let reservation = tokio::select! {
         r = shared.store.reserve(bytes, shared.queue_time) => r.ok_or_else(|| {
             let (files, held) = shared.store.pending();
@@ -499,7 +641,7 @@ async fn submit(
         _ = super::stopped(&mut stopping) => return Err(ApiError::unavailable("the server is stopping")),
     };
     let (tx, rx) = oneshot::channel();
-    let job = Job { ids: ids.to_vec(), reservation, reply: tx, admitted: Instant::now(), span };
+    let job = Job { ids: ids.to_vec(), generate, reservation, reply: tx, admitted: Instant::now(), span };
     ready.engine.submit(job)?;
     Ok(rx)
 }

@@ -17,6 +17,8 @@ pub struct Metrics {
     other_status: AtomicU64,
     /// Prompt tokens of the requests served (200).
     pub prompt_tokens: AtomicU64,
+    /// Tokens drawn by generation requests.
+    pub generated_tokens: AtomicU64,
     /// Forward steps run.
     pub steps: AtomicU64,
     /// Tokens run in forward steps.
@@ -121,6 +123,7 @@ impl Metrics {
         let n = |a: &AtomicU64| a.load(Relaxed).to_string();
         let secs = |a: &AtomicU64| format!("{}", a.load(Relaxed) as f64 / 1e6);
         one("prompt_tokens_total", "counter", "Prompt tokens of the requests served.", n(&self.prompt_tokens));
+        one("generated_tokens_total", "counter", "Tokens drawn by generation requests.", n(&self.generated_tokens));
         one("steps_total", "counter", "Forward steps run.", n(&self.steps));
         one("step_tokens_total", "counter", "Tokens run in forward steps.", n(&self.step_tokens));
         one("step_budget_tokens", "gauge", "The token budget of one step (--max-batch-tokens).", n(&self.budget));

@@ -311,12 +311,21 @@ pub fn serve(opts: ServeOptions, mut events: impl FnMut(Event<'_>)) -> Result<()
         let request = opts.model.clone();
         let (budget, vocab) = (opts.max_batch_tokens, info.vocab_size);
         let warm_captures = captures.clone();
-        let loading = tokio::task::spawn_blocking(move || -> Result<(OpenedModel, f64), ModelError> {
-            let opened = request.open(checked)?;
-            let tps = engine::measure(&opened.model, &warm_captures, budget, max_tokens, vocab)?;
-            Ok((opened, tps))
-        });
-        let (opened, tps) = tokio::select! {
+        let config_text = checked.text.clone();
+        let loading =
+            tokio::task::spawn_blocking(move || -> Result<(OpenedModel, f64, Result<(), String>), ModelError> {
+                // With its LM head, for generation requests; a checkpoint without one serves prompts' states only.
+                let mut with_head = request.clone();
+                with_head.lm_head = true;
+                let (opened, head) = match with_head.open(checked.clone()) {
+                    Ok(opened) => (opened, Ok(())),
+                    Err(ModelError::NoLmHead(why)) => (request.open(checked)?, Err(why)),
+                    Err(e) => return Err(e),
+                };
+                let tps = engine::measure(&opened.model, &warm_captures, budget, max_tokens, vocab)?;
+                Ok((opened, tps, head))
+            });
+        let (opened, tps, head) = tokio::select! {
             r = loading => r.map_err(|e| ServeError::Usage(format!("loading the model failed: {e}")))??,
             _ = &mut stop_signal => {
                 events(Event::Stopping);
@@ -325,6 +334,9 @@ pub fn serve(opts: ServeOptions, mut events: impl FnMut(Event<'_>)) -> Result<()
             }
         };
         let (chat, no_chat) = load_chat(&opts)?;
+        let generation = head
+            .map_err(|why| format!("this model cannot generate ({why}): send max_tokens 1 for the prompt's states"))
+            .and_then(|()| generation_setup(&opts, &config_text, chat.as_deref()));
         let ready_info = start(
             &opts,
             opened,
@@ -339,6 +351,7 @@ pub fn serve(opts: ServeOptions, mut events: impl FnMut(Event<'_>)) -> Result<()
             no_chat,
             max_tokens,
             max_tokens_from,
+            generation,
         )?;
         events(Event::Ready(&ready_info));
 
@@ -455,6 +468,29 @@ fn load_chat(opts: &ServeOptions) -> Result<(Option<Arc<Chat>>, Option<String>),
     }
 }
 
+/// What generation requests take from the checkpoint, as `strata generate`
+/// takes it: `generation_config.json`'s sampling defaults and EOS ids (else
+/// config.json's), and the tokenizer's EOS.
+fn generation_setup(opts: &ServeOptions, config_text: &str, chat: Option<&Chat>) -> Result<http::Generation, String> {
+    let defaults = match opts.model.source.dir() {
+        Some(dir) => crate::generate::GenerationDefaults::read(dir, config_text).map_err(|e| e.to_string())?,
+        None => crate::generate::GenerationDefaults::from_model_config(config_text)?,
+    };
+    let mut eos = defaults.eos_token_ids.clone();
+    let config = opts.model.source.dir().and_then(|dir| {
+        let text = crate::files::read_text(&dir.join("tokenizer_config.json"), 256 << 20).ok()?;
+        serde_json::from_str::<serde_json::Value>(&text).ok()
+    });
+    if let Some(id) =
+        chat.zip(config.as_ref()).and_then(|(c, config)| crate::job::generate::tokenizer_eos(&c.tokenizer, config))
+    {
+        if !eos.contains(&id) {
+            eos.push(id);
+        }
+    }
+    Ok(http::Generation { defaults, eos })
+}
+
 /// Starts the model's and the writer's threads and marks the server ready.
 #[allow(clippy::too_many_arguments)]
 fn start(
@@ -471,6 +507,7 @@ fn start(
     no_chat: Option<String>,
     max_tokens: usize,
     max_tokens_from: String,
+    generation: Result<http::Generation, String>,
 ) -> Result<ReadyInfo, ServeError> {
     let info = opened.info().clone();
     let dtype = opts.dtype.unwrap_or(opened.model.dtype());
@@ -514,6 +551,7 @@ fn start(
         chat,
         no_chat: no_chat.unwrap_or_default(),
         file_bytes: Box::new(move |t| encoder.file_bytes(t, l, h)),
+        generation,
     };
     let _ = shared.ready.set(ready);
     Ok(ready_info)

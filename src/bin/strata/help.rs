@@ -94,8 +94,18 @@ the same ids (token_ids, loss_mask of ones, hidden_states [T, L, H]), byte for b
 on the cpu and reference backends, whatever else shared its forward step.
 
 ROUTES: GET /health (200 once loaded), GET /v1/models, POST /v1/completions (token
-ids), POST /v1/chat/completions (text parts, rendered with the chat template), GET
-/metrics (Prometheus).
+ids, or text with the model's tokenizer), POST /v1/chat/completions (text parts,
+rendered with the chat template), GET /metrics (Prometheus).
+
+GENERATION: a request with max_tokens other than 1 generates (not streamed), on the
+engine of `strata generate`, in the same steps as the trainer's prompts: temperature,
+top_p, top_k, min_p, seed, repetition/presence/frequency_penalty, stop_token_ids,
+ignore_eos, skip_special_tokens and return_token_ids as vLLM applies them, defaults
+from generation_config.json; completions default to 16 tokens, chat to the room the
+prompt leaves. It writes no file. Fields that would change the reply and are not
+applied (stop strings, logprobs, logit_bias, structured output, n > 1, stream,
+tools with auto tool choice) get a 400 naming them. The model's LM head is loaded
+for it (a checkpoint without one serves max_tokens 1 only).
 
 LAYER IDS: the file's last slot must be `final` (the trainer normalises it itself),
 so --capture ends with final. At start the server prints the ids it serves (input:K

@@ -389,7 +389,7 @@ impl GenerateJob {
         let recorded = existing.as_ref().and_then(|m| m.generation.as_ref()).map(|g| g.seed);
         let (seed, seed_drawn) = match (s.seed, recorded) {
             (Some(seed), _) | (None, Some(seed)) => (seed, false),
-            (None, None) => (draw_seed(), true),
+            (None, None) => (crate::generate::draw_seed(), true),
         };
         if seed_drawn {
             tracing::info!("--seed {seed} (drawn; recorded in the manifest)");
@@ -1071,19 +1071,9 @@ fn record_key(s: &Sample) -> u128 {
     h.digest128()
 }
 
-/// A seed from the operating system's generator.
-fn draw_seed() -> u64 {
-    let mut b = [0u8; 8];
-    match rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()) {
-        Ok(8) => u64::from_le_bytes(b),
-        // Never expected on Linux; the time still differs run to run.
-        _ => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
-    }
-}
-
 /// The tokenizer's EOS id (`tokenizer_config.json`'s `eos_token`), when it
 /// is one token of `tokenizer`.
-fn tokenizer_eos(tokenizer: &crate::chat::Tokenizer, config: &serde_json::Value) -> Option<u32> {
+pub fn tokenizer_eos(tokenizer: &crate::chat::Tokenizer, config: &serde_json::Value) -> Option<u32> {
     let eos = match config.get("eos_token")? {
         serde_json::Value::String(s) => s.clone(),
         v => v.get("content")?.as_str()?.to_string(),
