@@ -1490,3 +1490,87 @@ fn a_chat_generation_is_strata_generates_reply() {
         reply["usage"]["completion_tokens"].as_u64().unwrap()
     );
 }
+
+/// States during generation: 16 concurrent clients of mixed prompt and
+/// output lengths send `include_output_tokens`; each file is `strata
+/// extract` of its `prompt_token_ids + token_ids[:-1]` (vLLM's contract),
+/// byte for byte, while the trainer's `max_tokens: 1` requests in the same
+/// steps get their offline files too.
+#[test]
+fn generations_with_include_output_tokens_get_the_extract_files_of_their_tokens() {
+    let model = fixture("llama-default");
+    let states = tempfile::tempdir().unwrap();
+    let server = serve_in(&model, states.path(), &["--max-batch-tokens", "24"]);
+    let name = model.to_str().unwrap().to_string();
+    let asked = prompts(16, &[1, 9, 30, 4, 50, 17], 256, 21);
+    let handles: Vec<_> = asked
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let body = json!({"model": name, "prompt": p, "max_tokens": 2 + (i * 7) % 23, "temperature": 0.8,
+                              "seed": i, "ignore_eos": i % 2 == 0, "return_token_ids": true,
+                              "kv_transfer_params": {"include_output_tokens": true}});
+            let addr = server.addr.clone();
+            std::thread::spawn(move || {
+                let (status, text) = http(&addr, "POST", "/v1/completions", Some(&body.to_string()));
+                assert_eq!(status, 200, "{text}");
+                serde_json::from_str::<Value>(&text).unwrap()
+            })
+        })
+        .collect();
+    served_equal_offline(&server.addr, &model, &prompts(6, &[3, 40], 256, 5), 3);
+    let mut rows = Vec::new();
+    let mut files = Vec::new();
+    for h in handles {
+        let v = h.join().unwrap();
+        let c = &v["choices"][0];
+        let mut ids: Vec<u32> = serde_json::from_value(c["prompt_token_ids"].clone()).unwrap();
+        let out: Vec<u32> = serde_json::from_value(c["token_ids"].clone()).unwrap();
+        ids.extend(&out[..out.len() - 1]);
+        let path = PathBuf::from(v["kv_transfer_params"]["hidden_states_path"].as_str().unwrap());
+        files.push(std::fs::read(&path).unwrap());
+        std::fs::remove_file(&path).unwrap();
+        rows.push(ids);
+    }
+    let expected = offline(&model, &rows, &[]);
+    for (i, (got, want)) in files.iter().zip(&expected).enumerate() {
+        assert!(got == want, "generation {i} ({} tokens): its file is not extract's", rows[i].len());
+    }
+    assert_eq!(served_names(states.path()), Vec::<String>::new(), "files or temporaries remain");
+}
+
+/// A client that hangs up mid-generation frees its sequence at the next
+/// step: its generation stops far short of its max_tokens, the server
+/// answers the next client, and no file is left.
+#[test]
+fn a_generation_whose_client_hung_up_stops_at_the_next_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A model of 4096 positions: 4000 tokens take seconds, one a step.
+    let model = tmp.path().join("model");
+    tiny_llama(&model, 512);
+    let states = tmp.path().join("hs");
+    let server = serve_in(&model, &states, &["--capture", "input:1,final"]);
+    let name = model.to_str().unwrap().to_string();
+    let mut s = TcpStream::connect(&server.addr).unwrap();
+    let body = json!({"model": name, "prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": true,
+                      "kv_transfer_params": {"include_output_tokens": true}})
+    .to_string();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(s);
+    std::thread::sleep(Duration::from_millis(500));
+    let body = json!({"model": name, "prompt": [4, 5], "max_tokens": 3, "temperature": 0});
+    let (status, text) = http(&server.addr, "POST", "/v1/completions", Some(&body.to_string()));
+    assert_eq!(status, 200, "{text}");
+    let (_, text) = http(&server.addr, "GET", "/metrics", None);
+    let m = parse_metrics(&text);
+    assert_eq!(m["strata_requests_total{status=\"499\"}"], 1.0, "{text}");
+    assert_eq!(m["strata_dropped_queued_total"], 0.0, "cancelled in flight, not in the queue: {text}");
+    // The cancelled generation's tokens are not counted (only finished ones are): 3 from the second.
+    assert_eq!(m["strata_generated_tokens_total"], 3.0, "{text}");
+    let steps = m["strata_steps_total"];
+    std::thread::sleep(Duration::from_millis(500));
+    let (_, text) = http(&server.addr, "GET", "/metrics", None);
+    assert_eq!(parse_metrics(&text)["strata_steps_total"], steps, "steps go on after the hang-up: {text}");
+    assert_eq!(served_names(&states), Vec::<String>::new());
+}

@@ -341,6 +341,21 @@ impl<'m, M: Model, L: Dim> Decode<'m, M, L> {
         (running, waiting)
     }
 
+    /// Drops sequence `index` (its client went away): out of the queue, or
+    /// out of flight with its cache dropped and its reservation given back
+    /// with the next step. Whether it was there.
+    pub fn cancel(&mut self, index: usize) -> bool {
+        if let Some(at) = self.waiting.iter().position(|r| r.index == index) {
+            self.waiting.remove(at);
+            return true;
+        }
+        let Some(at) = self.running.iter().position(|r| r.index == index) else { return false };
+        let r = self.running.remove(at);
+        self.rewinds.push((r.cache_key, 0));
+        self.reserved -= r.need;
+        true
+    }
+
     /// Tokens the next steps have to feed before any sequence is done with
     /// its prompt: the prompts queued and the rest of those in flight, and
     /// one per generation in flight (what a caller keeps above a step's

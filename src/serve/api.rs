@@ -165,6 +165,9 @@ pub struct Ask {
     pub skip_special_tokens: bool,
     /// `return_token_ids`: the prompt's and the reply's ids in the reply.
     pub return_token_ids: bool,
+    /// `kv_transfer_params.include_output_tokens`: a generation writes the
+    /// states of its prompt and of every generated token but the last (vLLM's contract).
+    pub include_output_tokens: bool,
 }
 
 impl Ask {
@@ -293,14 +296,16 @@ fn check_common(m: &serde_json::Map<String, Value>, limits: &Limits) -> Result<A
             ))
         }
     };
-    let include_output = m.get("kv_transfer_params").and_then(|p| p.get("include_output_tokens"));
-    if max_tokens != Some(1) && include_output.is_some_and(|v| v.as_bool() == Some(true)) {
-        return Err(ApiError::bad(
-            "kv_transfer_params.include_output_tokens: the states of generated tokens are not written yet; \
-             a request with max_tokens 1 gets its prompt's states",
-            Some("kv_transfer_params"),
-        ));
-    }
+    let include_output_tokens = match m.get("kv_transfer_params").and_then(|p| p.get("include_output_tokens")) {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(ApiError::bad(
+                format!("kv_transfer_params.include_output_tokens must be a boolean, got {}", kind(other)),
+                Some("kv_transfer_params"),
+            ))
+        }
+    };
     let f32_of = |k| number(k).map(|v| v.map(|x| x as f32));
     Ok(Ask {
         max_tokens,
@@ -325,6 +330,7 @@ fn check_common(m: &serde_json::Map<String, Value>, limits: &Limits) -> Result<A
         ignore_eos: flag("ignore_eos", false)?,
         skip_special_tokens: flag("skip_special_tokens", true)?,
         return_token_ids: flag("return_token_ids", false)?,
+        include_output_tokens,
     })
 }
 
@@ -586,9 +592,14 @@ pub struct Generation<'a> {
     pub stop_reason: Option<u32>,
     /// `return_token_ids`.
     pub return_token_ids: bool,
+    /// The states file (`include_output_tokens`).
+    pub path: Option<&'a str>,
 }
 
 impl Generation<'_> {
+    fn transfer(&self) -> Value {
+        self.path.map_or(Value::Null, |p| json!({"hidden_states_path": p}))
+    }
     fn usage(&self) -> Value {
         let (p, c) = (self.prompt.len(), self.output.len());
         json!({"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c, "prompt_tokens_details": null})
@@ -606,7 +617,7 @@ pub fn completion_generation_reply(g: &Generation<'_>) -> String {
         "choices": [{"index": 0, "text": g.text, "logprobs": null, "finish_reason": g.finish,
                      "stop_reason": g.stop_reason, "token_ids": g.ids(g.output), "prompt_logprobs": null,
                      "prompt_token_ids": g.ids(g.prompt)}],
-        "service_tier": null, "system_fingerprint": null, "usage": g.usage(), "kv_transfer_params": null,
+        "service_tier": null, "system_fingerprint": null, "usage": g.usage(), "kv_transfer_params": g.transfer(),
     })
     .to_string()
 }
@@ -623,7 +634,7 @@ pub fn chat_generation_reply(g: &Generation<'_>) -> String {
                      "logprobs": null, "finish_reason": g.finish, "stop_reason": g.stop_reason,
                      "token_ids": g.ids(g.output)}],
         "service_tier": null, "system_fingerprint": null, "usage": g.usage(), "prompt_logprobs": null,
-        "prompt_token_ids": g.ids(g.prompt), "kv_transfer_params": null,
+        "prompt_token_ids": g.ids(g.prompt), "kv_transfer_params": g.transfer(),
     })
     .to_string()
 }
@@ -695,9 +706,9 @@ mod tests {
             (r#"{"prompt":[1],"stop_token_ids":[100]}"#, 400, "below the vocabulary size"),
             (r#"{"prompt":[1],"temperature":"hot"}"#, 400, "`temperature` must be a number"),
             (
-                r#"{"prompt":[1],"max_tokens":4,"kv_transfer_params":{"include_output_tokens":true}}"#,
+                r#"{"prompt":[1],"max_tokens":4,"kv_transfer_params":{"include_output_tokens":1}}"#,
                 400,
-                "not written yet",
+                "must be a boolean",
             ),
         ];
         for (body, status, words) in cases {

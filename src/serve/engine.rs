@@ -36,8 +36,16 @@ pub type Outcome = Result<Answer, ApiError>;
 pub enum Answer {
     /// The prompt's states, written (the trainer's `max_tokens: 1`).
     File(Served),
-    /// A generation's tokens.
-    Tokens(Generated),
+    /// A generation's tokens, and its states file with `include_output_tokens`.
+    Tokens(Generated, Option<Served>),
+}
+
+/// What the model thread hands the writer, in step order.
+pub enum ToWriter {
+    /// A step's segments and its states `[L, T, H]`, copies pending.
+    Step(Vec<StepSegment>, PendingStates<usize, usize>),
+    /// A generation that writes its states ended with the last step sent.
+    Done(usize, Generated),
 }
 
 /// A generation to run: a [`Sequence`] but for its prompt (the job's ids).
@@ -51,6 +59,8 @@ pub struct GenJob {
     pub stop: Vec<u32>,
     /// What its draws are keyed by.
     pub key: DrawKey,
+    /// Write the states of its prompt and of its tokens but the last (`include_output_tokens`).
+    pub write_states: bool,
 }
 
 /// A request admitted to the queue.
@@ -249,6 +259,7 @@ impl Engine {
                 params: SamplingParams::default(),
                 stop: Vec::new(),
                 key: DrawKey { seed: 0, record: index as u128, generation: 0, position: 0 },
+                write_states: false,
             });
             // The job keeps its ids for the file's token_ids and the reply.
             let seq = Sequence {
@@ -314,12 +325,7 @@ impl Engine {
     /// `strata generate` over them (continuous batching: a step holds
     /// chunks of several prompts), hands each step's states to the writer.
     /// Returns once closed and drained, or when the writer is gone.
-    pub fn run_model(
-        &self,
-        model: &AnyModel,
-        captures: &CaptureSet<usize>,
-        to_writer: mpsc::SyncSender<(Vec<StepSegment>, PendingStates<usize, usize>)>,
-    ) {
+    pub fn run_model(&self, model: &AnyModel, captures: &CaptureSet<usize>, to_writer: mpsc::SyncSender<ToWriter>) {
         // Every sequence takes at least a token of a step: the budget bounds how many share one.
         let opts = DecodeOptions { max_batch_tokens: self.budget, max_num_seqs: self.budget, kv_cache_bytes: None };
         let mut cache = AnyCache::default();
@@ -359,6 +365,20 @@ impl Engine {
                     self.fail([index], &ApiError::from_model("admitting the prompt", &e));
                 }
             }
+            // A generation whose client went away frees its place with this step.
+            {
+                let mut running = self.running();
+                let gone: Vec<usize> = running
+                    .iter()
+                    .filter(|(_, j)| j.generate.is_some() && j.reply.is_closed())
+                    .map(|(&i, _)| i)
+                    .collect();
+                for index in gone {
+                    decode.cancel(index);
+                    running.remove(&index);
+                    self.metrics.reply(499);
+                }
+            }
             if decode.is_idle() {
                 continue;
             }
@@ -374,7 +394,7 @@ impl Engine {
                     let now = tokens as f64 / secs.max(1e-6);
                     *tps = if *tps == 0.0 { now } else { 0.8 * *tps + 0.2 * now };
                 }
-                writer_gone = to_writer.send((segments.to_vec(), states)).is_err();
+                writer_gone = to_writer.send(ToWriter::Step(segments.to_vec(), states)).is_err();
                 Ok::<_, ModelError>(())
             });
             if writer_gone {
@@ -387,12 +407,25 @@ impl Engine {
                 }
                 Ok(finished) => {
                     // Generations are answered here; prefills by the writer, with their files.
-                    let mut running = self.running();
-                    for (index, g) in finished {
-                        if running.get(&index).is_some_and(|j| j.generate.is_some()) {
-                            let job = running.remove(&index).expect("checked");
+                    let mut to_write = Vec::new();
+                    {
+                        let mut running = self.running();
+                        for (index, g) in finished {
+                            let Some(gen) = running.get(&index).and_then(|j| j.generate.as_ref()) else { continue };
                             self.metrics.generated_tokens.fetch_add(g.output.len() as u64, Relaxed);
-                            let _ = job.reply.send(Ok(Answer::Tokens(g)));
+                            if gen.write_states {
+                                to_write.push((index, g));
+                            } else {
+                                let job = running.remove(&index).expect("checked");
+                                let _ = job.reply.send(Ok(Answer::Tokens(g, None)));
+                            }
+                        }
+                    }
+                    // The writer has their last steps: it writes their files, then answers. (Sent
+                    // with the lock released: the writer takes it while the channel is full.)
+                    for (index, g) in to_write {
+                        if to_writer.send(ToWriter::Done(index, g)).is_err() {
+                            return;
                         }
                     }
                 }
@@ -418,17 +451,22 @@ impl Engine {
     /// encoded as the speculators file, written and answered. A prompt fed
     /// whole in one step is passed as a view of the step's states (no copy);
     /// one fed in chunks is copied chunk by chunk into its own buffer.
-    pub fn run_writer(
-        &self,
-        from_model: mpsc::Receiver<(Vec<StepSegment>, PendingStates<usize, usize>)>,
-        dtype: DType,
-        points: &[String],
-    ) {
+    pub fn run_writer(&self, from_model: mpsc::Receiver<ToWriter>, dtype: DType, points: &[String]) {
         // `[L, T, H]` of each prompt fed in chunks, until its last.
         let mut partial: HashMap<usize, CapturedStates<usize, usize>> = HashMap::new();
+        // Per capture point `[tokens so far, H]` of each generation that writes its states.
+        let mut generations: HashMap<usize, (usize, Vec<Vec<f32>>)> = HashMap::new();
         let mut encoder = SpeculatorsEncoder::new(dtype);
         let mut body = Vec::new();
-        for (segments, pending) in from_model {
+        for message in from_model {
+            let (segments, pending) = match message {
+                ToWriter::Step(segments, pending) => (segments, pending),
+                ToWriter::Done(index, g) => {
+                    let (h, layers) = generations.remove(&index).unwrap_or_default();
+                    self.emit_generation(index, g, h, layers, dtype, points, &mut encoder, &mut body);
+                    continue;
+                }
+            };
             let t = Instant::now();
             // The device's last copies into host memory, completed here while the next step runs.
             let states = match pending.wait() {
@@ -438,6 +476,7 @@ impl Engine {
                     let error = ApiError::from_model("collecting the step's states", &e);
                     self.fail(segments.iter().map(|s| s.index), &error);
                     partial.clear();
+                    generations.clear();
                     self.collect_failed.store(true, Relaxed);
                     continue;
                 }
@@ -446,11 +485,27 @@ impl Engine {
             for seg in &segments {
                 let rows = row..row + seg.len;
                 row += seg.len;
-                // Only prefills' states are written.
-                let Some(total) = self.running().get(&seg.index).filter(|j| j.generate.is_none()).map(|j| j.ids.len())
-                else {
-                    partial.remove(&seg.index);
-                    continue;
+                // Prefills' states are written, and generations' that ask.
+                let kind =
+                    self.running().get(&seg.index).map(|j| (j.ids.len(), j.generate.as_ref().map(|g| g.write_states)));
+                let total = match kind {
+                    Some((total, None)) => total,
+                    Some((_, Some(true))) => {
+                        let h = states.hidden();
+                        let (_, bufs) =
+                            generations.entry(seg.index).or_insert_with(|| (h, vec![Vec::new(); states.layers()]));
+                        for (k, buf) in bufs.iter_mut().enumerate() {
+                            debug_assert_eq!(buf.len(), seg.pos0 * h, "a generation's rows come in order");
+                            buf.extend_from_slice(&states.layer(k)[rows.start * h..rows.end * h]);
+                        }
+                        continue;
+                    }
+                    Some((_, Some(false))) => continue,
+                    None => {
+                        partial.remove(&seg.index);
+                        generations.remove(&seg.index);
+                        continue;
+                    }
                 };
                 let r = if seg.pos0 == 0 && seg.len == total {
                     states
@@ -476,12 +531,72 @@ impl Engine {
                     partial.remove(&seg.index);
                 }
             }
-            // Prompts failed elsewhere (a failed step) leave no buffer behind.
-            if !partial.is_empty() {
+            // Prompts failed or cancelled elsewhere leave no buffer behind.
+            if !partial.is_empty() || !generations.is_empty() {
                 let running = self.running();
                 partial.retain(|index, _| running.contains_key(index));
+                generations.retain(|index, _| running.contains_key(index));
             }
             self.metrics.write_us.fetch_add(t.elapsed().as_micros() as u64, Relaxed);
+        }
+    }
+
+    /// Writes the states file of generation `index` (`include_output_tokens`):
+    /// its prompt and its tokens but the last, which no step fed before it
+    /// was drawn (vLLM's contract; Strata's last feed of it is left out), and answers.
+    #[allow(clippy::too_many_arguments)]
+    fn emit_generation(
+        &self,
+        index: usize,
+        g: Generated,
+        h: usize,
+        layers: Vec<Vec<f32>>,
+        dtype: DType,
+        points: &[String],
+        encoder: &mut SpeculatorsEncoder,
+        body: &mut Vec<u8>,
+    ) {
+        let Some(Job { mut ids, reservation, reply, span, .. }) = self.running().remove(&index) else { return };
+        let _s = span.enter();
+        if reply.is_closed() {
+            self.metrics.reply(499);
+            return;
+        }
+        ids.extend_from_slice(&g.output[..g.output.len().saturating_sub(1)]);
+        let (n, l) = (ids.len(), layers.len());
+        let values: Vec<f32> = layers
+            .into_iter()
+            .flat_map(|mut layer| {
+                layer.truncate(n * h);
+                layer
+            })
+            .collect();
+        let states = match CapturedStates::try_from_vec(values, l, n, h) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = reply.send(Err(ApiError::internal(format!("gathering the generation's states failed: {e}"))));
+                return;
+            }
+        };
+        let view = states.view();
+        if let Some((l, nan, inf)) = crate::sink::nonfinite(&view, dtype) {
+            let point = points.get(l).map_or("?", |p| p.as_str());
+            let msg = format!(
+                "capture point {point} holds {nan} NaN and {inf} Inf values for this generation; no file was written"
+            );
+            tracing::warn!("{msg}");
+            let _ = reply.send(Err(ApiError::internal(msg)));
+            return;
+        }
+        let (lead, _) = encoder.encode(&ids, None, view, body);
+        let outcome = self.store.write(reservation, &lead, body).map_err(|e| {
+            tracing::error!("cannot write into {}: {e}", self.store.path().display());
+            ApiError::internal(format!("cannot write the hidden states file: {e}"))
+        });
+        if let Err(Ok(Answer::Tokens(_, Some(served)))) = reply.send(outcome.map(|s| Answer::Tokens(g, Some(s)))) {
+            self.store.remove(&served.name);
+            self.metrics.removed_unclaimed.fetch_add(1, Relaxed);
+            self.metrics.reply(499);
         }
     }
 

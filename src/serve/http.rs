@@ -465,7 +465,12 @@ async fn completion(
     };
     span.record("tokens", ids.len());
     let generate = if ask.is_prefill() { None } else { Some(gen_job(ready, &ids, &ask)?) };
-    let bytes = if generate.is_some() { 0 } else { (ready.file_bytes)(ids.len()) };
+    // The file's bytes: the prompt's, or a generation's prompt and tokens but the last, at most.
+    let bytes = match &generate {
+        None => (ready.file_bytes)(ids.len()),
+        Some(g) if g.write_states => (ready.file_bytes)(ids.len() + g.max_tokens - 1),
+        Some(_) => 0,
+    };
     let mut rx = tokio::select! {
         r = submit(ready, shared, &ids, generate, bytes, span) => r?,
         _ = conn.closed_by_client() => {
@@ -479,7 +484,7 @@ async fn completion(
             // The engine sees the closed channel: a queued job is dropped
             // before its forward, a file made after this is removed there.
             rx.close();
-            if let Ok(Ok(Answer::File(served))) = rx.try_recv() {
+            if let Ok(Ok(Answer::File(served) | Answer::Tokens(_, Some(served)))) = rx.try_recv() {
                 shared.store.remove(&served.name);
                 m.removed_unclaimed.fetch_add(1, Relaxed);
                 m.reply(499);
@@ -497,7 +502,7 @@ async fn completion(
     let hex = format!("{id:016x}");
     let served = match answer {
         Answer::File(served) => served,
-        Answer::Tokens(g) => {
+        Answer::Tokens(g, served) => {
             let text = reply_text(ready, &ids, &g, &ask)?;
             let stopped = g.finish == crate::generate::Finish::Stop;
             let last = g.output.last().copied();
@@ -512,9 +517,14 @@ async fn completion(
                 // vLLM's stop_reason: the stop_token_ids id that ended it; null for EOS.
                 stop_reason: last.filter(|t| stopped && (ask.ignore_eos || !eos.contains(t))),
                 return_token_ids: ask.return_token_ids,
+                path: served.as_ref().and_then(|s| s.path.to_str()),
             };
             let body = if chat { api::chat_generation_reply(&reply) } else { api::completion_generation_reply(&reply) };
-            return Ok(json(200, body));
+            let mut r = json(200, body);
+            if let Some(served) = served {
+                r.body_mut().file = Some((shared.store.clone(), m.clone(), served));
+            }
+            return Ok(r);
         }
     };
     let path = served.path.to_string_lossy().into_owned();
@@ -574,6 +584,7 @@ fn gen_job(ready: &Ready, ids: &[u32], ask: &api::Ask) -> Result<GenJob, ApiErro
         params,
         stop,
         key: crate::generate::DrawKey { seed, record: 0, generation: 0, position: 0 },
+        write_states: ask.include_output_tokens,
     })
 }
 

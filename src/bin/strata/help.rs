@@ -102,7 +102,9 @@ engine of `strata generate`, in the same steps as the trainer's prompts: tempera
 top_p, top_k, min_p, seed, repetition/presence/frequency_penalty, stop_token_ids,
 ignore_eos, skip_special_tokens and return_token_ids as vLLM applies them, defaults
 from generation_config.json; completions default to 16 tokens, chat to the room the
-prompt leaves. It writes no file. Fields that would change the reply and are not
+prompt leaves. It writes no file unless kv_transfer_params.include_output_tokens is
+true: then the states of prompt_token_ids + token_ids[:-1] (vLLM's contract), the
+bytes `strata extract` writes for those ids. Fields that would change the reply and are not
 applied (stop strings, logprobs, logit_bias, structured output, n > 1, stream,
 tools with auto tool choice) get a 400 naming them. The model's LM head is loaded
 for it (a checkpoint without one serves max_tokens 1 only).
