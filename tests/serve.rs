@@ -1574,3 +1574,76 @@ fn a_generation_whose_client_hung_up_stops_at_the_next_step() {
     assert_eq!(parse_metrics(&text)["strata_steps_total"], steps, "steps go on after the hang-up: {text}");
     assert_eq!(served_names(&states), Vec::<String>::new());
 }
+
+/// Tools and reasoning on the chat endpoint: "auto" tool choice without
+/// --tool-call-parser is vLLM's 400; with hermes and qwen3 a history's tool
+/// call (arguments as JSON text) renders, a malformed one is a 400 naming
+/// it, and the reply is read as vLLM reads it: special tokens kept, the
+/// reasoning split off into `reasoning` and `reasoning_content`, calls out
+/// of the content. (The random test model writes no well-formed call: the
+/// reply's reading is checked against the parsers on its own tokens.)
+#[test]
+fn chat_generations_read_tool_calls_and_reasoning_as_vllm() {
+    use strata::generate::conversation::{ReasoningParser, ToolParser};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = chat_model(tmp.path(), "qwen3");
+    let name = model.to_str().unwrap();
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let messages = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\":   \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]);
+    let plain = serve_in(&model, &tmp.path().join("hs0"), &["--capture", "input:1,final"]);
+    let body = json!({"model": name, "messages": messages, "tools": tools, "max_tokens": 8});
+    let (status, text) = http(&plain.addr, "POST", "/v1/chat/completions", Some(&body.to_string()));
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("--enable-auto-tool-choice and --tool-call-parser"), "{text}");
+    drop(plain);
+    let server = serve_in(
+        &model,
+        &tmp.path().join("hs"),
+        &[
+            "--capture",
+            "input:1,final",
+            "--tool-call-parser",
+            "hermes",
+            "--enable-auto-tool-choice",
+            "--reasoning-parser",
+            "qwen3",
+        ],
+    );
+    let body = json!({"model": name, "messages": messages, "tools": tools, "max_tokens": 24, "temperature": 1,
+                      "seed": 3, "return_token_ids": true, "chat_template_kwargs": {"enable_thinking": true}});
+    let (status, text) = http(&server.addr, "POST", "/v1/chat/completions", Some(&body.to_string()));
+    assert_eq!(status, 200, "{text}");
+    let reply: Value = serde_json::from_str(&text).unwrap();
+    let prompt: Vec<u32> = serde_json::from_value(reply["prompt_token_ids"].clone()).unwrap();
+    let output: Vec<u32> = serde_json::from_value(reply["choices"][0]["token_ids"].clone()).unwrap();
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("tokenizer_config.json")).unwrap()).unwrap();
+    let tokenizer = strata::chat::Tokenizer::load(&model, &config).unwrap();
+    // The history's call reached the template as an object (vLLM parses its arguments): the
+    // template's tojson writes it anew, not the text as sent.
+    let rendered = tokenizer.decode(&prompt).unwrap();
+    assert!(rendered.contains("{\"city\": \"Paris\"}") && !rendered.contains("   "), "{rendered}");
+    let finish = reply["choices"][0]["finish_reason"].as_str().unwrap();
+    let body_ids = if finish == "length" { &output[..] } else { &output[..output.len() - 1] };
+    let text = tokenizer.decode_content(&prompt, body_ids, false).unwrap();
+    let (reasoning, content) = ReasoningParser::Qwen3.split(&text, true);
+    let (content, calls) = ToolParser::Hermes.extract(content.as_deref().unwrap_or(""), |i| format!("{i}"));
+    let message = &reply["choices"][0]["message"];
+    assert_eq!(message["reasoning"], json!(reasoning));
+    assert_eq!(message["reasoning_content"], json!(reasoning));
+    assert_eq!(message["content"], json!(content));
+    assert_eq!(message["tool_calls"].as_array().unwrap().len(), calls.len());
+    // A malformed call in the history.
+    let bad = json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]);
+    let body = json!({"model": name, "messages": bad, "max_tokens": 4});
+    let (status, text) = http(&server.addr, "POST", "/v1/chat/completions", Some(&body.to_string()));
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("messages[1].tool_calls[0].function.arguments is not JSON"), "{text}");
+}

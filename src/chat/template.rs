@@ -170,8 +170,21 @@ impl Template {
         tools: Option<&Value>,
         add_generation_prompt: bool,
     ) -> Result<Rendered, RenderError> {
+        self.render_with(messages, tools, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`render`](Self::render) with variables of one request (a server's
+    /// `chat_template_kwargs`, `reasoning_effort`) over the template's own.
+    pub fn render_with(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Rendered, RenderError> {
         let mut buf = Bounded(Vec::new());
-        self.run(messages, tools, add_generation_prompt, self.generation, &mut buf)?;
+        let extra: Vec<(String, Value)> = extra.iter().map(|(k, v)| (k.clone(), json_value(v))).collect();
+        self.run(messages, tools, add_generation_prompt, self.generation, &extra, &mut buf)?;
         let text = String::from_utf8(buf.0).map_err(|_| RenderError::Rejected("the render is not UTF-8".into()))?;
         if !self.generation {
             return Ok(Rendered { text, generation: vec![] });
@@ -191,7 +204,7 @@ impl Template {
         stop: Option<usize>,
     ) -> Result<Against, RenderError> {
         let mut w = AgainstWriter { base: base.as_bytes(), stop, matched: 0, own: None, stopped: false };
-        match self.run(messages, tools, add_generation_prompt, false, &mut w) {
+        match self.run(messages, tools, add_generation_prompt, false, &[], &mut w) {
             Err(_) if w.stopped => return Ok(Against::Stopped),
             r => r?,
         }
@@ -210,10 +223,13 @@ impl Template {
         tools: Option<&Value>,
         add_generation_prompt: bool,
         markers: bool,
+        extra: &[(String, Value)],
         out: &mut impl std::io::Write,
     ) -> Result<(), RenderError> {
         let tmpl = self.env.get_template(NAME).expect("added in new");
+        // Later entries win: a request's variables over the template's globals, the render's own last.
         let mut ctx: Vec<(String, Value)> = self.globals.clone();
+        ctx.extend(extra.iter().cloned());
         ctx.push(("messages".into(), messages.clone()));
         ctx.push(("tools".into(), tools.cloned().unwrap_or(Value::from(()))));
         ctx.push(("documents".into(), Value::from(())));

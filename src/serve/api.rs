@@ -445,6 +445,11 @@ pub struct ChatRequest {
     pub continue_final_message: bool,
     /// What it asks.
     pub ask: Ask,
+    /// The template's variables of this request: `chat_template_kwargs`, and
+    /// `reasoning_effort` when given (vLLM passes both to the template).
+    pub kwargs: serde_json::Map<String, Value>,
+    /// `tools` with `tool_choice` "auto" (the default): a generation's tool calls are parsed.
+    pub auto_tools: bool,
 }
 
 /// Parses a chat request: text parts only (joined with newlines, as vLLM
@@ -477,6 +482,23 @@ pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, ApiError>
         let Value::Object(msg) = msg else {
             return Err(ApiError::bad(format!("messages[{i}] must be an object"), Some("messages")));
         };
+        // As vLLM hands history to the template: an empty tool_calls list dropped, each call's
+        // `arguments` parsed from its JSON text into an object.
+        if msg.get("tool_calls").is_some_and(|c| c.as_array().is_some_and(|a| a.is_empty())) {
+            msg.remove("tool_calls");
+        }
+        if let Some(Value::Array(calls)) = msg.get_mut("tool_calls") {
+            for (j, call) in calls.iter_mut().enumerate() {
+                let Some(Value::String(text)) = call.get("function").and_then(|f| f.get("arguments")) else { continue };
+                let parsed: Value = serde_json::from_str(text).map_err(|e| {
+                    ApiError::bad(
+                        format!("messages[{i}].tool_calls[{j}].function.arguments is not JSON: {e}"),
+                        Some("messages"),
+                    )
+                })?;
+                call["function"]["arguments"] = parsed;
+            }
+        }
         let text = match msg.get("content") {
             None | Some(Value::Null) | Some(Value::String(_)) => continue,
             Some(Value::Array(parts)) => {
@@ -521,16 +543,52 @@ pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, ApiError>
         msg.insert("content".into(), Value::String(text));
     }
     let tools = m.remove("tools").filter(|t| !t.is_null());
-    let choice = m.get("tool_choice").and_then(Value::as_str).unwrap_or("auto");
-    if tools.is_some() && !ask.is_prefill() && choice != "none" {
-        // vLLM's answer to "auto" tool choice on a server without a tool-call parser.
-        return Err(ApiError::bad(
-            "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set, and \
-             strata serve reads no tool calls yet: send tool_choice \"none\", or max_tokens 1 for the prompt's states",
-            Some("tool_choice"),
-        ));
+    let auto_tools = match m.get("tool_choice") {
+        None | Some(Value::Null) => tools.is_some(),
+        Some(Value::String(c)) if c == "auto" => tools.is_some(),
+        Some(Value::String(c)) if c == "none" => false,
+        Some(other) => {
+            return Err(ApiError::bad(
+                format!(
+                    "tool_choice {}: only \"auto\" and \"none\" are applied (a required or named tool choice is \
+                     structured output, which strata serve does not apply)",
+                    crate::clip(&other.to_string(), 60)
+                ),
+                Some("tool_choice"),
+            ))
+        }
+    };
+    let mut kwargs = match m.remove("chat_template_kwargs") {
+        None | Some(Value::Null) => serde_json::Map::new(),
+        Some(Value::Object(o)) => o,
+        Some(other) => {
+            return Err(ApiError::bad(
+                format!("`chat_template_kwargs` must be an object, got {}", kind(&other)),
+                Some("chat_template_kwargs"),
+            ))
+        }
+    };
+    match m.remove("reasoning_effort") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(e)) => {
+            kwargs.insert("reasoning_effort".into(), Value::String(e));
+        }
+        Some(other) => {
+            return Err(ApiError::bad(
+                format!("`reasoning_effort` must be a string, got {}", kind(&other)),
+                Some("reasoning_effort"),
+            ))
+        }
     }
-    Ok(ChatRequest { messages: Value::Array(messages), tools, add_generation_prompt, continue_final_message, ask })
+    Ok(ChatRequest {
+        messages: Value::Array(messages),
+        tools,
+        add_generation_prompt,
+        continue_final_message,
+        ask,
+        kwargs,
+        auto_tools,
+    })
 }
 
 fn now_secs() -> u64 {
@@ -583,9 +641,16 @@ pub struct Generation<'a> {
     pub prompt: &'a [u32],
     /// The tokens drawn (a stop token included).
     pub output: &'a [u32],
-    /// The reply's text (the stop token left out).
+    /// The reply's text (the stop token left out): a completion's `text`.
     pub text: String,
-    /// `stop` or `length`.
+    /// A chat reply's `content`: the text, less its reasoning and tool calls
+    /// where the server's parsers take them (`None`: null).
+    pub content: Option<String>,
+    /// The reasoning (`--reasoning-parser`): `reasoning` and `reasoning_content`.
+    pub reasoning: Option<String>,
+    /// Tool calls read (`--tool-call-parser`).
+    pub tool_calls: Vec<Value>,
+    /// `stop`, `length` or `tool_calls`.
     pub finish: &'static str,
     /// The id of a `stop_token_ids` token that ended it (vLLM's
     /// `stop_reason`; null for EOS and length).
@@ -628,9 +693,9 @@ pub fn chat_generation_reply(g: &Generation<'_>) -> String {
     json!({
         "id": format!("chatcmpl-{}", g.id), "object": "chat.completion", "created": now_secs(), "model": g.model,
         "choices": [{"index": 0,
-                     "message": {"role": "assistant", "content": g.text, "refusal": null, "annotations": null,
-                                 "audio": null, "function_call": null, "tool_calls": [], "reasoning": null,
-                                 "reasoning_content": null},
+                     "message": {"role": "assistant", "content": g.content, "refusal": null, "annotations": null,
+                                 "audio": null, "function_call": null, "tool_calls": g.tool_calls,
+                                 "reasoning": g.reasoning, "reasoning_content": g.reasoning},
                      "logprobs": null, "finish_reason": g.finish, "stop_reason": g.stop_reason,
                      "token_ids": g.ids(g.output)}],
         "service_tier": null, "system_fingerprint": null, "usage": g.usage(), "prompt_logprobs": null,
@@ -738,7 +803,20 @@ mod tests {
         assert_eq!(parse_chat(body, &limits()).unwrap().ask.max_tokens, None);
         let body =
             br#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#;
-        assert!(parse_chat(body, &limits()).unwrap_err().message.contains("--tool-call-parser"));
+        assert!(parse_chat(body, &limits()).unwrap().auto_tools);
+        let body = br#"{"messages":[{"role":"user","content":"x"}],"tools":[],"tool_choice":"required"}"#;
+        assert!(parse_chat(body, &limits()).unwrap_err().message.contains("structured output"));
+        // History: arguments parsed, an empty tool_calls dropped, malformed arguments named.
+        let body = br#"{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":"","tool_calls":[{"id":"a","type":"function","function":{"name":"f","arguments":"{\"c\": 1}"}}]},{"role":"assistant","content":"y","tool_calls":[]}],"chat_template_kwargs":{"enable_thinking":false},"reasoning_effort":"low"}"#;
+        let c = parse_chat(body, &limits()).unwrap();
+        assert_eq!(c.messages[1]["tool_calls"][0]["function"]["arguments"], json!({"c": 1}));
+        assert!(c.messages[2].get("tool_calls").is_none());
+        assert_eq!(Value::Object(c.kwargs), json!({"enable_thinking": false, "reasoning_effort": "low"}));
+        let body = br#"{"messages":[{"role":"assistant","content":"","tool_calls":[{"function":{"name":"f","arguments":"{oops"}}]}]}"#;
+        assert!(parse_chat(body, &limits())
+            .unwrap_err()
+            .message
+            .contains("messages[0].tool_calls[0].function.arguments"));
     }
 
     #[test]

@@ -43,6 +43,12 @@ pub struct Ready {
     /// What generation requests take from the checkpoint; `Err(why)` when
     /// the model cannot generate (its checkpoint has no LM head).
     pub generation: Result<Generation, String>,
+    /// `--tool-call-parser`.
+    pub tool_call_parser: Option<crate::generate::conversation::ToolParser>,
+    /// `--reasoning-parser`.
+    pub reasoning_parser: Option<crate::generate::conversation::ReasoningParser>,
+    /// `--chat-template-kwargs`: the template variables a request's own go over.
+    pub default_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 /// What generation requests take from the checkpoint.
@@ -428,6 +434,8 @@ async fn completion(
     let gone = || json(400, ApiError::client_closed().body());
     let id = shared.next_id.fetch_add(1, Relaxed);
     let span = tracing::info_span!("request", id, chat, tokens = tracing::field::Empty);
+    // A chat request's reading of its reply: whether tool calls are parsed, and its template variables.
+    let mut chat_reply: Option<(bool, serde_json::Map<String, serde_json::Value>)> = None;
     let (ids, ask) = if chat {
         let request = api::parse_chat(body.as_slice(), &ready.limits)?;
         drop((body, held));
@@ -437,8 +445,18 @@ async fn completion(
                 None,
             ));
         };
+        if request.auto_tools && !request.ask.is_prefill() && ready.tool_call_parser.is_none() {
+            // vLLM's answer to "auto" tool choice on a server without a parser.
+            return Err(ApiError::bad(
+                "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set",
+                Some("tool_choice"),
+            ));
+        }
         let limits = ready.limits.clone();
         let ask = request.ask.clone();
+        let mut kwargs = ready.default_kwargs.clone();
+        kwargs.extend(request.kwargs.clone());
+        chat_reply = Some((request.auto_tools && ready.tool_call_parser.is_some(), kwargs));
         let ids = tokio::task::spawn_blocking(move || render(&c, &request, &limits))
             .await
             .map_err(|e| ApiError::internal(format!("the render failed: {e}")))??;
@@ -503,7 +521,30 @@ async fn completion(
     let served = match answer {
         Answer::File(served) => served,
         Answer::Tokens(g, served) => {
-            let text = reply_text(ready, &ids, &g, &ask)?;
+            let tools = chat_reply.as_ref().is_some_and(|c| c.0);
+            // vLLM's hermes parser keeps special tokens where it reads tool calls.
+            let text = reply_text(ready, &ids, &g, ask.skip_special_tokens && !tools)?;
+            let (reasoning, content, calls) = match &chat_reply {
+                Some((_, kwargs)) => {
+                    let thinking = kwargs.get("enable_thinking").and_then(|v| v.as_bool()).unwrap_or(true);
+                    let (reasoning, content) = match ready.reasoning_parser {
+                        Some(p) => p.split(&text, thinking),
+                        None => (None, Some(text.clone())),
+                    };
+                    match ready.tool_call_parser.filter(|_| tools) {
+                        Some(p) => {
+                            let id = |_| {
+                                let (a, b) = (crate::generate::draw_seed(), crate::generate::draw_seed());
+                                format!("chatcmpl-tool-{a:016x}{b:016x}")
+                            };
+                            let (content, calls) = p.extract(content.as_deref().unwrap_or(""), id);
+                            (reasoning, content, calls)
+                        }
+                        None => (reasoning, content, vec![]),
+                    }
+                }
+                None => (None, Some(text.clone()), vec![]),
+            };
             let stopped = g.finish == crate::generate::Finish::Stop;
             let last = g.output.last().copied();
             let eos = ready.generation.as_ref().map(|gen| gen.eos.clone()).unwrap_or_default();
@@ -513,7 +554,16 @@ async fn completion(
                 prompt: &ids,
                 output: &g.output,
                 text,
-                finish: if stopped { "stop" } else { "length" },
+                content,
+                reasoning,
+                finish: if !calls.is_empty() {
+                    "tool_calls"
+                } else if stopped {
+                    "stop"
+                } else {
+                    "length"
+                },
+                tool_calls: calls,
                 // vLLM's stop_reason: the stop_token_ids id that ended it; null for EOS.
                 stop_reason: last.filter(|t| stopped && (ask.ignore_eos || !eos.contains(t))),
                 return_token_ids: ask.return_token_ids,
@@ -594,7 +644,7 @@ fn reply_text(
     ready: &Ready,
     prompt: &[u32],
     g: &crate::generate::Generated,
-    ask: &api::Ask,
+    skip_special: bool,
 ) -> Result<String, ApiError> {
     let Some(chat) = &ready.chat else { return Ok(String::new()) };
     let body = match g.finish {
@@ -602,7 +652,7 @@ fn reply_text(
         crate::generate::Finish::Length => &g.output[..],
     };
     chat.tokenizer
-        .decode_content(prompt, body, ask.skip_special_tokens)
+        .decode_content(prompt, body, skip_special)
         .map_err(|e| ApiError::internal(format!("the reply cannot be decoded: {e}")))
 }
 
@@ -665,10 +715,11 @@ fn render(chat: &Chat, req: &api::ChatRequest, limits: &Limits) -> Result<Vec<u3
         return Err(ApiError::bad("the model has no chat template: send token ids to /v1/completions", None));
     };
     let rendered = template
-        .render(
+        .render_with(
             &crate::chat::template::json_value(&req.messages),
             req.tools.as_ref().map(crate::chat::template::json_value).as_ref(),
             req.add_generation_prompt,
+            &req.kwargs,
         )
         .map_err(|e| ApiError::bad(format!("the chat template failed on these messages: {e}"), Some("messages")))?;
     let mut text = rendered.text;

@@ -78,6 +78,10 @@ pub struct ServeOptions {
     pub max_connections: usize,
     /// How long a connection may take to send a request's headers.
     pub header_timeout: Duration,
+    /// `--tool-call-parser`: how a chat generation's tool calls are read.
+    pub tool_call_parser: Option<crate::generate::conversation::ToolParser>,
+    /// `--reasoning-parser`: the reasoning split off a chat generation's content.
+    pub reasoning_parser: Option<crate::generate::conversation::ReasoningParser>,
 }
 
 /// Why the server could not start.
@@ -552,6 +556,9 @@ fn start(
         no_chat: no_chat.unwrap_or_default(),
         file_bytes: Box::new(move |t| encoder.file_bytes(t, l, h)),
         generation,
+        tool_call_parser: opts.tool_call_parser,
+        reasoning_parser: opts.reasoning_parser,
+        default_kwargs: opts.chat.kwargs.clone(),
     };
     let _ = shared.ready.set(ready);
     Ok(ready_info)

@@ -105,9 +105,13 @@ from generation_config.json; completions default to 16 tokens, chat to the room 
 prompt leaves. It writes no file unless kv_transfer_params.include_output_tokens is
 true: then the states of prompt_token_ids + token_ids[:-1] (vLLM's contract), the
 bytes `strata extract` writes for those ids. Fields that would change the reply and are not
-applied (stop strings, logprobs, logit_bias, structured output, n > 1, stream,
-tools with auto tool choice) get a 400 naming them. The model's LM head is loaded
-for it (a checkpoint without one serves max_tokens 1 only).
+applied (stop strings, logprobs, logit_bias, structured output, n > 1, stream, a
+required or named tool_choice) get a 400 naming them. Chat requests take
+chat_template_kwargs and reasoning_effort; with tools, --tool-call-parser hermes
+reads the reply's calls into message.tool_calls (finish_reason tool_calls), and
+--reasoning-parser qwen3|deepseek_r1 splits off message.reasoning (also as
+reasoning_content). The model's LM head is loaded for it (a checkpoint without one
+serves max_tokens 1 only).
 
 LAYER IDS: the file's last slot must be `final` (the trainer normalises it itself),
 so --capture ends with final. At start the server prints the ids it serves (input:K

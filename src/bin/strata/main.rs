@@ -74,6 +74,20 @@ struct ServeArgs {
     /// the model's max_position_embeddings.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     max_seq_len: Option<u64>,
+    /// How a generation's tool calls are read, as vLLM's --tool-call-parser
+    /// (hermes): a chat request with tools ("auto" tool choice) gets them
+    /// in message.tool_calls, finish_reason "tool_calls". Without it such a
+    /// request gets vLLM's 400.
+    #[arg(long, value_name = "NAME", value_parser = ToolParser::named)]
+    tool_call_parser: Option<ToolParser>,
+    /// Accepted for vLLM's command line (auto tool choice is on with --tool-call-parser).
+    #[arg(long)]
+    enable_auto_tool_choice: bool,
+    /// Split a chat generation's reasoning off its content, as vLLM's
+    /// --reasoning-parser (qwen3, deepseek_r1): into message.reasoning
+    /// (vLLM's field) and message.reasoning_content (SGLang's).
+    #[arg(long, value_name = "NAME", value_parser = ReasoningParser::named)]
+    reasoning_parser: Option<ReasoningParser>,
     /// Where the hidden-state files go (created if missing). The trainer reads
     /// each file at the absolute path in the reply, then deletes it: use a
     /// directory both see at the same path (local disk or /dev/shm for one
@@ -758,6 +772,8 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         shutdown_grace: a.shutdown_grace,
         max_connections: a.max_connections,
         header_timeout: Duration::from_secs(10),
+        tool_call_parser: a.tool_call_parser,
+        reasoning_parser: a.reasoning_parser,
     };
     if a.run.on_nonfinite == OnNonFinite::Skip {
         eprintln!("note: a served prompt whose states hold NaN or Inf gets a 500 either way (--on-nonfinite skip has nothing to skip)");
