@@ -45,7 +45,42 @@ pub struct GenerationConfigError {
 const HF_DEFAULTS: [(&str, f64); 4] =
     [("temperature", 1.0), ("top_k", 50.0), ("top_p", 1.0), ("repetition_penalty", 1.0)];
 
+/// The sampling fields a job or a request gives, each `None` where it does not.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AskedSampling {
+    /// `temperature`.
+    pub temperature: Option<f32>,
+    /// `top_k` (0 or -1: off).
+    pub top_k: Option<i64>,
+    /// `top_p`.
+    pub top_p: Option<f32>,
+    /// `min_p`.
+    pub min_p: Option<f32>,
+    /// `repetition_penalty`.
+    pub repetition_penalty: Option<f32>,
+    /// `presence_penalty`.
+    pub presence_penalty: Option<f32>,
+    /// `frequency_penalty`.
+    pub frequency_penalty: Option<f32>,
+}
+
 impl GenerationDefaults {
+    /// The sampling parameters of `asked`, each over this file's default
+    /// and then vLLM's, checked as vLLM checks them; `true` where a
+    /// temperature in (0, 0.01) was raised to 0.01.
+    pub fn params(&self, asked: &AskedSampling) -> Result<(super::SamplingParams, bool), super::SamplingError> {
+        let params = super::SamplingParams {
+            temperature: asked.temperature.or(self.temperature).unwrap_or(1.0),
+            top_k: None,
+            top_p: asked.top_p.or(self.top_p).unwrap_or(1.0),
+            min_p: asked.min_p.or(self.min_p).unwrap_or(0.0),
+            repetition_penalty: asked.repetition_penalty.or(self.repetition_penalty).unwrap_or(1.0),
+            presence_penalty: asked.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: asked.frequency_penalty.unwrap_or(0.0),
+        };
+        params.checked(asked.top_k.or(self.top_k).unwrap_or(0))
+    }
+
     /// `DIR/generation_config.json`; without it, the stop ids of `config`
     /// (the model's `config.json` text) and no sampling defaults.
     pub fn read(dir: &Path, config: &str) -> Result<Self, GenerationConfigError> {

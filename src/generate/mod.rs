@@ -15,6 +15,6 @@ pub mod conversation;
 pub mod decode;
 pub mod sampling;
 
-pub use config::GenerationDefaults;
+pub use config::{AskedSampling, GenerationDefaults};
 pub use decode::{generate, CacheCost, Decode, DecodeOptions, DecodeStats, Finish, Generated, Sequence, StepSegment};
 pub use sampling::{draw_seed, DrawKey, History, Sampler, SamplingError, SamplingParams};

@@ -142,19 +142,7 @@ pub struct Ask {
     pub max_tokens: Option<usize>,
     /// The sampling fields the request gave; the rest come from the
     /// server's defaults (`generation_config.json`, then vLLM's).
-    pub temperature: Option<f32>,
-    /// `top_p`.
-    pub top_p: Option<f32>,
-    /// `top_k` (0 or -1: off).
-    pub top_k: Option<i64>,
-    /// `min_p`.
-    pub min_p: Option<f32>,
-    /// `repetition_penalty`.
-    pub repetition_penalty: Option<f32>,
-    /// `presence_penalty`.
-    pub presence_penalty: Option<f32>,
-    /// `frequency_penalty`.
-    pub frequency_penalty: Option<f32>,
+    pub sampling: crate::generate::AskedSampling,
     /// `seed`: the draws are keyed by it (a drawn one when not given).
     pub seed: Option<u64>,
     /// `stop_token_ids`: stop ids besides EOS.
@@ -309,13 +297,15 @@ fn check_common(m: &serde_json::Map<String, Value>, limits: &Limits) -> Result<A
     let f32_of = |k| number(k).map(|v| v.map(|x| x as f32));
     Ok(Ask {
         max_tokens,
-        temperature: f32_of("temperature")?,
-        top_p: f32_of("top_p")?,
-        top_k,
-        min_p: f32_of("min_p")?,
-        repetition_penalty: f32_of("repetition_penalty")?,
-        presence_penalty: f32_of("presence_penalty")?,
-        frequency_penalty: f32_of("frequency_penalty")?,
+        sampling: crate::generate::AskedSampling {
+            temperature: f32_of("temperature")?,
+            top_p: f32_of("top_p")?,
+            top_k,
+            min_p: f32_of("min_p")?,
+            repetition_penalty: f32_of("repetition_penalty")?,
+            presence_penalty: f32_of("presence_penalty")?,
+            frequency_penalty: f32_of("frequency_penalty")?,
+        },
         seed: match m.get("seed") {
             None | Some(Value::Null) => None,
             // vLLM takes any integer; a negative one is its bits.
@@ -747,7 +737,7 @@ mod tests {
         .unwrap();
         assert_eq!(prompt, Prompt::Text("hi".into()));
         assert_eq!(
-            (ask.max_tokens, ask.temperature, ask.seed, ask.top_k),
+            (ask.max_tokens, ask.sampling.temperature, ask.seed, ask.sampling.top_k),
             (Some(16), Some(0.0), Some(u64::MAX), Some(-1))
         );
         assert_eq!((ask.stop_token_ids, ask.ignore_eos, ask.skip_special_tokens), (vec![7], true, true));

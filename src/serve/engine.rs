@@ -40,6 +40,15 @@ pub enum Answer {
     Tokens(Generated, Option<Served>),
 }
 
+/// A file to write: its token ids, what it holds (for messages), its bytes
+/// reserved in the store, and whom to answer.
+struct File<'a> {
+    ids: &'a [u32],
+    what: &'a str,
+    reservation: Reservation,
+    reply: oneshot::Sender<Outcome>,
+}
+
 /// What the model thread hands the writer, in step order.
 pub enum ToWriter {
     /// A step's segments and its states `[L, T, H]`, copies pending.
@@ -578,26 +587,8 @@ impl Engine {
                 return;
             }
         };
-        let view = states.view();
-        if let Some((l, nan, inf)) = crate::sink::nonfinite(&view, dtype) {
-            let point = points.get(l).map_or("?", |p| p.as_str());
-            let msg = format!(
-                "capture point {point} holds {nan} NaN and {inf} Inf values for this generation; no file was written"
-            );
-            tracing::warn!("{msg}");
-            let _ = reply.send(Err(ApiError::internal(msg)));
-            return;
-        }
-        let (lead, _) = encoder.encode(&ids, None, view, body);
-        let outcome = self.store.write(reservation, &lead, body).map_err(|e| {
-            tracing::error!("cannot write into {}: {e}", self.store.path().display());
-            ApiError::internal(format!("cannot write the hidden states file: {e}"))
-        });
-        if let Err(Ok(Answer::Tokens(_, Some(served)))) = reply.send(outcome.map(|s| Answer::Tokens(g, Some(s)))) {
-            self.store.remove(&served.name);
-            self.metrics.removed_unclaimed.fetch_add(1, Relaxed);
-            self.metrics.reply(499);
-        }
+        let file = File { ids: &ids, what: "this generation", reservation, reply };
+        self.write_answer(file, states.view(), dtype, points, encoder, body, |s| Answer::Tokens(g, Some(s)));
     }
 
     /// Checks, encodes, writes and answers request `index`'s prompt states `view` `[L, T, H]`.
@@ -617,23 +608,39 @@ impl Engine {
             self.metrics.reply(499);
             return;
         }
+        let what = format!("this prompt (of {} tokens)", ids.len());
+        let file = File { ids: &ids, what: &what, reservation, reply };
+        self.write_answer(file, view, dtype, points, encoder, body, Answer::File);
+    }
+
+    /// Checks `view` `[L, T, H]` (NaN, Inf), encodes it with its file's ids,
+    /// writes it and answers with `answer` of the file written.
+    #[allow(clippy::too_many_arguments)]
+    fn write_answer(
+        &self,
+        file: File<'_>,
+        view: StatesView<'_, usize, usize>,
+        dtype: DType,
+        points: &[String],
+        encoder: &mut SpeculatorsEncoder,
+        body: &mut Vec<u8>,
+        answer: impl FnOnce(Served) -> Answer,
+    ) {
+        let File { ids, what, reservation, reply } = file;
         if let Some((l, nan, inf)) = crate::sink::nonfinite(&view, dtype) {
             let point = points.get(l).map_or("?", |p| p.as_str());
-            let msg = format!(
-                "capture point {point} holds {nan} NaN and {inf} Inf values for this prompt (of {} tokens); no \
-                 file was written",
-                ids.len()
-            );
+            let msg =
+                format!("capture point {point} holds {nan} NaN and {inf} Inf values for {what}; no file was written");
             tracing::warn!("{msg}");
             let _ = reply.send(Err(ApiError::internal(msg)));
             return;
         }
-        let (lead, _) = encoder.encode(&ids, None, view, body);
+        let (lead, _) = encoder.encode(ids, None, view, body);
         let outcome = self.store.write(reservation, &lead, body).map_err(|e| {
             tracing::error!("cannot write into {}: {e}", self.store.path().display());
             ApiError::internal(format!("cannot write the hidden states file: {e}"))
         });
-        if let Err(Ok(Answer::File(served))) = reply.send(outcome.map(Answer::File)) {
+        if let Err(Ok(Answer::File(served) | Answer::Tokens(_, Some(served)))) = reply.send(outcome.map(answer)) {
             // Its client hung up while the file was made.
             self.store.remove(&served.name);
             self.metrics.removed_unclaimed.fetch_add(1, Relaxed);

@@ -611,17 +611,7 @@ fn gen_job(ready: &Ready, ids: &[u32], ask: &api::Ask) -> Result<GenJob, ApiErro
             Some("max_tokens"),
         ));
     }
-    let asked = crate::generate::SamplingParams {
-        temperature: ask.temperature.or(d.temperature).unwrap_or(1.0),
-        top_k: None,
-        top_p: ask.top_p.or(d.top_p).unwrap_or(1.0),
-        min_p: ask.min_p.or(d.min_p).unwrap_or(0.0),
-        repetition_penalty: ask.repetition_penalty.or(d.repetition_penalty).unwrap_or(1.0),
-        presence_penalty: ask.presence_penalty.unwrap_or(0.0),
-        frequency_penalty: ask.frequency_penalty.unwrap_or(0.0),
-    };
-    let (params, _) =
-        asked.checked(ask.top_k.or(d.top_k).unwrap_or(0)).map_err(|e| ApiError::bad(e.to_string(), Some(e.name)))?;
+    let (params, _) = d.params(&ask.sampling).map_err(|e| ApiError::bad(e.to_string(), Some(e.name)))?;
     let mut stop = ask.stop_token_ids.clone();
     if !ask.ignore_eos {
         stop.extend(generation.eos.iter().filter(|t| !ask.stop_token_ids.contains(t)));
@@ -659,21 +649,33 @@ fn reply_text(
 /// A text prompt's tokens, as vLLM's completions endpoint makes them (the
 /// tokenizer's special tokens added), checked against the limits.
 fn tokenize(chat: &Chat, text: &str, limits: &Limits) -> Result<Vec<u32>, ApiError> {
+    tokens_of(chat, text, true, ("prompt", "prompt"), limits)
+}
+
+/// The tokens of `text` (`add_special`: the tokenizer's own special tokens
+/// added), refused past the limits naming `what` and the request `field`.
+fn tokens_of(
+    chat: &Chat,
+    text: &str,
+    add_special: bool,
+    (what, field): (&'static str, &'static str),
+    limits: &Limits,
+) -> Result<Vec<u32>, ApiError> {
     let mut enc = crate::chat::tokenizer::Encoded::default();
     let more = chat
         .tokenizer
-        .encode_limited(text, true, limits.max_tokens, &mut enc)
-        .map_err(|e| ApiError::bad(format!("the prompt cannot be tokenized: {e}"), Some("prompt")))?;
+        .encode_limited(text, add_special, limits.max_tokens, &mut enc)
+        .map_err(|e| ApiError::bad(format!("the {what} cannot be tokenized: {e}"), Some(field)))?;
     if more {
         return Err(ApiError::bad(
             format!(
-                "the prompt has more than {} tokens, more than the model takes ({})",
+                "the {what} has more than {} tokens, more than the model takes ({})",
                 limits.max_tokens, limits.max_tokens_from
             ),
-            Some("prompt"),
+            Some(field),
         ));
     }
-    api::check_ids(&enc.ids, limits, "prompt")?;
+    api::check_ids(&enc.ids, limits, what)?;
     Ok(enc.ids)
 }
 
@@ -737,20 +739,5 @@ fn render(chat: &Chat, req: &api::ChatRequest, limits: &Limits) -> Result<Vec<u3
             }
         }
     }
-    let mut enc = crate::chat::tokenizer::Encoded::default();
-    let more = chat
-        .tokenizer
-        .encode_limited(&text, false, limits.max_tokens, &mut enc)
-        .map_err(|e| ApiError::bad(format!("the rendered conversation cannot be tokenized: {e}"), Some("messages")))?;
-    if more {
-        return Err(ApiError::bad(
-            format!(
-                "the rendered conversation has more than {} tokens, more than the model takes ({})",
-                limits.max_tokens, limits.max_tokens_from
-            ),
-            Some("messages"),
-        ));
-    }
-    api::check_ids(&enc.ids, limits, "rendered conversation")?;
-    Ok(enc.ids)
+    tokens_of(chat, &text, false, ("rendered conversation", "messages"), limits)
 }

@@ -40,20 +40,8 @@ use std::time::{Duration, Instant};
 /// (unless `generation_config` is off), then vLLM's default.
 #[derive(Clone, Debug, Default)]
 pub struct SamplingArgs {
-    /// `--temperature`.
-    pub temperature: Option<f32>,
-    /// `--top-k` (0 or -1: off).
-    pub top_k: Option<i64>,
-    /// `--top-p`.
-    pub top_p: Option<f32>,
-    /// `--min-p`.
-    pub min_p: Option<f32>,
-    /// `--repetition-penalty`.
-    pub repetition_penalty: Option<f32>,
-    /// `--presence-penalty`.
-    pub presence_penalty: Option<f32>,
-    /// `--frequency-penalty`.
-    pub frequency_penalty: Option<f32>,
+    /// `--temperature`, `--top-k`, `--top-p`, `--min-p` and the three penalties.
+    pub asked: crate::generate::AskedSampling,
     /// `--max-tokens`; with no `max_new_tokens` either, each prompt may run
     /// to the model's last position (vLLM's server default).
     pub max_tokens: Option<usize>,
@@ -357,18 +345,9 @@ impl GenerateJob {
         } else {
             GenerationDefaults { eos_token_ids: read.eos_token_ids, ..Default::default() }
         };
-        let asked = SamplingParams {
-            temperature: s.temperature.or(defaults.temperature).unwrap_or(1.0),
-            top_k: None,
-            top_p: s.top_p.or(defaults.top_p).unwrap_or(1.0),
-            min_p: s.min_p.or(defaults.min_p).unwrap_or(0.0),
-            repetition_penalty: s.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
-            presence_penalty: s.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
-        };
-        let (params, raised) = asked.checked(s.top_k.or(defaults.top_k).unwrap_or(0))?;
+        let (params, raised) = defaults.params(&s.asked)?;
         if raised {
-            tracing::warn!("temperature {} is below 0.01: raised to 0.01, as vLLM does", asked.temperature);
+            tracing::warn!("a temperature below 0.01 was raised to 0.01, as vLLM does");
         }
         let max_tokens = s.max_tokens.or(defaults.max_tokens);
         if max_tokens == Some(0) {
