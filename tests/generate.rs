@@ -51,6 +51,21 @@ fn sequences(doc: &Value) -> Vec<Sequence> {
         .collect()
 }
 
+/// Fixture `name` on the CUDA backend's own code over the CPU emulator, at `tp` ranks, with its LM head.
+#[cfg(feature = "cuda")]
+fn emulated(name: &str, tp: usize) -> AnyModel {
+    use crate::cuda_emu::Emulated;
+    use strata::backend::cuda::Cuda;
+    use strata::backend::F32;
+    use strata::hf::checkpoint::Checkpoint;
+    let dir = fixture(name);
+    let config = strata::model::AnyConfig::read(&dir).unwrap();
+    let prefix = config.tensor_prefix();
+    let b = Cuda::<F32, Emulated>::new(Emulated::default(), (0..tp).collect());
+    let open = move || Checkpoint::open_scoped(&dir, &prefix);
+    config.load_on_with(b, tp, true, open).unwrap()
+}
+
 fn run(m: &AnyModel, seqs: Vec<Sequence>, opts: DecodeOptions) -> Vec<Generated> {
     let captures = CaptureSet::<usize>::try_new(vec![CapturePoint::Embeddings]).unwrap();
     generate(m, &mut Default::default(), &captures, seqs, opts, |_, _| Ok(())).unwrap().0
@@ -128,23 +143,14 @@ fn a_model_loaded_without_its_head_cannot_sample() {
 #[cfg(feature = "cuda")]
 #[test]
 fn greedy_tokens_are_transformers_on_the_emulated_cuda_backend() {
-    use crate::cuda_emu::{gxx_or_skip, Emulated};
-    use strata::backend::cuda::Cuda;
-    use strata::backend::F32;
-    use strata::hf::checkpoint::Checkpoint;
-    use strata::model::AnyConfig;
+    use crate::cuda_emu::gxx_or_skip;
     if !gxx_or_skip("greedy_tokens_are_transformers_on_the_emulated_cuda_backend") {
         return;
     }
     for (name, ranks) in [("llama-default", &[1, 2][..]), ("deepseek-v3", &[2]), ("qwen3-next", &[1])] {
         let doc = &greedy_fixtures().into_iter().find(|(n, _)| n == name).unwrap().1;
         for &tp in ranks {
-            let dir = fixture(name);
-            let config = AnyConfig::read(&dir).unwrap();
-            let prefix = config.tensor_prefix();
-            let b = Cuda::<F32, Emulated>::new(Emulated::default(), (0..tp).collect());
-            let open = move || Checkpoint::open_scoped(&dir, &prefix);
-            let m = config.load_on_with(b, tp, true, open).unwrap();
+            let m = emulated(name, tp);
             check(name, &format!("emulated cuda --tp {tp}"), doc, &run(&m, sequences(doc), WIDE));
         }
     }
@@ -209,25 +215,11 @@ fn a_continued_cache_is_a_fresh_prefill() {
 #[cfg(feature = "cuda")]
 #[test]
 fn a_continued_cache_is_a_fresh_prefill_on_the_emulated_cuda_backend() {
-    use crate::cuda_emu::{gxx_or_skip, Emulated};
-    use strata::backend::cuda::Cuda;
-    use strata::backend::F32;
-    use strata::hf::checkpoint::Checkpoint;
-    use strata::model::AnyConfig;
-    if !gxx_or_skip("a_continued_cache_is_a_fresh_prefill_on_the_emulated_cuda_backend") {
+    if !crate::cuda_emu::gxx_or_skip("a_continued_cache_is_a_fresh_prefill_on_the_emulated_cuda_backend") {
         return;
     }
     for (name, tp, recurrent) in [("llama-default", 1, false), ("qwen3-next", 1, true)] {
-        let dir = fixture(name);
-        let config = AnyConfig::read(&dir).unwrap();
-        let prefix = config.tensor_prefix();
-        let b = Cuda::<F32, Emulated>::new(Emulated::default(), (0..tp).collect());
-        let open = move || Checkpoint::open_scoped(&dir, &prefix);
-        check_continuation(
-            &format!("{name} (emulated cuda)"),
-            &config.load_on_with(b, tp, true, open).unwrap(),
-            recurrent,
-        );
+        check_continuation(&format!("{name} (emulated cuda)"), &emulated(name, tp), recurrent);
     }
 }
 
@@ -1071,24 +1063,15 @@ fn generation_memory_is_bounded_by_the_cache_flag() {
 /// error per point) and fails only past a loose bound.
 #[test]
 fn one_pass_against_two_on_the_emulated_cuda_backend() {
-    use crate::cuda_emu::{gxx_or_skip, Emulated};
-    use strata::backend::cuda::Cuda;
-    use strata::backend::F32;
+    use crate::cuda_emu::gxx_or_skip;
     use strata::generate::StepSegment;
-    use strata::hf::checkpoint::Checkpoint;
-    use strata::model::AnyConfig;
     use strata::pipeline::batch::PackedBatch;
     if !gxx_or_skip("one_pass_against_two_on_the_emulated_cuda_backend") {
         return;
     }
     for (name, tp) in [("llama-default", 1), ("qwen3-next", 1), ("deepseek-v3", 2)] {
         let doc = &greedy_fixtures().into_iter().find(|(n, _)| n == name).unwrap().1;
-        let dir = fixture(name);
-        let config = AnyConfig::read(&dir).unwrap();
-        let prefix = config.tensor_prefix();
-        let b = Cuda::<F32, Emulated>::new(Emulated::default(), (0..tp).collect());
-        let open = move || Checkpoint::open_scoped(&dir, &prefix);
-        let m = config.load_on_with(b, tp, true, open).unwrap();
+        let m = emulated(name, tp);
         let n = m.num_layers();
         let points = vec![CapturePoint::LayerInput(1), CapturePoint::LayerInput(n - 1), CapturePoint::FinalPreNorm];
         let captures = CaptureSet::<usize>::try_new(points.clone()).unwrap();

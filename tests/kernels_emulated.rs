@@ -522,6 +522,23 @@ struct Seg {
     kv_len: i32,
 }
 
+impl Seg {
+    /// The segment of query rows `rows` at position `pos0`, reading keys at `k` and values at `v`
+    /// (`ks`, `vs` elements a row apart) over its `pos0 + rows.len()` positions.
+    fn new(k: usize, v: usize, ks: usize, vs: usize, rows: &std::ops::Range<usize>, pos0: usize) -> Self {
+        Seg {
+            k: k as u64,
+            v: v as u64,
+            k_stride: ks as i32,
+            v_stride: vs as i32,
+            q_row0: rows.start as i32,
+            q_len: rows.len() as i32,
+            pos0: pos0 as i32,
+            kv_len: (pos0 + rows.len()) as i32,
+        }
+    }
+}
+
 /// Two steps through the reference and the kernel: step 1 packs a whole
 /// sample and the first chunk of another, step 2 that sample's next chunk,
 /// whose keys come from the cache.
@@ -599,16 +616,7 @@ fn attention_case(bf16_kernel: bool, shape: AttnShape, with_sinks: bool) {
                     (p(&step_k16[rows.start * nkv * dp..]), p(&step_v16[rows.start * nkv * vp..]), nkv * dp, nkv * vp)
                 }
             };
-            segs.push(Seg {
-                k: k as u64,
-                v: v as u64,
-                k_stride: ks as i32,
-                v_stride: vs as i32,
-                q_row0: rows.start as i32,
-                q_len: rows.len() as i32,
-                pos0: g.pos0 as i32,
-                kv_len: (g.pos0 + rows.len()) as i32,
-            });
+            segs.push(Seg::new(k, v, ks, vs, &rows, g.pos0));
         }
         let mut got = vec![f32::NAN; t * nh * vd];
         let (window, chunk) = shape.mask.window_and_chunk();
@@ -774,16 +782,7 @@ fn split_decode_case(bf16_kernel: bool, shape: AttnShape, with_sinks: bool, cach
                 (s, false) => (p(&ck[s - 1]), p(&cv[s - 1]), kw, vw),
                 (s, true) => (p(&ck16[s - 1]), p(&cv16[s - 1]), nkv * dp, nkv * vp),
             };
-            Seg {
-                k: k as u64,
-                v: v as u64,
-                k_stride: ks as i32,
-                v_stride: vs as i32,
-                q_row0: rows.start as i32,
-                q_len: rows.len() as i32,
-                pos0: g.pos0 as i32,
-                kv_len: (g.pos0 + rows.len()) as i32,
-            }
+            Seg::new(k, v, ks, vs, &rows, g.pos0)
         })
         .collect();
 

@@ -368,8 +368,11 @@ impl Engine {
                 );
             }
             // Enough prompts to fill the next step.
-            while decode.pending_tokens() < self.budget {
+            // (Counted once, then per prompt added: not a pass over the loop's sequences per prompt.)
+            let mut pending = decode.pending_tokens();
+            while pending < self.budget {
                 let Some((index, seq)) = self.pop_live() else { break };
+                pending += seq.prompt.len();
                 if let Err(e) = decode.add(index, seq) {
                     self.fail([index], &ApiError::from_model("admitting the prompt", &e));
                 }
